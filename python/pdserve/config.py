@@ -1,0 +1,279 @@
+"""Frozen configuration dataclasses, composed (not inherited) and validated on construction.
+
+argparse lives in ``entrypoints/``; everything below it receives these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESETS_DIR = Path(__file__).parent / "assets" / "presets"
+DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy", "safetensors")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+GQA_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def preset_names() -> list[str]:
+    if not PRESETS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in PRESETS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model_path(model_path: str) -> tuple[Path, bool]:
+    """Return (directory, is_preset). A preset name maps to a directory shipped in the package."""
+    if model_path in preset_names():
+        return PRESETS_DIR / model_path, True
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"model_path: {model_path!r} is neither a directory nor a built-in preset "
+            f"({', '.join(preset_names())})"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model_path: {path} has no config.json")
+    return path, False
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about a model; ``hf_config`` is the transformers config."""
+
+    path: str
+    hf_config: Any
+    dtype: str = "float32"
+    load_format: str = "auto"
+    is_preset: bool = False
+    context_length_override: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
+        if self.architecture not in GQA_ARCHS + MLA_ARCHS:
+            raise ValueError(
+                f"architectures: {self.architecture!r} is not supported "
+                f"(supported: {', '.join(GQA_ARCHS + MLA_ARCHS)})"
+            )
+
+    @classmethod
+    def from_path(cls, model_path: str, dtype: str = "float32", load_format: str = "auto",
+                  context_length: int | None = None) -> "ModelConfig":
+        from transformers import AutoConfig
+
+        directory, is_preset = resolve_model_path(model_path)
+        with open(directory / "config.json") as f:
+            raw = json.load(f)
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"architectures: config.json in {directory} names no architecture")
+        if archs[0] not in GQA_ARCHS + MLA_ARCHS:
+            raise ValueError(
+                f"architectures: {archs[0]!r} is not supported "
+                f"(supported: {', '.join(GQA_ARCHS + MLA_ARCHS)})"
+            )
+        hf_config = AutoConfig.from_pretrained(str(directory))
+        if is_preset and load_format == "auto":
+            load_format = "dummy"
+        return cls(str(directory), hf_config, dtype, load_format, is_preset, context_length)
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or [""]
+        return archs[0]
+
+    @property
+    def torch_dtype(self):
+        return _torch_dtype(self.dtype)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture in MLA_ARCHS
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads in the pool: 1 latent "head" for MLA."""
+        if self.is_mla:
+            return 1
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one KV-pool row per head: kv_lora_rank + qk_rope_head_dim for MLA."""
+        c = self.hf_config
+        if self.is_mla:
+            return c.kv_lora_rank + c.qk_rope_head_dim
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def context_length(self) -> int:
+        if self.context_length_override:
+            return self.context_length_override
+        return int(self.hf_config.max_position_embeddings)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token occupies over all layers (DESIGN §1)."""
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer * itemsize
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 1
+    max_total_tokens: int | None = None  # None: derived from mem_fraction of free memory
+    disable_radix_cache: bool = False
+    max_memory_bytes: int = 2 << 30  # upper bound for the KV pool when max_total_tokens is None
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise ValueError(f"page_size: must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(
+                f"max_total_tokens: must be >= page_size ({self.page_size}), got {self.max_total_tokens}"
+            )
+
+    def num_pages(self, model: ModelConfig) -> int:
+        tokens = self.max_total_tokens
+        if tokens is None:
+            tokens = max(self.page_size, self.max_memory_bytes // max(1, model.kv_bytes_per_token()))
+            tokens = min(tokens, 1 << 20)
+        return max(1, tokens // self.page_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048  # <= 0 disables chunking
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    random_seed: int = 0
+
+    def __post_init__(self):
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests: must be >= 1, got {self.max_running_requests}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of {SCHEDULE_POLICIES}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens: must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+
+    def __post_init__(self):
+        for name in ("tp_size", "dp_size", "ep_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Everything a server (or the offline Engine) is launched with; names follow SGLang's flags."""
+
+    model_path: str
+    tokenizer_path: str | None = None
+    load_format: str = "auto"
+    dtype: str = "float32"
+    context_length: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    page_size: int = 1
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+    api_key: str | None = None
+    log_level: str = "info"
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+    num_threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not (0 < self.port < 65536):
+            raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        # Building the parts validates every field they own.
+        self.cache_config()
+        self.scheduler_config()
+        self.parallel_config()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
+        # A chunk must hold at least one page, or a long prompt could never advance.
+        if 0 < self.chunked_prefill_size < self.page_size:
+            raise ValueError(f"chunked_prefill_size: must be >= page_size ({self.page_size}) or <= 0 "
+                             f"(disabled), got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens < self.page_size:
+            raise ValueError(f"max_prefill_tokens: must be >= page_size ({self.page_size}), "
+                             f"got {self.max_prefill_tokens}")
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_path(self.model_path, self.dtype, self.load_format, self.context_length)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_running_requests, self.chunked_prefill_size,
+                               self.max_prefill_tokens, self.schedule_policy, self.random_seed)
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if d.get("api_key"):
+            d["api_key"] = "***"
+        return d
+
+
+def default_num_threads() -> int:
+    return max(1, os.cpu_count() or 1)

@@ -1,0 +1,83 @@
+"""Owns the model, the KV pool and the attention backend; turns a scheduled batch into logits.
+
+Legend: T tokens, B requests, L longest KV length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import CacheConfig, ModelConfig
+from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.layers.attention.registry import create_backend
+from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
+from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """What the scheduler decided to run this step (plain Python, filled by the scheduler)."""
+
+    mode: ForwardMode
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    out_cache_loc: list[int]  # [T]
+    prefix_lens: list[int]  # [B]
+    extend_lens: list[int]  # [B]
+    rows: list[int]  # [B] rows of the req->token table
+
+
+def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
+                   device: str | torch.device = "cpu") -> KVPool:
+    num_pages = cache.num_pages(model)
+    c = model.hf_config
+    if model.is_mla:
+        return MLAKVPool(num_pages, cache.page_size, model.num_layers, c.kv_lora_rank,
+                         c.qk_rope_head_dim, model.torch_dtype, device)
+    heads = model.num_kv_heads
+    # Replicate KV heads when there are fewer heads than TP ranks.
+    local = max(1, heads // parallel.tp_size)
+    return GQAKVPool(num_pages, cache.page_size, model.num_layers, local, model.head_dim,
+                     model.torch_dtype, device)
+
+
+class ModelRunner:
+    """Runs forward passes; knows nothing about requests beyond the ScheduledBatch."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 parallel: ParallelState = SINGLE, attention_backend: str = "torch_native",
+                 seed: int = 0, device: str = "cpu"):
+        from pdserve.models.loader import load_model
+
+        self.model_config = model_config
+        self.parallel = parallel
+        self.device = torch.device(device)
+        self.model = load_model(model_config, parallel, seed=seed)
+        self.pool = create_kv_pool(model_config, cache_config, parallel, device)
+        self.backend = create_backend(attention_backend)
+        self.layer_hook: LayerHook | None = None
+        logger.info("KV pool: %d pages x %d tokens (%s)", self.pool.num_pages, self.pool.page_size,
+                    type(self.pool).__name__)
+
+    def build_forward_batch(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> ForwardBatch:
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        prefix, ext = t(batch.prefix_lens), t(batch.extend_lens)
+        seq = prefix + ext
+        max_len = int(seq.max())
+        kv_slots = req_to_token[t(batch.rows), :max_len]  # [B, L]
+        return ForwardBatch(batch.mode, t(batch.input_ids), t(batch.positions), t(batch.out_cache_loc),
+                            prefix, ext, seq, kv_slots, self.pool, self.backend, self.layer_hook)
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:
+        """Returns the logits of each request's last scheduled token [B, V] (float32)."""
+        fb = self.build_forward_batch(batch, req_to_token)
+        hidden = self.model(fb)  # [T, hidden]
+        if fb.batch_size != fb.num_tokens:
+            hidden = hidden[fb.last_token_index()]  # [B, hidden]
+        return self.model.compute_logits(hidden)  # [B, V]

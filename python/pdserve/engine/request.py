@@ -1,0 +1,162 @@
+"""Sampling parameters and the request state machine."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """SGLang-named sampling fields. ``validate`` raises ValueError naming the bad field."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    n: int = 1
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingParams":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"sampling_params.{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        if d.get("stop") is None:
+            d.pop("stop", None)
+        if d.get("stop_token_ids") is None:
+            d.pop("stop_token_ids", None)
+        if d.get("max_new_tokens") is None:
+            d.pop("max_new_tokens", None)
+        return cls(**d)
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        def bad(name, why):
+            raise ValueError(f"sampling_params.{name}: {why}, got {getattr(self, name)!r}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be an integer >= 0")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of token ids >= 0")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"ids must be < vocab size {vocab_size}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if self.n != 1:
+            bad("n", "only n=1 is supported")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued for prefill (new, or retracted and re-queued)
+    WAITING_FOR_KV = "waiting_for_kv"  # disaggregated decode: pages reserved, KV in flight
+    PREFILLING = "prefilling"  # admitted; some chunks of its prefill still to run
+    RUNNING = "running"  # in the decode set
+    FINISHED = "finished"
+
+
+def finish_stop(matched: Any) -> dict:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_length(length: int) -> dict:
+    return {"type": "length", "length": length}
+
+
+def finish_abort(message: str) -> dict:
+    return {"type": "abort", "message": message}
+
+
+class Req:
+    """One generation request and the KV memory it holds.
+
+    Memory invariants (checked by ``check``):
+    - ``pages[:num_cached_pages]`` belong to the radix cache and are locked via
+      ``cache_node``; the rest belong to this request and are freed or handed to
+      the cache exactly once, in ``Scheduler._release``.
+    - ``0 <= cached_len <= kv_len <= len(fill_ids)``; tokens ``[0, kv_len)`` have
+      KV in the pool; ``len(pages) * page_size >= kv_len``.
+    - RUNNING: ``kv_len == len(fill_ids) - 1`` (the last token is fed next step).
+    """
+
+    def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams,
+                 return_logprob: bool = False, arrival: int = 0):
+        if not input_ids:
+            raise ValueError("input_ids: the prompt is empty")
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling = sampling
+        self.return_logprob = return_logprob
+        self.arrival = arrival
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.state = ReqState.WAITING
+        self.finish_reason: dict | None = None
+        # memory
+        self.pages: list[int] = []
+        self.num_cached_pages = 0
+        self.cache_node = None
+        self.row: int | None = None
+        self.kv_len = 0
+        self.cached_len = 0  # prefix tokens served from the radix cache at admission
+        self.cached_tokens_reported = 0  # first admission's hit, reported in meta_info
+        self.num_retractions = 0
+        self.generator = None  # torch.Generator for seeded sampling, created by the scheduler
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+    def check(self, page_size: int) -> None:
+        assert 0 <= self.cached_len <= self.kv_len <= len(self.fill_ids), (self.rid, self.cached_len, self.kv_len)
+        assert len(self.pages) * page_size >= self.kv_len, (self.rid, len(self.pages), self.kv_len)
+        assert self.num_cached_pages <= len(self.pages)
+        if self.state is ReqState.RUNNING:
+            assert self.kv_len == len(self.fill_ids) - 1, (self.rid, self.kv_len, len(self.fill_ids))
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid}, {self.state.value}, prompt={self.prompt_len}, out={len(self.output_ids)}, kv={self.kv_len})"

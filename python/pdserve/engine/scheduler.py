@@ -1,0 +1,350 @@
+"""The scheduler loop: admission, chunked prefill, continuous decode batching, retraction.
+
+One ``step()`` runs at most one forward pass: an extend batch when any request
+can be admitted (or a chunked prefill is in progress), otherwise a decode step
+over every running request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.engine import policy
+from pdserve.engine.io_struct import TokenOutput
+from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
+from pdserve.engine.request import (Req, ReqState, SamplingParams, finish_abort, finish_length,
+                                    finish_stop)
+from pdserve.engine.sampler import Sampler
+from pdserve.layers.forward_batch import ForwardMode
+from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.page_table import ReqToTokenTable
+from pdserve.mem.radix_cache import RadixCache
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Owns every request's lifecycle and memory.
+
+    Callers (the offline Engine or the scheduler process) call ``add_request``,
+    ``abort``, then ``step()`` repeatedly; ``step`` returns the tokens produced.
+    Pages move allocator -> request -> radix cache -> allocator; ``_release`` is
+    the only place a request gives pages back.
+    """
+
+    def __init__(self, args: ServerArgs, tokenizer=None, parallel: ParallelState = SINGLE,
+                 runner: ModelRunner | None = None):
+        self.args = args
+        self.model_config = args.model_config()
+        self.cache_config = args.cache_config()
+        self.config = args.scheduler_config()
+        self.tokenizer = tokenizer
+        self.page_size = self.cache_config.page_size
+        self.runner = runner or ModelRunner(self.model_config, self.cache_config, parallel,
+                                            seed=args.random_seed)
+        pool = self.runner.pool
+        self.allocator = PageAllocator(pool.num_pages)
+        self.cache = RadixCache(self.allocator, self.page_size, disable=args.disable_radix_cache)
+        self.context_len = self.model_config.context_length
+        self.table = ReqToTokenTable(self.config.max_running_requests, self.context_len, self.page_size)
+        self.sampler = Sampler(args.random_seed)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the request whose prefill is split over steps
+        self.reqs: dict[str, Req] = {}
+        self._pending: list[TokenOutput] = []
+        self._arrivals = itertools.count()
+        self.num_retractions = 0
+        self.forward_steps = 0
+
+    # ---------------------------------------------------------------- intake
+    def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError naming the field if this request can never be served."""
+        vocab = self.model_config.vocab_size
+        if not input_ids:
+            raise ValueError("input_ids: the prompt is empty")
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in input_ids):
+            raise ValueError(f"input_ids: token ids must be integers in [0, {vocab})")
+        sampling.validate(vocab)
+        if len(input_ids) + sampling.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"input_ids: prompt ({len(input_ids)} tokens) + max_new_tokens "
+                f"({sampling.max_new_tokens}) exceeds the context length ({self.context_len})")
+        capacity = self.allocator.num_pages * self.page_size
+        if len(input_ids) + 1 > capacity:
+            raise ValueError(f"input_ids: prompt ({len(input_ids)} tokens) does not fit the KV cache "
+                             f"({capacity} tokens)")
+
+    def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
+                    return_logprob: bool = False) -> Req:
+        if rid in self.reqs:
+            raise ValueError(f"rid: {rid!r} is already in use")
+        self.validate(input_ids, sampling)
+        req = Req(rid, input_ids, sampling, return_logprob, next(self._arrivals))
+        if sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(sampling.seed)
+        self.reqs[rid] = req
+        if sampling.max_new_tokens == 0:
+            self._finish(req, finish_length(0))
+        else:
+            self.waiting.append(req)
+        return req
+
+    def abort(self, rid: str, message: str = "aborted by client") -> bool:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, finish_abort(message))
+        return True
+
+    # ------------------------------------------------------------------ step
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._pending)
+
+    def step(self) -> list[TokenOutput]:
+        batch = self._schedule_extend()
+        if batch is not None:
+            self._run_extend(*batch)
+        elif self.running:
+            self._run_decode()
+        out, self._pending = self._pending, []
+        return out
+
+    # ------------------------------------------------------------- admission
+    def _match_len(self, req: Req) -> int:
+        return self.cache.match_prefix(req.fill_ids[:-1]).num_tokens
+
+    def _admit(self, req: Req, admitted_now: int) -> bool:
+        """Give a waiting request a table row and its cached prefix (locked)."""
+        if len(self.running) + admitted_now >= self.config.max_running_requests:
+            return False
+        row = self.table.alloc_row()
+        if row is None:
+            return False
+        # Never match the whole prompt: the last token must run to produce logits.
+        match = self.cache.match_prefix(req.fill_ids[:-1])
+        self.cache.lock(match.node)
+        req.row, req.cache_node = row, match.node
+        req.pages, req.num_cached_pages = list(match.pages), len(match.pages)
+        req.kv_len = req.cached_len = match.num_tokens
+        if req.num_retractions == 0:
+            req.cached_tokens_reported = match.num_tokens
+        if match.pages:
+            self.table.write(row, 0, self.table.slots_for(req.pages, 0, req.kv_len))
+        return True
+
+    def _unadmit(self, req: Req) -> None:
+        self.cache.unlock(req.cache_node)
+        self.table.free_row(req.row)
+        req.row, req.cache_node, req.pages, req.num_cached_pages = None, None, [], 0
+        req.kv_len = req.cached_len = 0
+
+    def _reserve_pages(self, n: int, headroom: int = 0) -> list[int] | None:
+        """n pages from the allocator, evicting unlocked cache pages if needed."""
+        short = n + headroom - self.allocator.num_free
+        if short > 0:
+            if short > self.cache.num_evictable_pages:
+                return None
+            self.cache.evict(short)
+        return self.allocator.alloc(n)
+
+    def _schedule_extend(self):
+        budget = self.config.chunked_prefill_size
+        budget = min(budget if budget > 0 else self.config.max_prefill_tokens, self.config.max_prefill_tokens)
+        candidates = [self.chunked] if self.chunked else []
+        candidates += policy.order_waiting(self.waiting, self.config.schedule_policy, self._match_len)
+        reqs, lens = [], []
+        self.chunked = None
+        for req in candidates:
+            fresh = req.state is ReqState.WAITING
+            if fresh and not self._admit(req, len(reqs)):
+                break
+            remaining = len(req.fill_ids) - req.kv_len
+            n = policy.chunk_len(remaining, budget, req.kv_len, self.page_size)
+            need = policy.pages_needed(req.kv_len + n, len(req.pages), self.page_size)
+            pages = self._reserve_pages(need, headroom=len(self.running)) if n else None
+            if pages is None:
+                if fresh:
+                    self._unadmit(req)
+                else:  # an in-flight chunk always continues later
+                    self.chunked = req
+                break
+            if fresh:
+                self.waiting.remove(req)
+                req.state = ReqState.PREFILLING
+            req.pages.extend(pages)
+            self.table.write(req.row, req.kv_len, self.table.slots_for(req.pages, req.kv_len, req.kv_len + n))
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+            if n < remaining:
+                self.chunked = req
+                break
+            if budget <= 0:
+                break
+        return (reqs, lens) if reqs else None
+
+    # ------------------------------------------------------------------ runs
+    def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
+        ids, pos, loc = [], [], []
+        for req, n in zip(reqs, lens):
+            ids += req.fill_ids[req.kv_len:req.kv_len + n]
+            pos += range(req.kv_len, req.kv_len + n)
+            loc += self.table.slots_for(req.pages, req.kv_len, req.kv_len + n)
+        batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], lens,
+                               [r.row for r in reqs])
+        logits = self.runner.forward(batch, self.table.table)
+        self.forward_steps += 1
+        done = []
+        for i, (req, n) in enumerate(zip(reqs, lens)):
+            req.kv_len += n
+            if req.kv_len == len(req.fill_ids):
+                done.append(i)
+        if done:
+            finished_prefill = [reqs[i] for i in done]
+            for req in finished_prefill:
+                req.state = ReqState.RUNNING
+                self.running.append(req)
+            self._sample_and_append(finished_prefill, logits[torch.tensor(done)])
+
+    def _run_decode(self) -> None:
+        self._ensure_decode_pages()
+        reqs = list(self.running)
+        if not reqs:
+            return
+        pos = [r.kv_len for r in reqs]
+        loc = [r.pages[p // self.page_size] * self.page_size + p % self.page_size for r, p in zip(reqs, pos)]
+        rows = [r.row for r in reqs]
+        self.table.write_one_each(rows, pos, loc)
+        batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
+                               [1] * len(reqs), rows)
+        logits = self.runner.forward(batch, self.table.table)
+        self.forward_steps += 1
+        for r in reqs:
+            r.kv_len += 1
+        self._sample_and_append(reqs, logits)
+
+    def _ensure_decode_pages(self) -> None:
+        """Every running request needs a slot for its next token; retract until they all fit."""
+        while True:
+            needy = [r for r in self.running if r.kv_len == len(r.pages) * self.page_size]
+            pages = self._reserve_pages(len(needy))
+            if pages is not None:
+                for r, p in zip(needy, pages):
+                    r.pages.append(p)
+                return
+            if len(self.running) == 1:
+                self._finish(self.running[0], finish_abort("KV cache exhausted: the request does not fit "
+                                                           "in the pool even alone"))
+                return
+            self._retract(policy.pick_retraction(self.running))
+
+    def _retract(self, req: Req) -> None:
+        """Give a running request's pages back and re-queue it; its output so far is kept
+        and its KV recomputed (or re-matched from the cache) on re-admission."""
+        logger.info("retracting %s to free KV pages", req.rid)
+        self.running.remove(req)
+        self._release(req)
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, req)
+
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        want_lp = any(r.return_logprob for r in reqs)
+        res = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+                           [r.output_ids for r in reqs], want_lp)
+        for i, (req, tok) in enumerate(zip(reqs, res.tokens)):
+            req.output_ids.append(tok)
+            lp = None
+            if req.return_logprob:
+                lp = [res.logprobs[i]]
+                req.output_logprobs.append(res.logprobs[i])
+            reason = self._check_finish(req, tok)
+            if reason is not None:
+                self._finish(req, reason, emit=False)
+            self._pending.append(self._output(req, [tok], lp))
+
+    def _check_finish(self, req: Req, tok: int) -> dict | None:
+        sp = req.sampling
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
+            return finish_stop(tok)
+        if sp.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            for s in sp.stop:
+                if s in text:
+                    return finish_stop(s)
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return finish_length(sp.max_new_tokens)
+        return None
+
+    # --------------------------------------------------------------- release
+    def _finish(self, req: Req, reason: dict, emit: bool = True) -> None:
+        if req.state in (ReqState.RUNNING, ReqState.PREFILLING):
+            if req in self.running:
+                self.running.remove(req)
+            if self.chunked is req:
+                self.chunked = None
+            self._release(req)
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+        self.reqs.pop(req.rid, None)
+        if emit:
+            self._pending.append(self._output(req, [], None))
+
+    def _release(self, req: Req) -> None:
+        """Hand computed full pages to the radix cache (which frees duplicates) and free the rest."""
+        full = req.kv_len // self.page_size
+        self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full])
+        self.allocator.free(req.pages[full:])
+        self.cache.unlock(req.cache_node)
+        self.table.free_row(req.row)
+        req.pages, req.num_cached_pages, req.cache_node, req.row = [], 0, None, None
+        req.kv_len = req.cached_len = 0
+
+    def _output(self, req: Req, new_ids: list[int], logprobs) -> TokenOutput:
+        return TokenOutput(req.rid, new_ids, logprobs, req.finished, req.finish_reason, req.prompt_len,
+                           len(req.output_ids), req.cached_tokens_reported)
+
+    # ----------------------------------------------------------- inspection
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        return self.cache.reset()
+
+    def pages_held_by_requests(self) -> int:
+        reqs = self.running + ([self.chunked] if self.chunked else [])
+        return sum(len(r.pages) - r.num_cached_pages for r in reqs)
+
+    def check_memory(self) -> None:
+        """free + cached + request-owned pages == total; raises on a leak or double count."""
+        total = self.allocator.num_free + self.cache.num_cached_pages + self.pages_held_by_requests()
+        if total != self.allocator.num_pages:
+            raise RuntimeError(f"page accounting broken: free {self.allocator.num_free} + cached "
+                               f"{self.cache.num_cached_pages} + held {self.pages_held_by_requests()} "
+                               f"!= total {self.allocator.num_pages}")
+
+    def stats(self) -> dict:
+        total = self.allocator.num_pages
+        free = self.allocator.num_free
+        return {
+            "num_running_reqs": len(self.running) + (self.chunked is not None),
+            "num_waiting_reqs": len(self.waiting),
+            "total_pages": total,
+            "free_pages": free,
+            "cached_pages": self.cache.num_cached_pages,
+            "page_size": self.page_size,
+            "token_usage": (total - free - self.cache.num_evictable_pages) / total,
+            "num_retractions": self.num_retractions,
+            "forward_steps": self.forward_steps,
+        }

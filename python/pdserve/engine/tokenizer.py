@@ -1,0 +1,99 @@
+"""Tokenizer loading and detokenization (full and incremental)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and any((p / f).is_file() for f in TOKENIZER_FILES[:3])
+
+
+def load_tokenizer(path: str | Path):
+    """A transformers fast tokenizer from a local directory, or None if it holds none
+    (the engine then serves input_ids only, like SGLang's skip_tokenizer_init)."""
+    if not has_tokenizer(path):
+        logger.info("no tokenizer files in %s: serving input_ids only", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None, skip_special_tokens: bool = True) -> str:
+    """Final text: a matched stop token is dropped, a matched stop string and what follows are cut."""
+    if tokenizer is None:
+        return ""
+    ids = output_ids
+    matched = (finish_reason or {}).get("matched")
+    if finish_reason and finish_reason.get("type") == "stop" and isinstance(matched, int) and ids and ids[-1] == matched:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if isinstance(matched, str):
+        cut = text.find(matched)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+class IncrementalDetokenizer:
+    """Streams text as tokens arrive without re-emitting or splitting multi-byte characters.
+
+    Decodes a short window (from ``prefix_offset``) and emits only what extends the
+    previously emitted text; a trailing U+FFFD means an incomplete UTF-8 sequence,
+    so it waits for more tokens.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.stop = stop or []
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.emitted = ""  # full text emitted so far
+        self._text = ""  # decoded text of complete characters so far
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, new_ids: list[int]) -> str:
+        """Feed new tokens; return the new text that is safe to show now."""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._text += full[len(prefix):]
+        text = self._text
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        safe = len(text) - self._stop_holdback(text)
+        delta = text[len(self.emitted):safe]
+        self.emitted += delta
+        return delta
+
+    def _stop_holdback(self, text: str) -> int:
+        """Chars at the end of ``text`` that could be the start of a stop string."""
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return hold
+
+    def finish(self, finish_reason: dict | None) -> str:
+        """Flush at the end: the rest of the text up to (not including) a matched stop string."""
+        final = output_text(self.tokenizer, self.ids, finish_reason, self.skip)
+        delta = final[len(self.emitted):] if final.startswith(self.emitted) else ""
+        self.emitted += delta
+        return delta

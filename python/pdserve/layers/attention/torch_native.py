@@ -1,0 +1,103 @@
+"""Reference paged attention in plain torch (CPU and GPU), batched with padding + masks.
+
+Legend: T tokens, B requests, Q longest new-token run, L longest KV length,
+Hq query heads, Hkv kv heads, D head dim, Dn/R/Dv MLA nope/rope/value dims, C kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.layers.attention.base import AttentionBackend
+from pdserve.layers.forward_batch import ForwardBatch
+
+
+def _metadata(fb: ForwardBatch) -> dict:
+    """Padding maps between the T flat tokens and a [B, Q] grid, plus the causal mask."""
+    md = fb.attn_metadata
+    if "mask" in md:
+        return md
+    ext, pre, seq = fb.extend_lens, fb.prefix_lens, fb.seq_lens
+    B, L = fb.kv_slots.shape
+    Q = int(ext.max()) if B else 0
+    qi = torch.arange(Q)  # [Q]
+    starts = torch.cumsum(ext, 0) - ext  # [B]
+    valid = qi[None, :] < ext[:, None]  # [B, Q]
+    md["q_index"] = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0))  # [B, Q]
+    md["q_valid"] = valid
+    kj = torch.arange(L)  # [L]
+    # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
+    mask = (kj[None, None, :] <= (pre[:, None, None] + qi[None, :, None])) & (kj[None, None, :] < seq[:, None, None])
+    md["mask"] = mask[:, None]  # [B, 1, Q, L]
+    md["single"] = B == 1
+    return md
+
+
+def _pad_q(x: torch.Tensor, md: dict) -> torch.Tensor:
+    """[T, H, X] -> [B, H, Q, X]."""
+    if md["single"]:
+        return x.unsqueeze(0).transpose(1, 2)
+    return x[md["q_index"]].transpose(1, 2)
+
+
+def _unpad(o: torch.Tensor, md: dict) -> torch.Tensor:
+    """[B, H, Q, X] -> [T, H, X]."""
+    o = o.transpose(1, 2)  # [B, Q, H, X]
+    if md["single"]:
+        return o[0]
+    return o[md["q_valid"]]
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    def forward_gqa(self, q, k, v, layer_id, scale, fb):
+        pool = fb.kv_pool
+        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        fb.kv_written(layer_id)
+        md = _metadata(fb)
+        k_all, v_all = pool.get_kv(layer_id, fb.kv_slots)  # [B, L, Hkv, D]
+        qp = _pad_q(q, md)  # [B, Hq, Q, D]
+        o = F.scaled_dot_product_attention(
+            qp, k_all.transpose(1, 2).to(q.dtype), v_all.transpose(1, 2).to(q.dtype),
+            attn_mask=md["mask"], scale=scale, enable_gqa=qp.shape[1] != k_all.shape[2])
+        return _unpad(o, md)  # [T, Hq, D]
+
+    def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
+        pool = fb.kv_pool
+        pool.set_latent(layer_id, fb.out_cache_loc, torch.cat([latent, k_pe], dim=-1))
+        fb.kv_written(layer_id)
+        md = _metadata(fb)
+        cache = pool.get_latent(layer_id, fb.kv_slots).to(q_nope.dtype)  # [B, L, C+R]
+        C = latent.shape[-1]
+        if absorbed is None:
+            absorbed = fb.is_decode
+        if absorbed:
+            o = self._mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md)
+        else:
+            o = self._mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md)
+        return _unpad(o, md)  # [T, H, Dv]
+
+    @staticmethod
+    def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md):
+        # W_UK folds into the query, so attention runs in the C-wide latent space
+        # against one shared "head": cheap per token, ideal for decode.
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
+        qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md)  # [B, H, Q, C+R]
+        kv = cache.unsqueeze(1)  # [B, 1, L, C+R]
+        o_lat = F.scaled_dot_product_attention(qp, kv, kv[..., :C], attn_mask=md["mask"],
+                                               scale=scale, enable_gqa=True)  # [B, H, Q, C]
+        return torch.einsum("bhqc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
+
+    @staticmethod
+    def _mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md):
+        # Up-project the latent into per-head K and V: more FLOPs per key, fewer
+        # per query, which suits long extends.
+        H = q_nope.shape[1]
+        c, kpe = cache[..., :C], cache[..., C:]  # [B, L, C], [B, L, R]
+        k_nope = torch.einsum("blc,hdc->bhld", c, w_kc)  # [B, H, L, Dn]
+        v = torch.einsum("blc,hcv->bhlv", c, w_vc)  # [B, H, L, Dv]
+        k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, H, -1, -1)], dim=-1)  # [B, H, L, Dn+R]
+        qp = _pad_q(torch.cat([q_nope, q_pe], dim=-1), md)  # [B, H, Q, Dn+R]
+        return F.scaled_dot_product_attention(qp, k, v, attn_mask=md["mask"], scale=scale)

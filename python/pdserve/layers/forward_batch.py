@@ -1,0 +1,72 @@
+"""The per-step description every layer reads: which tokens, where their KV goes.
+
+Legend: T tokens in this step, B requests, L longest KV length in the batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly on top of a cached prefix, possibly one chunk
+    DECODE = "decode"  # exactly one new token per request
+
+
+# Called as hook(layer_id, forward_batch) right after layer ``layer_id`` has written
+# this step's KV into the pool; disaggregation streams KV from here (DESIGN §5).
+LayerHook = Callable[[int, "ForwardBatch"], None]
+
+
+@dataclass
+class ForwardBatch:
+    """Filled by the model runner from a scheduled batch; read-only for layers.
+
+    Invariants: ``extend_lens.sum() == T``; ``seq_lens == prefix_lens + extend_lens``;
+    ``kv_slots[b, :seq_lens[b]]`` are the pool slots of request b's tokens in
+    position order, and the last ``extend_lens[b]`` of them equal that request's
+    part of ``out_cache_loc``.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 pool slot (page * page_size + offset) of each new token
+    prefix_lens: torch.Tensor  # [B] int64 tokens already in the pool before this step
+    extend_lens: torch.Tensor  # [B] int64 new tokens this step (1 each for DECODE)
+    seq_lens: torch.Tensor  # [B] int64 prefix + new
+    kv_slots: torch.Tensor  # [B, L] int64 slots of all tokens, padded with 0
+    kv_pool: object  # mem.kv_pool.KVPool
+    attn_backend: object  # layers.attention.base.AttentionBackend
+    layer_hook: Optional[LayerHook] = None
+    # Filled lazily by the attention backend (masks etc.), keyed by its own names.
+    attn_metadata: dict = None
+
+    def __post_init__(self):
+        if self.attn_metadata is None:
+            self.attn_metadata = {}
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    def last_token_index(self) -> torch.Tensor:
+        """[B] index into the T tokens of each request's last token (whose logits are sampled)."""
+        return torch.cumsum(self.extend_lens, 0) - 1
+
+    def kv_written(self, layer_id: int) -> None:
+        """Attention calls this once the layer's new KV is in the pool."""
+        if self.layer_hook is not None:
+            self.layer_hook(layer_id, self)

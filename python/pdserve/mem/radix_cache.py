@@ -1,0 +1,320 @@
+"""Radix prefix cache over page-aligned token blocks.
+
+Each node below the root is one full page: ``page_size`` tokens (its key) and the
+page id holding their KV. Children are keyed by their block's token tuple, so a
+path from the root spells a page-aligned token prefix. Each node also carries a
+chained block hash, ``hash_i = H(hash_{i-1}, block_i)``, stable across processes,
+which a tiered KV pool can use as a content address for the same prefix.
+
+Partial blocks are never cached: a prompt's tail shorter than a page is
+recomputed, which keeps every cached page immutable and shareable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdserve.mem.allocator import PageAllocator
+
+ROOT_HASH = 0  # hash_{-1}: what the first block chains from
+
+
+def hash_block(parent_hash: int, block: Sequence[int]) -> int:
+    """64-bit chained hash of one block: blake2b(parent hash as u64 LE || tokens as i32 LE)."""
+    try:
+        data = struct.pack(f"<Q{len(block)}i", parent_hash, *block)
+    except struct.error as e:
+        raise ValueError(f"token ids must fit in int32 ({e})") from None
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _token_list(token_ids: Sequence[int]) -> list[int]:
+    # Accept tensors/arrays too: their elements would not hash like ints.
+    return token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+
+
+class RadixNode:
+    """One cached page. ``lock_ref`` counts requests using this node or a descendant."""
+
+    __slots__ = ("key", "page", "hash", "parent", "children", "lock_ref", "last_access", "id")
+
+    def __init__(self, key: tuple[int, ...], page: int | None, hash_: int,
+                 parent: RadixNode | None, node_id: int):
+        self.key = key
+        self.page = page
+        self.hash = hash_
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        self.id = node_id
+
+    def __lt__(self, other: RadixNode) -> bool:  # heap tie-break: older node first
+        return self.id < other.id
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(page={self.page}, lock_ref={self.lock_ref}, "
+                f"last_access={self.last_access}, children={len(self.children)})")
+
+
+@dataclass
+class MatchResult:
+    """Longest cached prefix: ``pages[i]`` holds tokens ``[i*page_size, (i+1)*page_size)``.
+
+    ``node`` is the deepest matched node (the root on a miss); lock it before the
+    cache can next evict, and unlock it when the request lets go of ``pages``.
+    """
+
+    pages: list[int]
+    num_tokens: int
+    node: object
+
+
+class RadixCache:
+    """Prefix cache that owns the pages in its tree.
+
+    Ownership contract:
+
+    * Pages in the tree belong to the cache. ``match_prefix`` lends them out;
+      the borrower must ``lock(result.node)`` while using them and ``unlock``
+      afterwards, and must never free them itself.
+    * ``insert`` takes ownership of every page passed, whatever happens: pages
+      for new blocks join the tree, pages duplicating an already cached block
+      are freed to the allocator. The caller must not free any of them after.
+    * ``evict`` and ``reset`` free tree pages to the allocator; locked nodes
+      (and so their ancestors) are never evicted.
+
+    So at all times ``allocator.num_free + num_cached_pages + pages held by
+    callers == allocator.num_pages``.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self._clock = 0
+        self._next_id = 0
+        self._root = RadixNode((), None, ROOT_HASH, None, self._new_id())
+        self._page_owner: dict[int, RadixNode] = {}
+        self._leaves: set[RadixNode] = set()  # non-root nodes without children
+        self._num_locked = 0  # non-root nodes with lock_ref > 0
+
+    # ---- queries -----------------------------------------------------------------
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_owner)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return len(self._page_owner) - self._num_locked
+
+    @property
+    def root(self) -> RadixNode:
+        return self._root
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """Chained hashes of the full blocks of ``token_ids`` (the partial tail is ignored)."""
+        hashes, h = [], ROOT_HASH
+        for key in self._blocks(_token_list(token_ids)):
+            h = hash_block(h, key)
+            hashes.append(h)
+        return hashes
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached page-aligned prefix; marks the matched path as just used."""
+        node, pages = self._root, []
+        if not self.disable:
+            now = self._tick()
+            for key in self._blocks(_token_list(token_ids)):
+                child = node.children.get(key)
+                if child is None:
+                    break
+                child.last_access = now
+                pages.append(child.page)
+                node = child
+        return MatchResult(pages, len(pages) * self.page_size, node)
+
+    # ---- locking -----------------------------------------------------------------
+
+    def lock(self, node: RadixNode) -> None:
+        """``lock_ref += 1`` on ``node`` and every ancestor; locked nodes are never evicted."""
+        for n in self._path_to_root(node):
+            if n.lock_ref == 0 and n is not self._root:
+                self._num_locked += 1
+            n.lock_ref += 1
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one :meth:`lock`. Raises ``RuntimeError`` if ``node`` is not locked."""
+        path = self._path_to_root(node)
+        if any(n.lock_ref <= 0 for n in path):
+            raise RuntimeError(f"unlock of a node that is not locked: {node!r}")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0 and n is not self._root:
+                self._num_locked -= 1
+
+    # ---- mutation ----------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        """Cache ``token_ids`` (full pages only) backed by ``pages``; returns new pages cached.
+
+        Takes ownership of every page in ``pages``: a block already cached with the
+        same page is left as is, one cached with a different page frees the passed
+        page as a duplicate, new blocks become nodes. Validation happens before any
+        change, so a ``ValueError`` leaves both the tree and the pages untouched.
+        """
+        tokens, pages = _token_list(token_ids), [int(p) for p in pages]
+        if len(tokens) != len(pages) * self.page_size:
+            raise ValueError(f"insert needs full pages: {len(tokens)} tokens for {len(pages)} "
+                             f"pages of size {self.page_size}")
+        if self.disable:
+            self.allocator.free(pages)
+            return 0
+        keys = list(self._blocks(tokens))
+        path = self._walk(keys)
+        self._check_insert_pages(pages, path)
+        duplicates = [p for p, n in zip(pages, path) if p != n.page]
+        now = self._tick()
+        for n in path:
+            n.last_access = now
+        node = path[-1] if path else self._root
+        for key, page in zip(keys[len(path):], pages[len(path):]):
+            node = self._add_child(node, key, page, now)
+        if duplicates:
+            self.allocator.free(duplicates)
+        return len(pages) - len(path)
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages from unlocked leaves, least recently used first.
+
+        Evicting a leaf can turn its parent into an evictable leaf, which then
+        competes by its own ``last_access``. Returns the number of pages freed.
+        """
+        heap = [(n.last_access, n) for n in self._leaves if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            freed.append(self._remove_leaf(leaf))
+            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent))
+        if freed:
+            self.allocator.free(freed)
+        return len(freed)
+
+    def reset(self) -> bool:
+        """Flush the cache: free every tree page and empty the tree.
+
+        Refused (returns False, changes nothing) while any cached node is locked.
+        Locks on the bare root (from empty matches) survive a flush. Node handles
+        from before the flush are detached, so locking one raises.
+        """
+        if self._num_locked > 0:
+            return False
+        pages = list(self._page_owner)
+        for node in self._page_owner.values():
+            node.parent = None
+        self._root.children = {}
+        self._page_owner.clear()
+        self._leaves.clear()
+        if pages:
+            self.allocator.free(pages)
+        return True
+
+    # ---- checks ------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recompute every counter from the tree and assert it matches (tests, debugging)."""
+        owners: dict[int, RadixNode] = {}
+        leaves, locked = set(), 0
+        stack = list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            assert n.page not in owners, f"page {n.page} held by two nodes"
+            assert not self.allocator.is_free(n.page), f"cached page {n.page} is free"
+            owners[n.page] = n
+            assert n.hash == hash_block(n.parent.hash, n.key)
+            assert n.lock_ref >= sum(c.lock_ref for c in n.children.values())
+            locked += n.lock_ref > 0
+            if not n.children:
+                leaves.add(n)
+            stack.extend(n.children.values())
+        assert owners == self._page_owner
+        assert leaves == self._leaves
+        assert locked == self._num_locked
+        assert self._root.lock_ref >= sum(c.lock_ref for c in self._root.children.values())
+
+    # ---- internals ---------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _blocks(self, tokens: list[int]):
+        s = self.page_size
+        for start in range(0, len(tokens) - s + 1, s):
+            yield tuple(tokens[start:start + s])
+
+    def _walk(self, keys: list[tuple[int, ...]]) -> list[RadixNode]:
+        """Nodes matching the leading ``keys``, stopping at the first miss."""
+        node, path = self._root, []
+        for key in keys:
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def _check_insert_pages(self, pages: list[int], path: list[RadixNode]) -> None:
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"insert got the same page twice: {pages}")
+        for i, p in enumerate(pages):
+            if self.allocator.is_free(p):
+                raise ValueError(f"page {p} (block {i}) is free in the allocator; "
+                                 f"insert only pages you hold")
+            same = i < len(path) and path[i].page == p
+            if not same and p in self._page_owner:
+                raise ValueError(f"page {p} (block {i}) is already owned by the cache "
+                                 f"for a different block")
+
+    def _add_child(self, parent: RadixNode, key: tuple[int, ...], page: int, now: int) -> RadixNode:
+        child = RadixNode(key, page, hash_block(parent.hash, key), parent, self._new_id())
+        child.last_access = now
+        parent.children[key] = child
+        self._leaves.discard(parent)
+        self._leaves.add(child)
+        self._page_owner[page] = child
+        return child
+
+    def _remove_leaf(self, leaf: RadixNode) -> int:
+        parent = leaf.parent
+        del parent.children[leaf.key]
+        self._leaves.discard(leaf)
+        if parent is not self._root and not parent.children:
+            self._leaves.add(parent)
+        del self._page_owner[leaf.page]
+        leaf.parent = None
+        return leaf.page
+
+    def _path_to_root(self, node: RadixNode) -> list[RadixNode]:
+        """``node`` and its ancestors, root included; raises if ``node`` was evicted."""
+        path = []
+        n = node
+        while n is not None:
+            path.append(n)
+            n = n.parent
+        if path[-1] is not self._root:
+            raise RuntimeError(f"node is no longer in the cache (evicted or flushed): {node!r}")
+        return path
