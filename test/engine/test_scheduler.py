@@ -1,0 +1,177 @@
+"""Scheduler behaviour through the offline Engine: retraction, limits, stop conditions, bad input."""
+
+import json
+
+import pytest
+import torch
+
+import pdserve
+from fixtures.tiny_models import make_hf_model_and_dir
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_hf_model_and_dir("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))[1]
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    return make_hf_model_and_dir("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("dsv3"))[1]
+
+
+def _prompts(n, length=12, seed=0, vocab=400):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length + i,), generator=g).tolist() for i in range(n)]
+
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+
+
+def _assert_no_leak(engine):
+    s = engine.scheduler
+    s.check_memory()
+    assert not s.has_work()
+    assert s.allocator.num_free + s.cache.num_cached_pages == s.allocator.num_pages
+
+
+@pytest.mark.parametrize("model", ["llama_dir", "deepseek_dir"])
+@pytest.mark.parametrize("radix", [True, False])
+def test_retraction_under_tiny_page_budget_keeps_greedy_output(request, model, radix):
+    path = request.getfixturevalue(model)
+    prompts = _prompts(8)
+    ref = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompts, sampling_params=GREEDY)
+    # 8 requests x (12..19 prompt + 24 output) tokens need ~300 slots; give 96.
+    tight = pdserve.Engine(model_path=path, page_size=4, max_total_tokens=96,
+                           disable_radix_cache=not radix)
+    out = tight.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert tight.scheduler.num_retractions > 0
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    _assert_no_leak(tight)
+
+
+def test_max_running_requests_is_respected(llama_dir):
+    engine = pdserve.Engine(model_path=llama_dir, max_running_requests=2)
+    seen = []
+    sched = engine.scheduler
+    for i, p in enumerate(_prompts(5)):
+        sched.add_request(f"r{i}", p, pdserve_sp(GREEDY))
+    while sched.has_work():
+        sched.step()
+        seen.append(len(sched.running) + (sched.chunked is not None))
+    assert max(seen) == 2
+    _assert_no_leak(engine)
+
+
+def pdserve_sp(d):
+    from pdserve.engine.request import SamplingParams
+
+    return SamplingParams.from_dict(d).validate()
+
+
+def test_max_new_tokens_and_stop_token_ids(llama_dir):
+    engine = pdserve.Engine(model_path=llama_dir)
+    prompt = _prompts(1)[0]
+    base = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert base["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+    short = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 5})
+    assert short["output_ids"] == base["output_ids"][:5]
+    stop_tok = base["output_ids"][6]
+    first = base["output_ids"].index(stop_tok)
+    out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop_token_ids": [stop_tok]})
+    assert out["output_ids"] == base["output_ids"][:first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    _assert_no_leak(engine)
+
+
+def test_stop_strings_cut_the_text(llama_dir):
+    engine = pdserve.Engine(model_path=llama_dir)
+    assert engine.tokenizer is not None, "fixture should ship the preset tokenizer"
+    prompt = "The quick brown fox"
+    base = engine.generate(prompt=prompt, sampling_params=GREEDY)
+    text = base["text"]
+    assert len(text) > 8
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    out = engine.generate(prompt=prompt, sampling_params={**GREEDY, "stop": stop})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[:text.find(stop)]
+    assert len(out["output_ids"]) < len(base["output_ids"])
+    _assert_no_leak(engine)
+
+
+def test_seeded_sampling_is_reproducible(llama_dir):
+    engine = pdserve.Engine(model_path=llama_dir)
+    p = _prompts(1)[0]
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 1234}
+    a = engine.generate(input_ids=p, sampling_params=sp)
+    # Batched with other requests, the seeded one still draws the same tokens.
+    b = engine.generate(input_ids=[_prompts(2, seed=9)[0], p], sampling_params=[{"max_new_tokens": 16,
+                        "temperature": 1.0}, sp])[1]
+    assert a["output_ids"] == b["output_ids"]
+    c = engine.generate(input_ids=p, sampling_params={**sp, "seed": 99})
+    assert c["output_ids"] != a["output_ids"]
+
+
+def test_return_logprob(llama_dir):
+    engine = pdserve.Engine(model_path=llama_dir)
+    out = engine.generate(input_ids=_prompts(1)[0], sampling_params=GREEDY, return_logprob=True)
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in lps)
+
+
+def test_lpm_policy_gives_same_tokens(llama_dir):
+    prompts = _prompts(6)
+    a = pdserve.Engine(model_path=llama_dir, schedule_policy="lpm", page_size=2,
+                       max_running_requests=2).generate(input_ids=prompts, sampling_params=GREEDY)
+    b = pdserve.Engine(model_path=llama_dir).generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(input_ids=[]), "input_ids"),
+    (dict(prompt=""), "input_ids"),
+    (dict(input_ids=[1] * 600), "input_ids"),  # context is 512
+    (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": 600}), "input_ids"),
+    (dict(input_ids=[1, 10 ** 6]), "input_ids"),
+    (dict(input_ids=[1, 2], sampling_params={"temperature": -1}), "sampling_params.temperature"),
+    (dict(input_ids=[1, 2], sampling_params={"top_p": 0}), "sampling_params.top_p"),
+    (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": -3}), "sampling_params.max_new_tokens"),
+    (dict(), "prompt/input_ids"),
+])
+def test_bad_input_names_the_field_and_engine_stays_usable(llama_dir, kwargs, field):
+    engine = pdserve.Engine(model_path=llama_dir)
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        engine.generate(**kwargs)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+    assert len(out["output_ids"]) == 3
+    _assert_no_leak(engine)
+
+
+def test_unknown_architecture_and_missing_weights(tmp_path, llama_dir):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads(open(f"{llama_dir}/config.json").read())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["FooForCausalLM"]}))
+    with pytest.raises(ValueError, match="architectures"):
+        pdserve.Engine(model_path=str(bad))
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="safetensors"):
+        pdserve.Engine(model_path=str(empty))
+    with pytest.raises(ValueError, match="model_path"):
+        pdserve.Engine(model_path=str(tmp_path / "nope"))
+
+
+def test_max_new_tokens_zero_and_abort(llama_dir):
+    engine = pdserve.Engine(model_path=llama_dir)
+    out = engine.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+    sched = engine.scheduler
+    sched.add_request("x", _prompts(1, length=40)[0], pdserve_sp(GREEDY))
+    sched.step()
+    sched.step()
+    assert sched.abort("x")
+    outs = sched.step()
+    assert any(o.rid == "x" and o.finished and o.finish_reason["type"] == "abort" for o in outs)
+    _assert_no_leak(engine)
