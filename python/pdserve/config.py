@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PRESETS_DIR = Path(__file__).parent / "assets" / "presets"
+from pdserve.assets import PRESET_NAMES, preset_dir
+
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -20,21 +21,15 @@ GQA_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3M
 MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
-def preset_names() -> list[str]:
-    if not PRESETS_DIR.is_dir():
-        return []
-    return sorted(p.name for p in PRESETS_DIR.iterdir() if (p / "config.json").is_file())
-
-
 def resolve_model_path(model_path: str) -> tuple[Path, bool]:
     """Return (directory, is_preset). A preset name maps to a directory shipped in the package."""
-    if model_path in preset_names():
-        return PRESETS_DIR / model_path, True
+    if model_path in PRESET_NAMES:
+        return preset_dir(model_path), True
     path = Path(model_path).expanduser()
     if not path.is_dir():
         raise ValueError(
             f"model_path: {model_path!r} is neither a directory nor a built-in preset "
-            f"({', '.join(preset_names())})"
+            f"({', '.join(PRESET_NAMES)})"
         )
     if not (path / "config.json").is_file():
         raise ValueError(f"model_path: {path} has no config.json")
@@ -134,10 +129,17 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        """EOS ids from config.json and generation_config.json (chat models list several there)."""
+        ids: list[int] = []
+        gen = Path(self.path) / "generation_config.json"
+        sources = [getattr(self.hf_config, "eos_token_id", None)]
+        if gen.is_file():
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        for eos in sources:
+            for t in eos if isinstance(eos, (list, tuple)) else [eos]:
+                if t is not None and int(t) not in ids:
+                    ids.append(int(t))
+        return tuple(ids)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token occupies over all layers (DESIGN §1)."""

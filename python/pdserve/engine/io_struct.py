@@ -17,7 +17,10 @@ class TokenizedGenerateReq:
 
 @dataclass
 class AbortReq:
+    """Abort one request (``rid``), or every request the scheduler holds (``abort_all``)."""
+
     rid: str
+    abort_all: bool = False
 
 
 @dataclass
@@ -65,3 +68,30 @@ class TokenOutput:
 @dataclass
 class BatchTokenOutput:
     outputs: list[TokenOutput] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerReady:
+    """Sent once by a scheduler process when its model and KV pool are ready to serve."""
+
+    pid: int
+    context_len: int
+    vocab_size: int
+    total_pages: int
+    page_size: int
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.total_pages * self.page_size
+
+
+@dataclass
+class SchedulerFailed:
+    """Sent by a scheduler process that is about to exit because of an error."""
+
+    message: str
+
+
+@dataclass
+class ShutdownReq:
+    """Ask a scheduler process to leave its loop and exit cleanly."""

@@ -1,0 +1,18 @@
+"""Files shipped inside the package: built-in model presets (config + tokenizer, no weights).
+
+Regenerate them with ``python tools/make_presets.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PRESETS_ROOT = Path(__file__).resolve().parent / "presets"
+PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek")
+
+
+def preset_dir(name: str) -> Path:
+    """Directory of preset ``name`` (loadable with ``from_pretrained``)."""
+    if name not in PRESET_NAMES:
+        raise ValueError(f"unknown preset {name!r}; built-in presets are {', '.join(PRESET_NAMES)}")
+    return PRESETS_ROOT / name

@@ -1,0 +1,231 @@
+"""The scheduler process: a ZMQ loop around ``Scheduler`` (DESIGN §2).
+
+Child side: ``run_scheduler_process`` (the ``spawn`` target) builds the
+scheduler, reports ``SchedulerReady`` (or ``SchedulerFailed``) and runs
+``SchedulerLoop``. Parent side: ``SchedulerProcess`` starts, watches and stops
+the child. The frontend binds both sockets; the child connects, so a restarted
+child finds the same endpoints.
+
+Loop contract (throughput depends on it):
+- while the scheduler has work, incoming messages are drained without blocking
+  and ``step()`` runs back to back;
+- every step's outputs leave as ONE ``BatchTokenOutput`` message;
+- when idle, the loop blocks on the socket with a poll timeout (never spins).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from pdserve.config import ServerArgs, default_num_threads
+from pdserve.engine.io_struct import (AbortReq, BatchTokenOutput, FlushCacheReq, FlushCacheResp,
+                                      GetStatsReq, RejectedReq, SchedulerFailed, SchedulerReady,
+                                      ShutdownReq, StatsResp, TokenizedGenerateReq)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200  # how long an idle loop sleeps on the socket before re-checking its parent
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class SchedulerEndpoints:
+    """ZMQ addresses: frontend -> scheduler requests, scheduler -> frontend outputs."""
+
+    to_scheduler: str
+    to_frontend: str
+
+    @classmethod
+    def in_dir(cls, directory: str) -> "SchedulerEndpoints":
+        return cls(f"ipc://{directory}/to_scheduler", f"ipc://{directory}/to_frontend")
+
+
+# --------------------------------------------------------------------- loop
+class SchedulerLoop:
+    """Feeds ZMQ messages to a scheduler and sends its outputs back.
+
+    ``scheduler`` needs ``add_request``, ``abort``, ``has_work``, ``step``,
+    ``flush_cache``, ``stats`` and a ``reqs`` dict (``Scheduler`` has them).
+    ``run`` returns after a ``ShutdownReq`` or once ``parent_pid`` is gone;
+    an exception from the scheduler propagates (the process then exits non-zero).
+    """
+
+    def __init__(self, scheduler, recv: zmq.Socket, send: zmq.Socket,
+                 parent_pid: int | None = None, idle_poll_ms: int = IDLE_POLL_MS):
+        self.scheduler = scheduler
+        self.recv = recv
+        self.send = send
+        self.parent_pid = parent_pid
+        self.idle_poll_ms = idle_poll_ms
+        self.stopped = False
+        self.idle_polls = 0  # blocking polls that timed out (observable in tests)
+
+    def run(self) -> None:
+        while not self.stopped:
+            self.drain(block=not self.scheduler.has_work())
+            if self.stopped:
+                break
+            if self.scheduler.has_work():
+                self.run_step()
+            elif self._parent_gone():
+                logger.warning("parent process is gone; scheduler exiting")
+                break
+
+    def run_step(self) -> None:
+        outputs = self.scheduler.step()
+        if outputs:
+            self.send.send_pyobj(BatchTokenOutput(outputs))
+
+    def drain(self, block: bool) -> None:
+        """Handle every queued message; if ``block``, first wait up to the idle poll timeout."""
+        if block and not self.recv.poll(self.idle_poll_ms):
+            self.idle_polls += 1
+            return
+        while not self.stopped:
+            try:
+                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(msg)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self._add(msg)
+        elif isinstance(msg, AbortReq):
+            self._abort(msg)
+        elif isinstance(msg, GetStatsReq):
+            self.send.send_pyobj(StatsResp(self.scheduler.stats()))
+        elif isinstance(msg, FlushCacheReq):
+            self.send.send_pyobj(FlushCacheResp(bool(self.scheduler.flush_cache())))
+        elif isinstance(msg, ShutdownReq):
+            self.stopped = True
+        else:
+            logger.error("scheduler: ignoring unknown message %r", type(msg).__name__)
+
+    def _add(self, msg: TokenizedGenerateReq) -> None:
+        try:
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob)
+        except ValueError as e:
+            self.send.send_pyobj(RejectedReq(msg.rid, str(e)))
+
+    def _abort(self, msg: AbortReq) -> None:
+        rids = list(self.scheduler.reqs) if msg.abort_all else [msg.rid]
+        for rid in rids:
+            self.scheduler.abort(rid)
+
+    def _parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+
+# -------------------------------------------------------------- child side
+def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, parent_pid: int) -> None:
+    """``spawn`` target. Exits 0 after a ShutdownReq, 1 after any error (reported first)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    _die_with_parent()
+    _configure_child_logging(args.log_level)
+    ctx = zmq.Context()
+    recv = _socket(ctx, zmq.PULL, endpoints.to_scheduler)
+    send = _socket(ctx, zmq.PUSH, endpoints.to_frontend)
+    code = 0
+    try:
+        scheduler = build_scheduler(args)
+        send.send_pyobj(ready_message(scheduler))
+        SchedulerLoop(scheduler, recv, send, parent_pid).run()
+    except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
+        logger.error("scheduler failed:\n%s", traceback.format_exc())
+        send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}"))
+        code = 1
+    finally:
+        recv.close(linger=0)
+        send.close(linger=1000)  # let a final SchedulerFailed reach the frontend
+        ctx.term()
+    os._exit(code)  # skip interpreter teardown: torch threads can make it slow
+
+
+def build_scheduler(args: ServerArgs):
+    """The scheduler this process drives; torch uses every core (the frontend uses one thread)."""
+    import torch
+
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.num_threads or default_num_threads())
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        tokenizer = load_tokenizer(args.tokenizer_path or args.model_config().path)
+    return Scheduler(args, tokenizer)
+
+
+def ready_message(scheduler) -> SchedulerReady:
+    return SchedulerReady(os.getpid(), scheduler.context_len, scheduler.model_config.vocab_size,
+                          scheduler.allocator.num_pages, scheduler.page_size)
+
+
+def _socket(ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process if the frontend dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the loop's parent check still ends the process
+
+
+def _configure_child_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="[%(asctime)s scheduler] %(levelname)s %(name)s: %(message)s")
+
+
+# ------------------------------------------------------------- parent side
+class SchedulerProcess:
+    """Parent-side handle of one scheduler process (spawned: torch and fork do not mix)."""
+
+    def __init__(self, args: ServerArgs, endpoints: SchedulerEndpoints):
+        self.args = args
+        self.endpoints = endpoints
+        self.process: mp.process.BaseProcess | None = None
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.process = ctx.Process(target=run_scheduler_process, name="pdserve-scheduler",
+                                   args=(self.args, self.endpoints, os.getpid()), daemon=True)
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode if self.process else None
+
+    def stop(self, send_shutdown=None, timeout: float = 3.0) -> None:
+        """Ask politely (``send_shutdown()``), then SIGTERM, then SIGKILL; always reaps the child."""
+        if self.process is None:
+            return
+        if self.process.is_alive() and send_shutdown is not None:
+            send_shutdown()
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(2.0)

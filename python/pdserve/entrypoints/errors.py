@@ -1,0 +1,93 @@
+"""Client-facing errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every message starts with the field it is about (``temperature: must be ...``),
+so a client can tell what to fix without reading server logs.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          503: "service_unavailable", 500: "server_error"}
+
+
+class RequestError(Exception):
+    """A request the server will not serve; ``param`` is the offending field (or None)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code or ("invalid_value" if status == 400 else None)
+
+    @classmethod
+    def from_value_error(cls, err: ValueError, rename: dict[str, str] | None = None,
+                         strip_prefix: str = "") -> "RequestError":
+        """Wrap a ``"field: why"`` ValueError, renaming the field for the API that was called."""
+        field, sep, why = str(err).partition(":")
+        if not sep:
+            return cls(str(err))
+        if strip_prefix and field.startswith(strip_prefix):
+            field = field[len(strip_prefix):]
+        field = (rename or {}).get(field, field)
+        return cls(f"{field}:{why}", param=field)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param, self.code)
+
+
+class ServerError(RequestError):
+    """The server cannot serve right now (scheduler gone, shutting down)."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message, None, status, None)
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """Validate a JSON body against ``model``; malformed JSON or a bad field -> RequestError(400)."""
+    try:
+        return model.model_validate_json(raw or b"")
+    except ValidationError as e:
+        raise _from_validation_error(e) from None
+
+
+def _from_validation_error(e: ValidationError) -> RequestError:
+    first = e.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return RequestError(f"request body: invalid JSON ({first['msg']})", param=None, code="invalid_json")
+    if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
+        return RequestError("request body: must be a JSON object", param=None)
+    field = _loc_to_field(first["loc"])
+    got = first.get("input")
+    detail = first["msg"] if first["type"] == "missing" else f"{first['msg']}, got {got!r}"
+    return RequestError(f"{field}: {detail}", param=field)
+
+
+def _loc_to_field(loc: tuple) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content' (union-member tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _is_type_tag(part):
+            break
+        else:
+            out += ("." if out else "") + part
+    return out or "request body"
+
+
+def _is_type_tag(part: str) -> bool:
+    # pydantic names union members by type ("str", "list[int]", "function-after[...]")
+    return part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part

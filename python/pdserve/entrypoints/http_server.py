@@ -1,0 +1,278 @@
+"""The HTTP server: FastAPI routes over a TokenizerManager, run by a programmatic uvicorn.
+
+``launch_server(args)`` is the whole server's life: bind the port (so a busy
+port fails before the model loads), spawn the scheduler and wait until it is
+ready, listen, serve, and on SIGINT/SIGTERM or a scheduler crash stop the
+scheduler, release the port and the socket directory. Returns the exit code:
+0 after a signal, 1 after a startup failure or a scheduler crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve import __version__
+from pdserve.config import ModelConfig, ServerArgs
+from pdserve.engine.request import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.entrypoints import native_api, openai_api
+from pdserve.entrypoints.errors import RequestError, ServerError, error_body, error_response, parse_body
+from pdserve.entrypoints.protocol import AbortRequest
+from pdserve.entrypoints.streaming import collect
+from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
+from pdserve.obs.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+GRACEFUL_SHUTDOWN_S = 2.0  # in-flight requests get this long after a signal, then are cancelled
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # reachable without the API key
+
+
+@dataclass
+class ServerContext:
+    """What the routes need; built once per server."""
+
+    args: ServerArgs
+    model_config: ModelConfig
+    tm: TokenizerManager
+    metrics: ServerMetrics
+
+    @property
+    def model_name(self) -> str:
+        return self.args.served_model_name or self.args.model_path
+
+
+# ------------------------------------------------------------------ app
+def create_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(Exception, _internal_error)
+    _add_generation_routes(app, ctx)
+    _add_info_routes(app, ctx)
+    _add_control_routes(app, ctx)
+    if ctx.args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await native_api.generate(ctx.tm, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await openai_api.completions(ctx.tm, request, ctx.model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await openai_api.chat_completions(ctx.tm, request, ctx.model_name)
+
+
+def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health():
+        if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):
+            raise ServerError(ctx.tm.fatal_error or "scheduler is not running")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        await asyncio.wait_for(_one_token(ctx.tm), HEALTH_GENERATE_TIMEOUT_S)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return openai_api.list_models(ctx.model_name, ctx.args.model_path, ctx.tm.limits.context_len)
+
+    async def server_info():
+        return await _server_info(ctx)
+
+    async def model_info():
+        return _model_info(ctx)
+
+    for path in ("/get_server_info", "/server_info"):
+        app.get(path)(server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.get(path)(model_info)
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            await ctx.tm.get_stats()  # refreshes the scheduler gauges
+        except RequestError:
+            pass  # still serve the frontend's counters
+        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+
+
+def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/flush_cache")
+    async def flush_cache():
+        if await ctx.tm.flush_cache():
+            return {"success": True, "message": "Cache flushed."}
+        raise RequestError("flush_cache: requests are still running; retry when the server is idle")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        req: AbortRequest = parse_body(AbortRequest, await request.body())
+        if req.abort_all:
+            ctx.tm.abort_all()
+        elif req.rid:
+            ctx.tm.abort(req.rid)
+        else:
+            raise RequestError("rid: give the rid to abort (or abort_all: true)", param="rid")
+        return {"success": True}
+
+
+async def _one_token(tm: TokenizerManager) -> None:
+    sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
+    await collect(tm.generate([0], sampling, stream=False, rid=f"health-{tm.new_rid()}"))
+
+
+async def _server_info(ctx: ServerContext) -> dict:
+    stats = await ctx.tm.get_stats()
+    args = ctx.args.to_dict()
+    return {**args, "args": args, **stats, "internal_states": [stats], "version": __version__,
+            "context_length": ctx.tm.limits.context_len, "max_total_num_tokens": ctx.tm.limits.max_total_tokens,
+            "scheduler_pids": [ctx.tm.scheduler.pid], "num_inflight_requests": ctx.tm.num_inflight}
+
+
+def _model_info(ctx: ServerContext) -> dict:
+    mc = ctx.model_config
+    return {"model_path": ctx.args.model_path, "tokenizer_path": ctx.args.tokenizer_path or mc.path,
+            "served_model_name": ctx.model_name, "is_generation": True, "architecture": mc.architecture,
+            "context_length": ctx.tm.limits.context_len, "vocab_size": mc.vocab_size}
+
+
+async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, asyncio.TimeoutError):
+        return JSONResponse(error_body("timed out waiting for the scheduler", 503), status_code=503)
+    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every path but health checks and metrics (plain ASGI:
+    no per-chunk overhead on streams, unlike BaseHTTPMiddleware)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(got, self.expected):
+            return await self.app(scope, receive, send)
+        err = RequestError("Authorization: missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           param="Authorization", status=401, code="invalid_api_key")
+        await error_response(err)(scope, receive, send)
+
+
+# --------------------------------------------------------------- launch
+def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S) -> int:
+    """Run a server until a signal (-> 0) or a failure (-> 1). Raises ValueError for bad args."""
+    configure_logging(args.log_level)
+    _limit_frontend_threads()
+    model_config = args.model_config()
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        logger.error("port: cannot bind %s:%d (%s)", args.host, args.port, e.strerror or e)
+        return 1
+    metrics = ServerMetrics(args.served_model_name or args.model_path)
+    tm = TokenizerManager(args, tokenizer, metrics)
+    ctx = ServerContext(args, model_config, tm, metrics)
+    return asyncio.run(_serve(ctx, sock, startup_timeout))
+
+
+async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float) -> int:
+    import uvicorn
+
+    signals = _SignalCatcher()
+    try:
+        await ctx.tm.start(startup_timeout, should_stop=lambda: signals.caught)
+    except (StartupError, StartupCancelled) as e:
+        logger.log(logging.ERROR if isinstance(e, StartupError) else logging.INFO, "%s", e)
+        await ctx.tm.close()
+        sock.close()
+        return 1 if isinstance(e, StartupError) else 0
+    config = uvicorn.Config(create_app(ctx), log_level=ctx.args.log_level, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    signals.server = server
+    exit_code = 0
+
+    def on_fatal(_message: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    ctx.tm.on_fatal = on_fatal
+    logger.info("pdserve %s serving %s on http://%s:%d", __version__, ctx.model_name, ctx.args.host, ctx.args.port)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await ctx.tm.close()
+        sock.close()
+    return exit_code
+
+
+class _SignalCatcher:
+    """SIGINT/SIGTERM handler that outlives uvicorn's: during startup it cancels the wait for the
+    scheduler; after serving, uvicorn re-raises the signal it caught, and this handler absorbs it
+    so the process exits through its normal cleanup instead of dying mid-shutdown."""
+
+    def __init__(self):
+        self.caught = False
+        self.server = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, _sig, _frame) -> None:
+        self.caught = True
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound, not yet listening TCP socket: connections are refused until the server is ready."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="[%(asctime)s frontend] %(levelname)s %(name)s: %(message)s")
+
+
+def _limit_frontend_threads() -> None:
+    """The scheduler process does the compute; the frontend must not compete for cores."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    torch.set_num_threads(1)

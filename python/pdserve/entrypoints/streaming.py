@@ -1,0 +1,90 @@
+"""Helpers shared by the HTTP APIs: SSE framing, first-chunk priming, disconnect-aware waits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pdserve.entrypoints.errors import RequestError
+
+SSE_DONE = b"data: [DONE]\n\n"
+DISCONNECT_POLL_S = 1.0
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def prime(gen: AsyncIterator):
+    """First item of ``gen``, awaited before any response byte is sent, so an
+    early rejection still becomes an HTTP error status instead of a broken stream."""
+    return await gen.__anext__()
+
+
+def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def sse_events(first, gen: AsyncIterator, render: Callable[[object], list[bytes]],
+                     tail: Callable[[], list[bytes]] = lambda: []) -> AsyncIterator[bytes]:
+    """Render ``first`` and the rest of ``gen`` as SSE, then ``tail()`` and ``[DONE]``.
+
+    An error after the response started is sent as an ``{"error": ...}`` event
+    (the status line is gone by then). If the client leaves, the cancellation
+    reaches ``gen``, whose cleanup aborts the request.
+    """
+    try:
+        for event in render(first):
+            yield event
+        async for item in gen:
+            for event in render(item):
+                yield event
+        for event in tail():
+            yield event
+    except RequestError as e:
+        yield sse(e.body())
+    finally:
+        await gen.aclose()
+    yield SSE_DONE
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float = DISCONNECT_POLL_S):
+    """Await ``awaitable``; if the client disconnects first, cancel it (which aborts its request)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise RequestError("client disconnected", status=499)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def gather_or_cancel(*awaitables: Awaitable) -> list:
+    """Like ``asyncio.gather``, but the first failure cancels the rest (their requests abort)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(gen: AsyncIterator):
+    """The single (final) item of a non-streaming generator."""
+    last = None
+    async for item in gen:
+        last = item
+    return last

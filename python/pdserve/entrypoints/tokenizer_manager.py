@@ -1,0 +1,416 @@
+"""Frontend half of a server: the request table, IPC to the scheduler process, output routing.
+
+Runs on the HTTP server's event loop (one thread). One dispatch task reads the
+scheduler's per-step ``BatchTokenOutput`` messages and appends each output to
+its request's state, then sets that request's event; the request's own
+coroutine wakes, takes everything that arrived since its last wake-up (so a
+slow client gets fewer, larger chunks instead of falling behind) and
+detokenizes it. A watchdog task turns a dead scheduler into errors for every
+waiting request and a fatal-callback for the server.
+
+Sends use a plain (non-async) ZMQ socket with NOBLOCK: an abort must leave from
+inside a cancelled coroutine, where nothing may be awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from pdserve.config import ServerArgs
+from pdserve.engine.io_struct import (AbortReq, BatchTokenOutput, FlushCacheReq, FlushCacheResp,
+                                      GetStatsReq, RejectedReq, SchedulerFailed, SchedulerReady,
+                                      ShutdownReq, StatsResp, TokenizedGenerateReq, TokenOutput)
+from pdserve.engine.request import SamplingParams
+from pdserve.engine.scheduler_process import SchedulerEndpoints, SchedulerProcess
+from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
+from pdserve.entrypoints.errors import RequestError, ServerError
+from pdserve.obs.metrics import ServerMetrics
+from pdserve.obs.timeline import ReqTimeline
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.5
+CONTROL_TIMEOUT_S = 10.0
+
+
+class StartupError(RuntimeError):
+    """The scheduler process died, failed or timed out before it was ready."""
+
+
+class StartupCancelled(RuntimeError):
+    """Shutdown was requested while waiting for the scheduler to become ready."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the frontend checks requests against before they reach the scheduler."""
+
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int  # KV pool capacity in tokens
+
+
+@dataclass
+class GenerateChunk:
+    """What a request yields per wake-up: tokens (and their text) new since the previous chunk.
+    Without streaming there is one chunk, holding the whole output."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: dict | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(eq=False)
+class _ReqState:
+    rid: str
+    return_logprob: bool
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    outputs: list[TokenOutput] = field(default_factory=list)
+    timeline: ReqTimeline = field(default_factory=ReqTimeline)
+    error: RequestError | None = None
+
+
+class TokenizerManager:
+    """Owns the scheduler process, both sockets and every in-flight request of one server.
+
+    Lifecycle: ``await start()`` (spawns the scheduler, waits for it to be ready),
+    serve via ``generate`` / ``abort`` / ``get_stats`` / ``flush_cache``, then
+    ``close()`` (stops the child, removes the socket directory). After a fatal
+    scheduler error ``healthy`` is False and ``on_fatal(message)`` has been called once.
+    """
+
+    def __init__(self, args: ServerArgs, tokenizer, metrics: ServerMetrics | None = None):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.limits: ModelLimits | None = None
+        self.healthy = False
+        self.fatal_error: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+        self.scheduler: SchedulerProcess | None = None
+        self._reqs: dict[str, _ReqState] = {}
+        self._stats_waiters: deque[asyncio.Future] = deque()
+        self._flush_waiters: deque[asyncio.Future] = deque()
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._tmpdir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._actx: zmq.asyncio.Context | None = None
+        self._send: zmq.Socket | None = None
+        self._recv: zmq.asyncio.Socket | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self, timeout: float, should_stop: Callable[[], bool] = lambda: False) -> SchedulerReady:
+        self._tmpdir = tempfile.mkdtemp(prefix="pdserve-")
+        endpoints = SchedulerEndpoints.in_dir(self._tmpdir)
+        self._open_sockets(endpoints)
+        self.scheduler = SchedulerProcess(self.args, endpoints)
+        self.scheduler.start()
+        ready = await self._wait_ready(timeout, should_stop)
+        self.limits = ModelLimits(ready.context_len, ready.vocab_size, ready.max_total_tokens)
+        self.healthy = True
+        self._tasks = [asyncio.create_task(self._dispatch_loop(), name="pdserve-dispatch"),
+                       asyncio.create_task(self._watchdog(), name="pdserve-watchdog")]
+        logger.info("scheduler ready (pid %d): %d pages x %d tokens, context %d",
+                    ready.pid, ready.total_pages, ready.page_size, ready.context_len)
+        return ready
+
+    def _open_sockets(self, endpoints: SchedulerEndpoints) -> None:
+        self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
+        self._send = self._ctx.socket(zmq.PUSH)
+        self._recv = self._actx.socket(zmq.PULL)
+        for sock in (self._send, self._recv):
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._send.bind(endpoints.to_scheduler)
+        self._recv.bind(endpoints.to_frontend)
+
+    async def _wait_ready(self, timeout: float, should_stop: Callable[[], bool]) -> SchedulerReady:
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self._recv.poll(250):
+                msg = await self._recv.recv_pyobj()
+                if isinstance(msg, SchedulerReady):
+                    return msg
+                if isinstance(msg, SchedulerFailed):
+                    raise StartupError(f"scheduler failed to start: {msg.message}")
+                continue
+            if should_stop():
+                raise StartupCancelled("shutdown requested during startup")
+            if not self.scheduler.is_alive():
+                raise StartupError(f"scheduler process exited with code {self.scheduler.exitcode} "
+                                   "during startup (see its log above)")
+            if time.monotonic() > deadline:
+                raise StartupError(f"scheduler not ready after {timeout:.0f} s")
+
+    async def close(self) -> None:
+        """Fail what is still waiting, stop the scheduler, release sockets and the socket dir."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all(ServerError("server is shutting down"))
+        self.healthy = False
+        if self.scheduler is not None:
+            self.scheduler.stop(send_shutdown=lambda: self._try_send(ShutdownReq()))
+        for sock in (self._send, self._recv):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._ctx, self._actx):
+            if ctx is not None:
+                ctx.term()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    # ------------------------------------------------------------- requests
+    def new_rid(self, rid: str | None = None) -> str:
+        if rid is None:
+            return f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
+        if rid in self._reqs:
+            raise RequestError(f"rid: {rid!r} is already in use", param="rid")
+        return rid
+
+    def check_input(self, input_ids: list[int], max_new_tokens: int, prompt_field: str,
+                    max_tokens_field: str) -> None:
+        """The scheduler's admission checks, done early with the caller's field names."""
+        lim = self.limits
+        if not input_ids:
+            raise RequestError(f"{prompt_field}: the prompt is empty", param=prompt_field)
+        if any(t < 0 or t >= lim.vocab_size for t in input_ids):
+            raise RequestError(f"{prompt_field}: token ids must be integers in [0, {lim.vocab_size})",
+                               param=prompt_field)
+        if len(input_ids) + max_new_tokens > lim.context_len:
+            raise RequestError(
+                f"{max_tokens_field}: prompt ({len(input_ids)} tokens) + {max_tokens_field} ({max_new_tokens}) "
+                f"exceeds the context length ({lim.context_len})", param=max_tokens_field)
+        if len(input_ids) + 1 > lim.max_total_tokens:
+            raise RequestError(f"{prompt_field}: prompt ({len(input_ids)} tokens) does not fit the KV cache "
+                               f"({lim.max_total_tokens} tokens)", param=prompt_field)
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
+                       rid: str | None = None, stream: bool = True) -> AsyncIterator[GenerateChunk]:
+        """Submit one request and yield its chunks until it finishes.
+
+        Raises RequestError (400) if the scheduler rejects it, ServerError (503) if the
+        scheduler dies. Leaving early (client gone, task cancelled) aborts the request,
+        which frees its pages in the scheduler.
+        """
+        self._check_healthy()
+        rid = self.new_rid(rid)
+        state = _ReqState(rid, return_logprob)
+        self._reqs[rid] = state
+        detok = self._detokenizer(sampling) if stream else None
+        acc = _Accumulator()
+        finished = False
+        try:
+            self._send_or_fail(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob))
+            while not finished:
+                await state.event.wait()
+                state.event.clear()
+                if state.error is not None:
+                    raise state.error
+                outs, state.outputs = state.outputs, []
+                if not outs:
+                    continue
+                chunk = self._chunk(state, outs)
+                finished = chunk.finished
+                if finished:
+                    self._record_finish(state, chunk)
+                if stream:
+                    chunk.text = self._stream_text(detok, chunk)
+                    yield chunk
+                else:
+                    acc.add(chunk)
+            if not stream:
+                yield acc.final(self.tokenizer, sampling)
+        finally:
+            self._reqs.pop(rid, None)
+            if not finished and state.error is None:
+                self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        self._try_send(AbortReq(rid))
+
+    def abort_all(self) -> None:
+        self._try_send(AbortReq("", abort_all=True))
+
+    def _detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, sampling.skip_special_tokens, sampling.stop)
+
+    @staticmethod
+    def _stream_text(detok: IncrementalDetokenizer | None, chunk: GenerateChunk) -> str:
+        if detok is None:
+            return ""
+        text = detok.add(chunk.token_ids)
+        return text + detok.finish(chunk.finish_reason) if chunk.finished else text
+
+    @staticmethod
+    def _chunk(state: _ReqState, outs: list[TokenOutput]) -> GenerateChunk:
+        ids: list[int] = []
+        lps: list[float] = []
+        for o in outs:
+            ids += o.new_token_ids
+            lps += o.new_logprobs or []
+        last = outs[-1]
+        return GenerateChunk(state.rid, "", ids, lps if state.return_logprob else None, last.finished,
+                             last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+
+    def _record_finish(self, state: _ReqState, chunk: GenerateChunk) -> None:
+        state.timeline.on_finish()
+        if self.metrics is not None:
+            kind = (chunk.finish_reason or {}).get("type", "unknown")
+            self.metrics.observe_finished(state.timeline, chunk.prompt_tokens, chunk.completion_tokens, kind)
+
+    # -------------------------------------------------------------- control
+    async def get_stats(self) -> dict:
+        resp: StatsResp = await self._control(GetStatsReq(), self._stats_waiters)
+        if self.metrics is not None:
+            self.metrics.set_scheduler_stats(resp.stats)
+        return resp.stats
+
+    async def flush_cache(self) -> bool:
+        resp: FlushCacheResp = await self._control(FlushCacheReq(), self._flush_waiters)
+        return resp.success
+
+    async def _control(self, msg, waiters: deque, timeout: float = CONTROL_TIMEOUT_S):
+        """Send a control message; replies come back in order, so waiters are a FIFO."""
+        self._check_healthy()
+        fut = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        self._send_or_fail(msg)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ServerError(f"scheduler did not answer {type(msg).__name__} within {timeout:.0f} s") from None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._reqs)
+
+    # ------------------------------------------------------------- plumbing
+    def _check_healthy(self) -> None:
+        if not self.healthy:
+            raise ServerError(self.fatal_error or "server is not ready")
+
+    def _try_send(self, msg) -> bool:
+        try:
+            self._send.send_pyobj(msg, zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError, AttributeError):
+            return False  # no scheduler connected (gone or not started)
+
+    def _send_or_fail(self, msg) -> None:
+        if not self._try_send(msg):
+            raise ServerError("scheduler is not reachable")
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            msg = await self._recv.recv_pyobj()
+            try:
+                self._on_message(msg)
+            except Exception:  # noqa: BLE001 - one bad message must not stop routing
+                logger.exception("frontend: failed to route %s", type(msg).__name__)
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, BatchTokenOutput):
+            self._route_outputs(msg.outputs)
+        elif isinstance(msg, RejectedReq):
+            self._reject(msg)
+        elif isinstance(msg, StatsResp):
+            _resolve(self._stats_waiters, msg)
+        elif isinstance(msg, FlushCacheResp):
+            _resolve(self._flush_waiters, msg)
+        elif isinstance(msg, SchedulerFailed):
+            self._fatal(f"scheduler failed: {msg.message}")
+        else:
+            logger.warning("frontend: unexpected message %s", type(msg).__name__)
+
+    def _route_outputs(self, outputs: list[TokenOutput]) -> None:
+        now = time.perf_counter()
+        for o in outputs:
+            state = self._reqs.get(o.rid)
+            if state is None:
+                continue  # already aborted by the frontend
+            state.outputs.append(o)
+            state.timeline.on_tokens(len(o.new_token_ids), now)
+            state.event.set()
+
+    def _reject(self, msg: RejectedReq) -> None:
+        state = self._reqs.get(msg.rid)
+        if state is not None:
+            state.error = RequestError.from_value_error(ValueError(msg.message))
+            state.event.set()
+
+    async def _watchdog(self) -> None:
+        while self.healthy:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if not self.scheduler.is_alive():
+                self._fatal(f"scheduler process exited unexpectedly with code {self.scheduler.exitcode}")
+
+    def _fatal(self, message: str) -> None:
+        if self.fatal_error is not None:
+            return
+        logger.error("%s; the server stops", message)
+        self.fatal_error = message
+        self.healthy = False
+        self._fail_all(ServerError(message))
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def _fail_all(self, err: RequestError) -> None:
+        for state in self._reqs.values():
+            state.error = err
+            state.event.set()
+        for waiters in (self._stats_waiters, self._flush_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(err)
+
+
+class _Accumulator:
+    """Joins a non-streaming request's chunks into one; the text is decoded once at the end."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.last: GenerateChunk | None = None
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        self.last = chunk
+
+    def final(self, tokenizer, sampling: SamplingParams) -> GenerateChunk:
+        c = self.last
+        text = output_text(tokenizer, self.ids, c.finish_reason, sampling.skip_special_tokens)
+        return GenerateChunk(c.rid, text, self.ids, self.logprobs, c.finished, c.finish_reason,
+                             c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+
+
+def _resolve(waiters: deque, msg) -> None:
+    """Replies arrive in request order: the oldest waiter gets this one (even if it gave up)."""
+    if waiters:
+        fut = waiters.popleft()
+        if not fut.done():
+            fut.set_result(msg)

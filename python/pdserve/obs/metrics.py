@@ -1,0 +1,74 @@
+"""Prometheus metrics of one server (its own registry: no module-global state).
+
+Gauges mirror the scheduler's ``stats()`` (refreshed when ``/metrics`` is
+scraped); histograms and counters are fed by the frontend as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pdserve.obs.timeline import ReqTimeline
+
+PREFIX = "pdserve:"
+# Seconds; fine steps at the low end where CPU decode steps live, up to a minute.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0)
+# scheduler stats() key -> (gauge name, help)
+STAT_GAUGES = {
+    "num_running_reqs": ("num_running_reqs", "Requests in the running (prefill or decode) set"),
+    "num_waiting_reqs": ("num_queue_reqs", "Requests waiting for admission"),
+    "token_usage": ("token_usage", "Fraction of KV pages held by requests or locked cache entries"),
+    "free_pages": ("free_pages", "Free KV pages"),
+    "cached_pages": ("cached_pages", "KV pages held by the prefix cache"),
+    "total_pages": ("total_pages", "KV pages in the pool"),
+}
+
+
+class ServerMetrics:
+    """All metrics of one server, labelled with the served model name."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        names = ["model_name"]
+        self.gauges = {key: Gauge(PREFIX + name, doc, names, registry=self.registry).labels(**self.labels)
+                       for key, (name, doc) in STAT_GAUGES.items()}
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of finished requests", names)
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens of finished requests",
+                                               names)
+        self._requests = Counter(PREFIX + "num_requests", "Finished requests by finish reason",
+                                 names + ["finish_reason"], registry=self.registry)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", names)
+        self.itl = self._histogram("inter_token_latency_seconds", "Gap between consecutive tokens", names)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token", names)
+
+    def _counter(self, name, doc, names):
+        return Counter(PREFIX + name, doc, names, registry=self.registry).labels(**self.labels)
+
+    def _histogram(self, name, doc, names):
+        return Histogram(PREFIX + name, doc, names, buckets=LATENCY_BUCKETS,
+                         registry=self.registry).labels(**self.labels)
+
+    def set_scheduler_stats(self, stats: dict) -> None:
+        for key, gauge in self.gauges.items():
+            if key in stats:
+                gauge.set(stats[key])
+
+    def observe_finished(self, timeline: ReqTimeline, prompt_tokens: int, completion_tokens: int,
+                         finish_type: str) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self._requests.labels(finish_reason=finish_type, **self.labels).inc()
+        if timeline.ttft is not None:
+            self.ttft.observe(timeline.ttft)
+        for gap in timeline.itls:
+            self.itl.observe(gap)
+        if timeline.e2e is not None:
+            self.e2e.observe(timeline.e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
