@@ -17,6 +17,7 @@ import signal
 import socket
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -34,7 +35,8 @@ from pdserve.obs.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
-GRACEFUL_SHUTDOWN_S = 2.0  # in-flight requests get this long after a signal, then are cancelled
+DRAIN_S = 1.5  # after SIGINT/SIGTERM, in-flight requests run this long, then are aborted ...
+GRACEFUL_SHUTDOWN_S = 3.0  # ... and uvicorn cancels whatever has still not finished after this
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # reachable without the API key
 
@@ -204,9 +206,7 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S) 
 
 
 async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float) -> int:
-    import uvicorn
-
-    signals = _SignalCatcher()
+    signals = _SignalCatcher(asyncio.get_running_loop(), ctx.tm)
     try:
         await ctx.tm.start(startup_timeout, should_stop=lambda: signals.caught)
     except (StartupError, StartupCancelled) as e:
@@ -216,7 +216,7 @@ async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float
         return 1 if isinstance(e, StartupError) else 0
     config = uvicorn.Config(create_app(ctx), log_level=ctx.args.log_level, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+    server = _UvicornServer(config, signals)
     signals.server = server
     exit_code = 0
 
@@ -236,20 +236,45 @@ async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float
 
 
 class _SignalCatcher:
-    """SIGINT/SIGTERM handler that outlives uvicorn's: during startup it cancels the wait for the
-    scheduler; after serving, uvicorn re-raises the signal it caught, and this handler absorbs it
-    so the process exits through its normal cleanup instead of dying mid-shutdown."""
+    """SIGINT/SIGTERM handler that outlives uvicorn's.
 
-    def __init__(self):
+    During startup it cancels the wait for the scheduler. While serving, uvicorn
+    handles the signal (stops accepting, waits for responses); this handler also
+    aborts what is still running after DRAIN_S, so streams end with a final event
+    instead of being cut. After serving, uvicorn re-raises the signal it caught;
+    this handler absorbs it so the process exits through its normal cleanup.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tm: TokenizerManager):
+        self.loop = loop
+        self.tm = tm
         self.caught = False
         self.server = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, _sig, _frame) -> None:
+        self.on_signal()
+
+    def on_signal(self) -> None:
+        first = not self.caught
         self.caught = True
         if self.server is not None:
             self.server.should_exit = True
+        if first and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.call_later, DRAIN_S, self.tm.abort_all)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn's server, telling the signal catcher when uvicorn's own handler fires."""
+
+    def __init__(self, config: uvicorn.Config, signals: _SignalCatcher):
+        super().__init__(config)
+        self.signals = signals
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.signals.on_signal()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -1,0 +1,198 @@
+"""Serving overhead: output tokens/s through HTTP vs the offline Engine, on the same requests, in one run.
+
+    python benchmark/bench_server.py --model-path tiny-deepseek --num-requests 32 \
+        --prompt-len 32 --output-len 64
+
+Both sides run the same preset with the same torch thread count (scheduler
+process vs in-process Engine), greedy, ``ignore_eos`` so every request makes
+exactly ``--output-len`` tokens. The HTTP side is N concurrent streaming
+``/v1/completions`` clients (token-id prompts, so lengths are exact). The
+ratio HTTP/Engine shows what the frontend and IPC cost (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="tiny-deepseek")
+    p.add_argument("--num-requests", type=int, default=32, help="concurrent streaming clients")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-threads", type=int, default=os.cpu_count(), help="torch threads of the compute side")
+    p.add_argument("--max-total-tokens", type=int, default=32768)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per side; the best is reported")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids above the special-token range; distinct first tokens so no prefix is shared."""
+    rng = random.Random(seed)
+    return [[16 + i] + [rng.randrange(16, vocab) for _ in range(length - 1)] for i in range(n)]
+
+
+def server_flags(a: argparse.Namespace) -> list[str]:
+    return ["--model-path", a.model_path, "--num-threads", str(a.num_threads),
+            "--max-total-tokens", str(a.max_total_tokens), "--max-running-requests", str(max(a.num_requests, 1)),
+            "--random-seed", str(a.seed)]
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return {"num_threads": a.num_threads, "max_total_tokens": a.max_total_tokens,
+            "max_running_requests": max(a.num_requests, 1), "random_seed": a.seed}
+
+
+# ---------------------------------------------------------------- engine
+class EngineSide:
+    """The in-process offline Engine, timed on the same requests."""
+
+    def __init__(self, a: argparse.Namespace):
+        import pdserve
+
+        self.engine = pdserve.Engine(model_path=a.model_path, **engine_kwargs(a))
+        self.sp = {"max_new_tokens": a.output_len, "temperature": 0, "ignore_eos": True}
+
+    def warm_up(self, prompt: list[int]) -> None:
+        self.engine.generate(input_ids=prompt, sampling_params={**self.sp, "max_new_tokens": 4})
+
+    def round(self, prompts: list[list[int]]) -> float:
+        self.engine.flush_cache()
+        t0 = time.perf_counter()
+        outs = self.engine.generate(input_ids=prompts, sampling_params=self.sp)
+        return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+# ------------------------------------------------------------------ http
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve", "serve", *server_flags(a), "--port", str(port), "--log-level", "warning"]
+    return subprocess.Popen(cmd, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                async with s.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.25)
+    raise RuntimeError("server not healthy in time")
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                     output_len: int) -> tuple[int, float, float]:
+    """(completion tokens, TTFT, end time); parses JSON only for the final usage event."""
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, last = None, b""
+    async with session.post(url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            if line.startswith(b"data: [DONE]"):
+                break
+            last = line
+    usage = json.loads(last[6:])["usage"]
+    return usage["completion_tokens"], ttft, time.perf_counter()
+
+
+async def http_round(url: str, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(output tok/s over the round, median TTFT) for all prompts streamed concurrently."""
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        async with s.post(url + "/flush_cache") as r:
+            await r.read()
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(s, url, p, output_len) for p in prompts))
+    wall = max(end for _, _, end in results) - t0
+    return sum(n for n, _, _ in results) / wall, statistics.median(t for _, t, _ in results)
+
+
+# ------------------------------------------------------------------ main
+def run(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[float], list[float], list[float]]:
+    """Alternate Engine and HTTP rounds, so load from anything else on the host hits both alike."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(a, port)
+    engine = None
+    try:
+        engine = EngineSide(a)
+        asyncio.run(wait_healthy(url, proc))
+        engine.warm_up(prompts[0])
+        asyncio.run(http_round(url, prompts[:1], 4))
+        engine_rates, http_rates, ttfts = [], [], []
+        for _ in range(a.repeats):
+            engine_rates.append(engine.round(prompts))
+            rate, ttft = asyncio.run(http_round(url, prompts, a.output_len))
+            http_rates.append(rate)
+            ttfts.append(ttft)
+        return engine_rates, http_rates, ttfts
+    finally:
+        if engine is not None:
+            engine.close()
+        stop_server(proc)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from pdserve.config import ModelConfig
+
+    vocab = ModelConfig.from_path(a.model_path).vocab_size
+    prompts = make_prompts(a.num_requests, a.prompt_len, vocab, a.seed)
+    print(f"model {a.model_path}: {a.num_requests} requests x (prompt {a.prompt_len}, output {a.output_len}), "
+          f"greedy, ignore_eos, {a.num_threads} torch threads, {a.repeats} alternating rounds per side")
+    engine_rates, http_rates, ttfts = run(a, prompts)
+    fmt = lambda rates: ", ".join(f"{r:.1f}" for r in rates)  # noqa: E731
+    print(f"Engine.generate : {max(engine_rates):8.1f} output tok/s (best; rounds {fmt(engine_rates)})")
+    print(f"HTTP streaming  : {max(http_rates):8.1f} output tok/s (best; rounds {fmt(http_rates)}; "
+          f"median TTFT {min(ttfts) * 1000:.0f} ms)")
+    pair = statistics.median(h / e for h, e in zip(http_rates, engine_rates))
+    print(f"ratio HTTP/Engine: {max(http_rates) / max(engine_rates):.2f} best/best, {pair:.2f} median of "
+          f"round pairs  (target >= 0.8)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

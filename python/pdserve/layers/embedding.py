@@ -1,0 +1,75 @@
+"""Token embedding and LM head, both split over TP by vocabulary rows.
+
+Legend: T tokens, N rows to score, V vocab, Vp vocab padded to a multiple of p, H hidden.
+
+The vocab is padded so each of the p ranks owns Vp/p rows; padded rows are
+never looked up and their logits are cut off before anyone sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.dist.parallel_state import ParallelState
+from pdserve.layers.weights import WeightEntry, check_shape, copy_into
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, parallel: ParallelState, dtype: torch.dtype):
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size, self.hidden = vocab_size, hidden
+        padded = -(-vocab_size // parallel.tp_size) * parallel.tp_size
+        self.vocab_start, self.vocab_end = parallel.shard(padded)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, hidden, dtype=dtype),
+                                   requires_grad=False)  # [Vp/p, H]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(ids, self.weight)  # [T, H]
+        # Ids owned by another rank look up row 0 and are zeroed; the all-reduce fills them in.
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)  # [T]
+        out = F.embedding((ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
+        return self.parallel.tp_all_reduce(out)
+
+    def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        key = f"{prefix}.weight"
+        yield WeightEntry(key, lambda src: self._load(key, src), (key,))
+
+    def _load(self, key: str, src: torch.Tensor) -> None:
+        check_shape(key, src, (self.vocab_size, self.hidden))
+        end = min(self.vocab_end, self.vocab_size)
+        rows = max(0, end - self.vocab_start)
+        copy_into(key, self.weight.data[:rows], src[self.vocab_start:self.vocab_start + rows])
+        self.weight.data[rows:].zero_()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits = hidden @ W^T over the vocab shard, gathered to the full vocab in float32.
+
+    With ``tie_to`` the head reuses the embedding's parameter (same vocab split),
+    and a checkpoint's ``lm_head.weight`` is accepted but not required.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, parallel: ParallelState, dtype: torch.dtype,
+                 tie_to: VocabParallelEmbedding | None = None):
+        super().__init__(vocab_size, hidden, parallel, dtype)
+        self.tied = tie_to is not None
+        if self.tied:
+            self.weight = tie_to.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [N, Vp/p]
+        logits = self.parallel.tp_all_gather(logits, dim=-1)[:, :self.vocab_size]  # [N, V]
+        return logits.float()
+
+    def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        if not self.tied:
+            yield from super().weight_entries(prefix)
+            return
+        key = f"{prefix}.weight"
+        yield WeightEntry(key, lambda src: check_shape(key, src, (self.vocab_size, self.hidden)), ())

@@ -1,0 +1,139 @@
+"""Routed experts: SwiGLU FFNs stored stacked, run batched (sort by expert, grouped matmul).
+
+Legend: T tokens, H hidden, K experts per token, E routed experts (global), El local experts,
+I moe_intermediate_size (per rank under TP), N = T*K token-expert pairs, Nl pairs routed here.
+
+Ownership (EP-ready): with ep_size > 1, rank r owns experts [r*E/ep, (r+1)*E/ep) whole;
+with ep_size == 1 every rank owns all experts and TP splits I. Either way ``forward``
+returns this rank's partial sum over [T, H]; the MoE block reduces it over the group.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.dist.parallel_state import ParallelState
+from pdserve.layers.activation import silu_and_mul
+from pdserve.layers.weights import WeightEntry, check_shape, copy_into
+
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    """``w13`` [El, 2I, H] = [gate | up] rows, ``w2`` [El, H, I].
+
+    Checkpoint: per-expert ``{prefix}.{e}.{gate,up,down}_proj.weight`` (HF checkpoints, and what
+    transformers 5 writes on save), or the fused ``{prefix}.gate_up_proj`` [E, 2I, H] /
+    ``{prefix}.down_proj`` [E, H, I] that transformers 5 holds in memory.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, parallel: ParallelState,
+                 dtype: torch.dtype):
+        super().__init__()
+        if num_experts % parallel.ep_size:
+            raise ValueError(f"n_routed_experts: {num_experts} is not divisible by ep_size={parallel.ep_size}")
+        self.num_experts, self.hidden, self.intermediate_full = num_experts, hidden, intermediate
+        per_rank = num_experts // parallel.ep_size
+        self.expert_start, self.num_local = parallel.ep_rank * per_rank, per_rank
+        # Under EP an expert lives whole on one rank; only without EP does TP split I.
+        i_lo, i_hi = parallel.shard(intermediate) if parallel.ep_size == 1 else (0, intermediate)
+        self.i_start, self.intermediate = i_lo, i_hi - i_lo
+        self.w13 = nn.Parameter(torch.empty(per_rank, 2 * self.intermediate, hidden, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(per_rank, hidden, self.intermediate, dtype=dtype), requires_grad=False)
+        self.impl = "auto"  # "grouped" | "sliced" | "auto"; see _grouped_linear
+
+    # ------------------------------------------------------------------ compute
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Batched: x [T, H], weights [T, K] float32, ids [T, K] -> [T, H] (this rank's share)."""
+        T, K = ids.shape
+        local = ids.flatten() - self.expert_start  # [N]
+        if self.num_local != self.num_experts:
+            # Pairs for other ranks' experts get id El, which sorts after every local expert.
+            local = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
+        order = torch.argsort(local, stable=True)  # [N] pairs grouped by expert
+        counts = torch.bincount(local, minlength=self.num_local + 1)[:self.num_local]  # [El]
+        n_local = T * K if self.num_local == self.num_experts else int(counts.sum())
+        pairs = order[:n_local]  # [Nl]
+        xs = x[pairs // K]  # [Nl, H]
+        h = self._grouped_linear(xs, self.w13, counts)  # [Nl, 2I]
+        o = self._grouped_linear(silu_and_mul(h), self.w2, counts)  # [Nl, H]
+        o = o * weights.flatten()[pairs].unsqueeze(-1).to(o.dtype)  # [Nl, H]
+        # Scatter back to (token, slot) order and sum the K slots: deterministic, no atomics.
+        out = x.new_zeros(T * K, x.shape[-1]) if n_local < T * K else x.new_empty(T * K, x.shape[-1])
+        out[pairs] = o
+        return out.view(T, K, -1).sum(dim=1)  # [T, H]
+
+    def _grouped_linear(self, xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """xs [Nl, In] sorted by expert, w [El, Out, In], counts [El] -> [Nl, Out].
+
+        On CPU torch's grouped matmul does all experts in one call; elsewhere (its CUDA kernel
+        wants bf16 on Hopper) fall back to one matmul per expert over contiguous slices.
+        """
+        use_grouped = self.impl == "grouped" or (self.impl == "auto" and xs.device.type == "cpu")
+        if use_grouped and xs.shape[0] > 0:
+            offs = torch.cumsum(counts, 0).to(torch.int32)  # [El] end of each expert's rows
+            return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                outs.append(F.linear(xs[start:start + n], w[e]))
+            start += n
+        return torch.cat(outs) if outs else xs.new_empty(0, w.shape[1])
+
+    def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Slow twin of ``forward``: one masked gather/compute/scatter per local expert."""
+        out = torch.zeros_like(x)  # [T, H]
+        for e in range(self.num_local):
+            tok, slot = torch.where(ids == self.expert_start + e)  # [n], [n]
+            if tok.numel() == 0:
+                continue
+            h = silu_and_mul(F.linear(x[tok], self.w13[e]))  # [n, I]
+            y = F.linear(h, self.w2[e]) * weights[tok, slot].unsqueeze(-1)  # [n, H]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        for e in range(self.num_experts):
+            mine = self.expert_start <= e < self.expert_start + self.num_local
+            for j, proj in enumerate(_PROJ):
+                key = f"{prefix}.{e}.{proj}.weight"
+                units = (f"{prefix}#{e}.{proj}",) if mine else ()
+                yield WeightEntry(key, lambda src, k=key, e=e, j=j: self._load_one(k, e, j, src), units)
+        all_units = [f"{prefix}#{e}.{p}" for e in range(self.expert_start, self.expert_start + self.num_local)
+                     for p in _PROJ]
+        yield WeightEntry(f"{prefix}.gate_up_proj", lambda src: self._load_fused_w13(f"{prefix}.gate_up_proj", src),
+                          tuple(u for u in all_units if not u.endswith("down_proj")), canonical=False)
+        yield WeightEntry(f"{prefix}.down_proj", lambda src: self._load_fused_w2(f"{prefix}.down_proj", src),
+                          tuple(u for u in all_units if u.endswith("down_proj")), canonical=False)
+
+    def _load_one(self, key: str, expert: int, which: int, src: torch.Tensor) -> None:
+        if not self.expert_start <= expert < self.expert_start + self.num_local:
+            return  # another EP rank's expert
+        e, I, i0 = expert - self.expert_start, self.intermediate, self.i_start
+        if which == 2:
+            check_shape(key, src, (self.hidden, self.intermediate_full))
+            copy_into(key, self.w2.data[e], src[:, i0:i0 + I])
+        else:
+            check_shape(key, src, (self.intermediate_full, self.hidden))
+            copy_into(key, self.w13.data[e, which * I:(which + 1) * I], src[i0:i0 + I])
+
+    def _load_fused_w13(self, key: str, src: torch.Tensor) -> None:
+        check_shape(key, src, (self.num_experts, 2 * self.intermediate_full, self.hidden))
+        mine = src[self.expert_start:self.expert_start + self.num_local]
+        for which in (0, 1):
+            part = mine[:, which * self.intermediate_full:(which + 1) * self.intermediate_full]
+            for e in range(self.num_local):
+                self._load_one(key, self.expert_start + e, which, part[e])
+
+    def _load_fused_w2(self, key: str, src: torch.Tensor) -> None:
+        check_shape(key, src, (self.num_experts, self.hidden, self.intermediate_full))
+        for e in range(self.num_local):
+            self._load_one(key, self.expert_start + e, 2, src[self.expert_start + e])

@@ -1,0 +1,54 @@
+"""How a layer takes its weights from a checkpoint.
+
+A checkpoint is a flat ``name -> tensor`` map in the HF layout; a layer's
+parameters may be fused (QKV, gate+up, all experts in one tensor) and sharded
+(TP, EP). Each layer therefore describes the checkpoint tensors it consumes as
+``WeightEntry``s: the key, a function that copies this rank's part of the
+tensor into place, and the *units* (pieces of parameters) the tensor fills.
+The loader checks that every unit was filled, so a missing tensor is reported
+by its checkpoint name instead of surfacing later as garbage output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    key: str  # checkpoint tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"
+    load: Callable[[torch.Tensor], None]  # copies this rank's part; raises ValueError on a bad shape
+    units: tuple[str, ...]  # parameter pieces this tensor fills; () = accepted but not required
+    canonical: bool = True  # False: an alternative layout (e.g. fused experts) that also fills ``units``
+
+
+def check_shape(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{key}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+
+
+def copy_into(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` (whole checkpoint tensor or its slice) into ``dst``, casting to dst's dtype."""
+    check_shape(key, src, tuple(dst.shape))
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def direct_entries(module: nn.Module, prefix: str) -> Iterator[WeightEntry]:
+    """One entry per parameter/persistent buffer owned directly by ``module``, copied whole."""
+    tensors = dict(module.named_parameters(recurse=False))
+    tensors.update({n: b for n, b in module.named_buffers(recurse=False)
+                    if n not in module._non_persistent_buffers_set})
+    for name, tensor in tensors.items():
+        key = f"{prefix}.{name}" if prefix else name
+        yield WeightEntry(key, lambda src, k=key, t=tensor: copy_into(k, t, src), (key,))
+
+
+def sibling(prefix: str, name: str) -> str:
+    """``model.layers.0.self_attn.qkv_proj`` + ``q_proj`` -> ``model.layers.0.self_attn.q_proj``."""
+    parent = prefix.rpartition(".")[0]
+    return f"{parent}.{name}" if parent else name

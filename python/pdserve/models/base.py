@@ -1,0 +1,120 @@
+"""What every causal LM in pdserve shares: the API the model runner calls, and weight loading.
+
+Legend: T tokens, N rows to score, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pdserve.layers.embedding import ParallelLMHead
+from pdserve.layers.forward_batch import ForwardBatch
+from pdserve.layers.weights import WeightEntry, direct_entries
+
+logger = logging.getLogger(__name__)
+
+
+def weight_spec(model: nn.Module) -> dict[str, WeightEntry]:
+    """Every checkpoint tensor the model accepts, by checkpoint name.
+
+    A module describes its own tensors through ``weight_entries(prefix)`` (fused or sharded
+    layers); any other module's direct parameters map one to one onto ``prefix.name``.
+    """
+    spec: dict[str, WeightEntry] = {}
+    for path, module in model.named_modules():
+        entries: Iterator[WeightEntry] = (module.weight_entries(path) if hasattr(module, "weight_entries")
+                                          else direct_entries(module, path))
+        for entry in entries:
+            spec[entry.key] = entry
+    return spec
+
+
+def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``model``.
+
+    Tensors the model has no use for (e.g. DeepSeek's multi-token-prediction layers,
+    stale rotary buffers) are skipped. Raises ValueError naming every required
+    checkpoint tensor that never arrived, or a tensor whose shape is wrong.
+    """
+    spec = weight_spec(model)
+    required: dict[str, str] = {}  # unit -> canonical checkpoint key
+    for entry in spec.values():
+        if entry.canonical:
+            required.update({u: entry.key for u in entry.units})
+    filled: set[str] = set()
+    skipped = 0
+    for name, tensor in weights:
+        entry = spec.get(name)
+        if entry is None:
+            skipped += 1
+            continue
+        entry.load(tensor)
+        filled.update(entry.units)
+    missing = list(dict.fromkeys(key for unit, key in required.items() if unit not in filled))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", … ({len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+    if skipped:
+        logger.debug("skipped %d checkpoint tensors the model does not use", skipped)
+
+
+class CausalLM(nn.Module):
+    """Base of every ``XForCausalLM``. Subclasses build ``self.model`` (embed_tokens, layers,
+    norm: HF names, so checkpoint keys map one to one) and ``self.lm_head``.
+
+    Contract with the model runner:
+    - ``forward(fb)`` -> final-normed hidden states [T, H]; it writes this step's KV into
+      ``fb.kv_pool`` through ``fb.attn_backend`` (one write per layer) and nothing else.
+    - ``compute_logits(hidden [N, H])`` -> [N, V] float32.
+    - ``load_weights(weights)`` fills every parameter from HF-named tensors, then derives
+      whatever the layers precompute (``process_weights_after_loading``).
+    """
+
+    model: nn.Module
+    lm_head: ParallelLMHead
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_into(self, weights)
+        self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        """Recompute derived tensors (e.g. MLA's w_kc/w_vc) from the loaded parameters."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
+
+class DecoderStack(nn.Module):
+    """embed_tokens -> layers -> norm, with the pre-norm residual stream threaded through.
+
+    Each layer is called as ``layer(hidden, residual, rotation, fb) -> (hidden, residual)``;
+    the rotation for ``fb.positions`` is gathered once here instead of once per layer.
+    """
+
+    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module, rope):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary_emb = rope
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if fb.num_tokens == 0:
+            return self.embed_tokens(fb.input_ids)
+        self.rotary_emb.ensure_capacity(int(fb.positions.max()) + 1)
+        rotation = self.rotary_emb.rotation(fb.positions)
+        hidden, residual = self.embed_tokens(fb.input_ids), None  # [T, H]
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rotation, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [T, H]

@@ -1,0 +1,165 @@
+"""Start a real ``pdserve serve`` subprocess on a free loopback port, inspect its process tree, stop it.
+
+Each server runs in its own session (process group), so cleanup can always kill
+everything it started even if the server misbehaves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+PRESET = "tiny-deepseek"
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """True if a new server could bind the port now (SO_REUSEADDR, as servers bind)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, read from /proc (children of children too)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            ppid = _ppid(entry)
+            if ppid is not None:
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _ppid(proc_dir: Path) -> int | None:
+    try:
+        stat = (proc_dir / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces
+    return int(fields[1]) if fields[0] != "Z" else None  # a zombie is already dead
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
+
+
+class Server:
+    """A ``python -m pdserve serve`` subprocess; ``url`` once ``start()`` returns."""
+
+    def __init__(self, *flags: str, model: str = PRESET, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile(prefix="pdserve-test-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "pdserve", "serve", "--model-path", model, "--port", str(self.port),
+               "--log-level", "warning", *flags]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.cmd = cmd
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.output()}")
+            if self._healthy():
+                return self
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.output()}")
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=kw.pop("timeout", 30), **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, headers={**self.headers, **kw.pop("headers", {})},
+                          timeout=kw.pop("timeout", 60), **kw)
+
+    def info(self) -> dict:
+        r = self.get("/get_server_info")
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Poll until nothing runs or waits and free + cached pages == total; returns the last info."""
+        deadline = time.monotonic() + timeout
+        info = self.info()
+        while time.monotonic() < deadline:
+            if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+                    and info["free_pages"] + info["cached_pages"] == info["total_pages"]):
+                return info
+            time.sleep(0.1)
+            info = self.info()
+        raise AssertionError(f"server not idle after {timeout} s: {info}")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-6000:]
+
+    def kill(self) -> None:
+        """Last-resort cleanup: SIGKILL the server's whole session."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if needed; removes the log file."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self.log.close()
+        os.unlink(self.log.name)

@@ -1,0 +1,51 @@
+"""IncrementalDetokenizer: streamed pieces join to exactly the final text, stop strings never leak."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.config import resolve_model_path
+from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, output_text
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model_path("tiny-deepseek")[0])
+
+
+def _stream(tokenizer, ids, rng, stop=(), reason=None):
+    d = IncrementalDetokenizer(tokenizer, stop=list(stop))
+    pieces, i = [], 0
+    while i < len(ids):
+        k = rng.randrange(1, 4)
+        pieces.append(d.add(ids[i:i + k]))
+        i += k
+    pieces.append(d.finish(reason))
+    return pieces
+
+
+def test_stream_joins_to_final_text(tokenizer):
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        reason = {"type": "length", "length": len(ids)}
+        assert "".join(_stream(tokenizer, ids, rng, reason=reason)) == output_text(tokenizer, ids, reason)
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    ids = tokenizer.encode("naïve café — 東京 🙂 done")
+    pieces = _stream(tokenizer, ids, random.Random(1), reason={"type": "length"})
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_string_is_held_back_and_cut(tokenizer):
+    ids = tokenizer.encode("alpha beta STOP gamma")
+    reason = {"type": "stop", "matched": "STOP"}
+    for seed in range(5):
+        pieces = _stream(tokenizer, ids, random.Random(seed), stop=["STOP"], reason=reason)
+        assert not any("S" in p and "T" in p for p in pieces)
+        assert "".join(pieces) == output_text(tokenizer, ids, reason) == "alpha beta "

@@ -1,0 +1,261 @@
+"""Acceptance tests of the HTTP server against a real ``pdserve serve --model-path tiny-deepseek``.
+
+One server (with ``--api-key``) serves the whole module; the offline Engine on
+the same preset is the oracle for greedy text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from server_utils import PRESET, Server
+
+import pdserve
+from pdserve.entrypoints.openai_api import chat_prompt_ids
+
+API_KEY = "test-key"
+MAX_TOTAL_TOKENS = "8192"
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-total-tokens", MAX_TOTAL_TOKENS, api_key=API_KEY)
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = pdserve.Engine(model_path=PRESET, max_total_tokens=int(MAX_TOTAL_TOKENS))
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def engine_text(engine, max_tokens: int, prompt=None, input_ids=None) -> str:
+    out = engine.generate(prompt=prompt, input_ids=input_ids,
+                          sampling_params={"max_new_tokens": max_tokens, "temperature": 0})
+    return out["text"]
+
+
+# ---------------------------------------------------------------- OpenAI
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completions_greedy_matches_engine(client, engine, prompt):
+    want = engine_text(engine, 12, prompt=prompt)
+    r = client.completions.create(model=PRESET, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    stream = client.completions.create(model=PRESET, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_greedy_matches_engine(client, engine, server):
+    ids = chat_prompt_ids(engine.tokenizer, CHAT)
+    want = engine_text(engine, 12, input_ids=ids)
+    r = client.chat.completions.create(model=PRESET, messages=CHAT, max_tokens=12, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=PRESET, messages=CHAT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stream_ends_with_done(server):
+    body = {"model": PRESET, "prompt": "hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [PRESET]
+
+
+# ------------------------------------------------------------ /generate
+def test_generate_matches_engine(server, engine):
+    for prompt in PROMPTS:
+        want = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0})
+        r = server.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 8,
+                                                                               "temperature": 0}})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["text"] == want["text"] and got["output_ids"] == want["output_ids"]
+        assert set(got["meta_info"]) == set(want["meta_info"])
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+
+
+def test_generate_stream_logprobs_and_batch(server, engine):
+    ids = [5, 17, 99, 3]
+    want = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, "temperature": 0},
+                           return_logprob=True)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_logprob": True, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body, headers=server.headers) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = events[-1]
+    assert last["output_ids"] == want["output_ids"] and last["text"] == want["text"]
+    lps = [lp for lp, _, _ in last["meta_info"]["output_token_logprobs"]]
+    assert lps == pytest.approx([lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-4)
+    assert [len(e["output_ids"]) for e in events] == sorted(len(e["output_ids"]) for e in events)
+    r = server.post("/generate", json={"input_ids": [ids, ids[:2]], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and len(r.json()) == 2
+
+
+# ----------------------------------------------------------- concurrency
+def test_32_concurrent_streams_free_all_pages(server):
+    async def one(aclient, i: int) -> int:
+        stream = await aclient.completions.create(
+            model=PRESET, prompt=f"Request number {i} says", max_tokens=16, temperature=0.7, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    assert asyncio.run(main()) == [16] * 32
+    info = server.wait_idle(timeout=10)
+    assert info["free_pages"] + info["cached_pages"] == info["total_pages"]
+
+
+def test_client_disconnect_mid_stream_frees_pages(server):
+    body = {"text": "Tell me a very long story", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, headers=server.headers, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break  # leaving the block closes the connection mid-stream
+    info = server.wait_idle(timeout=30)
+    assert info["num_running_reqs"] == 0
+
+
+def test_abort_request_ends_stream(server):
+    body = {"text": "abort me", "rid": "abort-me", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, headers=server.headers, timeout=60) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    assert server.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(events[-1]["output_ids"]) < 2000
+    server.wait_idle()
+
+
+# ------------------------------------------------------------ bad inputs
+MSG = [{"role": "user", "content": "hi"}]
+BAD_INPUTS = [
+    ("/v1/completions", b"{not json", "request body"),
+    ("/v1/completions", [1, 2], "request body"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**6, "stream": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": MSG, "top_k": 0}, "top_k"),
+    ("/generate", {"text": "x", "sampling_params": {"temperature": -0.5}}, "sampling_params.temperature"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [1, 10**6]}, "input_ids"),
+    ("/generate", {"input_ids": []}, "input_ids"),
+    ("/generate", {"input_ids": [1, 2.5]}, "input_ids"),
+    ("/generate", {"text": ""}, "text"),
+    ("/generate", {"text": "x", "input_ids": [1]}, "text"),
+    ("/generate", {"text": "x", "stream": True, "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", BAD_INPUTS, ids=[f"{p}-{f}-{i}" for i, (p, _, f) in
+                                                              enumerate(BAD_INPUTS)])
+def test_bad_input_is_400_naming_the_field(server, path, body, field):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = server.post(path, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"].startswith(field), err
+    assert server.get("/health").status_code == 200
+
+
+def test_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401
+        assert "API key" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+# ------------------------------------------------------- info and control
+def test_server_info_and_aliases(server):
+    info = server.info()
+    for key in ("args", "total_pages", "free_pages", "cached_pages", "num_running_reqs", "num_waiting_reqs"):
+        assert key in info
+    assert info["args"]["api_key"] == "***"
+    assert server.get("/server_info").json()["total_pages"] == info["total_pages"]
+    model_info = server.get("/model_info").json()
+    assert model_info["model_path"] == PRESET and model_info["is_generation"] is True
+
+
+def test_health_generate_and_flush_cache(server):
+    assert server.get("/health_generate").status_code == 200
+    server.wait_idle()
+    r = server.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True
+    info = server.info()
+    assert info["cached_pages"] == 0 and info["free_pages"] == info["total_pages"]
+
+
+def test_metrics(server):
+    server.post("/generate", json={"text": "metrics", "sampling_params": {"max_new_tokens": 4}})
+    text = server.get("/metrics").text
+    for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
+        assert f"pdserve:{name}" in text, name
+    count = re.search(r'pdserve:e2e_request_latency_seconds_count\{[^}]*\} (\S+)', text)
+    assert float(count.group(1)) >= 1
