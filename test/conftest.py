@@ -1,4 +1,13 @@
 import os
 import sys
 
+# Tiny models on a 2-core box: one thread per process. With two, every small matmul
+# pays thread hand-off costs many times its work, and a test's server subprocess and
+# the test process fight over the same cores. Subprocesses inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

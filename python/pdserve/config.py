@@ -278,4 +278,8 @@ class ServerArgs:
 
 
 def default_num_threads() -> int:
+    """OMP_NUM_THREADS when the operator set it, else every core."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     return max(1, os.cpu_count() or 1)

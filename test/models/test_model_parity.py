@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fixtures.tiny_models import VARIANTS, make_variant
-from paged_batches import PagedRequests, make_pool
+from fixtures.paged_batches import PagedRequests, make_pool
 from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoE
 from pdserve.models.loader import load_model

@@ -1,0 +1,1 @@
+"""Model building blocks: linear/embedding/norm/rotary layers, attention backends, MoE."""

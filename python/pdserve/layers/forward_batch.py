@@ -29,7 +29,9 @@ class ForwardBatch:
     Invariants: ``extend_lens.sum() == T``; ``seq_lens == prefix_lens + extend_lens``;
     ``kv_slots[b, :seq_lens[b]]`` are the pool slots of request b's tokens in
     position order, and the last ``extend_lens[b]`` of them equal that request's
-    part of ``out_cache_loc``.
+    part of ``out_cache_loc``. Slots follow pages: position p of a request lives at
+    offset ``p % page_size`` of its ``p // page_size``-th page, so backends may
+    gather whole pages (``kv_slots[:, ::page_size] // page_size``).
     """
 
     mode: ForwardMode

@@ -141,7 +141,8 @@ class QKVParallelLinear(_OutputSplitLinear):
 class RowParallelLinear(nn.Module):
     """Each rank owns In/p input columns; partial outputs are summed over TP.
 
-    The bias is added after the reduction so it counts once, not p times.
+    The bias must count once, not p times: it is added after the reduction, or, with
+    ``reduce_results=False`` (the caller reduces), by rank 0 only.
     """
 
     def __init__(self, in_features: int, out_features: int, parallel: ParallelState, bias: bool = False,
@@ -160,6 +161,8 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)  # [T, Out] partial sum over this rank's In/p columns
         if self.reduce_results:
             y = self.parallel.tp_all_reduce(y)
+        elif self.parallel.tp_rank > 0:
+            return y
         return y if self.bias is None else y + self.bias
 
     def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:

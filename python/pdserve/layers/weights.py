@@ -31,8 +31,16 @@ def check_shape(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> No
         raise ValueError(f"{key}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
 
 
+_SCALED_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                   "float8_e5m2fnuz") if hasattr(torch, n))
+
+
 def copy_into(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src`` (whole checkpoint tensor or its slice) into ``dst``, casting to dst's dtype."""
+    if src.dtype in _SCALED_DTYPES and dst.dtype != src.dtype:
+        # A plain cast would drop the block scales (``weight_scale_inv``) and load garbage.
+        raise ValueError(f"{key}: checkpoint tensor is {src.dtype}; quantized (FP8) checkpoints are not "
+                         f"supported, use a bf16/fp16/fp32 checkpoint")
     check_shape(key, src, tuple(dst.shape))
     with torch.no_grad():
         dst.copy_(src)

@@ -89,6 +89,19 @@ class GQAKVPool(KVPool):
         page, off = self._split(slots)
         return self.k[layer][page, :, off], self.v[layer][page, :, off]
 
+    def get_kv_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pages [B, Lp]; returns k, v [B, H, Lp * S, D], token j of row b at column j.
+
+        Gathers whole pages (one contiguous H*S*D block each) rather than single
+        tokens: far fewer, larger copies, which is what bounds decode on CPU.
+        """
+        B, Lp = pages.shape
+        out = []
+        for buf in (self.k[layer], self.v[layer]):
+            g = buf[pages]  # [B, Lp, H, S, D]
+            out.append(g.transpose(1, 2).reshape(B, self.num_kv_heads, Lp * self.page_size, self.head_dim))
+        return out[0], out[1]
+
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         out = []
         for name, buf in (("k", self.k), ("v", self.v)):
@@ -118,6 +131,11 @@ class MLAKVPool(KVPool):
     def get_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """slots [...]; returns [..., C + R]."""
         return self._flat(layer)[slots]
+
+    def get_latent_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """pages [B, Lp]; returns [B, Lp * S, C + R], token j of row b at column j."""
+        B, Lp = pages.shape
+        return self.latent[layer][pages].view(B, Lp * self.page_size, -1)
 
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         buf = self.latent

@@ -1,0 +1,1 @@
+"""Model implementations by HF architecture name (``registry``) and weight loading (``loader``)."""

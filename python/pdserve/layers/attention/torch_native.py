@@ -19,7 +19,11 @@ def _metadata(fb: ForwardBatch) -> dict:
     if "mask" in md:
         return md
     ext, pre, seq = fb.extend_lens, fb.prefix_lens, fb.seq_lens
-    B, L = fb.kv_slots.shape
+    S = fb.kv_pool.page_size
+    # A request's position p sits at offset p % S of its (p // S)-th page, so the page
+    # table is every S-th slot divided by S; KV is gathered page by page.
+    md["pages"] = torch.div(fb.kv_slots[:, ::S], S, rounding_mode="floor")  # [B, Lp]
+    B, L = fb.kv_slots.shape[0], md["pages"].shape[1] * S
     Q = int(ext.max()) if B else 0
     qi = torch.arange(Q)  # [Q]
     starts = torch.cumsum(ext, 0) - ext  # [B]
@@ -57,11 +61,11 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
         md = _metadata(fb)
-        k_all, v_all = pool.get_kv(layer_id, fb.kv_slots)  # [B, L, Hkv, D]
+        k_all, v_all = pool.get_kv_pages(layer_id, md["pages"])  # [B, Hkv, L, D]
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
         o = F.scaled_dot_product_attention(
-            qp, k_all.transpose(1, 2).to(q.dtype), v_all.transpose(1, 2).to(q.dtype),
-            attn_mask=md["mask"], scale=scale, enable_gqa=qp.shape[1] != k_all.shape[2])
+            qp, k_all.to(q.dtype), v_all.to(q.dtype),
+            attn_mask=md["mask"], scale=scale, enable_gqa=qp.shape[1] != k_all.shape[1])
         return _unpad(o, md)  # [T, Hq, D]
 
     def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
@@ -69,7 +73,7 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_latent(layer_id, fb.out_cache_loc, torch.cat([latent, k_pe], dim=-1))
         fb.kv_written(layer_id)
         md = _metadata(fb)
-        cache = pool.get_latent(layer_id, fb.kv_slots).to(q_nope.dtype)  # [B, L, C+R]
+        cache = pool.get_latent_pages(layer_id, md["pages"]).to(q_nope.dtype)  # [B, L, C+R]
         C = latent.shape[-1]
         if absorbed is None:
             absorbed = fb.is_decode

@@ -31,6 +31,8 @@ class Experts(nn.Module):
     ``{prefix}.down_proj`` [E, H, I] that transformers 5 holds in memory.
     """
 
+    GROUPED_MAX_ELEMENTS = 1 << 19  # Nl * I up to which "auto" picks the grouped matmul (measured on CPU)
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, parallel: ParallelState,
                  dtype: torch.dtype):
         super().__init__()
@@ -45,12 +47,18 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(per_rank, 2 * self.intermediate, hidden, dtype=dtype),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(per_rank, hidden, self.intermediate, dtype=dtype), requires_grad=False)
-        self.impl = "auto"  # "grouped" | "sliced" | "auto"; see _grouped_linear
+        self.impl = "auto"  # "grouped" | "sliced" | "auto"; see forward
 
     # ------------------------------------------------------------------ compute
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Batched: x [T, H], weights [T, K] float32, ids [T, K] -> [T, H] (this rank's share)."""
+        """Batched: x [T, H], weights [T, K] float32, ids [T, K] -> [T, H] (this rank's share).
+
+        Token-expert pairs are sorted by expert so each expert's rows are one contiguous run.
+        Small batches (decode) then run as two grouped matmuls over all experts at once.
+        Large ones (prefill) go expert by expert over those runs, so an expert's [n, 2I]
+        intermediate stays in cache instead of [Nl, 2I] arrays streaming through memory.
+        """
         T, K = ids.shape
         local = ids.flatten() - self.expert_start  # [N]
         if self.num_local != self.num_experts:
@@ -60,31 +68,41 @@ class Experts(nn.Module):
         counts = torch.bincount(local, minlength=self.num_local + 1)[:self.num_local]  # [El]
         n_local = T * K if self.num_local == self.num_experts else int(counts.sum())
         pairs = order[:n_local]  # [Nl]
+        w = weights.flatten()[pairs].unsqueeze(-1)  # [Nl, 1] float32
+        if self._use_grouped(x, n_local):
+            return self._grouped(x, pairs, w, counts, T, K)
+        return self._sliced(x, pairs, w, counts, K)
+
+    def _use_grouped(self, x: torch.Tensor, n_local: int) -> bool:
+        if self.impl != "auto":
+            return self.impl == "grouped"
+        # torch's grouped GEMM: CPU here (its CUDA kernel wants bf16 on Hopper).
+        return x.device.type == "cpu" and n_local * self.intermediate <= self.GROUPED_MAX_ELEMENTS
+
+    def _grouped(self, x, pairs, w, counts, T: int, K: int) -> torch.Tensor:
+        if pairs.numel() == 0:
+            return torch.zeros_like(x)
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # [El] end row of each expert
         xs = x[pairs // K]  # [Nl, H]
-        h = self._grouped_linear(xs, self.w13, counts)  # [Nl, 2I]
-        o = self._grouped_linear(silu_and_mul(h), self.w2, counts)  # [Nl, H]
-        o = o * weights.flatten()[pairs].unsqueeze(-1).to(o.dtype)  # [Nl, H]
+        h = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)  # [Nl, 2I]
+        o = torch._grouped_mm(silu_and_mul(h), self.w2.transpose(1, 2), offs=offs)  # [Nl, H]
+        o = o.float() * w  # weighting and the K-sum in float32 (no-op cast for float32 models)
         # Scatter back to (token, slot) order and sum the K slots: deterministic, no atomics.
-        out = x.new_zeros(T * K, x.shape[-1]) if n_local < T * K else x.new_empty(T * K, x.shape[-1])
+        out = o.new_zeros(T * K, self.hidden) if pairs.numel() < T * K else o.new_empty(T * K, self.hidden)
         out[pairs] = o
-        return out.view(T, K, -1).sum(dim=1)  # [T, H]
+        return out.view(T, K, self.hidden).sum(dim=1).to(x.dtype)  # [T, H]
 
-    def _grouped_linear(self, xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """xs [Nl, In] sorted by expert, w [El, Out, In], counts [El] -> [Nl, Out].
-
-        On CPU torch's grouped matmul does all experts in one call; elsewhere (its CUDA kernel
-        wants bf16 on Hopper) fall back to one matmul per expert over contiguous slices.
-        """
-        use_grouped = self.impl == "grouped" or (self.impl == "auto" and xs.device.type == "cpu")
-        if use_grouped and xs.shape[0] > 0:
-            offs = torch.cumsum(counts, 0).to(torch.int32)  # [El] end of each expert's rows
-            return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
-        outs, start = [], 0
+    def _sliced(self, x, pairs, w, counts, K: int) -> torch.Tensor:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                outs.append(F.linear(xs[start:start + n], w[e]))
+                tok = pairs[start:start + n] // K  # [n]
+                h = F.linear(x[tok], self.w13[e])  # [n, 2I]
+                y = F.linear(silu_and_mul(h), self.w2[e])  # [n, H]
+                out.index_add_(0, tok, y.float() * w[start:start + n])
             start += n
-        return torch.cat(outs) if outs else xs.new_empty(0, w.shape[1])
+        return out.to(x.dtype)
 
     def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Slow twin of ``forward``: one masked gather/compute/scatter per local expert."""
