@@ -72,3 +72,16 @@ def greedy_continuation_for(path, prompt):
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return greedy_continuation(hf, prompt, STEPS)
+
+
+def test_changing_decode_batch_matches_transformers(tmp_path):
+    """Requests join and leave the decode batch at different steps (the staged KV of
+    the torch-native backend is rebuilt and appended to); every output still equals HF's."""
+    hf, path = make_hf_model_and_dir("LlamaForCausalLM", tmp_path)
+    prompts = _prompts(hf.config.vocab_size, seed=5) + _prompts(hf.config.vocab_size, seed=6)[:2]
+    lens = [5, 32, 12, 20, 9, 27]
+    engine = pdserve.Engine(model_path=path, page_size=4, max_running_requests=3)
+    out = engine.generate(input_ids=prompts, sampling_params=[{**GREEDY, "max_new_tokens": n} for n in lens])
+    for o, p, n in zip(out, prompts, lens):
+        assert o["output_ids"] == greedy_continuation(hf, p, n)
+    _assert_no_leak(engine)

@@ -227,7 +227,7 @@ class Scheduler:
         rows = [r.row for r in reqs]
         self.table.write_one_each(rows, pos, loc)
         batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
-                               [1] * len(reqs), rows)
+                               [1] * len(reqs), rows, tuple(r.rid for r in reqs))
         logits = self.runner.forward(batch, self.table.table)
         self.forward_steps += 1
         for r in reqs:

@@ -45,6 +45,9 @@ class ForwardBatch:
     kv_pool: object  # mem.kv_pool.KVPool
     attn_backend: object  # layers.attention.base.AttentionBackend
     layer_hook: Optional[LayerHook] = None
+    # Identity of the requests in order (any hashable per request, stable for its
+    # lifetime); lets a backend recognise the same decode batch across steps.
+    req_ids: Optional[tuple] = None
     # Filled lazily by the attention backend (masks etc.), keyed by its own names.
     attn_metadata: dict = None
 

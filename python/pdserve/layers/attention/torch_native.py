@@ -53,27 +53,97 @@ def _unpad(o: torch.Tensor, md: dict) -> torch.Tensor:
     return o[md["q_valid"]]
 
 
+class _DecodeStage:
+    """A contiguous copy of the running decode batch's KV, kept across steps.
+
+    On CPU, gathering every request's pages each step costs as much as the
+    matmuls. While the decode batch is unchanged (same requests, each one token
+    longer), a step only appends one row per request here; any change of the
+    batch rebuilds it from the pool, which stays the source of truth.
+    Legend: B requests, H kv heads, X row width, L used length, K capacity.
+    """
+
+    MARGIN = 64  # decode steps between rebuilds caused by growth
+
+    def __init__(self):
+        self.req_ids: tuple | None = None
+        self.seq_lens: torch.Tensor | None = None
+        self.capacity = 0
+        self.bufs: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> [B, H, K, X] each
+
+    def plan(self, fb: ForwardBatch) -> str:
+        """Per step, once: "append" when this is the staged batch one token later, else "rebuild"."""
+        L = int(fb.seq_lens.max())
+        same = (fb.req_ids is not None and fb.req_ids == self.req_ids and L <= self.capacity
+                and torch.equal(self.seq_lens + 1, fb.seq_lens))
+        self.req_ids, self.seq_lens = fb.req_ids, fb.seq_lens
+        if same:
+            return "append"
+        self.capacity = L + self.MARGIN
+        self.bufs = {}
+        return "rebuild"
+
+    def get(self, layer: int, plan: str, fb: ForwardBatch, new: tuple, gather) -> tuple[torch.Tensor, ...]:
+        """new: this step's rows, each [B, H, X]; gather() -> the pool's [B, H, L', X] tensors."""
+        L = int(fb.seq_lens.max())
+        if plan == "rebuild" or layer not in self.bufs:
+            bufs = []
+            for t in gather():
+                buf = t.new_zeros(t.shape[0], t.shape[1], self.capacity, t.shape[3])
+                buf[:, :, :L] = t[:, :, :L]
+                bufs.append(buf)
+            self.bufs[layer] = tuple(bufs)
+        else:
+            rows, pos = torch.arange(fb.batch_size), fb.seq_lens - 1
+            for buf, t in zip(self.bufs[layer], new):
+                buf[rows, :, pos] = t
+        return tuple(buf[:, :, :L] for buf in self.bufs[layer])
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+
+    def __init__(self):
+        self.stage = _DecodeStage()
+
+    def _stage_plan(self, fb: ForwardBatch, md: dict) -> str | None:
+        if not fb.is_decode or fb.req_ids is None:
+            return None
+        if "stage" not in md:
+            md["stage"] = self.stage.plan(fb)
+        return md["stage"]
+
+    def _kv(self, layer_id: int, fb: ForwardBatch, md: dict, new: tuple, gather) -> tuple:
+        """This layer's KV for the whole batch, [B, H, L, X] each: staged in decode, else gathered."""
+        if not fb.is_decode or fb.req_ids is None:
+            return gather()
+        if "stage" not in md:
+            md["stage"] = self.stage.plan(fb)
+        return self.stage.get(layer_id, md["stage"], fb, new, gather)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
         md = _metadata(fb)
-        k_all, v_all = pool.get_kv_pages(layer_id, md["pages"])  # [B, Hkv, L, D]
+        k_all, v_all = self._kv(layer_id, fb, md, (k, v),
+                                lambda: pool.get_kv_pages(layer_id, md["pages"]))  # [B, Hkv, L, D]
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
         o = F.scaled_dot_product_attention(
-            qp, k_all.to(q.dtype), v_all.to(q.dtype),
-            attn_mask=md["mask"], scale=scale, enable_gqa=qp.shape[1] != k_all.shape[1])
+            qp, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md["mask"][..., :k_all.shape[2]],
+            scale=scale, enable_gqa=qp.shape[1] != k_all.shape[1])
         return _unpad(o, md)  # [T, Hq, D]
 
     def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
         pool = fb.kv_pool
-        pool.set_latent(layer_id, fb.out_cache_loc, torch.cat([latent, k_pe], dim=-1))
+        new = torch.cat([latent, k_pe], dim=-1)  # [T, C+R]
+        pool.set_latent(layer_id, fb.out_cache_loc, new)
         fb.kv_written(layer_id)
         md = _metadata(fb)
-        cache = pool.get_latent_pages(layer_id, md["pages"]).to(q_nope.dtype)  # [B, L, C+R]
+        (cache,) = self._kv(layer_id, fb, md, (new.unsqueeze(1),),
+                            lambda: (pool.get_latent_pages(layer_id, md["pages"]).unsqueeze(1),))
+        cache = cache[:, 0].to(q_nope.dtype)  # [B, L, C+R]
+        md = {**md, "mask": md["mask"][..., :cache.shape[1]]}
         C = latent.shape[-1]
         if absorbed is None:
             absorbed = fb.is_decode
