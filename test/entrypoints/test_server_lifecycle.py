@@ -50,7 +50,7 @@ def _assert_gone(server: Server, pids: list[int]) -> None:
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], f"left behind: {pids}\n{server.output()}"
-    assert port_is_free(server.port)
+    assert port_is_free(server.port), f"port {server.port} still bound\n{server.output()}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -62,10 +62,11 @@ def test_signal_stops_everything(server, sig):
     client = threading.Thread(target=_long_stream, args=(server, started), daemon=True)
     client.start()
     assert started.wait(60)
-    t0 = time.monotonic()
     server.signal(sig)
-    rc = server.wait(SHUTDOWN_BUDGET_S)
-    assert time.monotonic() - t0 < SHUTDOWN_BUDGET_S
+    try:
+        rc = server.wait(SHUTDOWN_BUDGET_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {SHUTDOWN_BUDGET_S} s after {sig!r}:\n{server.output()}")
     assert rc == 0, server.output()
     client.join(10)
     _assert_gone(server, [server.proc.pid, *children])

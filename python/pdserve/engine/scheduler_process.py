@@ -216,8 +216,9 @@ class SchedulerProcess:
     def exitcode(self) -> int | None:
         return self.process.exitcode if self.process else None
 
-    def stop(self, send_shutdown=None, timeout: float = 3.0) -> None:
-        """Ask politely (``send_shutdown()``), then SIGTERM, then SIGKILL; always reaps the child."""
+    def stop(self, send_shutdown=None, timeout: float = 2.0) -> None:
+        """Ask politely (``send_shutdown()``; the loop exits after its current step), then
+        SIGTERM, then SIGKILL; always reaps the child. Takes at most ``timeout + 2`` s."""
         if self.process is None:
             return
         if self.process.is_alive() and send_shutdown is not None:
@@ -225,7 +226,7 @@ class SchedulerProcess:
             self.process.join(timeout)
         if self.process.is_alive():
             self.process.terminate()
-            self.process.join(2.0)
+            self.process.join(1.0)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(2.0)
+            self.process.join(1.0)

@@ -1,0 +1,1 @@
+"""How the world reaches pdserve: the CLI, the HTTP server (frontend process) and the offline Engine."""

@@ -69,6 +69,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--random-seed", "seed for weights of dummy models and for sampling", type=int)
     _flag(g, "--num-threads", "torch threads of the scheduler process (default: all cores)", type=int)
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
+    _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
 
 SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_runtime_args)

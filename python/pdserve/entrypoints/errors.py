@@ -64,7 +64,8 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
 
 
 def _from_validation_error(e: ValidationError) -> RequestError:
-    first = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    first = max(errors, key=lambda err: len(err["loc"]))  # the most specific union member's complaint
     if first["type"] == "json_invalid":
         return RequestError(f"request body: invalid JSON ({first['msg']})", param=None, code="invalid_json")
     if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
@@ -76,13 +77,13 @@ def _from_validation_error(e: ValidationError) -> RequestError:
 
 
 def _loc_to_field(loc: tuple) -> str:
-    """('messages', 0, 'content', 'str') -> 'messages[0].content' (union-member tags dropped)."""
+    """('messages', 0, 'content', 'list[TextPart]', 0) -> 'messages[0].content[0]' (union tags dropped)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
         elif _is_type_tag(part):
-            break
+            continue
         else:
             out += ("." if out else "") + part
     return out or "request body"

@@ -35,8 +35,11 @@ from pdserve.obs.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
-DRAIN_S = 1.5  # after SIGINT/SIGTERM, in-flight requests run this long, then are aborted ...
-GRACEFUL_SHUTDOWN_S = 3.0  # ... and uvicorn cancels whatever has still not finished after this
+# Shutdown budget (< 10 s in all): after SIGINT/SIGTERM in-flight requests run DRAIN_S more, then are
+# aborted; uvicorn cancels what is still open after GRACEFUL_SHUTDOWN_S; the scheduler gets
+# SchedulerProcess.stop's budget (about 3 s) on top.
+DRAIN_S = 1.0
+GRACEFUL_SHUTDOWN_S = 2.5
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # reachable without the API key
 
@@ -200,7 +203,7 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S) 
         logger.error("port: cannot bind %s:%d (%s)", args.host, args.port, e.strerror or e)
         return 1
     metrics = ServerMetrics(args.served_model_name or args.model_path)
-    tm = TokenizerManager(args, tokenizer, metrics)
+    tm = TokenizerManager(args, tokenizer, metrics, stream_interval=args.stream_interval)
     ctx = ServerContext(args, model_config, tm, metrics)
     return asyncio.run(_serve(ctx, sock, startup_timeout))
 

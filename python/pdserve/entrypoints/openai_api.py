@@ -192,12 +192,13 @@ class _Streamer:
         self.last: GenerateChunk | None = None
 
     def events(self, first: GenerateChunk, gen):
-        head = [self._event({"role": "assistant", "content": ""}, None)] if self.call.kind == "chat" else []
-        return sse_events(first, gen, lambda c: head_once(head) + self.render(c), self.tail)
+        return sse_events(first, gen, self.render, self.tail)
 
     def render(self, c: GenerateChunk) -> list[bytes]:
-        self.last = c
         out = []
+        if self.last is None and self.call.kind == "chat":  # the role comes first, alone
+            out.append(self._event({"role": "assistant", "content": ""}, None))
+        self.last = c
         if c.text:
             out.append(self._event(self._delta(c.text), None))
         if c.finished:
@@ -226,9 +227,3 @@ class _Streamer:
             body["usage"] = usage
         return body
 
-
-def head_once(head: list[bytes]) -> list[bytes]:
-    """The chat role event before the first content event, then nothing."""
-    out = list(head)
-    head.clear()
-    return out

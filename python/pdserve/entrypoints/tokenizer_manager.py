@@ -2,11 +2,13 @@
 
 Runs on the HTTP server's event loop (one thread). One dispatch task reads the
 scheduler's per-step ``BatchTokenOutput`` messages and appends each output to
-its request's state, then sets that request's event; the request's own
-coroutine wakes, takes everything that arrived since its last wake-up (so a
-slow client gets fewer, larger chunks instead of falling behind) and
-detokenizes it. A watchdog task turns a dead scheduler into errors for every
-waiting request and a fatal-callback for the server.
+its request's state, then sets that request's event (a stream: on its first
+token, every ``stream_interval`` outputs and at the end, as SGLang's
+``--stream-interval``; otherwise only at the end). The request's own coroutine
+wakes, takes everything that arrived since its last wake-up (so a slow client
+gets fewer, larger chunks instead of falling behind) and detokenizes it. A
+watchdog task turns a dead scheduler into errors for every waiting request and
+a fatal-callback for the server.
 
 Sends use a plain (non-async) ZMQ socket with NOBLOCK: an abort must leave from
 inside a cancelled coroutine, where nothing may be awaited.
@@ -18,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -82,6 +85,7 @@ class GenerateChunk:
 class _ReqState:
     rid: str
     return_logprob: bool
+    wake_every: int  # wake the request's coroutine once this many outputs are pending
     event: asyncio.Event = field(default_factory=asyncio.Event)
     outputs: list[TokenOutput] = field(default_factory=list)
     timeline: ReqTimeline = field(default_factory=ReqTimeline)
@@ -97,8 +101,10 @@ class TokenizerManager:
     scheduler error ``healthy`` is False and ``on_fatal(message)`` has been called once.
     """
 
-    def __init__(self, args: ServerArgs, tokenizer, metrics: ServerMetrics | None = None):
+    def __init__(self, args: ServerArgs, tokenizer, metrics: ServerMetrics | None = None,
+                 stream_interval: int = 1):
         self.args = args
+        self.stream_interval = max(1, stream_interval)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.limits: ModelLimits | None = None
@@ -214,7 +220,8 @@ class TokenizerManager:
         """
         self._check_healthy()
         rid = self.new_rid(rid)
-        state = _ReqState(rid, return_logprob)
+        # Without streaming nothing is shown before the end, so only the finish wakes the request.
+        state = _ReqState(rid, return_logprob, self.stream_interval if stream else sys.maxsize)
         self._reqs[rid] = state
         detok = self._detokenizer(sampling) if stream else None
         acc = _Accumulator()
@@ -324,7 +331,11 @@ class TokenizerManager:
 
     async def _dispatch_loop(self) -> None:
         while True:
-            msg = await self._recv.recv_pyobj()
+            try:
+                msg = await self._recv.recv_pyobj()
+            except Exception as e:  # noqa: BLE001 - without this loop no request can finish
+                self._fatal(f"frontend lost the scheduler's output socket: {type(e).__name__}: {e}")
+                return
             try:
                 self._on_message(msg)
             except Exception:  # noqa: BLE001 - one bad message must not stop routing
@@ -352,7 +363,8 @@ class TokenizerManager:
                 continue  # already aborted by the frontend
             state.outputs.append(o)
             state.timeline.on_tokens(len(o.new_token_ids), now)
-            state.event.set()
+            if o.finished or len(state.outputs) >= state.wake_every or o.completion_tokens == 1:
+                state.event.set()
 
     def _reject(self, msg: RejectedReq) -> None:
         state = self._reqs.get(msg.rid)

@@ -1,0 +1,1 @@
+"""Observability: per-request timelines and Prometheus metrics."""
