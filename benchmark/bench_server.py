@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per side; the best is reported")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     return p.parse_args(argv)
 
 
@@ -49,7 +50,7 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def server_flags(a: argparse.Namespace) -> list[str]:
     return ["--model-path", a.model_path, "--num-threads", str(a.num_threads),
             "--max-total-tokens", str(a.max_total_tokens), "--max-running-requests", str(max(a.num_requests, 1)),
-            "--random-seed", str(a.seed)]
+            "--random-seed", str(a.seed), "--stream-interval", str(a.stream_interval)]
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:

@@ -153,7 +153,9 @@ class CacheConfig:
     page_size: int = 1
     max_total_tokens: int | None = None  # None: derived from mem_fraction of free memory
     disable_radix_cache: bool = False
-    max_memory_bytes: int = 2 << 30  # upper bound for the KV pool when max_total_tokens is None
+    # KV pool budget when max_total_tokens is None. The pool is zero-filled up front
+    # (padding reads must never see NaN garbage), so this is resident memory.
+    max_memory_bytes: int = 256 << 20
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -167,7 +169,7 @@ class CacheConfig:
         tokens = self.max_total_tokens
         if tokens is None:
             tokens = max(self.page_size, self.max_memory_bytes // max(1, model.kv_bytes_per_token()))
-            tokens = min(tokens, 1 << 20)
+            tokens = min(tokens, 1 << 18)
         return max(1, tokens // self.page_size)
 
 
