@@ -131,7 +131,7 @@ def test_lpm_policy_gives_same_tokens(llama_dir):
     (dict(input_ids=[]), "input_ids"),
     (dict(prompt=""), "input_ids"),
     (dict(input_ids=[1] * 600), "input_ids"),  # context is 512
-    (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": 600}), "input_ids"),
+    (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": 600}), "sampling_params.max_new_tokens"),
     (dict(input_ids=[1, 10 ** 6]), "input_ids"),
     (dict(input_ids=[1, 2], sampling_params={"temperature": -1}), "sampling_params.temperature"),
     (dict(input_ids=[1, 2], sampling_params={"top_p": 0}), "sampling_params.top_p"),

@@ -83,6 +83,33 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What every request is checked against, by the frontend early and the scheduler again."""
+
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int  # KV pool capacity in tokens
+
+
+def check_request(input_ids: list[int], max_new_tokens: int, limits: RequestLimits,
+                  prompt_field: str = "input_ids", max_tokens_field: str = "max_new_tokens") -> None:
+    """Raise ValueError starting with the offending field if the request can never be served."""
+    if not input_ids:
+        raise ValueError(f"{prompt_field}: the prompt is empty")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size for t in input_ids):
+        raise ValueError(f"{prompt_field}: token ids must be integers in [0, {limits.vocab_size})")
+    if len(input_ids) >= limits.context_len:
+        raise ValueError(f"{prompt_field}: prompt ({len(input_ids)} tokens) leaves no room in the context "
+                         f"length ({limits.context_len})")
+    if len(input_ids) + max_new_tokens > limits.context_len:
+        raise ValueError(f"{max_tokens_field}: prompt ({len(input_ids)} tokens) + {max_tokens_field} "
+                         f"({max_new_tokens}) exceeds the context length ({limits.context_len})")
+    if len(input_ids) + 1 > limits.max_total_tokens:
+        raise ValueError(f"{prompt_field}: prompt ({len(input_ids)} tokens) does not fit the KV cache "
+                         f"({limits.max_total_tokens} tokens)")
+
+
 class ReqState(enum.Enum):
     WAITING = "waiting"  # queued for prefill (new, or retracted and re-queued)
     WAITING_FOR_KV = "waiting_for_kv"  # disaggregated decode: pages reserved, KV in flight

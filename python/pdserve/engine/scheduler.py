@@ -17,8 +17,8 @@ from pdserve.dist.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
-from pdserve.engine.request import (Req, ReqState, SamplingParams, finish_abort, finish_length,
-                                    finish_stop)
+from pdserve.engine.request import (Req, ReqState, RequestLimits, SamplingParams, check_request,
+                                    finish_abort, finish_length, finish_stop)
 from pdserve.engine.sampler import Sampler
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
@@ -66,22 +66,16 @@ class Scheduler:
         self.forward_steps = 0
 
     # ---------------------------------------------------------------- intake
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.context_len, self.model_config.vocab_size,
+                             self.allocator.num_pages * self.page_size)
+
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
-        vocab = self.model_config.vocab_size
-        if not input_ids:
-            raise ValueError("input_ids: the prompt is empty")
-        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in input_ids):
-            raise ValueError(f"input_ids: token ids must be integers in [0, {vocab})")
-        sampling.validate(vocab)
-        if len(input_ids) + sampling.max_new_tokens > self.context_len:
-            raise ValueError(
-                f"input_ids: prompt ({len(input_ids)} tokens) + max_new_tokens "
-                f"({sampling.max_new_tokens}) exceeds the context length ({self.context_len})")
-        capacity = self.allocator.num_pages * self.page_size
-        if len(input_ids) + 1 > capacity:
-            raise ValueError(f"input_ids: prompt ({len(input_ids)} tokens) does not fit the KV cache "
-                             f"({capacity} tokens)")
+        sampling.validate(self.model_config.vocab_size)
+        check_request(input_ids, sampling.max_new_tokens, self.limits,
+                      max_tokens_field="sampling_params.max_new_tokens")
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
                     return_logprob: bool = False) -> Req:

@@ -35,7 +35,7 @@ from pdserve.config import ServerArgs
 from pdserve.engine.io_struct import (AbortReq, BatchTokenOutput, FlushCacheReq, FlushCacheResp,
                                       GetStatsReq, RejectedReq, SchedulerFailed, SchedulerReady,
                                       ShutdownReq, StatsResp, TokenizedGenerateReq, TokenOutput)
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import RequestLimits, SamplingParams, check_request
 from pdserve.engine.scheduler_process import SchedulerEndpoints, SchedulerProcess
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.entrypoints.errors import RequestError, ServerError
@@ -54,15 +54,6 @@ class StartupError(RuntimeError):
 
 class StartupCancelled(RuntimeError):
     """Shutdown was requested while waiting for the scheduler to become ready."""
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the frontend checks requests against before they reach the scheduler."""
-
-    context_len: int
-    vocab_size: int
-    max_total_tokens: int  # KV pool capacity in tokens
 
 
 @dataclass
@@ -107,7 +98,7 @@ class TokenizerManager:
         self.stream_interval = max(1, stream_interval)
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.limits: ModelLimits | None = None
+        self.limits: RequestLimits | None = None
         self.healthy = False
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
@@ -131,7 +122,7 @@ class TokenizerManager:
         self.scheduler = SchedulerProcess(self.args, endpoints)
         self.scheduler.start()
         ready = await self._wait_ready(timeout, should_stop)
-        self.limits = ModelLimits(ready.context_len, ready.vocab_size, ready.max_total_tokens)
+        self.limits = RequestLimits(ready.context_len, ready.vocab_size, ready.max_total_tokens)
         self.healthy = True
         self._tasks = [asyncio.create_task(self._dispatch_loop(), name="pdserve-dispatch"),
                        asyncio.create_task(self._watchdog(), name="pdserve-watchdog")]
@@ -196,19 +187,10 @@ class TokenizerManager:
     def check_input(self, input_ids: list[int], max_new_tokens: int, prompt_field: str,
                     max_tokens_field: str) -> None:
         """The scheduler's admission checks, done early with the caller's field names."""
-        lim = self.limits
-        if not input_ids:
-            raise RequestError(f"{prompt_field}: the prompt is empty", param=prompt_field)
-        if any(t < 0 or t >= lim.vocab_size for t in input_ids):
-            raise RequestError(f"{prompt_field}: token ids must be integers in [0, {lim.vocab_size})",
-                               param=prompt_field)
-        if len(input_ids) + max_new_tokens > lim.context_len:
-            raise RequestError(
-                f"{max_tokens_field}: prompt ({len(input_ids)} tokens) + {max_tokens_field} ({max_new_tokens}) "
-                f"exceeds the context length ({lim.context_len})", param=max_tokens_field)
-        if len(input_ids) + 1 > lim.max_total_tokens:
-            raise RequestError(f"{prompt_field}: prompt ({len(input_ids)} tokens) does not fit the KV cache "
-                               f"({lim.max_total_tokens} tokens)", param=prompt_field)
+        try:
+            check_request(input_ids, max_new_tokens, self.limits, prompt_field, max_tokens_field)
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                        rid: str | None = None, stream: bool = True) -> AsyncIterator[GenerateChunk]:
