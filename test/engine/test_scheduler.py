@@ -49,6 +49,20 @@ def test_retraction_under_tiny_page_budget_keeps_greedy_output(request, model, r
     _assert_no_leak(tight)
 
 
+def test_page_accounting_holds_after_every_step_under_pressure(deepseek_dir):
+    engine = pdserve.Engine(model_path=deepseek_dir, page_size=4, max_total_tokens=96, chunked_prefill_size=8)
+    sched = engine.scheduler
+    for i, p in enumerate(_prompts(8)):
+        sched.add_request(f"r{i}", p, pdserve_sp(GREEDY))
+    finished = set()
+    while sched.has_work():
+        finished |= {o.rid for o in sched.step() if o.finished}
+        sched.check_memory()
+    assert finished == {f"r{i}" for i in range(8)}
+    assert sched.num_retractions > 0
+    _assert_no_leak(engine)
+
+
 def test_max_running_requests_is_respected(llama_dir):
     engine = pdserve.Engine(model_path=llama_dir, max_running_requests=2)
     seen = []
@@ -57,6 +71,7 @@ def test_max_running_requests_is_respected(llama_dir):
         sched.add_request(f"r{i}", p, pdserve_sp(GREEDY))
     while sched.has_work():
         sched.step()
+        sched.check_memory()
         seen.append(len(sched.running) + (sched.chunked is not None))
     assert max(seen) == 2
     _assert_no_leak(engine)

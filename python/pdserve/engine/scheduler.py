@@ -321,7 +321,10 @@ class Scheduler:
         return sum(len(r.pages) - r.num_cached_pages for r in reqs)
 
     def check_memory(self) -> None:
-        """free + cached + request-owned pages == total; raises on a leak or double count."""
+        """free + cached + request-owned pages == total, and every live request's own
+        invariants; raises on a leak, a double count or a broken request."""
+        for req in self.running + ([self.chunked] if self.chunked else []):
+            req.check(self.page_size)
         total = self.allocator.num_free + self.cache.num_cached_pages + self.pages_held_by_requests()
         if total != self.allocator.num_pages:
             raise RuntimeError(f"page accounting broken: free {self.allocator.num_free} + cached "

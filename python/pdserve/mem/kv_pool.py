@@ -84,11 +84,6 @@ class GQAKVPool(KVPool):
         self.k[layer][page, :, off] = k.to(self.dtype)
         self.v[layer][page, :, off] = v.to(self.dtype)
 
-    def get_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots [...]; returns k, v [..., H, D]."""
-        page, off = self._split(slots)
-        return self.k[layer][page, :, off], self.v[layer][page, :, off]
-
     def get_kv_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pages [B, Lp]; returns k, v [B, H, Lp * S, D], token j of row b at column j.
 
@@ -127,10 +122,6 @@ class MLAKVPool(KVPool):
     def set_latent(self, layer: int, loc: torch.Tensor, latent: torch.Tensor) -> None:
         """loc [T]; latent [T, C + R] (compressed KV then rotated k_pe)."""
         self._flat(layer)[loc] = latent.to(self.dtype)
-
-    def get_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """slots [...]; returns [..., C + R]."""
-        return self._flat(layer)[slots]
 
     def get_latent_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """pages [B, Lp]; returns [B, Lp * S, C + R], token j of row b at column j."""
