@@ -190,3 +190,47 @@ def test_max_new_tokens_zero_and_abort(llama_dir):
     outs = sched.step()
     assert any(o.rid == "x" and o.finished and o.finish_reason["type"] == "abort" for o in outs)
     _assert_no_leak(engine)
+
+
+def test_model_dir_without_tokenizer_serves_input_ids(tmp_path, llama_dir):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(f"{llama_dir}/{f}", bare / f)
+    engine = pdserve.Engine(model_path=str(bare))
+    assert engine.tokenizer is None
+    ref = pdserve.Engine(model_path=llama_dir).generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert out["output_ids"] == ref["output_ids"] and out["text"] == ""
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate(prompt="hello")
+
+
+@pytest.mark.parametrize("model", ["llama_dir", "deepseek_dir"])
+def test_layer_hook_runs_after_each_layers_kv_is_written(request, model):
+    """The disaggregation hook: called once per layer, in order, with that layer's new KV already
+    in the pool and the next layer's not yet."""
+    engine = pdserve.Engine(model_path=request.getfixturevalue(model), page_size=4)
+    runner = engine.scheduler.runner
+    pool = runner.pool
+    seen = []
+
+    def written(layer, loc):
+        buf = pool.latent if hasattr(pool, "latent") else pool.k
+        flat = buf[layer].reshape(pool.num_pages * pool.page_size, -1) if hasattr(pool, "latent") else \
+            buf[layer].transpose(1, 2).reshape(pool.num_pages * pool.page_size, -1)
+        return bool((flat[loc] != 0).any(dim=-1).all())
+
+    def hook(layer_id, fb):
+        nxt = layer_id + 1
+        seen.append((layer_id, fb.mode.value, written(layer_id, fb.out_cache_loc),
+                     nxt < pool.num_layers and written(nxt, fb.out_cache_loc)))
+
+    runner.layer_hook = hook
+    engine.generate(input_ids=_prompts(1)[0], sampling_params={**GREEDY, "max_new_tokens": 2})
+    L = pool.num_layers
+    assert [s[0] for s in seen] == list(range(L)) * 2  # one extend step, one decode step
+    assert [s[1] for s in seen] == ["extend"] * L + ["decode"] * L
+    assert all(s[2] for s in seen) and not any(s[3] for s in seen)
