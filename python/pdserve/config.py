@@ -251,6 +251,13 @@ class ServerArgs:
         if 0 < self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size: must be >= page_size ({self.page_size}) or <= 0 "
                              f"(disabled), got {self.chunked_prefill_size}")
+        # The layers are TP/EP-ready (ParallelState), but the engine runs one rank for now:
+        # refuse rather than silently serve on a single rank.
+        for name in ("tp_size", "dp_size", "ep_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}: only 1 is supported by this engine build, got {getattr(self, name)}")
+        if self.enable_dp_attention:
+            raise ValueError("enable_dp_attention: not supported by this engine build")
         if self.max_prefill_tokens < self.page_size:
             raise ValueError(f"max_prefill_tokens: must be >= page_size ({self.page_size}), "
                              f"got {self.max_prefill_tokens}")

@@ -234,3 +234,10 @@ def test_layer_hook_runs_after_each_layers_kv_is_written(request, model):
     assert [s[0] for s in seen] == list(range(L)) * 2  # one extend step, one decode step
     assert [s[1] for s in seen] == ["extend"] * L + ["decode"] * L
     assert all(s[2] for s in seen) and not any(s[3] for s in seen)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(tp_size=2), "tp_size"), (dict(ep_size=2), "ep_size"),
+                                       (dict(dp_size=2), "dp_size"), (dict(enable_dp_attention=True), "enable_dp")])
+def test_parallel_settings_not_yet_wired_are_refused(llama_dir, kw, field):
+    with pytest.raises(ValueError, match=field):
+        pdserve.Engine(model_path=llama_dir, **kw)
