@@ -69,23 +69,26 @@ class _DecodeStage:
         self.req_ids: tuple | None = None
         self.seq_lens: torch.Tensor | None = None
         self.capacity = 0
+        self.length = 0  # this step's longest sequence
+        self.rows = self.pos = None  # this step's append coordinates, [B] each
         self.bufs: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> [B, H, K, X] each
 
     def plan(self, fb: ForwardBatch) -> str:
         """Per step, once: "append" when this is the staged batch one token later, else "rebuild"."""
-        L = int(fb.seq_lens.max())
+        L = self.length = int(fb.seq_lens.max())
         same = (fb.req_ids is not None and fb.req_ids == self.req_ids and L <= self.capacity
                 and torch.equal(self.seq_lens + 1, fb.seq_lens))
         self.req_ids, self.seq_lens = fb.req_ids, fb.seq_lens
+        self.rows, self.pos = torch.arange(fb.batch_size), fb.seq_lens - 1
         if same:
             return "append"
         self.capacity = L + self.MARGIN
         self.bufs = {}
         return "rebuild"
 
-    def get(self, layer: int, plan: str, fb: ForwardBatch, new: tuple, gather) -> tuple[torch.Tensor, ...]:
+    def get(self, layer: int, plan: str, new: tuple, gather) -> tuple[torch.Tensor, ...]:
         """new: this step's rows, each [B, H, X]; gather() -> the pool's [B, H, L', X] tensors."""
-        L = int(fb.seq_lens.max())
+        L = self.length
         if plan == "rebuild" or layer not in self.bufs:
             bufs = []
             for t in gather():
@@ -94,9 +97,8 @@ class _DecodeStage:
                 bufs.append(buf)
             self.bufs[layer] = tuple(bufs)
         else:
-            rows, pos = torch.arange(fb.batch_size), fb.seq_lens - 1
             for buf, t in zip(self.bufs[layer], new):
-                buf[rows, :, pos] = t
+                buf[self.rows, :, self.pos] = t
         return tuple(buf[:, :, :L] for buf in self.bufs[layer])
 
 
@@ -119,7 +121,7 @@ class TorchNativeBackend(AttentionBackend):
             return gather()
         if "stage" not in md:
             md["stage"] = self.stage.plan(fb)
-        return self.stage.get(layer_id, md["stage"], fb, new, gather)
+        return self.stage.get(layer_id, md["stage"], new, gather)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
