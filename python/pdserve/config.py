@@ -66,7 +66,7 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", load_format: str = "auto",
-                  context_length: int | None = None) -> "ModelConfig":
+                  context_length: int | None = None) -> ModelConfig:
         from transformers import AutoConfig
 
         directory, is_preset = resolve_model_path(model_path)
@@ -279,7 +279,7 @@ class ServerArgs:
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
-    def replace(self, **changes) -> "ServerArgs":
+    def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

@@ -90,7 +90,7 @@ class Server:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
+    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -61,8 +61,9 @@ def test_entry_points_share_the_cli():
 
 
 def test_console_script_is_declared():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["pdserve"] == "pdserve.entrypoints.cli:main"

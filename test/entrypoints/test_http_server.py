@@ -13,10 +13,10 @@ import re
 import httpx
 import openai
 import pytest
-from server_utils import PRESET, Server
 
 import pdserve
 from pdserve.entrypoints.openai_api import chat_prompt_ids
+from server_utils import PRESET, Server
 
 API_KEY = "test-key"
 MAX_TOTAL_TOKENS = "8192"

@@ -7,8 +7,18 @@ import threading
 import pytest
 import zmq
 
-from pdserve.engine.io_struct import (AbortReq, BatchTokenOutput, FlushCacheReq, FlushCacheResp, GetStatsReq,
-                                      RejectedReq, ShutdownReq, StatsResp, TokenizedGenerateReq, TokenOutput)
+from pdserve.engine.io_struct import (
+    AbortReq,
+    BatchTokenOutput,
+    FlushCacheReq,
+    FlushCacheResp,
+    GetStatsReq,
+    RejectedReq,
+    ShutdownReq,
+    StatsResp,
+    TokenizedGenerateReq,
+    TokenOutput,
+)
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler_process import SchedulerLoop
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import Server, alive, descendants, port_is_free
 
 import pdserve
+from server_utils import Server, alive, descendants, port_is_free
 
 SHUTDOWN_BUDGET_S = 10.0
 

@@ -8,11 +8,16 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pdserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                   ReplicatedLinear, RowParallelLinear)
+from pdserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.base import load_into
 

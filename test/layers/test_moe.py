@@ -10,7 +10,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.moe import Experts, RoutingConfig, TopKRouter
 from pdserve.models.base import load_into
 

@@ -333,7 +333,7 @@ def test_randomized_page_conservation(seed, page_size):
             assert h.cache.reset() is (not locked or all(r[1].node is h.cache.root for r in running))
         h.check()
         assert h.cache.num_evictable_pages <= h.cache.num_cached_pages
-    for tokens, m, own in running:
+    for _tokens, m, own in running:
         h.alloc.free(own)
         h.held.difference_update(own)
         h.cache.unlock(m.node)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.tiny_models import VARIANTS, make_variant
 from fixtures.paged_batches import PagedRequests, make_pool
+from fixtures.tiny_models import VARIANTS, make_variant
 from pdserve.config import ModelConfig
 from pdserve.layers.moe import SparseMoE
 from pdserve.models.loader import load_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fixtures.tiny_models import build_tiny_hf_model, tiny_config
-from pdserve.dist.parallel_state import SINGLE
+from pdserve.distributed.parallel_state import SINGLE
 from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.moe import SparseMoE
 from pdserve.models.registry import get_model_class

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from fixtures.paged_batches import PagedRequests, make_pool
 from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig
-from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.models.loader import load_model
 
 SEQS = [[5, 9, 200, 31, 7, 88, 41], [17, 3, 64]]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
-from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
 from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool

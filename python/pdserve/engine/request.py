@@ -27,7 +27,7 @@ class SamplingParams:
     n: int = 1
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SamplingParams":
+    def from_dict(cls, d: dict | None) -> SamplingParams:
         d = dict(d or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
@@ -43,7 +43,7 @@ class SamplingParams:
             d.pop("max_new_tokens", None)
         return cls(**d)
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
         def bad(name, why):
             raise ValueError(f"sampling_params.{name}: {why}, got {getattr(self, name)!r}")
 
@@ -186,4 +186,5 @@ class Req:
             assert self.kv_len == len(self.fill_ids) - 1, (self.rid, self.kv_len, len(self.fill_ids))
 
     def __repr__(self) -> str:
-        return f"Req({self.rid}, {self.state.value}, prompt={self.prompt_len}, out={len(self.output_ids)}, kv={self.kv_len})"
+        return (f"Req({self.rid}, {self.state.value}, prompt={self.prompt_len}, "
+                f"out={len(self.output_ids)}, kv={self.kv_len})")

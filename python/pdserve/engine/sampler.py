@@ -26,7 +26,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs:
     logits = logits.clone()
     for i in rows:
         ids = torch.tensor(outputs[i], dtype=torch.int64)
-        counts = torch.zeros(logits.shape[1], dtype=logits.dtype).scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        ones = torch.ones_like(ids, dtype=logits.dtype)
+        counts = torch.zeros(logits.shape[1], dtype=logits.dtype).scatter_add_(0, ids, ones)
         p = params[i]
         logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits

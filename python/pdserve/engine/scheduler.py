@@ -13,12 +13,20 @@ import logging
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
-from pdserve.engine.request import (Req, ReqState, RequestLimits, SamplingParams, check_request,
-                                    finish_abort, finish_length, finish_stop)
+from pdserve.engine.request import (
+    Req,
+    ReqState,
+    RequestLimits,
+    SamplingParams,
+    check_request,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
 from pdserve.engine.sampler import Sampler
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator

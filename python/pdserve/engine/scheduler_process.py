@@ -26,9 +26,19 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve.config import ServerArgs, default_num_threads
-from pdserve.engine.io_struct import (AbortReq, BatchTokenOutput, FlushCacheReq, FlushCacheResp,
-                                      GetStatsReq, RejectedReq, SchedulerFailed, SchedulerReady,
-                                      ShutdownReq, StatsResp, TokenizedGenerateReq)
+from pdserve.engine.io_struct import (
+    AbortReq,
+    BatchTokenOutput,
+    FlushCacheReq,
+    FlushCacheResp,
+    GetStatsReq,
+    RejectedReq,
+    SchedulerFailed,
+    SchedulerReady,
+    ShutdownReq,
+    StatsResp,
+    TokenizedGenerateReq,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +54,7 @@ class SchedulerEndpoints:
     to_frontend: str
 
     @classmethod
-    def in_dir(cls, directory: str) -> "SchedulerEndpoints":
+    def in_dir(cls, directory: str) -> SchedulerEndpoints:
         return cls(f"ipc://{directory}/to_scheduler", f"ipc://{directory}/to_frontend")
 
 

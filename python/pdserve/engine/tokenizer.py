@@ -32,7 +32,8 @@ def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None, sk
         return ""
     ids = output_ids
     matched = (finish_reason or {}).get("matched")
-    if finish_reason and finish_reason.get("type") == "stop" and isinstance(matched, int) and ids and ids[-1] == matched:
+    stopped = finish_reason and finish_reason.get("type") == "stop"
+    if stopped and isinstance(matched, int) and ids and ids[-1] == matched:
         ids = ids[:-1]
     text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     if isinstance(matched, str):

@@ -25,7 +25,7 @@ class RequestError(Exception):
 
     @classmethod
     def from_value_error(cls, err: ValueError, rename: dict[str, str] | None = None,
-                         strip_prefix: str = "") -> "RequestError":
+                         strip_prefix: str = "") -> RequestError:
         """Wrap a ``"field: why"`` ValueError, renaming the field for the API that was called."""
         field, sep, why = str(err).partition(":")
         if not sep:

@@ -19,8 +19,15 @@ from fastapi.responses import JSONResponse
 from pdserve.engine.request import SamplingParams
 from pdserve.entrypoints.errors import RequestError, parse_body
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.entrypoints.streaming import (collect, gather_or_cancel, prime, sse, sse_events, sse_response,
-                                           until_disconnect)
+from pdserve.entrypoints.streaming import (
+    collect,
+    gather_or_cancel,
+    prime,
+    sse,
+    sse_events,
+    sse_response,
+    until_disconnect,
+)
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
 
 # Used only when the tokenizer ships no chat template.

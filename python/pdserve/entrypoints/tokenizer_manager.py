@@ -32,9 +32,20 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import ServerArgs
-from pdserve.engine.io_struct import (AbortReq, BatchTokenOutput, FlushCacheReq, FlushCacheResp,
-                                      GetStatsReq, RejectedReq, SchedulerFailed, SchedulerReady,
-                                      ShutdownReq, StatsResp, TokenizedGenerateReq, TokenOutput)
+from pdserve.engine.io_struct import (
+    AbortReq,
+    BatchTokenOutput,
+    FlushCacheReq,
+    FlushCacheResp,
+    GetStatsReq,
+    RejectedReq,
+    SchedulerFailed,
+    SchedulerReady,
+    ShutdownReq,
+    StatsResp,
+    TokenizedGenerateReq,
+    TokenOutput,
+)
 from pdserve.engine.request import RequestLimits, SamplingParams, check_request
 from pdserve.engine.scheduler_process import SchedulerEndpoints, SchedulerProcess
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text

@@ -8,13 +8,13 @@ never looked up and their logits are cut off before anyone sees them.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.dist.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.weights import WeightEntry, check_shape, copy_into
 
 

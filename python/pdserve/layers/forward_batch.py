@@ -6,8 +6,8 @@ Legend: T tokens in this step, B requests, L longest KV length in the batch.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -44,10 +44,10 @@ class ForwardBatch:
     kv_slots: torch.Tensor  # [B, L] int64 slots of all tokens, padded with 0
     kv_pool: object  # mem.kv_pool.KVPool
     attn_backend: object  # layers.attention.base.AttentionBackend
-    layer_hook: Optional[LayerHook] = None
+    layer_hook: LayerHook | None = None
     # Identity of the requests in order (any hashable per request, stable for its
     # lifetime); lets a backend recognise the same decode batch across steps.
-    req_ids: Optional[tuple] = None
+    req_ids: tuple | None = None
     # Filled lazily by the attention backend (masks etc.), keyed by its own names.
     attn_metadata: dict = None
 

@@ -12,14 +12,14 @@ sharded on its own so every rank holds its slice of every part.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.dist.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.weights import WeightEntry, check_shape, copy_into, sibling
 
 

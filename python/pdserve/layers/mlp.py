@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.dist.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.activation import silu_and_mul
 from pdserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 

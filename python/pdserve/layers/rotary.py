@@ -14,8 +14,9 @@ so q.k is unchanged, and a cat is cheaper than re-interleaving.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -162,7 +163,7 @@ class RotaryEmbedding(nn.Module):
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [T, H, R]
         return out if R == x.shape[-1] else torch.cat([out, x[..., R:]], dim=-1)
 
-    def rotation(self, positions: torch.Tensor) -> "Rotation":
+    def rotation(self, positions: torch.Tensor) -> Rotation:
         return Rotation(self, *self.lookup(positions))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -11,8 +11,8 @@ by its checkpoint name instead of surfacing later as garbage output.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from torch import nn

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from operator import index
-from typing import Iterable
 
 
 class PageAllocator:

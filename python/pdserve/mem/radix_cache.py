@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from pdserve.mem.allocator import PageAllocator
 

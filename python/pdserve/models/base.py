@@ -6,7 +6,7 @@ Legend: T tokens, N rows to score, H hidden, V vocab.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.dist.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.embedding import VocabParallelEmbedding
 from pdserve.layers.forward_batch import ForwardBatch
 from pdserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.dist.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.layers.forward_batch import ForwardBatch
 from pdserve.layers.linear import QKVParallelLinear, RowParallelLinear

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from pdserve.config import ModelConfig
-from pdserve.dist.parallel_state import SINGLE, ParallelState
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.registry import get_model_class
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.dist.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.moe import RoutingConfig, SparseMoE
 from pdserve.models.llama import Qwen3ForCausalLM

@@ -10,13 +10,13 @@ returns this rank's partial sum over [T, H]; the MoE block reduces it over the g
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.dist.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.activation import silu_and_mul
 from pdserve.layers.weights import WeightEntry, check_shape, copy_into
 

@@ -9,8 +9,8 @@ ids [T, K] int64; the order of the K slots carries no meaning.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -81,11 +81,11 @@ class RoutingConfig:
     gate_fp32: bool = False  # gate weight kept and applied in float32 (DeepSeek)
 
     @classmethod
-    def qwen_moe(cls, c) -> "RoutingConfig":
+    def qwen_moe(cls, c) -> RoutingConfig:
         return cls(c.num_experts, c.num_experts_per_tok, "softmax", bool(c.norm_topk_prob))
 
     @classmethod
-    def deepseek_v2(cls, c) -> "RoutingConfig":
+    def deepseek_v2(cls, c) -> RoutingConfig:
         method = getattr(c, "topk_method", None) or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"topk_method: {method!r} is not supported for DeepSeek-V2 "
@@ -95,7 +95,7 @@ class RoutingConfig:
                    float(c.routed_scaling_factor), c.n_group or 1, c.topk_group or 1, gate_fp32=True)
 
     @classmethod
-    def deepseek_v3(cls, c) -> "RoutingConfig":
+    def deepseek_v3(cls, c) -> RoutingConfig:
         return cls(c.n_routed_experts, c.num_experts_per_tok, "noaux_tc", bool(c.norm_topk_prob),
                    float(c.routed_scaling_factor), c.n_group or 1, c.topk_group or 1, gate_fp32=True)
 
