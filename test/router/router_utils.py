@@ -26,6 +26,17 @@ from entrypoints.server_utils import free_port
 ROUTER_STARTUP_TIMEOUT_S = 60.0
 
 
+def wait_for(condition, timeout: float = 30.0, what: str = "condition"):
+    """Poll ``condition()`` until it is truthy; returns its value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not true after {timeout} s")
+
+
 class Router:
     """A ``python -m pdserve router`` subprocess in its own session; ``url`` once ``start()`` returns."""
 
@@ -77,7 +88,7 @@ class Router:
 
     def metric(self, name: str, **labels) -> float:
         """One sample of the router's /metrics (0 if absent)."""
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # the exposition sorts them
         for line in self.get("/metrics").text.splitlines():
             key, _, value = line.rpartition(" ")
             if key == (f"{name}{{{want}}}" if want else name):
@@ -224,6 +235,9 @@ class EchoWorker:
             await resp.write(b"data: [DONE]\n\n")
         except ConnectionError:
             self.disconnects.append(body)
+        except asyncio.CancelledError:
+            self.disconnects.append(body)
+            raise
         return resp
 
     async def _hold(self, resp: web.StreamResponse) -> None:

@@ -193,8 +193,9 @@ class PDProxy:
         task.add_done_callback(self.background.discard)
         return task
 
-    def _unreachable(self, worker: Worker, err: Exception) -> None:
-        self.metrics.error(worker, "connect")
+    def _unreachable(self, worker: Worker, err: Exception, count: bool = True) -> None:
+        if count:  # generation requests only: info and control calls would skew the error rates
+            self.metrics.error(worker, "connect")
         self.set_of(worker).mark_dead(worker, f"connection failed: {err}")
 
     def _count_status(self, worker: Worker, status: int) -> None:
@@ -215,7 +216,7 @@ class PDProxy:
                                             timeout=timeout or self.request_timeout) as resp:
                 return UpstreamReply(resp.status, await resp.read(), resp.content_type)
         except aiohttp.ClientConnectorError as e:
-            self._unreachable(worker, e)
+            self._unreachable(worker, e, count=False)
             raise WorkerUnreachable(worker.url) from e
 
     async def probe(self, worker: Worker) -> str | None:
