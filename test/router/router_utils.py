@@ -134,8 +134,9 @@ class EchoWorker:
 
     Generation routes answer ``{"worker": name, "body": <the body received>}``, or with
     ``"stream": true`` SSE events ``{"worker": name, "i": i}`` (``echo_chunks`` of them).
-    ``"echo_hold": true`` keeps a stream open, sending SSE comments until the client leaves,
-    which is recorded in ``disconnects``. ``health_status`` / ``fail_status`` make it sick.
+    ``"echo_hold": true`` keeps a stream open, sending SSE comments until the client leaves
+    (without ``stream``: answers nothing until then), which is recorded in ``disconnects``.
+    ``health_status`` / ``fail_status`` make it sick.
     """
 
     name: str
@@ -219,9 +220,22 @@ class EchoWorker:
         if self.fail_status:
             return web.json_response({"error": {"message": f"{self.name} failed", "worker": self.name}},
                                      status=self.fail_status)
-        if not body.get("stream"):
-            return web.json_response({"worker": self.name, "body": body})
-        return await self._stream(request, body)
+        if body.get("stream"):
+            return await self._stream(request, body)
+        if body.get("echo_hold"):
+            return await self._hold_reply(request, body)
+        return web.json_response({"worker": self.name, "body": body})
+
+    async def _hold_reply(self, request: web.Request, body: dict) -> web.Response:
+        """Answer nothing until the client closes the connection (recorded in ``disconnects``)."""
+        self.open_holds += 1
+        try:
+            while request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.05)
+            self.disconnects.append(body)
+        finally:
+            self.open_holds -= 1
+        return web.Response(status=499)
 
     async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -157,6 +157,17 @@ def test_stream_is_not_buffered_and_a_client_leaving_closes_both_upstreams(echo,
     assert router.metric("pdserve_router:client_disconnects_total") == 1
 
 
+def test_a_client_leaving_before_the_answer_closes_both_upstreams(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up: its connection closes
+        router.post("/generate", json={"text": "hold", "echo_hold": True}, timeout=1)
+    wait_for(lambda: len(d1.disconnects) == 1 and len(p1.disconnects) == 1, what="both upstreams closed")
+    wait_for(lambda: router.worker_state(d1.url)["in_flight"] == 0 == router.worker_state(p1.url)["in_flight"],
+             what="leases released")
+    assert router.metric("pdserve_router:client_disconnects_total") == 1
+
+
 def test_decode_status_and_body_reach_the_client(echo, make_router):
     d1 = echo["d1"]
     router = make_router([echo["p1"].url], [d1.url])
@@ -293,13 +304,14 @@ def test_startup_gives_up_naming_the_missing_side(echo):
     assert "after 1 s" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_sigterm_while_waiting_for_workers_exits_0(echo):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_waiting_for_workers_exits_0(echo, sig):
     dead = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(_router_cmd(dead, echo["d1"].url), stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         wait_for(lambda: len([r for r in echo["d1"].received if r.path == "/health"]) >= 1, what="first check")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(15) == 0
         assert "Traceback" not in proc.stderr.read()
     finally:
