@@ -53,7 +53,11 @@ class UpstreamReply:
         return Response(self.body, status_code=self.status, media_type=self.content_type)
 
     def json(self):
-        return json.loads(self.body) if self.content_type == "application/json" else self.body.decode(errors="replace")
+        """The body as JSON when it is JSON, else as text."""
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return self.body.decode(errors="replace")
 
 
 class PDProxy:
@@ -71,8 +75,7 @@ class PDProxy:
         self.background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.request_timeout, connector=aiohttp.TCPConnector(limit=0),
-                                             auto_decompress=False)
+        self.session = aiohttp.ClientSession(timeout=self.request_timeout, connector=aiohttp.TCPConnector(limit=0))
 
     async def close(self) -> None:
         """Cancel the prefill requests still running, then close the pool."""
