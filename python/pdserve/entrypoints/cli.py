@@ -1,4 +1,4 @@
-"""The ``pdserve`` command line: ``pdserve serve ...`` (``router``, ``bench``, ``up`` plug in later).
+"""The ``pdserve`` command line: ``pdserve serve ...``, ``pdserve router ...`` (``bench``, ``up`` plug in later).
 
 Flag names are SGLang's. Each flag's ``dest`` is the ServerArgs field it sets,
 so a flag added to a group below only needs a matching ServerArgs field.
@@ -13,6 +13,8 @@ import sys
 
 from pdserve import __version__
 from pdserve.config import DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, ServerArgs
+from pdserve.router.config import PrefillSpec, RouterArgs, normalize_url
+from pdserve.router.policy import POLICIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
@@ -88,6 +90,49 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     return args
 
 
+# ------------------------------------------------------------- router
+_ROUTER_FIELDS = {f.name: f for f in dataclasses.fields(RouterArgs)}
+
+
+def _router_flag(group, name: str, help: str, **kw) -> None:
+    """``--health-check-interval-secs`` -> RouterArgs.health_check_interval_secs (sglang-router's names)."""
+    dest = name.lstrip("-").replace("-", "_")
+    kw.setdefault("default", _ROUTER_FIELDS[dest].default)
+    if kw["default"] is not None:
+        help += " (default: %(default)s)"
+    group.add_argument(name, dest=dest, help=help, **kw)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workers")
+    g.add_argument("--prefill", nargs="+", action="append", required=True, metavar=("URL", "BOOTSTRAP_PORT"),
+                   help="a prefill server and its bootstrap port (default: 8998); repeat for more")
+    g.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode server; repeat for more")
+    g = parser.add_argument_group("routing")
+    _router_flag(g, "--host", "interface to listen on")
+    _router_flag(g, "--port", "port to listen on", type=int)
+    _router_flag(g, "--policy", "how a worker is picked, on both sides", choices=tuple(POLICIES))
+    _router_flag(g, "--prefill-policy", "prefill side's policy (default: --policy)", choices=tuple(POLICIES))
+    _router_flag(g, "--decode-policy", "decode side's policy (default: --policy)", choices=tuple(POLICIES))
+    _router_flag(g, "--request-timeout-secs", "longest a request (a whole stream) may take", type=float)
+    g = parser.add_argument_group("health")
+    _router_flag(g, "--health-check-interval-secs", "seconds between GET /health of every worker", type=float)
+    _router_flag(g, "--health-check-timeout-secs", "a health check slower than this fails", type=float)
+    _router_flag(g, "--worker-startup-timeout-secs", "at start-up, how long to wait for a healthy prefill "
+                 "and decode worker", type=float)
+    _router_flag(g, "--worker-startup-check-interval", "seconds between checks at start-up", type=float)
+    _router_flag(g, "--log-level", "logging level", choices=LOG_LEVELS)
+
+
+def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
+    """RouterArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
+    kwargs = {k: v for k, v in vars(ns).items() if k in _ROUTER_FIELDS}
+    kwargs["prefill"] = tuple(PrefillSpec.parse(values) for values in ns.prefill)
+    kwargs["decode"] = tuple(normalize_url(url) for url in ns.decode)
+    return RouterArgs(**kwargs)
+
+
 # -------------------------------------------------------------- commands
 def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
@@ -99,6 +144,16 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return launch_server(args)
 
 
+def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        args = router_args_from_namespace(ns)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    from pdserve.router.app import launch_router
+
+    return launch_router(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: an SGLang-style LLM server "
                                      "built around prefill/decode disaggregation.")
@@ -108,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Launch an HTTP server: OpenAI and SGLang-native APIs.")
     add_server_args(serve)
     serve.set_defaults(handler=cmd_serve, subparser=serve)
+    router = sub.add_parser("router", help="launch a P/D router in front of prefill and decode servers",
+                            description="Send each request to a prefill and a decode server at once "
+                            "(bootstrap_host/port/room added) and return the decode server's answer.")
+    add_router_args(router)
+    router.set_defaults(handler=cmd_router, subparser=router)
     return parser
 
 

@@ -1,0 +1,111 @@
+"""RouterArgs: everything ``pdserve router`` is launched with (flag names follow sglang-router's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from pdserve.router.policy import POLICIES
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """One ``--prefill URL [BOOTSTRAP_PORT]``."""
+
+    url: str
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+
+    def __post_init__(self):
+        _check_url(self.url, "prefill")
+        _check_port(self.bootstrap_port, f"prefill {self.url}: bootstrap_port")
+
+    @classmethod
+    def parse(cls, values: list[str]) -> PrefillSpec:
+        """``["http://h:p"]`` or ``["http://h:p", "8998"]`` (argparse's ``nargs="+"``) -> PrefillSpec."""
+        if not 1 <= len(values) <= 2:
+            raise ValueError(f"prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(values)!r}")
+        if len(values) == 1:
+            return cls(normalize_url(values[0]))
+        if not values[1].isdigit():
+            raise ValueError(f"prefill {values[0]}: bootstrap_port must be an integer port, got {values[1]!r}")
+        return cls(normalize_url(values[0]), int(values[1]))
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    """A router's configuration; ``__post_init__`` names the field of any bad value."""
+
+    prefill: tuple[PrefillSpec, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 30000
+    policy: str = "least_load"
+    prefill_policy: str | None = None  # None: --policy
+    decode_policy: str | None = None
+    health_check_interval_secs: float = 5.0
+    health_check_timeout_secs: float = 5.0
+    worker_startup_timeout_secs: float = 600.0
+    worker_startup_check_interval: float = 1.0
+    request_timeout_secs: float = 1800.0
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not self.prefill:
+            raise ValueError("prefill: give at least one --prefill URL [BOOTSTRAP_PORT]")
+        if not self.decode:
+            raise ValueError("decode: give at least one --decode URL")
+        for url in self.decode:
+            _check_url(url, "decode")
+        _check_unique([p.url for p in self.prefill], "prefill")
+        _check_unique(list(self.decode), "decode")
+        _check_port(self.port, "port")
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in POLICIES:
+                raise ValueError(f"{name}: {value!r} is not one of {tuple(POLICIES)}")
+        for name in ("health_check_interval_secs", "health_check_timeout_secs", "worker_startup_timeout_secs",
+                     "worker_startup_check_interval", "request_timeout_secs"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
+
+    @property
+    def prefill_policy_name(self) -> str:
+        return self.prefill_policy or self.policy
+
+    @property
+    def decode_policy_name(self) -> str:
+        return self.decode_policy or self.policy
+
+
+def normalize_url(url: str) -> str:
+    return url.rstrip("/")
+
+
+def _check_url(url: str, field: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{field}: {url!r} is not an http(s)://HOST[:PORT] URL")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"{field}: {url!r} must be a server's base URL (no path or query)")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        raise ValueError(f"{field}: {url!r} has an invalid port") from None
+
+
+def _check_port(port: int, field: str) -> None:
+    if not 0 < port < 65536:
+        raise ValueError(f"{field}: must be in 1..65535, got {port}")
+
+
+def _check_unique(urls: list[str], field: str) -> None:
+    seen = set()
+    for url in urls:
+        if url in seen:
+            raise ValueError(f"{field}: {url} is listed twice")
+        seen.add(url)

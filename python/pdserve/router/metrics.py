@@ -1,0 +1,49 @@
+"""Prometheus metrics of the router (its own registry): requests and errors per worker,
+worker health and in-flight counts, requests refused for want of a healthy worker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pdserve.router.workers import Role, Worker, WorkerSet
+
+PREFIX = "pdserve_router:"
+LABELS = ["role", "worker"]
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "Requests sent to a worker", LABELS, registry=r)
+        self.errors = Counter(PREFIX + "worker_errors", "Failed requests to a worker, by kind "
+                              "(connect, status, timeout, broken)", LABELS + ["kind"], registry=r)
+        self.no_worker = Counter(PREFIX + "no_healthy_worker", "Requests refused (503): no healthy worker "
+                                 "of this role", ["role"], registry=r)
+        self.client_disconnects = Counter(PREFIX + "client_disconnects", "Clients that left before the "
+                                          "answer ended (their upstream requests were closed)", registry=r)
+        self.healthy = Gauge(PREFIX + "worker_healthy", "1 if the worker passes health checks", LABELS, registry=r)
+        self.in_flight = Gauge(PREFIX + "worker_in_flight", "Requests in flight on the worker", LABELS, registry=r)
+        self.dead = Gauge(PREFIX + "dead_workers", "Workers marked dead", ["role"], registry=r)
+
+    def request(self, worker: Worker) -> None:
+        self.requests.labels(worker.role.value, worker.url).inc()
+
+    def error(self, worker: Worker, kind: str) -> None:
+        self.errors.labels(worker.role.value, worker.url, kind).inc()
+
+    def refused(self, role: Role) -> None:
+        self.no_worker.labels(role.value).inc()
+
+    def render(self, sets: Sequence[WorkerSet]) -> bytes:
+        """The exposition text, with the worker gauges read from ``sets`` now."""
+        for s in sets:
+            for w in s.workers:
+                self.healthy.labels(w.role.value, w.url).set(int(w.healthy))
+                self.in_flight.labels(w.role.value, w.url).set(w.in_flight)
+            self.dead.labels(s.role.value).set(len(s.workers) - len(s.healthy))
+        return generate_latest(self.registry)

@@ -1,0 +1,155 @@
+"""The workers behind the router: their health, their in-flight counts, and the policy that picks among them.
+
+Everything here runs on the router's event loop (no locks): health flips and
+in-flight counts change only between awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.router.bootstrap import bootstrap_host
+from pdserve.router.policy import Candidate, Policy
+
+logger = logging.getLogger(__name__)
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class Worker:
+    """One upstream server. Invariant: ``in_flight >= 0``; a worker starts dead until a health check passes."""
+
+    url: str
+    role: Role
+    position: int  # index in its set's configured order
+    bootstrap_port: int | None = None  # prefill only
+    healthy: bool = False
+    in_flight: int = 0
+    last_error: str | None = None  # why it was last marked dead
+
+    @property
+    def bootstrap_host(self) -> str:
+        return bootstrap_host(self.url)
+
+    def info(self) -> dict:
+        d = {"url": self.url, "role": self.role.value, "healthy": self.healthy, "in_flight": self.in_flight,
+             "last_error": self.last_error}
+        if self.role is Role.PREFILL:
+            d["bootstrap_port"] = self.bootstrap_port
+        return d
+
+
+class NoHealthyWorker(Exception):
+    """No worker of ``role`` is alive; the message lists why each was marked dead."""
+
+    def __init__(self, role: Role, workers: Sequence[Worker]):
+        reasons = "; ".join(f"{w.url}: {w.last_error or 'not checked yet'}" for w in workers)
+        super().__init__(f"no healthy {role.value} worker ({reasons})")
+        self.role = role
+
+
+class Lease:
+    """One request's claim on a worker: counts toward its in-flight load until released (exactly once)."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.released = False
+        worker.in_flight += 1
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.worker.in_flight -= 1
+            assert self.worker.in_flight >= 0, f"{self.worker.url}: in-flight count went negative"
+
+
+class WorkerSet:
+    """The workers of one role and the policy choosing among the healthy ones."""
+
+    def __init__(self, role: Role, workers: Sequence[Worker], policy: Policy):
+        assert workers and all(w.role is role for w in workers)
+        self.role = role
+        self.workers = list(workers)
+        self.policy = policy
+
+    @property
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers if w.healthy]
+
+    def pick(self) -> Lease:
+        """A lease on the worker the policy picks; raises NoHealthyWorker when none is alive."""
+        alive = self.healthy
+        if not alive:
+            raise NoHealthyWorker(self.role, self.workers)
+        index = self.policy.pick([Candidate(w.position, w.url, w.in_flight) for w in alive])
+        return Lease(alive[index])
+
+    def mark_dead(self, worker: Worker, reason: str) -> None:
+        if worker.healthy:
+            logger.warning("%s worker %s marked dead: %s", self.role.value, worker.url, reason)
+        worker.healthy = False
+        worker.last_error = reason
+
+    def mark_alive(self, worker: Worker) -> None:
+        if not worker.healthy:
+            logger.info("%s worker %s is healthy", self.role.value, worker.url)
+        worker.healthy = True
+
+
+def make_worker_set(role: Role, urls: Sequence[str], policy: Policy,
+                    bootstrap_ports: Sequence[int | None] | None = None) -> WorkerSet:
+    ports = bootstrap_ports or [None] * len(urls)
+    return WorkerSet(role, [Worker(u, role, i, p) for i, (u, p) in enumerate(zip(urls, ports))], policy)
+
+
+# A probe returns None when the worker is healthy, else why not.
+Probe = Callable[[Worker], Awaitable[str | None]]
+
+
+class HealthChecker:
+    """Probes every worker of every set; a failed probe marks a worker dead, a passed one alive again."""
+
+    def __init__(self, sets: Sequence[WorkerSet], probe: Probe, interval_s: float):
+        self.sets = list(sets)
+        self.probe = probe
+        self.interval_s = interval_s
+
+    async def check_all(self) -> None:
+        pairs = [(s, w) for s in self.sets for w in s.workers]
+        results = await asyncio.gather(*(self.probe(w) for _, w in pairs))
+        for (s, w), reason in zip(pairs, results):
+            if reason is None:
+                s.mark_alive(w)
+            else:
+                s.mark_dead(w, reason)
+
+    def ready(self) -> bool:
+        """Every set has a healthy worker (the router can serve)."""
+        return all(s.healthy for s in self.sets)
+
+    async def wait_ready(self, timeout_s: float, interval_s: float) -> None:
+        """Probe until every set has a healthy worker; TimeoutError (naming the side) after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self.check_all()
+            if self.ready():
+                return
+            if loop.time() >= deadline:
+                missing = next(s for s in self.sets if not s.healthy)
+                raise TimeoutError(f"{NoHealthyWorker(missing.role, missing.workers)} after {timeout_s:g} s")
+            await asyncio.sleep(min(interval_s, max(0.0, deadline - loop.time())))
+
+    async def run(self) -> None:
+        """Check forever, every ``interval_s`` (cancel to stop)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_all()

@@ -1,0 +1,264 @@
+"""Test helpers: a ``pdserve router`` subprocess, and a real aiohttp echo worker on loopback.
+
+The echo worker is a real HTTP server that answers like a tiny pdserve worker and
+records what reached it, so tests can check exactly what the router sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from aiohttp import web
+
+from entrypoints.server_utils import free_port
+
+ROUTER_STARTUP_TIMEOUT_S = 60.0
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "condition"):
+    """Poll ``condition()`` until it is truthy; returns its value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not true after {timeout} s")
+
+
+class Router:
+    """A ``python -m pdserve router`` subprocess in its own session; ``url`` once ``start()`` returns."""
+
+    def __init__(self, prefill: list[str | tuple[str, int]], decode: list[str], *flags: str,
+                 module: str = "pdserve"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", module, *(["router"] if module == "pdserve" else [])]
+        for p in prefill:
+            cmd += ["--prefill", *([p] if isinstance(p, str) else [p[0], str(p[1])])]
+        for d in decode:
+            cmd += ["--decode", d]
+        self.cmd = [*cmd, "--port", str(self.port), "--log-level", "info", *flags]
+        self.log = tempfile.NamedTemporaryFile(prefix="pdserve-router-test-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = ROUTER_STARTUP_TIMEOUT_S) -> Router:
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                httpx.get(self.url + "/health", timeout=2)
+                return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"router not listening after {timeout} s:\n{self.output()}")
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=kw.pop("timeout", 60), **kw)
+
+    def worker_state(self, url: str) -> dict:
+        info = self.get("/get_server_info").json()
+        return next(w for w in info["prefill"] + info["decode"] if w["url"] == url)
+
+    def wait_health(self, url: str, healthy: bool, timeout: float = 30.0) -> None:
+        """Poll until the router's view of worker ``url`` is ``healthy``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.worker_state(url)["healthy"] == healthy:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"router still sees {url} as healthy={not healthy} after {timeout} s")
+
+    def metric(self, name: str, **labels) -> float:
+        """One sample of the router's /metrics (0 if absent)."""
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # the exposition sorts them
+        for line in self.get("/metrics").text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == (f"{name}{{{want}}}" if want else name):
+                return float(value)
+        return 0.0
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        """Signal, wait, then SIGKILL the session if needed; returns the exit code the signal produced."""
+        code = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                code = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        if not self.log.closed:
+            self.log.close()
+            os.unlink(self.log.name)
+        return code
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    body: dict | None
+    headers: dict
+
+
+@dataclass
+class EchoWorker:
+    """A real aiohttp server on 127.0.0.1 (own thread and loop) standing in for a pdserve worker.
+
+    Generation routes answer ``{"worker": name, "body": <the body received>}``, or with
+    ``"stream": true`` SSE events ``{"worker": name, "i": i}`` (``echo_chunks`` of them).
+    ``"echo_hold": true`` keeps a stream open, sending SSE comments until the client leaves
+    (without ``stream``: answers nothing until then), which is recorded in ``disconnects``.
+    ``health_status`` / ``fail_status`` make it sick.
+    """
+
+    name: str
+    port: int = field(default_factory=free_port)
+    health_status: int = 200
+    fail_status: int | None = None  # answer generation requests with this error status
+    received: list[Received] = field(default_factory=list)
+    disconnects: list[dict] = field(default_factory=list)  # bodies of streams whose client left
+    open_holds: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reset(self) -> None:
+        self.health_status, self.fail_status = 200, None
+        self.received.clear()
+        self.disconnects.clear()
+
+    def generation_bodies(self) -> list[dict]:
+        return [r.body for r in self.received if r.method == "POST" and r.path != "/flush_cache"]
+
+    # -------------------------------------------------------------- server
+    def start(self) -> EchoWorker:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"echo-{self.name}", daemon=True)
+        self._thread.start()
+        self._call(self._start())
+        return self
+
+    def stop(self) -> None:
+        """Close the listening socket and every connection (new connections are refused)."""
+        self._call(self._runner.cleanup())
+
+    def close(self) -> None:
+        self.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def restart(self) -> None:
+        self._call(self._start())
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        for path in ("/get_server_info", "/server_info", "/model_info", "/get_model_info", "/v1/models"):
+            app.router.add_get(path, self._info)
+        app.router.add_post("/flush_cache", self._flush)
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._generate)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+
+    # ------------------------------------------------------------ handlers
+    def _record(self, request: web.Request, body: dict | None) -> None:
+        self.received.append(Received(request.method, request.path, body, dict(request.headers)))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        return web.Response(status=self.health_status)
+
+    async def _info(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        return web.json_response({"worker": self.name, "path": request.path,
+                                  "internal_states": [{"worker": self.name}]})
+
+    async def _flush(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        if self.fail_status:
+            return web.json_response({"error": {"message": f"{self.name} is busy"}}, status=self.fail_status)
+        return web.json_response({"success": True, "message": f"{self.name} flushed"})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self._record(request, body)
+        if self.fail_status:
+            return web.json_response({"error": {"message": f"{self.name} failed", "worker": self.name}},
+                                     status=self.fail_status)
+        if body.get("stream"):
+            return await self._stream(request, body)
+        if body.get("echo_hold"):
+            return await self._hold_reply(request, body)
+        return web.json_response({"worker": self.name, "body": body})
+
+    async def _hold_reply(self, request: web.Request, body: dict) -> web.Response:
+        """Answer nothing until the client closes the connection (recorded in ``disconnects``)."""
+        self.open_holds += 1
+        try:
+            while request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.05)
+            self.disconnects.append(body)
+        finally:
+            self.open_holds -= 1
+        return web.Response(status=499)
+
+    async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(body.get("echo_chunks", 3)):
+                await resp.write(b"data: " + json.dumps({"worker": self.name, "i": i}).encode() + b"\n\n")
+                await asyncio.sleep(body.get("echo_delay", 0))
+            if body.get("echo_hold"):
+                await self._hold(resp)
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionError:
+            self.disconnects.append(body)
+        except asyncio.CancelledError:
+            self.disconnects.append(body)
+            raise
+        return resp
+
+    async def _hold(self, resp: web.StreamResponse) -> None:
+        self.open_holds += 1
+        try:
+            while True:  # a write to a closed connection raises: that is how the client's leaving shows
+                await resp.write(b": hold\n\n")
+                await asyncio.sleep(0.05)
+        finally:
+            self.open_holds -= 1

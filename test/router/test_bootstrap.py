@@ -1,0 +1,64 @@
+"""Bootstrap fields added to a request body (SGLang's wire format; batches get lists)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from pdserve.router.bootstrap import batch_size, bootstrap_host, with_bootstrap
+
+
+@pytest.mark.parametrize("body,size", [
+    ({"text": "hi"}, None),
+    ({"text": ["a", "b", "c"]}, 3),
+    ({"input_ids": [1, 2, 3]}, None),  # one tokenized prompt
+    ({"input_ids": [[1, 2], [3]]}, 2),
+    ({"prompt": "hi"}, None),
+    ({"prompt": ["a", "b"]}, 2),
+    ({"prompt": [5, 6, 7]}, None),
+    ({"prompt": [[5], [6], [7], [8]]}, 4),
+    ({"text": []}, None),  # empty: the worker rejects it with its own error
+    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, None),
+])
+def test_batch_size(body, size):
+    assert batch_size(body) == size
+
+
+def test_single_request_gets_scalar_fields_and_keeps_the_body():
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}, "bootstrap_room": 1}
+    before = copy.deepcopy(body)
+    out = with_bootstrap(body, "10.0.0.5", 9000, random.Random(0))
+    assert body == before  # the caller's body is not changed
+    assert out["bootstrap_host"] == "10.0.0.5" and out["bootstrap_port"] == 9000
+    assert isinstance(out["bootstrap_room"], int) and 0 <= out["bootstrap_room"] < 2**63
+    assert out["bootstrap_room"] != 1  # a client-sent room is replaced
+    assert {k: v for k, v in out.items() if not k.startswith("bootstrap_")} == \
+        {k: v for k, v in body.items() if not k.startswith("bootstrap_")}
+
+
+def test_batch_gets_one_room_per_prompt():
+    out = with_bootstrap({"text": ["a", "b", "c"]}, "h", 8998, random.Random(0))
+    assert out["bootstrap_host"] == ["h"] * 3 and out["bootstrap_port"] == [8998] * 3
+    rooms = out["bootstrap_room"]
+    assert len(rooms) == 3 and len(set(rooms)) == 3
+    assert all(isinstance(r, int) and 0 <= r < 2**63 for r in rooms)
+
+
+def test_rooms_use_all_63_bits_and_are_reproducible():
+    rng = random.Random(1)
+    rooms = [with_bootstrap({"text": "x"}, "h", 1, rng)["bootstrap_room"] for _ in range(200)]
+    assert max(rooms) >= 2**62  # the top bit is used (probability of failure ~2**-200)
+    again = random.Random(1)
+    assert rooms == [with_bootstrap({"text": "x"}, "h", 1, again)["bootstrap_room"] for _ in range(200)]
+
+
+@pytest.mark.parametrize("url,host", [
+    ("http://127.0.0.1:30000", "127.0.0.1"),
+    ("http://prefill-0.svc:8080", "prefill-0.svc"),
+    ("http://[::1]:30000", "[::1]"),
+    ("https://example.org", "example.org"),
+])
+def test_bootstrap_host(url, host):
+    assert bootstrap_host(url) == host

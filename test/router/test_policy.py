@@ -1,0 +1,72 @@
+"""Worker-choice policies: pure functions of the candidates (and a seeded RNG)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from pdserve.router.policy import POLICIES, Candidate, LeastLoadPolicy, RandomPolicy, RoundRobinPolicy, make_policy
+
+
+def cands(*loads: int, positions: list[int] | None = None) -> list[Candidate]:
+    positions = positions if positions is not None else list(range(len(loads)))
+    return [Candidate(p, f"http://w{p}", load) for p, load in zip(positions, loads)]
+
+
+def test_random_covers_every_candidate_and_nothing_else():
+    policy = RandomPolicy(random.Random(0))
+    picks = Counter(policy.pick(cands(0, 0, 0)) for _ in range(300))
+    assert set(picks) == {0, 1, 2}
+    assert min(picks.values()) > 50  # 300 draws over 3: each far from starved
+
+
+def test_random_is_reproducible_with_a_seed():
+    a, b = RandomPolicy(random.Random(7)), RandomPolicy(random.Random(7))
+    assert [a.pick(cands(0, 0, 0, 0)) for _ in range(20)] == [b.pick(cands(0, 0, 0, 0)) for _ in range(20)]
+
+
+def test_round_robin_cycles_in_configuration_order():
+    policy = RoundRobinPolicy(random.Random(0))
+    assert [policy.pick(cands(5, 0, 9)) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_round_robin_skips_a_dead_worker_without_repeating_the_others():
+    policy = RoundRobinPolicy(random.Random(0))
+    all3 = cands(0, 0, 0)
+    without_1 = cands(0, 0, positions=[0, 2])
+    picks = [all3[policy.pick(all3)].position]  # 0
+    picks.append(without_1[policy.pick(without_1)].position)  # 1 is dead: 2
+    picks.append(without_1[policy.pick(without_1)].position)  # wraps: 0
+    picks.append(all3[policy.pick(all3)].position)  # 1 is back and next in order
+    picks.append(all3[policy.pick(all3)].position)
+    assert picks == [0, 2, 0, 1, 2]
+
+
+def test_round_robin_when_the_last_picked_worker_dies():
+    policy = RoundRobinPolicy(random.Random(0))
+    all3 = cands(0, 0, 0)
+    for _ in range(2):
+        policy.pick(all3)  # last picked: position 1
+    without_1 = cands(0, 0, positions=[0, 2])
+    assert without_1[policy.pick(without_1)].position == 2
+
+
+def test_least_load_picks_the_minimum():
+    policy = LeastLoadPolicy(random.Random(0))
+    for _ in range(50):
+        assert policy.pick(cands(3, 1, 2, 5)) == 1
+
+
+def test_least_load_breaks_ties_at_random_among_the_least_only():
+    policy = LeastLoadPolicy(random.Random(0))
+    picks = Counter(policy.pick(cands(2, 0, 4, 0, 0)) for _ in range(300))
+    assert set(picks) == {1, 3, 4}
+
+
+def test_make_policy_names_the_bad_value():
+    assert set(POLICIES) == {"random", "round_robin", "least_load"}
+    assert isinstance(make_policy("least_load", random.Random(0)), LeastLoadPolicy)
+    with pytest.raises(ValueError, match="policy: 'cache_aware'"):
+        make_policy("cache_aware", random.Random(0))

@@ -1,0 +1,79 @@
+"""``pdserve router`` flags -> RouterArgs (sglang-router's shape), and bad flags exit 2 naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.entrypoints.cli import build_parser, router_args_from_namespace
+from pdserve.router.config import PrefillSpec, RouterArgs
+
+
+def parse(*argv: str) -> RouterArgs:
+    return router_args_from_namespace(build_parser().parse_args(["router", *argv]))
+
+
+def test_flags_map_to_router_args():
+    args = parse("--prefill", "http://10.0.0.1:30000", "9000", "--prefill", "http://10.0.0.2:30000/",
+                 "--decode", "http://10.0.0.3:30001", "--decode", "http://10.0.0.4:30001",
+                 "--host", "0.0.0.0", "--port", "8000", "--policy", "round_robin", "--decode-policy", "least_load",
+                 "--health-check-interval-secs", "2", "--health-check-timeout-secs", "1",
+                 "--worker-startup-timeout-secs", "30", "--worker-startup-check-interval", "0.5",
+                 "--request-timeout-secs", "60", "--log-level", "debug")
+    assert args == RouterArgs(
+        prefill=(PrefillSpec("http://10.0.0.1:30000", 9000), PrefillSpec("http://10.0.0.2:30000", 8998)),
+        decode=("http://10.0.0.3:30001", "http://10.0.0.4:30001"), host="0.0.0.0", port=8000,
+        policy="round_robin", decode_policy="least_load", health_check_interval_secs=2.0,
+        health_check_timeout_secs=1.0, worker_startup_timeout_secs=30.0, worker_startup_check_interval=0.5,
+        request_timeout_secs=60.0, log_level="debug")
+    assert (args.prefill_policy_name, args.decode_policy_name) == ("round_robin", "least_load")
+
+
+def test_defaults():
+    args = parse("--prefill", "http://p:1", "--decode", "http://d:2")
+    assert args == RouterArgs(prefill=(PrefillSpec("http://p:1", 8998),), decode=("http://d:2",))
+    assert args.policy == "least_load" and args.health_check_interval_secs == 5.0
+
+
+P, D = ["--prefill", "http://p:1"], ["--decode", "http://d:2"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prefill", "http://p:1", "x", *D], "prefill http://p:1: bootstrap_port must be an integer port, got 'x'"),
+    (["--prefill", "http://p:1", "70000", *D], "prefill http://p:1: bootstrap_port: must be in 1..65535"),
+    (["--prefill", "http://p:1", "1", "2", *D], "prefill: expected URL [BOOTSTRAP_PORT]"),
+    (["--prefill", "p:1", *D], "prefill: 'p:1' is not an http(s)://HOST[:PORT] URL"),
+    (["--prefill", "http://p:1/v1", *D], "prefill: 'http://p:1/v1' must be a server's base URL"),
+    ([*P, "--decode", "http://d:99999"], "decode: 'http://d:99999' has an invalid port"),
+    ([*P, *D, *D], "decode: http://d:2 is listed twice"),
+    ([*P, *D, "--port", "0"], "port: must be in 1..65535, got 0"),
+    ([*P, *D, "--health-check-interval-secs", "0"], "health_check_interval_secs: must be > 0"),
+])
+def test_bad_values_name_the_field(argv, message):
+    with pytest.raises(ValueError) as e:
+        parse(*argv)
+    assert message in str(e.value)
+
+
+def _run(*argv: str, module: str = "pdserve") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_exits_2_naming_the_field():
+    proc = _run("router", "--prefill", "http://p:1", "abc", "--decode", "http://d:2")
+    assert proc.returncode == 2
+    assert "bootstrap_port must be an integer port" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _run("router", "--prefill", "http://p:1")  # --decode is required
+    assert proc.returncode == 2 and "--decode" in proc.stderr
+    proc = _run("--policy", "cache_aware", "--prefill", "http://p:1", "--decode", "http://d:2",
+                module="pdserve.router")
+    assert proc.returncode == 2 and "cache_aware" in proc.stderr
+
+
+def test_both_entry_points_show_the_router_flags():
+    for out in (_run("router", "--help").stdout, _run("--help", module="pdserve.router").stdout):
+        for flag in ("--prefill URL [BOOTSTRAP_PORT", "--decode URL", "--prefill-policy", "--decode-policy",
+                     "--health-check-interval-secs", "--worker-startup-timeout-secs"):
+            assert flag in out

@@ -1,0 +1,340 @@
+"""``pdserve router`` (a real subprocess) in front of real aiohttp echo workers on loopback,
+which record exactly what reached them: bootstrap fields, relaying, errors, health, policies,
+disconnects, info routes, start-up and shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from router_utils import EchoWorker, Router, wait_for
+
+from entrypoints.server_utils import free_port, port_is_free
+
+FAST_HEALTH = ("--health-check-interval-secs", "0.1", "--health-check-timeout-secs", "2")
+
+
+@pytest.fixture(scope="module")
+def echo():
+    workers = {name: EchoWorker(name).start() for name in ("p1", "p2", "d1", "d2")}
+    yield workers
+    for w in workers.values():
+        w.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset(echo):
+    for w in echo.values():
+        w.reset()
+
+
+@pytest.fixture
+def make_router():
+    routers = []
+
+    def make(prefill, decode, *flags) -> Router:
+        r = Router(prefill, decode, *flags)
+        routers.append(r)
+        return r.start()
+
+    yield make
+    for r in routers:
+        assert r.stop() in (0, None), r.output()  # None: the test already stopped it
+
+
+def bodies(worker: EchoWorker, n: int) -> list[dict]:
+    """The generation bodies ``worker`` got, once there are ``n`` (prefill's half may land after decode answered)."""
+    wait_for(lambda: len(worker.generation_bodies()) >= n, what=f"{worker.name} got {n} requests")
+    assert len(worker.generation_bodies()) == n
+    return worker.generation_bodies()
+
+
+def next_event(lines) -> dict:
+    """The next SSE data event from ``lines`` (keep ``lines`` referenced: dropping a half-read
+    httpx line iterator closes the connection, which is a client leaving)."""
+    return json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+
+
+def events(response: httpx.Response) -> list:
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            out.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+# ------------------------------------------------------------ bootstrap
+def test_bootstrap_fields_reach_both_and_decode_answers(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([(p1.url, 9100)], [d1.url])
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 4}, "rid": "r1"}
+    r = router.post("/generate", json=body, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200
+    assert r.json()["worker"] == "d1"
+    (sent_p,), (sent_d,) = bodies(p1, 1), bodies(d1, 1)
+    assert sent_p == sent_d == r.json()["body"]  # the same body, the same room, to both
+    assert {k: v for k, v in sent_d.items() if not k.startswith("bootstrap_")} == body
+    assert sent_d["bootstrap_host"] == "127.0.0.1" and sent_d["bootstrap_port"] == 9100
+    assert isinstance(sent_d["bootstrap_room"], int) and 0 <= sent_d["bootstrap_room"] < 2**63
+    assert all(rec.headers.get("Authorization") == "Bearer k" for rec in p1.received + d1.received
+               if rec.method == "POST")
+
+
+@pytest.mark.parametrize("path,body,batch", [
+    ("/generate", {"text": ["a", "b", "c"]}, 3),
+    ("/generate", {"input_ids": [[1, 2], [3]]}, 2),
+    ("/generate", {"input_ids": [1, 2, 3]}, None),
+    ("/v1/completions", {"prompt": ["x", "y"], "max_tokens": 2}, 2),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, None),
+])
+def test_batches_get_one_room_per_prompt(echo, make_router, path, body, batch):
+    router = make_router([(echo["p1"].url, 9100)], [echo["d1"].url])
+    assert router.post(path, json=body).status_code == 200
+    (sent_p,), (sent_d,) = bodies(echo["p1"], 1), bodies(echo["d1"], 1)
+    assert sent_p == sent_d
+    if batch is None:
+        assert isinstance(sent_d["bootstrap_room"], int) and sent_d["bootstrap_port"] == 9100
+    else:
+        assert sent_d["bootstrap_host"] == ["127.0.0.1"] * batch and sent_d["bootstrap_port"] == [9100] * batch
+        assert len(set(sent_d["bootstrap_room"])) == batch
+
+
+def test_round_robin_on_both_sides_and_bootstrap_of_the_chosen_prefill(echo, make_router):
+    p1, p2, d1, d2 = (echo[n] for n in ("p1", "p2", "d1", "d2"))
+    router = make_router([(p1.url, 9101), (p2.url, 9102)], [d1.url, d2.url], "--policy", "round_robin")
+    answered = [router.post("/generate", json={"text": f"t{i}"}).json()["worker"] for i in range(4)]
+    assert answered == ["d1", "d2", "d1", "d2"]
+    assert [b["text"] for b in bodies(p1, 2)] == ["t0", "t2"]
+    assert [b["text"] for b in bodies(p2, 2)] == ["t1", "t3"]
+    assert {b["bootstrap_port"] for b in p1.generation_bodies()} == {9101}
+    assert {b["bootstrap_port"] for b in p2.generation_bodies()} == {9102}
+
+
+def test_prefill_and_decode_policies_apart(echo, make_router):
+    p1, p2, d1, d2 = (echo[n] for n in ("p1", "p2", "d1", "d2"))
+    router = make_router([p1.url, p2.url], [d1.url, d2.url], "--policy", "random",
+                         "--prefill-policy", "round_robin")
+    for i in range(4):
+        assert router.post("/generate", json={"text": f"t{i}"}).status_code == 200
+    assert [b["text"] for b in bodies(p1, 2)] == ["t0", "t2"]  # round robin
+    assert {b["bootstrap_port"] for b in bodies(p1, 2) + bodies(p2, 2)} == {8998}  # the default port
+    info = router.get("/get_server_info").json()
+    assert info["policy"] == {"prefill": "round_robin", "decode": "random"}
+
+
+# ------------------------------------------------------------- relaying
+def test_stream_is_relayed_as_decode_sent_it(echo, make_router):
+    router = make_router([echo["p1"].url], [echo["d1"].url])
+    body = {"text": "s", "stream": True, "echo_chunks": 4}
+    with httpx.stream("POST", router.url + "/generate", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        via_router = r.read()
+    with httpx.stream("POST", echo["d1"].url + "/generate", json=body, timeout=30) as r:
+        direct = r.read()
+    assert via_router == direct
+    assert [e for e in events(httpx.Response(200, content=via_router))] == \
+        [{"worker": "d1", "i": i} for i in range(4)] + ["[DONE]"]
+
+
+def test_stream_is_not_buffered_and_a_client_leaving_closes_both_upstreams(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    body = {"text": "hold", "stream": True, "echo_chunks": 2, "echo_hold": True}
+    with httpx.stream("POST", router.url + "/generate", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        # decode holds the stream open after two events: they arrive only if nothing is buffered
+        got = [next_event(lines), next_event(lines)]
+        assert got == [{"worker": "d1", "i": 0}, {"worker": "d1", "i": 1}]
+        assert router.worker_state(d1.url)["in_flight"] == 1
+    wait_for(lambda: len(d1.disconnects) == 1 and len(p1.disconnects) == 1, what="both upstreams closed")
+    wait_for(lambda: router.worker_state(d1.url)["in_flight"] == 0 == router.worker_state(p1.url)["in_flight"],
+             what="leases released")
+    assert router.metric("pdserve_router:client_disconnects_total") == 1
+
+
+def test_a_client_leaving_before_the_answer_closes_both_upstreams(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up: its connection closes
+        router.post("/generate", json={"text": "hold", "echo_hold": True}, timeout=1)
+    wait_for(lambda: len(d1.disconnects) == 1 and len(p1.disconnects) == 1, what="both upstreams closed")
+    wait_for(lambda: router.worker_state(d1.url)["in_flight"] == 0 == router.worker_state(p1.url)["in_flight"],
+             what="leases released")
+    assert router.metric("pdserve_router:client_disconnects_total") == 1
+
+
+def test_decode_status_and_body_reach_the_client(echo, make_router):
+    d1 = echo["d1"]
+    router = make_router([echo["p1"].url], [d1.url])
+    d1.fail_status = 422
+    r = router.post("/generate", json={"text": "x", "stream": True})
+    assert r.status_code == 422
+    assert r.json() == {"error": {"message": "d1 failed", "worker": "d1"}}
+
+
+def test_prefill_failure_is_logged_and_decode_still_answers(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    p1.fail_status = 500
+    r = router.post("/generate", json={"text": "x"})
+    assert r.status_code == 200 and r.json()["worker"] == "d1"
+    wait_for(lambda: router.metric("pdserve_router:worker_errors_total", role="prefill", worker=p1.url,
+                                   kind="http_5xx") == 1, what="prefill error counted")
+    assert f"prefill worker {p1.url}: /generate answered 500" in router.output()
+
+
+def test_bad_bodies_are_refused_before_any_worker(echo, make_router):
+    router = make_router([echo["p1"].url], [echo["d1"].url])
+    r = router.post("/generate", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = router.post("/v1/completions", json=["a list"])
+    assert r.status_code == 400 and r.json()["error"]["message"] == "request body: must be a JSON object"
+    assert echo["p1"].generation_bodies() == [] and echo["d1"].generation_bodies() == []
+
+
+# ---------------------------------------------------------------- health
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_worker_failing_health_is_not_routed_to_and_503_names_the_side(echo, make_router, side):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url], *FAST_HEALTH)
+    sick = d1 if side == "decode" else p1
+    sick.health_status = 503
+    router.wait_health(sick.url, False)
+    r = router.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable"
+    assert err["message"] == f"no healthy {side} worker ({sick.url}: GET /health answered 503)"
+    assert p1.generation_bodies() == [] and d1.generation_bodies() == []
+    assert router.get("/health").status_code == 503
+    assert router.metric("pdserve_router:dead_workers", role=side) == 1
+    assert router.metric("pdserve_router:no_healthy_worker_total", role=side) == 1
+    sick.health_status = 200
+    router.wait_health(sick.url, True)
+    assert router.post("/generate", json={"text": "back"}).json()["worker"] == "d1"
+    assert router.get("/health").status_code == 200
+
+
+def test_a_decode_refusing_connections_is_marked_dead_and_the_request_retried(echo, make_router):
+    victim = EchoWorker("victim").start()
+    try:
+        router = make_router([echo["p1"].url], [victim.url, echo["d1"].url], "--policy", "round_robin",
+                             "--health-check-interval-secs", "600")  # only the failed request can tell
+        victim.stop()  # connections are now refused
+        r = router.post("/generate", json={"text": "x"})
+        assert r.status_code == 200 and r.json()["worker"] == "d1"
+        state = router.worker_state(victim.url)
+        assert not state["healthy"] and state["last_error"].startswith("connection failed")
+        assert router.metric("pdserve_router:worker_errors_total", role="decode", worker=victim.url,
+                             kind="connect") == 1
+        assert [router.post("/generate", json={"text": "y"}).json()["worker"] for _ in range(3)] == ["d1"] * 3
+        assert router.metric("pdserve_router:requests_total", role="decode", worker=victim.url) == 1
+    finally:
+        victim.close()
+
+
+def test_least_load_avoids_the_busy_decode(echo, make_router):
+    router = make_router([echo["p1"].url], [echo["d1"].url, echo["d2"].url], "--policy", "least_load")
+    body = {"text": "hold", "stream": True, "echo_chunks": 1, "echo_hold": True}
+    with httpx.stream("POST", router.url + "/generate", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        busy = next_event(lines)["worker"]
+        others = {router.post("/generate", json={"text": f"t{i}"}).json()["worker"] for i in range(6)}
+        assert others == {"d1", "d2"} - {busy}
+
+
+# ----------------------------------------------------------- info routes
+def test_info_routes(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([(p1.url, 9100)], [d1.url])
+    for path in ("/v1/models", "/model_info", "/get_model_info"):
+        assert router.get(path).json() == {"worker": "d1", "path": path, "internal_states": [{"worker": "d1"}]}
+    assert router.get("/health").status_code == 200
+    info = router.get("/get_server_info").json()
+    assert info["prefill"] == [{"url": p1.url, "role": "prefill", "healthy": True, "in_flight": 0,
+                                "last_error": None, "bootstrap_port": 9100,
+                                "server_info": {"worker": "p1", "path": "/get_server_info",
+                                                "internal_states": [{"worker": "p1"}]}}]
+    assert info["decode"][0]["url"] == d1.url and info["decode"][0]["server_info"]["worker"] == "d1"
+    assert info["internal_states"] == [{"worker": "d1"}]
+    assert router.get("/server_info").json()["prefill"][0]["url"] == p1.url
+
+
+def test_flush_cache_reaches_every_worker(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    r = router.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert [w["message"] for w in r.json()["workers"]] == ["p1 flushed", "d1 flushed"]
+    d1.fail_status = 400
+    r = router.post("/flush_cache")
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert r.json()["error"]["message"] == f"flush_cache: failed on decode {d1.url} (400: d1 is busy)"
+
+
+def test_metrics_count_requests_per_worker(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    for _ in range(3):
+        router.post("/generate", json={"text": "x"})
+    assert router.metric("pdserve_router:requests_total", role="decode", worker=d1.url) == 3
+    assert router.metric("pdserve_router:requests_total", role="prefill", worker=p1.url) == 3
+    assert router.metric("pdserve_router:worker_healthy", role="decode", worker=d1.url) == 1
+    assert router.metric("pdserve_router:dead_workers", role="decode") == 0
+
+
+# -------------------------------------------------------- start and stop
+def _router_cmd(prefill: str, decode: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve", "router", "--prefill", prefill, "--decode", decode,
+            "--port", str(free_port()), *flags]
+
+
+def test_startup_gives_up_naming_the_missing_side(echo):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.run(_router_cmd(echo["p1"].url, dead, "--worker-startup-timeout-secs", "1",
+                                      "--worker-startup-check-interval", "0.2"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"no healthy decode worker ({dead}: GET /health failed" in proc.stderr
+    assert "after 1 s" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_waiting_for_workers_exits_0(echo, sig):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(_router_cmd(dead, echo["d1"].url), stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: len([r for r in echo["d1"].received if r.path == "/health"]) >= 1, what="first check")
+        proc.send_signal(sig)
+        assert proc.wait(15) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_busy_port_exits_1(echo, make_router):
+    router = make_router([echo["p1"].url], [echo["d1"].url])
+    proc = subprocess.run([*_router_cmd(echo["p1"].url, echo["d1"].url), "--port", str(router.port)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"port: cannot bind 127.0.0.1:{router.port}" in proc.stderr
+
+
+def test_sigterm_while_streaming_closes_upstreams_and_frees_the_port(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    body = {"text": "hold", "stream": True, "echo_chunks": 1, "echo_hold": True}
+    with httpx.stream("POST", router.url + "/generate", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next_event(lines)
+        assert router.stop(signal.SIGTERM) == 0
+        with pytest.raises(httpx.RemoteProtocolError):
+            list(lines)  # the router cut the held stream off when its graceful-shutdown time ran out
+    assert len(d1.disconnects) == 1 and len(p1.disconnects) == 1
+    assert port_is_free(router.port)
