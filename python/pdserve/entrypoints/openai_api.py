@@ -168,8 +168,8 @@ async def _completion_prompts(tm: TokenizerManager, prompt) -> tuple[list[list[i
             raise RequestError("prompt: this server has no tokenizer; send token ids", param="prompt")
         for i, t in enumerate(texts):
             if not t:
-                raise RequestError(f"prompt{'' if isinstance(prompt, str) else f'[{i}]'}: the prompt is empty",
-                                   param="prompt")
+                name = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                raise RequestError(f"{name}: the prompt is empty", param=name)
         return [await tm.encode(t) for t in texts], list(texts)
     if not prompt:
         raise RequestError("prompt: the prompt is empty", param="prompt")
