@@ -44,11 +44,11 @@ async def sse_events(first, gen: AsyncIterator, render: Callable[[object], list[
     reaches ``gen``, whose cleanup aborts the request.
     """
     try:
-        for event in render(first):
-            yield event
+        yield b"".join(render(first))
         async for item in gen:
-            for event in render(item):
-                yield event
+            events = render(item)
+            if events:  # one write per wake-up, however many events it makes
+                yield b"".join(events)
         for event in tail():
             yield event
     except RequestError as e:
