@@ -137,7 +137,7 @@ def _chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
     """Top-k per token when chat logprobs are asked for, else None."""
     if req.top_logprobs is not None:
         _check_top_k(req.top_logprobs, "top_logprobs")
-        if not req.logprobs:
+        if req.top_logprobs and not req.logprobs:
             raise RequestError("top_logprobs: needs logprobs: true", param="top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 

@@ -130,6 +130,7 @@ class TokenizerManager:
         self.metrics = metrics
         self.limits: RequestLimits | None = None
         self.healthy = False
+        self.closing = False  # set at shutdown: new requests get a 503
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self.scheduler: SchedulerProcess | None = None
@@ -278,8 +279,11 @@ class TokenizerManager:
         """Abort everything and end every in-flight request now, without waiting for the
         scheduler (it may be inside a long step): a stream gets a final chunk with
         finish_reason abort, a non-streaming request a ServerError (503)."""
+        self.closing = True
         self.abort_all()
         for state in self._reqs.values():
+            if state.last is not None and state.last.finished:
+                continue  # its real end is already queued for it
             if state.streaming:
                 last = state.last
                 done, cached = (last.completion_tokens, last.cached_tokens) if last else (0, 0)
@@ -361,6 +365,8 @@ class TokenizerManager:
     def _check_healthy(self) -> None:
         if not self.healthy:
             raise ServerError(self.fatal_error or "server is not ready")
+        if self.closing:
+            raise ServerError("server is shutting down")
 
     def _try_send(self, msg) -> bool:
         try:
