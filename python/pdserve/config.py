@@ -232,11 +232,14 @@ class ServerArgs:
     enable_dp_attention: bool = False
     num_threads: int | None = None
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
+    max_request_bytes: int = 32 << 20  # larger HTTP request bodies are refused (413) before parsing
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {self.stream_interval}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
         # Building the parts validates every field they own.

@@ -71,7 +71,8 @@ def test_logprobs_are_log_softmax_of_raw_logits():
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2.0),
-    ("max_new_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]), ("n", 2),
+    ("max_new_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]), ("n", 0),
+    ("seed", 1 << 64), ("seed", -(1 << 63) - 1),
 ])
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"sampling_params.{field}"):

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pdserve.config import resolve_model_path
-from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, output_text
+from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer, output_text, text_decoder
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +49,15 @@ def test_stop_string_is_held_back_and_cut(tokenizer):
         pieces = _stream(tokenizer, ids, random.Random(seed), stop=["STOP"], reason=reason)
         assert not any("S" in p and "T" in p for p in pieces)
         assert "".join(pieces) == output_text(tokenizer, ids, reason) == "alpha beta "
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek", "tiny-llama", "tiny-qwen3-moe"])
+def test_text_decoder_equals_tokenizer_decode(preset):
+    """The streaming fast path (the Rust tokenizer directly) decodes exactly as transformers does."""
+    tok = load_tokenizer(resolve_model_path(preset)[0])
+    decode = text_decoder(tok)
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 10))]
+        for skip in (True, False):
+            assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)

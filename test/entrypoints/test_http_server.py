@@ -188,7 +188,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**6, "stream": True}, "max_tokens"),
     ("/v1/completions", {"prompt": "", "max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),

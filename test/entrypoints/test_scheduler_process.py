@@ -32,7 +32,7 @@ class FakeScheduler:
         self.steps = 0
         self.added_before_step: list[int] = []
 
-    def add_request(self, rid, input_ids, sampling, return_logprob=False):
+    def add_request(self, rid, input_ids, sampling, return_logprob=False, logprob_start_len=-1, top_logprobs_num=0):
         if not input_ids:
             raise ValueError("input_ids: the prompt is empty")
         self.reqs[rid] = 0

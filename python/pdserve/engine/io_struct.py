@@ -13,6 +13,8 @@ class TokenizedGenerateReq:
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position with an input logprob (-1: the last)
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -63,6 +65,11 @@ class TokenOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # With return_logprob: top-k (logprob, id) per new token, if top_logprobs_num > 0; and once,
+    # with the request's first output, the prompt's logprobs from logprob_start_len on.
+    new_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 @dataclass

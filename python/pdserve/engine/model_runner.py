@@ -31,6 +31,8 @@ class ScheduledBatch:
     extend_lens: list[int]  # [B]
     rows: list[int]  # [B] rows of the req->token table
     req_ids: tuple | None = None  # [B] stable per-request identity (the rid)
+    # [K] token indices (into T) whose logits are returned too, after the B last tokens' (input logprobs)
+    prompt_logit_index: list[int] | None = None
 
 
 def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
@@ -77,9 +79,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:
-        """Returns the logits of each request's last scheduled token [B, V] (float32)."""
+        """Returns the logits of each request's last scheduled token [B, V] (float32), followed by
+        those of ``batch.prompt_logit_index`` when it is set ([B + K, V])."""
         fb = self.build_forward_batch(batch, req_to_token)
         hidden = self.model(fb)  # [T, hidden]
-        if fb.batch_size != fb.num_tokens:
-            hidden = hidden[fb.last_token_index()]  # [B, hidden]
-        return self.model.compute_logits(hidden)  # [B, V]
+        rows = logit_rows(fb, batch.prompt_logit_index)
+        if rows is not None:
+            hidden = hidden[rows]  # [B (+ K), hidden]
+        return self.model.compute_logits(hidden)  # [B (+ K), V]
+
+
+def logit_rows(fb: ForwardBatch, prompt_logit_index: list[int] | None) -> torch.Tensor | None:
+    """Token rows whose logits are computed: each request's last, then the extra ones
+    (None: all T rows, already in that order)."""
+    if not prompt_logit_index:
+        return None if fb.batch_size == fb.num_tokens else fb.last_token_index()
+    extra = torch.tensor(prompt_logit_index, dtype=torch.int64, device=fb.input_ids.device)
+    return torch.cat([fb.last_token_index(), extra])

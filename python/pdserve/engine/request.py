@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.engine.logprobs import ReqLogprobs
+
+# torch.Generator.manual_seed's range; OpenAI clients send any 64-bit integer.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_N = 128  # parallel samples of one prompt (n, best_of)
 
 
 @dataclass
@@ -63,8 +71,8 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits)")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -74,9 +82,19 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
-        if self.n != 1:
-            bad("n", "only n=1 is supported")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
         return self
+
+    def for_copy(self, index: int) -> SamplingParams:
+        """The params of parallel sample ``index`` of ``n``: one sequence, and with a seed, a
+        distinct one per copy (so seeded copies differ, and a request stays reproducible)."""
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed > SEED_MAX:  # wrap around, staying in the valid range
+                seed -= 1 << 64
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:
@@ -107,6 +125,11 @@ def check_request(input_ids: list[int], max_new_tokens: int, limits: RequestLimi
                          f"({max_new_tokens}) exceeds the context length ({limits.context_len})")
     if len(input_ids) + 1 > limits.max_total_tokens:
         raise ValueError(f"{prompt_field}: prompt ({len(input_ids)} tokens) does not fit the KV cache "
+                         f"({limits.max_total_tokens} tokens)")
+    # Alone in the pool a request holds KV for every token but its last output at most.
+    if len(input_ids) + max_new_tokens - 1 > limits.max_total_tokens:
+        raise ValueError(f"{max_tokens_field}: prompt ({len(input_ids)} tokens) + {max_tokens_field} "
+                         f"({max_new_tokens}) needs more KV than the whole cache holds "
                          f"({limits.max_total_tokens} tokens)")
 
 
@@ -165,6 +188,7 @@ class Req:
         self.cached_tokens_reported = 0  # first admission's hit, reported in meta_info
         self.num_retractions = 0
         self.generator = None  # torch.Generator for seeded sampling, created by the scheduler
+        self.logprob: ReqLogprobs | None = None  # input logprob state, set by the scheduler if asked
 
     @property
     def fill_ids(self) -> list[int]:

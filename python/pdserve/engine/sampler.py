@@ -11,11 +11,30 @@ import torch
 
 from pdserve.engine.request import SamplingParams
 
+TopLogprobs = list[tuple[float, int]]  # (logprob, token id), most likely first
+
 
 @dataclass
 class SampleResult:
     tokens: list[int]
     logprobs: list[float] | None  # log-softmax of the raw logits at the chosen token
+    top_logprobs: list[TopLogprobs] | None = None  # [B] the top_logprobs_nums[b] most likely, per row
+
+
+def token_logprobs(logits: torch.Tensor, token_ids, top_ks: list[int] | None = None
+                   ) -> tuple[list[float], list[TopLogprobs] | None]:
+    """Log-softmax of ``logits`` [N, V] at ``token_ids`` [N], and row n's ``top_ks[n]`` best
+    (logprob, id) pairs (None if no row wants any). Raw logits in: OpenAI and SGLang report
+    logprobs before penalties and temperature."""
+    logp = torch.log_softmax(logits.float(), -1)  # [N, V]
+    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist()
+    k = max(top_ks or [0])
+    if k == 0:
+        return chosen, None
+    vals, idx = logp.topk(k, dim=-1)  # [N, k]
+    vals, idx = vals.tolist(), idx.tolist()
+    return chosen, [list(zip(v[:kn], i[:kn])) for v, i, kn in zip(vals, idx, top_ks)]
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
@@ -59,7 +78,8 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
-                 outputs: list[list[int]], want_logprobs: bool = False) -> SampleResult:
+                 outputs: list[list[int]], want_logprobs: bool = False,
+                 top_logprobs_nums: list[int] | None = None) -> SampleResult:
         logits = logits.float()  # [B, V]
         raw = logits
         logits = apply_penalties(logits, params, outputs)
@@ -73,7 +93,7 @@ class Sampler:
             cdf = probs.cumsum(-1)
             pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=probs.shape[1] - 1)
             tokens[idx] = order.gather(1, pick).squeeze(1)
-        logprobs = None
-        if want_logprobs:
-            logprobs = torch.log_softmax(raw, -1).gather(1, tokens[:, None]).squeeze(1).tolist()
-        return SampleResult(tokens.tolist(), logprobs)
+        if not want_logprobs:
+            return SampleResult(tokens.tolist(), None)
+        logprobs, top = token_logprobs(raw, tokens, top_logprobs_nums)
+        return SampleResult(tokens.tolist(), logprobs, top)

@@ -16,6 +16,7 @@ from pdserve.config import ServerArgs
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
 from pdserve.engine.io_struct import TokenOutput
+from pdserve.engine.logprobs import PromptLogitPlan, ReqLogprobs, check_logprob_params
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
 from pdserve.engine.request import (
     Req,
@@ -82,22 +83,27 @@ class Scheduler:
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
         sampling.validate(self.model_config.vocab_size)
+        if sampling.n != 1:
+            raise ValueError("sampling_params.n: the scheduler runs one sequence per request; "
+                             "submit n requests (the frontends do)")
         check_request(input_ids, sampling.max_new_tokens, self.limits,
                       max_tokens_field="sampling_params.max_new_tokens")
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                    return_logprob: bool = False) -> Req:
+                    return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Req:
+        """Queue a request. ``max_new_tokens`` 0 still prefills the prompt (its KV lands in the
+        radix cache, its input logprobs are computed) and finishes without sampling."""
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
         req = Req(rid, input_ids, sampling, return_logprob, next(self._arrivals))
+        if return_logprob:
+            check_logprob_params(len(input_ids), logprob_start_len, top_logprobs_num, self.model_config.vocab_size)
+            req.logprob = ReqLogprobs.create(len(input_ids), logprob_start_len, top_logprobs_num)
         if sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(sampling.seed)
         self.reqs[rid] = req
-        if sampling.max_new_tokens == 0:
-            self._finish(req, finish_length(0))
-        else:
-            self.waiting.append(req)
+        self.waiting.append(req)
         return req
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
@@ -124,7 +130,14 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _match_len(self, req: Req) -> int:
-        return self.cache.match_prefix(req.fill_ids[:-1]).num_tokens
+        return self.cache.match_prefix(self._matchable(req)).num_tokens
+
+    @staticmethod
+    def _matchable(req: Req) -> list[int]:
+        """The tokens a cache hit may cover: never the last (it must run to produce logits),
+        nor a position whose logits an input logprob needs."""
+        limit = req.logprob.max_prefix_len() if req.logprob is not None else None
+        return req.fill_ids[:-1] if limit is None else req.fill_ids[:min(limit, len(req.fill_ids) - 1)]
 
     def _admit(self, req: Req, admitted_now: int) -> bool:
         """Give a waiting request a table row and its cached prefix (locked)."""
@@ -133,8 +146,7 @@ class Scheduler:
         row = self.table.alloc_row()
         if row is None:
             return False
-        # Never match the whole prompt: the last token must run to produce logits.
-        match = self.cache.match_prefix(req.fill_ids[:-1])
+        match = self.cache.match_prefix(self._matchable(req))
         self.cache.lock(match.node)
         req.row, req.cache_node = row, match.node
         req.pages, req.num_cached_pages = list(match.pages), len(match.pages)
@@ -203,21 +215,32 @@ class Scheduler:
             ids += req.fill_ids[req.kv_len:req.kv_len + n]
             pos += range(req.kv_len, req.kv_len + n)
             loc += self.table.slots_for(req.pages, req.kv_len, req.kv_len + n)
+        plan = PromptLogitPlan.build(reqs, lens)
         batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], lens,
-                               [r.row for r in reqs])
+                               [r.row for r in reqs], prompt_logit_index=plan.index)
         logits = self.runner.forward(batch, self.table.table)
         self.forward_steps += 1
+        plan.record(reqs, logits[len(reqs):])
+        logits = logits[:len(reqs)]
         done = []
         for i, (req, n) in enumerate(zip(reqs, lens)):
             req.kv_len += n
             if req.kv_len == len(req.fill_ids):
                 done.append(i)
+        done = self._finish_prefill_only(reqs, done)
         if done:
             finished_prefill = [reqs[i] for i in done]
             for req in finished_prefill:
                 req.state = ReqState.RUNNING
                 self.running.append(req)
             self._sample_and_append(finished_prefill, logits[torch.tensor(done)])
+
+    def _finish_prefill_only(self, reqs: list[Req], done: list[int]) -> list[int]:
+        """Finish the requests that asked for no new tokens; the rest of ``done`` samples."""
+        for i in done:
+            if reqs[i].sampling.max_new_tokens == 0:
+                self._finish(reqs[i], finish_length(0))
+        return [i for i in done if not reqs[i].finished]
 
     def _run_decode(self) -> None:
         self._ensure_decode_pages()
@@ -264,18 +287,20 @@ class Scheduler:
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         want_lp = any(r.return_logprob for r in reqs)
+        top_ks = [r.logprob.top_k if r.logprob else 0 for r in reqs] if want_lp else None
         res = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
-                           [r.output_ids for r in reqs], want_lp)
+                           [r.output_ids for r in reqs], want_lp, top_ks)
         for i, (req, tok) in enumerate(zip(reqs, res.tokens)):
             req.output_ids.append(tok)
-            lp = None
+            lp = top = None
             if req.return_logprob:
                 lp = [res.logprobs[i]]
                 req.output_logprobs.append(res.logprobs[i])
+                top = [res.top_logprobs[i]] if res.top_logprobs is not None and top_ks[i] else None
             reason = self._check_finish(req, tok)
             if reason is not None:
                 self._finish(req, reason, emit=False)
-            self._pending.append(self._output(req, [tok], lp))
+            self._pending.append(self._output(req, [tok], lp, top))
 
     def _check_finish(self, req: Req, tok: int) -> dict | None:
         sp = req.sampling
@@ -314,9 +339,13 @@ class Scheduler:
         req.pages, req.num_cached_pages, req.cache_node, req.row = [], 0, None, None
         req.kv_len = req.cached_len = 0
 
-    def _output(self, req: Req, new_ids: list[int], logprobs) -> TokenOutput:
-        return TokenOutput(req.rid, new_ids, logprobs, req.finished, req.finish_reason, req.prompt_len,
-                           len(req.output_ids), req.cached_tokens_reported)
+    def _output(self, req: Req, new_ids: list[int], logprobs, top_logprobs=None) -> TokenOutput:
+        out = TokenOutput(req.rid, new_ids, logprobs, req.finished, req.finish_reason, req.prompt_len,
+                          len(req.output_ids), req.cached_tokens_reported, top_logprobs)
+        taken = req.logprob.take_input() if req.logprob is not None else None
+        if taken is not None:
+            out.input_token_logprobs, out.input_top_logprobs = taken
+        return out
 
     # ----------------------------------------------------------- inspection
     def flush_cache(self) -> bool:

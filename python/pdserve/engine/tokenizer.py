@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,24 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def text_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """``decode(ids, skip_special_tokens)`` equal to ``tokenizer.decode``, calling the Rust
+    tokenizer directly when that is all ``decode`` would do (a transformers fast tokenizer
+    without space clean-up or a model-specific ``decode``): streaming decodes every token
+    twice, and the Python wrapper costs several times the decode itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the plain path is always right
+        TokenizersBackend = None  # noqa: N806
+    plain = (backend is not None and TokenizersBackend is not None and not tokenizer.clean_up_tokenization_spaces
+             and type(tokenizer).decode is TokenizersBackend.decode
+             and type(tokenizer)._decode is TokenizersBackend._decode)
+    if plain:
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None, skip_special_tokens: bool = True) -> str:
@@ -53,6 +72,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
         self.tokenizer = tokenizer
+        self._decoder = text_decoder(tokenizer)
         self.skip = skip_special_tokens
         self.stop = stop or []
         self.ids: list[int] = []
@@ -62,7 +82,7 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded text of complete characters so far
 
     def _decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+        return self._decoder(ids, self.skip)
 
     def add(self, new_ids: list[int]) -> str:
         """Feed new tokens; return the new text that is safe to show now."""

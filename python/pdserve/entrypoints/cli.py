@@ -53,6 +53,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--host", "interface to listen on")
     _flag(g, "--port", "port to listen on", type=int)
     _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call")
+    _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:

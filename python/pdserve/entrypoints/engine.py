@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pdserve.config import ServerArgs, default_num_threads
 from pdserve.engine.io_struct import TokenOutput
+from pdserve.engine.logprobs import check_logprob_params
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import load_tokenizer, output_text
+from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, sglang_meta
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +47,26 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None,
-                 return_logprob: bool | list[bool] = False) -> dict | list[dict]:
-        batch, single = self._prepare(prompt, input_ids, sampling_params, return_logprob)
-        rids = [self._submit(ids, sp, lp) for ids, sp, lp in batch]
-        try:
-            results = self._run_until_done(rids)
-        except BaseException:
-            for rid in rids:
-                self.scheduler.abort(rid, "engine error")
-            self.scheduler.step()
-            raise
-        out = [self._result(results[rid], sp) for rid, (_, sp, _) in zip(rids, batch)]
-        return out[0] if single else out
+                 return_logprob: bool | list[bool] = False,
+                 logprob_start_len: int | list[int] | None = None,
+                 top_logprobs_num: int | list[int] | None = None,
+                 return_text_in_logprobs: bool = False) -> dict | list[dict]:
+        """SGLang's ``Engine.generate``. With ``return_logprob``, ``meta_info`` holds
+        ``input_token_logprobs`` (prompt positions from ``logprob_start_len``, -1: the last) and
+        ``output_token_logprobs`` as (logprob, token id, text or None) tuples, plus
+        ``input_top_logprobs`` / ``output_top_logprobs`` when ``top_logprobs_num`` > 0.
+        ``sampling_params.n`` > 1 gives n results per prompt (a list even for one prompt);
+        the prompt is prefilled once and its n samples share its KV through the radix cache."""
+        items, single = self._prepare(prompt, input_ids, sampling_params,
+                                      {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+                                       "top_logprobs_num": top_logprobs_num})
+        texts = TokenTexts(self.tokenizer) if return_text_in_logprobs else None
+        prefills = self._run([it.prefill() for it in items if it.sampling.n > 1])
+        seqs = [seq for it in items for seq in it.sequences()]
+        results = self._run(seqs)
+        prefill_of = dict(zip([it for it in items if it.sampling.n > 1], prefills))
+        out = [self._result(acc, seq, prefill_of.get(seq.item), texts) for seq, acc in zip(seqs, results)]
+        return out[0] if single and len(out) == 1 else out
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
@@ -75,8 +87,26 @@ class Engine:
         self.shutdown()
 
     # -------------------------------------------------------------- helpers
-    def _prepare(self, prompt, input_ids, sampling_params, return_logprob):
-        """Normalise to [(ids, SamplingParams, return_logprob)] and validate all of it."""
+    def _prepare(self, prompt, input_ids, sampling_params, logprob_args: dict) -> tuple[list[_Item], bool]:
+        """Normalise to one validated _Item per prompt; raise ValueError naming the field."""
+        ids_list, single = self._prompt_ids(prompt, input_ids)
+        n = len(ids_list)
+        per = {"sampling_params": _per_prompt(sampling_params, n, "sampling_params", dict)}
+        per.update({k: _per_prompt(v, n, k, (bool, int)) for k, v in logprob_args.items()})
+        items = []
+        for i, ids in enumerate(ids_list):
+            params = SamplingParams.from_dict(per["sampling_params"][i])
+            params.validate(self.scheduler.model_config.vocab_size)
+            self.scheduler.validate(ids, params.for_copy(0))
+            item = _Item(ids, params, bool(per["return_logprob"][i]),
+                         _default(per["logprob_start_len"][i], -1), _default(per["top_logprobs_num"][i], 0))
+            if item.return_logprob:
+                check_logprob_params(len(ids), item.logprob_start_len, item.top_logprobs_num,
+                                     self.scheduler.model_config.vocab_size)
+            items.append(item)
+        return items, single
+
+    def _prompt_ids(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt/input_ids: give exactly one of them")
         if prompt is not None:
@@ -89,42 +119,44 @@ class Engine:
         else:
             ids_list, single = _as_list(input_ids, lambda x: len(x) == 0 or not isinstance(x[0], (list, tuple)))
             ids_list = [list(ids) for ids in ids_list]
-        n = len(ids_list)
-        if n == 0:
+        if not ids_list:
             raise ValueError("prompt/input_ids: the batch is empty")
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        lps = return_logprob if isinstance(return_logprob, list) else [return_logprob] * n
-        if len(sps) != n or len(lps) != n:
-            raise ValueError(f"sampling_params/return_logprob: expected {n} entries to match the prompts")
-        batch = []
-        for ids, sp, lp in zip(ids_list, sps, lps):
-            params = SamplingParams.from_dict(sp)
-            self.scheduler.validate(ids, params)
-            batch.append((ids, params, bool(lp)))
-        return batch, single
+        return ids_list, single
 
-    def _submit(self, ids, params, return_logprob) -> str:
+    def _run(self, seqs: list[_Seq]) -> list[_Acc]:
+        """Submit every sequence, step until all have finished; abort them all on an error."""
+        rids = []
+        try:
+            for seq in seqs:
+                rids.append(self._submit(seq))
+            return self._run_until_done(rids)
+        except BaseException:
+            for rid in rids:
+                self.scheduler.abort(rid, "engine error")
+            self.scheduler.step()
+            raise
+
+    def _submit(self, seq: _Seq) -> str:
         rid = f"offline-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self.scheduler.add_request(rid, ids, params, return_logprob)
+        self.scheduler.add_request(rid, seq.item.input_ids, seq.sampling, seq.return_logprob,
+                                   seq.logprob_start_len, seq.item.top_logprobs_num)
         return rid
 
-    def _run_until_done(self, rids: list[str]) -> dict[str, dict]:
-        acc = {rid: {"ids": [], "logprobs": [], "final": None} for rid in rids}
+    def _run_until_done(self, rids: list[str]) -> list[_Acc]:
+        acc = {rid: _Acc() for rid in rids}
         remaining = set(rids)
         while remaining:
             for o in self.scheduler.step():
                 a = acc.get(o.rid)
                 if a is None:
                     continue
-                a["ids"] += o.new_token_ids
-                a["logprobs"] += o.new_logprobs or []
+                a.add(o)
                 if o.finished:
-                    a["final"] = o
                     remaining.discard(o.rid)
-        return acc
+        return [acc[rid] for rid in rids]
 
-    def _result(self, acc: dict, params: SamplingParams) -> dict:
-        final: TokenOutput = acc["final"]
+    def _result(self, acc: _Acc, seq: _Seq, prefill: _Acc | None, texts: TokenTexts | None) -> dict:
+        final: TokenOutput = acc.final
         meta = {
             "id": final.rid,
             "prompt_tokens": final.prompt_tokens,
@@ -132,7 +164,68 @@ class Engine:
             "cached_tokens": final.cached_tokens,
             "finish_reason": final.finish_reason,
         }
-        if acc["logprobs"]:
-            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(acc["logprobs"], acc["ids"])]
-        text = output_text(self.tokenizer, acc["ids"], final.finish_reason, params.skip_special_tokens)
-        return {"text": text, "output_ids": acc["ids"], "meta_info": meta}
+        if seq.item.return_logprob:
+            data = acc.data
+            if prefill is not None:  # the prompt's logprobs came with the shared prefill
+                data.set_input(prefill.data.input_logprobs, prefill.data.input_top)
+            meta.update(sglang_meta(data, seq.item.input_ids, texts, seq.item.top_logprobs_num))
+        text = output_text(self.tokenizer, acc.data.output_ids, final.finish_reason, seq.sampling.skip_special_tokens)
+        return {"text": text, "output_ids": acc.data.output_ids, "meta_info": meta}
+
+
+@dataclass(eq=False)
+class _Item:
+    """One prompt of a generate call, validated; ``sampling.n`` sequences come from it."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+
+    def sequences(self) -> list[_Seq]:
+        if self.sampling.n == 1:
+            return [_Seq(self, self.sampling, self.return_logprob, self.logprob_start_len)]
+        # The shared prefill already has the prompt's logprobs: the samples skip them.
+        return [_Seq(self, self.sampling.for_copy(j), self.return_logprob, len(self.input_ids))
+                for j in range(self.sampling.n)]
+
+    def prefill(self) -> _Seq:
+        """The prompt alone (no new tokens): it lands in the radix cache for the n samples."""
+        return _Seq(self, dataclasses.replace(self.sampling.for_copy(0), max_new_tokens=0),
+                    self.return_logprob, self.logprob_start_len)
+
+
+@dataclass(eq=False)
+class _Seq:
+    item: _Item
+    sampling: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+
+
+class _Acc:
+    """What the scheduler sent for one request."""
+
+    def __init__(self):
+        self.data = LogprobData()
+        self.final: TokenOutput | None = None
+
+    def add(self, o: TokenOutput) -> None:
+        self.data.extend(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)
+        self.data.set_input(o.input_token_logprobs, o.input_top_logprobs)
+        if o.finished:
+            self.final = o
+
+
+def _per_prompt(value, n: int, name: str, kind) -> list:
+    """A scalar applies to every prompt; a list must have one entry per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    if not isinstance(value, list) or len(value) != n:
+        raise ValueError(f"{name}: expected {n} entries to match the prompts")
+    return value
+
+
+def _default(value, default):
+    return default if value is None else value

@@ -6,11 +6,14 @@ so a client can tell what to fix without reading server logs.
 
 from __future__ import annotations
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+MAX_ECHOED_CHARS = 200  # of a bad value quoted back in an error message
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          503: "service_unavailable", 500: "server_error"}
+          413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
 
 
 class RequestError(Exception):
@@ -55,6 +58,26 @@ def error_response(err: RequestError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed ``limit`` bytes:
+    from Content-Length before reading anything, else while the chunks arrive."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(size, limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large(size: int, limit: int) -> RequestError:
+    return RequestError(f"request body: larger than the server's limit of {limit} bytes (--max-request-bytes)",
+                        param=None, status=413, code="request_too_large")
+
+
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
     """Validate a JSON body against ``model``; malformed JSON or a bad field -> RequestError(400)."""
     try:
@@ -64,16 +87,43 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
 
 
 def _from_validation_error(e: ValidationError) -> RequestError:
-    errors = e.errors(include_url=False)
-    first = max(errors, key=lambda err: len(err["loc"]))  # the most specific union member's complaint
+    first = _most_relevant(e.errors(include_url=False))
     if first["type"] == "json_invalid":
         return RequestError(f"request body: invalid JSON ({first['msg']})", param=None, code="invalid_json")
     if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
         return RequestError("request body: must be a JSON object", param=None)
     field = _loc_to_field(first["loc"])
-    got = first.get("input")
-    detail = first["msg"] if first["type"] == "missing" else f"{first['msg']}, got {got!r}"
+    got = repr(first.get("input"))
+    if len(got) > MAX_ECHOED_CHARS:
+        got = got[:MAX_ECHOED_CHARS] + "..."
+    detail = first["msg"] if first["type"] == "missing" else f"{first['msg']}, got {got}"
     return RequestError(f"{field}: {detail}", param=field)
+
+
+def _most_relevant(errors: list[dict]) -> dict:
+    """The complaint of the union member that got furthest: each member's first error, and of
+    those the deepest, then the latest element (``prompt: [1, [2]]`` -> ``prompt[1]``, where
+    list[int] failed, not ``prompt[0]``, where list[list[int]] and list[str] did)."""
+    firsts: dict[tuple, dict] = {}
+    for err in errors:
+        firsts.setdefault(_member(err["loc"]), err)
+    return max(firsts.values(), key=lambda err: (len(_clean(err["loc"])), _indices(err["loc"])))
+
+
+def _member(loc: tuple) -> tuple:
+    """The loc up to its first union tag: which union member an error belongs to."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and _is_type_tag(part):
+            return loc[:i + 1]
+    return loc
+
+
+def _clean(loc: tuple) -> tuple:
+    return tuple(p for p in loc if not (isinstance(p, str) and _is_type_tag(p)))
+
+
+def _indices(loc: tuple) -> tuple:
+    return tuple(p for p in loc if isinstance(p, int))
 
 
 def _loc_to_field(loc: tuple) -> str:

@@ -26,7 +26,14 @@ from pdserve.config import ModelConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
-from pdserve.entrypoints.errors import RequestError, ServerError, error_body, error_response, parse_body
+from pdserve.entrypoints.errors import (
+    RequestError,
+    ServerError,
+    error_body,
+    error_response,
+    parse_body,
+    read_body,
+)
 from pdserve.entrypoints.protocol import AbortRequest
 from pdserve.entrypoints.streaming import collect
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
@@ -35,9 +42,10 @@ from pdserve.obs.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
-# Shutdown budget (< 10 s in all): after SIGINT/SIGTERM in-flight requests run DRAIN_S more, then are
-# aborted; uvicorn cancels what is still open after GRACEFUL_SHUTDOWN_S; the scheduler gets
-# SchedulerProcess.stop's budget (about 3 s) on top.
+# Shutdown budget (< 10 s in all): after SIGINT/SIGTERM in-flight requests run DRAIN_S more, then the
+# frontend ends them itself (streams with finish_reason abort, others with a 503), without waiting for
+# a scheduler that may be inside a long step; uvicorn would cancel what is still open after
+# GRACEFUL_SHUTDOWN_S (a 500); the scheduler gets SchedulerProcess.stop's budget (about 3 s) on top.
 DRAIN_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2.5
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -130,7 +138,7 @@ def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        req: AbortRequest = parse_body(AbortRequest, await request.body())
+        req: AbortRequest = parse_body(AbortRequest, await read_body(request, ctx.args.max_request_bytes))
         if req.abort_all:
             ctx.tm.abort_all()
         elif req.rid:
@@ -243,8 +251,9 @@ class _SignalCatcher:
 
     During startup it cancels the wait for the scheduler. While serving, uvicorn
     handles the signal (stops accepting, waits for responses); this handler also
-    aborts what is still running after DRAIN_S, so streams end with a final event
-    instead of being cut. After serving, uvicorn re-raises the signal it caught;
+    ends what is still running after DRAIN_S (``TokenizerManager.end_inflight``), so
+    streams end with a final abort event and other requests with a 503, well
+    before uvicorn's graceful timeout would cancel them. After serving, uvicorn re-raises the signal it caught;
     this handler absorbs it so the process exits through its normal cleanup.
     """
 
@@ -265,7 +274,7 @@ class _SignalCatcher:
         if self.server is not None:
             self.server.should_exit = True
         if first and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.call_later, DRAIN_S, self.tm.abort_all)
+            self.loop.call_soon_threadsafe(self.loop.call_later, DRAIN_S, self.tm.end_inflight)
 
 
 class _UvicornServer(uvicorn.Server):

@@ -1,22 +1,27 @@
 """SGLang's native ``POST /generate``: text or input_ids in, ``{"text", "output_ids", "meta_info"}`` out.
 
-``meta_info`` has the offline Engine's keys. Streaming sends SGLang's shape:
-every event carries the cumulative text and output ids so far, then ``data: [DONE]``.
+``meta_info`` has the offline Engine's keys (with ``return_logprob``, SGLang's
+``input_token_logprobs`` / ``output_token_logprobs`` and, with ``top_logprobs_num``,
+``input_top_logprobs`` / ``output_top_logprobs``). ``sampling_params.n`` > 1 returns
+n bodies per prompt. Streaming sends SGLang's shape: every event carries the
+cumulative text, output ids and logprobs so far, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
+from pdserve.engine.logprobs import check_logprob_params, resolve_start
 from pdserve.engine.request import SamplingParams
-from pdserve.entrypoints.errors import RequestError, parse_body
+from pdserve.entrypoints.errors import RequestError, parse_body, read_body
+from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, sglang_meta
+from pdserve.entrypoints.parallel_sampling import PromptJob, run_job
 from pdserve.entrypoints.protocol import GenerateRequest
 from pdserve.entrypoints.streaming import (
-    collect,
     gather_or_cancel,
+    json_response,
     prime,
     sse,
     sse_events,
@@ -28,78 +33,93 @@ from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManage
 
 @dataclass
 class _Item:
-    input_ids: list[int]
-    sampling: SamplingParams
-    return_logprob: bool
-    rid: str | None
+    """One prompt of a /generate call, validated."""
+
+    job: PromptJob
+    top_logprobs_num: int  # as asked (the meta_info keys depend on it)
 
 
 async def generate(tm: TokenizerManager, request: Request):
-    req: GenerateRequest = parse_body(GenerateRequest, await request.body())
-    items, single = _items(tm, req)
+    req: GenerateRequest = parse_body(GenerateRequest, await read_body(request, tm.args.max_request_bytes))
+    items, single = await _items(tm, req)
+    texts = TokenTexts(tm.tokenizer) if req.return_text_in_logprobs else None
     if req.stream:
-        if not single:
-            raise RequestError("stream: a batch of prompts cannot stream; send one request per prompt",
+        if not single or items[0].job.count > 1:
+            raise RequestError("stream: only one prompt with n = 1 can stream; send one request per sample",
                                param="stream")
-        return await _stream(tm, request, items[0])
-    gens = [_gen(tm, it, stream=False) for it in items]
-    chunks = await until_disconnect(request, gather_or_cancel(*(collect(g) for g in gens)))
-    bodies = [_body(c, c.text, c.token_ids, c.logprobs) for c in chunks]
-    return JSONResponse(bodies[0] if single else bodies)
+        return await _stream(tm, request, items[0], texts)
+    results = await until_disconnect(request, gather_or_cancel(*(run_job(tm, it.job) for it in items)))
+    bodies = [_body(it, c, c.text, c.token_ids, texts) for it, chunks in zip(items, results) for c in chunks]
+    return json_response(bodies[0] if single and len(bodies) == 1 else bodies)
 
 
-async def _stream(tm: TokenizerManager, request: Request, item: _Item):
-    gen = _gen(tm, item, stream=True)
+async def _stream(tm: TokenizerManager, request: Request, item: _Item, texts: TokenTexts | None):
+    gen = item.job.generators(tm, stream=True)[0]
     first = await until_disconnect(request, prime(gen))
-    acc = _Cumulative()
+    acc = _Cumulative(item, texts)
     return sse_response(sse_events(first, gen, lambda c: [sse(acc.add(c))]))
 
 
-def _gen(tm: TokenizerManager, it: _Item, stream: bool):
-    return tm.generate(it.input_ids, it.sampling, it.return_logprob, it.rid, stream=stream)
-
-
-@dataclass
 class _Cumulative:
-    """Running text / ids / logprobs of one streamed request."""
+    """Running text / ids / logprobs of one streamed request (SGLang streams cumulative bodies)."""
 
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
+    def __init__(self, item: _Item, texts: TokenTexts | None):
+        self.item = item
+        self.texts = texts
+        self.text = ""
+        self.ids: list[int] = []
+        self.data = LogprobData()
 
     def add(self, c: GenerateChunk) -> dict:
         self.text += c.text
         self.ids += c.token_ids
-        if c.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + c.logprobs
-        return _body(c, self.text, self.ids, self.logprobs)
+        return _body(self.item, c, self.text, self.ids, self.texts, self.data)
 
 
-def _body(c: GenerateChunk, text: str, ids: list[int], logprobs: list[float] | None) -> dict:
+def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: TokenTexts | None,
+          data: LogprobData | None = None) -> dict:
+    """SGLang's response body; ``data`` accumulates a stream's logprobs (None: ``c`` holds them all)."""
     meta = {"id": c.rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "cached_tokens": c.cached_tokens, "finish_reason": c.finish_reason}
-    if logprobs:
-        meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, ids)]
+    if item.job.return_logprob:
+        data = data if data is not None else LogprobData()
+        data.extend(c.token_ids, c.logprobs, c.top_logprobs)
+        data.set_input(c.input_logprobs, c.input_top_logprobs)
+        meta.update(sglang_meta(data, item.job.input_ids, texts, item.top_logprobs_num))
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
 # ------------------------------------------------------------- normalising
-def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item], bool]:
+async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item], bool]:
     """One _Item per prompt, validated with /generate's field names."""
-    ids_list, single, field_name = _prompts(tm, req)
+    ids_list, single, field_name = await _prompts(tm, req)
     n = len(ids_list)
     sps = _per_prompt(req.sampling_params, n, "sampling_params", dict)
     lps = _per_prompt(req.return_logprob, n, "return_logprob", bool)
+    starts = _per_prompt(req.logprob_start_len, n, "logprob_start_len", int)
+    tops = _per_prompt(req.top_logprobs_num, n, "top_logprobs_num", int)
     rids = _per_prompt(req.rid, n, "rid", str)
     items = []
-    for ids, sp, lp, rid in zip(ids_list, sps, lps, rids):
+    for ids, sp, lp, start, top, rid in zip(ids_list, sps, lps, starts, tops, rids):
         sampling = _sampling(sp, tm.limits.vocab_size)
         tm.check_input(ids, sampling.max_new_tokens, field_name, "sampling_params.max_new_tokens")
-        items.append(_Item(ids, sampling, bool(lp), rid))
+        start, top = -1 if start is None else start, top or 0
+        if lp:
+            _check_logprobs(ids, start, top, tm.limits.vocab_size)
+        job = PromptJob(ids, sampling.for_copy(0), sampling.n, bool(lp), resolve_start(start, len(ids)) if lp else None,
+                        top if lp else 0, rid)
+        items.append(_Item(job, top if lp else 0))
     return items, single
 
 
-def _prompts(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]], bool, str]:
+def _check_logprobs(ids: list[int], start, top, vocab_size: int) -> None:
+    try:
+        check_logprob_params(len(ids), start, top, vocab_size)
+    except ValueError as e:
+        raise RequestError.from_value_error(e) from None
+
+
+async def _prompts(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]], bool, str]:
     if (req.text is None) == (req.input_ids is None):
         raise RequestError("text/input_ids: give exactly one of them", param="text")
     if req.text is not None:
@@ -109,7 +129,7 @@ def _prompts(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]
         texts = [req.text] if single else req.text
         if not texts or not all(texts):
             raise RequestError("text: the prompt is empty", param="text")
-        return [tm.tokenizer.encode(t) for t in texts], single, "text"
+        return [await tm.encode(t) for t in texts], single, "text"
     single = not req.input_ids or not isinstance(req.input_ids[0], list)
     ids = [req.input_ids] if single else req.input_ids
     if not ids:
@@ -118,7 +138,7 @@ def _prompts(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]
 
 
 def _per_prompt(value, n: int, name: str, kind: type) -> list:
-    if value is None or isinstance(value, kind):
+    if value is None or (isinstance(value, kind) and not isinstance(value, list)):
         return [value] * n
     if len(value) != n:
         raise RequestError(f"{name}: expected {n} entries (one per prompt), got {len(value)}", param=name)

@@ -6,6 +6,13 @@ tokenizer's chat template and tokenized without adding special tokens (the
 template owns them, as in HF's ``apply_chat_template(tokenize=True)``).
 Streams end with ``data: [DONE]``; ``stream_options.include_usage`` adds a
 final usage-only chunk.
+
+Logprobs: completions ``logprobs`` (top-k, 0..20) with ``echo`` (the prompt's tokens
+and logprobs first, the first one null; ``max_tokens`` 0 scores a prompt, as
+lm-evaluation-harness does); chat ``logprobs`` / ``top_logprobs``. ``n`` samples per
+prompt (``best_of`` >= n: keep the n with the highest cumulative logprob) share the
+prompt's KV (``parallel_sampling``); choice ``i * n + j`` is sample j of prompt i, and
+usage counts the prompt once per choice, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ import time
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
-from pdserve.engine.request import SamplingParams
-from pdserve.entrypoints.errors import RequestError, parse_body
+from pdserve.engine.request import MAX_N, SamplingParams
+from pdserve.entrypoints.errors import RequestError, parse_body, read_body
+from pdserve.entrypoints.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_end
+from pdserve.entrypoints.parallel_sampling import PromptJob, attach_prompt_logprobs, run_job
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.streaming import (
-    collect,
     gather_or_cancel,
+    indexed,
+    json_response,
+    merge_streams,
     prime,
     sse,
     sse_events,
@@ -35,6 +45,7 @@ FALLBACK_CHAT_TEMPLATE = (
     "{{ bos_token or '' }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+MAX_LOGPROBS = 20  # top-k alternatives per token (OpenAI's chat limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
                     "presence_penalty", "stop_token_ids", "n")
 
@@ -45,11 +56,14 @@ class _Call:
 
     kind: str  # "chat" or "completion"
     model: str
-    prompts: list[list[int]]
-    samplings: list[SamplingParams]
+    jobs: list[PromptJob]  # one per prompt
+    n: int
+    logprobs: int | None  # top-k per token when logprobs are returned, else None
+    echo_texts: list[str] | None  # completions with echo: each prompt's text
     stream: bool
     include_usage: bool
     rid: str | None
+    texts: TokenTexts
 
     @property
     def id(self) -> str:
@@ -64,24 +78,30 @@ def list_models(model_name: str, model_path: str, context_len: int) -> dict:
 
 
 async def completions(tm: TokenizerManager, request: Request, model_name: str):
-    req: CompletionRequest = parse_body(CompletionRequest, await request.body())
-    _reject_unsupported_completion(req)
-    prompts = _completion_prompts(tm, req.prompt)
+    req: CompletionRequest = parse_body(CompletionRequest, await read_body(request, tm.args.max_request_bytes))
+    if req.suffix:
+        raise RequestError("suffix: not supported by this server", param="suffix")
+    _check_top_k(req.logprobs, "logprobs")
+    prompts, texts = await _completion_prompts(tm, req.prompt)
     samplings = [_sampling(tm, req, p, req.max_tokens, "max_tokens", "prompt") for p in prompts]
-    call = _call("completion", model_name, req, prompts, samplings)
+    best_of = _best_of(req, samplings[0].n)
+    echo_lp = req.echo and req.logprobs is not None
+    jobs = [PromptJob(ids, sp, best_of, req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
+                      req.logprobs or 0) for ids, sp in zip(prompts, samplings)]
+    echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
+    call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
     return await _run(tm, request, call)
 
 
 async def chat_completions(tm: TokenizerManager, request: Request, model_name: str):
-    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
-    if req.logprobs or req.top_logprobs:
-        raise RequestError("logprobs: not supported on /v1/chat/completions yet; use /generate with "
-                           "return_logprob", param="logprobs")
-    ids = chat_prompt_ids(tm.tokenizer, [m.model_dump() | {"content": m.text()} for m in req.messages])
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_body(request, tm.args.max_request_bytes))
+    top = _chat_top_logprobs(req)
+    ids = await _chat_ids(tm, [m.model_dump() | {"content": m.text()} for m in req.messages])
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(tm, req, ids, max_tokens, name, "messages")
-    call = _call("chat", model_name, req, [ids], [sampling])
+    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0)
+    call = _call("chat", model_name, req, [job], top, None, tm)
     return await _run(tm, request, call)
 
 
@@ -94,42 +114,81 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    if tokenizer is None:
+    return tokenizer.encode(chat_prompt_text(tokenizer, messages), add_special_tokens=False)
+
+
+async def _chat_ids(tm: TokenizerManager, messages: list[dict]) -> list[int]:
+    """``chat_prompt_ids``, tokenized off the event loop when long."""
+    if tm.tokenizer is None:
         raise RequestError("messages: this server has no tokenizer; use /generate with input_ids",
                            param="messages")
+    return await tm.encode(chat_prompt_text(tm.tokenizer, messages), add_special_tokens=False)
+
+
+def chat_prompt_text(tokenizer, messages: list[dict]) -> str:
+    """The rendered chat prompt; raises RequestError naming ``messages`` when there are none."""
     if not messages:
         raise RequestError("messages: must hold at least one message", param="messages")
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+    return render_chat(tokenizer, messages)
+
+
+def _chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Top-k per token when chat logprobs are asked for, else None."""
+    if req.top_logprobs is not None:
+        _check_top_k(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise RequestError("top_logprobs: needs logprobs: true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 # -------------------------------------------------------------- requests
-def _reject_unsupported_completion(req: CompletionRequest) -> None:
-    for name, bad in (("echo", req.echo), ("logprobs", req.logprobs), ("suffix", req.suffix),
-                      ("best_of", req.best_of not in (None, 1))):
-        if bad:
-            raise RequestError(f"{name}: not supported by this server", param=name)
+def _check_top_k(k: int | None, name: str) -> None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise RequestError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
 
 
-def _completion_prompts(tm: TokenizerManager, prompt) -> list[list[int]]:
-    """str | [str] | [int] | [[int]] -> token id lists; text needs a tokenizer."""
+def _best_of(req: CompletionRequest, n: int) -> int:
+    """Samples to generate per prompt: best_of (>= n), else n."""
+    if req.best_of is None:
+        return n
+    if not n <= req.best_of <= MAX_N:
+        raise RequestError(f"best_of: must be in [n ({n}), {MAX_N}], got {req.best_of}", param="best_of")
+    if req.stream and req.best_of > n:
+        raise RequestError("best_of: cannot stream when best_of > n (the best are known only at the end)",
+                           param="best_of")
+    return req.best_of
+
+
+async def _completion_prompts(tm: TokenizerManager, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """str | [str] | [int] | [[int]] -> token id lists (and the texts, where given); text needs a tokenizer."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         texts = [prompt] if isinstance(prompt, str) else prompt
         if tm.tokenizer is None:
             raise RequestError("prompt: this server has no tokenizer; send token ids", param="prompt")
-        if not all(texts):
-            raise RequestError("prompt: the prompt is empty", param="prompt")
-        return [tm.tokenizer.encode(t) for t in texts]
+        for i, t in enumerate(texts):
+            if not t:
+                name = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                raise RequestError(f"{name}: the prompt is empty", param=name)
+        return [await tm.encode(t) for t in texts], list(texts)
     if not prompt:
         raise RequestError("prompt: the prompt is empty", param="prompt")
-    return [list(prompt)] if isinstance(prompt[0], int) else [list(p) for p in prompt]
+    ids = [list(prompt)] if isinstance(prompt[0], int) else [list(p) for p in prompt]
+    return ids, [None] * len(ids)
+
+
+def _prompt_text(tm: TokenizerManager, ids: list[int], text: str | None) -> str:
+    if text is not None:
+        return text
+    return tm.tokenizer.decode(ids) if tm.tokenizer is not None else ""
 
 
 def _sampling(tm: TokenizerManager, req, prompt_ids: list[int], max_tokens: int | None,
               max_field: str, prompt_field: str) -> SamplingParams:
-    """Validated SamplingParams for one prompt; ``max_tokens=None`` means up to the context length."""
+    """Validated SamplingParams for one prompt; ``max_tokens=None`` means as many as fit."""
     if max_tokens is None:
-        max_tokens = max(0, tm.limits.context_len - len(prompt_ids))
+        room = min(tm.limits.context_len - len(prompt_ids), tm.limits.max_total_tokens + 1 - len(prompt_ids))
+        max_tokens = max(0, room)
     d = {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos,
          "skip_special_tokens": req.skip_special_tokens}
     d.update({k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None})
@@ -143,25 +202,42 @@ def _sampling(tm: TokenizerManager, req, prompt_ids: list[int], max_tokens: int 
     return sampling
 
 
-def _call(kind: str, model_name: str, req, prompts, samplings) -> _Call:
-    if req.stream and len(prompts) > 1:
+def _call(kind: str, model_name: str, req, jobs: list[PromptJob], logprobs: int | None,
+          echo_texts: list[str] | None, tm: TokenizerManager) -> _Call:
+    if req.stream and len(jobs) > 1:
         raise RequestError("prompt: a batch of prompts cannot stream; send one request per prompt",
                            param="prompt")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return _Call(kind, req.model or model_name, prompts, samplings, req.stream, include_usage, req.rid)
+    if len(jobs) == 1:
+        jobs[0].rid = tm.new_rid(req.rid)
+    return _Call(kind, req.model or model_name, jobs, jobs[0].sampling.n, logprobs, echo_texts, req.stream,
+                 include_usage, jobs[0].rid, TokenTexts(tm.tokenizer))
 
 
 async def _run(tm: TokenizerManager, request: Request, call: _Call):
-    rids = [tm.new_rid(call.rid)] if len(call.prompts) == 1 else [None] * len(call.prompts)
-    gens = [tm.generate(p, s, False, rid, stream=call.stream)
-            for p, s, rid in zip(call.prompts, call.samplings, rids)]
     if call.stream:
-        first = await until_disconnect(request, prime(gens[0]))
-        call.rid = first.rid
-        return sse_response(_Streamer(call).events(first, gens[0]))
-    chunks = await until_disconnect(request, gather_or_cancel(*(collect(g) for g in gens)))
-    call.rid = chunks[0].rid
-    return JSONResponse(_response(call, chunks))
+        return await _stream(tm, request, call)
+    results = await until_disconnect(request, gather_or_cancel(*(run_job(tm, job) for job in call.jobs)))
+    call.rid = call.rid or results[0][0].rid
+    choices = [(i, c) for i, chunks in enumerate(results) for c in _best(chunks, call.n)]
+    return json_response(_response(call, choices))
+
+
+async def _stream(tm: TokenizerManager, request: Request, call: _Call):
+    job = call.jobs[0]
+    shared = await until_disconnect(request, job.prefill(tm)) if job.shares_prefill else None
+    gens = job.generators(tm, stream=True)
+    merged = merge_streams(gens) if len(gens) > 1 else indexed(gens[0])
+    first = await until_disconnect(request, prime(merged))
+    return sse_response(_Streamer(call, shared).events(first, merged))
+
+
+def _best(chunks: list[GenerateChunk], n: int) -> list[GenerateChunk]:
+    """The n samples with the highest cumulative logprob (all of them when there are n), in order."""
+    if len(chunks) <= n:
+        return chunks
+    keep = sorted(range(len(chunks)), key=lambda j: -sum(chunks[j].logprobs or []))[:n]
+    return [chunks[j] for j in sorted(keep)]
 
 
 # -------------------------------------------------------------- responses
@@ -169,62 +245,101 @@ def finish_reason(reason: dict | None) -> str | None:
     return None if reason is None else reason.get("type")
 
 
-def _usage(chunks: list[GenerateChunk]) -> dict:
+def _usage(chunks) -> dict:
     prompt = sum(c.prompt_tokens for c in chunks)
     completion = sum(c.completion_tokens for c in chunks)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in chunks)}}
 
 
-def _choice(call: _Call, index: int, c: GenerateChunk) -> dict:
+def _choice_logprobs(call: _Call, prompt: int, c: GenerateChunk, echo: bool, text_offset: int = 0) -> dict | None:
+    """``logprobs`` of one choice (or stream chunk); ``echo`` puts the prompt's tokens first."""
+    if call.logprobs is None:
+        return None
+    ids, lps = c.token_ids, c.logprobs or []
+    tops = c.top_logprobs if call.logprobs else None
+    if call.kind == "chat":
+        return chat_logprobs(ids, lps, tops, call.texts)
+    if echo:
+        ids = call.jobs[prompt].input_ids + ids
+        lps = list(c.input_logprobs or []) + lps
+        if call.logprobs:
+            tops = list(c.input_top_logprobs or []) + list(tops or [])
+    return completion_logprobs(ids, lps, tops, call.texts, text_offset)
+
+
+def _choice(call: _Call, index: int, prompt: int, c: GenerateChunk) -> dict:
     matched = (c.finish_reason or {}).get("matched")
-    body = {"message": {"role": "assistant", "content": c.text}} if call.kind == "chat" else {"text": c.text}
-    return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason(c.finish_reason),
+    lp = _choice_logprobs(call, prompt, c, call.echo_texts is not None)
+    if call.kind == "chat":
+        body = {"message": {"role": "assistant", "content": c.text}}
+    else:
+        body = {"text": (call.echo_texts[prompt] if call.echo_texts is not None else "") + c.text}
+    return {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason),
             "matched_stop": matched}
 
 
-def _response(call: _Call, chunks: list[GenerateChunk]) -> dict:
+def _response(call: _Call, choices: list[tuple[int, GenerateChunk]]) -> dict:
     obj = "chat.completion" if call.kind == "chat" else "text_completion"
     return {"id": call.id, "object": obj, "created": int(time.time()), "model": call.model,
-            "choices": [_choice(call, i, c) for i, c in enumerate(chunks)], "usage": _usage(chunks)}
+            "choices": [_choice(call, k, i, c) for k, (i, c) in enumerate(choices)],
+            "usage": _usage([c for _, c in choices])}
 
 
 class _Streamer:
-    """Renders one request's chunks as OpenAI stream events."""
+    """Renders the (sample index, chunk) pairs of one prompt's streams as OpenAI stream events."""
 
-    def __init__(self, call: _Call):
+    def __init__(self, call: _Call, shared: GenerateChunk | None):
         self.call = call
+        self.shared = shared  # the shared prefill (prompt logprobs) of n > 1
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
-        self.last: GenerateChunk | None = None
+        self.last: dict[int, GenerateChunk] = {}
+        self.offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
 
-    def events(self, first: GenerateChunk, gen):
-        return sse_events(first, gen, self.render, self.tail)
+    def events(self, first, merged):
+        return sse_events(first, merged, self.render, self.tail)
 
-    def render(self, c: GenerateChunk) -> list[bytes]:
+    def render(self, item: tuple[int, GenerateChunk]) -> list[bytes]:
+        index, c = item
         out = []
-        if self.last is None and self.call.kind == "chat":  # the role comes first, alone
-            out.append(self._event({"role": "assistant", "content": ""}, None))
-        self.last = c
-        if c.text:
-            out.append(self._event(self._delta(c.text), None))
+        opening = index not in self.last
+        self.last[index] = c
+        text = c.text
+        echo = opening and self.call.echo_texts is not None
+        if opening:
+            attach_prompt_logprobs(c, self.shared)
+            if self.call.kind == "chat":  # the role comes first, alone
+                out.append(self._event(index, {"role": "assistant", "content": ""}, None, None))
+            elif echo:
+                text = self.call.echo_texts[0] + text
+        lp = self._logprobs(index, c, echo) if c.token_ids or echo else None
+        if text or lp is not None:
+            out.append(self._event(index, self._delta(text), lp, None))
         if c.finished:
-            out.append(self._event(self._delta(None), finish_reason(c.finish_reason)))
+            out.append(self._event(index, self._delta(None), None, finish_reason(c.finish_reason)))
         return out
 
+    def _logprobs(self, index: int, c: GenerateChunk, echo: bool) -> dict | None:
+        start = self.offsets.get(index, 0)
+        lp = _choice_logprobs(self.call, 0, c, echo, start)
+        if lp is not None and self.call.kind != "chat":
+            self.offsets[index] = text_end(lp, start)
+        return lp
+
     def tail(self) -> list[bytes]:
-        if not (self.call.include_usage and self.last is not None):
+        if not (self.call.include_usage and self.last):
             return []
-        return [sse(self._envelope([], _usage([self.last])))]
+        return [sse(self._envelope([], _usage(self.last.values())))]
 
     def _delta(self, text: str | None):
         if self.call.kind == "chat":
             return {} if text is None else {"content": text}
         return "" if text is None else text
 
-    def _event(self, delta, reason: str | None) -> bytes:
+    def _event(self, index: int, delta, logprobs: dict | None, reason: str | None) -> bytes:
         key = "delta" if self.call.kind == "chat" else "text"
-        choice = {"index": 0, key: delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, key: delta, "logprobs": logprobs, "finish_reason": reason}
         return sse(self._envelope([choice], None))
 
     def _envelope(self, choices: list, usage: dict | None) -> dict:
@@ -233,4 +348,3 @@ class _Streamer:
         if self.call.include_usage:
             body["usage"] = usage
         return body
-

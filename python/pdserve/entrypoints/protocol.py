@@ -23,6 +23,9 @@ class GenerateRequest(_Body):
     sampling_params: dict | list[dict] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None  # -1 / None: the last prompt token
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
 
 

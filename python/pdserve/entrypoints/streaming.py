@@ -1,13 +1,14 @@
-"""Helpers shared by the HTTP APIs: SSE framing, first-chunk priming, disconnect-aware waits."""
+"""Helpers shared by the HTTP APIs: JSON and SSE framing (orjson), first-chunk priming,
+disconnect-aware waits, merging the streams of parallel samples."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pdserve.entrypoints.errors import RequestError
 
@@ -16,7 +17,11 @@ DISCONNECT_POLL_S = 1.0
 
 
 def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def json_response(obj, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
 
 
 async def prime(gen: AsyncIterator):
@@ -39,11 +44,11 @@ async def sse_events(first, gen: AsyncIterator, render: Callable[[object], list[
     reaches ``gen``, whose cleanup aborts the request.
     """
     try:
-        for event in render(first):
-            yield event
+        yield b"".join(render(first))
         async for item in gen:
-            for event in render(item):
-                yield event
+            events = render(item)
+            if events:  # one write per wake-up, however many events it makes
+                yield b"".join(events)
         for event in tail():
             yield event
     except RequestError as e:
@@ -88,3 +93,35 @@ async def collect(gen: AsyncIterator):
     async for item in gen:
         last = item
     return last
+
+
+async def merge_streams(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """``(i, item)`` from every generator as items arrive; closing the merge (or an error in
+    one of them) cancels the rest, so their requests abort."""
+    pending = {asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(gens[i].__anext__())] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+
+
+async def indexed(gen: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
+    """``merge_streams`` of one generator, without the tasks."""
+    try:
+        async for item in gen:
+            yield 0, item
+    finally:
+        await gen.aclose()

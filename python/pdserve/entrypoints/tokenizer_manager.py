@@ -17,6 +17,8 @@ inside a cancelled coroutine, where nothing may be awaited.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import itertools
 import logging
 import shutil
@@ -26,6 +28,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
@@ -46,7 +49,7 @@ from pdserve.engine.io_struct import (
     TokenizedGenerateReq,
     TokenOutput,
 )
-from pdserve.engine.request import RequestLimits, SamplingParams, check_request
+from pdserve.engine.request import RequestLimits, SamplingParams, check_request, finish_abort
 from pdserve.engine.scheduler_process import SchedulerEndpoints, SchedulerProcess
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.entrypoints.errors import RequestError, ServerError
@@ -57,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
 CONTROL_TIMEOUT_S = 10.0
+# Texts longer than this are tokenized on a worker thread (~50 us of work inline at most).
+INLINE_TOKENIZE_CHARS = 4096
+TOKENIZE_THREADS = 2
 
 
 class StartupError(RuntimeError):
@@ -70,7 +76,11 @@ class StartupCancelled(RuntimeError):
 @dataclass
 class GenerateChunk:
     """What a request yields per wake-up: tokens (and their text) new since the previous chunk.
-    Without streaming there is one chunk, holding the whole output."""
+    Without streaming there is one chunk, holding the whole output.
+
+    With ``return_logprob``: ``logprobs`` (and ``top_logprobs``, if top_logprobs_num > 0) of
+    these tokens; the prompt's (``input_logprobs``, ``input_top_logprobs``) come with the first chunk.
+    """
 
     rid: str
     text: str
@@ -81,6 +91,9 @@ class GenerateChunk:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    top_logprobs: list | None = None
+    input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
 
 
 @dataclass(eq=False)
@@ -88,10 +101,16 @@ class _ReqState:
     rid: str
     return_logprob: bool
     wake_every: int  # wake the request's coroutine once this many outputs are pending
+    prompt_tokens: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
     outputs: list[TokenOutput] = field(default_factory=list)
+    last: TokenOutput | None = None  # the latest output routed to this request
     timeline: ReqTimeline = field(default_factory=ReqTimeline)
     error: RequestError | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.wake_every != sys.maxsize
 
 
 class TokenizerManager:
@@ -111,6 +130,7 @@ class TokenizerManager:
         self.metrics = metrics
         self.limits: RequestLimits | None = None
         self.healthy = False
+        self.closing = False  # set at shutdown: new requests get a 503
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self.scheduler: SchedulerProcess | None = None
@@ -124,6 +144,7 @@ class TokenizerManager:
         self._actx: zmq.asyncio.Context | None = None
         self._send: zmq.Socket | None = None
         self._recv: zmq.asyncio.Socket | None = None
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, timeout: float, should_stop: Callable[[], bool] = lambda: False) -> SchedulerReady:
@@ -186,6 +207,7 @@ class TokenizerManager:
                 ctx.term()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------- requests
     def new_rid(self, rid: str | None = None) -> str:
@@ -204,7 +226,8 @@ class TokenizerManager:
             raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
-                       rid: str | None = None, stream: bool = True) -> AsyncIterator[GenerateChunk]:
+                       rid: str | None = None, stream: bool = True, logprob_start_len: int = -1,
+                       top_logprobs_num: int = 0) -> AsyncIterator[GenerateChunk]:
         """Submit one request and yield its chunks until it finishes.
 
         Raises RequestError (400) if the scheduler rejects it, ServerError (503) if the
@@ -214,13 +237,14 @@ class TokenizerManager:
         self._check_healthy()
         rid = self.new_rid(rid)
         # Without streaming nothing is shown before the end, so only the finish wakes the request.
-        state = _ReqState(rid, return_logprob, self.stream_interval if stream else sys.maxsize)
+        state = _ReqState(rid, return_logprob, self.stream_interval if stream else sys.maxsize, len(input_ids))
         self._reqs[rid] = state
         detok = self._detokenizer(sampling) if stream else None
         acc = _Accumulator()
         finished = False
         try:
-            self._send_or_fail(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob))
+            self._send_or_fail(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
+                                                    top_logprobs_num))
             while not finished:
                 await state.event.wait()
                 state.event.clear()
@@ -251,6 +275,33 @@ class TokenizerManager:
     def abort_all(self) -> None:
         self._try_send(AbortReq("", abort_all=True))
 
+    def end_inflight(self, message: str = "server is shutting down") -> None:
+        """Abort everything and end every in-flight request now, without waiting for the
+        scheduler (it may be inside a long step): a stream gets a final chunk with
+        finish_reason abort, a non-streaming request a ServerError (503)."""
+        self.closing = True
+        self.abort_all()
+        for state in self._reqs.values():
+            if state.last is not None and state.last.finished:
+                continue  # its real end is already queued for it
+            if state.streaming:
+                last = state.last
+                done, cached = (last.completion_tokens, last.cached_tokens) if last else (0, 0)
+                state.outputs.append(TokenOutput(state.rid, [], None, True, finish_abort(message),
+                                                 state.prompt_tokens, done, cached))
+            else:
+                state.error = ServerError(message)
+            state.event.set()
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Long texts are tokenized on a worker thread (the tokenizer
+        releases the GIL), so one huge prompt never stalls the event loop; short ones inline,
+        where a thread hop would cost more than the work."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+
     def _detokenizer(self, sampling: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
@@ -265,14 +316,18 @@ class TokenizerManager:
 
     @staticmethod
     def _chunk(state: _ReqState, outs: list[TokenOutput]) -> GenerateChunk:
+        last = outs[-1]
+        if len(outs) == 1 and not state.return_logprob:  # the common streaming case, kept cheap
+            return GenerateChunk(state.rid, "", last.new_token_ids, None, last.finished, last.finish_reason,
+                                 last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         ids: list[int] = []
-        lps: list[float] = []
         for o in outs:
             ids += o.new_token_ids
-            lps += o.new_logprobs or []
-        last = outs[-1]
-        return GenerateChunk(state.rid, "", ids, lps if state.return_logprob else None, last.finished,
-                             last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        chunk = GenerateChunk(state.rid, "", ids, None, last.finished, last.finish_reason, last.prompt_tokens,
+                              last.completion_tokens, last.cached_tokens)
+        if state.return_logprob:
+            _add_logprobs(chunk, outs)
+        return chunk
 
     def _record_finish(self, state: _ReqState, chunk: GenerateChunk) -> None:
         state.timeline.on_finish()
@@ -310,6 +365,8 @@ class TokenizerManager:
     def _check_healthy(self) -> None:
         if not self.healthy:
             raise ServerError(self.fatal_error or "server is not ready")
+        if self.closing:
+            raise ServerError("server is shutting down")
 
     def _try_send(self, msg) -> bool:
         try:
@@ -355,6 +412,7 @@ class TokenizerManager:
             if state is None:
                 continue  # already aborted by the frontend
             state.outputs.append(o)
+            state.last = o
             state.timeline.on_tokens(len(o.new_token_ids), now)
             if o.finished or len(state.outputs) >= state.wake_every or o.completion_tokens == 1:
                 state.event.set()
@@ -392,25 +450,44 @@ class TokenizerManager:
                     fut.set_exception(err)
 
 
+def _add_logprobs(chunk: GenerateChunk, outs: list[TokenOutput]) -> None:
+    """Join the logprobs of ``outs`` into ``chunk`` (the prompt's arrive with one of them)."""
+    chunk.logprobs = []
+    for o in outs:
+        chunk.logprobs += o.new_logprobs or []
+        if o.new_top_logprobs is not None:
+            chunk.top_logprobs = (chunk.top_logprobs or []) + o.new_top_logprobs
+        if o.input_token_logprobs is not None:
+            chunk.input_logprobs, chunk.input_top_logprobs = o.input_token_logprobs, o.input_top_logprobs
+
+
 class _Accumulator:
     """Joins a non-streaming request's chunks into one; the text is decoded once at the end."""
 
     def __init__(self):
-        self.ids: list[int] = []
-        self.logprobs: list[float] | None = None
-        self.last: GenerateChunk | None = None
+        self.chunks: list[GenerateChunk] = []
 
     def add(self, chunk: GenerateChunk) -> None:
-        self.ids += chunk.token_ids
-        if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + chunk.logprobs
-        self.last = chunk
+        self.chunks.append(chunk)
 
     def final(self, tokenizer, sampling: SamplingParams) -> GenerateChunk:
-        c = self.last
-        text = output_text(tokenizer, self.ids, c.finish_reason, sampling.skip_special_tokens)
-        return GenerateChunk(c.rid, text, self.ids, self.logprobs, c.finished, c.finish_reason,
-                             c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        if len(self.chunks) == 1:
+            c = self.chunks[0]
+        else:
+            c = dataclasses.replace(self.chunks[-1], token_ids=[t for x in self.chunks for t in x.token_ids])
+            if c.logprobs is not None:
+                _join_logprobs(c, self.chunks)
+        c.text = output_text(tokenizer, c.token_ids, c.finish_reason, sampling.skip_special_tokens)
+        return c
+
+
+def _join_logprobs(c: GenerateChunk, chunks: list[GenerateChunk]) -> None:
+    c.logprobs = [lp for x in chunks for lp in x.logprobs]
+    if any(x.top_logprobs is not None for x in chunks):
+        c.top_logprobs = [t for x in chunks for t in x.top_logprobs or []]
+    first = next((x for x in chunks if x.input_logprobs is not None), None)
+    if first is not None:
+        c.input_logprobs, c.input_top_logprobs = first.input_logprobs, first.input_top_logprobs
 
 
 def _resolve(waiters: deque, msg) -> None:

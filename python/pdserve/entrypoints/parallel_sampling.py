@@ -1,0 +1,74 @@
+"""Several samples of one prompt (``n``, ``best_of``) sharing the prompt's KV.
+
+The prompt runs once first, as a request with no new tokens: its full pages land in
+the radix cache (and it computes the prompt's logprobs, if asked), so each sample's
+prefill is a cache hit, reported in its ``cached_tokens``, as SGLang does for
+parallel sampling. One sample needs no such step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.engine.request import SamplingParams
+from pdserve.entrypoints.streaming import collect, gather_or_cancel
+from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+
+
+@dataclass
+class PromptJob:
+    """``count`` samples of ``input_ids``; ``sampling.n`` is ignored (``count`` rules)."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    count: int = 1
+    return_logprob: bool = False  # output logprobs of every sample
+    input_start: int | None = None  # prompt logprobs from this position on (None: none)
+    top_logprobs_num: int = 0
+    rid: str | None = None
+
+    @property
+    def shares_prefill(self) -> bool:
+        return self.count > 1
+
+    async def prefill(self, tm: TokenizerManager) -> GenerateChunk:
+        """The prompt alone; carries the prompt's logprobs when ``input_start`` is set."""
+        sampling = dataclasses.replace(self.sampling.for_copy(0), max_new_tokens=0)
+        rid = None if self.rid is None else f"{self.rid}-prefill"
+        gen = tm.generate(self.input_ids, sampling, self.input_start is not None, rid, stream=False,
+                          logprob_start_len=self._start(True), top_logprobs_num=self.top_logprobs_num)
+        return await collect(gen)
+
+    def generators(self, tm: TokenizerManager, stream: bool) -> list[AsyncIterator[GenerateChunk]]:
+        """One generator per sample; after a shared prefill they skip the prompt's logprobs."""
+        with_input = not self.shares_prefill
+        want = self.return_logprob or (with_input and self.input_start is not None)
+        return [tm.generate(self.input_ids, self.sampling.for_copy(j), want, self._rid(j), stream,
+                            logprob_start_len=self._start(with_input), top_logprobs_num=self.top_logprobs_num)
+                for j in range(self.count)]
+
+    def _start(self, with_input: bool) -> int:
+        return self.input_start if with_input and self.input_start is not None else len(self.input_ids)
+
+    def _rid(self, j: int) -> str | None:
+        if self.rid is None or self.count == 1:
+            return self.rid
+        return f"{self.rid}-{j}"
+
+
+async def run_job(tm: TokenizerManager, job: PromptJob) -> list[GenerateChunk]:
+    """Every sample's final chunk (non-streaming), each carrying the prompt's logprobs if asked."""
+    if not job.shares_prefill:
+        return [await collect(job.generators(tm, stream=False)[0])]
+    shared = await job.prefill(tm)
+    chunks = await gather_or_cancel(*(collect(g) for g in job.generators(tm, stream=False)))
+    for c in chunks:
+        attach_prompt_logprobs(c, shared)
+    return chunks
+
+
+def attach_prompt_logprobs(chunk: GenerateChunk, shared: GenerateChunk | None) -> None:
+    if shared is not None and shared.input_logprobs is not None:
+        chunk.input_logprobs, chunk.input_top_logprobs = shared.input_logprobs, shared.input_top_logprobs
