@@ -19,7 +19,7 @@ import math
 import typing
 from dataclasses import dataclass
 
-from pdserve.disagg.layout import KVLayout, LayoutError
+from pdserve.disagg.layout import KVLayout
 
 PROTOCOL_VERSION = 1
 SIDES = ("prefill", "decode")
@@ -181,11 +181,12 @@ def decode(data: bytes) -> Message:
              f"v: unsupported protocol version {env['v']!r} (this build speaks {PROTOCOL_VERSION})")
     cls = MESSAGES.get(env["type"]) if isinstance(env["type"], str) else None
     _require(cls is not None, f"type: unknown message type {env['type']!r}")
-    return _build(cls, env["body"], env["type"])
+    return from_dict(cls, env["body"], env["type"])
 
 
-def _build(cls: type, body, path: str):
-    """``cls`` from a JSON object, every field checked against its annotation."""
+def from_dict(cls: type, body, path: str):
+    """Dataclass ``cls`` from a JSON object, every field checked against its annotation
+    (int, float, str, bool, list of those, nested dataclasses); ProtocolError names the field."""
     _require(isinstance(body, dict), f"{path}: expected an object, got {type(body).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -199,7 +200,7 @@ def _build(cls: type, body, path: str):
         kwargs[name] = _value(body[name], hints[name], f"{path}.{name}")
     try:
         return cls(**kwargs)
-    except (ProtocolError, LayoutError) as e:
+    except (ProtocolError, ValueError) as e:
         raise ProtocolError(f"{path}: {e}") from None
 
 
@@ -219,7 +220,7 @@ def _value(v, hint, path: str):
         (item,) = typing.get_args(hint)
         v = [_value(x, item, f"{path}[{i}]") for i, x in enumerate(v)]
     elif dataclasses.is_dataclass(hint):
-        v = _build(hint, v, path)
+        v = from_dict(hint, v, path)
     else:  # pragma: no cover - a field type this codec was not taught
         raise TypeError(f"{path}: unsupported field type {hint}")
     return v
