@@ -6,7 +6,9 @@ landed, and a notify never overtakes its data.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import socket
 import sys
 import threading
@@ -248,6 +250,34 @@ def test_peer_killed_after_contact(sender):
         assert not be.probe(victim.session)
     finally:
         victim.stop()
+
+
+@needs_mooncake
+def test_first_contact_with_a_hung_peer_blocks_nobody(peer):
+    """A stopped peer never answers; writes to it fail after the connect timeout while other
+    peers' writes go on, and it is contacted afresh once it answers again."""
+    be = MooncakeTransferBackend(connect_timeout_s=1.0)
+    src = alloc(4096)
+    be.register([(src.data_ptr(), 4096)])
+    hung = Peer(1 << 20)
+    try:
+        os.kill(hung.proc.pid, signal.SIGSTOP)
+        src[:4096] = 6
+        stuck = be.post_writes(hung.session, [src.data_ptr()], [hung.base], [4096])  # returns at once
+        h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4096])
+        assert be.wait(h, WAIT_S) is WriteState.DONE
+        assert be.wait(stuck, WAIT_S) is WriteState.FAILED
+        assert "did not answer" in stuck.error
+        with pytest.raises(TransferError, match="did not answer"):
+            be.write_sync(hung.session, [src.data_ptr()], [hung.base], [4096])
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        again = be.post_writes(hung.session, [src.data_ptr()], [hung.base], [4096])
+        assert be.wait(again, WAIT_S) is WriteState.DONE, again.error
+        assert hung.call("mismatches", 0, 4096, 6) == 0
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.stop()
+        be.close()
 
 
 @needs_mooncake

@@ -43,8 +43,11 @@ Mooncake quirks this module hides (mooncake-transfer-engine 0.3.13):
 * About 1,000 writes queued to one peer is the limit; past it writes fail after 1 s
   (3,000 writes at once: 2,568 failed). The backend keeps at most ``max_inflight_per_peer``.
 * The first write to a peer opens its segment with a blocking handshake RPC (about 60 s to a
-  hung peer), so writes are submitted from a pump thread and first contacts from helper
-  threads: ``post_writes`` never waits on the network.
+  hung peer) made while holding the wrapper's lock that every submit takes: one hung peer
+  would stall every write to every peer. So writes are submitted from a pump thread
+  (``post_writes`` never waits on the network), and first contact runs on a helper thread,
+  starting with a probe bounded by ``connect_timeout_s``; a peer that does not answer fails
+  its writes instead of taking the lock.
 * A dead peer (port closed) fails at once: submit returns 0, in-flight writes fail within
   milliseconds, ``send_probe`` returns -102. A hung peer (SIGSTOP) fails writes after 30 s
   without progress or status frame (``MC_TCP_STATUS_TIMEOUT_SEC``), but ``send_probe`` blocks
@@ -224,15 +227,18 @@ def mooncake_available() -> bool:
 
 @dataclass(eq=False)
 class _Batch:
-    """Pump-side state of one handle: writes not yet submitted, ids in flight."""
+    """Pump-side state of one handle. Only the pump thread changes it (other threads hand
+    results over through ``_WritePump._handoff``), so it needs no lock of its own."""
 
     handle: WriteHandle
     writes: deque  # of (src, dst, nbytes) not yet submitted
     inflight: list = field(default_factory=list)  # Mooncake batch ids
+    connecting: bool = False  # its first write is opening the peer's segment on a helper thread
+    error: str | None = None  # published to handle.error when it settles
 
     @property
     def settled(self) -> bool:
-        return not self.inflight and (not self.writes or self.handle.error is not None)
+        return not self.inflight and not self.connecting and (not self.writes or self.error is not None)
 
 
 class _Regions:
@@ -265,7 +271,7 @@ class MooncakeTransferBackend(TransferBackend):
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  metadata_server: str = "P2PHANDSHAKE", max_inflight_per_peer: int = 256,
-                 poll_interval_s: float = 0.0005):
+                 poll_interval_s: float = 0.0005, connect_timeout_s: float = 5.0):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol: {protocol!r} is not one of {PROTOCOLS}")
         if max_inflight_per_peer < 1:
@@ -278,9 +284,9 @@ class MooncakeTransferBackend(TransferBackend):
                                 f"{device_name!r}) returned {rc}")
         self._session = f"{hostname}:{self._te.get_rpc_port()}"
         self._regions = _Regions()
-        self._pump = _WritePump(self._te, max_inflight_per_peer, poll_interval_s)
-        self._probes = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="mooncake-probe")
-        self._probing: dict[str, concurrent.futures.Future] = {}
+        self._prober = _Prober(self._te)
+        self._connect_timeout_s = connect_timeout_s
+        self._pump = _WritePump(self._te, self._prober, max_inflight_per_peer, poll_interval_s, connect_timeout_s)
         self._closed = False
 
     @property
@@ -317,6 +323,10 @@ class MooncakeTransferBackend(TransferBackend):
         check_writes(srcs, dsts, lens)
         self._check_sources(srcs, lens)
         s, d, n = merge_contiguous(srcs, dsts, lens)
+        # First contact opens the segment under a lock every other submit needs: only for a
+        # peer that answers (see _WritePump).
+        if not self._pump.known(peer) and not self._prober.probe(peer, self._connect_timeout_s):
+            raise TransferError(f"write to {peer} failed: it did not answer within {self._connect_timeout_s}s")
         if notify is None:
             rc = self._te.batch_transfer_sync_write(peer, s, d, n)
         else:
@@ -332,23 +342,18 @@ class MooncakeTransferBackend(TransferBackend):
 
     def probe(self, peer: str, timeout_s: float = 2.0) -> bool:
         self._check_open()
-        fut = self._probing.get(peer)
-        if fut is None or fut.done():  # at most one probe per peer in flight
-            fut = self._probing[peer] = self._probes.submit(self._te.send_probe, peer)
-        try:
-            return fut.result(timeout=timeout_s) == 0
-        except concurrent.futures.TimeoutError:
-            return False
+        return self._prober.probe(peer, timeout_s)
 
     def close(self, timeout_s: float = 40.0) -> None:
-        """Writes still in flight after ``timeout_s`` (a hung peer fails them after 30 s) keep the
-        engine alive, leaked on purpose: freeing it under them would be a use-after-free."""
+        """Writes or probes still inside Mooncake after ``timeout_s`` (a hung peer fails writes
+        after 30 s, probes after about 60 s) keep the engine alive, leaked on purpose: freeing
+        it under them would be a use-after-free."""
         if self._closed:
             return
         self._closed = True
-        self._probes.shutdown(wait=False, cancel_futures=True)
-        if not self._pump.stop(timeout_s):
-            logger.warning("transfer engine %s: writes still in flight after %.0fs; not freeing the engine",
+        deadline = time.monotonic() + timeout_s
+        if not (self._pump.stop(timeout_s) and self._prober.stop(max(0.0, deadline - time.monotonic()))):
+            logger.warning("transfer engine %s: calls still inside Mooncake after %.0fs; not freeing the engine",
                            self._session, timeout_s)
             return
         if self._regions.all():
@@ -365,22 +370,59 @@ class MooncakeTransferBackend(TransferBackend):
                 raise ValueError(f"srcs[{i}]: [{s:#x}, +{n}) is not inside a region registered with this backend")
 
 
+class _Prober:
+    """``send_probe`` on helper threads (it blocks about 60 s on a hung peer): one probe per
+    peer at a time, each caller waiting at most its own timeout."""
+
+    def __init__(self, te):
+        self._te = te
+        self._lock = threading.Lock()
+        self._running: dict[str, concurrent.futures.Future] = {}
+
+    def probe(self, peer: str, timeout_s: float) -> bool:
+        with self._lock:
+            fut = self._running.get(peer)
+            if fut is None or fut.done():
+                fut = self._running[peer] = concurrent.futures.Future()
+                threading.Thread(target=self._run, args=(peer, fut), name="mooncake-probe", daemon=True).start()
+        try:
+            return fut.result(timeout=timeout_s) == 0
+        except concurrent.futures.TimeoutError:
+            return False
+
+    def _run(self, peer: str, fut: concurrent.futures.Future) -> None:
+        fut.set_result(self._te.send_probe(peer))
+
+    def stop(self, timeout_s: float) -> bool:
+        """Wait for probes still inside Mooncake; True when none is."""
+        with self._lock:
+            running = list(self._running.values())
+        done, pending = concurrent.futures.wait(running, timeout=timeout_s)
+        return not pending
+
+
 class _WritePump:
     """Thread that submits queued writes (at most ``cap`` in flight per peer) and polls them.
 
-    First contact with a peer opens its Mooncake segment with a blocking RPC, so that runs on a
-    helper thread (a zero-byte write) while the pump keeps serving other peers.
-    Lock order: only ``_cond``; Mooncake calls are made with it released.
+    The first write to a peer opens its Mooncake segment with a blocking RPC made while holding
+    a lock that every other submit takes too (Mooncake's Python wrapper), so a hung peer would
+    stall all traffic for about 60 s. First contact therefore runs on a helper thread and
+    starts with a bounded probe; only a peer that answered gets the segment-opening write. The
+    helper's batch id (or failure) comes back through ``_handoff``. ``_cond`` guards
+    ``_batches``, ``_handoff``, ``_peers`` and every handle's state; Mooncake is called with
+    it released.
     """
 
-    def __init__(self, te, cap: int, interval_s: float):
+    def __init__(self, te, prober: _Prober, cap: int, interval_s: float, connect_timeout_s: float):
         self._te = te
+        self._prober = prober
         self._cap = cap
         self._interval = interval_s
+        self._connect_timeout_s = connect_timeout_s
         self._cond = threading.Condition()
         self._batches: list[_Batch] = []
+        self._handoff: list[tuple[_Batch, int | None, str]] = []  # (batch, first bid or None, why)
         self._peers: dict[str, str] = {}  # peer -> "connecting" | "ready"
-        self._connecting = 0  # first-contact threads still inside Mooncake
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mooncake-pump", daemon=True)
         self._thread.start()
@@ -396,31 +438,34 @@ class _WritePump:
         with self._cond:
             return handle.state
 
+    def known(self, peer: str) -> bool:
+        """Whether the peer's segment is open (first contact done)."""
+        with self._cond:
+            return self._peers.get(peer) == "ready"
+
     def stop(self, timeout_s: float) -> bool:
         """Fail what was never submitted and wait for the rest. True when no thread can touch
         the engine any more; the pump then drops its reference."""
-        deadline = time.monotonic() + timeout_s
         with self._cond:
             self._stopping = True
-            for b in self._batches:
-                if b.writes and b.handle.error is None:
-                    b.handle.error = "transfer engine closed before the write was submitted"
             self._cond.notify()
         self._thread.join(timeout_s)
-        with self._cond:
-            while self._connecting and self._cond.wait(max(0.0, deadline - time.monotonic())):
-                pass
-            if self._thread.is_alive() or self._connecting:
-                return False
-            self._te = None
-            return True
+        if self._thread.is_alive():
+            return False
+        self._te = None
+        return True
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                if self._stopping and not any(b.inflight for b in self._batches):
-                    self._finish_settled()
-                    return
+                self._take_handoff()
+                if self._stopping:
+                    for b in self._batches:
+                        if b.writes and b.error is None:
+                            b.error = "transfer engine closed before the write was submitted"
+                    if all(b.settled for b in self._batches):
+                        self._finish_settled()
+                        return
                 if not self._batches:
                     self._cond.wait()
                     continue
@@ -428,24 +473,24 @@ class _WritePump:
             progressed = self._submit(work) | self._check(work)
             with self._cond:
                 self._finish_settled()
-                if not progressed:
+                if not progressed and not self._handoff:
                     self._cond.wait(self._interval)
 
     def _submit(self, work: list[_Batch]) -> bool:
         progressed = False
         inflight: dict[str, int] = {}
         for b in work:
-            inflight[b.handle.peer] = inflight.get(b.handle.peer, 0) + len(b.inflight)
+            inflight[b.handle.peer] = inflight.get(b.handle.peer, 0) + len(b.inflight) + b.connecting
         for b in work:
             peer = b.handle.peer
-            if b.handle.error is not None or not b.writes or not self._peer_ready(b):
+            if b.error is not None or not b.writes or b.connecting or not self._peer_ready(b):
                 continue
             while b.writes and inflight[peer] < self._cap:
                 src, dst, n = b.writes.popleft()
                 bid = self._te.transfer_submit_write(peer, src, dst, n)
                 progressed = True
                 if bid in _SUBMIT_FAILED:
-                    b.handle.error = f"could not start a {n}-byte write to {peer}"
+                    b.error = f"could not start a {n}-byte write to {peer}"
                     break
                 b.inflight.append(bid)
                 inflight[peer] += 1
@@ -461,45 +506,58 @@ class _WritePump:
                     still.append(bid)
                     continue
                 progressed = True
-                if rc != 1 and b.handle.error is None:
-                    b.handle.error = f"write to {b.handle.peer} {'timed out' if rc == -2 else 'failed'}"
+                if rc != 1 and b.error is None:
+                    b.error = f"write to {b.handle.peer} {'timed out' if rc == -2 else 'failed'}"
             b.inflight = still
         return progressed
 
     def _peer_ready(self, b: _Batch) -> bool:
-        """Whether the batch's peer segment is open; starts first contact if nobody has."""
-        peer = b.handle.peer
+        """Whether the batch's peer is known; if nobody is contacting it yet, this batch's first
+        write does, on a helper thread."""
         with self._cond:
-            status = self._peers.get(peer)
+            status = self._peers.get(b.handle.peer)
             if status is None:
-                self._peers[peer] = "connecting"
-                self._connecting += 1
-                threading.Thread(target=self._connect, args=(peer,), name="mooncake-connect", daemon=True).start()
+                self._peers[b.handle.peer] = "connecting"
+                b.connecting = True
+                write = b.writes.popleft()
+                threading.Thread(target=self._connect, args=(b, write), name="mooncake-connect",
+                                 daemon=True).start()
             return status == "ready"
 
-    def _connect(self, peer: str) -> None:
-        bid = self._te.transfer_submit_write(peer, 0, 0, 0)  # opens the segment; zero bytes move
-        ok = bid not in _SUBMIT_FAILED
-        while ok and (rc := self._te.transfer_check_status(bid)) == 0:
-            time.sleep(self._interval)
-        ok = ok and rc == 1
+    def _connect(self, b: _Batch, write: tuple[int, int, int]) -> None:
+        peer = b.handle.peer
+        bid, why = None, f"could not reach {peer}"
+        if not self._prober.probe(peer, self._connect_timeout_s):
+            why = f"{peer} did not answer a probe within {self._connect_timeout_s}s"
+        elif (bid := self._te.transfer_submit_write(peer, *write)) in _SUBMIT_FAILED:  # opens the segment
+            bid = None
         with self._cond:
-            self._connecting -= 1
-            if ok:
-                self._peers[peer] = "ready"
-            else:  # fail what waits for this peer; the next batch tries again
-                del self._peers[peer]
-                for b in self._batches:
-                    if b.handle.peer == peer and not b.inflight and b.handle.error is None:
-                        b.handle.error = f"could not reach {peer}"
+            self._handoff.append((b, bid, why))
             self._cond.notify()
+
+    def _take_handoff(self) -> None:
+        """Results of first contacts (caller holds the lock). A failed one fails every batch
+        still waiting for that peer; the next batch to it tries again."""
+        for b, bid, why in self._handoff:
+            b.connecting = False
+            peer = b.handle.peer
+            if bid is not None:
+                b.inflight.append(bid)
+                self._peers[peer] = "ready"
+                continue
+            del self._peers[peer]
+            for other in self._batches:
+                if other.handle.peer == peer and not other.inflight and not other.connecting:
+                    other.error = other.error or why
+        self._handoff.clear()
 
     def _finish_settled(self) -> None:
         """Publish terminal states (caller holds the lock)."""
         keep = []
         for b in self._batches:
             if b.settled:
-                b.handle.state = WriteState.FAILED if b.handle.error else WriteState.DONE
+                b.handle.error = b.error
+                b.handle.state = WriteState.FAILED if b.error else WriteState.DONE
             else:
                 keep.append(b)
         self._batches = keep
