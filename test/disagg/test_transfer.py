@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -252,6 +253,14 @@ def test_peer_killed_after_contact(sender):
         victim.stop()
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP, then wait until every thread is really stopped (delivery is not instant)."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = f"/proc/{pid}/task"
+    while not all(open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0] == "T" for t in os.listdir(tasks)):
+        time.sleep(0.01)
+
+
 @needs_mooncake
 def test_first_contact_with_a_hung_peer_blocks_nobody(peer):
     """A stopped peer never answers; writes to it fail after the connect timeout while other
@@ -261,7 +270,7 @@ def test_first_contact_with_a_hung_peer_blocks_nobody(peer):
     be.register([(src.data_ptr(), 4096)])
     hung = Peer(1 << 20)
     try:
-        os.kill(hung.proc.pid, signal.SIGSTOP)
+        freeze(hung.proc.pid)
         src[:4096] = 6
         stuck = be.post_writes(hung.session, [src.data_ptr()], [hung.base], [4096])  # returns at once
         h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4096])
@@ -377,3 +386,23 @@ def test_fault_dropped_notify_still_writes_the_data(peer, faulty):
     fb.reset()
     fb.write_sync(peer.session, [src.data_ptr()], [peer.base], [128], notify=("room-y", "done"))
     assert peer.call("notifies") == [("room-y", "done")]
+
+
+@needs_mooncake
+def test_register_unregister_and_overlap(peer, sender):
+    be, _ = sender
+    buf = alloc(8192)
+    be.register([(buf.data_ptr(), 4096)])
+    with pytest.raises(TransferError, match="batch_register_memory"):
+        be.register([(buf.data_ptr() + 1024, 4096)])  # overlaps: Mooncake refuses
+    h = be.post_writes(peer.session, [buf.data_ptr()], [peer.base], [4096])
+    assert be.wait(h, WAIT_S) is WriteState.DONE
+    be.unregister([buf.data_ptr()])
+    with pytest.raises(ValueError, match=r"srcs\[0\]"):
+        be.post_writes(peer.session, [buf.data_ptr()], [peer.base], [4096])
+    with pytest.raises(ValueError, match="is not the start of a registered region"):
+        be.unregister([buf.data_ptr()])
+    be.register([(buf.data_ptr() + 1024, 4096)])  # free again: the overlap is gone
+    be.unregister([buf.data_ptr() + 1024])
+    with pytest.raises(ValueError, match=r"regions\[0\]"):
+        be.register([(buf.data_ptr(), 0)])

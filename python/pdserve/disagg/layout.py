@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 KINDS = ("gqa", "mla")
@@ -277,3 +277,15 @@ def count_writes(ops: Iterable[WriteOp]) -> dict[tuple[int, int], int]:
     for op in ops:
         out[(op.src_rank, op.dst_rank)] += op.pages
     return dict(out)
+
+
+def op_addresses(ops: Iterable[WriteOp], src_bases: Mapping[str, int],
+                 dst_bases: Mapping[str, int]) -> tuple[list[int], list[int], list[int]]:
+    """``(srcs, dsts, lens)`` for a transfer backend, from ops of one (src_rank, dst_rank) pair and
+    each side's buffer base address by buffer name."""
+    srcs, dsts, lens = [], [], []
+    for op in ops:
+        srcs.append(src_bases[op.buffer] + op.src_offset)
+        dsts.append(dst_bases[op.buffer] + op.dst_offset)
+        lens.append(op.nbytes)
+    return srcs, dsts, lens

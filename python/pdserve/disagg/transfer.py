@@ -53,6 +53,8 @@ Mooncake quirks this module hides (mooncake-transfer-engine 0.3.13):
   without progress or status frame (``MC_TCP_STATUS_TIMEOUT_SEC``), but ``send_probe`` blocks
   about 60 s, so ``probe`` runs it on a helper thread with its own timeout.
 * ``initialize`` returns 0 even for an unknown protocol; the protocol is checked here.
+* Registering a region that overlaps a registered one fails (rc -7): unregister a buffer
+  before its memory is freed and possibly handed out again.
 * TCP does not need the source registered, RDMA does; this backend checks sources on every
   transport so a missing registration fails the same way in tests and in clusters.
 * Destroying an engine takes about a second and must not race in-flight writes (they point at
@@ -171,6 +173,11 @@ class TransferBackend(ABC):
         """Register ``(addr, nbytes)`` regions (one batch call). Raises TransferError."""
 
     @abstractmethod
+    def unregister(self, addrs: Sequence[int]) -> None:
+        """Forget regions registered at ``addrs`` (before their memory is freed or reused: a new
+        region overlapping a registered one is refused)."""
+
+    @abstractmethod
     def post_writes(self, peer: str, srcs: Sequence[int], dsts: Sequence[int],
                     lens: Sequence[int]) -> WriteHandle:
         """Queue writes ``srcs[i] -> peer:dsts[i]`` of ``lens[i]`` bytes."""
@@ -257,6 +264,12 @@ class _Regions:
         i = bisect.bisect(self._starts, addr) - 1
         return i >= 0 and addr + n <= self._ends[i]
 
+    def remove(self, addr: int) -> None:
+        i = bisect.bisect_left(self._starts, addr)
+        if i == len(self._starts) or self._starts[i] != addr:
+            raise ValueError(f"addrs: {addr:#x} is not the start of a registered region")
+        del self._starts[i], self._ends[i]
+
     def all(self) -> list[int]:
         return list(self._starts)
 
@@ -305,6 +318,13 @@ class MooncakeTransferBackend(TransferBackend):
             raise TransferError(f"Mooncake batch_register_memory of {len(regions)} regions returned {rc}")
         for addr, n in regions:
             self._regions.add(addr, n)
+
+    def unregister(self, addrs: Sequence[int]) -> None:
+        self._check_open()
+        for a in addrs:
+            self._regions.remove(a)
+        if addrs and (rc := self._te.batch_unregister_memory(list(addrs))) != 0:
+            raise TransferError(f"Mooncake batch_unregister_memory of {len(addrs)} regions returned {rc}")
 
     def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
         self._check_open()
@@ -630,6 +650,9 @@ class FaultInjectingBackend(TransferBackend):
 
     def register(self, regions) -> None:
         self.inner.register(regions)
+
+    def unregister(self, addrs) -> None:
+        self.inner.unregister(addrs)
 
     def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
         check_writes(srcs, dsts, lens)
