@@ -23,8 +23,8 @@ What "done" means (measured on Mooncake's TCP transport, 127.0.0.1; the tests in
   RPC on the handshake socket that appends it to the peer's notify list before the sender's
   call returns. Checked: a receiver that reads the region named by each notify as soon as
   ``notifies()`` returns it saw no stale byte (200 rounds, 1 B to 6 MiB; with the legacy
-  framing it does). But a notify can be **lost silently**: when the
-  notify RPC fails, Mooncake logs an error and the write still reports success.
+  framing it does). But a notify can be **lost silently** (from the source): when the notify
+  RPC fails, Mooncake logs an error and the write still reports success.
 * **Consequence for decode's completion:** prefill waits until every posted write of a room
   polls DONE, then sends the completion message (with its write count) over its control
   channel; decode may trust the bytes when that message arrives. Counting notifies alone
@@ -52,6 +52,8 @@ Mooncake quirks this module hides (mooncake-transfer-engine 0.3.13):
   milliseconds, ``send_probe`` returns -102. A hung peer (SIGSTOP) fails writes after 30 s
   without progress or status frame (``MC_TCP_STATUS_TIMEOUT_SEC``), but ``send_probe`` blocks
   about 60 s, so ``probe`` runs it on a helper thread with its own timeout.
+* The sync calls (``write_sync``) busy-wait, GIL released, for at most ``MC_TRANSFER_TIMEOUT``
+  (default 30 s) plus 1 ns per byte; keep them for small writes off the scheduler's hot path.
 * ``initialize`` returns 0 even for an unknown protocol; the protocol is checked here.
 * Registering a region that overlaps a registered one fails (rc -7): unregister a buffer
   before its memory is freed and possibly handed out again.
@@ -59,9 +61,10 @@ Mooncake quirks this module hides (mooncake-transfer-engine 0.3.13):
   transport so a missing registration fails the same way in tests and in clusters.
 * Destroying an engine takes about a second and must not race in-flight writes (they point at
   caller memory): ``close`` waits for them to settle first.
-* Thread-safety: one engine is used from the pump thread (submit, status), probe threads and
-  the caller's thread (``write_sync``, ``notifies``) at once; Mooncake guards its segment map
-  with a mutex and batch state is per batch, and the tests exercise this concurrency.
+* Thread-safety: one engine is used from the pump thread (submit, status), helper threads
+  (probe, first contact) and the caller's thread (``write_sync``, ``notifies``) at once;
+  Mooncake's wrapper guards its segment map with one mutex, batch state is per batch, and the
+  tests exercise this concurrency.
 """
 
 from __future__ import annotations
