@@ -1,0 +1,431 @@
+"""Prefill's bootstrap registry (an HTTP server), decode's client of it, and room pairing.
+
+A prefill server runs one ``BootstrapServer`` (in its frontend process, on
+``--disaggregation-bootstrap-port``). Each of its ranks registers a ``RankRecord`` and the
+server-wide ``CompatRecord``; decode fetches them once all ranks are in, refuses a peer whose
+compatibility record differs (naming the field), and then talks to the ranks directly.
+
+HTTP API (JSON bodies in the ``protocol.from_dict`` form of the records):
+  PUT /bootstrap/compat   CompatRecord           -> 200, or 409 when it contradicts the one held
+  PUT /bootstrap/rank     RankRecord             -> 200 (a rank registering again replaces its
+                                                    record: it restarted), or 409 on a layout clash
+  GET /bootstrap          {"compat", "ranks", "complete", "missing"}
+  GET /health             "ok"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from pdserve.disagg.layout import KVLayout
+from pdserve.disagg.protocol import ProtocolError, from_dict
+from pdserve.mem.kv_pool import BufferDescriptor
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+KV_LAYOUTS = ("gqa-hnd", "mla")
+
+
+class BootstrapError(RuntimeError):
+    """The bootstrap exchange failed: unreachable, incomplete, refused or malformed."""
+
+
+class IncompatiblePeer(BootstrapError):
+    """Prefill and decode disagree on something the KV bytes depend on; names the field."""
+
+
+class RoomError(ValueError):
+    """A request half that cannot be accepted (duplicate, already paired, dropped)."""
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompatRecord:
+    """What must be equal on both sides for KV bytes to mean the same thing."""
+
+    model: str  # served model identity (both sides must serve the same weights)
+    architecture: str  # HF architecture name
+    dtype: str  # KV cache dtype
+    page_size: int
+    kv_layout: str  # "gqa-hnd" or "mla"
+    num_layers: int
+    num_kv_heads: int  # the model's total KV heads (1 for MLA)
+    head_dim: int  # one head's row (kv_lora_rank + qk_rope_head_dim for MLA)
+
+    def __post_init__(self):
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: {self.kv_layout!r} is not one of {KV_LAYOUTS}")
+
+    @classmethod
+    def from_model(cls, model_config, page_size: int, model: str | None = None) -> CompatRecord:
+        """From a ``config.ModelConfig`` (``model`` defaults to its path)."""
+        mc = model_config
+        return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
+                   mc.num_layers, mc.num_kv_heads, mc.head_dim)
+
+    def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
+        """Raise IncompatiblePeer naming the first field that differs."""
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                raise IncompatiblePeer(f"{f.name}: {mine} has {a}, {theirs} has {b}")
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One prefill rank, as decode needs it to send KV requests and plan the writes."""
+
+    rank: int  # attention rank: dp_rank * tp_size + tp_rank
+    session: str  # transfer session, "host:rpc_port"
+    buffers: list[BufferDescriptor]  # KV buffers, in layout.buffers order
+    control: str  # ZMQ endpoint taking KVRequest, KVAbort, DropRoom, Heartbeat
+    layout: KVLayout  # the server's KV layout and parallel shape (same on every rank)
+    seed: int = 0  # seed of the random source-rank draw (layout.source_pick), same on every rank
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.layout.num_ranks:
+            raise ValueError(f"rank: {self.rank} outside [0, {self.layout.num_ranks})")
+        names = tuple(b.name for b in self.buffers)
+        if names != self.layout.buffers:
+            raise ValueError(f"buffers: {names} where the layout has {self.layout.buffers}")
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """What decode learns from a complete registry."""
+
+    compat: CompatRecord
+    ranks: list[RankRecord]  # sorted by rank, one per attention rank
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.ranks[0].layout
+
+
+def _json(obj) -> bytes:
+    return json.dumps(dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj).encode()
+
+
+# --- the registry and its HTTP server -----------------------------------------------------------
+
+
+class BootstrapRegistry:
+    """Thread-safe store of one prefill server's records (the HTTP handler's state)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._compat: CompatRecord | None = None
+        self._ranks: dict[int, RankRecord] = {}
+
+    def put_compat(self, compat: CompatRecord) -> None:
+        with self._lock:
+            if self._compat is not None:
+                self._compat.check(compat, "registered", "new")
+            self._compat = compat
+
+    def put_rank(self, rec: RankRecord) -> None:
+        with self._lock:
+            for other in self._ranks.values():
+                if other.rank != rec.rank and (other.layout, other.seed) != (rec.layout, rec.seed):
+                    raise BootstrapError(f"rank {rec.rank}: layout or seed differs from rank {other.rank}'s")
+            if rec.rank in self._ranks:
+                logger.info("bootstrap: rank %d registered again (session %s)", rec.rank, rec.session)
+            self._ranks[rec.rank] = rec
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            ranks = [self._ranks[r] for r in sorted(self._ranks)]
+            want = ranks[0].layout.num_ranks if ranks else None
+            missing = [r for r in range(want) if r not in self._ranks] if want else []
+            return {"compat": dataclasses.asdict(self._compat) if self._compat else None,
+                    "ranks": [dataclasses.asdict(r) for r in ranks],
+                    "complete": bool(ranks) and not missing and self._compat is not None,
+                    "missing": missing}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        if self.path == "/health":
+            return self._reply(200, "ok")
+        if self.path == "/bootstrap":
+            return self._reply(200, self.server.registry.snapshot())
+        return self._reply(404, {"error": f"no route {self.path}"})
+
+    def do_PUT(self):  # noqa: N802
+        routes = {"/bootstrap/compat": (CompatRecord, self.server.registry.put_compat),
+                  "/bootstrap/rank": (RankRecord, self.server.registry.put_rank)}
+        if self.path not in routes:
+            return self._reply(404, {"error": f"no route {self.path}"})
+        cls, put = routes[self.path]
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            put(from_dict(cls, body, cls.__name__))
+        except ValueError as e:  # malformed JSON or record (ProtocolError is a ValueError)
+            return self._reply(400, {"error": str(e), "kind": "malformed"})
+        except IncompatiblePeer as e:
+            return self._reply(409, {"error": str(e), "kind": "incompatible"})
+        except BootstrapError as e:
+            return self._reply(409, {"error": str(e), "kind": "conflict"})
+        return self._reply(200, {"ok": True})
+
+    def _reply(self, code: int, payload) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, fmt, *args):  # http.server logs every request to stderr otherwise
+        logger.debug("bootstrap %s: " + fmt, self.client_address[0], *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr, registry: BootstrapRegistry):
+        super().__init__(addr, _Handler)
+        self.registry = registry
+
+
+class BootstrapServer:
+    """The registry served over HTTP from a background thread. ``port=0`` picks a free port."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_BOOTSTRAP_PORT):
+        self.registry = BootstrapRegistry()
+        self._server = _Server((host, port), self.registry)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def host(self) -> str:
+        return self._server.server_address[0]
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def start(self) -> BootstrapServer:
+        # A short poll interval: shutdown() waits up to one interval.
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="bootstrap-http",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Idempotent; frees the port."""
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._server.server_close()
+
+    def __enter__(self) -> BootstrapServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --- the client -----------------------------------------------------------------------------
+
+
+class BootstrapClient:
+    """HTTP client of a BootstrapServer: prefill ranks register, decode fetches.
+
+    Every call retries while the server is not up (or, for ``fetch``, not complete) until its
+    ``timeout_s``, then raises BootstrapError saying what it last saw.
+    """
+
+    def __init__(self, request_timeout_s: float = 2.0, interval_s: float = 0.1):
+        self.request_timeout_s = request_timeout_s
+        self.interval_s = interval_s
+
+    def fetch(self, host: str, port: int, timeout_s: float = 30.0) -> BootstrapInfo:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, why = self._call("GET", host, port, "/bootstrap")
+            if status == 200 and why["complete"]:
+                return self._info(why, host, port)
+            if status == 200:
+                why = (f"{len(why['ranks'])} prefill ranks registered, missing ranks {why['missing']}"
+                       + ("" if why["compat"] else ", no compatibility record"))
+            elif status is not None:
+                why = f"HTTP {status}: {why.get('error', why)}"
+            self._wait_or_fail(deadline, host, port, timeout_s, why)
+
+    def register_compat(self, host: str, port: int, compat: CompatRecord, timeout_s: float = 30.0) -> None:
+        self._put(host, port, "/bootstrap/compat", compat, timeout_s)
+
+    def register_rank(self, host: str, port: int, record: RankRecord, timeout_s: float = 30.0) -> None:
+        self._put(host, port, "/bootstrap/rank", record, timeout_s)
+
+    def _put(self, host, port, path, record, timeout_s) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, why = self._call("PUT", host, port, path, _json(record))
+            if status == 200:
+                return
+            if status is not None:  # the server answered: retrying will not change its mind
+                cls = IncompatiblePeer if why.get("kind") == "incompatible" else BootstrapError
+                raise cls(f"bootstrap {host}:{port} refused {path}: {why.get('error', why)}")
+            self._wait_or_fail(deadline, host, port, timeout_s, why)
+
+    def _call(self, method: str, host: str, port: int, path: str, body: bytes | None = None):
+        """(status, payload) from the server, or (None, reason) when it did not answer."""
+        req = urllib.request.Request(f"http://{host}:{port}{path}", data=body, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            try:
+                return e.code, json.loads(e.read())
+            except ValueError:
+                return e.code, {"error": f"HTTP {e.code} {e.reason}"}
+        except (urllib.error.URLError, OSError) as e:
+            return None, f"no answer ({getattr(e, 'reason', e)})"
+
+    def _wait_or_fail(self, deadline: float, host: str, port: int, timeout_s: float, why) -> None:
+        if time.monotonic() + self.interval_s > deadline:
+            raise BootstrapError(f"bootstrap {host}:{port}: {why} after {timeout_s:.1f}s")
+        time.sleep(self.interval_s)
+
+    @staticmethod
+    def _info(snap: dict, host: str, port: int) -> BootstrapInfo:
+        try:
+            compat = from_dict(CompatRecord, snap["compat"], "compat")
+            ranks = [from_dict(RankRecord, r, f"ranks[{i}]") for i, r in enumerate(snap["ranks"])]
+        except ProtocolError as e:
+            raise BootstrapError(f"bootstrap {host}:{port}: malformed record: {e}") from None
+        return BootstrapInfo(compat, ranks)
+
+
+# --- pairing the two halves of a request ---------------------------------------------------------
+
+
+@dataclass
+class Paired:
+    """Both halves arrived: ``http`` from the router, ``kv`` the KV requests by part (decode rank)."""
+
+    room: int
+    http: object
+    kv: dict
+
+
+@dataclass
+class Dropped:
+    """Decode prefills the room itself (DropRoom): the HTTP half, to finish without work."""
+
+    room: int
+    http: object
+
+
+@dataclass
+class Expired:
+    """A half that waited past the timeout for its other half."""
+
+    room: int
+    http: object | None
+    kv: dict
+
+
+@dataclass
+class _Entry:
+    since: float
+    http: object | None = None
+    kv: dict = field(default_factory=dict)
+    parts: int | None = None
+    state: str = "waiting"  # "waiting", or a tombstone: "paired", "dropped"
+
+
+class RoomTable:
+    """Pairs the HTTP half of a request (router -> prefill) with its KV half (decode's KV
+    requests, one per destination rank: ``parts`` of them), whichever arrives first.
+
+    Pure: the caller passes ``now`` (any monotonic clock). Not thread-safe: one loop owns it.
+    Paired and dropped rooms leave a tombstone for ``timeout_s`` so a duplicate is refused
+    rather than waiting forever; ``expire(now)`` returns halves that waited too long and
+    forgets old tombstones.
+    """
+
+    def __init__(self, timeout_s: float):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._rooms: dict[int, _Entry] = {}
+
+    def __len__(self) -> int:
+        """Rooms with a half waiting."""
+        return sum(e.state == "waiting" for e in self._rooms.values())
+
+    def add_http(self, room: int, item, now: float) -> Paired | Dropped | None:
+        e = self._entry(room, now, "HTTP half")
+        if e.state == "dropped":
+            if e.http is not None:
+                raise RoomError(f"room {room}: HTTP half already arrived")
+            e.http = item
+            return Dropped(room, item)
+        if e.http is not None:
+            raise RoomError(f"room {room}: HTTP half already arrived")
+        e.http = item
+        return self._pair_if_complete(room, e, now)
+
+    def add_kv(self, room: int, part: int, item, now: float, parts: int = 1) -> Paired | None:
+        e = self._entry(room, now, "KV request")
+        if e.state == "dropped":
+            raise RoomError(f"room {room}: dropped by decode, KV request refused")
+        if e.parts is not None and e.parts != parts:
+            raise RoomError(f"room {room}: KV request says {parts} parts, an earlier one said {e.parts}")
+        if part in e.kv:
+            raise RoomError(f"room {room}: KV request part {part} already arrived")
+        if not 0 <= part < parts:
+            raise RoomError(f"room {room}: KV request part {part} outside [0, {parts})")
+        e.parts = parts
+        e.kv[part] = item
+        return self._pair_if_complete(room, e, now)
+
+    def drop(self, room: int, now: float) -> Dropped | None:
+        """Decode will prefill ``room`` itself. Returns the waiting HTTP half, if any; a half
+        arriving later is answered ``Dropped`` by ``add_http``."""
+        e = self._entry(room, now, "DropRoom")
+        if e.kv:
+            raise RoomError(f"room {room}: decode already sent KV requests, cannot drop")
+        e.state, e.since = "dropped", now
+        return Dropped(room, e.http) if e.http is not None else None
+
+    def expire(self, now: float) -> list[Expired]:
+        out = []
+        for room, e in list(self._rooms.items()):
+            if now - e.since < self.timeout_s:
+                continue
+            del self._rooms[room]
+            if e.state == "waiting":
+                out.append(Expired(room, e.http, e.kv))
+        return out
+
+    def _entry(self, room: int, now: float, what: str) -> _Entry:
+        e = self._rooms.setdefault(room, _Entry(now))
+        if e.state == "paired":
+            raise RoomError(f"room {room}: already paired, duplicate {what} refused")
+        return e
+
+    def _pair_if_complete(self, room: int, e: _Entry, now: float) -> Paired | None:
+        if e.http is None or e.parts is None or len(e.kv) < e.parts:
+            return None
+        paired = Paired(room, e.http, e.kv)
+        self._rooms[room] = _Entry(now, state="paired")
+        return paired

@@ -1,0 +1,291 @@
+"""Pure planning of KV writes: which bytes each source rank writes to each destination rank.
+
+Legend: L layers, P pages, H kv heads (model total), h local heads of one rank, S page_size,
+D head_dim. A GQA buffer ("k" or "v") of one rank is ``[L, P, h, S, D]`` (HND), an MLA buffer
+("latent") ``[L, P, S, C+R]``; layer ``l``'s page ``p`` starts at ``l*layer_stride + p*page_bytes``
+and one local head's slice of a page is ``head_bytes = S*D*dtype_bytes`` long.
+
+Ranks: attention rank ``r = dp_rank * tp_size + tp_rank``. With H >= tp, tp rank ``t`` holds heads
+``[t*H/tp, (t+1)*H/tp)``; with H < tp the heads are replicated, rank ``t`` holding head
+``t*H//tp`` (``layers.linear.QKVParallelLinear``), so ``tp/H`` ranks form each replica set.
+
+A request's transfer is a list of position-aligned pages: ``src_pages[i]`` on the source and
+``dst_pages[i]`` on the destination hold the same token positions. Whole pages move (the tail
+of a last, partial page is junk the destination overwrites later), never single tokens.
+
+The write count both sides agree on is in **page-writes**: an op covering ``k`` pages counts
+``k``. Decode can compute it from its own page count and the two layouts alone; the number of
+network writes also depends on how prefill's pages and chunks fall (runs merge only where both
+sides are contiguous), which decode cannot see.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+KINDS = ("gqa", "mla")
+BUFFERS = {"gqa": ("k", "v"), "mla": ("latent",)}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+
+class LayoutError(ValueError):
+    """The two sides cannot exchange KV as laid out; the message names the field."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One side's KV pool as the transfer sees it; every rank of the side has the same geometry.
+
+    ``page_bytes`` and ``layer_stride`` are per buffer (K and V share them; see
+    ``mem.kv_pool.BufferDescriptor``).
+    """
+
+    kind: str  # "gqa" (HND pages) or "mla" (latent pages, identical on every tp rank)
+    tp_size: int  # attention-TP ranks sharing one request's KV
+    num_kv_heads: int  # the model's KV heads (1 for MLA)
+    page_size: int
+    dtype: str
+    num_layers: int
+    num_pages: int
+    page_bytes: int  # one page of one layer in one buffer, all local heads
+    layer_stride: int  # bytes from layer l to l + 1 in one buffer
+    dp_size: int = 1  # attention-DP groups (decode's DP attention)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise LayoutError(f"kind: {self.kind!r} is not one of {KINDS}")
+        if self.dtype not in DTYPE_BYTES:
+            raise LayoutError(f"dtype: {self.dtype!r} is not one of {tuple(DTYPE_BYTES)}")
+        for name in ("tp_size", "num_kv_heads", "page_size", "num_layers", "num_pages", "page_bytes", "dp_size"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise LayoutError(f"num_kv_heads: an MLA latent is one head, got {self.num_kv_heads}")
+        H, p = self.num_kv_heads, self.tp_size
+        if H % p and p % H:
+            raise LayoutError(f"num_kv_heads: {H} heads cannot be split over tp_size {p} "
+                              f"(one must divide the other)")
+        if self.page_bytes % self.local_heads:
+            raise LayoutError(f"page_bytes: {self.page_bytes} is not a multiple of {self.local_heads} local heads")
+        if self.layer_stride < self.num_pages * self.page_bytes:
+            raise LayoutError(f"layer_stride: {self.layer_stride} < num_pages * page_bytes "
+                              f"({self.num_pages} * {self.page_bytes})")
+
+    @classmethod
+    def from_descriptors(cls, kind: str, tp_size: int, num_kv_heads: int, page_size: int, dtype: str,
+                         descriptors: Sequence, dp_size: int = 1) -> KVLayout:
+        """From a pool's ``buffer_descriptors()`` (all buffers must share one geometry)."""
+        names = tuple(d.name for d in descriptors)
+        if kind in BUFFERS and names != BUFFERS[kind]:
+            raise LayoutError(f"descriptors: a {kind} pool has buffers {BUFFERS[kind]}, got {names}")
+        first = descriptors[0]
+        for d in descriptors[1:]:
+            if (d.page_bytes, d.layer_stride, d.num_layers, d.num_pages) != (
+                    first.page_bytes, first.layer_stride, first.num_layers, first.num_pages):
+                raise LayoutError(f"descriptors: buffer {d.name!r} has another geometry than {first.name!r}")
+        return cls(kind, tp_size, num_kv_heads, page_size, dtype, first.num_layers, first.num_pages,
+                   first.page_bytes, first.layer_stride, dp_size)
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return BUFFERS[self.kind]
+
+    @property
+    def local_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def head_bytes(self) -> int:
+        return self.page_bytes // self.local_heads
+
+    @property
+    def num_ranks(self) -> int:
+        return self.dp_size * self.tp_size
+
+    def head_range(self, tp_rank: int) -> tuple[int, int]:
+        """Global heads ``[lo, hi)`` held by ``tp_rank``."""
+        H, p = self.num_kv_heads, self.tp_size
+        lo = tp_rank * H // p
+        return lo, lo + self.local_heads
+
+    def holders(self, head: int) -> range:
+        """TP ranks holding global ``head`` (several when heads are replicated)."""
+        H, p = self.num_kv_heads, self.tp_size
+        if H >= p:
+            per = H // p
+            return range(head // per, head // per + 1)
+        return range(head * p // H, (head + 1) * p // H)
+
+    def group(self, dp_rank: int) -> range:
+        """Attention ranks of DP group ``dp_rank``."""
+        if not 0 <= dp_rank < self.dp_size:
+            raise LayoutError(f"dp_rank: {dp_rank} outside [0, {self.dp_size})")
+        return range(dp_rank * self.tp_size, (dp_rank + 1) * self.tp_size)
+
+
+@dataclass(frozen=True)
+class WriteOp:
+    """Copy ``nbytes`` from ``src_rank``'s buffer at ``src_offset`` to ``dst_rank``'s same-named
+    buffer at ``dst_offset`` (offsets from each buffer's base); covers ``pages`` token pages."""
+
+    src_rank: int
+    dst_rank: int
+    buffer: str
+    layer: int
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+    pages: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A head block one source rank sends to one destination rank: ``nheads`` heads starting at
+    local head ``src_head`` there and ``dst_head`` here. ``full``: the block is every local head
+    on both sides, so it is a whole page and consecutive pages are one contiguous block."""
+
+    src_rank: int
+    dst_rank: int
+    src_head: int
+    dst_head: int
+    nheads: int
+    full: bool
+
+
+def check_compatible(src: KVLayout, dst: KVLayout) -> None:
+    """Raise LayoutError naming the first field that makes the transfer impossible."""
+    for name in ("kind", "num_kv_heads", "page_size", "dtype", "num_layers", "head_bytes"):
+        a, b = getattr(src, name), getattr(dst, name)
+        if a != b:
+            raise LayoutError(f"{name}: prefill has {a}, decode has {b}")
+
+
+def source_pick(seed: int, room: int) -> int:
+    """The request's reproducible random draw (both sides compute it from the same inputs)."""
+    return random.Random(seed ^ room).getrandbits(32)
+
+
+def segments(src: KVLayout, dst: KVLayout, *, room: int = 0, seed: int = 0,
+             src_dp_rank: int = 0, dst_dp_rank: int = 0) -> list[Segment]:
+    """Who sends which heads to whom for one request; every destination head exactly once.
+
+    MLA: one source rank, drawn at random among the replicas, feeds every destination rank.
+    GQA: head-range intersections; where the source replicates a head, destination rank ``j``
+    takes replica ``(pick + j) % replicas`` so replicas share the load.
+    """
+    check_compatible(src, dst)
+    src_ranks, dst_ranks = src.group(src_dp_rank), dst.group(dst_dp_rank)
+    pick = source_pick(seed, room)
+    if src.kind == "mla":
+        s = src_ranks[pick % src.tp_size]
+        return [Segment(s, d, 0, 0, 1, True) for d in dst_ranks]
+    out: list[Segment] = []
+    for j, d in enumerate(dst_ranks):
+        lo, hi = dst.head_range(j)
+        for head in range(lo, hi):
+            reps = src.holders(head)
+            t = reps[(pick + j) % len(reps)]
+            src_head = head - src.head_range(t)[0]
+            last = out[-1] if out and out[-1].dst_rank == d else None
+            if last and last.src_rank == src_ranks[t] and last.src_head + last.nheads == src_head:
+                out[-1] = Segment(last.src_rank, d, last.src_head, last.dst_head, last.nheads + 1, False)
+            else:
+                out.append(Segment(src_ranks[t], d, src_head, head - lo, 1, False))
+    return [Segment(g.src_rank, g.dst_rank, g.src_head, g.dst_head, g.nheads,
+                    g.nheads == src.local_heads == dst.local_heads) for g in out]
+
+
+def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal ``(start index, length)`` runs over which both page lists count up by one."""
+    runs: list[tuple[int, int]] = []
+    for i in range(len(src_pages)):
+        if runs and src_pages[i] == src_pages[i - 1] + 1 and dst_pages[i] == dst_pages[i - 1] + 1:
+            start, n = runs[-1]
+            runs[-1] = (start, n + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def _check_pages(layout: KVLayout, pages: Sequence[int], field: str) -> None:
+    for i, p in enumerate(pages):
+        if not 0 <= p < layout.num_pages:
+            raise LayoutError(f"{field}[{i}]: page {p} outside the pool's [0, {layout.num_pages})")
+
+
+def _check_layers(layout: KVLayout, layers: Sequence[int]) -> None:
+    for layer in layers:
+        if not 0 <= layer < layout.num_layers:
+            raise LayoutError(f"layers: {layer} outside [0, {layout.num_layers})")
+
+
+def plan_writes(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_pages: Sequence[int],
+                layers: Iterable[int] | None = None, *, room: int = 0, seed: int = 0,
+                src_dp_rank: int = 0, dst_dp_rank: int = 0) -> list[WriteOp]:
+    """Every write of one request (or one chunk of it) for ``layers`` (default: all), ordered by
+    layer, buffer, segment, page. Raises LayoutError on anything that cannot be sent."""
+    if len(src_pages) != len(dst_pages):
+        raise LayoutError(f"dst_pages: {len(dst_pages)} pages for {len(src_pages)} source pages")
+    _check_pages(src, src_pages, "src_pages")
+    _check_pages(dst, dst_pages, "dst_pages")
+    layers = list(range(src.num_layers)) if layers is None else list(layers)
+    _check_layers(src, layers)
+    segs = segments(src, dst, room=room, seed=seed, src_dp_rank=src_dp_rank, dst_dp_rank=dst_dp_rank)
+    runs = page_runs(src_pages, dst_pages)
+    ops: list[WriteOp] = []
+    for layer in layers:
+        for buffer in src.buffers:
+            for g in segs:
+                ops.extend(_segment_ops(src, dst, g, buffer, layer, src_pages, dst_pages, runs))
+    return ops
+
+
+def _segment_ops(src: KVLayout, dst: KVLayout, g: Segment, buffer: str, layer: int,
+                 src_pages: Sequence[int], dst_pages: Sequence[int], runs) -> list[WriteOp]:
+    """One op per page run when the block is whole pages, else one per page (one head block)."""
+    hb = src.head_bytes
+
+    def op(i: int, n: int) -> WriteOp:
+        so = layer * src.layer_stride + src_pages[i] * src.page_bytes + g.src_head * hb
+        do = layer * dst.layer_stride + dst_pages[i] * dst.page_bytes + g.dst_head * hb
+        return WriteOp(g.src_rank, g.dst_rank, buffer, layer, so, do, n * g.nheads * hb, n)
+
+    if g.full:
+        return [op(start, n) for start, n in runs]
+    return [op(i, 1) for i in range(len(src_pages))]
+
+
+def expected_writes(src: KVLayout, dst: KVLayout, num_pages: int, layers: Iterable[int] | None = None, *,
+                    room: int = 0, seed: int = 0, src_dp_rank: int = 0,
+                    dst_dp_rank: int = 0) -> dict[tuple[int, int], int]:
+    """Page-writes per ``(src_rank, dst_rank)`` for a request of ``num_pages`` pages: what
+    ``count_writes(plan_writes(...))`` gives, whatever the page ids and chunking."""
+    layers = list(range(src.num_layers)) if layers is None else list(layers)
+    _check_layers(src, layers)
+    out: Counter = Counter()
+    for g in segments(src, dst, room=room, seed=seed, src_dp_rank=src_dp_rank, dst_dp_rank=dst_dp_rank):
+        out[(g.src_rank, g.dst_rank)] += num_pages * len(layers) * len(src.buffers)
+    return dict(out)
+
+
+def count_writes(ops: Iterable[WriteOp]) -> dict[tuple[int, int], int]:
+    """Page-writes per ``(src_rank, dst_rank)`` in ``ops`` (what the completion message reports)."""
+    out: Counter = Counter()
+    for op in ops:
+        out[(op.src_rank, op.dst_rank)] += op.pages
+    return dict(out)
+
+
+def op_addresses(ops: Iterable[WriteOp], src_bases: Mapping[str, int],
+                 dst_bases: Mapping[str, int]) -> tuple[list[int], list[int], list[int]]:
+    """``(srcs, dsts, lens)`` for a transfer backend, from ops of one (src_rank, dst_rank) pair and
+    each side's buffer base address by buffer name."""
+    srcs, dsts, lens = [], [], []
+    for op in ops:
+        srcs.append(src_bases[op.buffer] + op.src_offset)
+        dsts.append(dst_bases[op.buffer] + op.dst_offset)
+        lens.append(op.nbytes)
+    return srcs, dsts, lens

@@ -1,0 +1,228 @@
+"""bootstrap.py: the registry over real HTTP on loopback, the client's retries and refusals,
+and RoomTable pairing with an injected clock."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from pdserve.config import ModelConfig
+from pdserve.disagg.bootstrap import (
+    BootstrapClient,
+    BootstrapError,
+    BootstrapServer,
+    CompatRecord,
+    Dropped,
+    Expired,
+    IncompatiblePeer,
+    Paired,
+    RankRecord,
+    RoomError,
+    RoomTable,
+)
+from pdserve.disagg.layout import KVLayout
+from pdserve.mem.kv_pool import BufferDescriptor
+
+COMPAT = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 16, "gqa-hnd", 4, 8, 64)
+LAYOUT = KVLayout("gqa", 2, 8, 16, "bfloat16", 4, 100, 4 * 16 * 128, 100 * 4 * 16 * 128)
+
+
+def rank_record(rank: int, layout: KVLayout = LAYOUT, seed: int = 0) -> RankRecord:
+    bufs = [BufferDescriptor(name, 0x7F0000000000 + (rank * 2 + i) * (1 << 30), layout.page_bytes,
+                             layout.layer_stride, layout.num_layers, layout.num_pages)
+            for i, name in enumerate(layout.buffers)]
+    return RankRecord(rank, f"127.0.0.1:{15000 + rank}", bufs, f"tcp://127.0.0.1:{6000 + rank}", layout, seed)
+
+
+CLIENT = BootstrapClient(request_timeout_s=2.0, interval_s=0.05)
+
+
+@pytest.fixture
+def server():
+    with BootstrapServer("127.0.0.1", 0) as s:
+        yield s
+
+
+def test_compat_check_names_the_field():
+    other = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 1, "gqa-hnd", 4, 8, 64)
+    with pytest.raises(IncompatiblePeer, match="^page_size: prefill has 16, decode has 1$"):
+        COMPAT.check(other)
+    COMPAT.check(CompatRecord(**vars(COMPAT)))
+    with pytest.raises(ValueError, match="kv_layout"):
+        CompatRecord("m", "a", "bfloat16", 16, "nhd", 4, 8, 64)
+
+
+def test_compat_from_model_config():
+    llama = CompatRecord.from_model(ModelConfig.from_path("tiny-llama"), page_size=16)
+    ds = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek"), page_size=1, model="ds")
+    assert (llama.kv_layout, llama.page_size, ds.kv_layout, ds.num_kv_heads, ds.model) == (
+        "gqa-hnd", 16, "mla", 1, "ds")
+    with pytest.raises(IncompatiblePeer, match="^model: prefill has"):
+        llama.check(ds)
+
+
+def test_register_then_fetch(server):
+    CLIENT.register_compat("127.0.0.1", server.port, COMPAT)
+    for r in (1, 0):
+        CLIENT.register_rank("127.0.0.1", server.port, rank_record(r))
+    info = CLIENT.fetch("127.0.0.1", server.port, timeout_s=5)
+    assert info.compat == COMPAT
+    assert info.ranks == [rank_record(0), rank_record(1)]
+    assert info.layout == LAYOUT
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health") as r:
+        assert r.status == 200
+
+
+def test_fetch_waits_for_every_rank(server):
+    CLIENT.register_compat("127.0.0.1", server.port, COMPAT)
+    CLIENT.register_rank("127.0.0.1", server.port, rank_record(0))
+    got = {}
+    t = threading.Thread(target=lambda: got.update(info=CLIENT.fetch("127.0.0.1", server.port, timeout_s=30)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "fetch returned before rank 1 registered"
+    CLIENT.register_rank("127.0.0.1", server.port, rank_record(1))
+    t.join(30)
+    assert [r.rank for r in got["info"].ranks] == [0, 1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fetch_and_register_wait_for_the_server_to_come_up():
+    port = free_port()
+    got = {}
+
+    def decode_side():
+        got["info"] = CLIENT.fetch("127.0.0.1", port, timeout_s=30)
+
+    t = threading.Thread(target=decode_side)
+    t.start()
+    time.sleep(0.3)
+    with BootstrapServer("127.0.0.1", port):
+        CLIENT.register_compat("127.0.0.1", port, COMPAT)
+        for r in (0, 1):
+            CLIENT.register_rank("127.0.0.1", port, rank_record(r))
+        t.join(30)
+    assert got["info"].compat == COMPAT
+
+
+def test_fetch_gives_up_with_what_it_saw(server):
+    with pytest.raises(BootstrapError, match=r"no answer .* after 0\.3s"):
+        CLIENT.fetch("127.0.0.1", free_port(), timeout_s=0.3)
+    CLIENT.register_rank("127.0.0.1", server.port, rank_record(1))
+    with pytest.raises(BootstrapError, match=r"1 prefill ranks registered, missing ranks \[0\], "
+                                             r"no compatibility record after 0\.3s"):
+        CLIENT.fetch("127.0.0.1", server.port, timeout_s=0.3)
+
+
+def test_conflicting_registrations_are_refused(server):
+    CLIENT.register_compat("127.0.0.1", server.port, COMPAT)
+    changed = CompatRecord(**{**vars(COMPAT), "dtype": "float32"})
+    with pytest.raises(IncompatiblePeer, match="dtype: registered has bfloat16, new has float32"):
+        CLIENT.register_compat("127.0.0.1", server.port, changed)
+    CLIENT.register_rank("127.0.0.1", server.port, rank_record(0))
+    with pytest.raises(BootstrapError, match="rank 1: layout or seed differs from rank 0"):
+        CLIENT.register_rank("127.0.0.1", server.port, rank_record(1, seed=5))
+    # A restarted rank registers again: its new record replaces the old one.
+    restarted = RankRecord(0, "127.0.0.1:19999", rank_record(0).buffers, "tcp://127.0.0.1:7000", LAYOUT)
+    CLIENT.register_rank("127.0.0.1", server.port, restarted)
+    CLIENT.register_rank("127.0.0.1", server.port, rank_record(1))
+    assert CLIENT.fetch("127.0.0.1", server.port, timeout_s=5).ranks[0].session == "127.0.0.1:19999"
+
+
+def test_malformed_records_are_refused_naming_the_field(server):
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/bootstrap/rank", method="PUT",
+                                 data=b'{"rank": "zero"}')
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 400 and b"RankRecord.rank: expected int, got str" in e.value.read()
+    with pytest.raises(ValueError, match=r"buffers: \('k',\) where the layout has \('k', 'v'\)"):
+        RankRecord(0, "s", rank_record(0).buffers[:1], "c", LAYOUT)
+    with pytest.raises(ValueError, match=r"rank: 2 outside \[0, 2\)"):
+        rank_record(2)
+
+
+def test_stop_frees_the_port():
+    s = BootstrapServer("127.0.0.1", 0).start()
+    port = s.port
+    s.stop()
+    s.stop()  # idempotent
+    with BootstrapServer("127.0.0.1", port) as again:
+        assert again.port == port
+
+
+# --- RoomTable ---------------------------------------------------------------------------------
+
+
+def test_pairs_whichever_half_comes_first():
+    t = RoomTable(timeout_s=10)
+    assert t.add_http(1, "h1", now=0) is None
+    assert t.add_kv(1, 0, "k1", now=1) == Paired(1, "h1", {0: "k1"})
+    assert t.add_kv(2, 0, "k2", now=2) is None
+    assert t.add_http(2, "h2", now=3) == Paired(2, "h2", {0: "k2"})
+    assert len(t) == 0
+
+
+def test_kv_half_complete_when_every_destination_rank_sent():
+    t = RoomTable(timeout_s=10)
+    assert t.add_kv(5, 1, "rank1", now=0, parts=2) is None
+    assert t.add_http(5, "h", now=0) is None
+    assert t.add_kv(5, 0, "rank0", now=0, parts=2) == Paired(5, "h", {0: "rank0", 1: "rank1"})
+    t.add_kv(6, 0, "a", now=0)
+    with pytest.raises(RoomError, match="room 6: KV request says 2 parts, an earlier one said 1"):
+        t.add_kv(6, 1, "b", now=0, parts=2)
+    with pytest.raises(RoomError, match=r"part 3 outside \[0, 2\)"):
+        t.add_kv(7, 3, "x", now=0, parts=2)
+
+
+def test_duplicates_are_refused():
+    t = RoomTable(timeout_s=10)
+    t.add_http(1, "h", now=0)
+    with pytest.raises(RoomError, match="room 1: HTTP half already arrived"):
+        t.add_http(1, "h", now=0)
+    t.add_kv(2, 0, "k", now=0)
+    with pytest.raises(RoomError, match="room 2: KV request part 0 already arrived"):
+        t.add_kv(2, 0, "k", now=0)
+    t.add_kv(1, 0, "k", now=0)  # pairs room 1
+    with pytest.raises(RoomError, match="room 1: already paired, duplicate HTTP half refused"):
+        t.add_http(1, "h", now=1)
+    with pytest.raises(RoomError, match="room 1: already paired, duplicate KV request refused"):
+        t.add_kv(1, 0, "k", now=1)
+
+
+def test_drop_room_before_and_after_the_http_half():
+    t = RoomTable(timeout_s=10)
+    assert t.drop(1, now=0) is None  # drop first: the HTTP half is answered Dropped on arrival
+    assert t.add_http(1, "h1", now=1) == Dropped(1, "h1")
+    t.add_http(2, "h2", now=0)
+    assert t.drop(2, now=1) == Dropped(2, "h2")
+    with pytest.raises(RoomError, match="room 2: dropped by decode, KV request refused"):
+        t.add_kv(2, 0, "k", now=2)
+    t.add_kv(3, 0, "k", now=0)
+    with pytest.raises(RoomError, match="room 3: decode already sent KV requests, cannot drop"):
+        t.drop(3, now=0)
+    assert len(t) == 1  # room 3 still waits for its HTTP half
+
+
+def test_unpaired_halves_expire_and_tombstones_are_forgotten():
+    t = RoomTable(timeout_s=5)
+    t.add_http(1, "h1", now=0)
+    t.add_kv(2, 0, "k2", now=2)
+    t.add_http(3, "h3", now=0)
+    t.add_kv(3, 0, "k3", now=1)  # paired: leaves a tombstone
+    assert t.expire(now=4.9) == []
+    assert t.expire(now=5.0) == [Expired(1, "h1", {})]
+    assert t.expire(now=7.0) == [Expired(2, None, {0: "k2"})]
+    assert len(t) == 0
+    t.add_http(3, "again", now=7.0)  # tombstone of room 3 forgotten after the timeout
+    assert len(t) == 1
+    with pytest.raises(ValueError, match="timeout_s"):
+        RoomTable(timeout_s=0)

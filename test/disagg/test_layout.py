@@ -1,0 +1,287 @@
+"""layout.py against a byte-by-byte reference: simulated rank buffers, ops applied, every
+destination byte compared with a buffer built token by token, head by head."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from pdserve.disagg.layout import (
+    KVLayout,
+    LayoutError,
+    check_compatible,
+    count_writes,
+    expected_writes,
+    page_runs,
+    plan_writes,
+    segments,
+)
+
+ROW = 4  # bytes of one token of one head (head_dim 2, bfloat16)
+PAD = 8  # bytes between layers beyond the pages, so a wrong layer stride shows
+TPS = (1, 2, 4, 8)
+
+
+def layout(kind: str, tp: int, heads: int, page_size: int, *, dp: int = 1, pages: int = 12, layers: int = 2,
+           dtype: str = "bfloat16") -> KVLayout:
+    local = max(1, heads // tp)
+    page_bytes = local * page_size * ROW
+    return KVLayout(kind, tp, heads, page_size, dtype, layers, pages, page_bytes, pages * page_bytes + PAD, dp)
+
+
+def row_offset(lay: KVLayout, layer: int, page: int, local_head: int, slot: int) -> int:
+    return layer * lay.layer_stride + page * lay.page_bytes + local_head * lay.head_bytes + slot * ROW
+
+
+class Sim:
+    """Every rank's buffers as byte arrays; the source filled from one logical KV per request."""
+
+    def __init__(self, src: KVLayout, dst: KVLayout, src_pages, dst_pages, seed: int,
+                 src_dp: int = 0, dst_dp: int = 0):
+        rng = np.random.default_rng(seed)
+        self.src, self.dst, self.src_pages, self.dst_pages = src, dst, src_pages, dst_pages
+        self.src_dp, self.dst_dp = src_dp, dst_dp
+        n_tok = len(src_pages) * src.page_size
+        # logical[buffer][layer, token, head, byte]
+        self.logical = {b: rng.integers(0, 256, (src.num_layers, n_tok, src.num_kv_heads, ROW), dtype=np.uint8)
+                        for b in src.buffers}
+        size_s, size_d = src.layer_stride * src.num_layers, dst.layer_stride * dst.num_layers
+        self.sbuf = {(r, b): rng.integers(0, 256, size_s, dtype=np.uint8)
+                     for r in range(src.num_ranks) for b in src.buffers}
+        self.dbuf = {(r, b): rng.integers(0, 256, size_d, dtype=np.uint8)
+                     for r in range(dst.num_ranks) for b in dst.buffers}
+        self.initial = {k: v.copy() for k, v in self.dbuf.items()}
+        self.hits = {k: np.zeros(size_d, dtype=np.int32) for k in self.dbuf}
+        for r in src.group(src_dp):
+            self._place(self.sbuf, src, r - src.group(src_dp)[0], r, src_pages)
+
+    def _place(self, bufs, lay: KVLayout, tp_rank: int, rank: int, pages) -> None:
+        """Write the logical KV into one rank's buffers, token by token, head by head."""
+        lo, hi = lay.head_range(tp_rank)
+        for b, logical in self.logical.items():
+            for layer, (i, page), h, slot in itertools.product(
+                    range(lay.num_layers), enumerate(pages), range(lo, hi), range(lay.page_size)):
+                at = row_offset(lay, layer, page, h - lo, slot)
+                bufs[(rank, b)][at:at + ROW] = logical[layer, i * lay.page_size + slot, h]
+
+    def apply(self, ops) -> None:
+        for op in ops:
+            s = self.sbuf[(op.src_rank, op.buffer)][op.src_offset:op.src_offset + op.nbytes]
+            assert len(s) == op.nbytes, f"{op} reads past the source buffer"
+            self.dbuf[(op.dst_rank, op.buffer)][op.dst_offset:op.dst_offset + op.nbytes] = s
+            self.hits[(op.dst_rank, op.buffer)][op.dst_offset:op.dst_offset + op.nbytes] += 1
+
+    def check(self) -> None:
+        """Destination = initial bytes with the logical KV placed; written bytes exactly once."""
+        want = {k: v.copy() for k, v in self.initial.items()}
+        for r in self.dst.group(self.dst_dp):
+            self._place(want, self.dst, r - self.dst.group(self.dst_dp)[0], r, self.dst_pages)
+        for k in self.dbuf:
+            assert np.array_equal(self.dbuf[k], want[k]), f"destination {k} differs from the reference"
+            covered = self._covered(k)
+            assert (self.hits[k][covered] == 1).all(), f"{k}: a byte written twice or never"
+            assert not self.hits[k][~covered].any(), f"{k}: bytes outside the request were written"
+
+    def _covered(self, key) -> np.ndarray:
+        """Bytes the reference places: the request's pages, this rank's heads, every layer."""
+        rank, _ = key
+        mask = np.zeros_like(self.hits[key], dtype=bool)
+        if rank not in self.dst.group(self.dst_dp):
+            return mask
+        lo, hi = self.dst.head_range(rank - self.dst.group(self.dst_dp)[0])
+        for layer, page, h in itertools.product(range(self.dst.num_layers), self.dst_pages, range(hi - lo)):
+            at = row_offset(self.dst, layer, page, h, 0)
+            mask[at:at + self.dst.head_bytes] = True
+        return mask
+
+
+def scattered_pages(rng: random.Random, n: int, pool: int) -> list[int]:
+    """Mostly runs of consecutive pages with jumps: both merged and unmerged cases."""
+    start = rng.randrange(pool - n + 1)
+    pages = list(range(start, start + n))
+    if n > 2:  # break the run somewhere by swapping two pages
+        i = rng.randrange(n - 1)
+        pages[i], pages[-1] = pages[-1], pages[i]
+    return pages
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [8, 4, 2, 1])
+def test_gqa_every_destination_byte_written_once(page_size, heads):
+    rng = random.Random(page_size * 100 + heads)
+    for sp, dp in itertools.product(TPS, TPS):
+        src, dst = layout("gqa", sp, heads, page_size), layout("gqa", dp, heads, page_size)
+        n = rng.randint(1, 6)
+        src_pages, dst_pages = scattered_pages(rng, n, 12), scattered_pages(rng, n, 12)
+        room = rng.getrandbits(63)
+        sim = Sim(src, dst, src_pages, dst_pages, seed=room % 1000)
+        ops = plan_writes(src, dst, src_pages, dst_pages, room=room, seed=7)
+        sim.apply(ops)
+        sim.check()
+        assert count_writes(ops) == expected_writes(src, dst, n, room=room, seed=7)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mla_every_destination_byte_written_once(page_size):
+    rng = random.Random(page_size)
+    for sp, dp, ddp in itertools.product(TPS, TPS, (1, 2)):
+        src, dst = layout("mla", sp, 1, page_size), layout("mla", dp, 1, page_size, dp=ddp)
+        n = rng.randint(1, 6)
+        src_pages, dst_pages = scattered_pages(rng, n, 12), scattered_pages(rng, n, 12)
+        room, dst_dp = rng.getrandbits(63), ddp - 1
+        sim = Sim(src, dst, src_pages, dst_pages, seed=room % 1000, dst_dp=dst_dp)
+        ops = plan_writes(src, dst, src_pages, dst_pages, room=room, seed=3, dst_dp_rank=dst_dp)
+        sim.apply(ops)
+        sim.check()
+        assert len({op.src_rank for op in ops}) == 1, "MLA sends from one source rank per request"
+        assert {op.dst_rank for op in ops} == set(dst.group(dst_dp))
+        assert count_writes(ops) == expected_writes(src, dst, n, room=room, seed=3, dst_dp_rank=dst_dp)
+
+
+def test_gqa_dp_attention_decode_and_dp_prefill():
+    src, dst = layout("gqa", 2, 4, 16, dp=2), layout("gqa", 4, 4, 16, dp=2)
+    sim = Sim(src, dst, [3, 4, 9], [0, 1, 2], seed=1, src_dp=1, dst_dp=1)
+    ops = plan_writes(src, dst, [3, 4, 9], [0, 1, 2], room=5, src_dp_rank=1, dst_dp_rank=1)
+    sim.apply(ops)
+    sim.check()
+    assert {op.src_rank for op in ops} == {2, 3} and {op.dst_rank for op in ops} == {4, 5, 6, 7}
+
+
+def intersections(src: KVLayout, dst: KVLayout) -> int:
+    """Non-empty (src rank, dst rank) head-range intersections, replicas resolved to one source."""
+    if src.num_kv_heads < src.tp_size:  # replicated source: one source per destination head
+        return sum(dst.local_heads for _ in range(dst.tp_size))
+    n = 0
+    for i, j in itertools.product(range(src.tp_size), range(dst.tp_size)):
+        (a, b), (c, d) = src.head_range(i), dst.head_range(j)
+        n += max(a, c) < min(b, d)
+    return n
+
+
+@pytest.mark.parametrize("heads", [8, 2])
+def test_ops_per_page_run_equal_intersections(heads):
+    for sp, dp, page_size in itertools.product(TPS, TPS, (1, 16)):
+        src, dst = layout("gqa", sp, heads, page_size), layout("gqa", dp, heads, page_size)
+        ops = plan_writes(src, dst, [2, 3, 4, 5], [7, 8, 9, 10], layers=[1])  # one run of 4 pages
+        per_buffer = Counter(op.buffer for op in ops)
+        segs = segments(src, dst)
+        assert len(segs) == intersections(src, dst)
+        pages_per_op = 4 if all(g.full for g in segs) else 1
+        assert per_buffer == {"k": len(segs) * 4 // pages_per_op, "v": len(segs) * 4 // pages_per_op}
+        assert all(op.nbytes >= src.head_bytes for op in ops), "no op smaller than one head's page"
+        if sp == dp and (heads >= sp):
+            assert all(g.full for g in segs) and len(ops) == 2 * sp, "matched TP: one op per rank per run"
+
+
+def test_full_blocks_merge_only_where_both_sides_are_contiguous():
+    src, dst = layout("gqa", 2, 8, 16), layout("gqa", 2, 8, 16)
+    assert page_runs([1, 2, 3, 7, 8], [4, 5, 9, 10, 11]) == [(0, 2), (2, 1), (3, 2)]
+    ops = plan_writes(src, dst, [1, 2, 3, 7, 8], [4, 5, 9, 10, 11], layers=[0])
+    assert [(op.src_rank, op.buffer, op.pages) for op in ops] == [
+        (0, "k", 2), (0, "k", 1), (0, "k", 2), (1, "k", 2), (1, "k", 1), (1, "k", 2),
+        (0, "v", 2), (0, "v", 1), (0, "v", 2), (1, "v", 2), (1, "v", 1), (1, "v", 2)]
+
+
+def test_more_prefill_shards_rebuild_a_decode_page_from_several_sources():
+    src, dst = layout("gqa", 4, 8, 16), layout("gqa", 1, 8, 16)
+    segs = segments(src, dst)
+    assert [(g.src_rank, g.dst_head, g.nheads) for g in segs] == [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2)]
+    src, dst = layout("gqa", 1, 8, 16), layout("gqa", 4, 8, 16)
+    assert [(g.src_rank, g.dst_rank, g.src_head) for g in segments(src, dst)] == [(0, 0, 0), (0, 1, 2),
+                                                                                  (0, 2, 4), (0, 3, 6)]
+
+
+def test_replicated_source_heads_spread_over_replicas():
+    src, dst = layout("gqa", 8, 2, 16), layout("gqa", 8, 2, 16)  # 4 replicas of each head
+    used = Counter()
+    for room in range(400):
+        segs = segments(src, dst, room=room)
+        assert sorted(g.dst_rank for g in segs) == list(range(8)), "each destination fed exactly once"
+        for g in segs:
+            assert g.dst_rank * 2 // 8 == g.src_rank * 2 // 8, "fed from a replica of its own head"
+            used[g.src_rank] += 1
+    assert set(used) == set(range(8))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_mla_source_rank_spread_and_reproducible(tp):
+    src, dst = layout("mla", tp, 1, 16), layout("mla", 1, 1, 16)
+    rooms = _rooms(1000)
+    picks = [segments(src, dst, room=room, seed=11)[0].src_rank for room in rooms]
+    counts = Counter(picks)
+    assert set(counts) == set(range(tp))
+    for rank, c in counts.items():
+        assert abs(c - 1000 / tp) <= 0.2 * 1000 / tp, f"rank {rank} chosen {c} times of 1000"
+    assert picks == [segments(src, dst, room=room, seed=11)[0].src_rank for room in rooms]
+    assert picks != [segments(src, dst, room=room, seed=12)[0].src_rank for room in rooms]
+
+
+def _rooms(n: int) -> list[int]:
+    """Room ids as the router makes them: random 63-bit values."""
+    rng = random.Random(2024)
+    return [rng.getrandbits(63) for _ in range(n)]
+
+
+def test_write_count_ignores_page_ids_and_chunking():
+    src, dst = layout("gqa", 2, 4, 1, pages=40), layout("gqa", 4, 4, 1, pages=40)
+    rng = random.Random(0)
+    src_pages, dst_pages = rng.sample(range(40), 20), sorted(rng.sample(range(40), 20))
+    whole = count_writes(plan_writes(src, dst, src_pages, dst_pages, room=9))
+    chunked = Counter()
+    for a in range(0, 20, 6):  # chunks of 6 pages planned separately
+        chunked.update(count_writes(plan_writes(src, dst, src_pages[a:a + 6], dst_pages[a:a + 6], room=9)))
+    assert whole == dict(chunked) == expected_writes(src, dst, 20, room=9)
+
+
+@pytest.mark.parametrize("field,src_kw,dst_kw", [
+    ("page_size", {}, {"page_size": 1}),
+    ("dtype", {}, {"dtype": "float32"}),
+    ("num_kv_heads", {}, {"heads": 4}),
+    ("num_layers", {}, {"layers": 3}),
+    ("kind", {}, {"kind": "mla", "heads": 1}),
+])
+def test_mismatch_is_refused_naming_the_field(field, src_kw, dst_kw):
+    base = {"kind": "gqa", "tp": 2, "heads": 8, "page_size": 16}
+    src = layout(**{**base, **src_kw})
+    dst = layout(**{**base, **dst_kw})
+    with pytest.raises(LayoutError, match=f"^{field}: prefill has"):
+        check_compatible(src, dst)
+    with pytest.raises(LayoutError, match=f"^{field}"):
+        plan_writes(src, dst, [0], [0])
+
+
+def test_bad_layouts_and_inputs_are_refused():
+    with pytest.raises(LayoutError, match="num_kv_heads: 6 heads cannot be split over tp_size 4"):
+        layout("gqa", 4, 6, 16)
+    with pytest.raises(LayoutError, match="kind"):
+        layout("nhd", 1, 8, 16)
+    with pytest.raises(LayoutError, match="num_kv_heads: an MLA latent"):
+        layout("mla", 1, 8, 16)
+    src = layout("gqa", 2, 8, 16)
+    with pytest.raises(LayoutError, match=r"dst_pages\[1\]: page 12 outside"):
+        plan_writes(src, src, [0, 1], [0, 12])
+    with pytest.raises(LayoutError, match="dst_pages: 1 pages for 2"):
+        plan_writes(src, src, [0, 1], [0])
+    with pytest.raises(LayoutError, match="layers: 2 outside"):
+        plan_writes(src, src, [0], [0], layers=[2])
+    with pytest.raises(LayoutError, match="dp_rank: 1 outside"):
+        plan_writes(src, src, [0], [0], dst_dp_rank=1)
+
+
+def test_layout_from_pool_descriptors():
+    import torch
+
+    from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
+
+    pool = GQAKVPool(10, 16, 3, 2, 8, torch.bfloat16)
+    lay = KVLayout.from_descriptors("gqa", 4, 8, 16, "bfloat16", pool.buffer_descriptors())
+    assert (lay.page_bytes, lay.layer_stride, lay.head_bytes, lay.num_pages) == (2 * 16 * 8 * 2, 10 * 512, 256, 10)
+    mla = MLAKVPool(10, 16, 3, 6, 2, torch.bfloat16)
+    lay = KVLayout.from_descriptors("mla", 2, 1, 16, "bfloat16", mla.buffer_descriptors())
+    assert lay.page_bytes == 16 * 8 * 2 and lay.buffers == ("latent",)
+    with pytest.raises(LayoutError, match="descriptors"):
+        KVLayout.from_descriptors("mla", 2, 1, 16, "bfloat16", pool.buffer_descriptors())

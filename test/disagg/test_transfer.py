@@ -1,0 +1,408 @@
+"""TransferBackend over the real Mooncake engine (TCP, 127.0.0.1), receiver in another process.
+
+The two ordering tests are the evidence behind transfer.py's docstring: DONE means the bytes
+landed, and a notify never overtakes its data.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transfer_peer import Peer, alloc
+
+from pdserve.disagg.transfer import (
+    FaultInjectingBackend,
+    MooncakeTransferBackend,
+    TransferError,
+    WriteState,
+    check_writes,
+    create_transfer_backend,
+    import_mooncake,
+    merge_contiguous,
+    mooncake_available,
+)
+
+needs_mooncake = pytest.mark.skipif(
+    not mooncake_available(),
+    reason="mooncake cannot be imported: pip install -e '.[cpu]' (and apt libibverbs1 libnuma1)")
+
+BUF = 8 << 20
+WAIT_S = 60
+
+
+# --- pure helpers -----------------------------------------------------------------------------
+
+
+def test_merge_contiguous_needs_both_sides_contiguous():
+    srcs = [0, 10, 20, 40, 50]
+    dsts = [100, 110, 130, 140, 150]  # 10->20 breaks on dst, 20->40 breaks on src
+    lens = [10, 10, 10, 10, 5]
+    assert merge_contiguous(srcs, dsts, lens) == ([0, 20, 40], [100, 130, 140], [20, 10, 15])
+    assert merge_contiguous([], [], []) == ([], [], [])
+
+
+@pytest.mark.parametrize("srcs,dsts,lens,field", [
+    ([1, 2], [1], [1, 1], "lengths differ"),
+    ([], [], [], "at least one write"),
+    ([1], [1], [0], "lens[0]"),
+])
+def test_check_writes_names_the_problem(srcs, dsts, lens, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        check_writes(srcs, dsts, lens)
+
+
+def test_unknown_backend_and_protocol_are_refused():
+    with pytest.raises(ValueError, match="disaggregation_transfer_backend"):
+        create_transfer_backend("nixl")
+    with pytest.raises(ValueError, match="protocol"):
+        MooncakeTransferBackend(protocol="udp")
+
+
+def test_missing_mooncake_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    with pytest.raises(TransferError, match=r"pdserve\[cpu\].*pdserve\[cuda\].*libibverbs1"):
+        import_mooncake()
+
+
+# --- one receiver process for the module --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peer():
+    if not mooncake_available():
+        pytest.skip("mooncake cannot be imported")
+    p = Peer(BUF)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def sender():
+    if not mooncake_available():
+        pytest.skip("mooncake cannot be imported")
+    be = MooncakeTransferBackend()
+    src = alloc(BUF)
+    be.register([(src.data_ptr(), BUF)])
+    yield be, src
+    be.close()
+
+
+def _split(rng: random.Random, size: int) -> list[int]:
+    """1-4 cut points turning [0, size) into consecutive pieces (later merged or not)."""
+    cuts = sorted(rng.sample(range(1, size), min(rng.randint(0, 3), size - 1))) if size > 1 else []
+    return [0, *cuts, size]
+
+
+def _random_region(rng: random.Random) -> tuple[int, int]:
+    size = rng.choice([rng.randint(1, 4096), rng.randint(4096, 1 << 20), rng.randint(1 << 20, 6 << 20)])
+    return rng.randint(0, BUF - size), size
+
+
+@needs_mooncake
+def test_done_means_bytes_landed(peer, sender):
+    """Sender polls DONE, then at once asks the receiver (over a pipe) to check the bytes."""
+    be, src = sender
+    rng = random.Random(0)
+    torn = []
+    for rnd in range(300):
+        off, size = _random_region(rng)
+        val = rnd % 255 + 1
+        src[off:off + size] = val
+        bounds = _split(rng, size)
+        # Pieces listed last-first, so they stay separate writes instead of merging into one.
+        pieces = list(zip(bounds, bounds[1:]))[::-1]
+        h = be.post_writes(peer.session, [src.data_ptr() + off + a for a, _ in pieces],
+                           [peer.base + off + a for a, _ in pieces], [b - a for a, b in pieces])
+        assert h.num_writes == len(pieces)
+        assert be.wait(h, WAIT_S) is WriteState.DONE, h.error
+        if bad := peer.call("mismatches", off, size, val):
+            torn.append((rnd, size, bad))
+    assert torn == []
+
+
+@needs_mooncake
+def test_notify_never_overtakes_its_data(peer, sender):
+    """The receiver checks the region a notify names as soon as the notify is visible."""
+    be, src = sender
+    rng = random.Random(1)
+    torn = []
+    for rnd in range(200):
+        off, size = _random_region(rng)
+        val = rnd % 255 + 1
+        src[off:off + size] = val
+        peer.conn.send(("check_on_notify",))  # the child spins on notifies() from now on
+        be.write_sync(peer.session, [src.data_ptr() + off], [peer.base + off], [size],
+                      notify=(f"room-{rnd}", f"{off},{size},{val}"))
+        name, bad = peer.conn.recv()
+        assert name == f"room-{rnd}"
+        if bad:
+            torn.append((rnd, size, bad))
+    assert torn == []
+
+
+@needs_mooncake
+def test_pieces_land_and_contiguous_runs_merge(peer, sender):
+    be, src = sender
+    src[:1 << 20] = torch.arange(1 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
+    # Pieces 0-1 contiguous on both sides (one write); piece 2 skips on the destination.
+    srcs = [src.data_ptr(), src.data_ptr() + 100, src.data_ptr() + 200]
+    dsts = [peer.base, peer.base + 100, peer.base + 5000]
+    h = be.post_writes(peer.session, srcs, dsts, [100, 100, 300])
+    assert h.num_writes == 2 and h.nbytes == 500
+    assert be.wait(h, WAIT_S) is WriteState.DONE
+    assert peer.call("bytes", 0, 200) == bytes(src[:200].numpy())
+    assert peer.call("bytes", 5000, 300) == bytes(src[200:500].numpy())
+
+
+@needs_mooncake
+def test_thousands_of_writes_to_one_peer_all_land(peer, sender):
+    """Mooncake alone fails most writes past ~1,000 queued per peer; the backend's cap must not."""
+    be, src = sender
+    n, size = 3000, 1024
+    src[:2 * n * size] = torch.arange(2 * n * size, dtype=torch.int64).remainder(253).to(torch.uint8)
+    # Every other source block: nothing merges, 3000 real writes.
+    h = be.post_writes(peer.session, [src.data_ptr() + 2 * i * size for i in range(n)],
+                       [peer.base + i * size for i in range(n)], [size] * n)
+    assert h.num_writes == n
+    assert be.wait(h, WAIT_S) is WriteState.DONE, h.error
+    got = peer.call("bytes", 0, n * size)
+    want = src[:2 * n * size].view(n, 2, size)[:, 0].contiguous().numpy().tobytes()
+    assert got == want
+
+
+@needs_mooncake
+def test_concurrent_posts_sync_writes_and_notifies(peer, sender):
+    be, src = sender
+    chunk = 64 << 10
+    src[:64 * chunk] = torch.arange(64 * chunk, dtype=torch.int64).remainder(241).to(torch.uint8)
+    errors = []
+
+    def poster(t: int) -> None:
+        for i in range(t, 48, 4):  # 4 threads x 12 batches, disjoint regions
+            h = be.post_writes(peer.session, [src.data_ptr() + i * chunk], [peer.base + i * chunk], [chunk])
+            if be.wait(h, WAIT_S) is not WriteState.DONE:
+                errors.append((i, h.error))
+
+    threads = [threading.Thread(target=poster, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for i in range(48, 64):  # meanwhile: synchronous writes with notifies from this thread
+        be.write_sync(peer.session, [src.data_ptr() + i * chunk], [peer.base + i * chunk], [chunk],
+                      notify=("sync", str(i)))
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert peer.call("bytes", 0, 64 * chunk) == bytes(src[:64 * chunk].numpy())
+    assert sorted(int(m) for n, m in peer.call("notifies") if n == "sync") == list(range(48, 64))
+
+
+@needs_mooncake
+def test_bad_addresses_fail_with_the_peer_named(peer, sender):
+    be, src = sender
+    outside = alloc(64)  # never registered here
+    with pytest.raises(ValueError, match=r"srcs\[0\]"):
+        be.post_writes(peer.session, [outside.data_ptr()], [peer.base], [64])
+    # Destination outside what the peer registered: the receiver rejects it, the write fails.
+    h = be.post_writes(peer.session, [src.data_ptr()], [peer.base + BUF], [64])
+    assert be.wait(h, WAIT_S) is WriteState.FAILED
+    assert peer.session in h.error
+    with pytest.raises(TransferError, match=peer.session):
+        be.write_sync(peer.session, [src.data_ptr()], [peer.base + BUF], [64])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_mooncake
+def test_unreachable_peer_fails_fast_and_probe_says_no(sender):
+    be, src = sender
+    nobody = f"127.0.0.1:{_closed_port()}"
+    h = be.post_writes(nobody, [src.data_ptr()], [4096], [64])
+    assert be.wait(h, WAIT_S) is WriteState.FAILED
+    assert nobody in h.error
+    assert not be.probe(nobody)
+    with pytest.raises(TransferError, match=nobody):
+        be.write_sync(nobody, [src.data_ptr()], [4096], [64])
+
+
+@needs_mooncake
+def test_peer_killed_after_contact(sender):
+    be, src = sender
+    victim = Peer(1 << 20)
+    try:
+        assert be.probe(victim.session)
+        h = be.post_writes(victim.session, [src.data_ptr()], [victim.base], [4096])
+        assert be.wait(h, WAIT_S) is WriteState.DONE
+        victim.proc.kill()
+        victim.proc.join()
+        h = be.post_writes(victim.session, [src.data_ptr()], [victim.base], [4096])
+        assert be.wait(h, WAIT_S) is WriteState.FAILED
+        assert not be.probe(victim.session)
+    finally:
+        victim.stop()
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP, then wait until every thread is really stopped (delivery is not instant)."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = f"/proc/{pid}/task"
+    while not all(open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0] == "T" for t in os.listdir(tasks)):
+        time.sleep(0.01)
+
+
+@needs_mooncake
+def test_first_contact_with_a_hung_peer_blocks_nobody(peer):
+    """A stopped peer never answers; writes to it fail after the connect timeout while other
+    peers' writes go on, and it is contacted afresh once it answers again."""
+    be = MooncakeTransferBackend(connect_timeout_s=1.0)
+    src = alloc(4096)
+    be.register([(src.data_ptr(), 4096)])
+    hung = Peer(1 << 20)
+    try:
+        freeze(hung.proc.pid)
+        src[:4096] = 6
+        stuck = be.post_writes(hung.session, [src.data_ptr()], [hung.base], [4096])  # returns at once
+        h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4096])
+        assert be.wait(h, WAIT_S) is WriteState.DONE
+        assert be.wait(stuck, WAIT_S) is WriteState.FAILED
+        assert "did not answer" in stuck.error
+        with pytest.raises(TransferError, match="did not answer"):
+            be.write_sync(hung.session, [src.data_ptr()], [hung.base], [4096])
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        again = be.post_writes(hung.session, [src.data_ptr()], [hung.base], [4096])
+        assert be.wait(again, WAIT_S) is WriteState.DONE, again.error
+        assert hung.call("mismatches", 0, 4096, 6) == 0
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.stop()
+        be.close()
+
+
+@needs_mooncake
+def test_close_waits_for_in_flight_writes_and_is_final(peer):
+    be = MooncakeTransferBackend()
+    src = alloc(4 << 20)
+    src.fill_(7)
+    be.register([(src.data_ptr(), src.numel())])
+    h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4 << 20])
+    be.close()
+    be.close()  # idempotent
+    state = be.poll(h)
+    assert state is not WriteState.PENDING, "close returned with a write in flight"
+    if state is WriteState.DONE:
+        assert peer.call("mismatches", 0, 4 << 20, 7) == 0
+    else:
+        assert "closed" in h.error
+    with pytest.raises(TransferError, match="closed"):
+        be.post_writes(peer.session, [src.data_ptr()], [peer.base], [1])
+
+
+# --- fault injection around the real engine ----------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def faulty(sender):
+    be, src = sender
+    clock = FakeClock()
+    return FaultInjectingBackend(be, clock=clock), src, clock
+
+
+@needs_mooncake
+def test_fault_failing_peer_sends_nothing(peer, faulty):
+    fb, src, _ = faulty
+    peer.call("fill", 0, 256, 0)
+    src[:256] = 9
+    fb.fail_writes_to(peer.session)
+    h = fb.post_writes(peer.session, [src.data_ptr()], [peer.base], [256])
+    assert fb.wait(h, WAIT_S) is WriteState.FAILED
+    assert "injected" in h.error
+    with pytest.raises(TransferError, match="injected"):
+        fb.write_sync(peer.session, [src.data_ptr()], [peer.base], [256])
+    assert peer.call("mismatches", 0, 256, 0) == 0  # nothing landed
+
+
+@needs_mooncake
+def test_fault_budget_lets_the_first_writes_land(peer, faulty):
+    fb, src, _ = faulty
+    peer.call("fill", 0, 4096, 0)
+    src[:8192] = 5
+    fb.fail_after(2)
+    # Four separate writes (sources every other KiB): two land, the batch fails.
+    h = fb.post_writes(peer.session, [src.data_ptr() + 2048 * i for i in range(4)],
+                       [peer.base + 1024 * i for i in range(4)], [1024] * 4)
+    assert fb.wait(h, WAIT_S) is WriteState.FAILED
+    assert peer.call("mismatches", 0, 2048, 5) == 0
+    assert peer.call("mismatches", 2048, 2048, 0) == 0
+
+
+@needs_mooncake
+def test_fault_hold_keeps_landed_batches_pending(peer, faulty):
+    fb, src, clock = faulty
+    src[:512] = 3
+    fb.hold()
+    h = fb.post_writes(peer.session, [src.data_ptr()], [peer.base], [512])
+    assert fb.inner.wait(fb.inner_handle(h), WAIT_S) is WriteState.DONE
+    assert peer.call("mismatches", 0, 512, 3) == 0  # landed ...
+    assert fb.poll(h) is WriteState.PENDING  # ... but held
+    fb.release()
+    assert fb.poll(h) is WriteState.DONE
+
+    fb.hold(seconds=5.0)
+    h = fb.post_writes(peer.session, [src.data_ptr()], [peer.base], [512])
+    assert fb.inner.wait(fb.inner_handle(h), WAIT_S) is WriteState.DONE
+    assert fb.poll(h) is WriteState.PENDING
+    clock.now += 5.0
+    assert fb.poll(h) is WriteState.DONE
+
+
+@needs_mooncake
+def test_fault_dropped_notify_still_writes_the_data(peer, faulty):
+    fb, src, _ = faulty
+    peer.call("notifies")  # drain
+    src[:128] = 4
+    fb.drop_notifies()
+    fb.write_sync(peer.session, [src.data_ptr()], [peer.base], [128], notify=("room-x", "done"))
+    assert peer.call("mismatches", 0, 128, 4) == 0
+    assert peer.call("notifies") == []
+    fb.reset()
+    fb.write_sync(peer.session, [src.data_ptr()], [peer.base], [128], notify=("room-y", "done"))
+    assert peer.call("notifies") == [("room-y", "done")]
+
+
+@needs_mooncake
+def test_register_unregister_and_overlap(peer, sender):
+    be, _ = sender
+    buf = alloc(8192)
+    be.register([(buf.data_ptr(), 4096)])
+    with pytest.raises(TransferError, match="batch_register_memory"):
+        be.register([(buf.data_ptr() + 1024, 4096)])  # overlaps: Mooncake refuses
+    h = be.post_writes(peer.session, [buf.data_ptr()], [peer.base], [4096])
+    assert be.wait(h, WAIT_S) is WriteState.DONE
+    be.unregister([buf.data_ptr()])
+    with pytest.raises(ValueError, match=r"srcs\[0\]"):
+        be.post_writes(peer.session, [buf.data_ptr()], [peer.base], [4096])
+    with pytest.raises(ValueError, match="is not the start of a registered region"):
+        be.unregister([buf.data_ptr()])
+    be.register([(buf.data_ptr() + 1024, 4096)])  # free again: the overlap is gone
+    be.unregister([buf.data_ptr() + 1024])
+    with pytest.raises(ValueError, match=r"regions\[0\]"):
+        be.register([(buf.data_ptr(), 0)])
