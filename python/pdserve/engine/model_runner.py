@@ -30,7 +30,7 @@ class ScheduledBatch:
     prefix_lens: list[int]  # [B]
     extend_lens: list[int]  # [B]
     rows: list[int]  # [B] rows of the req->token table
-    req_ids: tuple | None = None  # [B] stable per-request identity (the rid)
+    req_uids: tuple[int, ...] | None = None  # [B] Req.uid of each request (DECODE)
 
 
 def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
@@ -73,7 +73,7 @@ class ModelRunner:
         kv_slots = req_to_token[t(batch.rows), :max_len]  # [B, L]
         return ForwardBatch(batch.mode, t(batch.input_ids), t(batch.positions), t(batch.out_cache_loc),
                             prefix, ext, seq, kv_slots, self.pool, self.backend, self.layer_hook,
-                            batch.req_ids)
+                            batch.req_uids)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:

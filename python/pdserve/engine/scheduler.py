@@ -70,6 +70,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._pending: list[TokenOutput] = []
         self._arrivals = itertools.count()
+        self._uids = itertools.count()  # Req.uid: never reused, unlike a client's rid
         self.num_retractions = 0
         self.forward_steps = 0
 
@@ -90,7 +91,7 @@ class Scheduler:
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
-        req = Req(rid, input_ids, sampling, return_logprob, next(self._arrivals))
+        req = Req(rid, input_ids, sampling, return_logprob, arrival=next(self._arrivals), uid=next(self._uids))
         if sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(sampling.seed)
         self.reqs[rid] = req
@@ -229,7 +230,7 @@ class Scheduler:
         rows = [r.row for r in reqs]
         self.table.write_one_each(rows, pos, loc)
         batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
-                               [1] * len(reqs), rows, tuple(r.rid for r in reqs))
+                               [1] * len(reqs), rows, tuple(r.uid for r in reqs))
         logits = self.runner.forward(batch, self.table.table)
         self.forward_steps += 1
         for r in reqs:

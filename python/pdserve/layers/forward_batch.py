@@ -45,9 +45,9 @@ class ForwardBatch:
     kv_pool: object  # mem.kv_pool.KVPool
     attn_backend: object  # layers.attention.base.AttentionBackend
     layer_hook: LayerHook | None = None
-    # Identity of the requests in order (any hashable per request, stable for its
-    # lifetime); lets a backend recognise the same decode batch across steps.
-    req_ids: tuple | None = None
+    # Identity of the requests in order (Req.uid: unique for the scheduler's life, never a
+    # client-chosen rid); lets a backend recognise the same decode batch across steps.
+    req_uids: tuple[int, ...] | None = None
     # Filled lazily by the attention backend (masks etc.), keyed by its own names.
     attn_metadata: dict = None
 

@@ -57,7 +57,7 @@ class _DecodeStage:
     """A contiguous copy of the running decode batch's KV, kept across steps.
 
     On CPU, gathering every request's pages each step costs as much as the
-    matmuls. While the decode batch is unchanged (same requests, each one token
+    matmuls. While the decode batch is unchanged (same requests by Req.uid, each one token
     longer), a step only appends one row per request here; any change of the
     batch rebuilds it from the pool, which stays the source of truth.
     Legend: B requests, H kv heads, X row width, L used length, K capacity.
@@ -66,7 +66,7 @@ class _DecodeStage:
     MARGIN = 64  # decode steps between rebuilds caused by growth
 
     def __init__(self):
-        self.req_ids: tuple | None = None
+        self.req_uids: tuple | None = None
         self.seq_lens: torch.Tensor | None = None
         self.capacity = 0
         self.length = 0  # this step's longest sequence
@@ -76,9 +76,9 @@ class _DecodeStage:
     def plan(self, fb: ForwardBatch) -> str:
         """Per step, once: "append" when this is the staged batch one token later, else "rebuild"."""
         L = self.length = int(fb.seq_lens.max())
-        same = (fb.req_ids is not None and fb.req_ids == self.req_ids and L <= self.capacity
+        same = (fb.req_uids is not None and fb.req_uids == self.req_uids and L <= self.capacity
                 and torch.equal(self.seq_lens + 1, fb.seq_lens))
-        self.req_ids, self.seq_lens = fb.req_ids, fb.seq_lens
+        self.req_uids, self.seq_lens = fb.req_uids, fb.seq_lens
         self.rows, self.pos = torch.arange(fb.batch_size), fb.seq_lens - 1
         if same:
             return "append"
@@ -109,7 +109,7 @@ class TorchNativeBackend(AttentionBackend):
         self.stage = _DecodeStage()
 
     def _stage_plan(self, fb: ForwardBatch, md: dict) -> str | None:
-        if not fb.is_decode or fb.req_ids is None:
+        if not fb.is_decode or fb.req_uids is None:
             return None
         if "stage" not in md:
             md["stage"] = self.stage.plan(fb)
@@ -117,7 +117,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def _kv(self, layer_id: int, fb: ForwardBatch, md: dict, new: tuple, gather) -> tuple:
         """This layer's KV for the whole batch, [B, H, L, X] each: staged in decode, else gathered."""
-        if not fb.is_decode or fb.req_ids is None:
+        if not fb.is_decode or fb.req_uids is None:
             return gather()
         if "stage" not in md:
             md["stage"] = self.stage.plan(fb)
