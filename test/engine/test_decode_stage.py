@@ -32,12 +32,12 @@ def test_reused_rid_with_lined_up_length_gets_its_own_kv(tmp_path, arch):
     prompt_a, prompt_b, prompt_b2 = (torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
                                      for n in (PROMPT_A, PROMPT_B, PROMPT_B2))
     sched = pdserve.Engine(model_path=path).scheduler
-    decodes = []  # (rids, requests, seq_lens) of every decode forward, recorded at layer 0
+    decodes = []  # (rids, uids, seq_lens) of every decode forward, recorded at layer 0
 
     def hook(layer_id, fb):
         if layer_id == 0 and fb.mode is ForwardMode.DECODE:
             reqs = tuple(sched.running)
-            decodes.append((tuple(r.rid for r in reqs), tuple(map(id, reqs)), fb.seq_lens.tolist()))
+            decodes.append((tuple(r.rid for r in reqs), tuple(r.uid for r in reqs), fb.seq_lens.tolist()))
 
     sched.runner.layer_hook = hook
     out = {"A": [], "B": [], "B2": []}
@@ -63,3 +63,27 @@ def test_reused_rid_with_lined_up_length_gets_its_own_kv(tmp_path, arch):
     assert out["B"] == greedy_continuation(hf, prompt_b, B_TOKENS)
     assert out["B2"] == greedy_continuation(hf, prompt_b2, B2_TOKENS)
     assert sched.allocator.num_free + sched.cache.num_cached_pages == sched.allocator.num_pages
+
+
+def test_backend_prepares_once_per_forward(tmp_path):
+    """The model runner calls ``prepare`` once per forward, before any layer, and every layer
+    of that forward reads the same metadata object."""
+    _, path = make_hf_model_and_dir("LlamaForCausalLM", tmp_path)
+    engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=8)
+    runner = engine.scheduler.runner
+    prepared, seen = [], []
+    real_prepare = runner.backend.prepare
+
+    def prepare(fb):
+        prepared.append(real_prepare(fb))
+        return prepared[-1]
+
+    runner.backend.prepare = prepare
+    runner.layer_hook = lambda layer_id, fb: seen.append((layer_id, fb.attn_metadata))
+    engine.generate(input_ids=[[5, 6, 7] * 7, [9, 8]], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    L = runner.pool.num_layers
+    assert len(prepared) == engine.scheduler.forward_steps > 1
+    assert len(seen) == L * len(prepared)
+    for step, md in enumerate(prepared):
+        assert [s[0] for s in seen[step * L:(step + 1) * L]] == list(range(L))
+        assert all(s[1] is md for s in seen[step * L:(step + 1) * L])

@@ -79,6 +79,7 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:
         """Returns the logits of each request's last scheduled token [B, V] (float32)."""
         fb = self.build_forward_batch(batch, req_to_token)
+        fb.attn_metadata = self.backend.prepare(fb)  # once per forward, before the first layer
         hidden = self.model(fb)  # [T, hidden]
         if fb.batch_size != fb.num_tokens:
             hidden = hidden[fb.last_token_index()]  # [B, hidden]
