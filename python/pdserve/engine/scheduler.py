@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from pdserve.config import ServerArgs
+from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
 from pdserve.engine.io_struct import TokenOutput
@@ -45,22 +45,22 @@ class Scheduler:
     the only place a request gives pages back.
     """
 
-    def __init__(self, args: ServerArgs, tokenizer=None, parallel: ParallelState = SINGLE,
-                 runner: ModelRunner | None = None):
-        self.args = args
-        self.model_config = args.model_config()
-        self.cache_config = args.cache_config()
-        self.config = args.scheduler_config()
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, config: SchedulerConfig,
+                 tokenizer=None, parallel: ParallelState = SINGLE, runner: ModelRunner | None = None):
+        """``runner``: one built by the caller (it must match model_config and cache_config);
+        by default the scheduler builds its own."""
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.config = config
         self.tokenizer = tokenizer
-        self.page_size = self.cache_config.page_size
-        self.runner = runner or ModelRunner(self.model_config, self.cache_config, parallel,
-                                            seed=args.random_seed)
+        self.page_size = cache_config.page_size
+        self.runner = runner or ModelRunner(model_config, cache_config, parallel, seed=config.random_seed)
         pool = self.runner.pool
         self.allocator = PageAllocator(pool.num_pages)
-        self.cache = RadixCache(self.allocator, self.page_size, disable=args.disable_radix_cache)
-        self.context_len = self.model_config.context_length
-        self.table = ReqToTokenTable(self.config.max_running_requests, self.context_len, self.page_size)
-        self.sampler = Sampler(args.random_seed)
+        self.cache = RadixCache(self.allocator, self.page_size, disable=cache_config.disable_radix_cache)
+        self.context_len = model_config.context_length
+        self.table = ReqToTokenTable(config.max_running_requests, self.context_len, self.page_size)
+        self.sampler = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
