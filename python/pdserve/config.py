@@ -32,8 +32,8 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", "llama", "gqa", "llama"),
-    Architecture("Qwen2ForCausalLM", "qwen2", "gqa", "llama"),
-    Architecture("Qwen3ForCausalLM", "qwen3", "gqa", "llama"),
+    Architecture("Qwen2ForCausalLM", "qwen2", "gqa", "qwen2"),
+    Architecture("Qwen3ForCausalLM", "qwen3", "gqa", "qwen3"),
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "gqa", "qwen3_moe"),
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", "mla", "deepseek"),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "mla", "deepseek"),
