@@ -28,6 +28,7 @@ from pdserve.engine.request import (
     finish_stop,
 )
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.stop import StopStringMatcher
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.page_table import ReqToTokenTable
@@ -94,6 +95,8 @@ class Scheduler:
         req = Req(rid, input_ids, sampling, return_logprob, arrival=next(self._arrivals), uid=next(self._uids))
         if sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(sampling.seed)
+        if sampling.stop and self.tokenizer is not None:
+            req.stop_matcher = StopStringMatcher(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
         self.reqs[rid] = req
         if sampling.max_new_tokens == 0:
             self._finish(req, finish_length(0))
@@ -268,7 +271,7 @@ class Scheduler:
         res = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
                            [r.output_ids for r in reqs], want_lp)
         for i, (req, tok) in enumerate(zip(reqs, res.tokens)):
-            req.output_ids.append(tok)
+            req.append_output(tok)
             lp = None
             if req.return_logprob:
                 lp = [res.logprobs[i]]
@@ -282,11 +285,10 @@ class Scheduler:
         sp = req.sampling
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
             return finish_stop(tok)
-        if sp.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
-            for s in sp.stop:
-                if s in text:
-                    return finish_stop(s)
+        if req.stop_matcher is not None:
+            matched = req.stop_matcher.check(req.output_ids)
+            if matched is not None:
+                return finish_stop(matched)
         if len(req.output_ids) >= sp.max_new_tokens:
             return finish_length(sp.max_new_tokens)
         return None
