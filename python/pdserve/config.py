@@ -17,8 +17,52 @@ from pdserve.assets import PRESET_NAMES, preset_dir
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-GQA_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One supported HF architecture. ``ARCHITECTURES`` is the only list of them: the model
+    registry derives its classes from it, so support is added in one place."""
+
+    name: str  # HF ``architectures[0]``, also the class name in pdserve.models.<module>
+    model_type: str  # HF ``model_type``: resolves a config.json that names no architecture
+    attention: str  # "gqa" (per-head K/V pool) or "mla" (latent pool)
+    module: str  # pdserve.models.<module> defines the class
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("LlamaForCausalLM", "llama", "gqa", "llama"),
+    Architecture("Qwen2ForCausalLM", "qwen2", "gqa", "qwen2"),
+    Architecture("Qwen3ForCausalLM", "qwen3", "gqa", "qwen3"),
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "gqa", "qwen3_moe"),
+    Architecture("DeepseekV2ForCausalLM", "deepseek_v2", "mla", "deepseek"),
+    Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "mla", "deepseek"),
+)}
+
+
+def supported_architecture(name: str) -> Architecture:
+    """The entry for ``name``; ValueError naming the field and the supported ones otherwise."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"architectures: {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[name]
+
+
+def architecture_of(raw: dict, directory: Path) -> str:
+    """``architectures[0]`` of a config.json, or, when it names none, the architecture of its
+    ``model_type`` (what transformers' AutoModelForCausalLM would pick)."""
+    archs = raw.get("architectures") or []
+    if archs:
+        return archs[0]
+    by_type = {a.model_type: a.name for a in ARCHITECTURES.values()}
+    model_type = raw.get("model_type")
+    if model_type not in by_type:
+        raise ValueError(f"architectures: config.json in {directory} names no architecture and its model_type "
+                         f"{model_type!r} is not one of {', '.join(by_type)}")
+    return by_type[model_type]
+
+
+def has_weight_files(directory: Path) -> bool:
+    return (directory / "model.safetensors.index.json").is_file() or any(directory.glob("*.safetensors"))
 
 
 def resolve_model_path(model_path: str) -> tuple[Path, bool]:
@@ -42,6 +86,19 @@ def _torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _read_eos_ids(directory: Path, hf_config) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = directory / "generation_config.json"
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for eos in sources:
+        for t in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about a model; ``hf_config`` is the transformers config."""
@@ -52,38 +109,39 @@ class ModelConfig:
     load_format: str = "auto"
     is_preset: bool = False
     context_length_override: int | None = None
+    # EOS ids from config.json and generation_config.json (chat models list several there)
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
-        if self.architecture not in GQA_ARCHS + MLA_ARCHS:
-            raise ValueError(
-                f"architectures: {self.architecture!r} is not supported "
-                f"(supported: {', '.join(GQA_ARCHS + MLA_ARCHS)})"
-            )
+        supported_architecture(self.architecture)
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", load_format: str = "auto",
                   context_length: int | None = None) -> ModelConfig:
-        from transformers import AutoConfig
+        """Read the model directory's config.json (once: build this once per process and pass it on)."""
+        from transformers import CONFIG_MAPPING
 
         directory, is_preset = resolve_model_path(model_path)
-        with open(directory / "config.json") as f:
-            raw = json.load(f)
-        archs = raw.get("architectures") or []
-        if not archs:
-            raise ValueError(f"architectures: config.json in {directory} names no architecture")
-        if archs[0] not in GQA_ARCHS + MLA_ARCHS:
-            raise ValueError(
-                f"architectures: {archs[0]!r} is not supported "
-                f"(supported: {', '.join(GQA_ARCHS + MLA_ARCHS)})"
-            )
-        hf_config = AutoConfig.from_pretrained(str(directory))
+        raw = json.loads((directory / "config.json").read_text())
+        arch = supported_architecture(architecture_of(raw, directory))
         if is_preset and load_format == "auto":
             load_format = "dummy"
-        return cls(str(directory), hf_config, dtype, load_format, is_preset, context_length)
+        if load_format != "dummy" and not has_weight_files(directory):
+            raise ValueError(f"model_path: {directory} has no model.safetensors or model.safetensors.index.json "
+                             f"(only safetensors weights are supported; pass --load-format dummy for random weights)")
+        model_type = raw.get("model_type") or arch.model_type
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"model_type: {model_type!r} in {directory / 'config.json'} is unknown to transformers")
+        # What AutoConfig.from_pretrained does, from the dict already read.
+        hf_config = CONFIG_MAPPING[model_type].from_dict(raw)
+        hf_config.architectures = [arch.name]
+        hf_config.name_or_path = str(directory)
+        return cls(str(directory), hf_config, dtype, load_format, is_preset, context_length,
+                   _read_eos_ids(directory, hf_config))
 
     @property
     def architecture(self) -> str:
@@ -96,7 +154,7 @@ class ModelConfig:
 
     @property
     def is_mla(self) -> bool:
-        return self.architecture in MLA_ARCHS
+        return ARCHITECTURES[self.architecture].attention == "mla"
 
     @property
     def num_layers(self) -> int:
@@ -126,20 +184,6 @@ class ModelConfig:
         if self.context_length_override:
             return self.context_length_override
         return int(self.hf_config.max_position_embeddings)
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """EOS ids from config.json and generation_config.json (chat models list several there)."""
-        ids: list[int] = []
-        gen = Path(self.path) / "generation_config.json"
-        sources = [getattr(self.hf_config, "eos_token_id", None)]
-        if gen.is_file():
-            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-        for eos in sources:
-            for t in eos if isinstance(eos, (list, tuple)) else [eos]:
-                if t is not None and int(t) not in ids:
-                    ids.append(int(t))
-        return tuple(ids)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token occupies over all layers (DESIGN §1)."""
@@ -266,6 +310,7 @@ class ServerArgs:
                              f"got {self.max_prefill_tokens}")
 
     def model_config(self) -> ModelConfig:
+        """Reads config.json: call once per process and pass the result on."""
         return ModelConfig.from_path(self.model_path, self.dtype, self.load_format, self.context_length)
 
     def cache_config(self) -> CacheConfig:

@@ -178,6 +178,22 @@ def test_unknown_architecture_and_missing_weights(tmp_path, llama_dir):
         pdserve.Engine(model_path=str(tmp_path / "nope"))
 
 
+def test_engine_reads_the_model_config_once(llama_dir, monkeypatch):
+    from pdserve.config import ModelConfig
+
+    calls = []
+    real = ModelConfig.from_path.__func__
+
+    def counted(cls, *args, **kwargs):
+        calls.append(args)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(ModelConfig, "from_path", classmethod(counted))
+    engine = pdserve.Engine(model_path=llama_dir)
+    assert len(calls) == 1
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]
+
+
 def test_max_new_tokens_zero_and_abort(llama_dir):
     engine = pdserve.Engine(model_path=llama_dir)
     out = engine.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 0})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 import pdserve
 from server_utils import Server, alive, descendants, port_is_free
@@ -93,10 +94,15 @@ def test_scheduler_crash_fails_health_and_exits_nonzero(server):
 
 
 def test_scheduler_startup_failure_exits_nonzero(tmp_path):
-    """Weights the scheduler cannot load: the frontend reports why and exits 1, nothing left behind."""
+    """Weights the scheduler cannot load (a checkpoint missing every tensor the model needs): the
+    frontend reports why and exits 1, nothing left behind. (A directory with no weight file at
+    all is refused before any process starts: see test_cli.)"""
+    from safetensors.torch import save_file
+
     preset = Path(pdserve.__file__).parent / "assets" / "presets" / "tiny-deepseek"
-    model = tmp_path / "no-weights"
+    model = tmp_path / "bad-weights"
     shutil.copytree(preset, model)
+    save_file({"unrelated.weight": torch.zeros(2)}, str(model / "model.safetensors"))
     s = Server("--load-format", "safetensors", model=str(model))
     try:
         s.proc = subprocess.Popen(s.cmd, stdout=s.log, stderr=subprocess.STDOUT, start_new_session=True)

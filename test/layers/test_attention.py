@@ -74,3 +74,12 @@ def test_torch_native_mla_matches_reference(page_size, absorbed):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
     _walk(pool, run_step, check)
+
+
+def test_layers_refuse_a_batch_the_backend_has_not_prepared():
+    pool = GQAKVPool(8, 1, 1, 2, 4, torch.float32)
+    fb = PagedRequests(pool).batch([(0, [1, 2, 3])])
+    fb.attn_metadata = None
+    x = torch.zeros(3, 2, 4)
+    with pytest.raises(RuntimeError, match=r"prepare\(fb\)"):
+        fb.attn_backend.forward_gqa(x, x, x, 0, 1.0, fb)

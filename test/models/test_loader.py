@@ -78,6 +78,37 @@ def test_missing_weight_files_is_a_value_error(tmp_path, llama_dir):
         load_model(ModelConfig.from_path(str(tmp_path)))
 
 
+def test_missing_weight_files_are_refused_when_the_config_is_read_naming_the_cli_flag(tmp_path, llama_dir):
+    """Known before any process starts, so `pdserve serve` reports it in one line; the hint is
+    the flag an operator types, not the Python keyword."""
+    (tmp_path / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"^model_path: .*--load-format dummy") as err:
+        ModelConfig.from_path(str(tmp_path))
+    assert "load_format=" not in str(err.value)
+    assert ModelConfig.from_path(str(tmp_path), load_format="dummy").load_format == "dummy"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_without_architectures_is_resolved_from_model_type(tmp_path, arch):
+    """As transformers' AutoModelForCausalLM does: model_type picks the class."""
+    path = Path(make_tiny_hf_model(arch, tmp_path / "m"))
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["architectures"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    mc = ModelConfig.from_path(str(path))
+    assert mc.architecture == arch
+    assert type(load_model(mc)).__name__ == arch
+
+
+def test_config_without_architectures_or_known_model_type_names_both(tmp_path, llama_dir):
+    cfg = json.loads((Path(llama_dir) / "config.json").read_text())
+    del cfg["architectures"]
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="architectures: .*model_type 'gpt2' is not one of llama, qwen2"):
+        ModelConfig.from_path(str(tmp_path))
+
+
 def test_unused_checkpoint_tensors_are_ignored(tmp_path, llama_dir):
     tensors = load_file(str(Path(llama_dir) / "model.safetensors"))
     tensors["model.layers.99.mlp.mtp_proj.weight"] = torch.zeros(2, 2)  # e.g. DeepSeek's MTP layers

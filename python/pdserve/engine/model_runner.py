@@ -30,7 +30,7 @@ class ScheduledBatch:
     prefix_lens: list[int]  # [B]
     extend_lens: list[int]  # [B]
     rows: list[int]  # [B] rows of the req->token table
-    req_ids: tuple | None = None  # [B] stable per-request identity (the rid)
+    req_uids: tuple[int, ...] | None = None  # [B] Req.uid of each request (DECODE)
     # [K] token indices (into T) whose logits are returned too, after the B last tokens' (input logprobs)
     prompt_logit_index: list[int] | None = None
 
@@ -75,13 +75,14 @@ class ModelRunner:
         kv_slots = req_to_token[t(batch.rows), :max_len]  # [B, L]
         return ForwardBatch(batch.mode, t(batch.input_ids), t(batch.positions), t(batch.out_cache_loc),
                             prefix, ext, seq, kv_slots, self.pool, self.backend, self.layer_hook,
-                            batch.req_ids)
+                            batch.req_uids)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:
         """Returns the logits of each request's last scheduled token [B, V] (float32), followed by
         those of ``batch.prompt_logit_index`` when it is set ([B + K, V])."""
         fb = self.build_forward_batch(batch, req_to_token)
+        fb.attn_metadata = self.backend.prepare(fb)  # once per forward, before the first layer
         hidden = self.model(fb)  # [T, hidden]
         rows = logit_rows(fb, batch.prompt_logit_index)
         if rows is not None:

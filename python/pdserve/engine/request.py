@@ -166,15 +166,21 @@ class Req:
     """
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                 return_logprob: bool = False, arrival: int = 0):
+                 return_logprob: bool = False, arrival: int = 0, uid: int | None = None):
         if not input_ids:
             raise ValueError("input_ids: the prompt is empty")
-        self.rid = rid
+        self.rid = rid  # chosen by the client: may be reused once this request has finished
+        # Identity unique for the life of the scheduler that assigned it (Scheduler.add_request);
+        # what the engine keys per-request state on, since a client can reuse a ``rid``.
+        self.uid = uid
         self.origin_input_ids = list(input_ids)
         self.sampling = sampling
         self.return_logprob = return_logprob
         self.arrival = arrival
         self.output_ids: list[int] = []
+        # prompt + output, grown in place by append_output (read every step; never re-concatenated)
+        self.fill_ids: list[int] = list(input_ids)
+        self.stop_matcher = None  # engine.stop.StopStringMatcher when stop strings can be checked
         self.output_logprobs: list[float] = []
         self.state = ReqState.WAITING
         self.finish_reason: dict | None = None
@@ -190,9 +196,10 @@ class Req:
         self.generator = None  # torch.Generator for seeded sampling, created by the scheduler
         self.logprob: ReqLogprobs | None = None  # input logprob state, set by the scheduler if asked
 
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.origin_input_ids + self.output_ids
+    def append_output(self, token: int) -> None:
+        """The only way a token joins the output (keeps ``fill_ids`` == prompt + output)."""
+        self.output_ids.append(token)
+        self.fill_ids.append(token)
 
     @property
     def prompt_len(self) -> int:
@@ -203,6 +210,7 @@ class Req:
         return self.state is ReqState.FINISHED
 
     def check(self, page_size: int) -> None:
+        assert len(self.fill_ids) == self.prompt_len + len(self.output_ids), (self.rid, len(self.fill_ids))
         assert 0 <= self.cached_len <= self.kv_len <= len(self.fill_ids), (self.rid, self.cached_len, self.kv_len)
         assert len(self.pages) * page_size >= self.kv_len, (self.rid, len(self.pages), self.kv_len)
         assert self.num_cached_pages <= len(self.pages)

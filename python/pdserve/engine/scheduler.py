@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from pdserve.config import ServerArgs
+from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
 from pdserve.engine.io_struct import TokenOutput
@@ -29,6 +29,7 @@ from pdserve.engine.request import (
     finish_stop,
 )
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.stop import StopStringMatcher
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.page_table import ReqToTokenTable
@@ -46,22 +47,22 @@ class Scheduler:
     the only place a request gives pages back.
     """
 
-    def __init__(self, args: ServerArgs, tokenizer=None, parallel: ParallelState = SINGLE,
-                 runner: ModelRunner | None = None):
-        self.args = args
-        self.model_config = args.model_config()
-        self.cache_config = args.cache_config()
-        self.config = args.scheduler_config()
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, config: SchedulerConfig,
+                 tokenizer=None, parallel: ParallelState = SINGLE, runner: ModelRunner | None = None):
+        """``runner``: one built by the caller (it must match model_config and cache_config);
+        by default the scheduler builds its own."""
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.config = config
         self.tokenizer = tokenizer
-        self.page_size = self.cache_config.page_size
-        self.runner = runner or ModelRunner(self.model_config, self.cache_config, parallel,
-                                            seed=args.random_seed)
+        self.page_size = cache_config.page_size
+        self.runner = runner or ModelRunner(model_config, cache_config, parallel, seed=config.random_seed)
         pool = self.runner.pool
         self.allocator = PageAllocator(pool.num_pages)
-        self.cache = RadixCache(self.allocator, self.page_size, disable=args.disable_radix_cache)
-        self.context_len = self.model_config.context_length
-        self.table = ReqToTokenTable(self.config.max_running_requests, self.context_len, self.page_size)
-        self.sampler = Sampler(args.random_seed)
+        self.cache = RadixCache(self.allocator, self.page_size, disable=cache_config.disable_radix_cache)
+        self.context_len = model_config.context_length
+        self.table = ReqToTokenTable(config.max_running_requests, self.context_len, self.page_size)
+        self.sampler = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -71,6 +72,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._pending: list[TokenOutput] = []
         self._arrivals = itertools.count()
+        self._uids = itertools.count()  # Req.uid: never reused, unlike a client's rid
         self.num_retractions = 0
         self.forward_steps = 0
 
@@ -96,12 +98,14 @@ class Scheduler:
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
-        req = Req(rid, input_ids, sampling, return_logprob, next(self._arrivals))
+        req = Req(rid, input_ids, sampling, return_logprob, arrival=next(self._arrivals), uid=next(self._uids))
         if return_logprob:
             check_logprob_params(len(input_ids), logprob_start_len, top_logprobs_num, self.model_config.vocab_size)
             req.logprob = ReqLogprobs.create(len(input_ids), logprob_start_len, top_logprobs_num)
         if sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(sampling.seed)
+        if sampling.stop and self.tokenizer is not None:
+            req.stop_matcher = StopStringMatcher(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
         self.reqs[rid] = req
         self.waiting.append(req)
         return req
@@ -252,7 +256,7 @@ class Scheduler:
         rows = [r.row for r in reqs]
         self.table.write_one_each(rows, pos, loc)
         batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
-                               [1] * len(reqs), rows, tuple(r.rid for r in reqs))
+                               [1] * len(reqs), rows, tuple(r.uid for r in reqs))
         logits = self.runner.forward(batch, self.table.table)
         self.forward_steps += 1
         for r in reqs:
@@ -291,7 +295,7 @@ class Scheduler:
         res = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
                            [r.output_ids for r in reqs], want_lp, top_ks)
         for i, (req, tok) in enumerate(zip(reqs, res.tokens)):
-            req.output_ids.append(tok)
+            req.append_output(tok)
             lp = top = None
             if req.return_logprob:
                 lp = [res.logprobs[i]]
@@ -306,11 +310,10 @@ class Scheduler:
         sp = req.sampling
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
             return finish_stop(tok)
-        if sp.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
-            for s in sp.stop:
-                if s in text:
-                    return finish_stop(s)
+        if req.stop_matcher is not None:
+            matched = req.stop_matcher.check(req.output_ids)
+            if matched is not None:
+                return finish_stop(matched)
         if len(req.output_ids) >= sp.max_new_tokens:
             return finish_length(sp.max_new_tokens)
         return None

@@ -169,10 +169,11 @@ def build_scheduler(args: ServerArgs):
     from pdserve.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.num_threads or default_num_threads())
+    model_config = args.model_config()  # the one read of config.json in this process
     tokenizer = None
     if not args.skip_tokenizer_init:
-        tokenizer = load_tokenizer(args.tokenizer_path or args.model_config().path)
-    return Scheduler(args, tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer_path or model_config.path)
+    return Scheduler(model_config, args.cache_config(), args.scheduler_config(), tokenizer)
 
 
 def ready_message(scheduler) -> SchedulerReady:

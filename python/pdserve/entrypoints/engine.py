@@ -37,10 +37,11 @@ class Engine:
     def __init__(self, model_path: str, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs)
         torch.set_num_threads(self.args.num_threads or default_num_threads())
-        model_config = self.args.model_config()
+        model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
-        self.scheduler = Scheduler(self.args, self.tokenizer)
+        self.scheduler = Scheduler(model_config, self.args.cache_config(), self.args.scheduler_config(),
+                                   self.tokenizer)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API

@@ -8,8 +8,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from pdserve.mem.kv_pool import KVPool
+
+if TYPE_CHECKING:  # base.py imports this module
+    from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
 class ForwardMode(enum.Enum):
@@ -42,18 +48,14 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int64 new tokens this step (1 each for DECODE)
     seq_lens: torch.Tensor  # [B] int64 prefix + new
     kv_slots: torch.Tensor  # [B, L] int64 slots of all tokens, padded with 0
-    kv_pool: object  # mem.kv_pool.KVPool
-    attn_backend: object  # layers.attention.base.AttentionBackend
+    kv_pool: KVPool
+    attn_backend: AttentionBackend
     layer_hook: LayerHook | None = None
-    # Identity of the requests in order (any hashable per request, stable for its
-    # lifetime); lets a backend recognise the same decode batch across steps.
-    req_ids: tuple | None = None
-    # Filled lazily by the attention backend (masks etc.), keyed by its own names.
-    attn_metadata: dict = None
-
-    def __post_init__(self):
-        if self.attn_metadata is None:
-            self.attn_metadata = {}
+    # Identity of the requests in order (Req.uid: unique for the scheduler's life, never a
+    # client-chosen rid); lets a backend recognise the same decode batch across steps.
+    req_uids: tuple[int, ...] | None = None
+    # Set once per forward by the model runner: ``attn_backend.prepare(self)``.
+    attn_metadata: AttentionMetadata | None = None
 
     @property
     def batch_size(self) -> int:

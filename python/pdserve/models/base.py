@@ -1,5 +1,6 @@
 """What every causal LM in pdserve shares: the API the model runner calls, and weight loading.
 
+The decoder building blocks the families share live in ``models/decoder.py``.
 Legend: T tokens, N rows to score, H hidden, V vocab.
 """
 
@@ -92,29 +93,3 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
-
-
-class DecoderStack(nn.Module):
-    """embed_tokens -> layers -> norm, with the pre-norm residual stream threaded through.
-
-    Each layer is called as ``layer(hidden, residual, rotation, fb) -> (hidden, residual)``;
-    the rotation for ``fb.positions`` is gathered once here instead of once per layer.
-    """
-
-    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module, rope):
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm
-        self.rotary_emb = rope
-
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        if fb.num_tokens == 0:
-            return self.embed_tokens(fb.input_ids)
-        self.rotary_emb.ensure_capacity(int(fb.positions.max()) + 1)
-        rotation = self.rotary_emb.rotation(fb.positions)
-        hidden, residual = self.embed_tokens(fb.input_ids), None  # [T, H]
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rotation, fb)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden  # [T, H]

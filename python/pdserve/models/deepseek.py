@@ -22,8 +22,8 @@ from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.moe import RoutingConfig, SparseMoE
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import Rotation, get_rope, rope_parameters_of, softmax_scale_correction
-from pdserve.models.base import CausalLM, DecoderStack
-from pdserve.models.llama import DecoderLayer, build_lm_head
+from pdserve.models.base import CausalLM
+from pdserve.models.decoder import DecoderLayer, DecoderStack, build_lm_head
 
 
 class MLAAttention(nn.Module):

@@ -34,7 +34,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model_path: {directory} has no model.safetensors or {INDEX_FILE} "
-                         f"(only safetensors weights are supported; use load_format='dummy' for random weights)")
+                         f"(only safetensors weights are supported; pass --load-format dummy for random weights)")
     return files
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.moe import RoutingConfig, SparseMoE
-from pdserve.models.llama import Qwen3ForCausalLM
+from pdserve.models.decoder import GQACausalLM
 
 
 def qwen_moe_layer_is_sparse(c, layer_id: int) -> bool:
@@ -21,7 +21,9 @@ def qwen_moe_layer_is_sparse(c, layer_id: int) -> bool:
     return c.num_experts > 0 and (layer_id + 1) % c.decoder_sparse_step == 0
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(GQACausalLM):
+    qk_norm = True
+
     def make_mlp(self, layer_id: int, parallel: ParallelState, dtype: torch.dtype) -> nn.Module:
         c = self.config
         if not qwen_moe_layer_is_sparse(c, layer_id):

@@ -1,26 +1,19 @@
-"""HF architecture name -> pdserve model class, imported only when asked for."""
+"""HF architecture name -> pdserve model class, imported only when asked for.
+
+The list of architectures is ``pdserve.config.ARCHITECTURES``; this module only finds the class.
+"""
 
 from __future__ import annotations
 
 import importlib
 
-_MODELS = {
-    "LlamaForCausalLM": ("pdserve.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("pdserve.models.llama", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("pdserve.models.llama", "Qwen3ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("pdserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "DeepseekV2ForCausalLM": ("pdserve.models.deepseek", "DeepseekV2ForCausalLM"),
-    "DeepseekV3ForCausalLM": ("pdserve.models.deepseek", "DeepseekV3ForCausalLM"),
-}
+from pdserve.config import ARCHITECTURES, supported_architecture
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(ARCHITECTURES)
 
 
 def get_model_class(architecture: str):
-    if architecture not in _MODELS:
-        raise ValueError(f"architectures: {architecture!r} is not supported "
-                         f"(supported: {', '.join(supported_architectures())})")
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(module), name)
+    arch = supported_architecture(architecture)
+    return getattr(importlib.import_module(f"pdserve.models.{arch.module}"), arch.name)

@@ -7,23 +7,51 @@ lazily, so a GPU-only backend (flashinfer) never loads on a CPU host.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.layers.forward_batch import ForwardBatch
 
 
-class AttentionBackend(ABC):
-    """Contract shared by every backend.
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Base of every backend's per-forward metadata (page tables, masks, index maps, plans).
 
-    ``forward_gqa`` / ``forward_mla`` first write this step's new KV into
-    ``fb.kv_pool`` at ``fb.out_cache_loc`` (the only mutation), then call
-    ``fb.kv_written(layer_id)`` (the disaggregation hook), then attend: each new
-    token sees its request's prefix plus the new tokens up to itself (causal).
-    Per-step metadata is built once and cached in ``fb.attn_metadata``.
+    Each backend subclasses it with the typed fields its kernels read; nothing in it may
+    depend on the layer, because one instance serves every layer of the forward.
+    """
+
+
+class AttentionBackend(ABC):
+    """Contract shared by every backend (torch_native here; flashinfer and Triton plug in here).
+
+    Per forward, in this order:
+
+    1. ``prepare(fb)`` is called exactly ONCE by the model runner, after the ForwardBatch
+       is built and before the first layer; the runner stores the result in
+       ``fb.attn_metadata``. Everything that depends only on the batch is computed here
+       (a flashinfer backend would ``plan`` its wrappers here). It may advance state the
+       backend keeps across forwards (the torch_native decode stage), so it must not be
+       called twice for one forward, and forwards must reach the backend in the order
+       they were prepared.
+    2. Each layer calls ``forward_gqa`` / ``forward_mla``, which first write this step's
+       new KV into ``fb.kv_pool`` at ``fb.out_cache_loc`` (the only mutation of the
+       pool), then call ``fb.kv_written(layer_id)`` (the disaggregation hook: KV of that
+       layer may be streamed from then on), then attend: each new token sees its
+       request's prefix plus the new tokens up to itself (causal). They read
+       ``fb.attn_metadata`` and never rebuild it.
+
+    The pool stays the source of truth: a backend may keep copies of KV across forwards
+    (to avoid re-gathering pages) only if it can tell, from ``fb.req_uids`` and the
+    lengths, that the copy still describes the same requests.
     """
 
     name: str = "base"
+
+    @abstractmethod
+    def prepare(self, fb: ForwardBatch) -> AttentionMetadata:
+        """The metadata every layer of this forward reads (see the class docstring)."""
 
     @abstractmethod
     def forward_gqa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -40,3 +68,11 @@ class AttentionBackend(ABC):
         k_pe [T, R] (rotated), w_kc [H, Dn, C], w_vc [H, C, Dv] -> [T, H, Dv].
         ``absorbed=None`` picks absorbed for decode and non-absorbed for extend.
         """
+
+    @staticmethod
+    def metadata_of(fb: ForwardBatch) -> AttentionMetadata:
+        """``fb.attn_metadata``, or a clear error when ``prepare`` was never called."""
+        if fb.attn_metadata is None:
+            raise RuntimeError("ForwardBatch.attn_metadata is not set: call attn_backend.prepare(fb) once "
+                               "before the forward (ModelRunner.forward does)")
+        return fb.attn_metadata
