@@ -42,6 +42,60 @@ def test_sampling_follows_softmax_distribution():
     assert torch.allclose(freq, torch.softmax(logits[0], 0), atol=0.03)
 
 
+LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0])
+
+
+def _frequencies(rows: list[dict], draws: int, seed: int = 0) -> torch.Tensor:
+    """[len(rows), V] frequencies of tokens drawn for ``draws`` copies of each row's params over
+    LOGITS, all in one batch (rows interleaved), from a fixed seed: deterministic."""
+    params = [SamplingParams(**rows[i % len(rows)]).validate() for i in range(draws * len(rows))]
+    logits = LOGITS.expand(len(params), -1).clone()  # [B, V]
+    tokens = torch.tensor(Sampler(seed=seed)(logits, params, [None] * len(params), [[]] * len(params)).tokens)
+    counts = torch.zeros(len(rows), LOGITS.numel())
+    counts.index_put_((torch.arange(len(params)) % len(rows), tokens), torch.ones(len(params)), accumulate=True)
+    return counts / draws
+
+
+# Frequencies of n independent draws have standard deviation sqrt(p(1-p)/n) <= 0.5/sqrt(n).
+# The tolerance is >= 4 such deviations (a correct sampler with another seed would miss it
+# with probability < 1e-4 per token), and the seed is fixed, so the test cannot flake. Every
+# bug it guards against (temperature applied the wrong way, one row's filter on another row)
+# moves some probability by more than 0.3, i.e. dozens of deviations.
+def _tolerance(draws: int) -> float:
+    return 4 * 0.5 / draws ** 0.5
+
+
+def test_temperature_half_follows_softmax_of_twice_the_logits():
+    draws = 20000
+    freq = _frequencies([{"temperature": 0.5}], draws)[0]
+    torch.testing.assert_close(freq, torch.softmax(2 * LOGITS, 0), atol=_tolerance(draws), rtol=0)
+
+
+def _renormalised(probs: list[float]) -> torch.Tensor:
+    p = torch.tensor(probs)
+    return p / p.sum()
+
+
+def test_temperature_and_filters_apply_per_row():
+    """One batch mixing temperatures and filters: each row follows its own distribution
+    (worked out by hand from LOGITS), none leaks into another row."""
+    sm = torch.softmax(LOGITS, 0).tolist()
+    rows = [  # params, expected distribution
+        ({"temperature": 1.0}, torch.tensor(sm)),
+        ({"temperature": 0.5}, torch.softmax(2 * LOGITS, 0)),
+        ({"temperature": 2.0}, torch.softmax(LOGITS / 2, 0)),
+        ({"temperature": 1.0, "top_p": 0.5}, torch.tensor([1.0, 0, 0, 0])),  # p0 = 0.64 covers 0.5
+        ({"temperature": 1.0, "top_k": 2}, _renormalised(sm[:2] + [0, 0])),
+        ({"temperature": 1.0, "min_p": 0.3}, _renormalised(sm[:2] + [0, 0])),  # p1/p0 = 0.37, p2/p0 = 0.14
+        ({"temperature": 0.5, "top_k": 3}, _renormalised(torch.softmax(2 * LOGITS, 0)[:3].tolist() + [0])),
+    ]
+    draws = 12000
+    freq = _frequencies([r for r, _ in rows], draws, seed=1)
+    for (params, want), got in zip(rows, freq):
+        torch.testing.assert_close(got, want, atol=_tolerance(draws), rtol=0, msg=lambda m, p=params: f"{p}: {m}")
+        assert set(got.nonzero().flatten().tolist()) == set(want.nonzero().flatten().tolist()), params
+
+
 @pytest.mark.parametrize("kw, allowed", [
     ({"top_k": 2}, {0, 1}),
     ({"top_p": 0.5}, {0}),  # p(token 0) = 0.64 already covers 0.5

@@ -6,12 +6,19 @@ import pytest
 import torch
 
 import pdserve
+from fixtures.oracle import teacher_forced_logprobs
 from fixtures.tiny_models import make_hf_model_and_dir
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_hf_model_and_dir("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))[1]
+def llama(tmp_path_factory):
+    """(transformers model, checkpoint dir): the oracle and the engine's input."""
+    return make_hf_model_and_dir("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(llama):
+    return llama[1]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +120,37 @@ def test_stop_strings_cut_the_text(llama_dir):
     _assert_no_leak(engine)
 
 
+def _straddling_stop(tokenizer, ids: list[int]) -> tuple[str, int]:
+    """(stop, k): the last two characters of token k-1's text and the first two of token k's,
+    where the string first occurs in the output and no single token's text contains it."""
+    full = tokenizer.decode(ids)
+    texts = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]  # text of the first i tokens
+    for k in range(1, len(ids)):
+        prev, before, upto = texts[k - 1], texts[k], texts[k + 1]
+        if not (upto.startswith(before) and before.startswith(prev) and full.startswith(upto)):
+            continue  # a token boundary inside a multi-byte character
+        if len(before) - len(prev) < 2 or len(upto) - len(before) < 2:
+            continue
+        stop = full[len(before) - 2:len(before) + 2]
+        if full.find(stop) == len(before) - 2 and not any(stop in tokenizer.decode([t]) for t in ids):
+            return stop, k
+    raise AssertionError(f"no two-token stop string in {full!r}")
+
+
+def test_stop_string_spanning_two_tokens(llama_dir):
+    """A stop string made of one token's tail and the next token's head ends the request at
+    the second token, and the text is cut where the stop string starts."""
+    engine = pdserve.Engine(model_path=llama_dir)
+    prompt = "The quick brown fox"
+    base = engine.generate(prompt=prompt, sampling_params=GREEDY)
+    stop, k = _straddling_stop(engine.tokenizer, base["output_ids"])
+    out = engine.generate(prompt=prompt, sampling_params={**GREEDY, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == base["output_ids"][:k + 1]
+    assert out["text"] == base["text"][:base["text"].find(stop)]
+    _assert_no_leak(engine)
+
+
 def test_seeded_sampling_is_reproducible(llama_dir):
     engine = pdserve.Engine(model_path=llama_dir)
     p = _prompts(1)[0]
@@ -126,12 +164,17 @@ def test_seeded_sampling_is_reproducible(llama_dir):
     assert c["output_ids"] != a["output_ids"]
 
 
-def test_return_logprob(llama_dir):
-    engine = pdserve.Engine(model_path=llama_dir)
-    out = engine.generate(input_ids=_prompts(1)[0], sampling_params=GREEDY, return_logprob=True)
+@pytest.mark.parametrize("sp", [GREEDY, {**GREEDY, "temperature": 0.9, "seed": 5}], ids=["greedy", "sampled"])
+def test_return_logprob(llama, sp):
+    """Each output token's logprob is transformers' log_softmax of the raw logits at that
+    token (not the argmax's, not temperature-scaled), within 1e-4."""
+    hf, path = llama
+    prompt = _prompts(1)[0]
+    out = pdserve.Engine(model_path=path).generate(input_ids=prompt, sampling_params=sp, return_logprob=True)
     lps = out["meta_info"]["output_token_logprobs"]
-    assert [t for _, t, _ in lps] == out["output_ids"]
-    assert all(lp <= 0 for lp, _, _ in lps)
+    assert [t for _, t, _ in lps] == out["output_ids"] and len(lps) == 24
+    want = teacher_forced_logprobs(hf, prompt, out["output_ids"])
+    assert [lp for lp, _, _ in lps] == pytest.approx(want, abs=1e-4)
 
 
 def test_lpm_policy_gives_same_tokens(llama_dir):

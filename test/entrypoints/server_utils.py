@@ -63,6 +63,18 @@ def _ppid(proc_dir: Path) -> int | None:
     return int(fields[1]) if fields[0] != "Z" else None  # a zombie is already dead
 
 
+def reapable(pid: int) -> bool:
+    """True once ``pid`` has fully exited: gone, or a zombie whose last thread is gone too.
+    (A killed multi-threaded process shows state Z while its other threads still exit, and
+    until they have, its parent's ``waitpid`` still reports it running.)"""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return fields["State"].strip().startswith("Z") and int(fields["Threads"]) <= 1
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -54,14 +55,19 @@ def engine_text(engine, max_tokens: int, prompt=None, input_ids=None) -> str:
 # ---------------------------------------------------------------- OpenAI
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_completions_greedy_matches_engine(client, engine, prompt):
-    want = engine_text(engine, 12, prompt=prompt)
+    want = engine.generate(prompt=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    meta = want["meta_info"]
     r = client.completions.create(model=PRESET, prompt=prompt, max_tokens=12, temperature=0)
-    assert r.choices[0].text == want
-    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
-    stream = client.completions.create(model=PRESET, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert r.choices[0].text == want["text"]
+    assert r.choices[0].finish_reason == meta["finish_reason"]["type"]
+    assert r.usage.completion_tokens == meta["completion_tokens"] == len(want["output_ids"])
+    assert r.usage.prompt_tokens == meta["prompt_tokens"] == len(engine.tokenizer.encode(prompt))
+    stream = client.completions.create(model=PRESET, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
     chunks = list(stream)
-    assert "".join(c.choices[0].text for c in chunks) == want
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want["text"]
+    assert chunks[-2].choices[0].finish_reason == meta["finish_reason"]["type"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == meta["completion_tokens"]
 
 
 def test_chat_greedy_matches_engine(client, engine, server):
@@ -120,8 +126,17 @@ def test_generate_stream_logprobs_and_batch(server, engine):
     lps = [lp for lp, _, _ in last["meta_info"]["output_token_logprobs"]]
     assert lps == pytest.approx([lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-4)
     assert [len(e["output_ids"]) for e in events] == sorted(len(e["output_ids"]) for e in events)
-    r = server.post("/generate", json={"input_ids": [ids, ids[:2]], "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 200 and len(r.json()) == 2
+    # A batch: one seeded sampled request, one greedy; each equals the engine's run of it.
+    sps = [{"max_new_tokens": 7, "temperature": 1.0, "seed": 3}, {"max_new_tokens": 3, "temperature": 0}]
+    batch = [ids, ids[:2]]
+    r = server.post("/generate", json={"input_ids": batch, "sampling_params": sps})
+    assert r.status_code == 200, r.text
+    wants = engine.generate(input_ids=batch, sampling_params=sps)
+    assert len(r.json()) == 2
+    for got, want in zip(r.json(), wants):
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+        for key in ("finish_reason", "prompt_tokens", "completion_tokens"):
+            assert got["meta_info"][key] == want["meta_info"][key], key
 
 
 # ----------------------------------------------------------- concurrency
@@ -145,17 +160,47 @@ def test_32_concurrent_streams_free_all_pages(server):
     assert info["free_pages"] + info["cached_pages"] == info["total_pages"]
 
 
-def test_client_disconnect_mid_stream_frees_pages(server):
-    body = {"text": "Tell me a very long story", "stream": True,
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+# Far more tokens than the server makes in the few seconds a disconnect may take to notice,
+# so a request that is not aborted shows up as thousands of extra forward steps.
+DISCONNECT_ASKED = 4000
+
+
+def _leave_mid_stream(server: Server, body: dict) -> None:
     with httpx.stream("POST", server.url + "/generate", json=body, headers=server.headers, timeout=60) as r:
+        assert r.status_code == 200
         seen = 0
         for line in r.iter_lines():
             seen += line.startswith("data: {")
             if seen == 3:
                 break  # leaving the block closes the connection mid-stream
-    info = server.wait_idle(timeout=30)
-    assert info["num_running_reqs"] == 0
+
+
+def _give_up_waiting(server: Server, body: dict) -> None:
+    # Nothing is sent before the end, so the client's read timeout is what ends the call.
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/generate", json=body, timeout=httpx.Timeout(60.0, read=1.5))
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_client_disconnect_aborts_the_request(server, stream):
+    """The request of a client that goes away is aborted: the scheduler runs far fewer steps
+    after the disconnect than the request asked for, then every page is free or cached."""
+    server.wait_idle()
+    body = {"text": "Tell me a very long story", "stream": stream,
+            "sampling_params": {"max_new_tokens": DISCONNECT_ASKED, "ignore_eos": True}}
+    (_leave_mid_stream if stream else _give_up_waiting)(server, body)
+    steps_at_disconnect = server.info()["forward_steps"]
+    deadline = time.monotonic() + 120
+    while True:  # until idle, or (a bug) until it has clearly gone on generating
+        info = server.info()
+        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+        if idle or info["forward_steps"] - steps_at_disconnect >= DISCONNECT_ASKED // 4:
+            break
+        assert time.monotonic() < deadline, f"not idle after 120 s: {info}"
+        time.sleep(0.1)
+    assert info["forward_steps"] - steps_at_disconnect < DISCONNECT_ASKED // 4, info
+    info = server.wait_idle()
+    assert info["num_inflight_requests"] == 0
 
 
 def test_abort_request_ends_stream(server):

@@ -1,12 +1,18 @@
-"""SchedulerLoop over real ZMQ sockets with a fake scheduler: batching, idling, draining, replies."""
+"""SchedulerLoop over real ZMQ sockets around a real Scheduler on the tiny-llama preset (it
+starts in about a second): batching, idling, draining, replies, leaving when the parent goes.
+The offline Engine on the same preset is the oracle for tokens."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import zmq
 
+import pdserve
+from pdserve.config import ServerArgs
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
@@ -17,50 +23,32 @@ from pdserve.engine.io_struct import (
     ShutdownReq,
     StatsResp,
     TokenizedGenerateReq,
-    TokenOutput,
 )
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.scheduler_process import SchedulerLoop
+from pdserve.engine.scheduler_process import SchedulerLoop, build_scheduler
+
+PRESET = "tiny-llama"
 
 
-class FakeScheduler:
-    """Each step emits one token for every live request; a request finishes after ``n`` tokens."""
+@pytest.fixture(scope="module")
+def scheduler():
+    """One real scheduler for the module; every test leaves it idle with its pages accounted for."""
+    return build_scheduler(ServerArgs(model_path=PRESET, max_total_tokens=2048))
 
-    def __init__(self, n: int = 3):
-        self.n = n
-        self.reqs: dict[str, int] = {}
-        self.steps = 0
-        self.added_before_step: list[int] = []
 
-    def add_request(self, rid, input_ids, sampling, return_logprob=False, logprob_start_len=-1, top_logprobs_num=0):
-        if not input_ids:
-            raise ValueError("input_ids: the prompt is empty")
-        self.reqs[rid] = 0
+@pytest.fixture(autouse=True)
+def idle_before_and_after(scheduler):
+    assert not scheduler.has_work()
+    yield
+    assert not scheduler.has_work()
+    scheduler.check_memory()
+    st = scheduler.stats()
+    assert st["free_pages"] + st["cached_pages"] == st["total_pages"], st
 
-    def abort(self, rid, message="aborted"):
-        return self.reqs.pop(rid, None) is not None
 
-    def has_work(self):
-        return bool(self.reqs)
-
-    def step(self):
-        self.steps += 1
-        self.added_before_step.append(len(self.reqs))
-        outs = []
-        for rid in list(self.reqs):
-            self.reqs[rid] += 1
-            done = self.reqs[rid] >= self.n
-            outs.append(TokenOutput(rid, [self.reqs[rid]], None, done, {"type": "length"} if done else None,
-                                    1, self.reqs[rid], 0))
-            if done:
-                del self.reqs[rid]
-        return outs
-
-    def stats(self):
-        return {"num_running_reqs": len(self.reqs)}
-
-    def flush_cache(self):
-        return not self.reqs
+@pytest.fixture(scope="module")
+def engine():
+    return pdserve.Engine(model_path=PRESET, max_total_tokens=2048)
 
 
 @pytest.fixture
@@ -78,8 +66,9 @@ def sockets():
     ctx.term()
 
 
-def _req(rid, ids=(1, 2)):
-    return TokenizedGenerateReq(rid, list(ids), SamplingParams(max_new_tokens=3))
+def _req(rid, ids=(5, 17, 99, 3), max_new_tokens=3):
+    return TokenizedGenerateReq(rid, list(ids), SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                               ignore_eos=True))
 
 
 def _recv_all(sock, timeout_ms=200):
@@ -89,53 +78,93 @@ def _recv_all(sock, timeout_ms=200):
     return out
 
 
-def test_one_message_per_step_and_all_queued_requests_join_the_first_step(sockets):
+def test_one_message_per_step_and_all_queued_requests_join_the_first_step(sockets, scheduler, engine):
     push, pull, out_push, out_pull = sockets
-    sched = FakeScheduler(n=3)
-    for i in range(4):
-        push.send_pyobj(_req(f"r{i}"))
+    prompts = [[5 + i, 17, 99, 3] for i in range(4)]
+    rids = [f"r{i}" for i in range(4)]
+    for rid, p in zip(rids, prompts):
+        push.send_pyobj(_req(rid, p))
     push.send_pyobj(ShutdownReq())  # handled in the same drain, after the requests
-    loop = SchedulerLoop(sched, pull, out_push)
+    loop = SchedulerLoop(scheduler, pull, out_push)
+    steps_before = scheduler.stats()["forward_steps"]
     loop.drain(block=True)
-    while sched.has_work():
+    assert loop.stopped and scheduler.stats()["num_waiting_reqs"] == 4  # drained everything before stepping
+    while scheduler.has_work():
         loop.run_step()
     msgs = _recv_all(out_pull)
-    assert sched.added_before_step[0] == 4  # drained everything before stepping
-    assert len(msgs) == sched.steps == 3
-    assert all(isinstance(m, BatchTokenOutput) and len(m.outputs) == 4 for m in msgs)
-    assert loop.stopped
+    # one extend step holding all four prompts, then two decode steps: one message each
+    assert len(msgs) == scheduler.stats()["forward_steps"] - steps_before == 3
+    assert all(isinstance(m, BatchTokenOutput) and sorted(o.rid for o in m.outputs) == rids for m in msgs)
+    got = {rid: [t for m in msgs for o in m.outputs if o.rid == rid for t in o.new_token_ids] for rid in rids}
+    want = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 3, "temperature": 0.0,
+                                                               "ignore_eos": True})
+    assert [got[rid] for rid in rids] == [w["output_ids"] for w in want]
+    assert all(o.finished and o.finish_reason == {"type": "length", "length": 3} for o in msgs[-1].outputs)
 
 
-def test_idle_loop_blocks_on_the_socket_instead_of_spinning(sockets):
+def test_idle_loop_blocks_on_the_socket_instead_of_spinning(sockets, scheduler):
     push, pull, out_push, out_pull = sockets
-    sched = FakeScheduler()
-    loop = SchedulerLoop(sched, pull, out_push, idle_poll_ms=50)
+    steps_before = scheduler.stats()["forward_steps"]
+    loop = SchedulerLoop(scheduler, pull, out_push, idle_poll_ms=50)
     thread = threading.Thread(target=loop.run)
     thread.start()
     threading.Event().wait(0.3)
     push.send_pyobj(ShutdownReq())
     thread.join(5)
     assert not thread.is_alive()
-    assert sched.steps == 0
+    assert scheduler.stats()["forward_steps"] == steps_before
     assert 2 <= loop.idle_polls <= 10  # ~0.3 s / 50 ms, not thousands of spins
 
 
-def test_rejection_control_messages_and_abort(sockets):
+def test_rejection_control_messages_and_abort(sockets, scheduler):
     push, pull, out_push, out_pull = sockets
-    sched = FakeScheduler(n=100)
-    loop = SchedulerLoop(sched, pull, out_push)
-    for msg in (_req("bad", ids=()), _req("a"), _req("b"), GetStatsReq(), FlushCacheReq(), AbortReq("a"),
+    loop = SchedulerLoop(scheduler, pull, out_push)
+    vocab = scheduler.model_config.vocab_size
+    for msg in (_req("empty", ids=()), _req("oov", ids=(1, vocab)), _req("long", max_new_tokens=10 ** 6),
+                _req("a"), _req("b"), GetStatsReq(), FlushCacheReq(), AbortReq("a"),
                 AbortReq("", abort_all=True)):
         push.send_pyobj(msg)
     loop.drain(block=True)
     msgs = _recv_all(out_pull)
-    assert isinstance(msgs[0], RejectedReq) and msgs[0].rid == "bad" and "input_ids" in msgs[0].message
-    assert isinstance(msgs[1], StatsResp) and msgs[1].stats == {"num_running_reqs": 2}
-    assert isinstance(msgs[2], FlushCacheResp) and msgs[2].success is False
-    assert not sched.reqs  # both aborted
+    assert [type(m) for m in msgs] == [RejectedReq] * 3 + [StatsResp, FlushCacheResp]
+    assert [(m.rid, m.message.split(":")[0]) for m in msgs[:3]] == [
+        ("empty", "input_ids"), ("oov", "input_ids"), ("long", "sampling_params.max_new_tokens")]
+    assert msgs[3].stats["num_waiting_reqs"] == 2 and msgs[3].stats["num_running_reqs"] == 0
+    assert msgs[4].success is False  # requests were queued: the cache is not flushed under them
+    assert not scheduler.reqs  # both aborted
+    loop.run_step()  # the aborts' final outputs leave in one message
+    (final,) = _recv_all(out_pull)
+    assert sorted((o.rid, o.finished, o.finish_reason["type"], o.new_token_ids) for o in final.outputs) == [
+        ("a", True, "abort", []), ("b", True, "abort", [])]
 
 
-def test_parent_exit_ends_the_loop(sockets):
+def _run_in_thread(loop: SchedulerLoop) -> threading.Thread:
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_parent_exit_ends_the_loop(sockets, scheduler):
     push, pull, out_push, out_pull = sockets
-    loop = SchedulerLoop(FakeScheduler(), pull, out_push, parent_pid=-1, idle_poll_ms=10)
-    loop.run()  # returns because getppid() != -1
+    loop = SchedulerLoop(scheduler, pull, out_push, parent_pid=-1, idle_poll_ms=10)  # never our parent
+    thread = _run_in_thread(loop)
+    thread.join(10)
+    still_running = thread.is_alive()
+    if still_running:
+        push.send_pyobj(ShutdownReq())
+        thread.join(5)
+    assert not still_running, "the loop kept running after its parent was gone"
+    assert not loop.stopped  # it left because the parent was gone, not because it was told to
+
+
+def test_loop_with_a_live_parent_runs_until_shutdown(sockets, scheduler):
+    push, pull, out_push, out_pull = sockets
+    loop = SchedulerLoop(scheduler, pull, out_push, parent_pid=os.getppid(), idle_poll_ms=10)
+    thread = _run_in_thread(loop)
+    deadline = time.monotonic() + 30
+    while loop.idle_polls < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread.is_alive() and loop.idle_polls >= 5  # idled (and checked its parent) several times
+    push.send_pyobj(ShutdownReq())
+    thread.join(5)
+    assert not thread.is_alive() and loop.stopped

@@ -6,8 +6,11 @@ process it started survives and the port is free again.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,31 +22,83 @@ import pytest
 import torch
 
 import pdserve
-from server_utils import Server, alive, descendants, port_is_free
+from server_utils import Server, alive, descendants, port_is_free, reapable
 
 SHUTDOWN_BUDGET_S = 10.0
 
 
-@pytest.fixture
-def server():
-    s = Server("--max-total-tokens", "4096")
+def _server(max_total_tokens: int):
+    s = Server("--max-total-tokens", str(max_total_tokens))
     try:
         yield s.start()
     finally:
         s.stop()
 
 
-def _long_stream(server: Server, started: threading.Event) -> None:
-    body = {"text": "a long story", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+@pytest.fixture
+def server():
+    yield from _server(4096)
+
+
+@pytest.fixture
+def roomy_server():
+    """Room for two long decodes and a long prefill at once."""
+    yield from _server(16384)
+
+
+LONG_PREFILL_WORDS = 1800  # ~3600 prompt tokens: a prefill that keeps the scheduler busy for a while
+
+
+def _stream(server: Server, body: dict, result: dict, started: threading.Event) -> None:
+    """POST a streaming /generate; ``result``: status, content type, every data line (or error)."""
     try:
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+            result.update(status=r.status_code, content_type=r.headers.get("content-type", ""), events=[])
             for line in r.iter_lines():
-                if line.startswith("data: {"):
+                if line.startswith("data: "):
+                    result["events"].append(line[6:])
                     started.set()
-    except httpx.HTTPError:
-        pass
+            result["body"] = r.read().decode() if r.status_code != 200 else ""
+    except httpx.HTTPError as e:
+        result["error"] = repr(e)
     finally:
         started.set()
+
+
+def _post(server: Server, body: dict, result: dict) -> None:
+    try:
+        r = httpx.post(server.url + "/generate", json=body, timeout=60)
+        result.update(status=r.status_code, content_type=r.headers.get("content-type", ""), body=r.text)
+    except httpx.HTTPError as e:
+        result["error"] = repr(e)
+
+
+def _client(target, *args) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_inflight(server: Server, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while server.info()["num_inflight_requests"] < n:
+        assert time.monotonic() < deadline, f"{n} requests not in flight after {timeout} s"
+        time.sleep(0.05)
+
+
+def _assert_503_json(result: dict) -> None:
+    assert "error" not in result, result
+    assert result["status"] == 503 and result["content_type"].startswith("application/json"), result
+    err = json.loads(result["body"])["error"]
+    assert err["type"] == "service_unavailable" and err["message"], err
+
+
+def _assert_stream_aborted(result: dict) -> None:
+    """A stream that had started: its last event says abort, then [DONE]; nothing is cut."""
+    assert "error" not in result and result["status"] == 200, result
+    assert result["events"][-1] == "[DONE]", result
+    last = json.loads(result["events"][-2])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort", last
 
 
 def _assert_gone(server: Server, pids: list[int]) -> None:
@@ -55,39 +110,99 @@ def _assert_gone(server: Server, pids: list[int]) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_stops_everything(server, sig):
+def test_signal_stops_everything(roomy_server, sig):
+    """A signal while requests are in flight, one of them a long prefill: the server exits 0
+    within its budget, leaving nothing behind, and every client gets a proper ending: a started
+    stream a final abort event and [DONE]; a request not yet answered a 503 in the JSON error
+    shape (a stream not yet started may instead end with an abort event). Never a 500 or a cut."""
+    server = roomy_server
     children = descendants(server.proc.pid)
     scheduler_pids = server.info()["scheduler_pids"]
     assert set(scheduler_pids) <= set(children)
+    long_out = {"max_new_tokens": 3000, "ignore_eos": True}
+    decoding, plain, prefilling = {}, {}, {}
     started = threading.Event()
-    client = threading.Thread(target=_long_stream, args=(server, started), daemon=True)
-    client.start()
+    clients = [_client(_stream, server, {"text": "a long story", "stream": True, "sampling_params": long_out},
+                       decoding, started)]
     assert started.wait(60)
+    clients.append(_client(_post, server, {"text": "another story", "sampling_params": long_out}, plain))
+    prompt = " ".join(["word"] * LONG_PREFILL_WORDS)
+    clients.append(_client(_stream, server, {"text": prompt, "stream": True, "sampling_params": {
+        "max_new_tokens": 200}}, prefilling, threading.Event()))
+    _wait_inflight(server, 3)
     server.signal(sig)
     try:
         rc = server.wait(SHUTDOWN_BUDGET_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running {SHUTDOWN_BUDGET_S} s after {sig!r}:\n{server.output()}")
     assert rc == 0, server.output()
-    client.join(10)
+    for t in clients:
+        t.join(10)
     _assert_gone(server, [server.proc.pid, *children])
+    _assert_stream_aborted(decoding)
+    _assert_503_json(plain)
+    if prefilling.get("status") == 200:
+        _assert_stream_aborted(prefilling)
+    else:
+        _assert_503_json(prefilling)
+
+
+def _http_get(sock: socket.socket, path: str) -> tuple[int, bytes]:
+    """One HTTP/1.1 GET on a kept-alive socket: (status, body)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    return _http_read(sock)
+
+
+def _http_read(sock: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    length = int(next(v for k, _, v in (h.partition(": ") for h in lines[1:]) if k.lower() == "content-length"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return int(lines[0].split()[1]), body
+
+
+def _bytes_waiting(server_port: int, client_port: int) -> int:
+    """Bytes the server side of a loopback TCP connection has received but not read (/proc/net/tcp)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, queues = fields[1], fields[2], fields[4]
+        if int(local.split(":")[1], 16) == server_port and int(remote.split(":")[1], 16) == client_port:
+            return int(queues.split(":")[1], 16)
+    return 0
 
 
 def test_scheduler_crash_fails_health_and_exits_nonzero(server):
+    """A /health asked after the scheduler died answers 503 (JSON, naming the scheduler), then the
+    server exits non-zero. The frontend is frozen (SIGSTOP) while the scheduler is killed and the
+    request is queued on an open keep-alive connection, so the check cannot race the shutdown."""
     children = descendants(server.proc.pid)
     scheduler_pid = server.info()["scheduler_pids"][0]
     assert scheduler_pid in children
-    subprocess.run(["kill", "-9", str(scheduler_pid)], check=True)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and server.proc.poll() is None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        assert _http_get(sock, "/health")[0] == 200
+        os.kill(server.proc.pid, signal.SIGSTOP)
         try:
-            assert httpx.get(server.url + "/health", timeout=2).status_code == 503
-        except httpx.TransportError:
-            pass  # already closed its port
-        except AssertionError:
-            pass  # the crash is not noticed yet
-        time.sleep(0.1)
-    rc = server.wait(1)
+            os.kill(scheduler_pid, signal.SIGKILL)
+            while not reapable(scheduler_pid):  # so the frontend's waitpid will see it dead
+                time.sleep(0.01)
+            request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            sock.sendall(request)
+            while _bytes_waiting(server.port, sock.getsockname()[1]) < len(request):
+                time.sleep(0.01)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        status, body = _http_read(sock)
+    assert status == 503, body
+    assert "scheduler" in json.loads(body)["error"]["message"]
+    rc = server.wait(15)
     assert rc not in (0, None), server.output()
     assert "scheduler" in server.output()
     _assert_gone(server, [server.proc.pid, *children])

@@ -1,5 +1,6 @@
 """The paged torch_native backend vs the contiguous references, over prefix + extend + decode
-steps with random page placement; MLA absorbed vs expanded vs the paper's formulation."""
+steps with random page placement; MLA absorbed vs expanded vs the paper's formulation; the
+staged decode KV when the decode batch changes under it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from fixtures.paged_batches import PagedRequests
 from pdserve.layers.attention.reference import gqa_reference, mla_reference
 from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
 
-LENGTHS = (29, 6, 17)
-# Each step: (request, new tokens); the last two steps are decode steps.
-STEPS = [[(0, 11), (2, 16)], [(0, 16), (1, 5), (2, 1)], [(0, 1), (1, 1)], [(0, 1)]]
+LENGTHS = (31, 8, 17)
+# Each step: (request, new tokens); the last four are decode steps. The fixture gives requests
+# identities, so decodes use the backend's staged KV: built, appended to twice, rebuilt for a
+# smaller batch.
+STEPS = [[(0, 11), (2, 16)], [(0, 16), (1, 5), (2, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)],
+         [(0, 1)]]
 
 
 def _walk(pool, run_step, check):
@@ -83,3 +87,35 @@ def test_layers_refuse_a_batch_the_backend_has_not_prepared():
     x = torch.zeros(3, 2, 4)
     with pytest.raises(RuntimeError, match=r"prepare\(fb\)"):
         fb.attn_backend.forward_gqa(x, x, x, 0, 1.0, fb)
+
+
+def test_staged_decode_rebuilds_when_the_batch_changes_but_lengths_line_up():
+    """A and B (10 tokens) decode together; A finishes and a new request reusing A's key (as a
+    client may reuse a rid) takes A's place with 14 tokens. The next decode batch has the old
+    one's lengths plus one, in the same order under the same keys: only the requests' identities
+    can tell the stage to rebuild."""
+    Hq, Hkv, D, scale, layer = 4, 2, 16, 0.3, 0
+    g = torch.Generator().manual_seed(7)
+    seqs = {name: [torch.randn(n, H, D, generator=g) for H in (Hq, Hkv, Hkv)] for name, n in
+            (("a", 14), ("b", 16), ("c", 16))}
+    pool = GQAKVPool(64, 4, 1, Hkv, D, torch.float32)
+    paged = PagedRequests(pool, seed=3)
+    done = {"a": 0, "b": 0, "c": 0}
+
+    def step(entries, decode):  # entries: (fixture key, sequence, new tokens)
+        fb = paged.batch([(key, [0] * n) for key, _, n in entries], decode=decode)
+        cat = lambda i: torch.cat([seqs[s][i][done[s]:done[s] + n] for _, s, n in entries])  # noqa: E731
+        out = fb.attn_backend.forward_gqa(cat(0), cat(1), cat(2), layer, scale, fb)
+        for (_, s, n), o in zip(entries, out.split([n for _, _, n in entries])):
+            q, k, v = (x[:done[s] + n] for x in seqs[s])
+            torch.testing.assert_close(o, gqa_reference(q[done[s]:], k, v, scale), atol=1e-5, rtol=1e-5)
+            done[s] += n
+
+    step([(0, "a", 10), (1, "b", 10)], decode=False)
+    for _ in range(4):
+        step([(0, "a", 1), (1, "b", 1)], decode=True)
+    paged.finish(0)
+    step([(0, "c", 14)], decode=False)
+    for _ in range(2):
+        step([(0, "c", 1), (1, "b", 1)], decode=True)
+    assert done == {"a": 14, "b": 16, "c": 16}

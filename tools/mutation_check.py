@@ -1,0 +1,248 @@
+"""Apply small, plausible bugs to a scratch copy of the repository, one at a time, and show
+that the tests named for each one catch it (issue 10).
+
+    python tools/mutation_check.py            # every mutation; exit 1 if any survives
+    python tools/mutation_check.py --list     # what each mutation does and which tests catch it
+    python tools/mutation_check.py --only temperature_inverted --only finish_keeps_chunked
+
+Each mutation is (file, exact old snippet, replacement, pytest node ids). The script copies
+the working tree (tracked and untracked, not ignored files) to a scratch directory, runs all
+named tests once unmutated (they must pass), then for each mutation replaces the snippet,
+runs its tests with PYTHONPATH pointing at the scratch copy (server subprocesses inherit it)
+and restores the file. Outcomes:
+
+    caught      a named test failed (pytest exit 1)
+    SURVIVED    every named test passed: the suite misses this bug
+    NO SNIPPET  the old snippet is not in the file exactly once: the code moved, update it
+    ERROR       pytest could not run the tests (exit >= 2: a test id renamed, a crash)
+
+The exit status is 0 only when every mutation is caught. Too slow for CI (minutes); run it
+after refactoring the code a mutation touches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PER_TEST_TIMEOUT_S = 300  # pytest-timeout per test, so a mutation that hangs a test still ends
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str  # what the mutated code gets wrong
+    file: str  # relative to the repository root
+    old: str  # exact snippet; must occur once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids expected to catch it
+
+
+SCHED = "python/pdserve/engine/scheduler.py"
+SAMPLER = "python/pdserve/engine/sampler.py"
+STAGE = "python/pdserve/layers/attention/torch_native.py"
+T_SCHED = "test/engine/test_scheduler.py"
+T_PATHS = "test/engine/test_scheduler_paths.py"
+T_STAGE = "test/engine/test_staged_decode_kv.py"
+T_SAMPLER = "test/engine/test_sampler.py"
+
+MUTATIONS = (
+    Mutation(
+        "stop_string_newest_token", "stop strings are checked against the newest token's text only",
+        "python/pdserve/engine/stop.py",
+        "window = self.tail + pending",
+        "window = pending",
+        (f"{T_SCHED}::test_stop_string_spanning_two_tokens",)),
+    Mutation(
+        "finish_keeps_chunked", "_finish leaves an aborted chunked prefill in self.chunked",
+        SCHED,
+        "            if self.chunked is req:\n                self.chunked = None\n",
+        "",
+        (f"{T_PATHS}::test_abort_during_chunked_prefill",)),
+    Mutation(
+        "stage_ignores_identity", "the staged decode KV compares lengths only, not request identity",
+        STAGE,
+        "same = (fb.req_uids == self.req_uids and L <= self.capacity",
+        "same = (L <= self.capacity",
+        (f"{T_STAGE}::test_batch_swap_with_aligned_lengths",
+         "test/layers/test_attention.py::test_staged_decode_rebuilds_when_the_batch_changes_but_lengths_line_up")),
+    Mutation(
+        "batch_wide_top_p", "one batch-wide min(top_p) filters every row",
+        SAMPLER,
+        "top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)",
+        "top_p = torch.tensor([min(p.top_p for p in params)] * len(params), dtype=probs.dtype)",
+        (f"{T_SAMPLER}::test_temperature_and_filters_apply_per_row",)),
+    Mutation(
+        "temperature_inverted", "logits are multiplied by the temperature instead of divided",
+        SAMPLER,
+        "probs = torch.softmax(logits / temps[:, None], dim=-1)",
+        "probs = torch.softmax(logits * temps[:, None], dim=-1)",
+        (f"{T_SAMPLER}::test_temperature_half_follows_softmax_of_twice_the_logits",)),
+    Mutation(
+        "disconnect_not_aborted", "a request whose HTTP client went away is never aborted",
+        "python/pdserve/entrypoints/tokenizer_manager.py",
+        "            if not finished and state.error is None:\n                self.abort(rid)\n",
+        "            if not finished and state.error is None:\n                pass\n",
+        ("test/entrypoints/test_http_server.py::test_client_disconnect_aborts_the_request",)),
+    Mutation(
+        "cached_prefix_slots_not_written", "_admit does not write the cached prefix's slots into the table row",
+        SCHED,
+        "        if match.pages:\n"
+        "            self.table.write(row, 0, self.table.slots_for(req.pages, 0, req.kv_len))\n",
+        "",
+        (f"{T_PATHS}::test_prefix_hit_in_a_row_another_request_used_with_chunked_prefill",)),
+    # Beyond the audit's seven: paths the new tests cover.
+    Mutation(
+        "stage_capacity_unchecked", "the staged decode KV appends past its capacity instead of rebuilding",
+        STAGE,
+        "fb.req_uids == self.req_uids and L <= self.capacity",
+        "fb.req_uids == self.req_uids",
+        (f"{T_STAGE}::test_decoding_past_the_staged_kv_margin",)),
+    Mutation(
+        "cached_tokens_from_readmission", "cached_tokens reports the re-admission's hit after a retraction",
+        SCHED,
+        "        if req.num_retractions == 0:\n            req.cached_tokens_reported = match.num_tokens\n",
+        "        req.cached_tokens_reported = match.num_tokens\n",
+        (f"{T_PATHS}::test_retraction_keeps_seeded_sampling_logprobs_stop_strings_and_cached_tokens",)),
+    Mutation(
+        "evict_locked_parent", "eviction climbs into a parent that running requests still lock",
+        "python/pdserve/mem/radix_cache.py",
+        "if parent is not self._root and not parent.children and parent.lock_ref == 0:",
+        "if parent is not self._root and not parent.children:",
+        (f"{T_PATHS}::test_shared_prefix_locked_by_running_requests_survives_eviction",)),
+    Mutation(
+        "evict_locked_leaf", "eviction takes least-recently-used leaves whether or not they are locked",
+        "python/pdserve/mem/radix_cache.py",
+        "heap = [(n.last_access, n) for n in self._leaves if n.lock_ref == 0]",
+        "heap = [(n.last_access, n) for n in self._leaves]",
+        (f"{T_PATHS}::test_shared_prefix_locked_by_running_requests_survives_eviction",)),
+    Mutation(
+        "logprob_of_argmax", "the logprob returned is the argmax token's, not the sampled token's",
+        SAMPLER,
+        "chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist()",
+        "chosen = logp.max(-1).values.tolist()",
+        (f"{T_SCHED}::test_return_logprob",)),
+    Mutation(
+        "openai_finish_reason_wrong", "/v1/completions reports finish_reason stop whatever ended the request",
+        "python/pdserve/entrypoints/openai_api.py",
+        'return None if reason is None else reason.get("type")',
+        'return None if reason is None else "stop"',
+        ("test/entrypoints/test_http_server.py::test_completions_greedy_matches_engine",)),
+    Mutation(
+        "batch_shares_first_sampling", "a /generate batch runs every prompt with the first prompt's sampling_params",
+        "python/pdserve/entrypoints/native_api.py",
+        "    return list(value)\n",
+        "    return [value[0]] * n\n",
+        ("test/entrypoints/test_http_server.py::test_generate_stream_logprobs_and_batch",)),
+    Mutation(
+        "parent_never_gone", "the scheduler loop never notices that its parent process died",
+        "python/pdserve/engine/scheduler_process.py",
+        "return self.parent_pid is not None and os.getppid() != self.parent_pid",
+        "return False",
+        ("test/entrypoints/test_scheduler_process.py::test_parent_exit_ends_the_loop",)),
+    Mutation(
+        "health_ignores_scheduler", "/health answers 200 after the scheduler died",
+        "python/pdserve/entrypoints/http_server.py",
+        "if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):",
+        "if False:",
+        ("test/entrypoints/test_server_lifecycle.py::test_scheduler_crash_fails_health_and_exits_nonzero",)),
+)
+
+
+# ------------------------------------------------------------------ running
+def copy_worktree(dst: Path) -> None:
+    """Tracked and untracked-but-not-ignored files of the repository, as they are on disk."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def run_tests(scratch: Path, tests: tuple[str, ...]) -> tuple[int, str]:
+    """(pytest exit code, its last output lines), with the scratch copy's package first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(scratch / "python")}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           f"--timeout={PER_TEST_TIMEOUT_S}", *tests]
+    proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+    return proc.returncode, "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+
+
+def apply(scratch: Path, m: Mutation) -> str | None:
+    """Mutate the scratch file in place; returns its original text, or None if the snippet is not there once."""
+    path = scratch / m.file
+    text = path.read_text() if path.is_file() else ""
+    if text.count(m.old) != 1:
+        return None
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def check(scratch: Path, m: Mutation) -> tuple[str, float, str]:
+    start = time.monotonic()
+    original = apply(scratch, m)
+    if original is None:
+        return "NO SNIPPET", 0.0, f"{m.file}: the old snippet is not there exactly once"
+    try:
+        rc, tail = run_tests(scratch, m.tests)
+    finally:
+        (scratch / m.file).write_text(original)
+    outcome = {0: "SURVIVED", 1: "caught"}.get(rc, "ERROR")
+    return outcome, time.monotonic() - start, tail.splitlines()[-1] if tail else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these mutations")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    args = ap.parse_args(argv)
+    unknown = set(args.only) - {m.name for m in MUTATIONS}
+    if unknown:
+        ap.error(f"--only: unknown mutation(s) {sorted(unknown)}")
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.bug}\n    {m.file}\n    " + "\n    ".join(m.tests))
+        return 0
+    scratch = Path(tempfile.mkdtemp(prefix="pdserve-mutation-"))
+    try:
+        return _run_all(scratch, chosen)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept at {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_all(scratch: Path, chosen: list[Mutation]) -> int:
+    copy_worktree(scratch)
+    tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+    print(f"baseline: {len(tests)} test ids on the unmutated copy ...", flush=True)
+    rc, tail = run_tests(scratch, tests)
+    if rc != 0:
+        print(f"baseline FAILED (pytest exit {rc}); fix the tests first:\n{tail}")
+        return 2
+    width = max(len(m.name) for m in chosen)
+    print(f"{'mutation':<{width}}  {'outcome':<10}  {'secs':>5}  pytest")
+    failed = 0
+    for m in chosen:
+        outcome, secs, last = check(scratch, m)
+        failed += outcome != "caught"
+        print(f"{m.name:<{width}}  {outcome:<10}  {secs:5.0f}  {last}", flush=True)
+    print(f"{len(chosen) - failed}/{len(chosen)} caught")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
