@@ -1,4 +1,5 @@
-"""The ``pdserve`` command line: ``pdserve serve ...`` (``router``, ``bench``, ``up`` plug in later).
+"""The ``pdserve`` command line: ``pdserve serve ...``, ``pdserve bench ...``, ``pdserve plan ...``
+(``router`` and ``up`` plug in later).
 
 Flag names are SGLang's. Each flag's ``dest`` is the ServerArgs field it sets,
 so a flag added to a group below only needs a matching ServerArgs field.
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 
 from pdserve import __version__
+from pdserve.bench import config as bench_config
 from pdserve.config import DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, ServerArgs
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -99,6 +102,121 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return launch_server(args)
 
 
+# ------------------------------------------------------------------ bench
+def _part_default(part, name: str):
+    f = {f.name: f for f in dataclasses.fields(part)}[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _bflag(group, part, name: str, help: str, *aliases: str, **kw) -> None:
+    """``--random-input-len`` -> ``part.random_input_len``, defaulting to the dataclass default."""
+    dest = name.lstrip("-").replace("-", "_")
+    if kw.get("action") != "store_true":
+        default = _part_default(part, dest)
+        kw.setdefault("default", ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default)
+        if kw["default"] is not None and kw["default"] != {}:
+            help += " (default: %(default)s)"
+    group.add_argument(name, *aliases, dest=dest, help=help, **kw)
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
+    g = parser.add_argument_group("server")
+    _bflag(g, c.EndpointConfig, "--backend", "API shape: pdserve/sglang = native /generate, openai = "
+           "/v1/completions, openai-chat = /v1/chat/completions", choices=c.BACKENDS)
+    _bflag(g, c.EndpointConfig, "--base-url", "server URL (default: http://HOST:PORT)")
+    _bflag(g, c.EndpointConfig, "--host", "server host")
+    _bflag(g, c.EndpointConfig, "--port", "server port", type=int)
+    _bflag(g, c.EndpointConfig, "--model", "model name for request bodies (default: the server's /v1/models)")
+    _bflag(g, c.EndpointConfig, "--tokenizer", "preset name or local tokenizer directory (default: the model's)")
+    _bflag(g, c.EndpointConfig, "--api-key", "bearer token (default: $OPENAI_API_KEY)")
+    _bflag(g, c.EndpointConfig, "--disable-ignore-eos", "let requests stop at EOS (lengths then vary)",
+           action="store_true")
+    _bflag(g, c.EndpointConfig, "--tokenize-prompt", "native backends: send input_ids instead of text",
+           action="store_true")
+    _bflag(g, c.EndpointConfig, "--extra-request-body", "JSON object merged into every request body",
+           type=_json_object)
+    _bflag(g, c.EndpointConfig, "--request-timeout", "seconds before one request is abandoned", type=float)
+    d = parser.add_argument_group("dataset")
+    _bflag(d, c.DatasetConfig, "--dataset-name", "workload", choices=c.DATASETS)
+    _bflag(d, c.DatasetConfig, "--dataset-path", "local ShareGPT JSON file (sharegpt)")
+    for name, kind in (("random-input-len", int), ("random-output-len", int), ("random-range-ratio", float)):
+        _bflag(d, c.DatasetConfig, "--" + name, "random: tokens per prompt / answer; ratio = min/max length",
+               type=kind)
+    for name in ("sharegpt-output-len", "sharegpt-context-len"):
+        _bflag(d, c.DatasetConfig, "--" + name, "sharegpt: fixed answer length / drop longer prompt+answer",
+               type=int)
+    for name in ("gsp-num-groups", "gsp-prompts-per-group", "gsp-system-prompt-len", "gsp-question-len",
+                 "gsp-output-len"):
+        _bflag(d, c.DatasetConfig, "--" + name, "generated-shared-prefix: groups sharing a system prompt", type=int)
+    for name in ("multi-turn-clients", "multi-turn-rounds", "multi-turn-question-len", "multi-turn-output-len"):
+        _bflag(d, c.DatasetConfig, "--" + name, "multi-turn: clients x rounds, each extending the last answer",
+               type=int)
+    for stream in ("interactive", "background"):
+        for name, kind in (("input-len", int), ("output-len", int), ("rate", float)):
+            _bflag(d, c.DatasetConfig, f"--mixed-{stream}-{name}", f"mixed: the {stream} stream's "
+                   f"{name.replace('-', ' ')} (rates in req/s; interactive defaults to --request-rate)", type=kind)
+    ld = parser.add_argument_group("load")
+    _bflag(ld, c.LoadConfig, "--num-prompts", "requests to send (mixed: both streams together)", type=int)
+    _bflag(ld, c.LoadConfig, "--request-rate", "mean arrivals per second; inf sends all at once", type=float)
+    _bflag(ld, c.LoadConfig, "--burstiness", "gamma shape of inter-arrivals: 1 = Poisson, <1 burstier",
+           type=float)
+    _bflag(ld, c.LoadConfig, "--max-concurrency", "most requests in flight from this client", type=int)
+    _bflag(ld, c.LoadConfig, "--warmup-requests", "concurrent warm-up requests before the clock starts", type=int)
+    _bflag(ld, c.LoadConfig, "--seed", "seed of prompts, lengths and arrivals", type=int)
+    _bflag(ld, c.LoadConfig, "--flush-cache", "POST /flush_cache after warm-up", action="store_true")
+    _bflag(ld, c.LoadConfig, "--disable-tqdm", "no progress bar", action="store_true")
+    r = parser.add_argument_group("report")
+    _bflag(r, c.ReportConfig, "--output-file", "append the result as one JSON line to this file")
+    _bflag(r, c.ReportConfig, "--output-details", "also keep generated texts in the JSON", action="store_true")
+    _bflag(r, c.ReportConfig, "--metric-percentiles", "percentiles reported for every latency")
+    _bflag(r, c.ReportConfig, "--slo", "goodput SLOs in ms, e.g. ttft:200,tpot:50 (metrics: ttft, tpot, e2e)",
+           "--goodput", nargs="+")
+    _bflag(r, c.ReportConfig, "--label", "free-form label stored with the result")
+    p = parser.add_argument_group("planner profiles (pdserve plan)")
+    _bflag(p, c.ProfileConfig, "--profile", "measure a prefill or decode profile instead of running a dataset",
+           choices=c.PROFILE_KINDS)
+    _bflag(p, c.ProfileConfig, "--profile-input-lens", "prefill: prompt lengths timed")
+    _bflag(p, c.ProfileConfig, "--profile-batch-sizes", "decode: batch sizes timed")
+    _bflag(p, c.ProfileConfig, "--profile-context-len", "decode: prompt length of each request", type=int)
+    _bflag(p, c.ProfileConfig, "--profile-output-len", "decode: tokens per request", type=int)
+    _bflag(p, c.ProfileConfig, "--profile-repeats", "measurements per point (the median is kept)", type=int)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def bench_config_from_namespace(ns: argparse.Namespace) -> bench_config.BenchConfig:
+    """BenchConfig from parsed flags; raises ValueError naming the flag if they are invalid."""
+    c = bench_config
+    values = dict(vars(ns))
+    values["metric_percentiles"] = c.parse_floats(ns.metric_percentiles, "--metric-percentiles")
+    values["profile_input_lens"] = c.parse_ints(ns.profile_input_lens, "--profile-input-lens")
+    values["profile_batch_sizes"] = c.parse_ints(ns.profile_batch_sizes, "--profile-batch-sizes")
+    values["slo"] = c.parse_slo(" ".join(ns.slo)) if ns.slo else {}
+    return c.BenchConfig.from_flat(values)
+
+
+def cmd_bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        cfg = bench_config_from_namespace(ns)
+    except (ValueError, TypeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    from pdserve.bench.serving import main as bench_main
+
+    try:
+        return bench_main(cfg)
+    except (ValueError, RuntimeError) as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: an SGLang-style LLM server "
                                      "built around prefill/decode disaggregation.")
@@ -108,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Launch an HTTP server: OpenAI and SGLang-native APIs.")
     add_server_args(serve)
     serve.set_defaults(handler=cmd_serve, subparser=serve)
+    bench = sub.add_parser("bench", help="benchmark a running server (TTFT, TPOT, ITL, throughput, goodput)",
+                           description="Streaming serving benchmark for pdserve, SGLang and OpenAI-compatible "
+                           "servers; metrics as sglang.bench_serving and vllm bench serve compute them.")
+    add_bench_args(bench)
+    bench.set_defaults(handler=cmd_bench, subparser=bench)
     return parser
 
 
