@@ -33,7 +33,6 @@ from pdserve.bench.datasets import BenchRequest
 
 # Cumulative native events grow with the output; 10 MiB lines, as sglang's client allows.
 READ_BUFSIZE = 10 * 1024 * 1024
-KEEPALIVE_S = 2.0
 API_PATHS = {"pdserve": "/generate", "sglang": "/generate", "openai": "/v1/completions",
              "openai-chat": "/v1/chat/completions"}
 
@@ -201,13 +200,16 @@ async def _read_events(resp: aiohttp.ClientResponse, parser: StreamParser) -> st
     return ""
 
 
-def new_session(ep: EndpointConfig, max_concurrency: int | None) -> aiohttp.ClientSession:
-    """One pooled session for the run (connection limit = the concurrency cap, or none).
+def new_session(ep: EndpointConfig) -> aiohttp.ClientSession:
+    """The run's session: a fresh connection per request (``force_close``), as sglang's client opens
+    a new session per request.
 
-    Idle connections are dropped after KEEPALIVE_S, before a server's keep-alive
-    timeout (uvicorn: 5 s) can close one under a request being written.
+    Why not keep-alive: a server may write a stream's first event ~40 ms after its
+    headers on a reused connection (TCP delayed-ACK timing; pdserve's uvicorn does
+    this), which would put a transport artifact into TTFT; and an idle pooled
+    connection can be closed by the server's keep-alive timeout just as a request
+    is written to it. The concurrency cap is the run's semaphore, not the pool.
     """
-    conn = aiohttp.TCPConnector(limit=max_concurrency or 0, limit_per_host=max_concurrency or 0,
-                                keepalive_timeout=KEEPALIVE_S)
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=ep.request_timeout),
                                  read_bufsize=READ_BUFSIZE)

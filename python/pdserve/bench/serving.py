@@ -121,10 +121,10 @@ def count_output_tokens(outputs: list[RequestOutput], tokenizer) -> None:
 
 async def benchmark(cfg: BenchConfig) -> dict:
     """One full run; returns the result object (also written to --output-file)."""
-    async with new_session(cfg.endpoint, None) as session:
+    async with new_session(cfg.endpoint) as session:
         model, tok_name, tokenizer = await resolve_model(session, cfg.endpoint)
     workload = build_workload(cfg.dataset, cfg.load, tokenizer, use_ids=cfg.endpoint.tokenize_prompt)
-    async with new_session(cfg.endpoint, cfg.load.max_concurrency) as session:
+    async with new_session(cfg.endpoint) as session:
         await warmup(session, cfg, workload.conversations[0].first(), model)
         if cfg.load.flush_cache:
             await flush_cache(session, cfg.endpoint)
