@@ -217,6 +217,79 @@ def cmd_bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
 
 
+# ------------------------------------------------------------------- plan
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("instances (from `pdserve bench --profile prefill|decode`)")
+    g.add_argument("--prefill-profile", required=True, help="JSON (lines) file holding a prefill profile")
+    g.add_argument("--decode-profile", required=True, help="JSON (lines) file holding a decode profile")
+    g.add_argument("--transfer-us-per-token", type=float, default=0.0,
+                   help="KV transfer time per prompt token not hidden behind prefill (default: %(default)s)")
+    g.add_argument("--transfer-overhead-ms", type=float, default=0.0,
+                   help="fixed cost per transferred request: handshake, completion (default: %(default)s)")
+    g.add_argument("--max-running-requests", type=int, default=256,
+                   help="largest decode batch per instance (default: %(default)s)")
+    g.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="most prompt tokens in one prefill batch (default: %(default)s)")
+    w = parser.add_argument_group("workload (a bench result, or lengths)")
+    w.add_argument("--workload", help="a `pdserve bench` JSON-lines file: the last run's lengths and rate")
+    w.add_argument("--isl", type=int, help="prompt length in tokens (without --workload)")
+    w.add_argument("--osl", type=int, help="output length in tokens (without --workload)")
+    w.add_argument("--range-ratio", type=float, default=1.0,
+                   help="lengths uniform in [ratio*L, L] (default: %(default)s: fixed)")
+    w.add_argument("--request-rate", type=float, help="req/s to plan for (default: the --workload run's)")
+    w.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (default: the run's, or 1)")
+    o = parser.add_argument_group("objective and search")
+    o.add_argument("--slo", required=True, nargs="+", help="per-request SLOs in ms, e.g. ttft:2000,tpot:100")
+    o.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="fraction of requests that must meet every SLO (default: %(default)s)")
+    o.add_argument("--max-instances", type=int, default=16, help="largest deployment tried (default: %(default)s)")
+    o.add_argument("--num-requests", type=int, default=1000, help="simulated requests (default: %(default)s)")
+    o.add_argument("--seed", type=int, default=0, help="seed of the simulated arrivals (default: %(default)s)")
+    o.add_argument("--output-file", help="append the plan as one JSON line to this file")
+
+
+def plan_inputs_from_namespace(ns: argparse.Namespace):
+    """(Hardware, WorkloadModel, SLO) from parsed flags; raises ValueError naming the flag."""
+    from pdserve.bench import planner, profiles
+    from pdserve.bench.serving import read_jsonl
+
+    hw = planner.Hardware(profiles.load_profile(ns.prefill_profile, "prefill"),
+                          profiles.load_profile(ns.decode_profile, "decode"),
+                          transfer_s_per_token=ns.transfer_us_per_token * 1e-6,
+                          transfer_overhead_s=ns.transfer_overhead_ms / 1000.0,
+                          max_running_requests=ns.max_running_requests, max_prefill_tokens=ns.max_prefill_tokens)
+    if ns.workload:
+        runs = [r for r in read_jsonl(ns.workload) if r.get("schema") == "pdserve.bench/v1"]
+        if not runs:
+            raise ValueError(f"--workload: {ns.workload} holds no `pdserve bench` result")
+        wl = planner.workload_from_result(runs[-1], ns.request_rate, ns.burstiness)
+    elif ns.isl and ns.osl and ns.request_rate:
+        wl = planner.workload_from_lengths(ns.isl, ns.osl, ns.range_ratio, ns.request_rate, ns.burstiness or 1.0)
+    else:
+        raise ValueError("--workload: give a bench result, or --isl, --osl and --request-rate")
+    slo_ms = bench_config.parse_slo(" ".join(ns.slo))
+    if "e2e" in slo_ms:
+        raise ValueError("--slo: the planner takes ttft and tpot")
+    slo = planner.SLO(ttft=slo_ms.get("ttft", 0) / 1000 or None, tpot=slo_ms.get("tpot", 0) / 1000 or None,
+                      attainment=ns.slo_attainment)
+    return hw, wl, slo
+
+
+def cmd_plan(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.bench import planner
+    from pdserve.bench.serving import append_jsonl
+
+    try:
+        hw, wl, slo = plan_inputs_from_namespace(ns)
+        result = planner.plan(hw, wl, slo, ns.max_instances, ns.num_requests, ns.seed)
+    except (ValueError, TypeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(planner.format_plan(result))
+    if ns.output_file:
+        append_jsonl(ns.output_file, result.to_dict())
+    return 0 if result.recommendation else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: an SGLang-style LLM server "
                                      "built around prefill/decode disaggregation.")
@@ -231,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "servers; metrics as sglang.bench_serving and vllm bench serve compute them.")
     add_bench_args(bench)
     bench.set_defaults(handler=cmd_bench, subparser=bench)
+    plan = sub.add_parser("plan", help="recommend prefill:decode instance counts by simulating a workload",
+                          description="P:D ratio planner: simulates prefill queues, decode batches and KV "
+                          "transfer from measured profiles, and recommends the deployment with the most goodput "
+                          "per instance that meets the SLOs (or colocation).")
+    add_plan_args(plan)
+    plan.set_defaults(handler=cmd_plan, subparser=plan)
     return parser
 
 
