@@ -292,3 +292,32 @@ def test_failures_are_counted_not_fatal(server, tmp_path):
     r = json.loads(out.read_text())
     assert r["completed"] == 0 and r["failed"] == 2
     assert all(e.startswith("HTTP 400") for e in r["details"]["errors"])
+
+
+# ----------------------------------------------------------- planner inputs
+def test_profiles_and_plan_from_a_real_server(server, tmp_path):
+    profiles = tmp_path / "profiles.jsonl"
+    for flags in (["--profile", "prefill", "--profile-input-lens", "32,128", "--profile-repeats", "2"],
+                  ["--profile", "decode", "--profile-batch-sizes", "1,4", "--profile-context-len", "32",
+                   "--profile-output-len", "8", "--profile-repeats", "1"]):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli_main(["bench", "--base-url", server.url, "--output-file", str(profiles), *flags]) == 0
+    prefill, decode = (json.loads(line) for line in profiles.read_text().splitlines())
+    assert prefill["schema"] == decode["schema"] == "pdserve.profile/v1"
+    assert [p["input_len"] for p in prefill["points"]] == [32, 128] and all(p["seconds"] > 0
+                                                                           for p in prefill["points"])
+    assert [p["batch_size"] for p in decode["points"]] == [1, 4] and all(p["step_seconds"] > 0
+                                                                         for p in decode["points"])
+    assert decode["context_len"] == 32 and prefill["model"] == MODEL
+    run = bench(server.url, tmp_path / "w.jsonl", "--num-prompts", "4", "--random-input-len", "64",
+                "--random-output-len", "8", "--request-rate", "4")
+    plan_file = tmp_path / "plan.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()) as table:
+        rc = cli_main(["plan", "--prefill-profile", str(profiles), "--decode-profile", str(profiles),
+                       "--workload", str(tmp_path / "w.jsonl"), "--slo", "ttft:60000,tpot:60000",
+                       "--max-instances", "3", "--num-requests", "100", "--output-file", str(plan_file)])
+    assert rc == 0, table.getvalue()
+    plan = json.loads(plan_file.read_text())
+    assert plan["schema"] == "pdserve.plan/v1" and plan["recommendation"]["feasible"] is True
+    assert plan["recommendation"]["deployment"] == "1 colocated"  # SLOs this loose: one instance suffices
+    assert "Recommendation: colocate" in table.getvalue() and run["completed"] == 4
