@@ -191,3 +191,20 @@ def test_burstiness_shapes_the_gaps():
     assert gaps.mean() == pytest.approx(0.2, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.05)  # gamma(k): CV 1/sqrt(k)
     assert np.diff(arrival_offsets(5, 4.0, math.inf, np.random.default_rng(0))) == pytest.approx([0.25] * 4)
+
+
+# ---------------------------------------------------------------- report
+def test_console_table_shows_the_breakdown_only_when_present():
+    from pdserve.bench.config import BenchConfig
+    from pdserve.bench.serving import build_result, format_table
+
+    plain = [timed(0.0, [(0.1, 1), (0.2, 1)])]
+    with_tl = [timed(0.0, [(0.1, 1), (0.2, 1)], timeline={"queue": 0.01, "prefill": 0.05, "transfer": 0.04})]
+    table = format_table(build_result(BenchConfig(), "random", "m", "t", plain, 1.0))
+    assert "Mean TTFT (ms):" in table and "P99 ITL (ms):" in table and "breakdown" not in table
+    r = build_result(BenchConfig(), "random", "m", "t", with_tl, 1.0)
+    table = format_table(r)
+    assert "Server TTFT breakdown" in table and "transfer mean / P99 (ms):" in table
+    assert "WARNING: KV transfer is 40% of TTFT" in table
+    assert r["server_timeline"]["stages"]["transfer"]["mean_ms"] == pytest.approx(40.0)
+    assert r["details"]["timelines"] == [{"queue": 0.01, "prefill": 0.05, "transfer": 0.04}]
