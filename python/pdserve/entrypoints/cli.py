@@ -119,7 +119,7 @@ def _bflag(group, part, name: str, help: str, *aliases: str, **kw) -> None:
     group.add_argument(name, *aliases, dest=dest, help=help, **kw)
 
 
-def add_bench_args(parser: argparse.ArgumentParser) -> None:
+def add_bench_server_args(parser: argparse.ArgumentParser) -> None:
     c = bench_config
     g = parser.add_argument_group("server")
     _bflag(g, c.EndpointConfig, "--backend", "API shape: pdserve/sglang = native /generate, openai = "
@@ -137,6 +137,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _bflag(g, c.EndpointConfig, "--extra-request-body", "JSON object merged into every request body",
            type=_json_object)
     _bflag(g, c.EndpointConfig, "--request-timeout", "seconds before one request is abandoned", type=float)
+
+
+def add_bench_dataset_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
     d = parser.add_argument_group("dataset")
     _bflag(d, c.DatasetConfig, "--dataset-name", "workload", choices=c.DATASETS)
     _bflag(d, c.DatasetConfig, "--dataset-path", "local ShareGPT JSON file (sharegpt)")
@@ -156,6 +160,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         for name, kind in (("input-len", int), ("output-len", int), ("rate", float)):
             _bflag(d, c.DatasetConfig, f"--mixed-{stream}-{name}", f"mixed: the {stream} stream's "
                    f"{name.replace('-', ' ')} (rates in req/s; interactive defaults to --request-rate)", type=kind)
+
+
+def add_bench_load_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
     ld = parser.add_argument_group("load")
     _bflag(ld, c.LoadConfig, "--num-prompts", "requests to send (mixed: both streams together)", type=int)
     _bflag(ld, c.LoadConfig, "--request-rate", "mean arrivals per second; inf sends all at once", type=float)
@@ -166,6 +174,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _bflag(ld, c.LoadConfig, "--seed", "seed of prompts, lengths and arrivals", type=int)
     _bflag(ld, c.LoadConfig, "--flush-cache", "POST /flush_cache after warm-up", action="store_true")
     _bflag(ld, c.LoadConfig, "--disable-tqdm", "no progress bar", action="store_true")
+
+
+def add_bench_report_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
     r = parser.add_argument_group("report")
     _bflag(r, c.ReportConfig, "--output-file", "append the result as one JSON line to this file")
     _bflag(r, c.ReportConfig, "--output-details", "also keep generated texts in the JSON", action="store_true")
@@ -173,6 +185,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _bflag(r, c.ReportConfig, "--slo", "goodput SLOs in ms, e.g. ttft:200,tpot:50 (metrics: ttft, tpot, e2e)",
            "--goodput", nargs="+")
     _bflag(r, c.ReportConfig, "--label", "free-form label stored with the result")
+
+
+def add_bench_profile_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
     p = parser.add_argument_group("planner profiles (pdserve plan)")
     _bflag(p, c.ProfileConfig, "--profile", "measure a prefill or decode profile instead of running a dataset",
            choices=c.PROFILE_KINDS)
@@ -181,6 +197,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _bflag(p, c.ProfileConfig, "--profile-context-len", "decode: prompt length of each request", type=int)
     _bflag(p, c.ProfileConfig, "--profile-output-len", "decode: tokens per request", type=int)
     _bflag(p, c.ProfileConfig, "--profile-repeats", "measurements per point (the median is kept)", type=int)
+
+
+BENCH_ARG_GROUPS = (add_bench_server_args, add_bench_dataset_args, add_bench_load_args, add_bench_report_args,
+                    add_bench_profile_args)
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    for add in BENCH_ARG_GROUPS:
+        add(parser)
 
 
 def _json_object(text: str) -> dict:
