@@ -216,3 +216,22 @@ def test_profile_files(tmp_path):
         bad.write_text(content)
         with pytest.raises(ValueError, match=f"--{kind}-profile .*{match}"):
             load_profile(str(bad), kind)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_run_stepping_decode_matches_its_per_step_twin(seed):
+    rnd = random.Random(seed)
+    h = hw(linear_prefill(rnd.uniform(1e-5, 1e-3), rnd.uniform(0, 0.02)),
+           linear_decode(rnd.uniform(1e-4, 5e-3), rnd.uniform(0.002, 0.02)),
+           transfer_s_per_token=rnd.uniform(0, 1e-4), transfer_overhead_s=rnd.uniform(0, 0.05),
+           max_running_requests=rnd.choice([2, 8, 256]), max_prefill_tokens=rnd.choice([512, 16384]))
+    wl = workload_from_lengths(rnd.choice([32, 300, 2000]), rnd.choice([1, 5, 60]), rnd.uniform(0, 1),
+                               rnd.uniform(1, 30), seed=seed)
+    reqs = wl.requests(300, seed)
+    dep = rnd.choice([Deployment(colocated=rnd.randint(1, 3)),
+                      Deployment(prefill=rnd.randint(1, 3), decode=rnd.randint(1, 3),
+                                 min_prefill_tokens=rnd.choice([0, 100, 1000]))])
+    fast, slow = simulate(dep, h, reqs), simulate(dep, h, reqs, stepwise=True)
+    for f, s in zip(fast, slow):
+        assert f.first_token == pytest.approx(s.first_token, abs=1e-9)
+        assert f.finish == pytest.approx(s.finish, abs=1e-9)
