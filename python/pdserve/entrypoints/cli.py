@@ -14,7 +14,15 @@ import sys
 
 from pdserve import __version__
 from pdserve.bench import config as bench_config
-from pdserve.config import DTYPES, LOAD_FORMATS, SCHEDULE_POLICIES, ServerArgs
+from pdserve.config import (
+    DISAGG_MODES,
+    DTYPES,
+    FALLBACK_POLICIES,
+    LOAD_FORMATS,
+    SCHEDULE_POLICIES,
+    TRANSFER_BACKENDS,
+    ServerArgs,
+)
 from pdserve.router.config import PrefillSpec, RouterArgs, normalize_url
 from pdserve.router.policy import POLICIES
 
@@ -77,7 +85,25 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
 
-SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_runtime_args)
+def add_disagg_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("prefill/decode disaggregation")
+    _flag(g, "--disaggregation-mode", "run as a colocated server (null), a prefill or a decode server",
+          choices=DISAGG_MODES)
+    _flag(g, "--disaggregation-transfer-backend", "KV transfer engine", choices=TRANSFER_BACKENDS)
+    _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
+          type=int)
+    _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
+    _flag(g, "--disaggregation-timeout-s", "bound on every waiting state (unpaired room, KV in flight)",
+          type=float)
+    _flag(g, "--disaggregation-heartbeat-s", "decode: how often it checks the prefill servers it waits on",
+          type=float)
+    _flag(g, "--disaggregation-fallback", "decode, when a transfer fails: prefill locally or fail the request",
+          choices=FALLBACK_POLICIES)
+    _flag(g, "--disaggregation-min-prefill-tokens", "decode: prefill locally when it would receive fewer "
+          "tokens than this (0: always transfer)", type=int)
+
+
+SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_runtime_args, add_disagg_args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -36,6 +36,9 @@ class Engine:
 
     def __init__(self, model_path: str, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs)
+        if self.args.disaggregation_mode != "null":
+            raise ValueError("disaggregation_mode: the offline Engine runs colocated; start prefill and decode "
+                             "servers with `pdserve serve --disaggregation-mode ...` (or `pdserve up`)")
         torch.set_num_threads(self.args.num_threads or default_num_threads())
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path

@@ -158,7 +158,8 @@ async def _server_info(ctx: ServerContext) -> dict:
     args = ctx.args.to_dict()
     return {**args, "args": args, **stats, "internal_states": [stats], "version": __version__,
             "context_length": ctx.tm.limits.context_len, "max_total_num_tokens": ctx.tm.limits.max_total_tokens,
-            "scheduler_pids": [ctx.tm.scheduler.pid], "num_inflight_requests": ctx.tm.num_inflight}
+            "scheduler_pids": [ctx.tm.scheduler.pid], "num_inflight_requests": ctx.tm.num_inflight,
+            "disaggregation_mode": ctx.args.disaggregation_mode}
 
 
 def _model_info(ctx: ServerContext) -> dict:
@@ -210,10 +211,33 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S) 
     except OSError as e:
         logger.error("port: cannot bind %s:%d (%s)", args.host, args.port, e.strerror or e)
         return 1
+    try:
+        bootstrap = start_bootstrap_server(args)
+    except OSError as e:
+        logger.error("disaggregation_bootstrap_port: cannot bind %s:%d (%s)", args.host,
+                     args.disaggregation_bootstrap_port, e.strerror or e)
+        sock.close()
+        return 1
     metrics = ServerMetrics(args.served_model_name or args.model_path)
     tm = TokenizerManager(args, tokenizer, metrics, stream_interval=args.stream_interval)
     ctx = ServerContext(args, model_config, tm, metrics)
-    return asyncio.run(_serve(ctx, sock, startup_timeout))
+    try:
+        return asyncio.run(_serve(ctx, sock, startup_timeout))
+    finally:
+        if bootstrap is not None:
+            bootstrap.stop()
+
+
+def start_bootstrap_server(args: ServerArgs):
+    """A prefill server's bootstrap registry (its scheduler ranks register there, decode servers
+    read it), listening before the scheduler starts; None in other modes."""
+    if args.disaggregation_mode != "prefill":
+        return None
+    from pdserve.disagg.bootstrap import BootstrapServer
+
+    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port).start()
+    logger.info("bootstrap registry on %s:%d", args.host, server.port)
+    return server
 
 
 async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float) -> int:

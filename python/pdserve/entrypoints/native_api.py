@@ -99,15 +99,16 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
     starts = _per_prompt(req.logprob_start_len, n, "logprob_start_len", int)
     tops = _per_prompt(req.top_logprobs_num, n, "top_logprobs_num", int)
     rids = _per_prompt(req.rid, n, "rid", str)
+    samplings = [_sampling(sp, tm.limits.vocab_size) for sp in sps]
+    boots = tm.bootstraps(req, n, max(s.n for s in samplings))
     items = []
-    for ids, sp, lp, start, top, rid in zip(ids_list, sps, lps, starts, tops, rids):
-        sampling = _sampling(sp, tm.limits.vocab_size)
+    for ids, sampling, lp, start, top, rid, boot in zip(ids_list, samplings, lps, starts, tops, rids, boots):
         tm.check_input(ids, sampling.max_new_tokens, field_name, "sampling_params.max_new_tokens")
         start, top = -1 if start is None else start, top or 0
         if lp:
             _check_logprobs(ids, start, top, tm.limits.vocab_size)
         job = PromptJob(ids, sampling.for_copy(0), sampling.n, bool(lp), resolve_start(start, len(ids)) if lp else None,
-                        top if lp else 0, rid)
+                        top if lp else 0, rid, boot)
         items.append(_Item(job, top if lp else 0))
     return items, single
 

@@ -38,6 +38,7 @@ from pdserve.config import ServerArgs
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
+    BootstrapRef,
     FlushCacheReq,
     FlushCacheResp,
     GetStatsReq,
@@ -217,6 +218,22 @@ class TokenizerManager:
             raise RequestError(f"rid: {rid!r} is already in use", param="rid")
         return rid
 
+    def bootstraps(self, body, n: int, samples: int) -> list[BootstrapRef | None]:
+        """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
+        checked against this server's mode: a prefill server needs it; a colocated one ignores it;
+        a disaggregated request is one sample (its room pairs exactly one prefill)."""
+        mode = self.args.disaggregation_mode
+        if mode == "null":
+            return [None] * n
+        refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port)
+        if mode == "prefill" and refs[0] is None:
+            raise RequestError("bootstrap_room: a prefill server serves only requests routed with "
+                               "bootstrap_host/bootstrap_port/bootstrap_room (put a P/D router in front)",
+                               param="bootstrap_room")
+        if refs[0] is not None and samples > 1:
+            raise RequestError("n: a disaggregated request runs one sample; send n requests", param="n")
+        return refs
+
     def check_input(self, input_ids: list[int], max_new_tokens: int, prompt_field: str,
                     max_tokens_field: str) -> None:
         """The scheduler's admission checks, done early with the caller's field names."""
@@ -227,7 +244,8 @@ class TokenizerManager:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                        rid: str | None = None, stream: bool = True, logprob_start_len: int = -1,
-                       top_logprobs_num: int = 0) -> AsyncIterator[GenerateChunk]:
+                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None
+                       ) -> AsyncIterator[GenerateChunk]:
         """Submit one request and yield its chunks until it finishes.
 
         Raises RequestError (400) if the scheduler rejects it, ServerError (503) if the
@@ -244,7 +262,7 @@ class TokenizerManager:
         finished = False
         try:
             self._send_or_fail(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
-                                                    top_logprobs_num))
+                                                    top_logprobs_num, bootstrap))
             while not finished:
                 await state.event.wait()
                 state.event.clear()

@@ -43,3 +43,50 @@ class ReqTimeline:
     @property
     def e2e(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
+
+
+STAGES = ("queue", "prefill", "transfer", "decode_scheduling")
+
+
+@dataclass
+class StageClock:
+    """Scheduler-side stamps of one request up to its first token (``time.monotonic`` seconds),
+    turned into the TTFT breakdown of ``STAGES`` whose parts sum to first token - arrival.
+
+    Colocated: the prefill runs from its first to its last forward. Disaggregated (decode side):
+    "prefill" starts when the KV request leaves and ends when the KV has landed; the prefill
+    server reports how long the room queued there and how long its forward passes took, and the
+    rest of that span is the transfer.
+    """
+
+    arrived: float = field(default_factory=time.monotonic)
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    remote_queue: float = 0.0  # disaggregated: prefill-side wait before its first forward
+    remote_prefill: float = 0.0  # disaggregated: prefill-side forward passes up to the last layer
+    transferred: bool = False
+
+    def start_prefill(self, now: float | None = None) -> None:
+        if self.prefill_start is None:
+            self.prefill_start = time.monotonic() if now is None else now
+
+    def end_prefill(self, now: float | None = None) -> None:
+        self.prefill_end = time.monotonic() if now is None else now
+
+    def restart(self) -> None:
+        """The transfer failed: what it cost counts as queueing for the local prefill."""
+        self.prefill_start = self.prefill_end = None
+        self.remote_queue = self.remote_prefill = 0.0
+        self.transferred = False
+
+    def breakdown(self, first_token: float | None = None) -> dict[str, float]:
+        now = time.monotonic() if first_token is None else first_token
+        start = self.prefill_start if self.prefill_start is not None else now
+        end = self.prefill_end if self.prefill_end is not None else start
+        span = end - start
+        remote = min(span, self.remote_queue + self.remote_prefill) if self.transferred else 0.0
+        queue_remote = min(self.remote_queue, remote)
+        return {"queue": start - self.arrived + queue_remote,
+                "prefill": remote - queue_remote if self.transferred else span,
+                "transfer": span - remote if self.transferred else 0.0,
+                "decode_scheduling": now - end}
