@@ -49,6 +49,8 @@ def test_reserved_pages_counts_expected_growth_beyond_held_pages():
     assert policy.reserved_pages([G(12, 3, 0)], 1.0, 4) == 0  # finished growing
     assert policy.reserved_pages([G(10, 3, 20), G(12, 3, 5)], 0.5, 4) == 2 + 1  # 12 + 3 = 15 tokens -> 4 pages
     assert policy.reserved_pages([], 1.0, 4) == 0
+    clip = policy.RESERVE_CLIP_TOKENS
+    assert policy.reserved_pages([G(0, 0, 10 * clip)], 1.0, 1) == clip  # a huge budget counts as the clip
 
 
 def test_new_token_ratio_decays_to_floor_jumps_on_retraction_and_resets_when_idle():

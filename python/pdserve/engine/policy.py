@@ -50,12 +50,19 @@ class Growth:
     remaining: int  # KV slots it writes until max_new_tokens: one per token still to decode
 
 
+# A remaining budget above this counts as this much: a request rarely uses all of a large
+# max_new_tokens, and counting it in full would block admission behind one such request.
+RESERVE_CLIP_TOKENS = 4096
+
+
 def reserved_pages(reqs: Iterable[Growth], ratio: float, page_size: int) -> int:
     """Pages the requests are expected to need as they decode: ``ceil(ratio * remaining)``
-    more tokens each (at least one while any remain, the next step's), beyond the pages held."""
+    more tokens each (remaining clipped to RESERVE_CLIP_TOKENS; at least one while any remain,
+    the next step's), beyond the pages they hold."""
     total = 0
     for g in reqs:
-        expected = min(g.remaining, max(1, math.ceil(ratio * g.remaining))) if g.remaining > 0 else 0
+        remaining = min(g.remaining, RESERVE_CLIP_TOKENS)
+        expected = min(remaining, max(1, math.ceil(ratio * remaining))) if remaining > 0 else 0
         total += pages_needed(g.kv_len + expected, g.pages_held, page_size)
     return total
 
