@@ -95,8 +95,10 @@ def test_scheduler_crash_fails_health_and_exits_nonzero(server):
 def test_scheduler_startup_failure_exits_nonzero(tmp_path):
     """Weights the scheduler cannot load: the frontend reports why and exits 1, nothing left behind."""
     preset = Path(pdserve.__file__).parent / "assets" / "presets" / "tiny-deepseek"
-    model = tmp_path / "no-weights"
+    model = tmp_path / "bad-weights"
     shutil.copytree(preset, model)
+    # A weights file only loading can find wrong (a directory without any is refused at start-up).
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
     s = Server("--load-format", "safetensors", model=str(model))
     try:
         s.proc = subprocess.Popen(s.cmd, stdout=s.log, stderr=subprocess.STDOUT, start_new_session=True)
