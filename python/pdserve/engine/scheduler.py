@@ -79,6 +79,7 @@ class Scheduler:
         self._uids = itertools.count()  # Req.uid: never reused, unlike a client's rid
         self.num_retractions = 0
         self.forward_steps = 0
+        self.new_token_ratio = policy.NewTokenRatio()  # KV admission keeps free for decode growth
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
 
@@ -141,6 +142,8 @@ class Scheduler:
 
     def step(self) -> list[TokenOutput]:
         self.mode.poll()
+        if not self.running and self.chunked is None:
+            self.new_token_ratio.on_idle()
         batch = self._schedule_extend()
         if batch is not None:
             self._run_extend(*batch)
@@ -185,11 +188,12 @@ class Scheduler:
         req.kv_len = req.cached_len = 0
 
     def _reserve_pages(self, n: int, headroom: int = 0) -> list[int] | None:
-        """n pages from the allocator, evicting unlocked cache pages if needed."""
-        short = n + headroom - self.allocator.num_free
+        """n pages from the allocator, evicting unlocked cache pages if needed, provided
+        ``headroom`` more pages stay free or evictable (evicted only once actually needed)."""
+        if n + headroom > self.allocator.num_free + self.cache.num_evictable_pages:
+            return None
+        short = n - self.allocator.num_free
         if short > 0:
-            if short > self.cache.num_evictable_pages:
-                return None
             self.cache.evict(short)
         return self.allocator.alloc(n)
 
@@ -207,7 +211,7 @@ class Scheduler:
             remaining = len(req.fill_ids) - req.kv_len
             n = policy.chunk_len(remaining, budget, req.kv_len, self.page_size)
             need = policy.pages_needed(req.kv_len + n, len(req.pages), self.page_size)
-            pages = self._reserve_pages(need, headroom=len(self.running)) if n else None
+            pages = self._reserve_pages(need, headroom=self._headroom(req, n, fresh, reqs, lens)) if n else None
             if pages is None:
                 if fresh:
                     self._unadmit(req)
@@ -228,6 +232,23 @@ class Scheduler:
             if budget <= 0:
                 break
         return (reqs, lens) if reqs else None
+
+    def _headroom(self, req: Req, n: int, fresh: bool, batch: list[Req], lens: list[int]) -> int:
+        """Pages to keep free besides ``req``'s next ``n`` prompt tokens: the expected decode growth
+        of the running requests and, when admitting ``req``, of this batch and of ``req`` itself.
+        A lone request is admitted on its prompt alone (else one too long could never start)."""
+        growth = [self._growth(r) for r in self.running]
+        if fresh and (self.running or batch):
+            growth += [self._growth(r, m) for r, m in zip(batch, lens)] + [self._growth(req, n)]
+        return policy.reserved_pages(growth, self.new_token_ratio.value, self.page_size)
+
+    def _growth(self, req: Req, prefill: int = 0) -> policy.Growth:
+        """What ``req`` may still write to the pool: a running request its decode; one being
+        prefilled (``prefill`` tokens this step) the rest of its prompt, then its decode."""
+        if req.state is ReqState.RUNNING:
+            return policy.Growth(req.kv_len, len(req.pages), req.sampling.max_new_tokens - len(req.output_ids))
+        pages = max(len(req.pages), -(-(req.kv_len + prefill) // self.page_size))
+        return policy.Growth(len(req.fill_ids), pages, req.sampling.max_new_tokens - len(req.output_ids) - 1)
 
     # ------------------------------------------------------------------ runs
     def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
@@ -280,6 +301,7 @@ class Scheduler:
                                [1] * len(reqs), rows, tuple(r.uid for r in reqs))
         logits = self.runner.forward(batch, self.table.table)
         self.forward_steps += 1
+        self.new_token_ratio.decay()
         for r in reqs:
             r.kv_len += 1
         self._sample_and_append(reqs, logits)
@@ -308,6 +330,7 @@ class Scheduler:
         req.state = ReqState.WAITING
         req.num_retractions += 1
         self.num_retractions += 1
+        self.new_token_ratio.on_retract()
         self.waiting.insert(0, req)
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:

@@ -167,7 +167,10 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
         send.send_pyobj(ready_message(scheduler))
         SchedulerLoop(scheduler, recv, send, parent_pid).run()
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
-        logger.error("scheduler failed:\n%s", traceback.format_exc())
+        # A ValueError is a user error that names its field (e.g. a tensor missing from the
+        # checkpoint): the frontend prints it in one line; a traceback would only bury it.
+        level = logging.DEBUG if isinstance(e, ValueError) else logging.ERROR
+        logger.log(level, "scheduler failed:\n%s", traceback.format_exc())
         send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}"))
         code = 1
     finally:
