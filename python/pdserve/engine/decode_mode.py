@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -33,6 +34,8 @@ from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.request import Req, ReqState, finish_abort
 
 logger = logging.getLogger(__name__)
+
+FALLBACK_WINDOW = 100  # the fallback rate is over this many recent disaggregated requests
 
 
 class DecodeMode(SchedulerMode):
@@ -57,6 +60,7 @@ class DecodeMode(SchedulerMode):
         self.aux_slots = AuxSlots(aux.shape[0])
         self.pending: list[Req] = []  # waiting for their prefill's records or for free pages
         self.rooms: dict[int, tuple[Req, IncomingRoom, int]] = {}  # room -> (req, expectation, aux slot)
+        self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # recent transfers: True = fell back
         self.counters = {"requests_disaggregated": 0, "kv_received": 0, "local_prefills": 0,
                          "fallbacks": 0, "transfer_failures": 0, "kv_pages_received": 0}
 
@@ -196,6 +200,7 @@ class DecodeMode(SchedulerMode):
         req.clock.transferred = True
         self.scheduler.running.append(req)
         self.counters["kv_received"] += 1
+        self.outcomes.append(False)
         self.counters["kv_pages_received"] += len(req.pages) - req.num_cached_pages
 
     # ------------------------------------------------------------- failures
@@ -206,6 +211,7 @@ class DecodeMode(SchedulerMode):
         if notify:
             self._send_abort(inc.peer, room, reason)
         self.counters["transfer_failures"] += 1
+        self.outcomes.append(True)
         self._fall_back(req, reason)
 
     def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: set[int]) -> None:
@@ -295,10 +301,10 @@ class DecodeMode(SchedulerMode):
         return [self.channel.socket]
 
     def stats(self) -> dict:
-        done = self.counters["kv_received"] + self.counters["fallbacks"]
+        rate = sum(self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
         return {"disaggregation_mode": self.name, "num_waiting_for_kv": len(self.rooms),
                 "num_pending_kv": len(self.pending), "quarantined_pages": self.quarantine.num_pages,
-                "fallback_rate": self.counters["fallbacks"] / done if done else 0.0, **self.counters}
+                "fallback_rate": rate, "fallback_window": len(self.outcomes), **self.counters}
 
     def close(self) -> None:
         self.monitor.close()

@@ -85,13 +85,15 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
 
-def add_disagg_args(parser: argparse.ArgumentParser) -> None:
+def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) -> None:
+    """``per_server`` False (``pdserve up``): the flags every server of a deployment shares."""
     g = parser.add_argument_group("prefill/decode disaggregation")
-    _flag(g, "--disaggregation-mode", "run as a colocated server (null), a prefill or a decode server",
-          choices=DISAGG_MODES)
+    if per_server:
+        _flag(g, "--disaggregation-mode", "run as a colocated server (null), a prefill or a decode server",
+              choices=DISAGG_MODES)
+        _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
+              type=int)
     _flag(g, "--disaggregation-transfer-backend", "KV transfer engine", choices=TRANSFER_BACKENDS)
-    _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
-          type=int)
     _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
     _flag(g, "--disaggregation-timeout-s", "bound on every waiting state (unpaired room, KV in flight)",
           type=float)
@@ -181,6 +183,53 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.router.app import launch_router
 
     return launch_router(args)
+
+
+# --------------------------------------------------------------------- up
+UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_runtime_args)
+
+
+def add_up_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("deployment")
+    g.add_argument("--num-prefill", type=int, default=1, help="prefill servers (default: %(default)s)")
+    g.add_argument("--num-decode", type=int, default=1, help="decode servers (default: %(default)s)")
+    g.add_argument("--host", default="127.0.0.1", help="interface of the router and the servers "
+                   "(default: %(default)s)")
+    g.add_argument("--port", type=int, default=30000, help="the router's port; servers take the next ones "
+                   "(default: %(default)s)")
+    g.add_argument("--bootstrap-port", dest="up_bootstrap_port", type=int, default=8998,
+                   help="prefill i's bootstrap registry listens on this + i (default: %(default)s)")
+    g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="least_load",
+                   help="the router's policy for both sides (default: %(default)s)")
+    for add in UP_SERVER_GROUPS:
+        add(parser)
+    add_disagg_args(parser, per_server=False)
+
+
+def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """The server flags given (those different from their defaults), as a command line again."""
+    out: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its actions here
+        if action.dest not in _FIELDS or action.dest in ("host", "port") or not action.option_strings:
+            continue
+        value = getattr(ns, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        out += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]  # noqa: SLF001
+    return tuple(out)
+
+
+def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.entrypoints.up import UpArgs, launch_up
+
+    try:
+        server_args_from_namespace(ns)  # every server would refuse these: say so now
+        args = UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port, ns.up_bootstrap_port,
+                      server_flags_from_namespace(ns, parser), ns.up_policy)
+    except (ValueError, TypeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return launch_up(args)
 
 
 # ------------------------------------------------------------------ bench
@@ -410,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(bootstrap_host/port/room added) and return the decode server's answer.")
     add_router_args(router)
     router.set_defaults(handler=cmd_router, subparser=router)
+    up = sub.add_parser("up", help="launch a whole P/D deployment here: prefill + decode servers and a router",
+                        description="Start prefill and decode servers (cores split between them) and a "
+                                    "router in front; Ctrl-C stops everything.")
+    add_up_args(up)
+    up.set_defaults(handler=cmd_up, subparser=up)
     bench = sub.add_parser("bench", help="benchmark a running server (TTFT, TPOT, ITL, throughput, goodput)",
                            description="Streaming serving benchmark for pdserve, SGLang and OpenAI-compatible "
                            "servers; metrics as sglang.bench_serving and vllm bench serve compute them.")

@@ -49,6 +49,9 @@ STARTUP_TIMEOUT_S = 600.0
 DRAIN_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2.5
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_STATS_TIMEOUT_S = 1.0
+FALLBACK_ALARM_RATE = 0.5  # decode /health reports "degraded" above this recent fallback rate
+FALLBACK_ALARM_MIN = 4  # ... once at least this many disaggregated requests were seen
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # reachable without the API key
 
 
@@ -98,6 +101,10 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def health():
         if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):
             raise ServerError(ctx.tm.fatal_error or "scheduler is not running")
+        if ctx.args.disaggregation_mode == "decode":
+            detail = await _transfer_health(ctx.tm)
+            if detail is not None:
+                return JSONResponse(detail)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -146,6 +153,21 @@ def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
         else:
             raise RequestError("rid: give the rid to abort (or abort_all: true)", param="rid")
         return {"success": True}
+
+
+async def _transfer_health(tm: TokenizerManager) -> dict | None:
+    """A decode server still serves when its transfers fail (it prefills locally), so /health
+    stays 200; but a high fallback rate means a broken deployment, and it says so."""
+    try:
+        stats = await asyncio.wait_for(tm.get_stats(), HEALTH_STATS_TIMEOUT_S)
+    except (asyncio.TimeoutError, RequestError):
+        return None  # busy scheduler: liveness is all this check can tell
+    rate, window = stats.get("fallback_rate", 0.0), stats.get("fallback_window", 0)
+    if window < FALLBACK_ALARM_MIN or rate < FALLBACK_ALARM_RATE:
+        return None
+    return {"status": "degraded", "fallback_rate": rate,
+            "detail": f"{rate:.0%} of the last {window} disaggregated requests fell back to a local prefill: "
+                      "check the prefill servers and the network (see the decode log)"}
 
 
 async def _one_token(tm: TokenizerManager) -> None:

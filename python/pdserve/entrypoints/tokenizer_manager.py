@@ -95,6 +95,7 @@ class GenerateChunk:
     top_logprobs: list | None = None
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    timeline: dict | None = None  # TTFT breakdown (obs.timeline.STAGES), once the first token is out
 
 
 @dataclass(eq=False)
@@ -335,14 +336,15 @@ class TokenizerManager:
     @staticmethod
     def _chunk(state: _ReqState, outs: list[TokenOutput]) -> GenerateChunk:
         last = outs[-1]
+        stages = state.timeline.stages
         if len(outs) == 1 and not state.return_logprob:  # the common streaming case, kept cheap
             return GenerateChunk(state.rid, "", last.new_token_ids, None, last.finished, last.finish_reason,
-                                 last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+                                 last.prompt_tokens, last.completion_tokens, last.cached_tokens, timeline=stages)
         ids: list[int] = []
         for o in outs:
             ids += o.new_token_ids
         chunk = GenerateChunk(state.rid, "", ids, None, last.finished, last.finish_reason, last.prompt_tokens,
-                              last.completion_tokens, last.cached_tokens)
+                              last.completion_tokens, last.cached_tokens, timeline=stages)
         if state.return_logprob:
             _add_logprobs(chunk, outs)
         return chunk
@@ -432,6 +434,8 @@ class TokenizerManager:
             state.outputs.append(o)
             state.last = o
             state.timeline.on_tokens(len(o.new_token_ids), now)
+            if o.timeline is not None:
+                state.timeline.set_stages(o.timeline)
             if o.finished or len(state.outputs) >= state.wake_every or o.completion_tokens == 1:
                 state.event.set()
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+# Where a request's time to first token goes (server side, in this order).
+STAGES = ("queue", "prefill", "transfer", "decode_scheduling")
+
 
 @dataclass
 class ReqTimeline:
@@ -20,6 +23,15 @@ class ReqTimeline:
     last_token: float | None = None
     finished: float | None = None
     itls: list[float] = field(default_factory=list)
+    stages: dict[str, float] | None = None  # TTFT breakdown, summing to ``ttft``
+
+    def set_stages(self, scheduler_side: dict[str, float]) -> None:
+        """The scheduler's breakdown of its part of the TTFT; what the frontend spent around it
+        (tokenizing, the IPC hops) counts as queueing, so the parts sum to this TTFT."""
+        stages = {k: scheduler_side.get(k, 0.0) for k in STAGES}
+        if self.ttft is not None:
+            stages["queue"] = max(0.0, stages["queue"] + self.ttft - sum(stages.values()))
+        self.stages = stages
 
     def on_tokens(self, n: int, now: float | None = None) -> None:
         if n <= 0:
@@ -44,8 +56,6 @@ class ReqTimeline:
     def e2e(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
 
-
-STAGES = ("queue", "prefill", "transfer", "decode_scheduling")
 
 
 @dataclass
