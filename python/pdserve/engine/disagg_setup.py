@@ -4,6 +4,7 @@ once, the control channel, and (prefill) its records in the bootstrap registry."
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -13,12 +14,16 @@ from pdserve.disagg.channel import ControlChannel, advertised_host
 from pdserve.disagg.layout import KVLayout
 from pdserve.disagg.receiver import PeerDirectory
 from pdserve.disagg.sender import KVSender
-from pdserve.disagg.transfer import TransferBackend, create_transfer_backend
+from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, create_transfer_backend
 from pdserve.engine.modes import SchedulerMode
 
 logger = logging.getLogger(__name__)
 
 BOOTSTRAP_FETCH_TIMEOUT_S = 10.0  # decode's bound on reaching a prefill's bootstrap registry
+# Failure drills and tests: e.g. PDSERVE_TRANSFER_FAULTS="delay_posts=1.5" makes this server's KV
+# writes reach the network 1.5 s late (disagg.transfer.FaultInjectingBackend's knobs).
+FAULTS_ENV = "PDSERVE_TRANSFER_FAULTS"
+_FAULT_KNOBS = {"delay_posts": float, "hold": float, "fail_after": int}
 
 
 def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
@@ -34,8 +39,23 @@ def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 
 def transfer_backend(cfg: DisaggConfig, host: str) -> TransferBackend:
     """TCP unless an RDMA device is named (``--disaggregation-ib-device``)."""
     protocol = "rdma" if cfg.ib_device else "tcp"
-    return create_transfer_backend(cfg.transfer_backend, hostname=advertised_host(host), protocol=protocol,
-                                   device_name=cfg.ib_device or "")
+    backend = create_transfer_backend(cfg.transfer_backend, hostname=advertised_host(host), protocol=protocol,
+                                      device_name=cfg.ib_device or "")
+    return with_faults(backend, os.environ.get(FAULTS_ENV, ""))
+
+
+def with_faults(backend: TransferBackend, spec: str) -> TransferBackend:
+    """``backend`` wrapped to misbehave as ``spec`` ("knob=value,...") says; as is when empty."""
+    if not spec:
+        return backend
+    faulty = FaultInjectingBackend(backend)
+    for item in spec.split(","):
+        knob, _, value = item.partition("=")
+        if knob not in _FAULT_KNOBS:
+            raise ValueError(f"{FAULTS_ENV}: unknown fault {knob!r} (known: {', '.join(_FAULT_KNOBS)})")
+        getattr(faulty, knob)(_FAULT_KNOBS[knob](value))
+    logger.warning("KV transfer faults injected (%s=%s)", FAULTS_ENV, spec)
+    return faulty
 
 
 def build_mode(args: ServerArgs, model_config: ModelConfig, runner) -> SchedulerMode:
