@@ -1,0 +1,161 @@
+"""Colocated vs 1 prefill + 1 decode on the same cores, under the workload where disaggregation
+pays: interactive requests while long prompts keep arriving. One run, side by side.
+
+    python benchmark/compare_pd.py --model-path tiny-deepseek --out-dir benchmark/results/compare_pd
+
+1. A colocated ``pdserve serve`` pinned to all the cores (as many torch threads as cores).
+2. ``pdserve up``: one prefill and one decode server, each pinned to its half of the cores, a
+   router in front.
+Against each, ``pdserve bench --dataset-name mixed`` with the same seed (same prompts, same
+arrival times). Writes ``compare_pd.json`` (both bench results and the ratios) and
+``compare_pd.png`` (TTFT and ITL distributions of both deployments, per stream).
+Target: P99 ITL of 1P1D <= 0.5 x colocated, goodput no worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plot  # noqa: E402  (benchmark/plot.py, beside this script)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="tiny-deepseek")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=80, help="interactive + background requests")
+    p.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests per second")
+    p.add_argument("--interactive-input-len", type=int, default=128)
+    p.add_argument("--interactive-output-len", type=int, default=64)
+    p.add_argument("--background-rate", type=float, default=0.4, help="long prompts per second")
+    p.add_argument("--background-input-len", type=int, default=2048)
+    p.add_argument("--background-output-len", type=int, default=8)
+    p.add_argument("--slo", default="ttft:3000,tpot:150", help="goodput SLO (ms), pdserve bench's format")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="benchmark/results/compare_pd")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.25)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
+
+
+def _start(args: list[str], cores: list[int] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def bench(a: argparse.Namespace, url: str, label: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.bench_serving", "--base-url", url, "--backend", "pdserve",
+           "--dataset-name", "mixed", "--num-prompts", str(a.num_prompts), "--tokenize-prompt",
+           "--mixed-interactive-rate", str(a.interactive_rate),
+           "--mixed-interactive-input-len", str(a.interactive_input_len),
+           "--mixed-interactive-output-len", str(a.interactive_output_len),
+           "--mixed-background-rate", str(a.background_rate),
+           "--mixed-background-input-len", str(a.background_input_len),
+           "--mixed-background-output-len", str(a.background_output_len),
+           "--slo", a.slo, "--seed", str(a.seed), "--warmup-requests", "2", "--disable-tqdm",
+           "--label", label, "--output-file", str(out)]
+    subprocess.run(cmd, check=True)
+    return plot.load_results([str(out)])[-1]
+
+
+def run_colocated(a: argparse.Namespace, cores: list[int], out: Path) -> dict:
+    port = _free_port()
+    proc = _start(["serve", "--model-path", a.model_path, "--port", str(port), "--page-size", str(a.page_size),
+                   "--num-threads", str(len(cores)), "--log-level", "error"], cores)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        return bench(a, f"http://127.0.0.1:{port}", "colocated", out)
+    finally:
+        _stop(proc)
+
+
+def run_pd(a: argparse.Namespace, out: Path) -> dict:
+    port = _free_port()
+    proc = _start(["up", "--model-path", a.model_path, "--port", str(port), "--bootstrap-port", str(_free_port()),
+                   "--page-size", str(a.page_size), "--log-level", "error"])
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        return bench(a, f"http://127.0.0.1:{port}", "1P1D", out)
+    finally:
+        _stop(proc)
+
+
+def ratios(colo: dict, pd: dict) -> dict:
+    def inter(r: dict, key: str):
+        groups = r.get("groups") or {}
+        return (groups.get("interactive") or r)[key]
+
+    return {"p99_itl_1p1d_over_colocated": pd["p99_itl_ms"] / colo["p99_itl_ms"],
+            "interactive_p99_itl_1p1d_over_colocated": inter(pd, "p99_itl_ms") / inter(colo, "p99_itl_ms"),
+            "goodput_1p1d_over_colocated": (pd["request_goodput"] / colo["request_goodput"]
+                                            if colo["request_goodput"] else None),
+            "mean_ttft_1p1d_over_colocated": pd["mean_ttft_ms"] / colo["mean_ttft_ms"]}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = out_dir / "bench.jsonl"
+    raw.unlink(missing_ok=True)
+    cores = sorted(os.sched_getaffinity(0))
+    t0 = time.monotonic()
+    colo = run_colocated(a, cores, raw)
+    pd = run_pd(a, raw)
+    summary = {"args": vars(a), "cores": cores, "ratios": ratios(colo, pd), "wall_s": time.monotonic() - t0,
+               "colocated": colo, "1P1D": pd}
+    (out_dir / "compare_pd.json").write_text(json.dumps(summary, indent=1))
+    plot.plot_cdfs([colo, pd], str(out_dir / "compare_pd.png"))
+    r = summary["ratios"]
+    print(f"P99 ITL: colocated {colo['p99_itl_ms']:.1f} ms, 1P1D {pd['p99_itl_ms']:.1f} ms "
+          f"(ratio {r['p99_itl_1p1d_over_colocated']:.2f}, target <= 0.5; interactive stream "
+          f"{r['interactive_p99_itl_1p1d_over_colocated']:.2f})")
+    print(f"goodput: colocated {colo['request_goodput']:.2f} req/s, 1P1D {pd['request_goodput']:.2f} req/s "
+          f"(ratio {r['goodput_1p1d_over_colocated']}, target >= 1); mean TTFT ratio "
+          f"{r['mean_ttft_1p1d_over_colocated']:.2f}")
+    print(f"wrote {out_dir / 'compare_pd.json'} and {out_dir / 'compare_pd.png'} in {summary['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
