@@ -1,0 +1,78 @@
+"""``pdserve bench`` against a 1 prefill + 1 decode deployment behind ``pdserve router``: the JSON
+has every metric plus the server's TTFT breakdown with a transfer stage, and its mean TTFT and
+output throughput agree with the independent client of test_bench_server (same pairing)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # test/: the disagg and router helpers
+
+from test_bench_server import CONC, IN, METRIC_KEYS, MODEL, OUT, N, bench, prompts, simple_client  # noqa: E402, F401
+
+from disagg.pd_servers import decode_server, prefill_server, start_all  # noqa: E402
+from router.router_utils import Router, wait_for  # noqa: E402
+
+PAIRS = 8
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    flags = ("--num-threads", "1", "--max-total-tokens", "32768")
+    prefill, boot = prefill_server(MODEL, *flags)
+    decode = decode_server(MODEL, *flags)
+    router = None
+    try:
+        start_all([prefill, decode])
+        router = Router([(prefill.url, boot)], [decode.url]).start()
+        wait_for(lambda: router.get("/health").status_code == 200, 60, "router sees healthy workers")
+        yield router, decode
+    finally:
+        if router is not None:
+            router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def test_json_has_every_metric_and_the_transfer_stage(deployment, tmp_path):
+    router, decode = deployment
+    r = bench(router.url, tmp_path / "m.jsonl", "--num-prompts", "6", "--random-input-len", "64",
+              "--random-output-len", "8", "--random-range-ratio", "1", "--slo", "ttft:60000,tpot:60000")
+    for key in METRIC_KEYS:
+        assert r[key] is not None, key
+    assert r["completed"] == 6 and r["total_output_tokens"] == 48
+    stages = r["server_timeline"]["stages"]
+    assert set(stages) == {"queue", "prefill", "transfer", "decode_scheduling"}
+    assert stages["prefill"]["count"] == 6 and stages["transfer"]["mean_ms"] > 0
+    assert 0 < r["server_timeline"]["transfer_share_of_ttft"] < 1
+    assert decode.info()["kv_received"] >= 6  # the requests really went through prefill
+
+
+def test_bench_agrees_with_an_independent_client(deployment, prompts, tmp_path):  # noqa: F811
+    router, _ = deployment
+    out = tmp_path / "agree.jsonl"
+    flags = ["--num-prompts", str(N), "--random-input-len", str(IN), "--random-output-len", str(OUT),
+             "--random-range-ratio", "1", "--max-concurrency", str(CONC), "--seed", "1", "--flush-cache"]
+    bench(router.url, out, *flags, "--warmup-requests", "2")
+    ttft_ratios, tput_ratios = [], []
+    for i in range(PAIRS):
+        sides = {}
+        for side in ("bench", "simple") if i % 2 == 0 else ("simple", "bench"):
+            if side == "bench":
+                r = bench(router.url, out, *flags, "--warmup-requests", "0")
+                assert r["completed"] == N and r["total_output_tokens"] == N * OUT
+                sides[side] = (r["mean_ttft_ms"], r["output_throughput"])
+            else:
+                router.post("/flush_cache").raise_for_status()
+                ttfts, tokens, wall = asyncio.run(simple_client(router.url, prompts, CONC))
+                assert tokens == N * OUT
+                sides[side] = (1000 * statistics.mean(ttfts), tokens / wall)
+        ttft_ratios.append(sides["bench"][0] / sides["simple"][0])
+        tput_ratios.append(sides["bench"][1] / sides["simple"][1])
+    assert statistics.median(ttft_ratios) == pytest.approx(1.0, abs=0.15), ttft_ratios
+    assert statistics.median(tput_ratios) == pytest.approx(1.0, abs=0.15), tput_ratios
