@@ -288,4 +288,44 @@ def test_an_abort_during_a_slow_transfer_keeps_its_pages_out_of_reach(pair_facto
         "tiny-llama", others, n=48, page_size=2)
     assert pair.outputs["v"]["final"].finish_reason["type"] == "abort"
     assert pair.decode.stats()["quarantined_pages"] == 0
+    assert pair.prefill.stats()["rooms_aborted"] == 1  # decode's abort reached prefill's room
     pair.assert_idle_and_accounted()
+
+
+def test_a_prefill_side_abort_reaches_decode_at_once(pair_factory):
+    """Prefill's client left (the router cancelled it): decode hears it from prefill and prefills
+    locally right away, long before its own timeout."""
+    pair = pair_factory("tiny-llama", page_size=4, disaggregation_timeout_s=600)
+    faulty = FaultInjectingBackend(pair.prefill.mode.sender.backend)
+    faulty.hold()  # writes never report done: only the abort can end the room
+    pair.prefill.mode.sender.backend = faulty
+    (prompt,) = _prompts([37])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: pair.prefill.stats()["rooms_transferring"] == 1)
+    assert pair.prefill.abort("a")
+    faulty.release()
+    pair.run()
+    assert pair.decode.stats()["fallbacks"] == 1
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_the_aux_row_carries_the_last_prefilled_hidden_state(pair_factory):
+    pair = pair_factory("tiny-deepseek", page_size=4)
+    sent, landed = [], []
+    sender, decode = pair.prefill.mode.sender, pair.decode.mode
+    finish, land = sender.finish, decode._land
+
+    def record_finish(room, hidden):
+        sent.append(hidden.clone())
+        finish(room, hidden)
+
+    def record_land(room, now):
+        landed.append(decode.aux[decode.rooms[room][2]].clone())
+        land(room, now)
+
+    sender.finish, decode._land = record_finish, record_land
+    (prompt,) = _prompts([29])
+    pair.submit("a", prompt, greedy(4))
+    pair.run()
+    assert len(sent) == len(landed) == 1 and torch.equal(sent[0].float(), landed[0])
