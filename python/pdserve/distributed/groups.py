@@ -52,9 +52,11 @@ class RankGroups:
     attn_tp: Any
 
     def destroy(self) -> None:
-        """Leave the process group; after a clean stop, wait for every rank first so no peer
-        is still inside a collective with us (a peer that sees us vanish reports an error)."""
+        """Leave the process group after a clean stop: every rank meets once more first, so none
+        leaves while a peer is still inside a collective with it (the peer would see a closed
+        connection and fail)."""
         if dist.is_initialized():
+            dist.barrier(group=self.cpu)
             dist.destroy_process_group()
 
 

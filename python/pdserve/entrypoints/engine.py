@@ -29,19 +29,26 @@ def _as_list(x, is_single) -> tuple[list, bool]:
 class Engine:
     """``Engine(model_path=..., **server_args)``; ``generate(...)``; ``shutdown()``.
 
-    Runs the scheduler in this process: ``generate`` blocks until every request
-    it submitted has finished. A rejected input raises ValueError naming the
-    field before anything is queued, so the engine stays usable.
+    One rank: runs the scheduler in this process. Several ranks (``tp_size`` ...): every
+    rank runs in a subprocess, as under ``pdserve serve``, driven through a RankClient
+    (which offers the scheduler calls used here); ``shutdown()`` stops them. Either way
+    ``generate`` blocks until every request it submitted has finished. A rejected input
+    raises ValueError naming the field before anything is queued, so the engine stays usable.
     """
 
     def __init__(self, model_path: str, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs)
-        torch.set_num_threads(self.args.num_threads or default_num_threads())
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
-        self.scheduler = Scheduler(model_config, self.args.cache_config(), self.args.scheduler_config(),
-                                   self.tokenizer)
+        if self.args.parallel_config().world_size > 1:
+            from pdserve.entrypoints.rank_client import RankClient
+
+            self.scheduler = RankClient(self.args, model_config)
+        else:
+            torch.set_num_threads(self.args.num_threads or default_num_threads())
+            self.scheduler = Scheduler(model_config, self.args.cache_config(), self.args.scheduler_config(),
+                                       self.tokenizer)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API
@@ -80,6 +87,9 @@ class Engine:
             self.scheduler.abort(rid, "engine shut down")
         while self.scheduler.has_work():
             self.scheduler.step()
+        close = getattr(self.scheduler, "close", None)  # a RankClient's ranks stop here
+        if close is not None:
+            close()
 
     def __enter__(self):
         return self
