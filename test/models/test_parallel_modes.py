@@ -32,9 +32,10 @@ def _steps(seqs: dict) -> int:
     return 1 + max(len(dec) for _, dec in seqs.values())
 
 
-def _run(model, mine: list[int], attn_tp: int, counts=None) -> list[torch.Tensor]:
+def _run(model, mine: list[int], attn_tp: int, counts=None, hooked: list | None = None) -> list[torch.Tensor]:
     """Prefill then decode the requests in ``mine`` (keys of SEQS) as one batch; a step where
-    they have no tokens left runs idle. ``counts(n) -> every group's tokens`` (DP attention)."""
+    they have no tokens left runs idle. ``counts(n) -> every group's tokens`` (DP attention);
+    ``hooked`` collects (layer, tokens) from the per-layer KV hook."""
     paged = PagedRequests(make_pool(model.config, 4, tp_size=attn_tp))
     out = []
     with torch.no_grad():
@@ -48,6 +49,8 @@ def _run(model, mine: list[int], attn_tp: int, counts=None) -> list[torch.Tensor
                 continue
             fb = paged.batch(reqs, decode=step > 0)
             fb.dp_num_tokens = dp_counts
+            if hooked is not None:
+                fb.layer_hook = lambda layer, b: hooked.append((layer, b.num_tokens))
             out.append(model.compute_logits(model(fb)))
     return out
 
@@ -73,8 +76,9 @@ def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
                     m.ep_dispatch = dispatch
             dp = layout.dp_attention
             mine = [layout.dp_rank] if dp else list(SEQS)
-            logits = _run(model, mine, layout.attn_tp_size, _counts_fn(groups) if dp else None)
-            torch.save(logits, os.path.join(out_dir, f"{i}-{rank}.pt"))
+            hooked = []
+            logits = _run(model, mine, layout.attn_tp_size, _counts_fn(groups) if dp else None, hooked)
+            torch.save((logits, hooked), os.path.join(out_dir, f"{i}-{rank}.pt"))
         finally:
             groups.destroy()
 
@@ -110,8 +114,11 @@ def test_every_rank_matches_one_rank(two_rank_results, name):
     path, per_rank = two_rank_results[name]
     single = load_model(ModelConfig.from_path(path), SINGLE)
     dp = CASES[name][1].get("enable_dp_attention", False)
-    for rank, got in enumerate(per_rank):
-        want = _run(single, [rank] if dp else list(SEQS), 1)
+    for rank, (got, hooked) in enumerate(per_rank):
+        want_hooked = []
+        want = _run(single, [rank] if dp else list(SEQS), 1, hooked=want_hooked)
         assert len(got) == len(want)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+        # The KV hook fired on this rank for every layer of every forward it ran (never when idle).
+        assert hooked == want_hooked and len(hooked) == len(want) * single.config.num_hidden_layers
