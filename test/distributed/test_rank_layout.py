@@ -114,3 +114,39 @@ def test_accepted_splits_of_the_presets():
                        ("tiny-qwen3-moe", dict(tp_size=2, ep_size=2))]:
         model = ServerArgs(model_path=preset, **kw).model_config()
         assert isinstance(model, ModelConfig)
+
+
+def test_serve_flags_set_the_parallel_fields():
+    from pdserve.entrypoints.cli import build_parser, server_args_from_namespace
+
+    ns = build_parser().parse_args(["serve", "--model-path", "tiny-deepseek", "--tp-size", "2", "--dp-size", "2",
+                                    "--enable-dp-attention", "--ep-size", "2", "--moe-a2a-backend", "none",
+                                    "--dist-init-addr", "127.0.0.1:5000", "--nnodes", "2", "--node-rank", "1"])
+    args = server_args_from_namespace(ns)
+    assert args.parallel_config() == ParallelConfig(2, 2, 2, True, "none", "127.0.0.1:5000", 2, 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "deepep"], "moe_a2a_backend: 'deepep'"),
+    (["--tp-size", "3"], "tp_size: num_attention_heads (4)"),
+    (["--tp-size", "2", "--nnodes", "2"], "dist_init_addr: required"),
+])
+def test_serve_refuses_a_bad_split_with_exit_code_2(flags, message, capsys):
+    """Before any process starts; deepep needs CUDA (and is not wired to the CPU model runner)."""
+    from pdserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model-path", "tiny-deepseek", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_engine_refuses_deepep_on_this_host():
+    import torch
+
+    import pdserve
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-host error is what this checks")
+    with pytest.raises(ValueError, match="^moe_a2a_backend: 'deepep' runs on CUDA GPUs only"):
+        pdserve.Engine(model_path="tiny-deepseek", tp_size=2, ep_size=2, moe_a2a_backend="deepep")

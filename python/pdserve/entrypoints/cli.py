@@ -99,9 +99,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     """ServerArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
+    from pdserve.layers.moe.dispatch import require_backend  # imports torch: only for serve
+
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELDS}
     args = ServerArgs(**kwargs)
     args.model_config()  # resolves the model path and architecture now, not after forking
+    require_backend(args.moe_a2a_backend)  # and whether the EP backend can run on this host
     return args
 
 

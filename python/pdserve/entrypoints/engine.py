@@ -31,7 +31,9 @@ class Engine:
 
     One rank: runs the scheduler in this process. Several ranks (``tp_size`` ...): every
     rank runs in a subprocess, as under ``pdserve serve``, driven through a RankClient
-    (which offers the scheduler calls used here); ``shutdown()`` stops them. Either way
+    (which offers the scheduler calls used here); ``shutdown()`` stops them. Ranks are
+    started with ``spawn``, so a script must build the Engine under
+    ``if __name__ == "__main__":`` (as with SGLang's Engine). Either way
     ``generate`` blocks until every request it submitted has finished. A rejected input
     raises ValueError naming the field before anything is queued, so the engine stays usable.
     """
@@ -43,7 +45,9 @@ class Engine:
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
         if self.args.parallel_config().world_size > 1:
             from pdserve.entrypoints.rank_client import RankClient
+            from pdserve.layers.moe.dispatch import require_backend
 
+            require_backend(self.args.moe_a2a_backend)
             self.scheduler = RankClient(self.args, model_config)
         else:
             torch.set_num_threads(self.args.num_threads or default_num_threads())

@@ -66,17 +66,18 @@ class AllToAllDispatcher(Dispatcher):
 
 
 def create_dispatcher(parallel: ParallelState, num_experts: int) -> Dispatcher:
-    """The dispatcher ``parallel.moe_a2a_backend`` names; ValueError naming the field if it
-    cannot run here."""
-    backend = parallel.moe_a2a_backend
+    """The dispatcher ``parallel.moe_a2a_backend`` names."""
+    require_backend(parallel.moe_a2a_backend)
+    return AllToAllDispatcher(parallel, num_experts)
+
+
+def require_backend(backend: str) -> None:
+    """Raise ValueError naming the field when ``backend`` cannot run here (entrypoints call it
+    before starting any rank, so the operator hears it at once)."""
     if backend == "none":
-        return AllToAllDispatcher(parallel, num_experts)
-    if backend == "deepep":
-        return _deepep(parallel, num_experts)
-    raise ValueError(f"moe_a2a_backend: {backend!r} is not one of ('none', 'deepep')")
-
-
-def _deepep(parallel: ParallelState, num_experts: int) -> Dispatcher:
+        return
+    if backend != "deepep":
+        raise ValueError(f"moe_a2a_backend: {backend!r} is not one of ('none', 'deepep')")
     if not torch.cuda.is_available():
         raise ValueError("moe_a2a_backend: 'deepep' runs on CUDA GPUs only and this host has none "
                          "(use --moe-a2a-backend none)")
