@@ -148,6 +148,33 @@ def test_killed_rank_fails_health_and_exits_nonzero():
         server.stop()
 
 
+def test_rank_startup_failure_exits_nonzero(tmp_path):
+    """Weights no rank can load: the server reports a rank's reason and exits 1, nothing left."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    import pdserve
+
+    model = tmp_path / "bad-weights"
+    shutil.copytree(os.path.join(os.path.dirname(pdserve.__file__), "assets", "presets", "tiny-llama"), model)
+    save_file({"unrelated.weight": torch.zeros(2)}, str(model / "model.safetensors"))
+    s = Server("--tp-size", "2", "--load-format", "safetensors", model=str(model))
+    try:
+        s.proc = subprocess.Popen(s.cmd, stdout=s.log, stderr=subprocess.STDOUT, start_new_session=True)
+        seen: set[int] = set()
+        deadline = time.monotonic() + 120
+        while s.proc.poll() is None and time.monotonic() < deadline:
+            seen |= set(descendants(s.proc.pid))
+            time.sleep(0.1)
+        assert s.wait(5) == 1, s.output()
+        assert "scheduler failed to start: rank" in s.output() and "checkpoint is missing" in s.output()
+        _assert_gone(s, sorted(seen))
+    finally:
+        s.stop()
+
+
 def _free_port_run(n: int) -> int:
     """A port p with p .. p+n-1 all free now (rendezvous, then the two TCP endpoints)."""
     for _ in range(50):

@@ -2,8 +2,9 @@
 engine's greedy tokens for 16 mixed requests (fixtures/parallel_runs.py). Afterwards every
 rank's pages add up (free + cached == total) and every rank process is gone.
 
-Configs: TP2 (tiny-llama, tiny-deepseek), EP2 (tiny-deepseek, tiny-qwen3-moe), DP2 with DP
-attention (tiny-deepseek, also with EP2), and plain DP2 replicas.
+Configs: TP2 (tiny-llama, tiny-deepseek, and a Qwen2 safetensors checkpoint with one KV head,
+replicated on both ranks), EP2 (tiny-deepseek, tiny-qwen3-moe), DP2 with DP attention
+(tiny-deepseek, also with EP2), and plain DP2 replicas.
 """
 
 from __future__ import annotations
@@ -49,12 +50,22 @@ CONFIGS = {
     "deepseek-dp2-attention-ep2": ("tiny-deepseek", dict(tp_size=2, dp_size=2, enable_dp_attention=True,
                                                          ep_size=2)),
     "llama-dp2-replicas": ("tiny-llama", dict(dp_size=2)),
+    "qwen2-tp2-one-kv-head": ("qwen2-one-kv-head", dict(tp_size=2)),
 }
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from fixtures.tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("Qwen2ForCausalLM", tmp_path_factory.mktemp("qwen2"), num_key_value_heads=1)
+    return {"qwen2-one-kv-head": path}
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_multi_rank_engine_matches_single_rank(name):
+def test_multi_rank_engine_matches_single_rank(name, checkpoints):
     preset, parallel = CONFIGS[name]
+    preset = checkpoints.get(preset, preset)
     want = single_rank_answers(preset)
     engine = pdserve.Engine(model_path=preset, **ENGINE_ARGS, **parallel)
     pids = engine.scheduler.ranks.pids

@@ -223,8 +223,11 @@ class RankSchedulerLoop:
     leaders). ``run`` returns after a ShutdownReq reached every rank, or once rank 0's
     parent is gone; an exception (a peer died mid-collective, a lock-step error) propagates.
 
-    Extension point: ``on(msg_type, handler)`` registers a handler for another typed
-    message; every rank calls it with the same message at the same point of its loop.
+    Extension points: ``add_inbox(sock)`` (rank 0) reads another socket of typed messages
+    the same way; ``on(msg_type, handler)`` registers a handler for another message type.
+    Every rank calls the handler with the same message at the same point of its loop, so
+    anything that changes scheduler state must arrive this way (or be agreed on with
+    ``self.control.gather``), never be applied by one rank alone.
     """
 
     def __init__(self, scheduler, groups: RankGroups, inbox: zmq.Socket | None, outbox: zmq.Socket,
@@ -232,7 +235,10 @@ class RankSchedulerLoop:
         self.scheduler = scheduler
         self.layout = groups.layout
         self.control = ControlPlane(groups.layout, groups.cpu)
-        self.inbox = inbox
+        self.inboxes = [inbox] if inbox is not None else []
+        self.poller = zmq.Poller()
+        for sock in self.inboxes:
+            self.poller.register(sock, zmq.POLLIN)
         self.outbox = outbox
         self.parent_pid = parent_pid
         self.idle_poll_ms = idle_poll_ms
@@ -245,6 +251,11 @@ class RankSchedulerLoop:
 
     def on(self, msg_type: type, handler: Callable) -> None:
         self.handlers[msg_type] = handler
+
+    def add_inbox(self, sock: zmq.Socket) -> None:
+        """Rank 0: also read ``sock`` (pickled typed messages) and share what arrives."""
+        self.inboxes.append(sock)
+        self.poller.register(sock, zmq.POLLIN)
 
     def run(self) -> None:
         while not self.stopped:
@@ -274,16 +285,18 @@ class RankSchedulerLoop:
     # ------------------------------------------------------------ inbox
     def _drain(self) -> list[bytes]:
         """Rank 0: every queued frame; waits up to the idle poll first when nobody has work."""
-        if self.inbox is None:
+        if not self.inboxes:
             return []
-        if not self.busy and not self.inbox.poll(self.idle_poll_ms):
+        if not self.busy and not self.poller.poll(self.idle_poll_ms):
             return [pickle.dumps(ShutdownReq())] if self._parent_gone() else []
         frames = []
-        while True:
-            try:
-                frames.append(self.inbox.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return frames
+        for sock in self.inboxes:
+            while True:
+                try:
+                    frames.append(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        return frames
 
     def _parent_gone(self) -> bool:
         gone = self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -340,9 +353,11 @@ class RankSchedulerLoop:
 
 
 # ----------------------------------------------------------------- builder
-def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, device: str = "cpu"):
+def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, device: str = "cpu",
+                         **scheduler_kwargs):
     """This rank's Scheduler: a RankModelRunner over its split of the model and KV pool, and a
-    sampler that broadcasts from the attention group's leader."""
+    sampler that broadcasts from the attention group's leader. ``scheduler_kwargs`` go to
+    the Scheduler (a disaggregation mode, ...)."""
     from pdserve.engine.scheduler import Scheduler
 
     lay = groups.layout
@@ -350,7 +365,7 @@ def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, devi
     control = ControlPlane(lay, groups.cpu)
     runner = RankModelRunner(model_config, cache, groups.parallel, seed=sched.random_seed, device=device,
                              sync=StepSync(control))
-    scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner)
+    scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner, **scheduler_kwargs)
     # Attention groups other than the first draw other random streams for unseeded sampling.
     inner = Sampler(sched.random_seed + lay.dp_rank)
     scheduler.sampler = BroadcastSampler(inner, groups.attn_tp, lay.dp_leader_rank(), lay.is_dp_leader)
