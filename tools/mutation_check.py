@@ -47,6 +47,7 @@ class Mutation:
 
 
 SCHED = "python/pdserve/engine/scheduler.py"
+T_PD = "test/disagg/test_pd_flow.py"
 SAMPLER = "python/pdserve/engine/sampler.py"
 STAGE = "python/pdserve/layers/attention/torch_native.py"
 T_SCHED = "test/engine/test_scheduler.py"
@@ -154,6 +155,24 @@ MUTATIONS = (
         "if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):",
         "if False:",
         ("test/entrypoints/test_server_lifecycle.py::test_scheduler_crash_fails_health_and_exits_nonzero",)),
+    Mutation(
+        "quarantine_released_at_once", "decode reuses abandoned pages before prefill's late writes settled",
+        "python/pdserve/engine/decode_mode.py",
+        "inc.sources - set(settled),",
+        "set(),",
+        (f"{T_PD}::test_an_abort_during_a_slow_transfer_keeps_its_pages_out_of_reach",)),
+    Mutation(
+        "write_count_unchecked", "decode lands a room without checking prefill's write count",
+        "python/pdserve/disagg/receiver.py",
+        "        if c.writes != self.expected[key]:",
+        "        if False:",
+        (f"{T_PD}::test_a_completion_short_of_writes_is_not_trusted",)),
+    Mutation(
+        "prefill_sends_last_token", "prefill computes (and sends) the prompt's last token too",
+        "python/pdserve/engine/prefill_mode.py",
+        "        req.hold_back_last_token()\n",
+        "",
+        (f"{T_PD}::test_outputs_match_a_colocated_engine",)),
 )
 
 

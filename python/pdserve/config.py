@@ -335,6 +335,45 @@ def split_host_port(addr: str, field_name: str) -> tuple[str, int]:
     return host, int(port)
 
 
+DISAGG_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake",)
+FALLBACK_POLICIES = ("local", "error")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (DESIGN §5). ``mode`` "null" is a colocated server."""
+
+    mode: str = "null"
+    transfer_backend: str = "mooncake"
+    bootstrap_port: int = 8998  # prefill: where its bootstrap registry listens
+    ib_device: str | None = None  # RDMA device(s) for the transfer engine; None: TCP
+    timeout_s: float = 30.0  # bound on every waiting state (unpaired room, KV in flight, quarantine)
+    heartbeat_s: float = 1.0  # decode probes each prefill peer it waits on this often
+    fallback: str = "local"  # decode, when a transfer fails: prefill locally, or fail the request
+    min_prefill_tokens: int = 0  # decode prefills locally when it would receive fewer tokens
+
+    def __post_init__(self):
+        if self.mode not in DISAGG_MODES:
+            raise ValueError(f"disaggregation_mode: {self.mode!r} is not one of {DISAGG_MODES}")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"disaggregation_transfer_backend: {self.transfer_backend!r} is not one of "
+                             f"{TRANSFER_BACKENDS}")
+        if not 0 < self.bootstrap_port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port: must be in 1..65535, got {self.bootstrap_port}")
+        for name in ("timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"disaggregation_{name}: must be > 0, got {getattr(self, name)}")
+        if self.fallback not in FALLBACK_POLICIES:
+            raise ValueError(f"disaggregation_fallback: {self.fallback!r} is not one of {FALLBACK_POLICIES}")
+        if self.min_prefill_tokens < 0:
+            raise ValueError(f"disaggregation_min_prefill_tokens: must be >= 0, got {self.min_prefill_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "null"
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Everything a server (or the offline Engine) is launched with; names follow SGLang's flags."""
@@ -369,6 +408,14 @@ class ServerArgs:
     num_threads: int | None = None
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
     max_request_bytes: int = 32 << 20  # larger HTTP request bodies are refused (413) before parsing
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_ib_device: str | None = None
+    disaggregation_timeout_s: float = 30.0
+    disaggregation_heartbeat_s: float = 1.0
+    disaggregation_fallback: str = "local"
+    disaggregation_min_prefill_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -381,7 +428,11 @@ class ServerArgs:
         # Building the parts validates every field they own.
         self.cache_config()
         self.scheduler_config()
-        self.parallel_config()
+        world = self.parallel_config().world_size
+        self.disagg_config()
+        if self.disaggregation_mode != "null" and world > 1:
+            raise ValueError(f"disaggregation_mode: {self.disaggregation_mode!r} runs one scheduler rank for now; "
+                             f"this split has {world} (tp_size / dp_size)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if self.load_format not in LOAD_FORMATS:
@@ -411,6 +462,12 @@ class ServerArgs:
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention,
                               self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank)
+
+    def disagg_config(self) -> DisaggConfig:
+        return DisaggConfig(self.disaggregation_mode, self.disaggregation_transfer_backend,
+                            self.disaggregation_bootstrap_port, self.disaggregation_ib_device,
+                            self.disaggregation_timeout_s, self.disaggregation_heartbeat_s,
+                            self.disaggregation_fallback, self.disaggregation_min_prefill_tokens)
 
     @property
     def model_name(self) -> str:

@@ -150,3 +150,8 @@ def test_engine_refuses_deepep_on_this_host():
         pytest.skip("the CPU-host error is what this checks")
     with pytest.raises(ValueError, match="^moe_a2a_backend: 'deepep' runs on CUDA GPUs only"):
         pdserve.Engine(model_path="tiny-deepseek", tp_size=2, ep_size=2, moe_a2a_backend="deepep")
+
+
+def test_disaggregation_with_several_ranks_is_refused_for_now():
+    with pytest.raises(ValueError, match="^disaggregation_mode: 'prefill' runs one scheduler rank for now"):
+        ServerArgs(model_path="tiny-llama", tp_size=2, disaggregation_mode="prefill")

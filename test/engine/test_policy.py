@@ -1,3 +1,5 @@
+import pytest
+
 from pdserve.engine import policy
 from pdserve.engine.request import Req, SamplingParams
 
@@ -35,3 +37,36 @@ def test_pages_needed():
 def test_pick_retraction_takes_newest():
     rs = [_req("a", 0), _req("b", 5), _req("c", 3)]
     assert policy.pick_retraction(rs).rid == "b"
+
+
+def test_reserved_pages_counts_expected_growth_beyond_held_pages():
+    G = policy.Growth
+    # 10 tokens in 3 pages of 4 (room for 2 more); 20 remaining at ratio 0.5 -> 10 more -> 20 tokens -> 5 pages
+    assert policy.reserved_pages([G(10, 3, 20)], 0.5, 4) == 2
+    assert policy.reserved_pages([G(10, 3, 20)], 1.0, 4) == 5  # 30 tokens -> 8 pages
+    # at least the next step's token while any remain, even at a tiny ratio
+    assert policy.reserved_pages([G(12, 3, 5)], 0.01, 4) == 1
+    assert policy.reserved_pages([G(12, 3, 0)], 1.0, 4) == 0  # finished growing
+    assert policy.reserved_pages([G(10, 3, 20), G(12, 3, 5)], 0.5, 4) == 2 + 1  # 12 + 3 = 15 tokens -> 4 pages
+    assert policy.reserved_pages([], 1.0, 4) == 0
+    clip = policy.RESERVE_CLIP_TOKENS
+    assert policy.reserved_pages([G(0, 0, 10 * clip)], 1.0, 1) == clip  # a huge budget counts as the clip
+
+
+def test_new_token_ratio_decays_to_floor_jumps_on_retraction_and_resets_when_idle():
+    r = policy.NewTokenRatio(init=0.5, floor=0.2, decay_per_step=0.1, after_retract=1.0)
+    assert r.value == 0.5
+    for _ in range(10):
+        r.decay()
+    assert r.value == 0.2
+    r.on_retract()
+    assert r.value == 1.0
+    r.decay()
+    assert abs(r.value - 0.9) < 1e-9
+    r.on_idle()
+    assert r.value == 0.5
+
+
+def test_new_token_ratio_refuses_inconsistent_bounds():
+    with pytest.raises(ValueError, match="new token ratio"):
+        policy.NewTokenRatio(init=0.05, floor=0.1)

@@ -86,24 +86,24 @@ def test_shared_prefix_locked_by_running_requests_survives_eviction(llama):
     tails = random_prompts([6, 6, 6, 6], vocab, seed=22)
     # 40 pages of 4. The warm-up caches the prefix (8 pages) and 2 more. Then the four requests
     # (2 pages each beyond the prefix at admission, 7 at the end) and three 24-token requests
-    # (6 pages each, cached when they finish after 2 tokens) are admitted together: that leaves
-    # 7 free pages for the 20 the four still need, so 13 cached pages must be evicted.
+    # (6 pages each, cached when they finish after 2 tokens) share the pool: the pages the four
+    # still need while they decode must come from evicting cached ones.
     engine = pdserve.Engine(model_path=path, page_size=4, max_total_tokens=160)
     engine.generate(input_ids=prefix + warm_tail, sampling_params=greedy(4))
     s = engine.scheduler
     assert s.stats()["cached_pages"] == 10  # full pages of 37 + 4 - 1 computed tokens
     reqs = [s.add_request(f"r{i}", prefix + t, sampling(greedy(20))) for i, t in enumerate(tails)]
     others = [s.add_request(f"j{i}", j, sampling(greedy(2))) for i, j in enumerate(junk)]
-    running, cached = [], []
+    locked, cached = [], []  # per step: all four prefix requests running; cached pages after it
     while s.has_work():
         outs = s.step()
         s.check_memory()
-        st = s.stats()
-        running.append(st["num_running_reqs"])
-        cached.append(st["cached_pages"])
+        locked.append(all(r in s.running for r in reqs))
+        cached.append(s.stats()["cached_pages"])
         assert all(o.cached_tokens == 32 for o in outs if o.rid.startswith("r"))
-    evicted = any(b < a for a, b in zip(cached, cached[1:]))
-    assert max(running) == 7 and evicted, (running, cached)  # all ran at once, then pages were evicted
+    # Cached pages were evicted in a step while the four held the prefix locked.
+    evicted_while_locked = any(b < a and lk for a, b, lk in zip(cached, cached[1:], locked[1:]))
+    assert evicted_while_locked, (locked, cached)
     assert s.stats()["num_retractions"] == 0  # eviction alone made room
     for r, t in zip(reqs, tails):
         assert r.output_ids == greedy_continuation(hf, prefix + t, 20)
@@ -131,7 +131,9 @@ def _late_stop(tokenizer, ids: list[int], from_token: int) -> str:
 
 def _retraction_params(n: int) -> list[dict]:
     """Seeded sampling for most requests, greedy for every fourth; logprobs for all."""
-    return [greedy(24) if i % 4 == 3 else {"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95,
+    # 40 tokens each: long enough to outgrow what admission reserves for decode growth, so the
+    # 96-token pool below must retract some of them.
+    return [greedy(40) if i % 4 == 3 else {"max_new_tokens": 40, "temperature": 0.8, "top_p": 0.95,
                                            "seed": 1000 + i, "ignore_eos": True} for i in range(n)]
 
 
@@ -140,6 +142,9 @@ def _run(engine, prompts, params) -> tuple[dict, dict]:
     reqs = {f"r{i}": s.add_request(f"r{i}", p, sampling(sp), return_logprob=True)
             for i, (p, sp) in enumerate(zip(prompts, params))}
     return run_to_completion(s), reqs
+
+
+STOPPED = (5, 6, 7)
 
 
 def test_retraction_keeps_seeded_sampling_logprobs_stop_strings_and_cached_tokens(llama):
@@ -152,8 +157,10 @@ def test_retraction_keeps_seeded_sampling_logprobs_stop_strings_and_cached_token
     roomy = pdserve.Engine(model_path=path, page_size=4)
     plain, _ = _run(roomy, prompts, params)
     tok = roomy.tokenizer
-    for i in (1, 2, 5, 6, 7):  # late stop strings on seeded and greedy requests
-        params[i] = {**params[i], "stop": [_late_stop(tok, plain[f"r{i}"]["ids"], 16)]}
+    # Late stop strings (after token 30) on seeded and greedy requests, so they are cut only
+    # after the retractions the tight pool forces (r5 and r7 among them).
+    for i in STOPPED:
+        params[i] = {**params[i], "stop": [_late_stop(tok, plain[f"r{i}"]["ids"], 30)]}
     assert roomy.flush_cache()  # so the reference run, like the tight one, starts cold
     want, _ = _run(roomy, prompts, params)
     tight = pdserve.Engine(model_path=path, page_size=4, max_total_tokens=96)
@@ -167,6 +174,6 @@ def test_retraction_keeps_seeded_sampling_logprobs_stop_strings_and_cached_token
         assert g["final"].finish_reason == w["final"].finish_reason, rid
         assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4), rid
         assert g["final"].cached_tokens == w["final"].cached_tokens == 0, rid
-    for i in (1, 2, 5, 6, 7):
+    for i in STOPPED:
         assert want[f"r{i}"]["final"].finish_reason == {"type": "stop", "matched": params[i]["stop"][0]}
     assert_no_leak(tight)

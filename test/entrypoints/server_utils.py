@@ -86,10 +86,11 @@ def alive(pid: int) -> bool:
 class Server:
     """A ``python -m pdserve serve`` subprocess; ``url`` once ``start()`` returns."""
 
-    def __init__(self, *flags: str, model: str = PRESET, api_key: str | None = None):
+    def __init__(self, *flags: str, model: str = PRESET, api_key: str | None = None, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.env = None if env is None else {**os.environ, **env}  # None: inherit ours
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-test-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "pdserve", "serve", "--model-path", model, "--port", str(self.port),
                "--log-level", "warning", *flags]
@@ -103,7 +104,8 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

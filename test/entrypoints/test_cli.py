@@ -49,6 +49,19 @@ def test_invalid_server_args_exit_2_naming_the_field(argv, field):
     assert field in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv, field", [
+    (["--disaggregation-mode", "prefil"], "--disaggregation-mode"),
+    (["--disaggregation-fallback", "retry"], "--disaggregation-fallback"),
+    (["--disaggregation-timeout-s", "0"], "disaggregation_timeout_s"),
+    (["--disaggregation-min-prefill-tokens", "-1"], "disaggregation_min_prefill_tokens"),
+    (["--disaggregation-bootstrap-port", "70000"], "disaggregation_bootstrap_port"),
+])
+def test_invalid_disaggregation_flags_exit_2_naming_the_field(argv, field):
+    proc = _run("serve", "--model-path", "tiny-llama", *argv)
+    assert proc.returncode == 2
+    assert field in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_unknown_model_exits_2():
     proc = _run("serve", "--model-path", "/no/such/model")
     assert proc.returncode == 2 and "model_path" in proc.stderr
@@ -56,7 +69,10 @@ def test_unknown_model_exits_2():
 
 def test_entry_points_share_the_cli():
     assert "serve" in _run("--help").stdout
-    assert "--disaggregation" not in _run("serve", "--help").stdout  # later issues add these
+    help_text = _run("serve", "--help").stdout
+    for flag in ("--disaggregation-mode", "--disaggregation-bootstrap-port", "--disaggregation-fallback",
+                 "--disaggregation-min-prefill-tokens", "--disaggregation-timeout-s"):
+        assert flag in help_text
     assert "--model-path" in _run("--help", module="pdserve.launch_server").stdout
     assert _run("serve", module="pdserve").returncode == 2  # --model-path is required
 

@@ -66,11 +66,12 @@ def _counts_fn(groups):
 def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
     """cases: (checkpoint path, ParallelConfig kwargs, MoE dispatch); each rank saves its logits."""
     torch.set_num_threads(1)
-    for i, (path, kwargs, dispatch) in enumerate(cases):
+    configs = [ModelConfig.from_path(path) for path, _, _ in cases]  # before any process group
+    for i, (config, (_, kwargs, dispatch)) in enumerate(zip(configs, cases)):
         layout = RankLayout(ParallelConfig(**kwargs), rank)
         groups = init_rank_groups(layout, init_method(out_dir, None, f"store-{i}"))
         try:
-            model = load_model(ModelConfig.from_path(path), groups.parallel)
+            model = load_model(config, groups.parallel)
             for m in model.modules():
                 if isinstance(m, SparseMoE):
                     m.ep_dispatch = dispatch

@@ -7,7 +7,7 @@ writes its logits for the parent to compare.
 from __future__ import annotations
 
 import os
-import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,27 +34,51 @@ def _run(model, tp_size: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str]], out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, cases: list[tuple[str, str]], out_dir: str) -> None:
     """cases: (checkpoint path, "tp" | "ep"); rank 0 saves case i's logits as ``{out_dir}/{i}.pt``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Read the configs before the process group exists. The first config lookup makes
+    # transformers import torch.distributed.nn.functional, whose functions take
+    # `group=group.WORLD` as default arguments evaluated at import time: imported after
+    # init_process_group, they hold the world group for the life of the process, so
+    # destroy_process_group cannot free it and gloo's threads outlive main() (see _check_torn_down).
+    configs = [ModelConfig.from_path(path) for path, _ in cases]
+    # A file store, not a TCP port picked in the parent and bound later by rank 0 (racy).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        group = dist.group.WORLD
-        for i, (path, axis) in enumerate(cases):
-            parallel = (ParallelState(tp_rank=rank, tp_size=world, tp_group=group) if axis == "tp"
-                        else ParallelState(ep_rank=rank, ep_size=world, ep_group=group))
-            logits = _run(load_model(ModelConfig.from_path(path), parallel), parallel.tp_size)
-            if rank == 0:
-                torch.save(logits, os.path.join(out_dir, f"{i}.pt"))
+        _run_cases(rank, world, configs, [axis for _, axis in cases], out_dir)
     finally:
         dist.destroy_process_group()
+    _check_torn_down()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _run_cases(rank: int, world: int, configs: list[ModelConfig], axes: list[str], out_dir: str) -> None:
+    """Every reference to the process group lives in this frame, gone when it returns."""
+    group = dist.group.WORLD
+    for i, (config, axis) in enumerate(zip(configs, axes)):
+        parallel = (ParallelState(tp_rank=rank, tp_size=world, tp_group=group) if axis == "tp"
+                    else ParallelState(ep_rank=rank, ep_size=world, ep_group=group))
+        logits = _run(load_model(config, parallel), parallel.tp_size)
+        if rank == 0:
+            torch.save(logits, os.path.join(out_dir, f"{i}.pt"))
+
+
+def _check_torn_down() -> None:
+    """Fail loudly if gloo's threads survived destroy_process_group.
+
+    A surviving thread that drops the last reference to a Python-owned tensor (the end of a
+    collective) while the interpreter finalizes must take the GIL, which CPython refuses by
+    exiting the thread inside C++: std::terminate, "terminate called without an active
+    exception", SIGABRT, at random. Better a clear error every time.
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()]
+    alive = [n for n in names if "gloo" in n]
+    if alive:
+        raise RuntimeError(f"process group still alive after destroy_process_group (threads {alive}): "
+                           "something holds a reference to it")
 
 
 CASES = {
@@ -74,7 +98,7 @@ def two_rank_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     paths = {name: make_tiny_hf_model(arch, root / name, **ov) for name, (arch, _, ov) in CASES.items()}
     cases = [(paths[name], CASES[name][1]) for name in CASES]
-    mp.start_processes(_worker, args=(2, _free_port(), cases, str(root)), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, str(root / "store"), cases, str(root)), nprocs=2, join=True,
                        start_method="spawn")
     return {name: (paths[name], torch.load(root / f"{i}.pt")) for i, name in enumerate(CASES)}
 

@@ -407,6 +407,15 @@ class RoomTable:
         e.state, e.since = "dropped", now
         return Dropped(room, e.http) if e.http is not None else None
 
+    def cancel(self, room: int, now: float) -> Expired | None:
+        """Either side gave up on a room that is not paired yet: returns its waiting halves (to
+        fail) and leaves a tombstone, so a half arriving later is answered ``Dropped``."""
+        e = self._rooms.get(room)
+        if e is None or e.state != "waiting":
+            return None
+        self._rooms[room] = _Entry(now, state="dropped")
+        return Expired(room, e.http, e.kv)
+
     def expire(self, now: float) -> list[Expired]:
         out = []
         for room, e in list(self._rooms.items()):

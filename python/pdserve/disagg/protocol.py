@@ -99,9 +99,14 @@ class KVCompletion:
     writes: int
     status: str
     error: str = ""
+    # Where prefill's time went (seconds), for decode's TTFT breakdown: from pairing to the
+    # first forward of the room, and from there to the end of its last forward.
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
 
     def __post_init__(self):
         _check_room(self.room)
+        _require(self.queue_s >= 0 and self.prefill_s >= 0, "queue_s, prefill_s: must be >= 0")
         _require(self.status in STATUSES, f"status: {self.status!r} is not one of {STATUSES}")
         _require(self.writes >= 0, f"writes: must be >= 0, got {self.writes}")
         _require(self.status == "ok" or bool(self.error), "error: a failed completion must say why")

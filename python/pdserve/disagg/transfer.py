@@ -597,6 +597,8 @@ class FaultInjectingBackend(TransferBackend):
       ``hold(seconds=s)``: each batch posted from now on reports PENDING for ``s`` seconds more.
     - ``drop_notifies()``: ``write_sync`` writes the data but the notify never leaves, as when
       Mooncake's notify RPC fails (it only logs).
+    - ``delay_posts(s)``: batches posted from now on reach the real engine only ``s`` seconds
+      later (a slow network): their bytes land late, after anything the caller did meanwhile.
     ``reset()`` clears them all. A failed batch still reports FAILED only after its real writes
     settled, as the contract requires.
     """
@@ -616,6 +618,7 @@ class FaultInjectingBackend(TransferBackend):
             self._held = False
             self._delay_s = 0.0
             self._drop_notifies = False
+            self._post_delay_s = 0.0
 
     def fail_writes_to(self, peer: str) -> None:
         with self._lock:
@@ -631,6 +634,10 @@ class FaultInjectingBackend(TransferBackend):
                 self._held = True
             else:
                 self._delay_s = seconds
+
+    def delay_posts(self, seconds: float) -> None:
+        with self._lock:
+            self._post_delay_s = seconds
 
     def release(self) -> None:
         with self._lock:
@@ -663,11 +670,25 @@ class FaultInjectingBackend(TransferBackend):
         with self._lock:
             keep, error = self._allowed(peer, len(n))
             posted_at = self._clock() + self._delay_s
-        inner = self.inner.post_writes(peer, s[:keep], d[:keep], n[:keep]) if keep else None
+            post_delay = self._post_delay_s
         handle = WriteHandle(peer, len(n), sum(n))
+        if keep and post_delay > 0:
+            with self._lock:
+                self._batches[handle] = (_LATE, error, posted_at)
+            timer = threading.Timer(post_delay, self._post_late, (handle, peer, s[:keep], d[:keep], n[:keep]))
+            timer.daemon = True
+            timer.start()
+            return handle
+        inner = self.inner.post_writes(peer, s[:keep], d[:keep], n[:keep]) if keep else None
         with self._lock:
             self._batches[handle] = (inner, error, posted_at)
         return handle
+
+    def _post_late(self, handle: WriteHandle, peer, srcs, dsts, lens) -> None:
+        inner = self.inner.post_writes(peer, srcs, dsts, lens)
+        with self._lock:
+            _, error, posted_at = self._batches[handle]
+            self._batches[handle] = (inner, error, posted_at)
 
     def poll(self, handle: WriteHandle) -> WriteState:
         with self._lock:
@@ -675,6 +696,8 @@ class FaultInjectingBackend(TransferBackend):
                 return handle.state
             inner, error, release_at = self._batches[handle]
             held = self._held or self._clock() < release_at
+        if inner is _LATE:
+            return WriteState.PENDING
         state = self.inner.poll(inner) if inner is not None else WriteState.DONE
         if state is WriteState.PENDING or held:
             return WriteState.PENDING
@@ -714,6 +737,9 @@ class FaultInjectingBackend(TransferBackend):
         keep = min(count, self._budget)
         self._budget -= keep
         return keep, None if keep == count else f"injected failure: write budget exhausted ({peer})"
+
+
+_LATE = WriteHandle("", 0, 0)  # stands for a delayed batch's real handle until it is posted
 
 
 def create_transfer_backend(name: str, **kwargs) -> TransferBackend:

@@ -63,6 +63,12 @@ class RankGroups:
 def init_rank_groups(layout: RankLayout, method: str, backend: str = "gloo",
                      timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> RankGroups:
     """Join the engine's process group and build every group; all ranks must call this."""
+    # Imported now, while no group exists: its functions default to ``group=group.WORLD``,
+    # evaluated at import. Imported later (transformers does on the first config lookup) they
+    # would hold the world group, destroy_process_group could not free it, and gloo's threads
+    # would outlive main() (an abort at exit, now and then).
+    import torch.distributed.nn.functional  # noqa: F401
+
     dist.init_process_group(backend, init_method=method, rank=layout.rank, world_size=layout.world_size,
                             timeout=timeout)
     cpu = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)

@@ -1,5 +1,10 @@
 """Parallel groups passed explicitly to every layer (never module globals).
 
+A rank process must read its ModelConfig before ``init_process_group``: the first config
+lookup imports torch.distributed.nn.functional (through transformers), whose default
+arguments capture the world group if one exists, and then ``destroy_process_group`` cannot
+free it (gloo's threads outlive main() and can abort the process at exit).
+
 Legend: T tokens on this rank, Ta tokens of every attention group together, H hidden.
 """
 

@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from pdserve.engine.request import SamplingParams
 
 
+@dataclass(frozen=True)
+class BootstrapRef:
+    """Where a disaggregated request's other half lives: the prefill server's bootstrap
+    registry (``host:port``) and the ``room`` pairing the two halves (set by the router)."""
+
+    host: str
+    port: int
+    room: int
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str
@@ -15,6 +25,7 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     logprob_start_len: int = -1  # first prompt position with an input logprob (-1: the last)
     top_logprobs_num: int = 0
+    bootstrap: BootstrapRef | None = None  # set when a P/D router sent the request
 
 
 @dataclass
@@ -70,6 +81,9 @@ class TokenOutput:
     new_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # Once, with the first output token: where the scheduler-side time to it went, in seconds
+    # (obs.timeline.STAGES: queue, prefill, transfer, decode_scheduling).
+    timeline: dict[str, float] | None = None
 
 
 @dataclass

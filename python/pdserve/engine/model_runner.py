@@ -64,6 +64,7 @@ class ModelRunner:
         self.pool = create_kv_pool(model_config, cache_config, parallel, device)
         self.backend = create_backend(attention_backend)
         self.layer_hook: LayerHook | None = None
+        self.last_hidden: torch.Tensor | None = None  # [B, hidden] of the latest forward
         logger.info("KV pool: %d pages x %d tokens (%s)", self.pool.num_pages, self.pool.page_size,
                     type(self.pool).__name__)
 
@@ -87,6 +88,8 @@ class ModelRunner:
         rows = logit_rows(fb, batch.prompt_logit_index)
         if rows is not None:
             hidden = hidden[rows]  # [B (+ K), hidden]
+        # Each request's last hidden state: what a disaggregated prefill sends as aux data.
+        self.last_hidden = hidden[:fb.batch_size]  # [B, hidden]
         return self.model.compute_logits(hidden)  # [B (+ K), V]
 
 

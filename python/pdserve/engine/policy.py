@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from pdserve.engine.request import Req
 
@@ -37,3 +39,65 @@ def pages_needed(kv_len_after: int, pages_held: int, page_size: int) -> int:
 def pick_retraction(running: list[Req]) -> Req:
     """Retract the most recently arrived request: the oldest keep their progress (FCFS fairness)."""
     return max(running, key=lambda r: r.arrival)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """What one admitted request may still add to the KV pool."""
+
+    kv_len: int  # tokens with KV in the pool (or about to be, for the chunk being admitted)
+    pages_held: int
+    remaining: int  # KV slots it writes until max_new_tokens: one per token still to decode
+
+
+# A remaining budget above this counts as this much: a request rarely uses all of a large
+# max_new_tokens, and counting it in full would block admission behind one such request.
+RESERVE_CLIP_TOKENS = 4096
+
+
+def reserved_pages(reqs: Iterable[Growth], ratio: float, page_size: int) -> int:
+    """Pages the requests are expected to need as they decode: ``ceil(ratio * remaining)``
+    more tokens each (remaining clipped to RESERVE_CLIP_TOKENS; at least one while any remain,
+    the next step's), beyond the pages they hold."""
+    total = 0
+    for g in reqs:
+        remaining = min(g.remaining, RESERVE_CLIP_TOKENS)
+        expected = min(remaining, max(1, math.ceil(ratio * remaining))) if remaining > 0 else 0
+        total += pages_needed(g.kv_len + expected, g.pages_held, page_size)
+    return total
+
+
+@dataclass
+class NewTokenRatio:
+    """The share of its remaining ``max_new_tokens`` a running request is expected to decode
+    (SGLang's new-token ratio); admission keeps that much KV free for every running request.
+
+    Requests often stop early (EOS, stop strings), so the estimate starts below 1 and decays
+    each decode step toward ``floor``, admitting more as long as that works out. A retraction
+    proves it too low: it jumps to ``after_retract`` (1: reserve the worst case), so the
+    retracted request is not re-admitted only to be retracted again. With nothing running it
+    returns to ``init``.
+    """
+
+    init: float = 0.7
+    floor: float = 0.1
+    decay_per_step: float = 0.001
+    after_retract: float = 1.0
+    value: float = field(default=-1.0)
+
+    def __post_init__(self):
+        if not 0 < self.floor <= self.init <= self.after_retract <= 1:
+            raise ValueError(f"new token ratio: need 0 < floor <= init <= after_retract <= 1, got "
+                             f"{self.floor}, {self.init}, {self.after_retract}")
+        if self.value < 0:
+            self.value = self.init
+
+    def decay(self) -> None:
+        """After each decode step."""
+        self.value = max(self.floor, self.value - self.decay_per_step)
+
+    def on_retract(self) -> None:
+        self.value = max(self.value, self.after_retract)
+
+    def on_idle(self) -> None:
+        self.value = self.init

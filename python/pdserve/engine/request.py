@@ -138,6 +138,7 @@ class ReqState(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # disaggregated decode: pages reserved, KV in flight
     PREFILLING = "prefilling"  # admitted; some chunks of its prefill still to run
     RUNNING = "running"  # in the decode set
+    TRANSFERRING = "transferring"  # disaggregated prefill: prompt done, KV writes draining
     FINISHED = "finished"
 
 
@@ -195,11 +196,21 @@ class Req:
         self.num_retractions = 0
         self.generator = None  # torch.Generator for seeded sampling, created by the scheduler
         self.logprob: ReqLogprobs | None = None  # input logprob state, set by the scheduler if asked
+        self.clock = None  # obs.timeline.StageClock, set by the scheduler: the TTFT breakdown
+        self.room: int | None = None  # disaggregation: the bootstrap room pairing its two halves
+        self.bootstrap = None  # disaggregation: io_struct.BootstrapRef of the prefill half (decode)
 
     def append_output(self, token: int) -> None:
         """The only way a token joins the output (keeps ``fill_ids`` == prompt + output)."""
         self.output_ids.append(token)
         self.fill_ids.append(token)
+
+    def hold_back_last_token(self) -> None:
+        """Disaggregated prefill: decode's first step feeds the last prompt token, so this request
+        prefills only the rest (and its prompt, as the engine sees it, is one token shorter)."""
+        assert not self.output_ids and self.prompt_len > 1 and self.kv_len == 0, self
+        self.origin_input_ids.pop()
+        self.fill_ids.pop()
 
     @property
     def prompt_len(self) -> int:

@@ -18,6 +18,7 @@ from pdserve.engine import policy
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.logprobs import PromptLogitPlan, ReqLogprobs, check_logprob_params
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
+from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.request import (
     Req,
     ReqState,
@@ -34,6 +35,7 @@ from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.page_table import ReqToTokenTable
 from pdserve.mem.radix_cache import RadixCache
+from pdserve.obs.timeline import StageClock
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +50,11 @@ class Scheduler:
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, config: SchedulerConfig,
-                 tokenizer=None, parallel: ParallelState = SINGLE, runner: ModelRunner | None = None):
+                 tokenizer=None, parallel: ParallelState = SINGLE, runner: ModelRunner | None = None,
+                 mode: SchedulerMode | None = None):
         """``runner``: one built by the caller (it must match model_config and cache_config);
-        by default the scheduler builds its own."""
+        by default the scheduler builds its own. ``mode``: a disaggregation mode (default:
+        colocated), attached last, once the pool and the queues exist."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.config = config
@@ -75,6 +79,9 @@ class Scheduler:
         self._uids = itertools.count()  # Req.uid: never reused, unlike a client's rid
         self.num_retractions = 0
         self.forward_steps = 0
+        self.new_token_ratio = policy.NewTokenRatio()  # KV admission keeps free for decode growth
+        self.mode = mode or SchedulerMode()
+        self.mode.attach(self)
 
     # ---------------------------------------------------------------- intake
     @property
@@ -92,9 +99,11 @@ class Scheduler:
                       max_tokens_field="sampling_params.max_new_tokens")
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                    return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0) -> Req:
+                    return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                    bootstrap=None) -> Req:
         """Queue a request. ``max_new_tokens`` 0 still prefills the prompt (its KV lands in the
-        radix cache, its input logprobs are computed) and finishes without sampling."""
+        radix cache, its input logprobs are computed) and finishes without sampling.
+        ``bootstrap`` (an ``io_struct.BootstrapRef``): the request's disaggregated other half."""
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
@@ -106,14 +115,18 @@ class Scheduler:
             req.generator = torch.Generator().manual_seed(sampling.seed)
         if sampling.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
+        req.clock = StageClock()
         self.reqs[rid] = req
-        self.waiting.append(req)
+        if not self.mode.take(req, bootstrap):
+            self.waiting.append(req)
         return req
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return False
+        if self.mode.abort(req, message):
+            return True
         if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, finish_abort(message))
@@ -121,9 +134,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._pending or self.mode.has_work())
+
+    def runnable(self) -> bool:
+        """A forward pass (or an output) is due now; otherwise only the mode waits on something."""
         return bool(self.waiting or self.running or self.chunked or self._pending)
 
     def step(self) -> list[TokenOutput]:
+        self.mode.poll()
+        if not self.running and self.chunked is None:
+            self.new_token_ratio.on_idle()
         batch = self._schedule_extend()
         if batch is not None:
             self._run_extend(*batch)
@@ -168,11 +188,12 @@ class Scheduler:
         req.kv_len = req.cached_len = 0
 
     def _reserve_pages(self, n: int, headroom: int = 0) -> list[int] | None:
-        """n pages from the allocator, evicting unlocked cache pages if needed."""
-        short = n + headroom - self.allocator.num_free
+        """n pages from the allocator, evicting unlocked cache pages if needed, provided
+        ``headroom`` more pages stay free or evictable (evicted only once actually needed)."""
+        if n + headroom > self.allocator.num_free + self.cache.num_evictable_pages:
+            return None
+        short = n - self.allocator.num_free
         if short > 0:
-            if short > self.cache.num_evictable_pages:
-                return None
             self.cache.evict(short)
         return self.allocator.alloc(n)
 
@@ -190,7 +211,7 @@ class Scheduler:
             remaining = len(req.fill_ids) - req.kv_len
             n = policy.chunk_len(remaining, budget, req.kv_len, self.page_size)
             need = policy.pages_needed(req.kv_len + n, len(req.pages), self.page_size)
-            pages = self._reserve_pages(need, headroom=len(self.running)) if n else None
+            pages = self._reserve_pages(need, headroom=self._headroom(req, n, fresh, reqs, lens)) if n else None
             if pages is None:
                 if fresh:
                     self._unadmit(req)
@@ -212,6 +233,23 @@ class Scheduler:
                 break
         return (reqs, lens) if reqs else None
 
+    def _headroom(self, req: Req, n: int, fresh: bool, batch: list[Req], lens: list[int]) -> int:
+        """Pages to keep free besides ``req``'s next ``n`` prompt tokens: the expected decode growth
+        of the running requests and, when admitting ``req``, of this batch and of ``req`` itself.
+        A lone request is admitted on its prompt alone (else one too long could never start)."""
+        growth = [self._growth(r) for r in self.running]
+        if fresh and (self.running or batch):
+            growth += [self._growth(r, m) for r, m in zip(batch, lens)] + [self._growth(req, n)]
+        return policy.reserved_pages(growth, self.new_token_ratio.value, self.page_size)
+
+    def _growth(self, req: Req, prefill: int = 0) -> policy.Growth:
+        """What ``req`` may still write to the pool: a running request its decode; one being
+        prefilled (``prefill`` tokens this step) the rest of its prompt, then its decode."""
+        if req.state is ReqState.RUNNING:
+            return policy.Growth(req.kv_len, len(req.pages), req.sampling.max_new_tokens - len(req.output_ids))
+        pages = max(len(req.pages), -(-(req.kv_len + prefill) // self.page_size))
+        return policy.Growth(len(req.fill_ids), pages, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+
     # ------------------------------------------------------------------ runs
     def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
         ids, pos, loc = [], [], []
@@ -219,6 +257,9 @@ class Scheduler:
             ids += req.fill_ids[req.kv_len:req.kv_len + n]
             pos += range(req.kv_len, req.kv_len + n)
             loc += self.table.slots_for(req.pages, req.kv_len, req.kv_len + n)
+        for req in reqs:
+            req.clock.start_prefill()
+        self.mode.before_extend(reqs, lens)
         plan = PromptLogitPlan.build(reqs, lens)
         batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], lens,
                                [r.row for r in reqs], prompt_logit_index=plan.index)
@@ -230,8 +271,9 @@ class Scheduler:
         for i, (req, n) in enumerate(zip(reqs, lens)):
             req.kv_len += n
             if req.kv_len == len(req.fill_ids):
+                req.clock.end_prefill()
                 done.append(i)
-        done = self._finish_prefill_only(reqs, done)
+        done = self._finish_prefill_only(reqs, self.mode.after_prefill(reqs, done))
         if done:
             finished_prefill = [reqs[i] for i in done]
             for req in finished_prefill:
@@ -259,6 +301,7 @@ class Scheduler:
                                [1] * len(reqs), rows, tuple(r.uid for r in reqs))
         logits = self.runner.forward(batch, self.table.table)
         self.forward_steps += 1
+        self.new_token_ratio.decay()
         for r in reqs:
             r.kv_len += 1
         self._sample_and_append(reqs, logits)
@@ -287,6 +330,7 @@ class Scheduler:
         req.state = ReqState.WAITING
         req.num_retractions += 1
         self.num_retractions += 1
+        self.new_token_ratio.on_retract()
         self.waiting.insert(0, req)
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
@@ -304,7 +348,10 @@ class Scheduler:
             reason = self._check_finish(req, tok)
             if reason is not None:
                 self._finish(req, reason, emit=False)
-            self._pending.append(self._output(req, [tok], lp, top))
+            out = self._output(req, [tok], lp, top)
+            if len(req.output_ids) == 1:
+                out.timeline = req.clock.breakdown()
+            self._pending.append(out)
 
     def _check_finish(self, req: Req, tok: int) -> dict | None:
         sp = req.sampling
@@ -319,8 +366,15 @@ class Scheduler:
         return None
 
     # --------------------------------------------------------------- release
+    def finish_request(self, req: Req, reason: dict) -> None:
+        """End ``req`` now (a mode's decision), releasing what it holds and telling the frontend."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+
     def _finish(self, req: Req, reason: dict, emit: bool = True) -> None:
-        if req.state in (ReqState.RUNNING, ReqState.PREFILLING):
+        self.mode.on_finish(req)
+        if req.state in (ReqState.RUNNING, ReqState.PREFILLING, ReqState.TRANSFERRING):
             if req in self.running:
                 self.running.remove(req)
             if self.chunked is req:
@@ -356,14 +410,18 @@ class Scheduler:
             return False
         return self.cache.reset()
 
+    def _live_reqs(self) -> list[Req]:
+        """Requests holding pages: the scheduler's own, then the mode's."""
+        return self.running + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
+
     def pages_held_by_requests(self) -> int:
-        reqs = self.running + ([self.chunked] if self.chunked else [])
-        return sum(len(r.pages) - r.num_cached_pages for r in reqs)
+        held = sum(len(r.pages) - r.num_cached_pages for r in self._live_reqs())
+        return held + self.mode.quarantined_pages()
 
     def check_memory(self) -> None:
         """free + cached + request-owned pages == total, and every live request's own
         invariants; raises on a leak, a double count or a broken request."""
-        for req in self.running + ([self.chunked] if self.chunked else []):
+        for req in self._live_reqs():
             req.check(self.page_size)
         total = self.allocator.num_free + self.cache.num_cached_pages + self.pages_held_by_requests()
         if total != self.allocator.num_pages:
@@ -384,4 +442,5 @@ class Scheduler:
             "token_usage": (total - free - self.cache.num_evictable_pages) / total,
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
+            **self.mode.stats(),
         }

@@ -107,10 +107,10 @@ class SchedulerLoop:
 
     def run(self) -> None:
         while not self.stopped:
-            self.drain(block=not self.scheduler.has_work())
+            woke = self.drain(block=not self.scheduler.runnable())
             if self.stopped:
                 break
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() or woke:
                 self.run_step()
             elif self._parent_gone():
                 logger.warning("parent process is gone; scheduler exiting")
@@ -121,17 +121,32 @@ class SchedulerLoop:
         if outputs:
             self.send.send_pyobj(BatchTokenOutput(outputs))
 
-    def drain(self, block: bool) -> None:
-        """Handle every queued message; if ``block``, first wait up to the idle poll timeout."""
-        if block and not self.recv.poll(self.idle_poll_ms):
+    def drain(self, block: bool) -> bool:
+        """Handle every queued frontend message; if ``block``, first wait up to the idle poll
+        timeout (shorter while the scheduler's mode waits on transfers) for a message from the
+        frontend or the mode's peers. True if anything arrived."""
+        if block and not self._wait():
             self.idle_polls += 1
-            return
+            return False
         while not self.stopped:
             try:
                 msg = self.recv.recv_pyobj(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             self.handle(msg)
+        return True
+
+    def _wait(self) -> bool:
+        mode = getattr(self.scheduler, "mode", None)
+        sockets = mode.sockets() if mode is not None else []
+        interval = mode.poll_interval_ms() if mode is not None else None
+        timeout = self.idle_poll_ms if interval is None else min(interval, self.idle_poll_ms)
+        if not sockets:
+            return bool(self.recv.poll(timeout))
+        poller = zmq.Poller()
+        for sock in (self.recv, *sockets):
+            poller.register(sock, zmq.POLLIN)
+        return bool(poller.poll(timeout)) or interval is not None
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
@@ -150,7 +165,7 @@ class SchedulerLoop:
     def _add(self, msg: TokenizedGenerateReq) -> None:
         try:
             self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob,
-                                       msg.logprob_start_len, msg.top_logprobs_num)
+                                       msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap)
         except ValueError as e:
             self.send.send_pyobj(RejectedReq(msg.rid, str(e)))
 
@@ -173,15 +188,21 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
     recv = _socket(ctx, zmq.PULL, endpoints.to_scheduler)
     send = _socket(ctx, zmq.PUSH, endpoints.to_frontend)
     code = 0
+    scheduler = None
     try:
         scheduler = build_scheduler(args)
         send.send_pyobj(ready_message(scheduler))
         SchedulerLoop(scheduler, recv, send, parent_pid).run()
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
-        logger.error("scheduler failed:\n%s", traceback.format_exc())
+        # A ValueError is a user error that names its field (e.g. a tensor missing from the
+        # checkpoint): the frontend prints it in one line; a traceback would only bury it.
+        level = logging.DEBUG if isinstance(e, ValueError) else logging.ERROR
+        logger.log(level, "scheduler failed:\n%s", traceback.format_exc())
         send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}"))
         code = 1
     finally:
+        if scheduler is not None:
+            scheduler.mode.close()
         recv.close(linger=0)
         send.close(linger=1000)  # let a final SchedulerFailed reach the frontend
         ctx.term()
@@ -192,6 +213,8 @@ def build_scheduler(args: ServerArgs):
     """The scheduler this process drives; torch uses every core (the frontend uses one thread)."""
     import torch
 
+    from pdserve.engine.disagg_setup import build_mode
+    from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.scheduler import Scheduler
     from pdserve.engine.tokenizer import load_tokenizer
 
@@ -200,7 +223,10 @@ def build_scheduler(args: ServerArgs):
     tokenizer = None
     if not args.skip_tokenizer_init:
         tokenizer = load_tokenizer(args.tokenizer_path or model_config.path)
-    return Scheduler(model_config, args.cache_config(), args.scheduler_config(), tokenizer)
+    cache_config, config = args.cache_config(), args.scheduler_config()
+    runner = ModelRunner(model_config, cache_config, seed=config.random_seed)
+    mode = build_mode(args, model_config, runner)
+    return Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode)
 
 
 def ready_message(scheduler) -> SchedulerReady:
@@ -321,9 +347,10 @@ def _start_rank(args: ServerArgs, layout, store_dir: str | None):
 
     torch.set_num_threads(args.num_threads or max(1, default_num_threads() // len(layout.ranks_on_node())))
     device = "cpu"  # the model runner runs on CPU in this build
-    groups = init_rank_groups(layout, init_method(store_dir, args.dist_init_addr), backend_for_device(device))
+    # Configs first (parallel_state.py says why), then the process group.
     model_config = args.model_config()
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
+    groups = init_rank_groups(layout, init_method(store_dir, args.dist_init_addr), backend_for_device(device))
     scheduler = build_rank_scheduler(args, groups, model_config, tokenizer, device)
     ControlPlane(layout, groups.cpu).gather(os.getpid())  # every rank is ready
     return groups, scheduler

@@ -1,4 +1,4 @@
-"""The ``pdserve`` command line: ``pdserve serve ...``, ``pdserve router ...`` (``bench``, ``up`` plug in later).
+"""The ``pdserve`` command line: ``pdserve serve | router | up | bench | plan``.
 
 Flag names are SGLang's. Each flag's ``dest`` is the ServerArgs field it sets,
 so a flag added to a group below only needs a matching ServerArgs field.
@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 
 from pdserve import __version__
-from pdserve.config import DTYPES, LOAD_FORMATS, MOE_A2A_BACKENDS, SCHEDULE_POLICIES, ServerArgs
+from pdserve.bench import config as bench_config
+from pdserve.config import (
+    DISAGG_MODES,
+    DTYPES,
+    FALLBACK_POLICIES,
+    LOAD_FORMATS,
+    MOE_A2A_BACKENDS,
+    SCHEDULE_POLICIES,
+    TRANSFER_BACKENDS,
+    ServerArgs,
+)
 from pdserve.router.config import PrefillSpec, RouterArgs, normalize_url
 from pdserve.router.policy import POLICIES
 
@@ -89,7 +100,28 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--node-rank", "this node's index; nodes > 0 run their ranks only, node 0 the server too", type=int)
 
 
-SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_parallel_args, add_runtime_args)
+def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) -> None:
+    """``per_server`` False (``pdserve up``): the flags every server of a deployment shares."""
+    g = parser.add_argument_group("prefill/decode disaggregation")
+    if per_server:
+        _flag(g, "--disaggregation-mode", "run as a colocated server (null), a prefill or a decode server",
+              choices=DISAGG_MODES)
+        _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
+              type=int)
+    _flag(g, "--disaggregation-transfer-backend", "KV transfer engine", choices=TRANSFER_BACKENDS)
+    _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
+    _flag(g, "--disaggregation-timeout-s", "bound on every waiting state (unpaired room, KV in flight)",
+          type=float)
+    _flag(g, "--disaggregation-heartbeat-s", "decode: how often it checks the prefill servers it waits on",
+          type=float)
+    _flag(g, "--disaggregation-fallback", "decode, when a transfer fails: prefill locally or fail the request",
+          choices=FALLBACK_POLICIES)
+    _flag(g, "--disaggregation-min-prefill-tokens", "decode: prefill locally when it would receive fewer "
+          "tokens than this (0: always transfer)", type=int)
+
+
+SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_parallel_args, add_runtime_args,
+                     add_disagg_args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +208,266 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return launch_router(args)
 
 
+# --------------------------------------------------------------------- up
+UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_runtime_args)
+
+
+def add_up_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("deployment")
+    g.add_argument("--num-prefill", type=int, default=1, help="prefill servers (default: %(default)s)")
+    g.add_argument("--num-decode", type=int, default=1, help="decode servers (default: %(default)s)")
+    g.add_argument("--host", default="127.0.0.1", help="interface of the router and the servers "
+                   "(default: %(default)s)")
+    g.add_argument("--port", type=int, default=30000, help="the router's port; servers take the next ones "
+                   "(default: %(default)s)")
+    g.add_argument("--bootstrap-port", dest="up_bootstrap_port", type=int, default=8998,
+                   help="prefill i's bootstrap registry listens on this + i (default: %(default)s)")
+    g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="least_load",
+                   help="the router's policy for both sides (default: %(default)s)")
+    for add in UP_SERVER_GROUPS:
+        add(parser)
+    add_disagg_args(parser, per_server=False)
+
+
+def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """The server flags given (those different from their defaults), as a command line again."""
+    out: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its actions here
+        if action.dest not in _FIELDS or action.dest in ("host", "port") or not action.option_strings:
+            continue
+        value = getattr(ns, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        out += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]  # noqa: SLF001
+    return tuple(out)
+
+
+def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.entrypoints.up import UpArgs, launch_up
+
+    try:
+        server_args_from_namespace(ns)  # every server would refuse these: say so now
+        args = UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port, ns.up_bootstrap_port,
+                      server_flags_from_namespace(ns, parser), ns.up_policy)
+    except (ValueError, TypeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return launch_up(args)
+
+
+# ------------------------------------------------------------------ bench
+def _part_default(part, name: str):
+    f = {f.name: f for f in dataclasses.fields(part)}[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _bflag(group, part, name: str, help: str, *aliases: str, **kw) -> None:
+    """``--random-input-len`` -> ``part.random_input_len``, defaulting to the dataclass default."""
+    dest = name.lstrip("-").replace("-", "_")
+    if kw.get("action") != "store_true":
+        default = _part_default(part, dest)
+        kw.setdefault("default", ",".join(f"{x:g}" for x in default) if isinstance(default, tuple) else default)
+        if kw["default"] is not None and kw["default"] != {}:
+            help += " (default: %(default)s)"
+    group.add_argument(name, *aliases, dest=dest, help=help, **kw)
+
+
+def add_bench_server_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
+    g = parser.add_argument_group("server")
+    _bflag(g, c.EndpointConfig, "--backend", "API shape: pdserve/sglang = native /generate, openai = "
+           "/v1/completions, openai-chat = /v1/chat/completions", choices=c.BACKENDS)
+    _bflag(g, c.EndpointConfig, "--base-url", "server URL (default: http://HOST:PORT)")
+    _bflag(g, c.EndpointConfig, "--host", "server host")
+    _bflag(g, c.EndpointConfig, "--port", "server port", type=int)
+    _bflag(g, c.EndpointConfig, "--model", "model name for request bodies (default: the server's /v1/models)")
+    _bflag(g, c.EndpointConfig, "--tokenizer", "preset name or local tokenizer directory (default: the model's)")
+    _bflag(g, c.EndpointConfig, "--api-key", "bearer token (default: $OPENAI_API_KEY)")
+    _bflag(g, c.EndpointConfig, "--disable-ignore-eos", "let requests stop at EOS (lengths then vary)",
+           action="store_true")
+    _bflag(g, c.EndpointConfig, "--tokenize-prompt", "native backends: send input_ids instead of text",
+           action="store_true")
+    _bflag(g, c.EndpointConfig, "--extra-request-body", "JSON object merged into every request body",
+           type=_json_object)
+    _bflag(g, c.EndpointConfig, "--request-timeout", "seconds before one request is abandoned", type=float)
+
+
+def add_bench_dataset_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
+    d = parser.add_argument_group("dataset")
+    _bflag(d, c.DatasetConfig, "--dataset-name", "workload", choices=c.DATASETS)
+    _bflag(d, c.DatasetConfig, "--dataset-path", "local ShareGPT JSON file (sharegpt)")
+    for name, kind in (("random-input-len", int), ("random-output-len", int), ("random-range-ratio", float)):
+        _bflag(d, c.DatasetConfig, "--" + name, "random: tokens per prompt / answer; ratio = min/max length",
+               type=kind)
+    for name in ("sharegpt-output-len", "sharegpt-context-len"):
+        _bflag(d, c.DatasetConfig, "--" + name, "sharegpt: fixed answer length / drop longer prompt+answer",
+               type=int)
+    for name in ("gsp-num-groups", "gsp-prompts-per-group", "gsp-system-prompt-len", "gsp-question-len",
+                 "gsp-output-len"):
+        _bflag(d, c.DatasetConfig, "--" + name, "generated-shared-prefix: groups sharing a system prompt", type=int)
+    for name in ("multi-turn-clients", "multi-turn-rounds", "multi-turn-question-len", "multi-turn-output-len"):
+        _bflag(d, c.DatasetConfig, "--" + name, "multi-turn: clients x rounds, each extending the last answer",
+               type=int)
+    for stream in ("interactive", "background"):
+        for name, kind in (("input-len", int), ("output-len", int), ("rate", float)):
+            _bflag(d, c.DatasetConfig, f"--mixed-{stream}-{name}", f"mixed: the {stream} stream's "
+                   f"{name.replace('-', ' ')} (rates in req/s; interactive defaults to --request-rate)", type=kind)
+
+
+def add_bench_load_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
+    ld = parser.add_argument_group("load")
+    _bflag(ld, c.LoadConfig, "--num-prompts", "requests to send (mixed: both streams together)", type=int)
+    _bflag(ld, c.LoadConfig, "--request-rate", "mean arrivals per second; inf sends all at once", type=float)
+    _bflag(ld, c.LoadConfig, "--burstiness", "gamma shape of inter-arrivals: 1 = Poisson, <1 burstier",
+           type=float)
+    _bflag(ld, c.LoadConfig, "--max-concurrency", "most requests in flight from this client", type=int)
+    _bflag(ld, c.LoadConfig, "--warmup-requests", "concurrent warm-up requests before the clock starts", type=int)
+    _bflag(ld, c.LoadConfig, "--seed", "seed of prompts, lengths and arrivals", type=int)
+    _bflag(ld, c.LoadConfig, "--flush-cache", "POST /flush_cache after warm-up", action="store_true")
+    _bflag(ld, c.LoadConfig, "--disable-tqdm", "no progress bar", action="store_true")
+
+
+def add_bench_report_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
+    r = parser.add_argument_group("report")
+    _bflag(r, c.ReportConfig, "--output-file", "append the result as one JSON line to this file")
+    _bflag(r, c.ReportConfig, "--output-details", "also keep generated texts in the JSON", action="store_true")
+    _bflag(r, c.ReportConfig, "--metric-percentiles", "percentiles reported for every latency")
+    _bflag(r, c.ReportConfig, "--slo", "goodput SLOs in ms, e.g. ttft:200,tpot:50 (metrics: ttft, tpot, e2e)",
+           "--goodput", nargs="+")
+    _bflag(r, c.ReportConfig, "--label", "free-form label stored with the result")
+
+
+def add_bench_profile_args(parser: argparse.ArgumentParser) -> None:
+    c = bench_config
+    p = parser.add_argument_group("planner profiles (pdserve plan)")
+    _bflag(p, c.ProfileConfig, "--profile", "measure a prefill or decode profile instead of running a dataset",
+           choices=c.PROFILE_KINDS)
+    _bflag(p, c.ProfileConfig, "--profile-input-lens", "prefill: prompt lengths timed")
+    _bflag(p, c.ProfileConfig, "--profile-batch-sizes", "decode: batch sizes timed")
+    _bflag(p, c.ProfileConfig, "--profile-context-len", "decode: prompt length of each request", type=int)
+    _bflag(p, c.ProfileConfig, "--profile-output-len", "decode: tokens per request", type=int)
+    _bflag(p, c.ProfileConfig, "--profile-repeats", "measurements per point (the median is kept)", type=int)
+
+
+BENCH_ARG_GROUPS = (add_bench_server_args, add_bench_dataset_args, add_bench_load_args, add_bench_report_args,
+                    add_bench_profile_args)
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    for add in BENCH_ARG_GROUPS:
+        add(parser)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def bench_config_from_namespace(ns: argparse.Namespace) -> bench_config.BenchConfig:
+    """BenchConfig from parsed flags; raises ValueError naming the flag if they are invalid."""
+    c = bench_config
+    values = dict(vars(ns))
+    values["metric_percentiles"] = c.parse_floats(ns.metric_percentiles, "--metric-percentiles")
+    values["profile_input_lens"] = c.parse_ints(ns.profile_input_lens, "--profile-input-lens")
+    values["profile_batch_sizes"] = c.parse_ints(ns.profile_batch_sizes, "--profile-batch-sizes")
+    values["slo"] = c.parse_slo(" ".join(ns.slo)) if ns.slo else {}
+    return c.BenchConfig.from_flat(values)
+
+
+def cmd_bench(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        cfg = bench_config_from_namespace(ns)
+    except (ValueError, TypeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    from pdserve.bench.serving import main as bench_main
+
+    try:
+        return bench_main(cfg)
+    except (ValueError, RuntimeError) as e:
+        parser.exit(1, f"{parser.prog}: error: {e}\n")
+
+
+# ------------------------------------------------------------------- plan
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("instances (from `pdserve bench --profile prefill|decode`)")
+    g.add_argument("--prefill-profile", required=True, help="JSON (lines) file holding a prefill profile")
+    g.add_argument("--decode-profile", required=True, help="JSON (lines) file holding a decode profile")
+    g.add_argument("--transfer-us-per-token", type=float, default=0.0,
+                   help="KV transfer time per prompt token not hidden behind prefill (default: %(default)s)")
+    g.add_argument("--transfer-overhead-ms", type=float, default=0.0,
+                   help="fixed cost per transferred request: handshake, completion (default: %(default)s)")
+    g.add_argument("--max-running-requests", type=int, default=256,
+                   help="largest decode batch per instance (default: %(default)s)")
+    g.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="most prompt tokens in one prefill batch (default: %(default)s)")
+    w = parser.add_argument_group("workload (a bench result, or lengths)")
+    w.add_argument("--workload", help="a `pdserve bench` JSON-lines file: the last run's lengths and rate")
+    w.add_argument("--isl", type=int, help="prompt length in tokens (without --workload)")
+    w.add_argument("--osl", type=int, help="output length in tokens (without --workload)")
+    w.add_argument("--range-ratio", type=float, default=1.0,
+                   help="lengths uniform in [ratio*L, L] (default: %(default)s: fixed)")
+    w.add_argument("--request-rate", type=float, help="req/s to plan for (default: the --workload run's)")
+    w.add_argument("--burstiness", type=float, help="gamma shape of inter-arrivals (default: the run's, or 1)")
+    o = parser.add_argument_group("objective and search")
+    o.add_argument("--slo", required=True, nargs="+", help="per-request SLOs in ms, e.g. ttft:2000,tpot:100")
+    o.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="fraction of requests that must meet every SLO (default: %(default)s)")
+    o.add_argument("--max-instances", type=int, default=16, help="largest deployment tried (default: %(default)s)")
+    o.add_argument("--num-requests", type=int, default=1000, help="simulated requests (default: %(default)s)")
+    o.add_argument("--seed", type=int, default=0, help="seed of the simulated arrivals (default: %(default)s)")
+    o.add_argument("--output-file", help="append the plan as one JSON line to this file")
+
+
+def plan_inputs_from_namespace(ns: argparse.Namespace):
+    """(Hardware, WorkloadModel, SLO) from parsed flags; raises ValueError naming the flag."""
+    from pdserve.bench import planner, profiles
+    from pdserve.bench.serving import read_jsonl
+
+    hw = planner.Hardware(profiles.load_profile(ns.prefill_profile, "prefill"),
+                          profiles.load_profile(ns.decode_profile, "decode"),
+                          transfer_s_per_token=ns.transfer_us_per_token * 1e-6,
+                          transfer_overhead_s=ns.transfer_overhead_ms / 1000.0,
+                          max_running_requests=ns.max_running_requests, max_prefill_tokens=ns.max_prefill_tokens)
+    if ns.workload:
+        runs = [r for r in read_jsonl(ns.workload) if r.get("schema") == "pdserve.bench/v1"]
+        if not runs:
+            raise ValueError(f"--workload: {ns.workload} holds no `pdserve bench` result")
+        wl = planner.workload_from_result(runs[-1], ns.request_rate, ns.burstiness)
+    elif ns.isl and ns.osl and ns.request_rate:
+        wl = planner.workload_from_lengths(ns.isl, ns.osl, ns.range_ratio, ns.request_rate, ns.burstiness or 1.0)
+    else:
+        raise ValueError("--workload: give a bench result, or --isl, --osl and --request-rate")
+    slo_ms = bench_config.parse_slo(" ".join(ns.slo))
+    if "e2e" in slo_ms:
+        raise ValueError("--slo: the planner takes ttft and tpot")
+    slo = planner.SLO(ttft=slo_ms.get("ttft", 0) / 1000 or None, tpot=slo_ms.get("tpot", 0) / 1000 or None,
+                      attainment=ns.slo_attainment)
+    return hw, wl, slo
+
+
+def cmd_plan(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pdserve.bench import planner
+    from pdserve.bench.serving import append_jsonl
+
+    try:
+        hw, wl, slo = plan_inputs_from_namespace(ns)
+        result = planner.plan(hw, wl, slo, ns.max_instances, ns.num_requests, ns.seed)
+    except (ValueError, TypeError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(planner.format_plan(result))
+    if ns.output_file:
+        append_jsonl(ns.output_file, result.to_dict())
+    return 0 if result.recommendation else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: an SGLang-style LLM server "
                                      "built around prefill/decode disaggregation.")
@@ -190,6 +482,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "(bootstrap_host/port/room added) and return the decode server's answer.")
     add_router_args(router)
     router.set_defaults(handler=cmd_router, subparser=router)
+    up = sub.add_parser("up", help="launch a whole P/D deployment here: prefill + decode servers and a router",
+                        description="Start prefill and decode servers (cores split between them) and a "
+                                    "router in front; Ctrl-C stops everything.")
+    add_up_args(up)
+    up.set_defaults(handler=cmd_up, subparser=up)
+    bench = sub.add_parser("bench", help="benchmark a running server (TTFT, TPOT, ITL, throughput, goodput)",
+                           description="Streaming serving benchmark for pdserve, SGLang and OpenAI-compatible "
+                           "servers; metrics as sglang.bench_serving and vllm bench serve compute them.")
+    add_bench_args(bench)
+    bench.set_defaults(handler=cmd_bench, subparser=bench)
+    plan = sub.add_parser("plan", help="recommend prefill:decode instance counts by simulating a workload",
+                          description="P:D ratio planner: simulates prefill queues, decode batches and KV "
+                          "transfer from measured profiles, and recommends the deployment with the most goodput "
+                          "per instance that meets the SLOs (or colocation).")
+    add_plan_args(plan)
+    plan.set_defaults(handler=cmd_plan, subparser=plan)
     return parser
 
 

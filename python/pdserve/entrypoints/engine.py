@@ -40,6 +40,9 @@ class Engine:
 
     def __init__(self, model_path: str, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs)
+        if self.args.disaggregation_mode != "null":
+            raise ValueError("disaggregation_mode: the offline Engine runs colocated; start prefill and decode "
+                             "servers with `pdserve serve --disaggregation-mode ...` (or `pdserve up`)")
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)

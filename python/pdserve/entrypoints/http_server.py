@@ -49,6 +49,9 @@ STARTUP_TIMEOUT_S = 600.0
 DRAIN_S = 1.0
 GRACEFUL_SHUTDOWN_S = 2.5
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_STATS_TIMEOUT_S = 1.0
+FALLBACK_ALARM_RATE = 0.5  # decode /health reports "degraded" above this recent fallback rate
+FALLBACK_ALARM_MIN = 4  # ... once at least this many disaggregated requests were seen
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # reachable without the API key
 
 
@@ -98,6 +101,10 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def health():
         if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):
             raise ServerError(ctx.tm.fatal_error or "scheduler is not running")
+        if ctx.args.disaggregation_mode == "decode":
+            detail = await _transfer_health(ctx.tm)
+            if detail is not None:
+                return JSONResponse(detail)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -148,6 +155,21 @@ def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"success": True}
 
 
+async def _transfer_health(tm: TokenizerManager) -> dict | None:
+    """A decode server still serves when its transfers fail (it prefills locally), so /health
+    stays 200; but a high fallback rate means a broken deployment, and it says so."""
+    try:
+        stats = await asyncio.wait_for(tm.get_stats(), HEALTH_STATS_TIMEOUT_S)
+    except (asyncio.TimeoutError, RequestError):
+        return None  # busy scheduler: liveness is all this check can tell
+    rate, window = stats.get("fallback_rate", 0.0), stats.get("fallback_window", 0)
+    if window < FALLBACK_ALARM_MIN or rate < FALLBACK_ALARM_RATE:
+        return None
+    return {"status": "degraded", "fallback_rate": rate,
+            "detail": f"{rate:.0%} of the last {window} disaggregated requests fell back to a local prefill: "
+                      "check the prefill servers and the network (see the decode log)"}
+
+
 async def _one_token(tm: TokenizerManager) -> None:
     sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
     await collect(tm.generate([0], sampling, stream=False, rid=f"health-{tm.new_rid()}"))
@@ -158,7 +180,8 @@ async def _server_info(ctx: ServerContext) -> dict:
     args = ctx.args.to_dict()
     return {**args, "args": args, **stats, "internal_states": [stats], "version": __version__,
             "context_length": ctx.tm.limits.context_len, "max_total_num_tokens": ctx.tm.limits.max_total_tokens,
-            "scheduler_pids": ctx.tm.scheduler.pids, "num_inflight_requests": ctx.tm.num_inflight}
+            "scheduler_pids": ctx.tm.scheduler.pids, "num_inflight_requests": ctx.tm.num_inflight,
+            "disaggregation_mode": ctx.args.disaggregation_mode}
 
 
 def _model_info(ctx: ServerContext) -> dict:
@@ -210,10 +233,33 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S) 
     except OSError as e:
         logger.error("port: cannot bind %s:%d (%s)", args.host, args.port, e.strerror or e)
         return 1
+    try:
+        bootstrap = start_bootstrap_server(args)
+    except OSError as e:
+        logger.error("disaggregation_bootstrap_port: cannot bind %s:%d (%s)", args.host,
+                     args.disaggregation_bootstrap_port, e.strerror or e)
+        sock.close()
+        return 1
     metrics = ServerMetrics(args.served_model_name or args.model_path)
     tm = TokenizerManager(args, tokenizer, metrics, stream_interval=args.stream_interval)
     ctx = ServerContext(args, model_config, tm, metrics)
-    return asyncio.run(_serve(ctx, sock, startup_timeout))
+    try:
+        return asyncio.run(_serve(ctx, sock, startup_timeout))
+    finally:
+        if bootstrap is not None:
+            bootstrap.stop()
+
+
+def start_bootstrap_server(args: ServerArgs):
+    """A prefill server's bootstrap registry (its scheduler ranks register there, decode servers
+    read it), listening before the scheduler starts; None in other modes."""
+    if args.disaggregation_mode != "prefill":
+        return None
+    from pdserve.disagg.bootstrap import BootstrapServer
+
+    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port).start()
+    logger.info("bootstrap registry on %s:%d", args.host, server.port)
+    return server
 
 
 async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float) -> int:

@@ -81,6 +81,8 @@ def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: Token
     """SGLang's response body; ``data`` accumulates a stream's logprobs (None: ``c`` holds them all)."""
     meta = {"id": c.rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "cached_tokens": c.cached_tokens, "finish_reason": c.finish_reason}
+    if c.timeline is not None:
+        meta["timeline"] = c.timeline
     if item.job.return_logprob:
         data = data if data is not None else LogprobData()
         data.extend(c.token_ids, c.logprobs, c.top_logprobs)
@@ -99,15 +101,16 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
     starts = _per_prompt(req.logprob_start_len, n, "logprob_start_len", int)
     tops = _per_prompt(req.top_logprobs_num, n, "top_logprobs_num", int)
     rids = _per_prompt(req.rid, n, "rid", str)
+    samplings = [_sampling(sp, tm.limits.vocab_size) for sp in sps]
+    boots = tm.bootstraps(req, n, max(s.n for s in samplings))
     items = []
-    for ids, sp, lp, start, top, rid in zip(ids_list, sps, lps, starts, tops, rids):
-        sampling = _sampling(sp, tm.limits.vocab_size)
+    for ids, sampling, lp, start, top, rid, boot in zip(ids_list, samplings, lps, starts, tops, rids, boots):
         tm.check_input(ids, sampling.max_new_tokens, field_name, "sampling_params.max_new_tokens")
         start, top = -1 if start is None else start, top or 0
         if lp:
             _check_logprobs(ids, start, top, tm.limits.vocab_size)
         job = PromptJob(ids, sampling.for_copy(0), sampling.n, bool(lp), resolve_start(start, len(ids)) if lp else None,
-                        top if lp else 0, rid)
+                        top if lp else 0, rid, boot)
         items.append(_Item(job, top if lp else 0))
     return items, single
 

@@ -86,8 +86,9 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
     samplings = [_sampling(tm, req, p, req.max_tokens, "max_tokens", "prompt") for p in prompts]
     best_of = _best_of(req, samplings[0].n)
     echo_lp = req.echo and req.logprobs is not None
+    boots = tm.bootstraps(req, len(prompts), best_of)
     jobs = [PromptJob(ids, sp, best_of, req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
-                      req.logprobs or 0) for ids, sp in zip(prompts, samplings)]
+                      req.logprobs or 0, bootstrap=boot) for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
     call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
     return await _run(tm, request, call)
@@ -100,7 +101,8 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(tm, req, ids, max_tokens, name, "messages")
-    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0)
+    (boot,) = tm.bootstraps(req, 1, sampling.n)
+    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot)
     call = _call("chat", model_name, req, [job], top, None, tm)
     return await _run(tm, request, call)
 

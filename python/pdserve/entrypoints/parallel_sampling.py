@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import SamplingParams
 from pdserve.entrypoints.streaming import collect, gather_or_cancel
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
@@ -28,6 +29,7 @@ class PromptJob:
     input_start: int | None = None  # prompt logprobs from this position on (None: none)
     top_logprobs_num: int = 0
     rid: str | None = None
+    bootstrap: BootstrapRef | None = None  # a disaggregated request (then count is 1)
 
     @property
     def shares_prefill(self) -> bool:
@@ -46,7 +48,8 @@ class PromptJob:
         with_input = not self.shares_prefill
         want = self.return_logprob or (with_input and self.input_start is not None)
         return [tm.generate(self.input_ids, self.sampling.for_copy(j), want, self._rid(j), stream,
-                            logprob_start_len=self._start(with_input), top_logprobs_num=self.top_logprobs_num)
+                            logprob_start_len=self._start(with_input), top_logprobs_num=self.top_logprobs_num,
+                            bootstrap=self.bootstrap)
                 for j in range(self.count)]
 
     def _start(self, with_input: bool) -> int:

@@ -10,12 +10,53 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from pdserve.engine.io_struct import BootstrapRef
+from pdserve.entrypoints.errors import RequestError
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class GenerateRequest(_Body):
+class _Bootstrap(_Body):
+    """What a P/D router adds (sglang-router's names): the prefill server's bootstrap registry
+    and the room pairing the request's prefill and decode halves; lists for a batch."""
+
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+    def bootstraps(self, n: int, default_port: int) -> list[BootstrapRef | None]:
+        """One BootstrapRef per prompt (None for all when the request was not routed)."""
+        if self.bootstrap_room is None and self.bootstrap_host is None:
+            return [None] * n
+        hosts, ports, rooms = (_per_prompt(v, n, name) for v, name in (
+            (self.bootstrap_host, "bootstrap_host"), (self.bootstrap_port, "bootstrap_port"),
+            (self.bootstrap_room, "bootstrap_room")))
+        out = []
+        for i, (host, port, room) in enumerate(zip(hosts, ports, rooms)):
+            at = f"[{i}]" if n > 1 else ""
+            if not host:
+                raise RequestError(f"bootstrap_host{at}: required with bootstrap_room", param="bootstrap_host")
+            if room is None or not 0 <= room < 2**64:
+                raise RequestError(f"bootstrap_room{at}: must be an unsigned 64-bit integer, got {room!r}",
+                                   param="bootstrap_room")
+            port = default_port if port is None else port
+            if not 0 < port < 65536:
+                raise RequestError(f"bootstrap_port{at}: must be in 1..65535, got {port}", param="bootstrap_port")
+            out.append(BootstrapRef(host.strip("[]"), port, room))
+        return out
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise RequestError(f"{name}: expected {n} entries (one per prompt), got {len(value)}", param=name)
+    return value
+
+
+class GenerateRequest(_Bootstrap):
     """SGLang's native ``POST /generate``: exactly one of ``text`` / ``input_ids``."""
 
     text: str | list[str] | None = None
@@ -33,7 +74,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Bootstrap):
     """OpenAI sampling fields plus SGLang's extras (sent via the client's ``extra_body``)."""
 
     model: str | None = None

@@ -38,6 +38,7 @@ from pdserve.config import ServerArgs
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
+    BootstrapRef,
     FlushCacheReq,
     FlushCacheResp,
     GetStatsReq,
@@ -100,6 +101,7 @@ class GenerateChunk:
     top_logprobs: list | None = None
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    timeline: dict | None = None  # TTFT breakdown (obs.timeline.STAGES), once the first token is out
 
 
 @dataclass(eq=False)
@@ -222,6 +224,22 @@ class TokenizerManager:
             raise RequestError(f"rid: {rid!r} is already in use", param="rid")
         return rid
 
+    def bootstraps(self, body, n: int, samples: int) -> list[BootstrapRef | None]:
+        """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
+        checked against this server's mode: a prefill server needs it; a colocated one ignores it;
+        a disaggregated request is one sample (its room pairs exactly one prefill)."""
+        mode = self.args.disaggregation_mode
+        if mode == "null":
+            return [None] * n
+        refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port)
+        if mode == "prefill" and refs[0] is None:
+            raise RequestError("bootstrap_room: a prefill server serves only requests routed with "
+                               "bootstrap_host/bootstrap_port/bootstrap_room (put a P/D router in front)",
+                               param="bootstrap_room")
+        if refs[0] is not None and samples > 1:
+            raise RequestError("n: a disaggregated request runs one sample; send n requests", param="n")
+        return refs
+
     def check_input(self, input_ids: list[int], max_new_tokens: int, prompt_field: str,
                     max_tokens_field: str) -> None:
         """The scheduler's admission checks, done early with the caller's field names."""
@@ -232,7 +250,8 @@ class TokenizerManager:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                        rid: str | None = None, stream: bool = True, logprob_start_len: int = -1,
-                       top_logprobs_num: int = 0) -> AsyncIterator[GenerateChunk]:
+                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None
+                       ) -> AsyncIterator[GenerateChunk]:
         """Submit one request and yield its chunks until it finishes.
 
         Raises RequestError (400) if the scheduler rejects it, ServerError (503) if the
@@ -249,7 +268,7 @@ class TokenizerManager:
         finished = False
         try:
             self._send_or_fail(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
-                                                    top_logprobs_num))
+                                                    top_logprobs_num, bootstrap))
             while not finished:
                 await state.event.wait()
                 state.event.clear()
@@ -322,14 +341,15 @@ class TokenizerManager:
     @staticmethod
     def _chunk(state: _ReqState, outs: list[TokenOutput]) -> GenerateChunk:
         last = outs[-1]
+        stages = state.timeline.stages
         if len(outs) == 1 and not state.return_logprob:  # the common streaming case, kept cheap
             return GenerateChunk(state.rid, "", last.new_token_ids, None, last.finished, last.finish_reason,
-                                 last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+                                 last.prompt_tokens, last.completion_tokens, last.cached_tokens, timeline=stages)
         ids: list[int] = []
         for o in outs:
             ids += o.new_token_ids
         chunk = GenerateChunk(state.rid, "", ids, None, last.finished, last.finish_reason, last.prompt_tokens,
-                              last.completion_tokens, last.cached_tokens)
+                              last.completion_tokens, last.cached_tokens, timeline=stages)
         if state.return_logprob:
             _add_logprobs(chunk, outs)
         return chunk
@@ -419,6 +439,8 @@ class TokenizerManager:
             state.outputs.append(o)
             state.last = o
             state.timeline.on_tokens(len(o.new_token_ids), now)
+            if o.timeline is not None:
+                state.timeline.set_stages(o.timeline)
             if o.finished or len(state.outputs) >= state.wake_every or o.completion_tokens == 1:
                 state.event.set()
 

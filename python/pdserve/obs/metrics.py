@@ -7,9 +7,10 @@ scraped); histograms and counters are fed by the frontend as requests finish.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pdserve.obs.timeline import ReqTimeline
+from pdserve.obs.timeline import STAGES, ReqTimeline
 
 PREFIX = "pdserve:"
 # Seconds; fine steps at the low end where CPU decode steps live, up to a minute.
@@ -24,6 +25,48 @@ STAT_GAUGES = {
     "cached_pages": ("cached_pages", "KV pages held by the prefix cache"),
     "total_pages": ("total_pages", "KV pages in the pool"),
 }
+
+# Disaggregation: scheduler stats() key -> (metric name, help); counters are cumulative there.
+DISAGG_COUNTERS = {
+    "kv_bytes_sent": ("kv_transfer_bytes", "Prefill: KV bytes posted to decode servers"),
+    "kv_writes_sent": ("kv_transfer_writes", "Prefill: KV write operations posted (after merging page runs)"),
+    "rooms_completed": ("prefill_rooms_completed", "Prefill: requests whose KV fully landed on decode"),
+    "rooms_failed": ("prefill_rooms_failed", "Prefill: requests whose KV transfer failed"),
+    "rooms_dropped": ("prefill_rooms_dropped", "Prefill: rooms decode prefilled itself (conditional)"),
+    "rooms_aborted": ("prefill_rooms_aborted", "Prefill: rooms decode aborted"),
+    "rooms_expired": ("prefill_rooms_expired", "Prefill: request halves never paired in time"),
+    "requests_disaggregated": ("decode_kv_requests", "Decode: requests that asked a prefill server for KV"),
+    "kv_received": ("decode_kv_received", "Decode: requests whose KV landed from prefill"),
+    "kv_pages_received": ("decode_kv_pages_received", "Decode: KV pages received from prefill"),
+    "local_prefills": ("decode_local_prefills", "Decode: routed requests prefilled locally by choice"),
+    "fallbacks": ("decode_fallbacks", "Decode: requests prefilled locally after a failed transfer"),
+    "transfer_failures": ("decode_transfer_failures", "Decode: failed KV transfers"),
+}
+DISAGG_GAUGES = {
+    "rooms_waiting": ("prefill_rooms_waiting", "Prefill: request halves waiting for their other half"),
+    "rooms_transferring": ("prefill_rooms_transferring", "Prefill: requests whose KV writes are draining"),
+    "num_waiting_for_kv": ("decode_waiting_for_kv", "Decode: requests waiting for their KV"),
+    "num_pending_kv": ("decode_pending_kv", "Decode: routed requests waiting for pages or their prefill's records"),
+    "quarantined_pages": ("decode_quarantined_pages", "Decode: pages held until no late write can land"),
+    "fallback_rate": ("decode_fallback_rate", "Decode: share of recent disaggregated requests that fell back"),
+}
+
+
+class _DisaggCollector:
+    """Renders the latest scheduler stats' disaggregation numbers (counters stay cumulative)."""
+
+    def __init__(self, labels: dict):
+        self.labels = labels
+        self.stats: dict = {}
+
+    def collect(self):
+        names, values = list(self.labels), list(self.labels.values())
+        for table, family in ((DISAGG_COUNTERS, CounterMetricFamily), (DISAGG_GAUGES, GaugeMetricFamily)):
+            for key, (name, doc) in table.items():
+                if key in self.stats:
+                    m = family(PREFIX + name, doc, labels=names)
+                    m.add_metric(values, float(self.stats[key]))
+                    yield m
 
 
 class ServerMetrics:
@@ -45,6 +88,11 @@ class ServerMetrics:
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", names)
         self.itl = self._histogram("inter_token_latency_seconds", "Gap between consecutive tokens", names)
         self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token", names)
+        self._stages = Histogram(PREFIX + "ttft_stage_seconds", "Time to first token by stage (queue, prefill, "
+                                 "transfer, decode_scheduling); the stages of a request sum to its TTFT",
+                                 names + ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._disagg = _DisaggCollector(self.labels)
+        self.registry.register(self._disagg)
 
     def _counter(self, name, doc, names):
         return Counter(PREFIX + name, doc, names, registry=self.registry).labels(**self.labels)
@@ -57,6 +105,7 @@ class ServerMetrics:
         for key, gauge in self.gauges.items():
             if key in stats:
                 gauge.set(stats[key])
+        self._disagg.stats = stats
 
     def observe_finished(self, timeline: ReqTimeline, prompt_tokens: int, completion_tokens: int,
                          finish_type: str) -> None:
@@ -69,6 +118,8 @@ class ServerMetrics:
             self.itl.observe(gap)
         if timeline.e2e is not None:
             self.e2e.observe(timeline.e2e)
+        for stage in STAGES if timeline.stages else ():
+            self._stages.labels(stage=stage, **self.labels).observe(timeline.stages[stage])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

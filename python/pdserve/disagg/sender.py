@@ -1,0 +1,219 @@
+"""Prefill side of the KV messenger: one ``OutgoingRoom`` per request whose KV goes to decode.
+
+The scheduler tells the sender which pages a forward is about to fill (``stage``); the model
+runner's per-layer hook (``on_layer``) posts that layer's writes as soon as the layer has
+written its KV, without waiting for the forward to end (DESIGN §5 step 2). After the last
+chunk the sender writes the aux data, and ``poll`` reports the room done once every write has
+polled DONE: only then may decode be told, because DONE means the bytes have landed
+(``disagg.transfer``).
+
+Legend: S page_size, n prompt tokens; the sender moves positions [start_pos, n - 1).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.disagg.layout import KVLayout, LayoutError, check_compatible, count_writes, op_addresses, plan_writes
+from pdserve.disagg.protocol import KVRequest
+from pdserve.disagg.transfer import TransferBackend, WriteHandle, WriteState
+
+logger = logging.getLogger(__name__)
+
+
+class RoomState(enum.Enum):
+    SENDING = "sending"  # writes are posted as the forward passes run
+    DRAINING = "draining"  # every write is posted; waiting for them to land
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class OutgoingRoom:
+    """One request's transfer from this prefill rank to the decode ranks of its KV requests."""
+
+    room: int
+    kvs: dict[int, KVRequest]  # by decode rank
+    num_tokens: int  # prompt length - 1: positions this prefill fills
+    next_page: int  # first prompt page (index) not yet staged
+    paired_at: float
+    state: RoomState = RoomState.SENDING
+    handles: list[WriteHandle] = field(default_factory=list)
+    writes: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # page-writes by decode rank
+    staged: dict[int, list] = field(default_factory=dict)  # layer -> this forward's ops
+    error: str | None = None
+    aborted: bool = False
+    first_forward: float | None = None
+    last_forward: float | None = None
+    nbytes: int = 0
+
+    @property
+    def start_page(self) -> int:
+        kv = next(iter(self.kvs.values()))
+        return kv.start_pos // kv.layout.page_size
+
+    def settled(self, backend: TransferBackend) -> bool:
+        return all(backend.poll(h) is not WriteState.PENDING for h in self.handles)
+
+    def timings(self) -> tuple[float, float]:
+        """(queue, prefill) seconds: pairing to first forward, first forward to last."""
+        first = self.first_forward if self.first_forward is not None else self.paired_at
+        last = self.last_forward if self.last_forward is not None else first
+        return max(0.0, first - self.paired_at), max(0.0, last - first)
+
+
+class KVSender:
+    """All outgoing rooms of one prefill rank. Used from the scheduler thread only (the layer
+    hook runs on it too, inside the forward)."""
+
+    def __init__(self, backend: TransferBackend, layout: KVLayout, rank: int, bases: dict[str, int],
+                 aux: torch.Tensor, seed: int = 0):
+        """``bases``: this rank's KV buffer base addresses by name; ``aux`` [slots, hidden] float32
+        registered staging rows for the aux data, one per room in flight."""
+        self.backend = backend
+        self.layout = layout
+        self.rank = rank
+        self.bases = bases
+        self.aux = aux
+        self.seed = seed
+        self.rooms: dict[int, OutgoingRoom] = {}
+        self._aux_free = list(range(aux.shape[0]))
+        self._aux_slot: dict[int, int] = {}
+        self._active: list[OutgoingRoom] = []  # rooms staged for the forward now running
+        self.bytes_posted = 0
+        self.writes_posted = 0
+
+    # ------------------------------------------------------------- rooms
+    def check(self, kv: KVRequest, num_tokens: int) -> None:
+        """Raise LayoutError naming what makes ``kv`` unservable for a prompt of n - 1 = num_tokens."""
+        check_compatible(self.layout, kv.layout)
+        if kv.start_pos + kv.num_tokens != num_tokens:
+            raise LayoutError(f"num_tokens: decode asks for positions {kv.start_pos}..{kv.start_pos + kv.num_tokens}"
+                              f" but this prompt has {num_tokens} before its last token")
+        if kv.aux_bytes not in (0, self.aux.shape[1] * self.aux.element_size()):
+            raise LayoutError(f"aux_bytes: decode expects {kv.aux_bytes}, prefill sends "
+                              f"{self.aux.shape[1] * self.aux.element_size()}")
+
+    def open(self, room: int, kvs: dict[int, KVRequest], num_tokens: int, now: float) -> OutgoingRoom:
+        for kv in kvs.values():
+            self.check(kv, num_tokens)
+        r = OutgoingRoom(room, kvs, num_tokens, 0, now)
+        r.next_page = r.start_page
+        self.rooms[room] = r
+        return r
+
+    def stage(self, room: int, pages: list[int], end_pos: int) -> None:
+        """The coming forward fills positions up to ``end_pos`` of the room's prompt (``pages``:
+        the request's page list); plan the writes of the pages it completes. Chunks end on page
+        boundaries except the last, so every page is sent once per layer."""
+        r = self.rooms[room]
+        if r.state is not RoomState.SENDING or r.aborted:
+            return
+        S = self.layout.page_size
+        last = end_pos >= r.num_tokens
+        end_page = -(-end_pos // S) if last else end_pos // S
+        if r.first_forward is None:
+            r.first_forward = time.monotonic()
+        if end_page <= r.next_page:
+            return
+        src = pages[r.next_page:end_page]
+        first_dst = r.next_page - r.start_page
+        r.staged = defaultdict(list)
+        for d, kv in r.kvs.items():
+            ops = plan_writes(self.layout, kv.layout, src, kv.dst_pages[first_dst:first_dst + len(src)],
+                              room=room, seed=self.seed, dst_dp_rank=kv.dst_dp_rank)
+            for op in ops:
+                if op.src_rank == self.rank and op.dst_rank == d:
+                    r.staged[op.layer].append(op)
+        r.next_page = end_page
+        self._active.append(r)
+
+    def on_layer(self, layer: int) -> None:
+        """The model runner's hook: ``layer``'s KV for this forward is in the pool; post its writes."""
+        for r in self._active:
+            ops = r.staged.pop(layer, None)
+            if not ops or r.aborted:
+                continue
+            for d, kv in r.kvs.items():
+                mine = [op for op in ops if op.dst_rank == d]
+                if mine:
+                    self._post(r, kv, mine)
+
+    def _post(self, r: OutgoingRoom, kv: KVRequest, ops: list) -> None:
+        dst_bases = dict(zip(kv.layout.buffers, kv.buffers))
+        srcs, dsts, lens = op_addresses(ops, self.bases, dst_bases)
+        r.handles.append(self.backend.post_writes(kv.session, srcs, dsts, lens))
+        for key, n in count_writes(ops).items():
+            r.writes[key[1]] += n
+        nbytes = sum(lens)
+        r.nbytes += nbytes
+        self.bytes_posted += nbytes
+        self.writes_posted += len(ops)
+
+    def forward_done(self) -> None:
+        """The forward ended: staged rooms stamp their last forward."""
+        now = time.monotonic()
+        for r in self._active:
+            r.last_forward = now
+            r.staged = {}
+        self._active = []
+
+    def finish(self, room: int, hidden: torch.Tensor) -> None:
+        """The prompt is prefilled: post the aux data (the last prefilled position's hidden state);
+        the room now drains."""
+        r = self.rooms[room]
+        if r.state is not RoomState.SENDING:
+            return
+        r.state = RoomState.DRAINING
+        for kv in r.kvs.values():
+            if kv.aux_bytes and not r.aborted:
+                self._post_aux(r, kv, hidden)
+
+    def _post_aux(self, r: OutgoingRoom, kv: KVRequest, hidden: torch.Tensor) -> None:
+        if r.room not in self._aux_slot:
+            if not self._aux_free:
+                r.error = "aux: no staging slot free"
+                return
+            self._aux_slot[r.room] = self._aux_free.pop()
+        row = self.aux[self._aux_slot[r.room]]
+        row.copy_(hidden.to(row.dtype))
+        r.handles.append(self.backend.post_writes(kv.session, [row.data_ptr()], [kv.aux_addr], [kv.aux_bytes]))
+
+    # ------------------------------------------------------------- progress
+    def poll(self, room: int) -> RoomState:
+        """DRAINING -> DONE once every write landed, FAILED if one failed (once all settled)."""
+        r = self.rooms[room]
+        if r.state is not RoomState.DRAINING or not r.settled(self.backend):
+            return r.state
+        failed = [h for h in r.handles if self.backend.poll(h) is WriteState.FAILED]
+        if failed or r.error:
+            r.error = r.error or failed[0].error or "a KV write failed"
+            r.state = RoomState.FAILED
+        else:
+            r.state = RoomState.DONE
+        return r.state
+
+    def abort(self, room: int) -> None:
+        """Post nothing more for ``room``; it closes once its posted writes have settled."""
+        r = self.rooms.get(room)
+        if r is not None:
+            r.aborted = True
+            r.staged = {}
+
+    def close_room(self, room: int) -> OutgoingRoom | None:
+        """Forget a room whose writes have all settled; frees its aux slot."""
+        slot = self._aux_slot.pop(room, None)
+        if slot is not None:
+            self._aux_free.append(slot)
+        return self.rooms.pop(room, None)
+
+    def fail_unsettled(self, room: int, why: str) -> None:
+        r = self.rooms[room]
+        r.error = why
+        r.aborted = True

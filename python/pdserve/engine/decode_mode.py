@@ -1,0 +1,312 @@
+"""The decode server's scheduler mode (DESIGN §5): pre-allocate pages, ask prefill for the KV,
+wait until every write has landed, then decode; fall back to a local prefill when it fails.
+
+A request's life here: it waits (``pending``) until its prefill's bootstrap records are known
+and pages are free -> decode pins pages for ``prompt[:-1]`` minus what its own radix cache
+holds, sends the KV request and parks it in WAITING_FOR_KV -> prefill's completion arrives
+with a write count equal to the one decode computed from the layouts -> it joins the running
+batch, and its first decode step feeds the prompt's last token.
+
+Decode prefills locally instead (the colocated path, so output is identical) when there is
+nothing to receive (a one-token prompt, or ``prompt[:-1]`` already cached), when what it would
+receive is shorter than ``--disaggregation-min-prefill-tokens``, or when the request wants
+prompt logprobs (only a local prefill computes them); prefill is told to drop the room. On a
+failed transfer (prefill dead, write error, timeout) it falls back the same way on fresh pages,
+and the abandoned pages stay in quarantine until no late write can land; with
+``--disaggregation-fallback error`` the request fails instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from pdserve.config import DisaggConfig
+from pdserve.disagg.channel import ControlChannel
+from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes
+from pdserve.disagg.protocol import DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
+from pdserve.disagg.receiver import AuxSlots, IncomingRoom, Peer, PeerDirectory, PeerMonitor, Quarantine
+from pdserve.disagg.transfer import TransferBackend
+from pdserve.engine.modes import SchedulerMode
+from pdserve.engine.request import Req, ReqState, finish_abort
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_WINDOW = 100  # the fallback rate is over this many recent disaggregated requests
+
+
+class DecodeMode(SchedulerMode):
+    name = "decode"
+
+    def __init__(self, config: DisaggConfig, channel: ControlChannel, backend: TransferBackend,
+                 layout: KVLayout, bases: list[int], aux: torch.Tensor, directory: PeerDirectory,
+                 server_id: str, rank: int = 0):
+        """``bases``: this rank's KV buffer addresses in ``layout.buffers`` order; ``aux``
+        [slots, hidden] float32, registered: where prefill writes each request's aux data."""
+        self.config = config
+        self.channel = channel
+        self.backend = backend
+        self.layout = layout
+        self.bases = bases
+        self.aux = aux
+        self.directory = directory
+        self.server_id = server_id
+        self.rank = rank
+        self.monitor = PeerMonitor(backend, config.heartbeat_s)
+        self.quarantine = Quarantine(lease_s=2 * config.timeout_s)
+        self.aux_slots = AuxSlots(aux.shape[0])
+        self.pending: list[Req] = []  # waiting for their prefill's records or for free pages
+        self.rooms: dict[int, tuple[Req, IncomingRoom, int]] = {}  # room -> (req, expectation, aux slot)
+        self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # recent transfers: True = fell back
+        self.counters = {"requests_disaggregated": 0, "kv_received": 0, "local_prefills": 0,
+                         "fallbacks": 0, "transfer_failures": 0, "kv_pages_received": 0}
+
+    # ------------------------------------------------------------- intake
+    def take(self, req: Req, bootstrap) -> bool:
+        if bootstrap is None:
+            return False  # not routed: a colocated request
+        req.room, req.bootstrap = bootstrap.room, bootstrap
+        self.pending.append(req)
+        return True
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for msg in self.channel.recv_all():
+            self._on_message(msg, now)
+        self._on_dead(self.monitor.dead(), now)
+        for req in list(self.pending):
+            if not self._try_prepare(req, now):
+                break  # FCFS: a request that cannot get pages holds back the ones behind it
+        for room, (_, inc, _) in list(self.rooms.items()):
+            if now > inc.deadline:
+                self._fail(room, f"no KV from prefill {inc.peer.name} within {self.config.timeout_s:.0f} s")
+        self._release_quarantine(now)
+        self.monitor.watch({s for _, inc, _ in self.rooms.values() for s in inc.peer.sessions}
+                           | {s for e in self.quarantine.entries.values() for s in e.sessions})
+
+    # ------------------------------------------------------------- preparing
+    def _try_prepare(self, req: Req, now: float) -> bool:
+        """False when the request must keep waiting for pages (nothing taken)."""
+        b = req.bootstrap
+        peer = self.directory.get(b.host, b.port)
+        if peer is None:
+            return True  # records on their way; later requests may go ahead
+        if peer.error is not None:
+            self.pending.remove(req)
+            self._unreachable(req, peer)
+            return True
+        if self._serve_locally(req, peer):
+            return True
+        return self._request_kv(req, peer, now)
+
+    def _unreachable(self, req: Req, peer: Peer) -> None:
+        if peer.incompatible:  # a deployment error: never hidden behind a fallback
+            self.scheduler.finish_request(req, finish_abort(f"disaggregation handshake refused: {peer.error}"))
+            return
+        self.directory.forget(peer.key)
+        self._fall_back(req, peer.error)
+
+    def _serve_locally(self, req: Req, peer: Peer) -> bool:
+        """Prefill here instead (and tell prefill to drop the room) when a transfer cannot pay."""
+        receive = len(req.fill_ids) - 1 - self.scheduler.cache.match_prefix(req.fill_ids[:-1]).num_tokens
+        if receive > 0 and receive >= self.config.min_prefill_tokens and req.logprob is None:
+            return False
+        self.pending.remove(req)
+        self.channel.send(peer.info.ranks[0].control, DropRoom(req.room))
+        self.counters["local_prefills"] += 1
+        self.scheduler.waiting.append(req)
+        return True
+
+    def _request_kv(self, req: Req, peer: Peer, now: float) -> bool:
+        s = self.scheduler
+        n = len(req.fill_ids) - 1  # positions decode receives or has: all but the last prompt token
+        row, aux_slot = s.table.alloc_row(), self.aux_slots.alloc()
+        match = s.cache.match_prefix(req.fill_ids[:-1])
+        s.cache.lock(match.node)
+        pages = None
+        if row is not None and aux_slot is not None:
+            pages = s._reserve_pages(-(-n // s.page_size) - len(match.pages), headroom=len(s.running))
+        if pages is None:
+            s.cache.unlock(match.node)
+            if row is not None:
+                s.table.free_row(row)
+            self.aux_slots.free(aux_slot)
+            return False
+        self.pending.remove(req)
+        req.row, req.cache_node, req.num_cached_pages = row, match.node, len(match.pages)
+        req.pages = list(match.pages) + pages
+        req.kv_len = req.cached_len = req.cached_tokens_reported = match.num_tokens
+        s.table.write(row, 0, s.table.slots_for(req.pages, 0, n))
+        try:
+            self._send_kv_request(req, peer, pages, aux_slot, now)
+        except LayoutError as e:  # refused at handshake: name what differs, keep serving
+            self._drop_memory(req)
+            self.aux_slots.free(aux_slot)
+            self.scheduler.finish_request(req, finish_abort(f"disaggregation handshake refused: {e}"))
+        return True
+
+    def _send_kv_request(self, req: Req, peer: Peer, pages: list[int], aux_slot: int, now: float) -> None:
+        src = peer.info.layout
+        seed = peer.info.ranks[0].seed
+        expected = expected_writes(src, self.layout, len(pages), room=req.room, seed=seed)
+        expected = {k: v for k, v in expected.items() if k[1] == self.rank}
+        row = self.aux[aux_slot]
+        kv = KVRequest(req.room, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
+                       pages, req.kv_len, len(req.fill_ids) - 1 - req.kv_len, row.data_ptr(),
+                       row.numel() * row.element_size(), self.channel.endpoint)
+        for src_rank in sorted({s for s, _ in expected}):
+            self.channel.send(peer.info.ranks[src_rank].control, kv)
+        req.state = ReqState.WAITING_FOR_KV
+        req.clock.start_prefill(now)
+        self.rooms[req.room] = (req, IncomingRoom(req.room, peer, expected, now + self.config.timeout_s, now),
+                                aux_slot)
+        self.counters["requests_disaggregated"] += 1
+
+    # ------------------------------------------------------------- arrivals
+    def _on_message(self, msg, now: float) -> None:
+        if isinstance(msg, KVCompletion):
+            self._on_completion(msg, now)
+        elif isinstance(msg, KVAbort):
+            if msg.room in self.rooms:
+                self._fail(msg.room, f"prefill gave up: {msg.reason}", notify=False)
+        elif isinstance(msg, KVAbortAck):
+            self.quarantine.settled(msg.room, msg.src_rank)
+        else:
+            logger.debug("decode: ignoring %s", type(msg).__name__)
+
+    def _on_completion(self, c: KVCompletion, now: float) -> None:
+        self.quarantine.settled(c.room, c.src_rank)  # a room decode already gave up on
+        entry = self.rooms.get(c.room)
+        if entry is None:
+            return
+        req, inc, _ = entry
+        err = inc.add(c)
+        if err is not None:
+            self._fail(c.room, err, notify=False, settled={c.src_rank})
+        elif inc.complete:
+            self._land(c.room, now)
+
+    def _land(self, room: int, now: float) -> None:
+        """Every byte is in place: the request joins the running batch."""
+        req, inc, aux_slot = self.rooms.pop(room)
+        self.aux_slots.free(aux_slot)
+        req.kv_len = len(req.fill_ids) - 1
+        req.state = ReqState.RUNNING
+        req.clock.end_prefill(now)
+        req.clock.remote_queue, req.clock.remote_prefill = inc.remote_timings()
+        req.clock.transferred = True
+        self.scheduler.running.append(req)
+        self.counters["kv_received"] += 1
+        self.outcomes.append(False)
+        self.counters["kv_pages_received"] += len(req.pages) - req.num_cached_pages
+
+    # ------------------------------------------------------------- failures
+    def _fail(self, room: int, reason: str, notify: bool = True, settled: set[int] = frozenset()) -> None:
+        """Give up on the room's transfer; its pages go to quarantine, the request falls back."""
+        req, inc, aux_slot = self.rooms.pop(room)
+        self._abandon(req, inc, aux_slot, settled)
+        if notify:
+            self._send_abort(inc.peer, room, reason)
+        self.counters["transfer_failures"] += 1
+        self.outcomes.append(True)
+        self._fall_back(req, reason)
+
+    def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: set[int]) -> None:
+        own = req.pages[req.num_cached_pages:]
+        self.quarantine.add(req.room, own, aux_slot, set(inc.peer.sessions), inc.sources - set(settled),
+                            time.monotonic())
+        req.pages = req.pages[:req.num_cached_pages]
+        self._drop_memory(req)
+
+    def _drop_memory(self, req: Req) -> None:
+        """Unpin the cached prefix and the table row; own pages were already handed on."""
+        s = self.scheduler
+        s.allocator.free(req.pages[req.num_cached_pages:])
+        s.cache.unlock(req.cache_node)
+        s.table.free_row(req.row)
+        req.pages, req.num_cached_pages, req.cache_node, req.row = [], 0, None, None
+        req.kv_len = req.cached_len = 0
+
+    def _fall_back(self, req: Req, reason: str) -> None:
+        if self.config.fallback == "error":
+            self.scheduler.finish_request(req, finish_abort(f"KV transfer failed: {reason}"))
+            return
+        logger.warning("disaggregation: falling back to a local prefill for %s: %s", req.rid, reason)
+        self.counters["fallbacks"] += 1
+        req.state = ReqState.WAITING
+        req.clock.restart()
+        self.scheduler.waiting.insert(0, req)
+
+    def _send_abort(self, peer: Peer, room: int, reason: str) -> None:
+        if peer.info is not None:
+            for r in peer.info.ranks:
+                self.channel.send(r.control, KVAbort(room, reason, "decode"))
+
+    def _on_dead(self, sessions: set[str], now: float) -> None:
+        if not sessions:
+            return
+        self.quarantine.peers_dead(sessions, now)
+        for room, (_, inc, _) in list(self.rooms.items()):
+            if set(inc.peer.sessions) & sessions:
+                self.directory.forget(inc.peer.key)
+                self._fail(room, f"prefill {inc.peer.name} stopped answering", notify=False)
+        for s in sessions:
+            if not any(s in inc.peer.sessions for _, inc, _ in self.rooms.values()):
+                self.monitor.revive(s)  # forgotten: a restarted prefill may reuse the address
+
+    def _release_quarantine(self, now: float) -> None:
+        for e in self.quarantine.release(now):
+            self.scheduler.allocator.free(e.pages)
+            self.aux_slots.free(e.aux_slot)
+
+    # ------------------------------------------------------------- release
+    def abort(self, req: Req, message: str) -> bool:
+        if req in self.pending:
+            self.pending.remove(req)
+            peer = self.directory.get(req.bootstrap.host, req.bootstrap.port)
+            if peer is not None:
+                self._send_abort(peer, req.room, message)
+            self.scheduler.finish_request(req, finish_abort(message))
+            return True
+        entry = self.rooms.pop(req.room, None) if req.room is not None else None
+        if entry is None or entry[0] is not req:
+            if entry is not None:
+                self.rooms[req.room] = entry
+            return False
+        _, inc, aux_slot = entry
+        self._abandon(req, inc, aux_slot, set())
+        self._send_abort(inc.peer, req.room, message)
+        self.scheduler.finish_request(req, finish_abort(message))
+        return True
+
+    # ------------------------------------------------------------- inspection
+    def has_work(self) -> bool:
+        return bool(self.pending or self.rooms or self.quarantine.entries)
+
+    def poll_interval_ms(self) -> int | None:
+        if self.pending:
+            return 2
+        return 20 if (self.rooms or self.quarantine.entries) else None
+
+    def held_reqs(self) -> list[Req]:
+        return [req for req, _, _ in self.rooms.values()]
+
+    def quarantined_pages(self) -> int:
+        return self.quarantine.num_pages
+
+    def sockets(self) -> list:
+        return [self.channel.socket]
+
+    def stats(self) -> dict:
+        rate = sum(self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
+        return {"disaggregation_mode": self.name, "num_waiting_for_kv": len(self.rooms),
+                "num_pending_kv": len(self.pending), "quarantined_pages": self.quarantine.num_pages,
+                "fallback_rate": rate, "fallback_window": len(self.outcomes), **self.counters}
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.directory.close()
+        self.channel.close()

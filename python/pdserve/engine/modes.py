@@ -1,0 +1,84 @@
+"""How a disaggregation mode plugs into the scheduler loop (CONVENTIONS 14: modes are objects).
+
+The colocated scheduler loop stays the core; a mode sees it only at these fixed points:
+
+- ``take`` (intake): a new request may go to the mode's own queues instead of ``waiting``;
+- ``poll`` (start of every step): control messages, transfer progress, timeouts; the mode may
+  hand requests back to the scheduler (``waiting``) or make them runnable (``running``);
+- ``before_extend`` / ``after_prefill`` (around an extend forward): prefill streams KV, and
+  takes the requests whose prompt is done instead of letting them sample;
+- ``abort`` / ``on_finish`` (release): a request the mode holds, and any request that ends.
+
+The base class is the colocated server: every hook does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.engine.io_struct import BootstrapRef
+    from pdserve.engine.request import Req
+    from pdserve.engine.scheduler import Scheduler
+
+
+class SchedulerMode:
+    """Contract between the scheduler and a mode.
+
+    Pages: a request in the scheduler's ``running`` or ``chunked`` is accounted by the
+    scheduler; one the mode holds elsewhere (parked, waiting for KV, draining writes) is listed
+    by ``held_reqs``, and pages the mode keeps without a request (quarantine) by
+    ``quarantined_pages``, so ``Scheduler.check_memory`` still sees every page.
+    """
+
+    name = "null"
+
+    def attach(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def take(self, req: Req, bootstrap: BootstrapRef | None) -> bool:
+        """True: the mode owns the new request from now on (not queued in ``waiting``)."""
+        return False
+
+    def poll(self) -> None:
+        """Called at the start of every step."""
+
+    def before_extend(self, reqs: list[Req], lens: list[int]) -> None:
+        """An extend forward of ``lens[i]`` tokens of each ``reqs[i]`` is about to run."""
+
+    def after_prefill(self, reqs: list[Req], done: list[int]) -> list[int]:
+        """``reqs[i]`` for ``i`` in ``done`` just finished their prompt; returns the indices the
+        scheduler should go on with (sample, or finish a prefill-only request)."""
+        return done
+
+    def abort(self, req: Req, message: str) -> bool:
+        """Abort a request the mode holds; False if it is not the mode's."""
+        return False
+
+    def on_finish(self, req: Req) -> None:
+        """``req`` is finishing (any reason, any state), before its pages are released."""
+
+    def has_work(self) -> bool:
+        """Something in flight that needs ``poll`` calls (rooms, transfers, quarantine)."""
+        return False
+
+    def poll_interval_ms(self) -> int | None:
+        """How soon the loop should call ``step`` again when nothing is runnable (None: only
+        when a message arrives)."""
+        return None
+
+    def held_reqs(self) -> list[Req]:
+        return []
+
+    def quarantined_pages(self) -> int:
+        return 0
+
+    def sockets(self) -> list:
+        """ZMQ sockets whose messages this mode reads in ``poll`` (the loop wakes on them)."""
+        return []
+
+    def stats(self) -> dict:
+        return {"disaggregation_mode": self.name}
+
+    def close(self) -> None:
+        """Stop threads and release transfer resources (the process is ending)."""

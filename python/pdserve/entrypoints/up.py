@@ -1,0 +1,234 @@
+"""``pdserve up``: a whole P/D deployment on one machine: prefill servers, decode servers and a
+router in front, with the machine's cores split between prefill and decode.
+
+Each server is an ordinary ``pdserve serve`` process (its own session, pinned to its cores, with
+as many torch threads as cores); the router is ``pdserve router``. ``up`` waits until every
+server answers /health, starts the router, prints its URL, and on Ctrl-C or SIGTERM (or when any
+child dies) stops every process it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 0.25
+STOP_GRACE_S = 15.0
+
+
+@dataclass(frozen=True)
+class UpArgs:
+    """A deployment: ``server_flags`` go to every server (model, memory, runtime flags)."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000  # the router; servers take the ports above it
+    bootstrap_port: int = 8998  # prefill i's registry listens on bootstrap_port + i
+    server_flags: tuple[str, ...] = ()
+    router_policy: str = "least_load"
+    startup_timeout_s: float = 600.0
+    cores: tuple[int, ...] | None = None  # default: the cores this process may use
+
+    def __post_init__(self):
+        for name in ("num_prefill", "num_decode"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        last = self.port + self.num_prefill + self.num_decode
+        if not 0 < self.port or last > 65535:
+            raise ValueError(f"port: the router and its {self.num_prefill + self.num_decode} servers need "
+                             f"ports {self.port}..{last}")
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    url: str | None  # polled for /health before the next stage starts
+    cores: tuple[int, ...] | None
+    proc: subprocess.Popen | None = None
+
+
+def split_cores(cores: tuple[int, ...], num_prefill: int, num_decode: int) -> list[tuple[int, ...]]:
+    """Cores per server, prefill servers first: the cores are shared out in proportion to the
+    number of servers of each kind, at least one core each (servers share when there are too few)."""
+    n = num_prefill + num_decode
+    if len(cores) < n:
+        return [(cores[i % len(cores)],) for i in range(n)]
+    per, extra = divmod(len(cores), n)
+    out, start = [], 0
+    for i in range(n):
+        k = per + (1 if i < extra else 0)
+        out.append(tuple(cores[start:start + k]))
+        start += k
+    return out
+
+
+def plan(args: UpArgs) -> list[Child]:
+    """The servers then the router, with their command lines (pure: no process is started)."""
+    cores = args.cores or tuple(sorted(os.sched_getaffinity(0)))
+    shares = split_cores(cores, args.num_prefill, args.num_decode)
+    py = [sys.executable, "-m", "pdserve"]
+    children, prefill_urls, decode_urls = [], [], []
+    for i in range(args.num_prefill + args.num_decode):
+        role = "prefill" if i < args.num_prefill else "decode"
+        port = args.port + 1 + i
+        url = f"http://{args.host}:{port}"
+        cmd = [*py, "serve", *args.server_flags, "--host", args.host, "--port", str(port),
+               "--disaggregation-mode", role]
+        if "--num-threads" not in args.server_flags:
+            cmd += ["--num-threads", str(len(shares[i]))]
+        if role == "prefill":
+            boot = args.bootstrap_port + i
+            cmd += ["--disaggregation-bootstrap-port", str(boot)]
+            prefill_urls.append((url, boot))
+        else:
+            decode_urls.append(url)
+        children.append(Child(f"{role}-{i if role == 'prefill' else i - args.num_prefill}", cmd, url, shares[i]))
+    router = [*py, "router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy]
+    for url, boot in prefill_urls:
+        router += ["--prefill", url, str(boot)]
+    for url in decode_urls:
+        router += ["--decode", url]
+    children.append(Child("router", router, f"http://{args.host}:{args.port}", None))
+    return children
+
+
+def ports_in_use(args: UpArgs) -> list[int]:
+    ports = [args.port + i for i in range(1 + args.num_prefill + args.num_decode)]
+    ports += [args.bootstrap_port + i for i in range(args.num_prefill)]
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((args.host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+class Deployment:
+    """Starts, watches and stops the children of ``plan(args)``."""
+
+    def __init__(self, args: UpArgs):
+        self.args = args
+        self.children = plan(args)
+        self.stopping = False
+
+    def start(self) -> None:
+        """Servers first (all at once), then the router once every server is healthy."""
+        servers, router = self.children[:-1], self.children[-1]
+        for child in servers:
+            self._spawn(child)
+        self._wait_healthy(servers)
+        self._spawn(router)
+        self._wait_healthy([router])
+
+    def _spawn(self, child: Child) -> None:
+        cores = child.cores
+
+        def pin():  # runs in the child before exec: its cores (the frontend shares them)
+            if cores:
+                os.sched_setaffinity(0, cores)
+
+        logger.info("starting %s%s: %s", child.name, f" on cores {list(cores)}" if cores else "",
+                    " ".join(child.cmd))
+        child.proc = subprocess.Popen(child.cmd, start_new_session=True, preexec_fn=pin)
+
+    def _wait_healthy(self, children: list[Child]) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout_s
+        waiting = list(children)
+        while waiting:
+            if self.stopping:
+                raise InterruptedError("stopped during start-up")
+            dead = self.dead_child()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during start-up")
+            waiting = [c for c in waiting if not _healthy(c.url)]
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError(f"{', '.join(c.name for c in waiting)} not healthy after "
+                                   f"{self.args.startup_timeout_s:.0f} s")
+            if waiting:
+                time.sleep(HEALTH_POLL_S)
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc is not None and c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        """SIGTERM to every child (router first), then SIGKILL what is left after a grace period."""
+        self.stopping = True
+        started = [c for c in reversed(self.children) if c.proc is not None]
+        for c in started:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in started:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time; killing it", c.name)
+        for c in started:
+            _signal_group(c.proc, signal.SIGKILL)
+            c.proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def launch_up(args: UpArgs) -> int:
+    """Run the deployment until Ctrl-C/SIGTERM (-> 0) or a failure (-> 1)."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s up] %(levelname)s %(message)s")
+    busy = ports_in_use(args)
+    if busy:
+        logger.error("port: %s already in use (pick another --port / --disaggregation-bootstrap-port)",
+                     ", ".join(map(str, busy)))
+        return 1
+    dep = Deployment(args)
+
+    def on_signal(_sig, _frame):
+        dep.stopping = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    code = 0
+    try:
+        dep.start()
+        print(f"pdserve is up: {dep.children[-1].url} (router -> {args.num_prefill} prefill, "
+              f"{args.num_decode} decode)", flush=True)
+        while not dep.stopping:
+            dead = dep.dead_child()
+            if dead is not None:
+                logger.error("%s exited with code %s; stopping the deployment", dead.name, dead.proc.returncode)
+                code = 1
+                break
+            time.sleep(HEALTH_POLL_S)
+    except InterruptedError:
+        pass
+    except RuntimeError as e:
+        logger.error("%s", e)
+        code = 1
+    finally:
+        dep.stop()
+    return code
+

@@ -1,0 +1,323 @@
+"""``pdserve bench`` against a real tiny colocated server (one per module).
+
+The agreement test compares the JSON's mean TTFT and output throughput with an
+independent client written here (raw asyncio HTTP/1.1, no aiohttp) on the same
+prompts, sequentially (concurrency 1: with two streams, whether their prefills
+share a batch is itself random and moves TTFT by 2x). On a shared 2-core machine
+other processes come and go within seconds and move a single run by far more
+than 15%, so the comparison is paired: PAIRS short runs of each side, adjacent
+and in alternating order (AB BA AB ...), and the median over pairs of
+bench/independent must be within 15%. A systematic disagreement shifts every
+pair and fails; a load burst that hits one run moves one ratio, not the median.
+The prefix cache is flushed before every run so neither side reuses the other's
+prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import statistics
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from aiohttp import ClientSession, web
+
+from pdserve.bench.config import DatasetConfig, LoadConfig
+from pdserve.bench.datasets import build_workload
+from pdserve.bench.serving import load_tokenizer
+from pdserve.entrypoints.cli import main as cli_main
+from server_utils import Server
+
+MODEL = "tiny-llama"
+N, IN, OUT, CONC = 4, 256, 32, 1
+PAIRS = 16
+METRIC_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+               "request_throughput", "input_throughput", "output_throughput", "total_throughput", "concurrency",
+               "max_concurrent_requests", "request_goodput", "slo_attainment"]
+DETAIL_KEYS = ["start_times", "success", "input_lens", "output_lens", "ttfts", "e2e_latencies", "itls", "tags",
+               "errors"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--num-threads", "1", "--max-total-tokens", "32768", model=MODEL)
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    cfg = DatasetConfig(random_input_len=IN, random_output_len=OUT, random_range_ratio=1.0)
+    w = build_workload(cfg, LoadConfig(num_prompts=N, seed=1), load_tokenizer(MODEL))
+    return [c.first().prompt for c in w.conversations]
+
+
+def bench(url: str, out_file, *flags: str) -> dict:
+    """Run ``pdserve bench`` in this process; returns the JSON line it appended."""
+    before = out_file.read_text().splitlines() if out_file.exists() else []
+    with contextlib.redirect_stdout(io.StringIO()) as table:
+        rc = cli_main(["bench", "--base-url", url, "--disable-tqdm", "--output-file", str(out_file), *flags])
+    assert rc == 0, table.getvalue()
+    lines = out_file.read_text().splitlines()
+    assert len(lines) == len(before) + 1
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------- independent client
+async def _stream_generate(url: str, prompt: str) -> tuple[float, int]:
+    """(seconds to the first event with a token, completion tokens) of one streamed /generate."""
+    u = urlsplit(url)
+    body = json.dumps({"text": prompt, "stream": True,
+                       "sampling_params": {"max_new_tokens": OUT, "temperature": 0, "ignore_eos": True}}).encode()
+    head = (f"POST /generate HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(head + body)
+    ttft, tokens, buf = None, 0, b""
+    try:
+        status = await reader.readline()
+        assert b" 200 " in status, status
+        while (await reader.readline()).strip():  # headers (chunked transfer encoding)
+            pass
+        while size := int((await reader.readline()).strip(), 16):
+            buf += await reader.readexactly(size + 2)
+            *events, buf = buf.split(b"\n\n")
+            for ev in events:
+                ev = ev.strip()
+                if ev.startswith(b"data: {"):
+                    tokens = json.loads(ev[6:])["meta_info"]["completion_tokens"]
+                    if ttft is None and tokens:
+                        ttft = time.perf_counter() - t0
+    finally:
+        writer.close()
+    return ttft, tokens
+
+
+async def simple_client(url: str, prompts: list[str], concurrency: int) -> tuple[list[float], int, float]:
+    """``concurrency`` workers take the prompts in order; (TTFTs, output tokens, wall seconds)."""
+    todo, ttfts, total = list(prompts), [], 0
+
+    async def worker():
+        nonlocal total
+        while todo:
+            ttft, n = await _stream_generate(url, todo.pop(0))
+            ttfts.append(ttft)
+            total += n
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return ttfts, total, time.perf_counter() - t0
+
+
+def test_bench_agrees_with_an_independent_client(server, prompts, tmp_path):
+    out = tmp_path / "agree.jsonl"
+    flags = ["--num-prompts", str(N), "--random-input-len", str(IN), "--random-output-len", str(OUT),
+             "--random-range-ratio", "1", "--max-concurrency", str(CONC), "--seed", "1", "--flush-cache"]
+    bench(server.url, out, *flags, "--warmup-requests", "2")  # a first run warms the server up
+    ttft_ratios, tput_ratios = [], []
+    for i in range(PAIRS):
+        sides = {}
+        for side in ("bench", "simple") if i % 2 == 0 else ("simple", "bench"):
+            if side == "bench":
+                r = bench(server.url, out, *flags, "--warmup-requests", "0")
+                assert r["completed"] == N and r["total_output_tokens"] == N * OUT
+                sides[side] = (r["mean_ttft_ms"], r["output_throughput"])
+            else:
+                server.post("/flush_cache").raise_for_status()
+                ttfts, tokens, wall = asyncio.run(simple_client(server.url, prompts, CONC))
+                assert tokens == N * OUT
+                sides[side] = (1000 * statistics.mean(ttfts), tokens / wall)
+        ttft_ratios.append(sides["bench"][0] / sides["simple"][0])
+        tput_ratios.append(sides["bench"][1] / sides["simple"][1])
+    assert statistics.median(ttft_ratios) == pytest.approx(1.0, abs=0.15), ttft_ratios
+    assert statistics.median(tput_ratios) == pytest.approx(1.0, abs=0.15), tput_ratios
+
+
+def test_json_has_every_metric(server, tmp_path):
+    r = bench(server.url, tmp_path / "m.jsonl", "--num-prompts", "6", "--random-input-len", "64",
+              "--random-output-len", "8", "--random-range-ratio", "1", "--slo", "ttft:60000,tpot:60000",
+              "--metric-percentiles", "50,90,99", "--label", "every-metric")
+    for key in METRIC_KEYS:
+        assert r[key] is not None, key
+    for name in ("ttft", "tpot", "itl", "e2e_latency"):
+        for stat in ("mean", "median", "std", "p50", "p90", "p99", "max"):
+            assert isinstance(r[f"{stat}_{name}_ms"], float), (stat, name)
+    assert r["completed"] == 6 and r["total_input_tokens"] == 6 * 64 and r["total_output_tokens"] == 6 * 8
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"]) and r["slo_attainment"] == 1.0
+    assert r["schema"] == "pdserve.bench/v1" and r["label"] == "every-metric" and r["model"] == MODEL
+    assert r["args"]["random_input_len"] == 64 and r["args"]["slo"] == {"ttft": 60000.0, "tpot": 60000.0}
+    d = r["details"]
+    assert all(len(d[k]) == 6 for k in DETAIL_KEYS)
+    assert all(len(itl) == 7 for itl in d["itls"]) and d["output_lens"] == [8] * 6  # native: one ITL per token
+    assert r["server_timeline"] is None  # a colocated server sends no timeline
+
+
+# --------------------------------------------------------- request shapes
+class RecordingProxy:
+    """A loopback HTTP proxy that records each request (method, path, JSON body) and streams the reply."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.seen: list[tuple[str, str, dict | None]] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.seen.append((request.method, request.path, json.loads(raw) if raw else None))
+        async with ClientSession() as s, s.request(request.method, self.upstream + request.path_qs, data=raw,
+                                                   headers={"Content-Type": "application/json"}) as up:
+            resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+
+@pytest.fixture(scope="module")
+def proxy(server):
+    """(proxy URL, RecordingProxy) served from a thread's event loop."""
+    import threading
+
+    rec = RecordingProxy(server.url)
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rec.handle)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", rec
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+SHAPES = {
+    "sglang": ("/generate", {"text", "sampling_params", "stream"}),
+    "pdserve": ("/generate", {"text", "sampling_params", "stream"}),
+    "openai": ("/v1/completions", {"model", "prompt", "max_tokens", "temperature", "stream", "stream_options",
+                                   "ignore_eos"}),
+    "openai-chat": ("/v1/chat/completions", {"model", "messages", "max_tokens", "temperature", "stream",
+                                             "stream_options", "ignore_eos"}),
+}
+
+
+@pytest.mark.parametrize("backend", list(SHAPES))
+def test_backends_send_their_servers_request_shapes(server, proxy, backend, tmp_path):
+    url, rec = proxy
+    rec.seen.clear()
+    r = bench(url, tmp_path / "shape.jsonl", "--backend", backend, "--num-prompts", "3", "--random-input-len", "40",
+              "--random-output-len", "6", "--random-range-ratio", "1", "--warmup-requests", "1")
+    assert r["completed"] == 3 and r["failed"] == 0
+    assert r["total_output_tokens"] == 18  # usage (OpenAI) or meta_info (native) counts, ignore_eos
+    if backend != "openai-chat":
+        assert r["total_input_tokens"] == 3 * 40
+    else:  # the server's count includes the chat template around the 40 tokens
+        assert r["total_input_tokens"] > 3 * 40
+    path, keys = SHAPES[backend]
+    posts = [(p, b) for m, p, b in rec.seen if m == "POST"]
+    assert len(posts) == 4 and {p for p, _ in posts} == {path}  # warm-up + 3
+    for _, body in posts:
+        assert keys <= set(body), set(body)
+        assert body["stream"] is True
+        if backend in ("sglang", "pdserve"):
+            assert body["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+        else:
+            assert body["stream_options"] == {"include_usage": True} and body["model"] == MODEL
+    if backend == "openai-chat":
+        assert all(b["messages"][0]["role"] == "user" for _, b in posts)
+    if backend == "openai":
+        assert all(isinstance(b["prompt"], str) and b["max_tokens"] == 6 for _, b in posts)
+
+
+def test_tokenize_prompt_sends_input_ids(server, proxy, tmp_path):
+    url, rec = proxy
+    rec.seen.clear()
+    r = bench(url, tmp_path / "ids.jsonl", "--backend", "sglang", "--tokenize-prompt", "--num-prompts", "2",
+              "--random-input-len", "33", "--random-output-len", "4", "--random-range-ratio", "1")
+    assert r["completed"] == 2 and r["total_input_tokens"] == 66
+    bodies = [b for m, _, b in rec.seen if m == "POST"]
+    assert all("text" not in b and len(b["input_ids"]) == 33 for b in bodies)
+
+
+# ------------------------------------------------------------- workloads
+def test_multi_turn_rounds_extend_on_the_server(server, tmp_path, proxy):
+    url, rec = proxy
+    rec.seen.clear()
+    r = bench(url, tmp_path / "mt.jsonl", "--dataset-name", "multi-turn", "--tokenize-prompt",
+              "--multi-turn-clients", "2", "--multi-turn-rounds", "3", "--multi-turn-question-len", "24",
+              "--multi-turn-output-len", "5", "--warmup-requests", "0", "--request-rate", "20")
+    assert r["completed"] == 6
+    assert sorted(r["details"]["input_lens"]) == [24, 24, 53, 53, 82, 82]  # + 5 answer + 24 question per round
+    ids = [b["input_ids"] for m, _, b in rec.seen if m == "POST"]
+    for longer in (x for x in ids if len(x) > 24):
+        shorter = [x for x in ids if len(x) == len(longer) - 29 and longer[:len(x)] == x]
+        assert len(shorter) == 1  # extends exactly one previous prompt of its conversation
+
+
+def test_mixed_reports_each_stream(server, tmp_path):
+    r = bench(server.url, tmp_path / "mixed.jsonl", "--dataset-name", "mixed", "--num-prompts", "8",
+              "--request-rate", "8", "--mixed-background-rate", "4", "--mixed-interactive-input-len", "16",
+              "--mixed-interactive-output-len", "8", "--mixed-background-input-len", "300",
+              "--mixed-background-output-len", "2")
+    groups = r["groups"]
+    assert set(groups) == {"interactive", "background"}
+    assert groups["interactive"]["completed"] + groups["background"]["completed"] == 8 == r["completed"]
+    assert groups["background"]["total_input_tokens"] == 300 * groups["background"]["completed"]
+
+
+def test_failures_are_counted_not_fatal(server, tmp_path):
+    # a prompt longer than the context: every request fails with the server's 400, the run reports it
+    ctx = httpx.get(server.url + "/get_model_info").json()["context_length"]
+    out = tmp_path / "fail.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()) as table:
+        rc = cli_main(["bench", "--base-url", server.url, "--disable-tqdm", "--output-file", str(out),
+                       "--num-prompts", "2", "--random-input-len", str(ctx + 10), "--random-range-ratio", "1",
+                       "--random-output-len", "4", "--warmup-requests", "0"])
+    assert rc == 1 and "All requests failed" in table.getvalue()
+    r = json.loads(out.read_text())
+    assert r["completed"] == 0 and r["failed"] == 2
+    assert all(e.startswith("HTTP 400") for e in r["details"]["errors"])
+
+
+# ----------------------------------------------------------- planner inputs
+def test_profiles_and_plan_from_a_real_server(server, tmp_path):
+    profiles = tmp_path / "profiles.jsonl"
+    for flags in (["--profile", "prefill", "--profile-input-lens", "32,128", "--profile-repeats", "2"],
+                  ["--profile", "decode", "--profile-batch-sizes", "1,4", "--profile-context-len", "32",
+                   "--profile-output-len", "8", "--profile-repeats", "1"]):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli_main(["bench", "--base-url", server.url, "--output-file", str(profiles), *flags]) == 0
+    prefill, decode = (json.loads(line) for line in profiles.read_text().splitlines())
+    assert prefill["schema"] == decode["schema"] == "pdserve.profile/v1"
+    assert [p["input_len"] for p in prefill["points"]] == [32, 128] and all(p["seconds"] > 0
+                                                                           for p in prefill["points"])
+    assert [p["batch_size"] for p in decode["points"]] == [1, 4] and all(p["step_seconds"] > 0
+                                                                         for p in decode["points"])
+    assert decode["context_len"] == 32 and prefill["model"] == MODEL
+    run = bench(server.url, tmp_path / "w.jsonl", "--num-prompts", "4", "--random-input-len", "64",
+                "--random-output-len", "8", "--request-rate", "4")
+    plan_file = tmp_path / "plan.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()) as table:
+        rc = cli_main(["plan", "--prefill-profile", str(profiles), "--decode-profile", str(profiles),
+                       "--workload", str(tmp_path / "w.jsonl"), "--slo", "ttft:60000,tpot:60000",
+                       "--max-instances", "3", "--num-requests", "100", "--output-file", str(plan_file)])
+    assert rc == 0, table.getvalue()
+    plan = json.loads(plan_file.read_text())
+    assert plan["schema"] == "pdserve.plan/v1" and plan["recommendation"]["feasible"] is True
+    assert plan["recommendation"]["deployment"] == "1 colocated"  # SLOs this loose: one instance suffices
+    assert "Recommendation: colocate" in table.getvalue() and run["completed"] == 4

@@ -1,0 +1,93 @@
+"""A prefill scheduler and a decode scheduler in one test process, wired as two servers would be:
+real Mooncake transfer engines over TCP loopback, real ZMQ control channels, a real bootstrap
+registry. Tests step both schedulers by hand, so every state of the protocol can be reached
+and inspected without HTTP or subprocesses."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.bootstrap import BootstrapServer
+from pdserve.engine.io_struct import BootstrapRef
+from pdserve.engine.request import SamplingParams
+from pdserve.engine.scheduler_process import build_scheduler
+
+RUN_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw).validate()
+
+
+class PDPair:
+    """``prefill`` and ``decode``: Schedulers in their modes; ``flags`` go to both sides, and
+    ``prefill_flags`` / ``decode_flags`` to one."""
+
+    def __init__(self, model: str, prefill_flags: dict | None = None, decode_flags: dict | None = None, **flags):
+        self.bootstrap = BootstrapServer("127.0.0.1", free_port()).start()
+        base = {"model_path": model, "disaggregation_bootstrap_port": self.bootstrap.port, "num_threads": 1,
+                **flags}
+        self.prefill = build_scheduler(ServerArgs(**base, **(prefill_flags or {}), disaggregation_mode="prefill",
+                                                  port=free_port()))
+        self.decode = build_scheduler(ServerArgs(**base, **(decode_flags or {}), disaggregation_mode="decode",
+                                                 port=free_port()))
+        self.outputs: dict[str, dict] = {}
+        self.prefill_outputs: list = []  # what prefill emitted in the latest step
+
+    def ref(self, room: int) -> BootstrapRef:
+        return BootstrapRef("127.0.0.1", self.bootstrap.port, room)
+
+    def submit(self, rid: str, ids: list[int], sampling: SamplingParams, to_prefill: bool = True,
+               room: int | None = None) -> int:
+        """Both halves, as a router sends them (``to_prefill`` False: the prefill half is lost)."""
+        room = random.getrandbits(63) if room is None else room
+        self.outputs[rid] = {"ids": [], "final": None}
+        if to_prefill:
+            self.prefill.add_request(rid, ids, sampling, bootstrap=self.ref(room))
+        self.decode.add_request(rid, ids, sampling, bootstrap=self.ref(room))
+        return room
+
+    def submit_local(self, rid: str, ids: list[int], sampling: SamplingParams) -> None:
+        """A request sent to decode alone, with no router in front (a colocated request)."""
+        self.outputs[rid] = {"ids": [], "final": None}
+        self.decode.add_request(rid, ids, sampling)
+
+    def step(self) -> None:
+        self.prefill_outputs = self.prefill.step()
+        for o in self.decode.step():
+            acc = self.outputs.setdefault(o.rid, {"ids": [], "final": None})
+            acc["ids"] += o.new_token_ids
+            if o.finished:
+                acc["final"] = o
+        if not (self.prefill.runnable() or self.decode.runnable()):
+            time.sleep(0.001)  # both wait on the network
+
+    def run(self, until=None, timeout_s: float = RUN_TIMEOUT_S) -> None:
+        """Step until ``until()`` (default: both sides idle, quarantine included)."""
+        done = until or (lambda: not (self.prefill.has_work() or self.decode.has_work()))
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout_s} s: prefill {self.prefill.stats()}, "
+                                     f"decode {self.decode.stats()}")
+            self.step()
+
+    def assert_idle_and_accounted(self) -> None:
+        for s in (self.prefill, self.decode):
+            s.check_memory()
+            st = s.stats()
+            assert st["free_pages"] + st["cached_pages"] == st["total_pages"], st
+
+    def close(self) -> None:
+        for s in (self.prefill, self.decode):
+            s.mode.close()
+        self.bootstrap.stop()

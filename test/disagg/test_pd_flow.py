@@ -1,0 +1,291 @@
+"""The P/D protocol of DESIGN §5 between a prefill and a decode scheduler (in one process, over
+real Mooncake engines and ZMQ): token identity with a colocated engine, layer-wise streaming,
+write counting, handshake refusal, aborts and quarantine, conditional disaggregation, fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pd_pair import PDPair, greedy
+
+import pdserve
+from pdserve.disagg.layout import page_runs
+from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, merge_contiguous
+from pdserve.engine.request import ReqState
+
+pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
+
+NEW = 12
+
+
+def _prompts(lengths, seed=0, vocab=1500):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _colocated(model: str, prompts, n=NEW, **flags) -> list[list[int]]:
+    eng = pdserve.Engine(model_path=model, num_threads=1, **flags)
+    out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    return [o["output_ids"] for o in out]
+
+
+@pytest.fixture
+def pair_factory():
+    pairs = []
+
+    def make(model="tiny-llama", **flags) -> PDPair:
+        pairs.append(PDPair(model, **flags))
+        return pairs[-1]
+
+    yield make
+    for p in pairs:
+        p.close()
+
+
+# ------------------------------------------------------------------ identity
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_outputs_match_a_colocated_engine(pair_factory, model, page_size):
+    """Mixed lengths (longer than a chunk, one token), a prefix cached on both sides first:
+    every request but the one-token prompt moves its KV, and decode's tokens are the
+    colocated engine's."""
+    chunk = 32 if page_size == 16 else 24
+    pair = pair_factory(model, page_size=page_size, chunked_prefill_size=chunk)
+    prefix, *rest = _prompts([40, 1, 5, 17, 70, 100, 3, 9])
+    prompts = rest[:5] + [prefix + t for t in rest[5:]]
+    pair.submit("warm", prefix + [5, 6], greedy(3))
+    pair.run()
+    rooms = [pair.submit(f"r{i}", p, greedy(NEW)) for i, p in enumerate(prompts)]
+    pair.run()
+    want = _colocated(model, prompts, page_size=page_size, chunked_prefill_size=chunk)
+    assert [pair.outputs[f"r{i}"]["ids"] for i in range(len(prompts))] == want
+    d, p = pair.decode.stats(), pair.prefill.stats()
+    assert d["kv_received"] == len(prompts) and d["local_prefills"] == 1 and d["fallbacks"] == 0  # +warm-up
+    assert p["rooms_completed"] == len(prompts)  # the one-token prompt never paired
+    cached = [pair.outputs[f"r{i}"]["final"].cached_tokens for i in (5, 6)]
+    assert all(c == (40 // page_size) * page_size for c in cached), cached  # decode's own prefix hit
+    assert len(rooms) == len(set(rooms))
+    pair.assert_idle_and_accounted()
+
+
+def test_a_prompt_decode_already_caches_needs_no_transfer(pair_factory):
+    pair = pair_factory("tiny-llama", page_size=4)
+    (prompt,) = _prompts([21])  # prompt[:-1] is 20 tokens: 5 whole pages
+    pair.submit("a", prompt, greedy(4))
+    pair.run()
+    before = pair.prefill.stats()["forward_steps"]
+    pair.submit("b", prompt, greedy(NEW))
+    pair.run()
+    assert pair.prefill.stats()["forward_steps"] == before  # nothing was prefilled there
+    assert pair.decode.stats()["local_prefills"] == 1
+    assert pair.outputs["b"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    pair.assert_idle_and_accounted()
+
+
+# ------------------------------------------------------------ layer by layer
+class RecordingBackend(TransferBackend):
+    """The real backend, with every post recorded next to the forward's layer events."""
+
+    def __init__(self, inner: TransferBackend, events: list):
+        self.inner, self.events = inner, events
+
+    session_id = property(lambda self: self.inner.session_id)
+
+    def post_writes(self, peer, srcs, dsts, lens):
+        self.events.append(("post", list(srcs), list(dsts), list(lens)))
+        return self.inner.post_writes(peer, srcs, dsts, lens)
+
+    def register(self, regions):
+        self.inner.register(regions)
+
+    def unregister(self, addrs):
+        self.inner.unregister(addrs)
+
+    def poll(self, handle):
+        return self.inner.poll(handle)
+
+    def write_sync(self, *a, **kw):
+        return self.inner.write_sync(*a, **kw)
+
+    def notifies(self):
+        return self.inner.notifies()
+
+    def probe(self, peer, timeout_s=2.0):
+        return self.inner.probe(peer, timeout_s)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_kv_streams_layer_by_layer_in_one_write_per_page_run(pair_factory):
+    """Layer 0's writes are posted before the last layer's forward starts, and each layer moves
+    each buffer in as many network writes as the request has contiguous page runs."""
+    pair = pair_factory("tiny-llama", page_size=4, chunked_prefill_size=0)
+    sched, sender = pair.prefill, pair.prefill.mode.sender
+    events: list = []
+    sender.backend = RecordingBackend(sender.backend, events)
+    layers = sched.runner.model.model.layers
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda *_a, i=i: events.append(("layer", i)))
+    staged = []
+    stage = sender.stage
+
+    def record_stage(room, pages, end_pos):
+        r = sender.rooms[room]
+        kv = next(iter(r.kvs.values()))
+        staged.append((list(pages[r.start_page:]), list(kv.dst_pages)))
+        stage(room, pages, end_pos)
+
+    sender.stage = record_stage
+    taken = sched.allocator.alloc(24)
+    sched.allocator.free(taken[::3])  # fragment prefill's free pages: every third is free
+    (prompt,) = _prompts([41])  # 40 positions: 10 pages of 4, one chunk
+    pair.submit("a", prompt, greedy(4))
+    pair.run()
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], n=4, page_size=4)[0]
+    ((src_pages, dst_pages),) = staged
+    runs = len(page_runs(src_pages, dst_pages))
+    assert runs > 1  # the fragmentation worked: several runs to merge
+    first_post = next(i for i, ev in enumerate(events) if ev[0] == "post")
+    assert first_post < events.index(("layer", len(layers) - 1)), events[:10]
+    k, v = sched.runner.pool.buffer_descriptors()
+    writes: dict[tuple[str, int], int] = {}
+    for ev in events:
+        if ev[0] != "post":
+            continue
+        for addr in merge_contiguous(*ev[1:])[0]:
+            for d in (k, v):
+                if d.base_addr <= addr < d.base_addr + d.total_bytes:
+                    key = (d.name, (addr - d.base_addr) // d.layer_stride)
+                    writes[key] = writes.get(key, 0) + 1
+    assert writes == {(b, layer): runs for b in ("k", "v") for layer in range(len(layers))}
+    sched.allocator.free([p for i, p in enumerate(taken) if i % 3])
+    pair.assert_idle_and_accounted()
+
+
+# ------------------------------------------------------------------ handshake
+@pytest.mark.parametrize("field, prefill, decode", [
+    ("page_size", {"page_size": 16}, {"page_size": 1}),
+    ("dtype", {"dtype": "bfloat16"}, {"dtype": "float32"}),
+])
+def test_mismatched_peer_is_refused_naming_the_field(pair_factory, field, prefill, decode):
+    pair = pair_factory("tiny-llama", prefill_flags=prefill, decode_flags=decode)
+    (prompt, other) = _prompts([30, 12])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: pair.outputs["a"]["final"] is not None)
+    final = pair.outputs["a"]["final"]
+    assert final.finish_reason["type"] == "abort" and field in final.finish_reason["message"], final.finish_reason
+    pair.submit_local("b", other, greedy(NEW))  # decode keeps serving
+    pair.run(until=lambda: pair.outputs["b"]["final"] is not None)
+    assert pair.outputs["b"]["ids"] == _colocated("tiny-llama", [other], **decode)[0]
+
+
+# --------------------------------------------------------------- conditional
+def test_short_requests_never_reach_prefill_below_the_minimum(pair_factory):
+    pair = pair_factory("tiny-llama", decode_flags={"disaggregation_min_prefill_tokens": 32})
+    short, long_ = _prompts([10, 20]), _prompts([60], seed=1)
+    for i, p in enumerate(short):
+        pair.submit(f"s{i}", p, greedy(NEW))
+    pair.run()
+    p = pair.prefill.stats()
+    assert p["forward_steps"] == 0 and p["rooms_dropped"] == len(short)
+    pair.submit("l", long_[0], greedy(NEW))
+    pair.run()
+    assert pair.prefill.stats()["rooms_completed"] == 1
+    want = _colocated("tiny-llama", short + long_)
+    assert [pair.outputs[r]["ids"] for r in ("s0", "s1", "l")] == want
+    pair.assert_idle_and_accounted()
+
+
+# ------------------------------------------------------------------ failures
+@pytest.mark.parametrize("policy", ["local", "error"])
+def test_failed_writes_fall_back_or_fail(pair_factory, policy):
+    pair = pair_factory("tiny-deepseek", page_size=4, decode_flags={"disaggregation_fallback": policy})
+    faulty = FaultInjectingBackend(pair.prefill.mode.sender.backend)
+    faulty.fail_after(3)  # a few writes land, then every one fails: a torn transfer
+    pair.prefill.mode.sender.backend = faulty
+    prompts = _prompts([30, 45])
+    for i, p in enumerate(prompts):
+        pair.submit(f"r{i}", p, greedy(NEW))
+    pair.run()
+    finals = [pair.outputs[f"r{i}"]["final"] for i in range(2)]
+    if policy == "local":
+        assert [pair.outputs[f"r{i}"]["ids"] for i in range(2)] == _colocated("tiny-deepseek", prompts, page_size=4)
+        assert pair.decode.stats()["fallbacks"] == 2
+    else:
+        assert all(f.finish_reason["type"] == "abort" and "KV transfer failed" in f.finish_reason["message"]
+                   for f in finals), [f.finish_reason for f in finals]
+    assert pair.decode.stats()["quarantined_pages"] == 0  # prefill's failed completions settled them
+    pair.assert_idle_and_accounted()
+
+
+def test_a_completion_short_of_writes_is_not_trusted(pair_factory):
+    """A prefill that skips a layer's writes but reports success: decode's own count from the
+    layouts disagrees with the completion, so it never decodes over the missing KV."""
+    pair = pair_factory("tiny-llama", page_size=4)
+    sender = pair.prefill.mode.sender
+    on_layer = sender.on_layer
+    sender.on_layer = lambda layer: None if layer == 1 else on_layer(layer)
+    (prompt,) = _prompts([33])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    assert pair.prefill.stats()["rooms_completed"] == 1  # prefill believes it is done
+    assert pair.decode.stats()["fallbacks"] == 1 and pair.decode.stats()["kv_received"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_unpaired_halves_time_out(pair_factory):
+    """Decode's half alone (the router's prefill request was lost): decode falls back once its
+    wait times out. Prefill's half alone: prefill answers it with an error after the timeout."""
+    pair = pair_factory("tiny-llama", disaggregation_timeout_s=1.0)
+    a, b = _prompts([25, 18])
+    pair.submit("a", a, greedy(NEW), to_prefill=False)
+    pair.run()
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [a])[0]
+    assert pair.decode.stats()["fallbacks"] == 1
+    pair.prefill.add_request("b", b, greedy(NEW), bootstrap=pair.ref(12345))
+    finals = []
+    pair.run(until=lambda: finals.extend(o for o in pair.prefill_outputs if o.finished) or finals)
+    assert finals[0].rid == "b" and "no KV request from decode" in finals[0].finish_reason["message"]
+    assert pair.prefill.stats()["rooms_expired"] == 1
+    pair.run()
+    pair.assert_idle_and_accounted()
+
+
+def test_an_abort_during_a_slow_transfer_keeps_its_pages_out_of_reach(pair_factory):
+    """Decode's client leaves while prefill's writes are still on the (slowed) network: the
+    destination pages stay quarantined until prefill's writes have settled, so the late bytes
+    cannot land in another request's KV; the other requests' tokens are unchanged."""
+    pair = pair_factory("tiny-llama", page_size=2, max_total_tokens=200)
+    faulty = FaultInjectingBackend(pair.prefill.mode.sender.backend)
+    faulty.delay_posts(1.0)
+    pair.prefill.mode.sender.backend = faulty
+    victim, *others = _prompts([61, 30, 36, 40])
+    room = pair.submit("v", victim, greedy(NEW))
+    req = pair.decode.reqs["v"]
+    pair.run(until=lambda: pair.prefill.stats()["rooms_transferring"] == 1)
+    assert req.state is ReqState.WAITING_FOR_KV
+    abandoned = set(req.pages[req.num_cached_pages:])
+    assert pair.decode.abort("v")
+    assert pair.decode.stats()["quarantined_pages"] == len(abandoned)
+    # Long enough to still be decoding when the late writes land, and needing most of the pool.
+    for i, p in enumerate(others):
+        pair.submit_local(f"o{i}", p, greedy(48))
+    reused_early: list = []
+
+    def step_check():
+        writes_in_flight = room in pair.prefill.mode.sender.rooms
+        for r in pair.decode._live_reqs():
+            if writes_in_flight and set(r.pages) & abandoned:
+                reused_early.append(r.rid)
+        return all(pair.outputs[f"o{i}"]["final"] is not None for i in range(len(others)))
+
+    pair.run(until=step_check)
+    assert not reused_early, "a quarantined page went to another request while writes to it were in flight"
+    pair.run()
+    assert [pair.outputs[f"o{i}"]["ids"] for i in range(len(others))] == _colocated(
+        "tiny-llama", others, n=48, page_size=2)
+    assert pair.outputs["v"]["final"].finish_reason["type"] == "abort"
+    assert pair.decode.stats()["quarantined_pages"] == 0
+    pair.assert_idle_and_accounted()
