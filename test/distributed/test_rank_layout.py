@@ -47,6 +47,7 @@ def test_dp_attention():
     assert ls[0].attn_dp_groups() == [[0, 2], [1, 3]]
     assert [lay.is_dp_leader for lay in ls] == [True, False, True, False]
     assert ls[0].is_leader and not ls[2].is_leader
+    assert [ls[0].leader_of(r) for r in range(4)] == [0, 0, 2, 2]
 
 
 def test_ranks_per_node():

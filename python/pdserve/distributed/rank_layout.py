@@ -86,6 +86,10 @@ class RankLayout:
         """Global rank of the first rank of attention group ``dp_rank`` (default: this rank's)."""
         return (self.dp_rank if dp_rank is None else dp_rank) * self.attn_tp_size
 
+    def leader_of(self, rank: int) -> int:
+        """Global rank of the attention group leader of any ``rank``."""
+        return rank - rank % self.attn_tp_size
+
     # ------------------------------------------------------------ groups
     def attn_tp_groups(self) -> list[list[int]]:
         a = self.attn_tp_size

@@ -112,7 +112,7 @@ class ControlPlane:
         rank 0. One all-gather, plus a broadcast when rank 0 has messages."""
         payload = pickle.dumps(frames) if frames else b""
         mine = torch.tensor([int(has_work), load, len(payload)], dtype=torch.int64)
-        table = self._all_gather(mine)  # [W, 3]
+        table = self.all_gather_row(mine)  # [W, 3]
         n = int(table[0, 2])
         if n:
             buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.layout.is_leader
@@ -128,13 +128,11 @@ class ControlPlane:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _all_gather(self, row: torch.Tensor) -> torch.Tensor:
+    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``row`` [N] stacked in rank order: [W, N]."""
         rows = [torch.empty_like(row) for _ in range(self.layout.world_size)]
         dist.all_gather(rows, row, group=self.group)
         return torch.stack(rows)
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
 
 
 class StepSync:
@@ -147,13 +145,14 @@ class StepSync:
     def agree(self, num_tokens: int, fingerprint: int) -> list[int]:
         """Returns the tokens of each attention group this step ([D]); raises LockStepError."""
         lay = self.control.layout
-        table = self.control._all_gather(torch.tensor([num_tokens, fingerprint], dtype=torch.int64))  # [W, 2]
-        for r in range(lay.world_size):
-            leader = RankLayout(lay.config, r).dp_leader_rank()
-            if not torch.equal(table[r], table[leader]):
-                raise LockStepError(f"rank {r} scheduled a different batch from its attention group leader "
-                                    f"(rank {leader}): (tokens, fingerprint) {table[r].tolist()} vs "
-                                    f"{table[leader].tolist()}")
+        table = self.control.all_gather_row(torch.tensor([num_tokens, fingerprint], dtype=torch.int64))  # [W, 2]
+        leaders = [lay.leader_of(r) for r in range(lay.world_size)]
+        diverged = (table != table[leaders]).any(dim=1).nonzero().flatten().tolist()
+        if diverged:
+            r = diverged[0]
+            raise LockStepError(f"rank {r} scheduled a different batch from its attention group leader "
+                                f"(rank {leaders[r]}): (tokens, fingerprint) {table[r].tolist()} vs "
+                                f"{table[leaders[r]].tolist()}")
         return [int(table[lay.dp_leader_rank(d), 0]) for d in range(lay.dp_size)]
 
 

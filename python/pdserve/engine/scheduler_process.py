@@ -319,7 +319,7 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
     ctx = zmq.Context()
     recv = _socket(ctx, zmq.PULL, endpoints.to_scheduler) if layout.is_leader else None
     send = _socket(ctx, zmq.PUSH, endpoints.to_frontend)
-    code, groups = 0, None
+    code, groups, scheduler = 0, None, None
     try:
         groups, scheduler = _start_rank(args, layout, store_dir)
         from pdserve.engine.rank_group import RankSchedulerLoop
@@ -328,10 +328,14 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
             send.send_pyobj(ready_message(scheduler))
         RankSchedulerLoop(scheduler, groups, recv, send, parent_pid).run()
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
-        logger.error("scheduler rank %d failed:\n%s", rank, traceback.format_exc())
+        # A ValueError names its field: the frontend prints it in one line (as run_scheduler_process).
+        level = logging.DEBUG if isinstance(e, ValueError) else logging.ERROR
+        logger.log(level, "scheduler rank %d failed:\n%s", rank, traceback.format_exc())
         send.send_pyobj(SchedulerFailed(f"rank {rank}: {type(e).__name__}: {e}"))
         code = 1
     finally:
+        if scheduler is not None:
+            scheduler.mode.close()
         _close_rank(ctx, recv, send, groups, clean=code == 0)
     os._exit(code)
 
