@@ -157,7 +157,10 @@ def test_json_has_every_metric(server, tmp_path):
     d = r["details"]
     assert all(len(d[k]) == 6 for k in DETAIL_KEYS)
     assert all(len(itl) == 7 for itl in d["itls"]) and d["output_lens"] == [8] * 6  # native: one ITL per token
-    assert r["server_timeline"] is None  # a colocated server sends no timeline
+    # A colocated server's breakdown: no transfer stage time.
+    t = r["server_timeline"]
+    assert set(t["stages"]) == {"queue", "prefill", "transfer", "decode_scheduling"}, t
+    assert t["stages"]["transfer"]["mean_ms"] == 0.0 and t["transfer_share_of_ttft"] == 0.0 and t["warning"] is None
 
 
 # --------------------------------------------------------- request shapes

@@ -182,6 +182,8 @@ class Engine:
             "cached_tokens": final.cached_tokens,
             "finish_reason": final.finish_reason,
         }
+        if acc.timeline is not None:
+            meta["timeline"] = acc.timeline
         if seq.item.return_logprob:
             data = acc.data
             if prefill is not None:  # the prompt's logprobs came with the shared prefill
@@ -228,8 +230,10 @@ class _Acc:
     def __init__(self):
         self.data = LogprobData()
         self.final: TokenOutput | None = None
+        self.timeline: dict | None = None  # the TTFT breakdown, sent with the first token
 
     def add(self, o: TokenOutput) -> None:
+        self.timeline = o.timeline or self.timeline
         self.data.extend(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)
         self.data.set_input(o.input_token_logprobs, o.input_top_logprobs)
         if o.finished:
