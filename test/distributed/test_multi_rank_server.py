@@ -108,6 +108,18 @@ def test_sigterm_stops_every_rank():
         server.stop()
 
 
+def test_killed_frontend_takes_every_rank_with_it():
+    """SIGKILL of the server process (no cleanup code runs): the kernel ends every rank."""
+    server = Server("--tp-size", "2", "--max-total-tokens", "4096", model="tiny-llama").start()
+    try:
+        ranks = server.info()["scheduler_pids"]
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.wait(10)
+        _assert_gone(server, ranks)
+    finally:
+        server.stop()
+
+
 def _health_after_kill(server: Server, victim: int) -> tuple[int, bytes]:
     """GET /health asked after ``victim`` died: the frontend is frozen while the rank is killed
     and the request is queued, so the answer cannot race the server's exit."""
