@@ -234,17 +234,105 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_tokens: must be >= 1, got {self.max_prefill_tokens}")
 
 
+MOE_A2A_BACKENDS = ("none", "deepep")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How the engine's ranks split the model, with SGLang's semantics.
+
+    Without DP attention, ``dp_size`` replicas of ``tp_size`` ranks serve disjoint requests
+    (world = tp_size * dp_size). With ``enable_dp_attention`` the world is ``tp_size`` ranks:
+    attention runs in ``dp_size`` groups of ``tp_size / dp_size`` ranks, each owning whole
+    requests, while dense and MoE layers span all ``tp_size`` ranks. ``ep_size`` (1 or
+    tp_size) splits routed experts whole over the TP ranks instead of slicing each one.
+    """
+
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
     enable_dp_attention: bool = False
+    moe_a2a_backend: str = "none"
+    dist_init_addr: str | None = None  # "host:port" of rank 0's rendezvous (required with nnodes > 1)
+    nnodes: int = 1
+    node_rank: int = 0
 
     def __post_init__(self):
-        for name in ("tp_size", "dp_size", "ep_size"):
+        for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.enable_dp_attention and self.tp_size % self.dp_size:
+            raise ValueError(f"dp_size: with enable_dp_attention it must divide tp_size ({self.tp_size}), "
+                             f"got {self.dp_size}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"ep_size: must be 1 or equal to tp_size ({self.tp_size}), got {self.ep_size}")
+        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+            raise ValueError(f"moe_a2a_backend: {self.moe_a2a_backend!r} is not one of {MOE_A2A_BACKENDS}")
+        if self.moe_a2a_backend == "deepep" and self.ep_size == 1:
+            raise ValueError("moe_a2a_backend: 'deepep' dispatches over expert parallelism; set ep_size > 1")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"nnodes: {self.nnodes} does not divide the {self.world_size} ranks "
+                             f"(tp_size x dp_size, or tp_size with enable_dp_attention)")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr: required with nnodes > 1 (host:port of node 0)")
+        if self.dist_init_addr is not None:
+            split_host_port(self.dist_init_addr, "dist_init_addr")
+
+    @property
+    def world_size(self) -> int:
+        """Scheduler ranks (processes) in the whole engine, over every node."""
+        return self.tp_size if self.enable_dp_attention else self.tp_size * self.dp_size
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks one attention layer (and the KV pool's heads) is split over."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ValueError naming the field when this split cannot shard ``model``."""
+        c, arch = model.hf_config, model.architecture
+        if self.enable_dp_attention and not model.is_mla:
+            raise ValueError(f"enable_dp_attention: only MLA (DeepSeek) models support DP attention; "
+                             f"{arch} uses GQA")
+        heads = c.num_attention_heads
+        if heads % self.attn_tp_size:
+            raise ValueError(f"tp_size: num_attention_heads ({heads}) is not divisible by the attention TP "
+                             f"size {self.attn_tp_size}")
+        kv = model.num_kv_heads
+        if not model.is_mla and kv % self.attn_tp_size and self.attn_tp_size % kv:
+            raise ValueError(f"tp_size: num_key_value_heads ({kv}) and the attention TP size "
+                             f"{self.attn_tp_size} must divide one another")
+        self._check_mlp(model)
+
+    def _check_mlp(self, model: ModelConfig) -> None:
+        c = model.hf_config
+        experts = getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or 0
+        if self.ep_size > 1 and not experts:
+            raise ValueError(f"ep_size: {model.architecture} has no routed experts to split")
+        if experts % self.ep_size:
+            raise ValueError(f"ep_size: {self.ep_size} does not divide the number of experts ({experts})")
+        sizes = {"intermediate_size": getattr(c, "intermediate_size", None)}
+        if experts and self.ep_size == 1:
+            sizes["moe_intermediate_size"] = getattr(c, "moe_intermediate_size", None)
+        if experts and getattr(c, "n_shared_experts", None):  # shared experts are TP-split even under EP
+            sizes["moe_intermediate_size * n_shared_experts"] = c.moe_intermediate_size * c.n_shared_experts
+        for name, size in sizes.items():
+            if size and size % self.tp_size:
+                raise ValueError(f"tp_size: {name} ({size}) is not divisible by tp_size={self.tp_size}")
+
+
+def split_host_port(addr: str, field_name: str) -> tuple[str, int]:
+    """"host:port" (IPv6 as "[::1]:port") -> (host, port); ValueError naming ``field_name``."""
+    host, sep, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{field_name}: expected host:port with a port in 1..65535, got {addr!r}")
+    return host, int(port)
 
 
 DISAGG_MODES = ("null", "prefill", "decode")
@@ -313,6 +401,10 @@ class ServerArgs:
     dp_size: int = 1
     ep_size: int = 1
     enable_dp_attention: bool = False
+    moe_a2a_backend: str = "none"
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
     num_threads: int | None = None
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
     max_request_bytes: int = 32 << 20  # larger HTTP request bodies are refused (413) before parsing
@@ -336,8 +428,11 @@ class ServerArgs:
         # Building the parts validates every field they own.
         self.cache_config()
         self.scheduler_config()
-        self.parallel_config()
+        world = self.parallel_config().world_size
         self.disagg_config()
+        if self.disaggregation_mode != "null" and world > 1:
+            raise ValueError(f"disaggregation_mode: {self.disaggregation_mode!r} runs one scheduler rank for now; "
+                             f"this split has {world} (tp_size / dp_size)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if self.load_format not in LOAD_FORMATS:
@@ -346,20 +441,16 @@ class ServerArgs:
         if 0 < self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size: must be >= page_size ({self.page_size}) or <= 0 "
                              f"(disabled), got {self.chunked_prefill_size}")
-        # The layers are TP/EP-ready (ParallelState), but the engine runs one rank for now:
-        # refuse rather than silently serve on a single rank.
-        for name in ("tp_size", "dp_size", "ep_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}: only 1 is supported by this engine build, got {getattr(self, name)}")
-        if self.enable_dp_attention:
-            raise ValueError("enable_dp_attention: not supported by this engine build")
         if self.max_prefill_tokens < self.page_size:
             raise ValueError(f"max_prefill_tokens: must be >= page_size ({self.page_size}), "
                              f"got {self.max_prefill_tokens}")
 
     def model_config(self) -> ModelConfig:
-        """Reads config.json: call once per process and pass the result on."""
-        return ModelConfig.from_path(self.model_path, self.dtype, self.load_format, self.context_length)
+        """Reads config.json: call once per process and pass the result on. Raises ValueError
+        when the parallel split cannot shard this model (naming the field)."""
+        model = ModelConfig.from_path(self.model_path, self.dtype, self.load_format, self.context_length)
+        self.parallel_config().check_model(model)
+        return model
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache)
@@ -369,7 +460,8 @@ class ServerArgs:
                                self.max_prefill_tokens, self.schedule_policy, self.random_seed)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention)
+        return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention,
+                              self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank)
 
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig(self.disaggregation_mode, self.disaggregation_transfer_backend,

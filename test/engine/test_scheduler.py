@@ -295,8 +295,10 @@ def test_layer_hook_runs_after_each_layers_kv_is_written(request, model):
     assert all(s[2] for s in seen) and not any(s[3] for s in seen)
 
 
-@pytest.mark.parametrize("kw, field", [(dict(tp_size=2), "tp_size"), (dict(ep_size=2), "ep_size"),
-                                       (dict(dp_size=2), "dp_size"), (dict(enable_dp_attention=True), "enable_dp")])
-def test_parallel_settings_not_yet_wired_are_refused(llama_dir, kw, field):
-    with pytest.raises(ValueError, match=field):
+@pytest.mark.parametrize("kw, field", [(dict(tp_size=3), "tp_size"), (dict(tp_size=2, ep_size=2), "ep_size"),
+                                       (dict(tp_size=2, dp_size=3, enable_dp_attention=True), "dp_size"),
+                                       (dict(tp_size=2, dp_size=2, enable_dp_attention=True), "enable_dp")])
+def test_parallel_settings_that_cannot_shard_the_model_are_refused(llama_dir, kw, field):
+    """Refused before any rank starts (the model has 4 heads, no experts and GQA attention)."""
+    with pytest.raises(ValueError, match=f"^{field}"):
         pdserve.Engine(model_path=llama_dir, **kw)

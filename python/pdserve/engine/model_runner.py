@@ -43,8 +43,8 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
         return MLAKVPool(num_pages, cache.page_size, model.num_layers, c.kv_lora_rank,
                          c.qk_rope_head_dim, model.torch_dtype, device)
     heads = model.num_kv_heads
-    # Replicate KV heads when there are fewer heads than TP ranks.
-    local = max(1, heads // parallel.tp_size)
+    # KV heads split over attention TP; replicated when there are fewer heads than ranks.
+    local = max(1, heads // parallel.attention.tp_size)
     return GQAKVPool(num_pages, cache.page_size, model.num_layers, local, model.head_dim,
                      model.torch_dtype, device)
 

@@ -6,6 +6,13 @@ scheduler, reports ``SchedulerReady`` (or ``SchedulerFailed``) and runs
 the child. The frontend binds both sockets; the child connects, so a restarted
 child finds the same endpoints.
 
+With more than one rank (``--tp-size`` / ``--dp-size`` ...) there is one process per
+rank instead (``run_rank_process``, ``RankProcesses``), in lock step through
+torch.distributed (``engine/rank_group.py``): rank 0 alone reads the frontend's
+socket, every attention group's leader sends outputs, any rank reports its failure.
+``scheduler_processes`` picks the one or the other; both handles look the same to
+the frontend.
+
 Loop contract (throughput depends on it):
 - while the scheduler has work, incoming messages are drained without blocking
   and ``step()`` runs back to back;
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdserve.config import ServerArgs, default_num_threads
+from pdserve.config import ServerArgs, default_num_threads, split_host_port
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
@@ -56,6 +63,26 @@ class SchedulerEndpoints:
     @classmethod
     def in_dir(cls, directory: str) -> SchedulerEndpoints:
         return cls(f"ipc://{directory}/to_scheduler", f"ipc://{directory}/to_frontend")
+
+    @classmethod
+    def over_tcp(cls, host: str, port: int) -> SchedulerEndpoints:
+        """Ranks on other nodes reach the frontend on node 0 at ``host``: ports port+1, port+2
+        (``port`` is the torch.distributed rendezvous of ``--dist-init-addr``)."""
+        return cls(f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}")
+
+    @classmethod
+    def for_args(cls, args: ServerArgs, directory: str) -> SchedulerEndpoints:
+        if args.nnodes > 1:
+            return cls.over_tcp(*split_host_port(args.dist_init_addr, "dist_init_addr"))
+        return cls.in_dir(directory)
+
+
+def bind_address(endpoint: str) -> str:
+    """Where the frontend binds ``endpoint``: a TCP one on every interface (``host`` is how the
+    other nodes reach it, not necessarily a local interface name)."""
+    if endpoint.startswith("tcp://"):
+        return "tcp://*:" + endpoint.rpartition(":")[2]
+    return endpoint
 
 
 # --------------------------------------------------------------------- loop
@@ -247,8 +274,15 @@ class SchedulerProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
+    @property
+    def pids(self) -> list[int]:
+        return [self.process.pid] if self.process else []
+
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    def describe_exit(self) -> str:
+        return f"scheduler process exited with code {self.exitcode}"
 
     @property
     def exitcode(self) -> int | None:
@@ -268,3 +302,140 @@ class SchedulerProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(1.0)
+
+
+# --------------------------------------------------------- several ranks
+def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int, store_dir: str | None,
+                     parent_pid: int) -> None:
+    """``spawn`` target of scheduler rank ``rank``. Exits 0 after a ShutdownReq reached every
+    rank, 1 after any error (reported to the frontend first, naming the rank)."""
+    from pdserve.distributed.rank_layout import RankLayout
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"[%(asctime)s scheduler rank {rank}] %(levelname)s %(name)s: %(message)s")
+    layout = RankLayout(args.parallel_config(), rank)
+    ctx = zmq.Context()
+    recv = _socket(ctx, zmq.PULL, endpoints.to_scheduler) if layout.is_leader else None
+    send = _socket(ctx, zmq.PUSH, endpoints.to_frontend)
+    code, groups, scheduler = 0, None, None
+    try:
+        groups, scheduler = _start_rank(args, layout, store_dir)
+        from pdserve.engine.rank_group import RankSchedulerLoop
+
+        if layout.is_leader:
+            send.send_pyobj(ready_message(scheduler))
+        RankSchedulerLoop(scheduler, groups, recv, send, parent_pid).run()
+    except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
+        # A ValueError names its field: the frontend prints it in one line (as run_scheduler_process).
+        level = logging.DEBUG if isinstance(e, ValueError) else logging.ERROR
+        logger.log(level, "scheduler rank %d failed:\n%s", rank, traceback.format_exc())
+        send.send_pyobj(SchedulerFailed(f"rank {rank}: {type(e).__name__}: {e}"))
+        code = 1
+    finally:
+        if scheduler is not None:
+            scheduler.mode.close()
+        _close_rank(ctx, recv, send, groups, clean=code == 0)
+    os._exit(code)
+
+
+def _start_rank(args: ServerArgs, layout, store_dir: str | None):
+    """Join the process group, build this rank's scheduler, wait for every rank; rank 0 then
+    reports the engine ready."""
+    import torch
+
+    from pdserve.distributed.groups import backend_for_device, init_method, init_rank_groups
+    from pdserve.engine.rank_group import ControlPlane, build_rank_scheduler
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.num_threads or max(1, default_num_threads() // len(layout.ranks_on_node())))
+    device = "cpu"  # the model runner runs on CPU in this build
+    # Configs first (parallel_state.py says why), then the process group.
+    model_config = args.model_config()
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
+    groups = init_rank_groups(layout, init_method(store_dir, args.dist_init_addr), backend_for_device(device))
+    scheduler = build_rank_scheduler(args, groups, model_config, tokenizer, device)
+    ControlPlane(layout, groups.cpu).gather(os.getpid())  # every rank is ready
+    return groups, scheduler
+
+
+def _close_rank(ctx: zmq.Context, recv, send, groups, clean: bool) -> None:
+    if recv is not None:
+        recv.close(linger=0)
+    send.close(linger=1000)  # let a final SchedulerFailed reach the frontend
+    ctx.term()
+    if groups is not None and clean:  # after an error a peer may be gone: just exit
+        groups.destroy()
+
+
+class RankProcesses:
+    """Parent-side handle of this node's scheduler ranks; the same interface as SchedulerProcess
+    (the frontend watches and stops them as one). ``store_dir``: where the ranks rendezvous
+    (a fresh directory per engine; unused with ``--dist-init-addr``)."""
+
+    def __init__(self, args: ServerArgs, endpoints: SchedulerEndpoints, store_dir: str | None):
+        from pdserve.distributed.rank_layout import layouts_on_node
+
+        self.args = args
+        self.endpoints = endpoints
+        self.store_dir = store_dir
+        self.ranks = [lay.rank for lay in layouts_on_node(args.parallel_config())]
+        self.processes: list[mp.process.BaseProcess] = []
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in self.ranks:
+            proc = ctx.Process(target=run_rank_process, name=f"pdserve-scheduler-{rank}", daemon=True,
+                               args=(self.args, self.endpoints, rank, self.store_dir, os.getpid()))
+            proc.start()
+            self.processes.append(proc)
+
+    @property
+    def pid(self) -> int | None:
+        """The first local rank's (rank 0 on node 0)."""
+        return self.processes[0].pid if self.processes else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def is_alive(self) -> bool:
+        """True while every rank runs: a lone rank cannot serve."""
+        return bool(self.processes) and all(p.is_alive() for p in self.processes)
+
+    @property
+    def exitcode(self) -> int | None:
+        """The exit code of the first rank that ended (None while all run)."""
+        return next((p.exitcode for p in self.processes if p.exitcode is not None), None)
+
+    def describe_exit(self) -> str:
+        dead = [(r, p.exitcode) for r, p in zip(self.ranks, self.processes) if p.exitcode is not None]
+        return ", ".join(f"scheduler rank {r} exited with code {c}" for r, c in dead) or "all ranks running"
+
+    def stop(self, send_shutdown=None, timeout: float = 2.0) -> None:
+        """Ask rank 0 to stop every rank (``send_shutdown()``), then SIGTERM, then SIGKILL;
+        always reaps every rank. Takes at most ``timeout + 2`` s."""
+        import time
+
+        if not self.processes:
+            return
+        if send_shutdown is not None and self.is_alive():
+            send_shutdown()
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for sig_method, wait in (("terminate", 1.0), ("kill", 1.0)):
+            alive = [p for p in self.processes if p.is_alive()]
+            for p in alive:
+                getattr(p, sig_method)()
+            end = time.monotonic() + wait
+            for p in alive:
+                p.join(max(0.0, end - time.monotonic()))
+
+
+def scheduler_processes(args: ServerArgs, endpoints: SchedulerEndpoints, store_dir: str):
+    """The frontend's handle: one scheduler process, or one process per rank of this node."""
+    if args.parallel_config().world_size == 1:
+        return SchedulerProcess(args, endpoints)
+    return RankProcesses(args, endpoints, store_dir)

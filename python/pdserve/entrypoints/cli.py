@@ -19,6 +19,7 @@ from pdserve.config import (
     DTYPES,
     FALLBACK_POLICIES,
     LOAD_FORMATS,
+    MOE_A2A_BACKENDS,
     SCHEDULE_POLICIES,
     TRANSFER_BACKENDS,
     ServerArgs,
@@ -85,6 +86,20 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
 
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism (one scheduler process per rank)")
+    _flag(g, "--tp-size", "tensor-parallel ranks (with --enable-dp-attention: every rank)", type=int)
+    _flag(g, "--dp-size", "data-parallel replicas, or attention groups with --enable-dp-attention", type=int)
+    _flag(g, "--enable-dp-attention", "attention in --dp-size groups owning whole requests; dense and MoE "
+          "layers over all --tp-size ranks (MLA models)", action="store_true")
+    _flag(g, "--ep-size", "expert-parallel ranks: 1, or --tp-size to place routed experts whole", type=int)
+    _flag(g, "--moe-a2a-backend", "how EP moves tokens to experts: torch.distributed all-to-all, or DeepEP "
+          "(CUDA only)", choices=MOE_A2A_BACKENDS)
+    _flag(g, "--dist-init-addr", "host:port of node 0 for the ranks' rendezvous (needed with --nnodes > 1)")
+    _flag(g, "--nnodes", "nodes the ranks are spread over", type=int)
+    _flag(g, "--node-rank", "this node's index; nodes > 0 run their ranks only, node 0 the server too", type=int)
+
+
 def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) -> None:
     """``per_server`` False (``pdserve up``): the flags every server of a deployment shares."""
     g = parser.add_argument_group("prefill/decode disaggregation")
@@ -105,7 +120,8 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
           "tokens than this (0: always transfer)", type=int)
 
 
-SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_runtime_args, add_disagg_args)
+SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_parallel_args, add_runtime_args,
+                     add_disagg_args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -115,9 +131,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     """ServerArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
+    from pdserve.layers.moe.dispatch import require_backend  # imports torch: only for serve
+
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELDS}
     args = ServerArgs(**kwargs)
     args.model_config()  # resolves the model path and architecture now, not after forking
+    require_backend(args.moe_a2a_backend)  # and whether the EP backend can run on this host
     return args
 
 
@@ -170,6 +189,10 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args = server_args_from_namespace(ns)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.node_rank > 0:
+        from pdserve.entrypoints.node_launcher import launch_ranks_only
+
+        return launch_ranks_only(args)
     from pdserve.entrypoints.http_server import launch_server
 
     return launch_server(args)

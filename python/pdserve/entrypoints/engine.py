@@ -29,9 +29,13 @@ def _as_list(x, is_single) -> tuple[list, bool]:
 class Engine:
     """``Engine(model_path=..., **server_args)``; ``generate(...)``; ``shutdown()``.
 
-    Runs the scheduler in this process: ``generate`` blocks until every request
-    it submitted has finished. A rejected input raises ValueError naming the
-    field before anything is queued, so the engine stays usable.
+    One rank: runs the scheduler in this process. Several ranks (``tp_size`` ...): every
+    rank runs in a subprocess, as under ``pdserve serve``, driven through a RankClient
+    (which offers the scheduler calls used here); ``shutdown()`` stops them. Ranks are
+    started with ``spawn``, so a script must build the Engine under
+    ``if __name__ == "__main__":`` (as with SGLang's Engine). Either way
+    ``generate`` blocks until every request it submitted has finished. A rejected input
+    raises ValueError naming the field before anything is queued, so the engine stays usable.
     """
 
     def __init__(self, model_path: str, **kwargs: Any):
@@ -39,12 +43,19 @@ class Engine:
         if self.args.disaggregation_mode != "null":
             raise ValueError("disaggregation_mode: the offline Engine runs colocated; start prefill and decode "
                              "servers with `pdserve serve --disaggregation-mode ...` (or `pdserve up`)")
-        torch.set_num_threads(self.args.num_threads or default_num_threads())
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
-        self.scheduler = Scheduler(model_config, self.args.cache_config(), self.args.scheduler_config(),
-                                   self.tokenizer)
+        if self.args.parallel_config().world_size > 1:
+            from pdserve.entrypoints.rank_client import RankClient
+            from pdserve.layers.moe.dispatch import require_backend
+
+            require_backend(self.args.moe_a2a_backend)
+            self.scheduler = RankClient(self.args, model_config)
+        else:
+            torch.set_num_threads(self.args.num_threads or default_num_threads())
+            self.scheduler = Scheduler(model_config, self.args.cache_config(), self.args.scheduler_config(),
+                                       self.tokenizer)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API
@@ -83,6 +94,9 @@ class Engine:
             self.scheduler.abort(rid, "engine shut down")
         while self.scheduler.has_work():
             self.scheduler.step()
+        close = getattr(self.scheduler, "close", None)  # a RankClient's ranks stop here
+        if close is not None:
+            close()
 
     def __enter__(self):
         return self

@@ -180,7 +180,7 @@ async def _server_info(ctx: ServerContext) -> dict:
     args = ctx.args.to_dict()
     return {**args, "args": args, **stats, "internal_states": [stats], "version": __version__,
             "context_length": ctx.tm.limits.context_len, "max_total_num_tokens": ctx.tm.limits.max_total_tokens,
-            "scheduler_pids": [ctx.tm.scheduler.pid], "num_inflight_requests": ctx.tm.num_inflight,
+            "scheduler_pids": ctx.tm.scheduler.pids, "num_inflight_requests": ctx.tm.num_inflight,
             "disaggregation_mode": ctx.args.disaggregation_mode}
 
 

@@ -51,7 +51,13 @@ from pdserve.engine.io_struct import (
     TokenOutput,
 )
 from pdserve.engine.request import RequestLimits, SamplingParams, check_request, finish_abort
-from pdserve.engine.scheduler_process import SchedulerEndpoints, SchedulerProcess
+from pdserve.engine.scheduler_process import (
+    RankProcesses,
+    SchedulerEndpoints,
+    SchedulerProcess,
+    bind_address,
+    scheduler_processes,
+)
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.entrypoints.errors import RequestError, ServerError
 from pdserve.obs.metrics import ServerMetrics
@@ -135,7 +141,7 @@ class TokenizerManager:
         self.closing = False  # set at shutdown: new requests get a 503
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
-        self.scheduler: SchedulerProcess | None = None
+        self.scheduler: SchedulerProcess | RankProcesses | None = None
         self._reqs: dict[str, _ReqState] = {}
         self._stats_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
@@ -151,9 +157,9 @@ class TokenizerManager:
     # ------------------------------------------------------------ lifecycle
     async def start(self, timeout: float, should_stop: Callable[[], bool] = lambda: False) -> SchedulerReady:
         self._tmpdir = tempfile.mkdtemp(prefix="pdserve-")
-        endpoints = SchedulerEndpoints.in_dir(self._tmpdir)
+        endpoints = SchedulerEndpoints.for_args(self.args, self._tmpdir)
         self._open_sockets(endpoints)
-        self.scheduler = SchedulerProcess(self.args, endpoints)
+        self.scheduler = scheduler_processes(self.args, endpoints, self._tmpdir)
         self.scheduler.start()
         ready = await self._wait_ready(timeout, should_stop)
         self.limits = RequestLimits(ready.context_len, ready.vocab_size, ready.max_total_tokens)
@@ -171,8 +177,8 @@ class TokenizerManager:
         for sock in (self._send, self._recv):
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        self._send.bind(endpoints.to_scheduler)
-        self._recv.bind(endpoints.to_frontend)
+        self._send.bind(bind_address(endpoints.to_scheduler))
+        self._recv.bind(bind_address(endpoints.to_frontend))
 
     async def _wait_ready(self, timeout: float, should_stop: Callable[[], bool]) -> SchedulerReady:
         deadline = time.monotonic() + timeout
@@ -187,8 +193,7 @@ class TokenizerManager:
             if should_stop():
                 raise StartupCancelled("shutdown requested during startup")
             if not self.scheduler.is_alive():
-                raise StartupError(f"scheduler process exited with code {self.scheduler.exitcode} "
-                                   "during startup (see its log above)")
+                raise StartupError(f"{self.scheduler.describe_exit()} during startup (see its log above)")
             if time.monotonic() > deadline:
                 raise StartupError(f"scheduler not ready after {timeout:.0f} s")
 
@@ -449,7 +454,7 @@ class TokenizerManager:
         while self.healthy:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if not self.scheduler.is_alive():
-                self._fatal(f"scheduler process exited unexpectedly with code {self.scheduler.exitcode}")
+                self._fatal(f"{self.scheduler.describe_exit()} unexpectedly")
 
     def _fatal(self, message: str) -> None:
         if self.fatal_error is not None:

@@ -40,6 +40,12 @@ class VocabParallelEmbedding(nn.Module):
         key = f"{prefix}.weight"
         yield WeightEntry(key, lambda src: self._load(key, src), (key,))
 
+    def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Inverse of loading, for an unsplit table."""
+        if self.parallel.tp_size != 1:
+            raise ValueError(f"{prefix}: a sharded layer holds no whole checkpoint tensor")
+        yield f"{prefix}.weight", self.weight[:self.vocab_size]
+
     def _load(self, key: str, src: torch.Tensor) -> None:
         check_shape(key, src, (self.vocab_size, self.hidden))
         end = min(self.vocab_end, self.vocab_size)
@@ -66,6 +72,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)  # [N, Vp/p]
         logits = self.parallel.tp_all_gather(logits, dim=-1)[:, :self.vocab_size]  # [N, V]
         return logits.float()
+
+    def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.tied:  # a tied head's table is the embedding's
+            yield from super().checkpoint_tensors(prefix)
 
     def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
         if not self.tied:

@@ -56,6 +56,17 @@ class ForwardBatch:
     req_uids: tuple[int, ...] | None = None
     # Set once per forward by the model runner: ``attn_backend.prepare(self)``.
     attn_metadata: AttentionMetadata | None = None
+    # DP attention: tokens of every attention group this step ([attn DP size]), agreed by the
+    # ranks before the forward (engine/rank_group.py); the MLPs gather that many rows.
+    dp_num_tokens: list[int] | None = None
+
+    @classmethod
+    def idle(cls, kv_pool: KVPool, attn_backend: AttentionBackend, dp_num_tokens: list[int]) -> ForwardBatch:
+        """A step with no tokens for this attention group while others have some (DP attention):
+        the model only takes part in the layers shared across groups. Never ``prepare``d."""
+        empty = torch.zeros(0, dtype=torch.int64, device=kv_pool.device)
+        return cls(ForwardMode.DECODE, empty, empty, empty, empty, empty, empty, empty.view(0, 0), kv_pool,
+                   attn_backend, dp_num_tokens=dp_num_tokens)
 
     @property
     def batch_size(self) -> int:

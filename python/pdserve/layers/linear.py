@@ -60,6 +60,16 @@ class _OutputSplitLinear(nn.Module):
                 yield WeightEntry(key, lambda src, k=key, pn=pname, pt=part: self._load(k, pn, pt, src),
                                   (f"{prefix}.{pname}#{i}",))
 
+    def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Inverse of loading, for an unsharded layer: each checkpoint tensor it holds."""
+        for part in self.parts:
+            if part.size != part.full_rows:
+                raise ValueError(f"{prefix}: a sharded layer holds no whole checkpoint tensor")
+            base = prefix if part.ckpt_name is None else sibling(prefix, part.ckpt_name)
+            for pname in ("weight", "bias"):
+                if getattr(self, pname) is not None:
+                    yield f"{base}.{pname}", getattr(self, pname).narrow(0, part.dst_start, part.size)
+
     def _load(self, key: str, pname: str, part: _Part, src: torch.Tensor) -> None:
         full = (part.full_rows, self.in_features) if pname == "weight" else (part.full_rows,)
         check_shape(key, src, full)
@@ -171,6 +181,13 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             bkey = f"{prefix}.bias"
             yield WeightEntry(bkey, lambda src: copy_into(bkey, self.bias.data, src), (bkey,))
+
+    def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.in_features != self.in_full:
+            raise ValueError(f"{prefix}: a sharded layer holds no whole checkpoint tensor")
+        yield f"{prefix}.weight", self.weight
+        if self.bias is not None:
+            yield f"{prefix}.bias", self.bias
 
     def _load_weight(self, key: str, src: torch.Tensor) -> None:
         check_shape(key, src, (self.out_features, self.in_full))

@@ -46,13 +46,18 @@ def copy_into(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def direct_entries(module: nn.Module, prefix: str) -> Iterator[WeightEntry]:
-    """One entry per parameter/persistent buffer owned directly by ``module``, copied whole."""
+def direct_tensors(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint key, tensor) of every parameter/persistent buffer owned directly by ``module``."""
     tensors = dict(module.named_parameters(recurse=False))
     tensors.update({n: b for n, b in module.named_buffers(recurse=False)
                     if n not in module._non_persistent_buffers_set})
     for name, tensor in tensors.items():
-        key = f"{prefix}.{name}" if prefix else name
+        yield (f"{prefix}.{name}" if prefix else name), tensor
+
+
+def direct_entries(module: nn.Module, prefix: str) -> Iterator[WeightEntry]:
+    """One entry per parameter/persistent buffer owned directly by ``module``, copied whole."""
+    for key, tensor in direct_tensors(module, prefix):
         yield WeightEntry(key, lambda src, k=key, t=tensor: copy_into(k, t, src), (key,))
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.layers.embedding import ParallelLMHead
 from pdserve.layers.forward_batch import ForwardBatch
-from pdserve.layers.weights import WeightEntry, direct_entries
+from pdserve.layers.weights import WeightEntry, direct_entries, direct_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,15 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
     if skipped:
         logger.debug("skipped %d checkpoint tensors the model does not use", skipped)
+
+
+def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``load_into`` for an unsharded model: every checkpoint tensor (HF names)
+    that would load it back as it is. Lets a sharded model take its slices of weights that
+    exist only in memory (seeded dummy weights) through the checkpoint path."""
+    for path, module in model.named_modules():
+        export = getattr(module, "checkpoint_tensors", None)
+        yield from export(path) if export is not None else direct_tensors(module, path)
 
 
 class CausalLM(nn.Module):

@@ -22,14 +22,22 @@ from pdserve.models.base import CausalLM
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into
-    the following norm."""
+    the following norm.
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden: int, eps: float, dtype: torch.dtype):
+    With DP attention (``parallel.dp_attention``) the attention groups hold different tokens
+    and the MLP spans them all: it runs on every group's tokens gathered (Ta rows) and each
+    group keeps its own rows. Every group takes part in every layer, even one with no tokens
+    (``idle``), so the collectives line up.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden: int, eps: float, dtype: torch.dtype,
+                 parallel: ParallelState | None = None):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.dp = parallel if parallel is not None and parallel.dp_attention else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, fb: ForwardBatch):
         if residual is None:
@@ -38,7 +46,18 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rotation, fb)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self._mlp(x, fb), residual
+
+    def idle(self, x: torch.Tensor, fb: ForwardBatch) -> None:
+        """No tokens in this attention group (x [0, H]): take part in the MLP's gather only."""
+        if self.dp is not None:
+            self._mlp(x, fb)
+
+    def _mlp(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if self.dp is None:
+            return self.mlp(x)  # [T, H]
+        counts = fb.dp_num_tokens
+        return self.dp.dp_slice(self.mlp(self.dp.dp_gather(x, counts)), counts)  # [T, H] of [Ta, H]
 
 
 class DecoderStack(nn.Module):
@@ -57,7 +76,7 @@ class DecoderStack(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.num_tokens == 0:
-            return self.embed_tokens(fb.input_ids)
+            return self._idle(fb)
         self.rotary_emb.ensure_capacity(int(fb.positions.max()) + 1)
         rotation = self.rotary_emb.rotation(fb.positions)
         hidden, residual = self.embed_tokens(fb.input_ids), None  # [T, H]
@@ -66,10 +85,20 @@ class DecoderStack(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [T, H]
 
+    def _idle(self, fb: ForwardBatch) -> torch.Tensor:
+        """An empty step: nothing to embed or attend to, but layers that span attention groups
+        still take part (DecoderLayer.idle). Returns [0, H]."""
+        w = self.embed_tokens.weight
+        hidden = w.new_zeros(0, w.shape[-1])
+        for layer in self.layers:
+            layer.idle(hidden, fb)
+        return hidden
+
 
 def build_lm_head(c, parallel: ParallelState, dtype: torch.dtype, stack: DecoderStack) -> ParallelLMHead:
+    """The LM head splits like attention (each attention group scores its own tokens)."""
     tie = stack.embed_tokens if getattr(c, "tie_word_embeddings", False) else None
-    return ParallelLMHead(c.vocab_size, c.hidden_size, parallel, dtype, tie_to=tie)
+    return ParallelLMHead(c.vocab_size, c.hidden_size, parallel.attention, dtype, tie_to=tie)
 
 
 def head_dim_of(c) -> int:
@@ -114,13 +143,14 @@ class GQAAttention(nn.Module):
 
 
 def build_gqa_stack(c, parallel: ParallelState, dtype: torch.dtype, make_layer) -> DecoderStack:
-    """``make_layer(layer_id) -> DecoderLayer``; rope and embeddings come from the config."""
+    """``make_layer(layer_id) -> DecoderLayer``; rope and embeddings come from the config.
+    The embedding splits like attention."""
     reject_sliding_window(c)
     params = rope_parameters_of(c)
     D = head_dim_of(c)
     rotary_dim = int(D * params.get("partial_rotary_factor", 1.0))
     rope = get_rope(rotary_dim, c.max_position_embeddings, params, interleaved=False, dtype=dtype)
-    embed = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel, dtype)
+    embed = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel.attention, dtype)
     layers = [make_layer(i) for i in range(c.num_hidden_layers)]
     return DecoderStack(embed, layers, RMSNorm(c.hidden_size, c.rms_norm_eps, dtype), rope)
 
@@ -137,8 +167,8 @@ class GQACausalLM(CausalLM):
         if getattr(c, "mlp_bias", False):
             raise ValueError("mlp_bias: biased MLP projections are not supported")
         self.model = build_gqa_stack(c, parallel, dtype, lambda i: DecoderLayer(
-            self.make_attention(i, parallel, dtype), self.make_mlp(i, parallel, dtype),
-            c.hidden_size, c.rms_norm_eps, dtype))
+            self.make_attention(i, parallel.attention, dtype), self.make_mlp(i, parallel, dtype),
+            c.hidden_size, c.rms_norm_eps, dtype, parallel))
         self.lm_head = build_lm_head(c, parallel, dtype, self.model)
 
     def make_attention(self, layer_id: int, parallel: ParallelState, dtype: torch.dtype) -> nn.Module:

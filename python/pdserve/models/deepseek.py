@@ -90,9 +90,9 @@ class DeepseekV2ForCausalLM(CausalLM):
         params = rope_parameters_of(c)
         rope = get_rope(c.qk_rope_head_dim, c.max_position_embeddings, params,
                         interleaved=self.rope_interleaved(c), dtype=dtype)
-        layers = [DecoderLayer(MLAAttention(c, i, parallel, dtype), self.make_mlp(i, parallel, dtype),
-                               c.hidden_size, c.rms_norm_eps, dtype) for i in range(c.num_hidden_layers)]
-        embed = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel, dtype)
+        layers = [DecoderLayer(MLAAttention(c, i, parallel.attention, dtype), self.make_mlp(i, parallel, dtype),
+                               c.hidden_size, c.rms_norm_eps, dtype, parallel) for i in range(c.num_hidden_layers)]
+        embed = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel.attention, dtype)
         self.model = DecoderStack(embed, layers, RMSNorm(c.hidden_size, c.rms_norm_eps, dtype), rope)
         self.lm_head = build_lm_head(c, parallel, dtype, self.model)
 

@@ -12,6 +12,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.norm import RMSNorm
+from pdserve.models.base import checkpoint_tensors
 from pdserve.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,21 +67,32 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
+def dummy_checkpoint(model_config: ModelConfig, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The single-rank model's seeded dummy weights as checkpoint tensors, so every split of the
+    model loads slices of the same weights (and TP/EP runs equal the single-rank run). Builds
+    the whole model once in host memory."""
+    full = get_model_class(model_config.architecture)(model_config.hf_config, SINGLE, model_config.torch_dtype)
+    init_dummy_weights(full, seed)
+    return list(checkpoint_tensors(full))
+
+
 def load_model(model_config: ModelConfig, parallel: ParallelState = SINGLE, seed: int = 0) -> nn.Module:
     """The model for ``model_config`` in its dtype, in eval mode, without gradients.
 
-    ``load_format``: "dummy" -> seeded random weights; "auto" / "safetensors" -> the
-    checkpoint in ``model_config.path`` (single file or sharded with an index).
+    ``load_format``: "dummy" -> seeded random weights (the same on any split); "auto" /
+    "safetensors" -> the checkpoint in ``model_config.path`` (single file or sharded with an index).
     Raises ValueError for an unknown architecture, absent weight files, or missing tensors.
     """
     cls = get_model_class(model_config.architecture)
     with torch.no_grad():
         model = cls(model_config.hf_config, parallel, model_config.torch_dtype)
-        if model_config.load_format == "dummy":
+        if model_config.load_format != "dummy":
+            model.load_weights(iter_safetensors(model_config.path))
+        elif parallel.is_single:
             init_dummy_weights(model, seed)
             model.process_weights_after_loading()
         else:
-            model.load_weights(iter_safetensors(model_config.path))
+            model.load_weights(dummy_checkpoint(model_config, seed))
     model.eval()
     model.requires_grad_(False)
     return model

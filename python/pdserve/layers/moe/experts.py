@@ -132,6 +132,16 @@ class Experts(nn.Module):
         yield WeightEntry(f"{prefix}.down_proj", lambda src: self._load_fused_w2(f"{prefix}.down_proj", src),
                           tuple(u for u in all_units if u.endswith("down_proj")), canonical=False)
 
+    def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Inverse of loading, for unsharded experts: per-expert gate/up/down (HF names)."""
+        if self.num_local != self.num_experts or self.intermediate != self.intermediate_full:
+            raise ValueError(f"{prefix}: sharded experts hold no whole checkpoint tensor")
+        I = self.intermediate
+        for e in range(self.num_experts):
+            yield f"{prefix}.{e}.gate_proj.weight", self.w13[e, :I]
+            yield f"{prefix}.{e}.up_proj.weight", self.w13[e, I:]
+            yield f"{prefix}.{e}.down_proj.weight", self.w2[e]
+
     def _load_one(self, key: str, expert: int, which: int, src: torch.Tensor) -> None:
         if not self.expert_start <= expert < self.expert_start + self.num_local:
             return  # another EP rank's expert

@@ -34,7 +34,7 @@ def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_g
     T, G = group_scores.shape
     top_groups = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)  # [T, G]
-    keep = keep.unsqueeze(-1).expand(T, G, scores.shape[-1] // G).reshape(T, -1)  # [T, E]
+    keep = keep.unsqueeze(-1).expand(T, G, scores.shape[-1] // G).reshape(T, scores.shape[-1])  # [T, E]
     return scores.masked_fill(~keep, fill)
 
 
@@ -43,7 +43,7 @@ def grouped_softmax_topk(logits: torch.Tensor, k: int, n_group: int, topk_group:
     """DeepSeek-V2 "group_limited_greedy": a group scores by its best expert; top-k within the
     ``topk_group`` best groups. Bounds how many devices a token's experts span under EP."""
     scores = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]
-    group_scores = scores.view(scores.shape[0], n_group, -1).max(dim=-1).values  # [T, G]
+    group_scores = scores.view(scores.shape[0], n_group, scores.shape[1] // n_group).max(dim=-1).values  # [T, G]
     masked = _mask_to_top_groups(scores, group_scores, topk_group, 0.0)
     weights, ids = torch.topk(masked, k, dim=-1)  # [T, K]
     if renormalize:
@@ -58,7 +58,8 @@ def biased_grouped_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
     by the sum of its two best biased experts."""
     scores = logits.float().sigmoid()  # [T, E]
     choice = scores + bias  # [T, E]
-    group_scores = choice.view(choice.shape[0], n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    T, E = choice.shape  # explicit sizes: an EP rank may route no tokens at all (T = 0)
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
     masked = _mask_to_top_groups(choice, group_scores, topk_group, float("-inf"))
     ids = torch.topk(masked, k, dim=-1, sorted=False)[1]  # [T, K]
     weights = scores.gather(1, ids)  # [T, K]

@@ -1,0 +1,371 @@
+"""Lock step for the scheduler ranks of one engine (DESIGN §2, one process per DP x TP rank).
+
+Who decides: every rank runs the same ``Scheduler`` code on the same inputs, so its
+decisions are replayed, not sent. Each loop iteration:
+
+1. **Exchange** (every rank): rank 0 alone reads the frontend's socket; the raw messages
+   it drained, plus each rank's (has work, requests held), are shared with every rank
+   (``ControlPlane.exchange``). Every rank then handles the same messages in the same
+   order: a generate request is kept only by the attention group it is assigned to
+   (``pick_dp_rank``, least loaded, computed identically everywhere), aborts and
+   control requests go to all.
+2. **Step** (every rank, when any rank has work): ``Scheduler.step()``. Before its
+   forward a rank agrees with all others on the step (``StepSync``: its token count,
+   which attention groups with no tokens need, and a fingerprint of its batch that must
+   equal its attention group leader's, so a rank that diverged fails loudly instead of
+   deadlocking). A rank without a forward agrees with 0 tokens and, under DP attention,
+   runs an idle forward so the shared layers' collectives line up.
+3. **Sampling**: the attention group's leader samples and broadcasts the tokens
+   (``BroadcastSampler``); floating-point equality across ranks is never trusted.
+4. **Outputs**: only each attention group's leader sends its outputs to the frontend;
+   only rank 0 answers control requests (after gathering every rank's part).
+
+Legend: W ranks, D attention groups (DP), T tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from pdserve.distributed.groups import RankGroups
+from pdserve.distributed.rank_layout import RankLayout
+from pdserve.engine.io_struct import (
+    AbortReq,
+    BatchTokenOutput,
+    FlushCacheReq,
+    FlushCacheResp,
+    GetStatsReq,
+    RejectedReq,
+    ShutdownReq,
+    StatsResp,
+    TokenizedGenerateReq,
+)
+from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
+from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp, RankMemory
+from pdserve.engine.sampler import Sampler, SampleResult
+from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200  # an idle leader wakes every rank this often (liveness, parent check)
+
+
+class LockStepError(RuntimeError):
+    """A rank's batch differs from its attention group leader's: their states diverged."""
+
+
+# ------------------------------------------------------------------ policy
+def pick_dp_rank(loads: list[int]) -> int:
+    """The attention group a new request goes to: fewest requests held, lowest index on a tie."""
+    return min(range(len(loads)), key=lambda d: (loads[d], d))
+
+
+def batch_fingerprint(batch: ScheduledBatch) -> int:
+    """A hash of what a step runs, equal on ranks that scheduled the same batch (tuples of ints
+    hash the same in every process, unlike str)."""
+    key = (batch.mode is ForwardMode.DECODE, tuple(batch.input_ids), tuple(batch.positions),
+           tuple(batch.out_cache_loc), tuple(batch.extend_lens), tuple(batch.rows))
+    return hash(key) & ((1 << 62) - 1)
+
+
+def merge_stats(per_dp: list[dict]) -> dict:
+    """One server's stats from each attention group's: counts add up, ``dp_ranks`` keeps each."""
+    if len(per_dp) == 1:
+        return per_dp[0]
+    summed = ("num_running_reqs", "num_waiting_reqs", "total_pages", "free_pages", "cached_pages",
+              "num_retractions")
+    out = {k: sum(s[k] for s in per_dp) for k in summed}
+    out["page_size"] = per_dp[0]["page_size"]
+    out["forward_steps"] = max(s["forward_steps"] for s in per_dp)
+    out["token_usage"] = sum(s["token_usage"] * s["total_pages"] for s in per_dp) / out["total_pages"]
+    out["dp_ranks"] = per_dp
+    return out
+
+
+# ----------------------------------------------------------- control plane
+@dataclass
+class Inbound:
+    """What one exchange gave every rank: the leader's messages and each rank's state."""
+
+    messages: list
+    has_work: list[bool]  # [W]
+    loads: list[int]  # [W] requests each rank holds
+
+
+class ControlPlane:
+    """Collectives over the gloo group spanning every rank (Python objects, CPU)."""
+
+    def __init__(self, layout: RankLayout, group):
+        self.layout = layout
+        self.group = group
+
+    def exchange(self, frames: list[bytes], has_work: bool, load: int) -> Inbound:
+        """Every rank calls this once per iteration; ``frames`` (pickled messages) count only on
+        rank 0. One all-gather, plus a broadcast when rank 0 has messages."""
+        payload = pickle.dumps(frames) if frames else b""
+        mine = torch.tensor([int(has_work), load, len(payload)], dtype=torch.int64)
+        table = self.all_gather_row(mine)  # [W, 3]
+        n = int(table[0, 2])
+        if n:
+            buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.layout.is_leader
+                   else torch.empty(n, dtype=torch.uint8))
+            dist.broadcast(buf, src=0, group=self.group)
+            frames = pickle.loads(buf.numpy().tobytes())
+        messages = [pickle.loads(f) for f in frames] if n else []
+        return Inbound(messages, table[:, 0].bool().tolist(), table[:, 1].tolist())
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (all ranks call it)."""
+        out = [None] * self.layout.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``row`` [N] stacked in rank order: [W, N]."""
+        rows = [torch.empty_like(row) for _ in range(self.layout.world_size)]
+        dist.all_gather(rows, row, group=self.group)
+        return torch.stack(rows)
+
+
+class StepSync:
+    """Once per scheduler step on every rank: agree on every attention group's token count,
+    and check each rank runs its attention group leader's batch."""
+
+    def __init__(self, control: ControlPlane):
+        self.control = control
+
+    def agree(self, num_tokens: int, fingerprint: int) -> list[int]:
+        """Returns the tokens of each attention group this step ([D]); raises LockStepError."""
+        lay = self.control.layout
+        table = self.control.all_gather_row(torch.tensor([num_tokens, fingerprint], dtype=torch.int64))  # [W, 2]
+        leaders = [lay.leader_of(r) for r in range(lay.world_size)]
+        diverged = (table != table[leaders]).any(dim=1).nonzero().flatten().tolist()
+        if diverged:
+            r = diverged[0]
+            raise LockStepError(f"rank {r} scheduled a different batch from its attention group leader "
+                                f"(rank {leaders[r]}): (tokens, fingerprint) {table[r].tolist()} vs "
+                                f"{table[leaders[r]].tolist()}")
+        return [int(table[lay.dp_leader_rank(d), 0]) for d in range(lay.dp_size)]
+
+
+# ------------------------------------------------------------ model runner
+class RankModelRunner(ModelRunner):
+    """A ModelRunner that agrees on each step with the other ranks (``StepSync``).
+
+    Contract with the loop: ``end_step()`` after every ``Scheduler.step()``; the scheduler
+    runs at most one forward per step, so every rank agrees exactly once per step.
+    """
+
+    def __init__(self, *args, sync: StepSync, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sync = sync
+        self._agreed = False
+
+    def build_forward_batch(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> ForwardBatch:
+        fb = super().build_forward_batch(batch, req_to_token)
+        fb.dp_num_tokens = self.sync.agree(fb.num_tokens, batch_fingerprint(batch))
+        self._agreed = True
+        return fb
+
+    @torch.inference_mode()
+    def end_step(self) -> None:
+        """A rank that ran no forward this step agrees with no tokens, and under DP attention
+        takes part in the shared layers while another attention group runs tokens."""
+        if self._agreed:
+            self._agreed = False
+            return
+        counts = self.sync.agree(0, 0)
+        if self.parallel.dp_attention and any(counts):
+            self.model(ForwardBatch.idle(self.pool, self.backend, counts))
+
+
+# ---------------------------------------------------------------- sampling
+class BroadcastSampler:
+    """Samples on the attention group's leader and hands the result to the other ranks of
+    the group, so every scheduler appends the same tokens."""
+
+    def __init__(self, inner: Sampler, group, leader_rank: int, is_leader: bool):
+        self.inner = inner
+        self.group = group
+        self.leader_rank = leader_rank
+        self.is_leader = is_leader
+
+    def __call__(self, logits: torch.Tensor, params, generators, outputs, want_logprobs: bool = False,
+                 top_logprobs_nums: list[int] | None = None) -> SampleResult:
+        res = None
+        if self.is_leader:
+            res = self.inner(logits, params, generators, outputs, want_logprobs, top_logprobs_nums)
+        if self.group is None:
+            return res
+        if want_logprobs:  # logprobs too: one pickled object
+            box = [res]
+            dist.broadcast_object_list(box, src=self.leader_rank, group=self.group)
+            return box[0]
+        toks = torch.tensor(res.tokens, dtype=torch.int64) if self.is_leader else torch.empty(len(params),
+                                                                                              dtype=torch.int64)
+        dist.broadcast(toks, src=self.leader_rank, group=self.group)
+        return SampleResult(toks.tolist(), None)
+
+
+# -------------------------------------------------------------------- loop
+class RankSchedulerLoop:
+    """The loop of one rank (module docstring). ``inbox``: the frontend's socket (rank 0
+    only, else None); ``outbox``: the socket to the frontend (used by attention group
+    leaders). ``run`` returns after a ShutdownReq reached every rank, or once rank 0's
+    parent is gone; an exception (a peer died mid-collective, a lock-step error) propagates.
+
+    Extension points: ``add_inbox(sock)`` (rank 0) reads another socket of typed messages
+    the same way; ``on(msg_type, handler)`` registers a handler for another message type.
+    Every rank calls the handler with the same message at the same point of its loop, so
+    anything that changes scheduler state must arrive this way (or be agreed on with
+    ``self.control.gather``), never be applied by one rank alone.
+    """
+
+    def __init__(self, scheduler, groups: RankGroups, inbox: zmq.Socket | None, outbox: zmq.Socket,
+                 parent_pid: int | None = None, idle_poll_ms: int = IDLE_POLL_MS):
+        self.scheduler = scheduler
+        self.layout = groups.layout
+        self.control = ControlPlane(groups.layout, groups.cpu)
+        self.inboxes = [inbox] if inbox is not None else []
+        self.poller = zmq.Poller()
+        for sock in self.inboxes:
+            self.poller.register(sock, zmq.POLLIN)
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.idle_poll_ms = idle_poll_ms
+        self.stopped = False
+        self.busy = False  # did any rank have work at the last exchange
+        self.dp_loads: list[int] = [0] * self.layout.dp_size
+        self.handlers: dict[type, Callable] = {
+            TokenizedGenerateReq: self._add, AbortReq: self._abort, GetStatsReq: self._stats,
+            FlushCacheReq: self._flush, CheckMemoryReq: self._check_memory, ShutdownReq: self._stop}
+
+    def on(self, msg_type: type, handler: Callable) -> None:
+        self.handlers[msg_type] = handler
+
+    def add_inbox(self, sock: zmq.Socket) -> None:
+        """Rank 0: also read ``sock`` (pickled typed messages) and share what arrives."""
+        self.inboxes.append(sock)
+        self.poller.register(sock, zmq.POLLIN)
+
+    def run(self) -> None:
+        while not self.stopped:
+            inbound = self.control.exchange(self._drain(), self.scheduler.has_work(), len(self.scheduler.reqs))
+            self.dp_loads = [inbound.loads[self.layout.dp_leader_rank(d)] for d in range(self.layout.dp_size)]
+            self.busy = any(inbound.has_work) or any(isinstance(m, TokenizedGenerateReq) for m in inbound.messages)
+            for msg in inbound.messages:
+                self.handle(msg)
+            if self.stopped:
+                break
+            if self.busy:
+                self.run_step()
+
+    def run_step(self) -> None:
+        outputs = self.scheduler.step()
+        self.scheduler.runner.end_step()
+        if outputs and self.layout.is_dp_leader:
+            self.outbox.send_pyobj(BatchTokenOutput(outputs))
+
+    def handle(self, msg) -> None:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            logger.error("scheduler rank %d: ignoring unknown message %r", self.layout.rank, type(msg).__name__)
+            return
+        handler(msg)
+
+    # ------------------------------------------------------------ inbox
+    def _drain(self) -> list[bytes]:
+        """Rank 0: every queued frame; waits up to the idle poll first when nobody has work."""
+        if not self.inboxes:
+            return []
+        if not self.busy and not self.poller.poll(self.idle_poll_ms):
+            return [pickle.dumps(ShutdownReq())] if self._parent_gone() else []
+        frames = []
+        for sock in self.inboxes:
+            while True:
+                try:
+                    frames.append(sock.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        return frames
+
+    def _parent_gone(self) -> bool:
+        gone = self.parent_pid is not None and os.getppid() != self.parent_pid
+        if gone:
+            logger.warning("parent process is gone; every scheduler rank exits")
+        return gone
+
+    # --------------------------------------------------------- handlers
+    def _add(self, msg: TokenizedGenerateReq) -> None:
+        owner = pick_dp_rank(self.dp_loads)
+        self.dp_loads[owner] += 1
+        if owner != self.layout.dp_rank:
+            return
+        try:
+            self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob,
+                                       msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap)
+        except ValueError as e:
+            if self.layout.is_dp_leader:
+                self.outbox.send_pyobj(RejectedReq(msg.rid, str(e)))
+
+    def _abort(self, msg: AbortReq) -> None:
+        for rid in list(self.scheduler.reqs) if msg.abort_all else [msg.rid]:
+            self.scheduler.abort(rid)
+
+    def _stats(self, _msg: GetStatsReq) -> None:
+        every = self.control.gather(self.scheduler.stats())
+        self._reply(lambda: StatsResp(merge_stats(self._per_dp(every))))
+
+    def _flush(self, _msg: FlushCacheReq) -> None:
+        every = self.control.gather(bool(self.scheduler.flush_cache()))
+        self._reply(lambda: FlushCacheResp(all(every)))
+
+    def _check_memory(self, _msg: CheckMemoryReq) -> None:
+        s = self.scheduler
+        try:
+            s.check_memory()
+            error = None
+        except Exception as e:  # noqa: BLE001 - reported to the caller, who decides
+            error = f"{type(e).__name__}: {e}"
+        mine = RankMemory(self.layout.rank, self.layout.dp_rank, s.allocator.num_pages, s.allocator.num_free,
+                          s.cache.num_cached_pages, s.has_work(), error)
+        every = self.control.gather(mine)
+        self._reply(lambda: CheckMemoryResp(every))
+
+    def _stop(self, _msg: ShutdownReq) -> None:
+        self.stopped = True
+
+    def _per_dp(self, every: list) -> list:
+        return [every[self.layout.dp_leader_rank(d)] for d in range(self.layout.dp_size)]
+
+    def _reply(self, make) -> None:
+        if self.layout.is_leader:
+            self.outbox.send_pyobj(make())
+
+
+# ----------------------------------------------------------------- builder
+def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, device: str = "cpu",
+                         **scheduler_kwargs):
+    """This rank's Scheduler: a RankModelRunner over its split of the model and KV pool, and a
+    sampler that broadcasts from the attention group's leader. ``scheduler_kwargs`` go to
+    the Scheduler (a disaggregation mode, ...)."""
+    from pdserve.engine.scheduler import Scheduler
+
+    lay = groups.layout
+    cache, sched = args.cache_config(), args.scheduler_config()
+    control = ControlPlane(lay, groups.cpu)
+    runner = RankModelRunner(model_config, cache, groups.parallel, seed=sched.random_seed, device=device,
+                             sync=StepSync(control))
+    scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner, **scheduler_kwargs)
+    # Attention groups other than the first draw other random streams for unseeded sampling.
+    inner = Sampler(sched.random_seed + lay.dp_rank)
+    scheduler.sampler = BroadcastSampler(inner, groups.attn_tp, lay.dp_leader_rank(), lay.is_dp_leader)
+    return scheduler
