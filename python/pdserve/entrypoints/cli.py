@@ -131,13 +131,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     """ServerArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
+    return _checked_args(ns)[0]
+
+
+def _checked_args(ns: argparse.Namespace):
+    """(ServerArgs, ModelConfig): the model path and architecture are resolved now, not after
+    forking, and the model config read here is the frontend's one read of config.json."""
     from pdserve.layers.moe.dispatch import require_backend  # imports torch: only for serve
 
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELDS}
     args = ServerArgs(**kwargs)
-    args.model_config()  # resolves the model path and architecture now, not after forking
+    model_config = args.model_config()
     require_backend(args.moe_a2a_backend)  # and whether the EP backend can run on this host
-    return args
+    return args, model_config
 
 
 # ------------------------------------------------------------- router
@@ -186,7 +192,7 @@ def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
 # -------------------------------------------------------------- commands
 def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        args = server_args_from_namespace(ns)
+        args, model_config = _checked_args(ns)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if args.node_rank > 0:
@@ -195,7 +201,7 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return launch_ranks_only(args)
     from pdserve.entrypoints.http_server import launch_server
 
-    return launch_server(args)
+    return launch_server(args, model_config=model_config)
 
 
 def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

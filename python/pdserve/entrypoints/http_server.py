@@ -222,11 +222,13 @@ class ApiKeyMiddleware:
 
 
 # --------------------------------------------------------------- launch
-def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S) -> int:
-    """Run a server until a signal (-> 0) or a failure (-> 1). Raises ValueError for bad args."""
+def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
+                  model_config: ModelConfig | None = None) -> int:
+    """Run a server until a signal (-> 0) or a failure (-> 1). Raises ValueError for bad args.
+    ``model_config``: the caller's (config.json is then not read again)."""
     configure_logging(args.log_level)
     _limit_frontend_threads()
-    model_config = args.model_config()
+    model_config = model_config or args.model_config()
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
     try:
         sock = bind_socket(args.host, args.port)
