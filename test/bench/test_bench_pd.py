@@ -4,8 +4,6 @@ output throughput agree with the independent client of test_bench_server (same p
 
 from __future__ import annotations
 
-import asyncio
-import statistics
 import sys
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # test/: the disagg and router helpers
 
-from test_bench_server import CONC, IN, METRIC_KEYS, MODEL, OUT, N, bench, prompts, simple_client  # noqa: E402, F401
+from test_bench_server import METRIC_KEYS, MODEL, assert_bench_agrees, bench, prompts  # noqa: E402, F401
 
 from disagg.pd_servers import decode_server, prefill_server, start_all  # noqa: E402
 from router.router_utils import Router, wait_for  # noqa: E402
@@ -55,24 +53,4 @@ def test_json_has_every_metric_and_the_transfer_stage(deployment, tmp_path):
 
 def test_bench_agrees_with_an_independent_client(deployment, prompts, tmp_path):  # noqa: F811
     router, _ = deployment
-    out = tmp_path / "agree.jsonl"
-    flags = ["--num-prompts", str(N), "--random-input-len", str(IN), "--random-output-len", str(OUT),
-             "--random-range-ratio", "1", "--max-concurrency", str(CONC), "--seed", "1", "--flush-cache"]
-    bench(router.url, out, *flags, "--warmup-requests", "2")
-    ttft_ratios, tput_ratios = [], []
-    for i in range(PAIRS):
-        sides = {}
-        for side in ("bench", "simple") if i % 2 == 0 else ("simple", "bench"):
-            if side == "bench":
-                r = bench(router.url, out, *flags, "--warmup-requests", "0")
-                assert r["completed"] == N and r["total_output_tokens"] == N * OUT
-                sides[side] = (r["mean_ttft_ms"], r["output_throughput"])
-            else:
-                router.post("/flush_cache").raise_for_status()
-                ttfts, tokens, wall = asyncio.run(simple_client(router.url, prompts, CONC))
-                assert tokens == N * OUT
-                sides[side] = (1000 * statistics.mean(ttfts), tokens / wall)
-        ttft_ratios.append(sides["bench"][0] / sides["simple"][0])
-        tput_ratios.append(sides["bench"][1] / sides["simple"][1])
-    assert statistics.median(ttft_ratios) == pytest.approx(1.0, abs=0.15), ttft_ratios
-    assert statistics.median(tput_ratios) == pytest.approx(1.0, abs=0.15), tput_ratios
+    assert_bench_agrees(router.url, prompts, tmp_path / "agree.jsonl", PAIRS)
