@@ -101,6 +101,7 @@ class PeerDirectory:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the fetching rank's
         self._peers: dict[tuple[str, int], Peer] = {}
         self._fetching: set[tuple[str, int]] = set()
+        self._retired: set[str] = set()  # sessions of forgotten peers, watched until declared dead
 
     def get(self, host: str, port: int) -> Peer | None:
         """The peer once its records are known (or its fetch failed); None until then."""
@@ -132,15 +133,23 @@ class PeerDirectory:
         self._fetching.discard(msg.peer.key)
 
     def forget(self, key: tuple[str, int]) -> None:
-        """A dead or unreachable peer: fetch it again when a request names it (it may have restarted)."""
-        self._peers.pop(key, None)
+        """A dead or unreachable peer: fetch it again when a request names it (it may have restarted).
+        Its sessions stay watched until declared dead: pages in quarantine may wait on them."""
+        peer = self._peers.pop(key, None)
+        if peer is not None:
+            self._retired |= set(peer.sessions)
+
+    def buried(self, sessions: frozenset[str]) -> None:
+        """``sessions`` were declared dead: nothing needs them watched any more."""
+        self._retired -= sessions
 
     def peers(self) -> list[Peer]:
         return list(self._peers.values())
 
     def sessions(self) -> set[str]:
-        """Transfer sessions of every known prefill rank (what the heartbeat watches)."""
-        return {s for p in self._peers.values() for s in p.sessions}
+        """Transfer sessions of every known prefill rank, and of forgotten ones not yet declared
+        dead (what the heartbeat watches)."""
+        return {s for p in self._peers.values() for s in p.sessions} | self._retired
 
     def close(self) -> None:
         if self._pool is not None:

@@ -296,14 +296,15 @@ class DecodeMode(SchedulerMode):
         """The heartbeat's verdict: rooms waiting on a dead prefill rank fall back, pages that
         only dead ranks could still write leave quarantine after the grace period, and the
         prefill is forgotten (a request naming it again fetches its records afresh)."""
-        self.quarantine.peers_dead(sessions, now)
         for room, (_, inc, _) in list(self.rooms.items()):
             if set(inc.peer.sessions) & sessions:
                 alive = not set(inc.peer.sessions) <= sessions  # tell its other ranks to stop
                 self._fail(room, f"prefill {inc.peer.name} stopped answering", notify=alive)
+        self.quarantine.peers_dead(sessions, now)  # the rooms just failed too: a verdict comes once
         for peer in self.directory.peers():
             if set(peer.sessions) & sessions:
                 self._forget(peer.key)
+        self.directory.buried(sessions)
 
     def _release_quarantine(self, now: float) -> None:
         for e in self.quarantine.release(now):

@@ -380,6 +380,7 @@ class RankSchedulerLoop:
         merged = merge_stats(per_dp)
         if len(per_dp) > 1:
             merged.update(mode.merge_stats(per_dp))
+        merged["rank_pages"] = [{k: s[k] for k in ("total_pages", "free_pages", "cached_pages")} for s in every]
         return merged
 
     def _flush(self, _msg: FlushCacheReq) -> None:
