@@ -298,12 +298,6 @@ class PrefillMode(SchedulerMode):
                 "rooms_transferring": len(self.transferring), "kv_bytes_sent": self.sender.bytes_posted,
                 "kv_writes_sent": self.sender.writes_posted, **self.counters}
 
-    @classmethod
-    def merge_stats(cls, per_dp: list[dict]) -> dict:
-        keys = ("rooms_waiting", "rooms_transferring", "kv_bytes_sent", "kv_writes_sent", "rooms_completed",
-                "rooms_failed", "rooms_dropped", "rooms_aborted", "rooms_expired")
-        return {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in keys}}
-
     def close(self) -> None:
         self.io.close()
 
