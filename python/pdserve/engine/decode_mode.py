@@ -263,8 +263,9 @@ class DecodeMode(SchedulerMode):
 
     def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: set[int], now: float) -> None:
         own = req.pages[req.num_cached_pages:]
-        ranks = inc.peer.info.ranks
-        self.quarantine.add(req.room, own, aux_slot, {s: ranks[s].session for s in inc.sources - set(settled)}, now)
+        pending = inc.sources - set(settled)  # the prefill ranks that may still write these pages
+        sessions = {s: inc.peer.info.ranks[s].session for s in pending}
+        self.quarantine.add(req.room, own, aux_slot, sessions, now)
         req.pages = req.pages[:req.num_cached_pages]
         self._drop_memory(req)
 
