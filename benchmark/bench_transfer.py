@@ -1,18 +1,23 @@
 """KV transfer: pdserve's transfer path against a raw Mooncake batch write and memcpy, and 1P1D TTFT
-against colocated TTFT, for one long prompt of each preset, side by side in one run.
+against colocated TTFT, for one long prompt of each preset, side by side in one run; for prefill
+and decode with the same TP size and with mismatched ones.
 
-    python benchmark/bench_transfer.py --prompt-len 2048 --models tiny-llama tiny-deepseek tiny-qwen3-moe
+    python benchmark/bench_transfer.py --prompt-len 2048 --models tiny-llama tiny-deepseek tiny-qwen3-moe \
+        --tp-pairs 1:1 2:1 1:2
 
-Part 1 (one process, two real Mooncake engines over loopback TCP): the KV pages of a
-``--prompt-len`` prompt move from a prefill pool to a decode pool (a) through pdserve's sender
-exactly as a prefill server does it (plan the writes, post them layer by layer, the aux row,
-poll until every write landed), (b) as one raw ``batch_transfer_sync_write`` of the same bytes,
-and (c) by memcpy. Targets: (a)/(b) >= 0.9.
+Part 1 (one process, one real Mooncake engine per rank over loopback TCP, as servers have them):
+the KV pages of a ``--prompt-len`` prompt move from the prefill ranks' pools (TP ``P``: each its
+head range, or the whole MLA latent) to the decode ranks' pools (TP ``D``) (a) through pdserve's
+senders exactly as prefill ranks do it (plan the writes, post them layer by layer, the aux rows,
+poll until every write landed), (b) as raw ``batch_transfer_sync_write`` calls of the same bytes,
+one per (prefill rank, decode rank) pair, side by side as the ranks would, and (c) by memcpy.
+Targets: (a)/(b) >= 0.9.
 
 Part 2 (real processes): the same prompt's time to first token through ``pdserve router`` in
-front of 1 prefill + 1 decode server, against one colocated server; every server has
-``--num-threads`` torch threads. Target: 1P1D / colocated <= 1.1 (the transfer hides behind the
-prefill's forward passes). Each repeat uses a fresh prompt, so no cache helps either side.
+front of 1 prefill (TP ``P``) + 1 decode (TP ``D``) server, against one colocated server of
+prefill's TP size; every rank has ``--num-threads`` torch threads. Target: 1P1D / colocated <=
+1.1 (the transfer hides behind the prefill's forward passes). Each repeat uses a fresh prompt,
+so no cache helps either side.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -37,6 +43,7 @@ from pdserve.disagg.layout import KVLayout, op_addresses, plan_writes
 from pdserve.disagg.protocol import KVRequest
 from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.disagg.transfer import MooncakeTransferBackend, merge_contiguous
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.engine.model_runner import create_kv_pool
 
 PRESETS = ("tiny-llama", "tiny-deepseek", "tiny-qwen3-moe")
@@ -46,113 +53,158 @@ POLL_S = 0.0002
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(PRESETS))
+    p.add_argument("--tp-pairs", nargs="+", default=[(1, 1), (2, 1), (1, 2)], type=_tp_pair, metavar="P:D",
+                   help="prefill TP : decode TP (default: 1:1 2:1 1:2)")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads of each server (part 2)")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads of each server rank (part 2)")
     p.add_argument("--skip-ttft", action="store_true", help="part 1 only")
     p.add_argument("--output-file", help="append the results as one JSON line")
     return p.parse_args(argv)
 
 
+def _tp_pair(text: str) -> tuple[int, int]:
+    try:
+        src, dst = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp-pairs: expected P:D such as 2:1, got {text!r}") from None
+    if src < 1 or dst < 1:
+        raise argparse.ArgumentTypeError(f"--tp-pairs: TP sizes must be >= 1, got {text!r}")
+    return src, dst
+
+
 # ------------------------------------------------------------------ part 1
 class Pools:
-    """A prefill pool and a decode pool of ``model``, each registered with its own engine."""
+    """Prefill ranks' pools (TP ``src_tp``) and decode ranks' pools (TP ``dst_tp``) of ``model``, each
+    registered with its own engine, with an aux staging row per prefill rank and an aux row per
+    decode rank."""
 
-    def __init__(self, model: str, page_size: int, tokens: int):
+    def __init__(self, model: str, page_size: int, tokens: int, src_tp: int = 1, dst_tp: int = 1):
         mc = ModelConfig.from_path(model)
         cache = CacheConfig(page_size, max_total_tokens=tokens + 4 * page_size)
-        self.src, self.dst = (create_kv_pool(mc, cache, _single()) for _ in range(2))
-        self.src_te, self.dst_te = MooncakeTransferBackend(), MooncakeTransferBackend()
-        self.aux = torch.zeros(2, mc.hf_config.hidden_size)
         kind = "mla" if mc.is_mla else "gqa"
-        self.layouts = [KVLayout.from_descriptors(kind, 1, mc.num_kv_heads, page_size, mc.dtype,
-                                                  pool.buffer_descriptors()) for pool in (self.src, self.dst)]
-        for te, pool in ((self.src_te, self.src), (self.dst_te, self.dst)):
-            te.register([(d.base_addr, d.total_bytes) for d in pool.buffer_descriptors()]
-                        + [(self.aux.data_ptr(), self.aux.numel() * 4)])
-        for pool in (self.src, self.dst):
-            for d in pool.buffer_descriptors():  # distinct bytes, so a missed write would be visible
-                ctypes.memset(d.base_addr, 7 if pool is self.src else 0, d.total_bytes)
+        self.hidden = mc.hf_config.hidden_size
+        self.sides = []
+        for tp, fill in ((src_tp, 7), (dst_tp, 0)):  # distinct bytes, so a missed write would be visible
+            pools = [create_kv_pool(mc, cache, ParallelState(t, tp)) for t in range(tp)]
+            layout = KVLayout.from_descriptors(kind, tp, mc.num_kv_heads, page_size, mc.dtype,
+                                               pools[0].buffer_descriptors())
+            engines = [MooncakeTransferBackend() for _ in range(tp)]
+            aux = [torch.zeros(1, self.hidden) for _ in range(tp)]  # [1, hidden] per rank
+            for pool, te, row in zip(pools, engines, aux):
+                te.register([(d.base_addr, d.total_bytes) for d in pool.buffer_descriptors()]
+                            + [(row.data_ptr(), row.numel() * 4)])
+                for d in pool.buffer_descriptors():
+                    ctypes.memset(d.base_addr, fill, d.total_bytes)
+            self.sides.append((pools, layout, engines, aux))
         self.pages = list(range((tokens - 1 + page_size - 1) // page_size))
 
-    def ops(self):
-        src, dst = self.layouts
-        return plan_writes(src, dst, self.pages, self.pages)
+    @property
+    def src(self):
+        return self.sides[0]
 
-    def addresses(self):
-        bases = [{d.name: d.base_addr for d in pool.buffer_descriptors()} for pool in (self.src, self.dst)]
-        return merge_contiguous(*op_addresses(self.ops(), *bases))
+    @property
+    def dst(self):
+        return self.sides[1]
+
+    def ops(self, room: int):
+        return plan_writes(self.src[1], self.dst[1], self.pages, self.pages, room=room)
+
+    def bases(self, side, rank: int) -> dict[str, int]:
+        return {d.name: d.base_addr for d in side[0][rank].buffer_descriptors()}
+
+    def addresses(self, room: int) -> dict[tuple[int, int], tuple[list, list, list]]:
+        """Merged (srcs, dsts, lens) per (prefill rank, decode rank), plus each decode rank's aux
+        row from its first source (as the senders do)."""
+        by_pair: dict[tuple[int, int], list] = {}
+        for op in self.ops(room):
+            by_pair.setdefault((op.src_rank, op.dst_rank), []).append(op)
+        out = {}
+        for (s, d), ops in sorted(by_pair.items()):
+            srcs, dsts, lens = merge_contiguous(*op_addresses(ops, self.bases(self.src, s), self.bases(self.dst, d)))
+            if s == min(k[0] for k in by_pair if k[1] == d):
+                srcs, dsts, lens = (srcs + [self.src[3][s].data_ptr()], dsts + [self.dst[3][d].data_ptr()],
+                                    lens + [self.hidden * 4])
+            out[(s, d)] = (srcs, dsts, lens)
+        return out
 
     def nbytes(self) -> int:
-        return sum(op.nbytes for op in self.ops())
+        return sum(op.nbytes for op in self.ops(0)) + len(self.dst[0]) * self.hidden * 4
 
     def close(self) -> None:
-        self.src_te.close()
-        self.dst_te.close()
-
-
-def _single():
-    from pdserve.distributed.parallel_state import SINGLE
-
-    return SINGLE
+        for side in self.sides:
+            for te in side[2]:
+                te.close()
 
 
 def time_pdserve(p: Pools, tokens: int, room: int) -> float:
-    """The prefill server's path: open the room, stage every page, post layer by layer, aux, drain."""
-    src_layout, dst_layout = p.layouts
-    bases = {d.name: d.base_addr for d in p.src.buffer_descriptors()}
-    sender = KVSender(p.src_te, src_layout, 0, bases, p.aux[:1])
-    kv = KVRequest(room, "bench", 0, p.dst_te.session_id, [d.base_addr for d in p.dst.buffer_descriptors()],
-                   dst_layout, p.pages, 0, tokens - 1, p.aux[1].data_ptr(), p.aux.shape[1] * 4, "tcp://unused:1")
+    """The prefill ranks' path: open the room, stage every page, post layer by layer, aux, drain."""
+    (_, src_layout, src_te, src_aux), (dst_pools, dst_layout, dst_te, dst_aux) = p.src, p.dst
+    senders = [KVSender(te, src_layout, s, p.bases(p.src, s), src_aux[s]) for s, te in enumerate(src_te)]
+    kvs = {d: KVRequest(room, "bench", d, te.session_id, [b.base_addr for b in dst_pools[d].buffer_descriptors()],
+                        dst_layout, p.pages, 0, tokens - 1, dst_aux[d].data_ptr(), p.hidden * 4, "tcp://unused:1")
+           for d, te in enumerate(dst_te)}
     t0 = time.perf_counter()
-    sender.open(room, {0: kv}, tokens - 1, time.monotonic())
-    sender.stage(room, p.pages, tokens - 1)
+    for sender in senders:
+        sender.open(room, kvs, tokens - 1, time.monotonic())
+        sender.stage(room, p.pages, tokens - 1)
     for layer in range(src_layout.num_layers):
-        sender.on_layer(layer)
-    sender.forward_done()
-    sender.finish(room, torch.ones(p.aux.shape[1]))
-    while sender.poll(room) is RoomState.DRAINING:
+        for sender in senders:
+            sender.on_layer(layer)
+    for sender in senders:
+        sender.forward_done()
+        sender.finish(room, torch.ones(p.hidden))
+    while any(sender.poll(room) is RoomState.DRAINING for sender in senders):
         time.sleep(POLL_S)  # as the scheduler loop does between polls (it never spins on the GIL)
     elapsed = time.perf_counter() - t0
-    assert sender.poll(room) is RoomState.DONE, sender.rooms[room].error
-    sender.close_room(room)
+    for sender in senders:
+        assert sender.poll(room) is RoomState.DONE, sender.rooms[room].error
+        sender.close_room(room)
     return elapsed
 
 
-def time_raw(p: Pools) -> float:
-    """The same bytes (plus the aux row) in one raw Mooncake batch write, waited for."""
-    srcs, dsts, lens = p.addresses()
-    srcs, dsts, lens = srcs + [p.aux[0].data_ptr()], dsts + [p.aux[1].data_ptr()], lens + [p.aux.shape[1] * 4]
-    te = p.src_te._te  # noqa: SLF001 - the engine under the backend, for the baseline
+def time_raw(p: Pools, room: int, pool: ThreadPoolExecutor) -> float:
+    """The same bytes (plus the aux rows) in one raw Mooncake batch write per (prefill rank, decode
+    rank) pair, side by side, waited for."""
+    pairs = p.addresses(room)
+
+    def write(pair) -> int:
+        (s, d), (srcs, dsts, lens) = pair
+        te = p.src[2][s]._te  # noqa: SLF001 - the engine under the backend, for the baseline
+        return te.batch_transfer_sync_write(p.dst[2][d].session_id, srcs, dsts, lens)
+
     t0 = time.perf_counter()
-    rc = te.batch_transfer_sync_write(p.dst_te.session_id, srcs, dsts, lens)
+    rcs = list(pool.map(write, pairs.items()))
     elapsed = time.perf_counter() - t0
-    assert rc == 0, rc
+    assert rcs == [0] * len(rcs), rcs
     return elapsed
 
 
-def time_memcpy(p: Pools) -> float:
-    srcs, dsts, lens = p.addresses()
+def time_memcpy(p: Pools, room: int) -> float:
+    pairs = list(p.addresses(room).values())
     t0 = time.perf_counter()
-    for s, d, n in zip(srcs, dsts, lens):
-        ctypes.memmove(d, s, n)
+    for srcs, dsts, lens in pairs:
+        for s, d, n in zip(srcs, dsts, lens):
+            ctypes.memmove(d, s, n)
     return time.perf_counter() - t0
 
 
-def part1(model: str, a: argparse.Namespace) -> dict:
-    p = Pools(model, a.page_size, a.prompt_len)
+def part1(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
+    p = Pools(model, a.page_size, a.prompt_len, src_tp, dst_tp)
     try:
-        nbytes = p.nbytes() + p.aux.shape[1] * 4
-        time_pdserve(p, a.prompt_len, 0)
-        time_raw(p)  # warm-up: the first write opens the peer's segment
-        times = {"pdserve": [], "raw": [], "memcpy": []}
-        for r in range(a.repeats):  # interleaved, so drift hits all three alike
-            times["pdserve"].append(time_pdserve(p, a.prompt_len, r + 1))
-            times["raw"].append(time_raw(p))
-            times["memcpy"].append(time_memcpy(p))
+        with ThreadPoolExecutor(src_tp * dst_tp) as pool:
+            time_pdserve(p, a.prompt_len, 0)
+            time_raw(p, 0, pool)  # warm-up: the first write opens the peer's segment
+            times = {"pdserve": [], "raw": [], "memcpy": []}
+            for r in range(a.repeats):  # interleaved, so drift hits all three alike
+                times["pdserve"].append(time_pdserve(p, a.prompt_len, r + 1))
+                times["raw"].append(time_raw(p, r + 1, pool))
+                times["memcpy"].append(time_memcpy(p, r + 1))
         med = {k: statistics.median(v) for k, v in times.items()}
-        return {"model": model, "bytes": nbytes, "writes": len(p.addresses()[0]),
+        nbytes = p.nbytes()
+        return {"model": model, "prefill_tp": src_tp, "decode_tp": dst_tp, "bytes": nbytes,
+                "writes": sum(len(x[0]) for x in p.addresses(0).values()),
                 **{f"{k}_gib_s": nbytes / v / 2**30 for k, v in med.items()},
                 "pdserve_over_raw": med["raw"] / med["pdserve"], "pdserve_over_memcpy": med["memcpy"] / med["pdserve"]}
     finally:
@@ -205,15 +257,16 @@ def ttft(url: str, ids: list[int]) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def part2(model: str, a: argparse.Namespace) -> dict:
+def part2(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
     common = ["--model-path", model, "--page-size", str(a.page_size), "--num-threads", str(a.num_threads),
               "--log-level", "error"]
     ports = {k: _free_port() for k in ("colo", "prefill", "boot", "decode", "router")}
     url = {k: f"http://127.0.0.1:{ports[k]}" for k in ports}
-    procs = [Proc(["serve", *common, "--port", str(ports["colo"])]),
+    procs = [Proc(["serve", *common, "--port", str(ports["colo"]), "--tp-size", str(src_tp)]),
              Proc(["serve", *common, "--port", str(ports["prefill"]), "--disaggregation-mode", "prefill",
-                   "--disaggregation-bootstrap-port", str(ports["boot"])]),
-             Proc(["serve", *common, "--port", str(ports["decode"]), "--disaggregation-mode", "decode"])]
+                   "--disaggregation-bootstrap-port", str(ports["boot"]), "--tp-size", str(src_tp)]),
+             Proc(["serve", *common, "--port", str(ports["decode"]), "--disaggregation-mode", "decode",
+                   "--tp-size", str(dst_tp)])]
     try:
         for k in ("colo", "prefill", "decode"):
             _wait_healthy(url[k])
@@ -238,11 +291,12 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     rows = []
     for model in a.models:
-        row = part1(model, a)
-        if not a.skip_ttft:
-            row.update(part2(model, a))
-        rows.append(row)
-        print(_line(row, a), flush=True)
+        for src_tp, dst_tp in a.tp_pairs:
+            row = part1(model, a, src_tp, dst_tp)
+            if not a.skip_ttft:
+                row.update(part2(model, a, src_tp, dst_tp))
+            rows.append(row)
+            print(_line(row, a), flush=True)
     if a.output_file:
         with open(a.output_file, "a") as f:
             f.write(json.dumps({"args": vars(a), "results": rows}) + "\n")
@@ -250,12 +304,14 @@ def main(argv=None) -> int:
 
 
 def _line(r: dict, a: argparse.Namespace) -> str:
-    s = (f"{r['model']}: {a.prompt_len}-token prompt, {r['bytes'] / 2**20:.1f} MiB in {r['writes']} writes | "
+    s = (f"{r['model']} P TP{r['prefill_tp']} -> D TP{r['decode_tp']}: {a.prompt_len}-token prompt, "
+         f"{r['bytes'] / 2**20:.1f} MiB in {r['writes']} writes | "
          f"pdserve {r['pdserve_gib_s']:.2f} GiB/s, raw Mooncake {r['raw_gib_s']:.2f} GiB/s, memcpy "
          f"{r['memcpy_gib_s']:.2f} GiB/s | pdserve/raw {r['pdserve_over_raw']:.2f}, "
          f"pdserve/memcpy {r['pdserve_over_memcpy']:.2f}")
     if "pd_over_colocated_ttft" in r:
-        s += (f" | TTFT 1P1D {r['pd_ttft_s'] * 1000:.0f} ms vs colocated {r['colocated_ttft_s'] * 1000:.0f} ms "
+        s += (f" | TTFT 1P1D {r['pd_ttft_s'] * 1000:.0f} ms vs colocated TP{r['prefill_tp']} "
+              f"{r['colocated_ttft_s'] * 1000:.0f} ms "
               f"= {r['pd_over_colocated_ttft']:.2f}")
     return s
 

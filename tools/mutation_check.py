@@ -158,8 +158,8 @@ MUTATIONS = (
     Mutation(
         "quarantine_released_at_once", "decode reuses abandoned pages before prefill's late writes settled",
         "python/pdserve/engine/decode_mode.py",
-        "inc.sources - set(settled),",
-        "set(),",
+        "        pending = inc.sources - set(settled)",
+        "        pending = set()",
         (f"{T_PD}::test_an_abort_during_a_slow_transfer_keeps_its_pages_out_of_reach",)),
     Mutation(
         "write_count_unchecked", "decode lands a room without checking prefill's write count",

@@ -428,11 +428,13 @@ class ServerArgs:
         # Building the parts validates every field they own.
         self.cache_config()
         self.scheduler_config()
-        world = self.parallel_config().world_size
+        self.parallel_config()
         self.disagg_config()
-        if self.disaggregation_mode != "null" and world > 1:
-            raise ValueError(f"disaggregation_mode: {self.disaggregation_mode!r} runs one scheduler rank for now; "
-                             f"this split has {world} (tp_size / dp_size)")
+        if self.disaggregation_mode == "prefill" and self.dp_size > 1:
+            # Decode plans a request's writes from the prefill layout before prefill has assigned the
+            # request to a DP group, so it could not know which group's ranks hold the KV.
+            raise ValueError(f"dp_size: a prefill server runs one attention group (TP/EP), got dp_size "
+                             f"{self.dp_size}; start more prefill servers instead")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if self.load_format not in LOAD_FORMATS:

@@ -42,10 +42,12 @@ def kill9(server: Server) -> None:
     server.proc.wait(10)
 
 
-def routed(prefill: Server, boot: int, decode: Server, body: dict, timeout: float = 120.0) -> dict:
-    """POST /generate to both halves with one room, as a router does; returns decode's JSON
-    (prefill's answer, or its failure, is not the client's business)."""
-    body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": random.getrandbits(63)}
+def routed(prefill: Server, boot: int, decode: Server, body: dict, timeout: float = 120.0,
+           room: int | None = None) -> dict:
+    """POST /generate to both halves with one room (random unless given), as a router does;
+    returns decode's JSON (prefill's answer, or its failure, is not the client's business)."""
+    room = random.getrandbits(63) if room is None else room
+    body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": room}
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(_post_quietly, prefill.url + "/generate", body, timeout)
         d = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=timeout)

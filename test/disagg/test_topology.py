@@ -1,4 +1,5 @@
-"""topology.py on fake sysfs trees built in tmp_path, and on this machine's real /sys."""
+"""topology.py on fake sysfs trees built in tmp_path, and on this machine's real /sys; the
+transfer device each scheduler rank opens its engine with (disagg_setup)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.disagg.topology import discover, nic_for_gpus
+from pdserve.disagg.topology import discover, nic_for_gpus, transfer_device
+from pdserve.engine.disagg_setup import local_gpu
 
 MELLANOX, IB_CLASS = "0x15b3", "0x020700"
 
@@ -139,3 +141,32 @@ def test_this_machine_and_a_missing_root(tmp_path):
         assert Path("/sys/bus/pci/devices", d.bdf).exists()
     empty = discover(tmp_path / "nothing")
     assert (empty.gpus, empty.nics, empty.numa_nodes) == ([], [], [])
+
+
+def test_each_gpu_rank_sends_through_its_nearest_nic(two_socket):
+    root = two_socket.root
+    assert [transfer_device(None, gpu, root) for gpu in range(8)] == [("rdma", n) for n in (
+        "mlx5_0", "mlx5_1", "mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_2", "mlx5_3")]
+    assert transfer_device("mlx5_1", 5, root) == ("rdma", "mlx5_1")  # the operator's override
+    assert transfer_device("mlx5_2,mlx5_3", 5, root) == ("rdma", "mlx5_3")  # the nearest of those named
+    assert transfer_device("mlx5_2,mlx5_3", 0, root) == ("rdma", "mlx5_2")
+    with pytest.raises(ValueError, match="'mlx5_9' is not an RDMA device here"):
+        transfer_device("mlx5_0,mlx5_9", 0, root)
+
+
+def test_cpu_ranks_and_hosts_without_nics_use_tcp(tmp_path, two_socket):
+    assert transfer_device(None, None, two_socket.root) == ("tcp", "")  # a rank on CPU, NICs or not
+    assert transfer_device("mlx5_0,mlx5_1", None, two_socket.root) == ("rdma", "mlx5_0,mlx5_1")  # Mooncake picks
+    bare = FakeSysfs(tmp_path / "bare")
+    bare.gpu("pci0000:00/0000:00:01.0/0000:10:00.0", 0)
+    assert transfer_device(None, 0, bare.root) == ("tcp", "")
+    assert transfer_device("mlx5_0,mlx5_1", 3, bare.root) == ("rdma", "mlx5_1")  # sysfs hides them: dealt out
+    assert transfer_device(None, None) == ("tcp", "")  # this host's ranks run on CPU
+
+
+def test_a_ranks_gpu_index_follows_cuda_visible_devices(monkeypatch):
+    assert local_gpu("cpu") is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local_gpu("cuda:1") == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert (local_gpu("cuda:0"), local_gpu("cuda:1"), local_gpu("cuda")) == (4, 6, 4)

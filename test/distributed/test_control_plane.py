@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -22,9 +23,13 @@ from pdserve.engine.sampler import Sampler
 
 def _exchange(control: ControlPlane, rank: int) -> dict:
     frames = [pickle.dumps(AbortReq("r1")), pickle.dumps(ShutdownReq())] if rank == 0 else [b"ignored"]
-    busy = control.exchange(frames, has_work=rank == 1, load=3 + 2 * rank)
+    before = time.monotonic()
+    busy = control.exchange(frames, has_work=rank == 1, load=3 + 2 * rank, runnable=rank == 0,
+                            poll_ms=20 if rank else None, agreement=rank == 1)
     quiet = control.exchange([], has_work=False, load=0)
-    return {"busy": (busy.messages, busy.has_work, busy.loads), "quiet": quiet.messages}
+    return {"busy": (busy.messages, busy.has_work, busy.loads), "quiet": quiet.messages,
+            "state": (busy.runnable, busy.poll_ms, busy.agreement_due, quiet.agreement_due),
+            "clock": (before, busy.now, time.monotonic())}
 
 
 def _agree(sync: StepSync, rank: int) -> dict:
@@ -83,12 +88,17 @@ def results(tmp_path_factory):
     return [pickle.loads((root / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 
 
-def test_exchange_gives_every_rank_the_leaders_messages_and_everyones_state(results):
+def test_exchange_gives_every_rank_the_leaders_messages_clock_and_everyones_state(results):
     for r in results:
         messages, has_work, loads = r["exchange"]["busy"]
         assert messages == [AbortReq("r1"), ShutdownReq()]  # rank 1's frames are not read
         assert has_work == [False, True] and loads == [3, 5]
         assert r["exchange"]["quiet"] == []
+        assert r["exchange"]["state"] == ([True, False], [None, 20], True, False)
+    # One clock for every rank: rank 0's, read during the exchange.
+    assert results[0]["exchange"]["clock"][1] == results[1]["exchange"]["clock"][1]
+    before, now, after = results[0]["exchange"]["clock"]
+    assert before - 1e-6 <= now <= after  # (shared in whole microseconds)
 
 
 def test_step_agreement_catches_a_diverged_rank_on_every_rank(results):

@@ -153,6 +153,11 @@ def test_engine_refuses_deepep_on_this_host():
         pdserve.Engine(model_path="tiny-deepseek", tp_size=2, ep_size=2, moe_a2a_backend="deepep")
 
 
-def test_disaggregation_with_several_ranks_is_refused_for_now():
-    with pytest.raises(ValueError, match="^disaggregation_mode: 'prefill' runs one scheduler rank for now"):
-        ServerArgs(model_path="tiny-llama", tp_size=2, disaggregation_mode="prefill")
+def test_disaggregation_takes_several_ranks_but_one_prefill_attention_group():
+    for mode, kw in (("prefill", dict(tp_size=2, ep_size=2)),
+                     ("decode", dict(tp_size=2, dp_size=2, enable_dp_attention=True)),
+                     ("decode", dict(dp_size=2))):
+        assert ServerArgs(model_path="tiny-deepseek", disaggregation_mode=mode, **kw).parallel_config().world_size == 2
+    for kw in (dict(dp_size=2), dict(tp_size=2, dp_size=2, enable_dp_attention=True)):
+        with pytest.raises(ValueError, match="^dp_size: a prefill server runs one attention group"):
+            ServerArgs(model_path="tiny-deepseek", disaggregation_mode="prefill", **kw)

@@ -7,6 +7,12 @@ chunk the sender writes the aux data, and ``poll`` reports the room done once ev
 polled DONE: only then may decode be told, because DONE means the bytes have landed
 (``disagg.transfer``).
 
+With several prefill ranks, each rank has its own sender over its own pool and transfer engine:
+it posts only the writes whose source is its rank (``layout.plan_writes`` names one source per
+destination head), reports completions for its own (source, destination) pairs, and posts a
+destination rank's aux row only if it is that destination's first source. A rank with no writes
+for a room settles at once and reports nothing.
+
 Legend: S page_size, n prompt tokens; the sender moves positions [start_pos, n - 1).
 """
 
@@ -20,7 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.disagg.layout import KVLayout, LayoutError, check_compatible, count_writes, op_addresses, plan_writes
+from pdserve.disagg.layout import (
+    KVLayout,
+    LayoutError,
+    check_compatible,
+    count_writes,
+    op_addresses,
+    plan_writes,
+    segments,
+)
 from pdserve.disagg.protocol import KVRequest
 from pdserve.disagg.transfer import TransferBackend, WriteHandle, WriteState
 
@@ -40,6 +54,7 @@ class OutgoingRoom:
 
     room: int
     kvs: dict[int, KVRequest]  # by decode rank
+    sources: dict[int, list[int]]  # decode rank -> the prefill ranks writing to it (sorted)
     num_tokens: int  # prompt length - 1: positions this prefill fills
     next_page: int  # first prompt page (index) not yet staged
     paired_at: float
@@ -74,11 +89,13 @@ class KVSender:
 
     def __init__(self, backend: TransferBackend, layout: KVLayout, rank: int, bases: dict[str, int],
                  aux: torch.Tensor, seed: int = 0):
-        """``bases``: this rank's KV buffer base addresses by name; ``aux`` [slots, hidden] float32
-        registered staging rows for the aux data, one per room in flight."""
+        """``rank``: this prefill rank's attention rank (``layout``'s numbering); ``bases``: its KV
+        buffer base addresses by name; ``aux`` [slots, hidden] float32 registered staging rows for
+        the aux data, one per room in flight; ``seed``: of the MLA source draw (published)."""
         self.backend = backend
         self.layout = layout
         self.rank = rank
+        self.dp_rank = rank // layout.tp_size
         self.bases = bases
         self.aux = aux
         self.seed = seed
@@ -103,10 +120,20 @@ class KVSender:
     def open(self, room: int, kvs: dict[int, KVRequest], num_tokens: int, now: float) -> OutgoingRoom:
         for kv in kvs.values():
             self.check(kv, num_tokens)
-        r = OutgoingRoom(room, kvs, num_tokens, 0, now)
+        r = OutgoingRoom(room, kvs, {d: self._sources(room, kv, d) for d, kv in kvs.items()}, num_tokens, 0, now)
         r.next_page = r.start_page
         self.rooms[room] = r
         return r
+
+    def _sources(self, room: int, kv: KVRequest, dst_rank: int) -> list[int]:
+        segs = segments(self.layout, kv.layout, room=room, seed=self.seed, src_dp_rank=self.dp_rank,
+                        dst_dp_rank=kv.dst_dp_rank)
+        return sorted({g.src_rank for g in segs if g.dst_rank == dst_rank})
+
+    def own_pairs(self, room: int) -> list[int]:
+        """The decode ranks this rank writes ``room`` to (it reports a completion for each)."""
+        r = self.rooms[room]
+        return [d for d in r.kvs if self.rank in r.sources[d]]
 
     def stage(self, room: int, pages: list[int], end_pos: int) -> None:
         """The coming forward fills positions up to ``end_pos`` of the room's prompt (``pages``:
@@ -126,8 +153,10 @@ class KVSender:
         first_dst = r.next_page - r.start_page
         r.staged = defaultdict(list)
         for d, kv in r.kvs.items():
+            if self.rank not in r.sources[d]:
+                continue
             ops = plan_writes(self.layout, kv.layout, src, kv.dst_pages[first_dst:first_dst + len(src)],
-                              room=room, seed=self.seed, dst_dp_rank=kv.dst_dp_rank)
+                              room=room, seed=self.seed, src_dp_rank=self.dp_rank, dst_dp_rank=kv.dst_dp_rank)
             for op in ops:
                 if op.src_rank == self.rank and op.dst_rank == d:
                     r.staged[op.layer].append(op)
@@ -171,8 +200,8 @@ class KVSender:
         if r.state is not RoomState.SENDING:
             return
         r.state = RoomState.DRAINING
-        for kv in r.kvs.values():
-            if kv.aux_bytes and not r.aborted:
+        for d, kv in r.kvs.items():
+            if kv.aux_bytes and not r.aborted and r.sources[d][0] == self.rank:  # one aux row per destination
                 self._post_aux(r, kv, hidden)
 
     def _post_aux(self, r: OutgoingRoom, kv: KVRequest, hidden: torch.Tensor) -> None:

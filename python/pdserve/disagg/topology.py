@@ -137,3 +137,27 @@ def _assign(gpus: list[PciDevice], nics: list[PciDevice]) -> list[str]:
         load[nic.name] += 1
         out[i] = nic.name
     return out
+
+
+def transfer_device(ib_device: str | None, gpu: int | None, root: str | os.PathLike = "/") -> tuple[str, str]:
+    """``(protocol, device_name)`` for the transfer engine of the rank driving GPU ``gpu`` (its
+    PCI-ordered index; None: the rank runs on CPU).
+
+    - ``ib_device`` (``--disaggregation-ib-device``) one name: that NIC, whatever the topology;
+      a comma list: the nearest of them to the GPU (a CPU rank hands Mooncake the whole list);
+    - none named: a GPU rank sends through the RDMA NIC nearest its GPU (PCIe switch, then NUMA
+      node); TCP when sysfs shows no NIC, or the rank runs on CPU.
+    """
+    names = [n.strip() for n in ib_device.split(",") if n.strip()] if ib_device is not None else []
+    if ib_device is not None and not names:
+        raise ValueError(f"disaggregation_ib_device: no device name in {ib_device!r}")
+    if len(names) == 1 or (names and gpu is None):
+        return "rdma", ",".join(names)
+    if gpu is None:
+        return "tcp", ""
+    choice = nic_for_gpus(discover(root), ib_device)
+    if gpu < len(choice) and choice[gpu]:
+        return "rdma", choice[gpu]
+    if names:  # sysfs shows fewer GPUs than CUDA does (a container): deal the names out
+        return "rdma", names[gpu % len(names)]
+    return "tcp", ""

@@ -14,22 +14,35 @@ prompt logprobs (only a local prefill computes them); prefill is told to drop th
 failed transfer (prefill dead, write error, timeout) it falls back the same way on fresh pages,
 and the abandoned pages stay in quarantine until no late write can land; with
 ``--disaggregation-fallback error`` the request fails instead.
+
+With several ranks (TP, DP attention) every rank of the request's attention group pins the same
+pages (lock step) and sends prefill its own KV request (its transfer session, its buffers); the
+completions, bootstrap records and heartbeat verdicts reach every rank as messages rank 0 shares
+(``engine/mode_io.py``), so the group lands, fails over or quarantines a room at the same step.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 import torch
 
 from pdserve.config import DisaggConfig
-from pdserve.disagg.channel import ControlChannel
 from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes
 from pdserve.disagg.protocol import DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
-from pdserve.disagg.receiver import AuxSlots, IncomingRoom, Peer, PeerDirectory, PeerMonitor, Quarantine
+from pdserve.disagg.receiver import (
+    AuxSlots,
+    IncomingRoom,
+    Peer,
+    PeerDirectory,
+    PeerFetched,
+    PeerMonitor,
+    PeersDead,
+    Quarantine,
+)
 from pdserve.disagg.transfer import TransferBackend
+from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.request import Req, ReqState, finish_abort
 
@@ -41,13 +54,13 @@ FALLBACK_WINDOW = 100  # the fallback rate is over this many recent disaggregate
 class DecodeMode(SchedulerMode):
     name = "decode"
 
-    def __init__(self, config: DisaggConfig, channel: ControlChannel, backend: TransferBackend,
-                 layout: KVLayout, bases: list[int], aux: torch.Tensor, directory: PeerDirectory,
-                 server_id: str, rank: int = 0):
-        """``bases``: this rank's KV buffer addresses in ``layout.buffers`` order; ``aux``
-        [slots, hidden] float32, registered: where prefill writes each request's aux data."""
+    def __init__(self, config: DisaggConfig, io: ModeIO, backend: TransferBackend, layout: KVLayout,
+                 bases: list[int], aux: torch.Tensor, directory: PeerDirectory, server_id: str, rank: int = 0):
+        """``rank``: this rank's attention rank in ``layout``; ``bases``: its KV buffer addresses in
+        ``layout.buffers`` order; ``aux`` [slots, hidden] float32, registered: where prefill
+        writes each request's aux data."""
         self.config = config
-        self.channel = channel
+        self.io = io
         self.backend = backend
         self.layout = layout
         self.bases = bases
@@ -55,7 +68,9 @@ class DecodeMode(SchedulerMode):
         self.directory = directory
         self.server_id = server_id
         self.rank = rank
-        self.monitor = PeerMonitor(backend, config.heartbeat_s)
+        self.dp_rank = rank // layout.tp_size
+        self.monitor = PeerMonitor(backend, config.heartbeat_s, io.post) if io.is_fetcher else None
+        self.asked: set[tuple[str, int]] = set()  # prefill servers this rank asked to be fetched
         self.quarantine = Quarantine(lease_s=2 * config.timeout_s)
         self.aux_slots = AuxSlots(aux.shape[0])
         self.pending: list[Req] = []  # waiting for their prefill's records or for free pages
@@ -72,11 +87,14 @@ class DecodeMode(SchedulerMode):
         self.pending.append(req)
         return True
 
+    def connect(self, loop) -> None:
+        self.io.connect(loop)
+
     def poll(self) -> None:
-        now = time.monotonic()
-        for msg in self.channel.recv_all():
+        now = self.io.now()
+        for msg in self.io.recv_all():
             self._on_message(msg, now)
-        self._on_dead(self.monitor.dead(), now)
+        self._fetch(self.io.agree(sorted(self._unknown_peers())))
         for req in list(self.pending):
             if not self._try_prepare(req, now):
                 break  # FCFS: a request that cannot get pages holds back the ones behind it
@@ -84,8 +102,27 @@ class DecodeMode(SchedulerMode):
             if now > inc.deadline:
                 self._fail(room, f"no KV from prefill {inc.peer.name} within {self.config.timeout_s:.0f} s")
         self._release_quarantine(now)
-        self.monitor.watch({s for _, inc, _ in self.rooms.values() for s in inc.peer.sessions}
-                           | {s for e in self.quarantine.entries.values() for s in e.sessions})
+        if self.monitor is not None:
+            self.monitor.watch(self.directory.sessions())
+
+    def wants_agreement(self) -> bool:
+        return bool(self._unknown_peers())
+
+    def _unknown_peers(self) -> set[tuple[str, int]]:
+        """Prefill servers pending requests name whose records this rank has not asked for yet."""
+        keys = {(r.bootstrap.host, r.bootstrap.port) for r in self.pending}
+        return {k for k in keys if self.directory.get(*k) is None} - self.asked
+
+    def _fetch(self, wanted: list[list] | None) -> None:
+        """Every rank's unknown prefill servers (None: not agreed this step): the fetching rank
+        fetches them; their records come back to every rank as a PeerFetched message."""
+        if wanted is None:
+            return
+        self.asked |= self._unknown_peers()
+        if self.io.is_fetcher:
+            for keys in wanted:
+                for key in keys:
+                    self.directory.fetch(tuple(key))
 
     # ------------------------------------------------------------- preparing
     def _try_prepare(self, req: Req, now: float) -> bool:
@@ -106,8 +143,12 @@ class DecodeMode(SchedulerMode):
         if peer.incompatible:  # a deployment error: never hidden behind a fallback
             self.scheduler.finish_request(req, finish_abort(f"disaggregation handshake refused: {peer.error}"))
             return
-        self.directory.forget(peer.key)
+        self._forget(peer.key)
         self._fall_back(req, peer.error)
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        self.directory.forget(key)
+        self.asked.discard(key)
 
     def _serve_locally(self, req: Req, peer: Peer) -> bool:
         """Prefill here instead (and tell prefill to drop the room) when a transfer cannot pay."""
@@ -115,7 +156,7 @@ class DecodeMode(SchedulerMode):
         if receive > 0 and receive >= self.config.min_prefill_tokens and req.logprob is None:
             return False
         self.pending.remove(req)
-        self.channel.send(peer.info.ranks[0].control, DropRoom(req.room))
+        self.io.send_once(peer.info.ranks[0].control, DropRoom(req.room))
         self.counters["local_prefills"] += 1
         self.scheduler.waiting.append(req)
         return True
@@ -149,16 +190,17 @@ class DecodeMode(SchedulerMode):
         return True
 
     def _send_kv_request(self, req: Req, peer: Peer, pages: list[int], aux_slot: int, now: float) -> None:
+        """This rank's KV request (its session, buffers, aux row); the room expects the page-writes
+        of every (prefill rank, decode rank) pair of the attention group."""
         src = peer.info.layout
         seed = peer.info.ranks[0].seed
-        expected = expected_writes(src, self.layout, len(pages), room=req.room, seed=seed)
-        expected = {k: v for k, v in expected.items() if k[1] == self.rank}
+        expected = expected_writes(src, self.layout, len(pages), room=req.room, seed=seed, dst_dp_rank=self.dp_rank)
         row = self.aux[aux_slot]
         kv = KVRequest(req.room, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
                        pages, req.kv_len, len(req.fill_ids) - 1 - req.kv_len, row.data_ptr(),
-                       row.numel() * row.element_size(), self.channel.endpoint)
-        for src_rank in sorted({s for s, _ in expected}):
-            self.channel.send(peer.info.ranks[src_rank].control, kv)
+                       row.numel() * row.element_size(), self.io.endpoint)
+        for control in peer.controls({s for s, _ in expected}):
+            self.io.send(control, kv)
         req.state = ReqState.WAITING_FOR_KV
         req.clock.start_prefill(now)
         self.rooms[req.room] = (req, IncomingRoom(req.room, peer, expected, now + self.config.timeout_s, now),
@@ -167,7 +209,12 @@ class DecodeMode(SchedulerMode):
 
     # ------------------------------------------------------------- arrivals
     def _on_message(self, msg, now: float) -> None:
-        if isinstance(msg, KVCompletion):
+        if isinstance(msg, PeerFetched):
+            self.directory.apply(msg)
+            self.asked.discard(msg.peer.key)
+        elif isinstance(msg, PeersDead):
+            self._on_dead(msg.sessions, now)
+        elif isinstance(msg, KVCompletion):
             self._on_completion(msg, now)
         elif isinstance(msg, KVAbort):
             if msg.room in self.rooms:
@@ -207,17 +254,18 @@ class DecodeMode(SchedulerMode):
     def _fail(self, room: int, reason: str, notify: bool = True, settled: set[int] = frozenset()) -> None:
         """Give up on the room's transfer; its pages go to quarantine, the request falls back."""
         req, inc, aux_slot = self.rooms.pop(room)
-        self._abandon(req, inc, aux_slot, settled)
+        self._abandon(req, inc, aux_slot, settled, self.io.now())
         if notify:
             self._send_abort(inc.peer, room, reason)
         self.counters["transfer_failures"] += 1
         self.outcomes.append(True)
         self._fall_back(req, reason)
 
-    def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: set[int]) -> None:
+    def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: set[int], now: float) -> None:
         own = req.pages[req.num_cached_pages:]
-        self.quarantine.add(req.room, own, aux_slot, set(inc.peer.sessions), inc.sources - set(settled),
-                            time.monotonic())
+        pending = inc.sources - set(settled)  # the prefill ranks that may still write these pages
+        sessions = {s: inc.peer.info.ranks[s].session for s in pending}
+        self.quarantine.add(req.room, own, aux_slot, sessions, now)
         req.pages = req.pages[:req.num_cached_pages]
         self._drop_memory(req)
 
@@ -242,20 +290,22 @@ class DecodeMode(SchedulerMode):
 
     def _send_abort(self, peer: Peer, room: int, reason: str) -> None:
         if peer.info is not None:
-            for r in peer.info.ranks:
-                self.channel.send(r.control, KVAbort(room, reason, "decode"))
+            for control in peer.controls(range(len(peer.info.ranks))):
+                self.io.send_once(control, KVAbort(room, reason, "decode"))
 
-    def _on_dead(self, sessions: set[str], now: float) -> None:
-        if not sessions:
-            return
-        self.quarantine.peers_dead(sessions, now)
+    def _on_dead(self, sessions: frozenset[str], now: float) -> None:
+        """The heartbeat's verdict: rooms waiting on a dead prefill rank fall back, pages that
+        only dead ranks could still write leave quarantine after the grace period, and the
+        prefill is forgotten (a request naming it again fetches its records afresh)."""
         for room, (_, inc, _) in list(self.rooms.items()):
             if set(inc.peer.sessions) & sessions:
-                self.directory.forget(inc.peer.key)
-                self._fail(room, f"prefill {inc.peer.name} stopped answering", notify=False)
-        for s in sessions:
-            if not any(s in inc.peer.sessions for _, inc, _ in self.rooms.values()):
-                self.monitor.revive(s)  # forgotten: a restarted prefill may reuse the address
+                alive = not set(inc.peer.sessions) <= sessions  # tell its other ranks to stop
+                self._fail(room, f"prefill {inc.peer.name} stopped answering", notify=alive)
+        self.quarantine.peers_dead(sessions, now)  # the rooms just failed too: a verdict comes once
+        for peer in self.directory.peers():
+            if set(peer.sessions) & sessions:
+                self._forget(peer.key)
+        self.directory.buried(sessions)
 
     def _release_quarantine(self, now: float) -> None:
         for e in self.quarantine.release(now):
@@ -277,7 +327,7 @@ class DecodeMode(SchedulerMode):
                 self.rooms[req.room] = entry
             return False
         _, inc, aux_slot = entry
-        self._abandon(req, inc, aux_slot, set())
+        self._abandon(req, inc, aux_slot, set(), self.io.now())
         self._send_abort(inc.peer, req.room, message)
         self.scheduler.finish_request(req, finish_abort(message))
         return True
@@ -298,7 +348,7 @@ class DecodeMode(SchedulerMode):
         return self.quarantine.num_pages
 
     def sockets(self) -> list:
-        return [self.channel.socket]
+        return self.io.sockets()
 
     def stats(self) -> dict:
         rate = sum(self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
@@ -306,7 +356,18 @@ class DecodeMode(SchedulerMode):
                 "num_pending_kv": len(self.pending), "quarantined_pages": self.quarantine.num_pages,
                 "fallback_rate": rate, "fallback_window": len(self.outcomes), **self.counters}
 
+    @classmethod
+    def merge_stats(cls, per_dp: list[dict]) -> dict:
+        counters = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "fallback_window",
+                    "requests_disaggregated", "kv_received", "local_prefills", "fallbacks", "transfer_failures",
+                    "kv_pages_received")
+        out = {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in counters}}
+        fell_back = sum(s["fallback_rate"] * s["fallback_window"] for s in per_dp)
+        out["fallback_rate"] = fell_back / out["fallback_window"] if out["fallback_window"] else 0.0
+        return out
+
     def close(self) -> None:
-        self.monitor.close()
+        if self.monitor is not None:
+            self.monitor.close()
         self.directory.close()
-        self.channel.close()
+        self.io.close()

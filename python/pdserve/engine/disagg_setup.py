@@ -1,5 +1,11 @@
 """Builds a scheduler rank's disaggregation mode: the transfer engine with the KV pool registered
-once, the control channel, and (prefill) its records in the bootstrap registry."""
+once (through the NIC nearest the rank's GPU), the mode's I/O, and (prefill) the rank's records
+in the bootstrap registry.
+
+With several ranks every rank has its own transfer engine over its own pool (GQA: its head
+range; MLA: the whole latent), and its own RankRecord; every peer sends its control messages to
+rank 0's channel, which all records name (``engine/mode_io.py``).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,16 @@ import os
 
 import torch
 
-from pdserve.config import DisaggConfig, ModelConfig, ServerArgs
+from pdserve.config import DisaggConfig, ModelConfig, ServerArgs, split_host_port
+from pdserve.disagg import protocol
 from pdserve.disagg.bootstrap import BootstrapClient, CompatRecord, RankRecord
-from pdserve.disagg.channel import ControlChannel, advertised_host
+from pdserve.disagg.channel import ControlChannel, Mailbox, advertised_host
 from pdserve.disagg.layout import KVLayout
-from pdserve.disagg.receiver import PeerDirectory
+from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead
 from pdserve.disagg.sender import KVSender
+from pdserve.disagg.topology import transfer_device
 from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, create_transfer_backend
+from pdserve.engine.mode_io import DirectIO, LockStepIO, ModeIO
 from pdserve.engine.modes import SchedulerMode
 
 logger = logging.getLogger(__name__)
@@ -24,6 +33,8 @@ BOOTSTRAP_FETCH_TIMEOUT_S = 10.0  # decode's bound on reaching a prefill's boots
 # writes reach the network 1.5 s late (disagg.transfer.FaultInjectingBackend's knobs).
 FAULTS_ENV = "PDSERVE_TRANSFER_FAULTS"
 _FAULT_KNOBS = {"delay_posts": float, "hold": float, "fail_after": int}
+# What a mode's channel and mailbox carry (the rank loop shares these with every rank).
+MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead)
 
 
 def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
@@ -31,16 +42,34 @@ def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
 
 
 def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 1) -> KVLayout:
+    """The KV layout a side publishes: ``tp_size`` the attention-TP ranks sharing a request's KV,
+    ``dp_size`` the attention groups (each owning whole requests)."""
     kind = "mla" if model_config.is_mla else "gqa"
     return KVLayout.from_descriptors(kind, tp_size, model_config.num_kv_heads, pool.page_size, model_config.dtype,
                                      pool.buffer_descriptors(), dp_size)
 
 
-def transfer_backend(cfg: DisaggConfig, host: str) -> TransferBackend:
-    """TCP unless an RDMA device is named (``--disaggregation-ib-device``)."""
-    protocol = "rdma" if cfg.ib_device else "tcp"
-    backend = create_transfer_backend(cfg.transfer_backend, hostname=advertised_host(host), protocol=protocol,
-                                      device_name=cfg.ib_device or "")
+def local_gpu(device: str | torch.device) -> int | None:
+    """The PCI-ordered index of the GPU ``device`` runs on (through CUDA_VISIBLE_DEVICES); None
+    on CPU. topology.py reads GPUs in PCI bus order, as CUDA does under CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index or 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if index < len(visible) and visible[index].isdigit():
+        return int(visible[index])
+    return index
+
+
+def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> TransferBackend:
+    """The rank's transfer engine: RDMA through the NIC nearest its GPU when there is one
+    (``--disaggregation-ib-device`` overrides or narrows the choice), else TCP."""
+    protocol_name, device = transfer_device(cfg.ib_device, gpu)
+    if device:
+        logger.info("KV transfer over %s through %s (GPU %s)", protocol_name, device, gpu)
+    backend = create_transfer_backend(cfg.transfer_backend, hostname=advertised_host(host), protocol=protocol_name,
+                                      device_name=device)
     return with_faults(backend, os.environ.get(FAULTS_ENV, ""))
 
 
@@ -58,12 +87,28 @@ def with_faults(backend: TransferBackend, spec: str) -> TransferBackend:
     return faulty
 
 
-def build_mode(args: ServerArgs, model_config: ModelConfig, runner) -> SchedulerMode:
-    """The mode for ``args.disaggregation_mode`` over ``runner``'s KV pool (colocated: the base)."""
+def mode_io(host: str, groups=None) -> ModeIO:
+    """A single scheduler's I/O, or (``groups``: this rank's RankGroups) one lock-step rank's,
+    whose peers reach rank 0's channel (every rank learns its endpoint here: a collective)."""
+    if groups is None:
+        return DirectIO(ControlChannel(host), Mailbox())
+    from pdserve.engine.rank_group import ControlPlane
+
+    lay = groups.layout
+    channel = ControlChannel(host, listen=lay.is_leader)
+    control = ControlPlane(lay, groups.cpu)
+    endpoint = control.gather(channel.endpoint)[0]
+    return LockStepIO(channel, Mailbox() if lay.is_leader else None, lay, control, endpoint, MESSAGE_TYPES)
+
+
+def build_mode(args: ServerArgs, model_config: ModelConfig, runner, groups=None) -> SchedulerMode:
+    """The mode for ``args.disaggregation_mode`` over ``runner``'s KV pool (colocated: the base);
+    ``groups``: this rank's RankGroups when the server has several ranks (all call this together)."""
     cfg = args.disagg_config()
     if not cfg.enabled:
         return SchedulerMode()
-    backend = transfer_backend(cfg, args.host)
+    rank = groups.layout.rank if groups is not None else 0
+    backend = transfer_backend(cfg, args.host, local_gpu(runner.device))
     pool = runner.pool
     descriptors = pool.buffer_descriptors()
     hidden = model_config.hf_config.hidden_size
@@ -71,27 +116,36 @@ def build_mode(args: ServerArgs, model_config: ModelConfig, runner) -> Scheduler
     aux = torch.zeros(slots, hidden, dtype=torch.float32)  # [slots, hidden]: one request's aux row each
     backend.register([(d.base_addr, d.total_bytes) for d in descriptors]
                      + [(aux.data_ptr(), aux.numel() * aux.element_size())])
-    layout = kv_layout(model_config, pool)
-    channel = ControlChannel(args.host)
+    par = args.parallel_config()
+    layout = kv_layout(model_config, pool, par.attn_tp_size, par.dp_size)
+    io = mode_io(args.host, groups)
     server_id = f"{advertised_host(args.host)}:{args.port}"
     if cfg.mode == "prefill":
-        return _prefill_mode(args, cfg, model_config, backend, layout, channel, aux, server_id, descriptors)
+        return _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank)
     from pdserve.engine.decode_mode import DecodeMode
 
-    directory = PeerDirectory(compat_record(args, model_config), min(cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S))
-    return DecodeMode(cfg, channel, backend, layout, [d.base_addr for d in descriptors], aux, directory, server_id)
+    directory = PeerDirectory(compat_record(args, model_config), layout,
+                              min(cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post)
+    return DecodeMode(cfg, io, backend, layout, [d.base_addr for d in descriptors], aux, directory, server_id, rank)
 
 
-def _prefill_mode(args, cfg, model_config, backend, layout, channel, aux, server_id, descriptors):
+def registry_host(args: ServerArgs) -> str:
+    """Where this rank reaches its server's bootstrap registry: it runs in the frontend, on node 0,
+    bound where the HTTP server is."""
+    if args.node_rank > 0:
+        return split_host_port(args.dist_init_addr, "dist_init_addr")[0]
+    return "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+
+
+def _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank):
     from pdserve.engine.prefill_mode import PrefillMode
 
     bases = {d.name: d.base_addr for d in descriptors}
-    sender = KVSender(backend, layout, 0, bases, aux, seed=args.random_seed)
-    client = BootstrapClient()
-    # The registry runs in this server's frontend, bound where the HTTP server is.
-    here = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    client.register_compat(here, cfg.bootstrap_port, compat_record(args, model_config))
+    sender = KVSender(backend, layout, rank, bases, aux, seed=args.random_seed)
+    client, here = BootstrapClient(), registry_host(args)
+    if rank == 0:
+        client.register_compat(here, cfg.bootstrap_port, compat_record(args, model_config))
     client.register_rank(here, cfg.bootstrap_port,
-                         RankRecord(0, backend.session_id, descriptors, channel.endpoint, layout, args.random_seed))
-    logger.info("prefill: rank 0 registered (transfer %s, control %s)", backend.session_id, channel.endpoint)
-    return PrefillMode(cfg, channel, sender, server_id)
+                         RankRecord(rank, backend.session_id, descriptors, io.endpoint, layout, args.random_seed))
+    logger.info("prefill: rank %d registered (transfer %s, control %s)", rank, backend.session_id, io.endpoint)
+    return PrefillMode(cfg, io, sender, server_id)

@@ -10,6 +10,9 @@ The colocated scheduler loop stays the core; a mode sees it only at these fixed 
 - ``abort`` / ``on_finish`` (release): a request the mode holds, and any request that ends.
 
 The base class is the colocated server: every hook does nothing.
+
+With several scheduler ranks, every rank runs the same mode on the same inputs; a mode's I/O
+(``engine/mode_io.py``) makes its messages, clock and rank-local facts the same on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class SchedulerMode:
     """
 
     name = "null"
+    rank_counters: tuple[str, ...] = ()  # stats each rank counts for itself: a server reports their sum
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -77,8 +81,21 @@ class SchedulerMode:
         """ZMQ sockets whose messages this mode reads in ``poll`` (the loop wakes on them)."""
         return []
 
+    def wants_agreement(self) -> bool:
+        """Several ranks: this rank has a fact the others must learn in the next ``poll`` (asked
+        before the loop's exchange, so every rank knows a round is due). Implies ``has_work``."""
+        return False
+
+    def connect(self, loop) -> None:
+        """Several ranks: ``loop`` (engine/rank_group.py) is about to run; route I/O through it."""
+
     def stats(self) -> dict:
         return {"disaggregation_mode": self.name}
+
+    @classmethod
+    def merge_stats(cls, per_dp: list[dict]) -> dict:
+        """The mode's part of one server's stats, from each attention group's."""
+        return {}
 
     def close(self) -> None:
         """Stop threads and release transfer resources (the process is ending)."""

@@ -7,20 +7,24 @@ but holding back its last prompt token (decode feeds that one) and asking for no
 its chunks run; after each layer the sender posts that layer's writes -> when the last chunk is
 done it drains (TRANSFERRING, pages held) until every write has landed -> completion to decode,
 pages to the radix cache, the HTTP half answered.
+
+With several ranks (TP, EP) every rank runs this mode on the messages rank 0 shares; each rank
+posts its own writes from its own pool (``disagg/sender.py``), and a room ends (pages released,
+completions sent) only once every rank's writes have settled, which the ranks agree on
+(``ModeIO.agree``) before acting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 from pdserve.config import DisaggConfig
 from pdserve.disagg.bootstrap import Dropped, Expired, Paired, RoomError, RoomTable
-from pdserve.disagg.channel import ControlChannel
 from pdserve.disagg.layout import LayoutError
 from pdserve.disagg.protocol import DropRoom, Heartbeat, HeartbeatAck, KVAbort, KVAbortAck, KVCompletion, KVRequest
 from pdserve.disagg.sender import KVSender, RoomState
+from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.request import Req, ReqState, finish_abort, finish_length
 
@@ -29,10 +33,11 @@ logger = logging.getLogger(__name__)
 
 class PrefillMode(SchedulerMode):
     name = "prefill"
+    rank_counters = ("kv_bytes_sent", "kv_writes_sent")
 
-    def __init__(self, config: DisaggConfig, channel: ControlChannel, sender: KVSender, server_id: str):
+    def __init__(self, config: DisaggConfig, io: ModeIO, sender: KVSender, server_id: str):
         self.config = config
-        self.channel = channel
+        self.io = io
         self.sender = sender
         self.server_id = server_id
         self.rooms = RoomTable(config.timeout_s)
@@ -47,6 +52,9 @@ class PrefillMode(SchedulerMode):
         super().attach(scheduler)
         scheduler.runner.layer_hook = lambda layer_id, _fb: self.sender.on_layer(layer_id)
 
+    def connect(self, loop) -> None:
+        self.io.connect(loop)
+
     # ------------------------------------------------------------- intake
     def take(self, req: Req, bootstrap) -> bool:
         if bootstrap is None:
@@ -60,7 +68,7 @@ class PrefillMode(SchedulerMode):
             self._finish(req, finish_length(0))
             return True
         try:
-            self._on_pairing(self.rooms.add_http(req.room, req, time.monotonic()))
+            self._on_pairing(self.rooms.add_http(req.room, req, self.io.now()))
         except RoomError as e:
             self._finish(req, finish_abort(str(e)))
         return True
@@ -78,9 +86,9 @@ class PrefillMode(SchedulerMode):
         kv_by_rank = {kv.decode_rank: kv for kv in kvs.values()}
         reply = next(iter(kv_by_rank.values())).reply_to
         try:
-            self.sender.open(room, kv_by_rank, req.prompt_len - 1, time.monotonic())
+            self.sender.open(room, kv_by_rank, req.prompt_len - 1, self.io.now())
         except LayoutError as e:
-            self.channel.send(reply, KVAbort(room, f"prefill refuses the KV request: {e}", "prefill"))
+            self.io.send_once(reply, KVAbort(room, f"prefill refuses the KV request: {e}", "prefill"))
             self._finish(req, finish_abort(f"KV request refused: {e}"))
             return
         self.reply_to[room] = reply
@@ -112,27 +120,30 @@ class PrefillMode(SchedulerMode):
 
     # ------------------------------------------------------------- progress
     def poll(self) -> None:
-        for msg in self.channel.recv_all():
-            self._on_message(msg)
-        for room in list(self.transferring):
-            self._progress(room)
+        now = self.io.now()
+        for msg in self.io.recv_all():
+            self._on_message(msg, now)
+        self._settle(self.io.agree(self._drained_here()))
         for room in list(self.closing):
             self._close_if_settled(room)
-        self._expire(time.monotonic())
+        self._expire(now)
 
-    def _on_message(self, msg) -> None:
-        now = time.monotonic()
+    def wants_agreement(self) -> bool:
+        return bool(self.transferring)
+
+    def _on_message(self, msg, now: float) -> None:
         if isinstance(msg, KVRequest):
+            tp = msg.layout.tp_size  # one KV request per rank of decode's attention group
             try:
-                self._on_pairing(self.rooms.add_kv(msg.room, msg.decode_rank, msg, now, parts=msg.layout.tp_size))
+                self._on_pairing(self.rooms.add_kv(msg.room, msg.decode_rank % tp, msg, now, parts=tp))
             except RoomError as e:
-                self.channel.send(msg.reply_to, KVAbort(msg.room, str(e), "prefill"))
+                self.io.send_once(msg.reply_to, KVAbort(msg.room, str(e), "prefill"))
         elif isinstance(msg, DropRoom):
             self._on_drop(msg.room, now)
         elif isinstance(msg, KVAbort):
             self._on_decode_abort(msg, now)
         elif isinstance(msg, Heartbeat):
-            self.channel.send(msg.server_id, HeartbeatAck(self.server_id, msg.time))
+            self.io.send_once(msg.server_id, HeartbeatAck(self.server_id, msg.time))
         else:
             logger.warning("prefill: unexpected %s", type(msg).__name__)
 
@@ -147,8 +158,8 @@ class PrefillMode(SchedulerMode):
         if cancelled is not None:  # never paired: nothing was posted
             if cancelled.http is not None:
                 self._finish(cancelled.http, finish_abort(f"decode gave up on the room: {msg.reason}"))
-            for kv in cancelled.kv.values():
-                self.channel.send(kv.reply_to, KVAbortAck(msg.room, self.sender.rank))
+            for reply in _endpoints(cancelled.kv):
+                self.io.send(reply, KVAbortAck(msg.room, self.sender.rank))  # each rank for itself
             return
         req = self.reqs.get(msg.room)
         if req is None:
@@ -158,27 +169,50 @@ class PrefillMode(SchedulerMode):
         self.closing[msg.room] = self.reply_to.get(msg.room)
         self.scheduler.abort(req.rid, f"decode gave up on the room: {msg.reason}")
 
-    def _progress(self, room: int) -> None:
-        state = self.sender.poll(room)
-        if state in (RoomState.SENDING, RoomState.DRAINING):
+    def _drained_here(self) -> dict[int, str | None]:
+        """This rank's writes of each transferring room: None while some are in flight, "" once
+        all landed, else why one failed."""
+        out = {}
+        for room in self.transferring:
+            state = self.sender.poll(room)
+            if state in (RoomState.DONE, RoomState.FAILED):
+                out[room] = self.sender.rooms[room].error or ("" if state is RoomState.DONE else "a KV write failed")
+            else:
+                out[room] = None
+        return out
+
+    def _settle(self, facts: list[dict] | None) -> None:
+        """End the rooms whose writes have settled on every rank (``facts``: each rank's
+        ``_drained_here``; None: not agreed this step)."""
+        if facts is None:
             return
+        for room in list(self.transferring):
+            outcomes = [f.get(room) for f in facts]
+            if all(o is not None for o in outcomes):
+                self._complete(room, next((o for o in outcomes if o), None))
+
+    def _complete(self, room: int, error: str | None) -> None:
+        """Every rank's writes settled: each rank reports its own (source, destination) pairs; the
+        request ends (its pages to the radix cache) or fails with ``error`` (some rank's)."""
         req = self.transferring.pop(room)
         r = self.sender.rooms[room]
         queue_s, prefill_s = r.timings()
-        for d, kv in r.kvs.items():
-            self.channel.send(kv.reply_to, KVCompletion(room, self.sender.rank, d, r.writes.get(d, 0),
-                                                        "ok" if state is RoomState.DONE else "failed",
-                                                        r.error or "", queue_s, prefill_s))
-        if state is RoomState.DONE:
+        status = "failed" if r.state is RoomState.FAILED else "ok"
+        for d in self.sender.own_pairs(room):
+            self.io.send(r.kvs[d].reply_to, KVCompletion(room, self.sender.rank, d, r.writes.get(d, 0), status,
+                                                         r.error or "", queue_s, prefill_s))
+        if error is None:
             self.counters["rooms_completed"] += 1
             self._finish(req, finish_length(0))
         else:
             self.counters["rooms_failed"] += 1
-            logger.warning("prefill: room %d failed: %s", room, r.error)
-            self._finish(req, finish_abort(f"KV transfer to decode failed: {r.error}"))
+            logger.warning("prefill: room %d failed: %s", room, error)
+            self._finish(req, finish_abort(f"KV transfer to decode failed: {error}"))
         self.sender.close_room(room)
 
     def _close_if_settled(self, room: int) -> None:
+        """An aborted room: once this rank's posted writes have settled, it acknowledges (for its
+        rank alone; decode waits for every rank's). Rank-local: the request already ended."""
         r = self.sender.rooms.get(room)
         if r is not None and not r.settled(self.sender.backend):
             return
@@ -186,7 +220,7 @@ class PrefillMode(SchedulerMode):
         if r is not None:
             self.sender.close_room(room)
         if reply:
-            self.channel.send(reply, KVAbortAck(room, self.sender.rank))
+            self.io.send(reply, KVAbortAck(room, self.sender.rank))
 
     def _expire(self, now: float) -> None:
         for e in self.rooms.expire(now):
@@ -204,19 +238,18 @@ class PrefillMode(SchedulerMode):
         t = self.config.timeout_s
         if e.http is not None:
             self._finish(e.http, finish_abort(f"no KV request from decode for room {e.room} within {t:.0f} s"))
-        for kv in e.kv.values():
-            self.channel.send(kv.reply_to, KVAbort(e.room, f"the request never reached prefill within {t:.0f} s",
-                                                   "prefill"))
+        for reply in _endpoints(e.kv):
+            self.io.send_once(reply, KVAbort(e.room, f"the request never reached prefill within {t:.0f} s", "prefill"))
 
     # ------------------------------------------------------------- release
     def abort(self, req: Req, message: str) -> bool:
         room = req.room
         if room is None:
             return False
-        cancelled = self.rooms.cancel(room, time.monotonic())
+        cancelled = self.rooms.cancel(room, self.io.now())
         if cancelled is not None:  # the client left before pairing
-            for kv in cancelled.kv.values():
-                self.channel.send(kv.reply_to, KVAbort(room, message, "prefill"))
+            for reply in _endpoints(cancelled.kv):
+                self.io.send_once(reply, KVAbort(room, message, "prefill"))
             self._finish(req, finish_abort(message))
             return True
         if room in self.transferring:
@@ -239,8 +272,7 @@ class PrefillMode(SchedulerMode):
         self.sender.abort(room)
         if room not in self.closing:
             if reply is not None:
-                self.channel.send(reply, KVAbort(room, "prefill ended the request before its KV was sent",
-                                                 "prefill"))
+                self.io.send_once(reply, KVAbort(room, "prefill ended the request before its KV was sent", "prefill"))
             self.closing[room] = reply
 
     def _finish(self, req: Req, reason: dict) -> None:
@@ -259,7 +291,7 @@ class PrefillMode(SchedulerMode):
         return list(self.transferring.values())
 
     def sockets(self) -> list:
-        return [self.channel.socket]
+        return self.io.sockets()
 
     def stats(self) -> dict:
         return {"disaggregation_mode": self.name, "rooms_waiting": len(self.rooms),
@@ -267,4 +299,9 @@ class PrefillMode(SchedulerMode):
                 "kv_writes_sent": self.sender.writes_posted, **self.counters}
 
     def close(self) -> None:
-        self.channel.close()
+        self.io.close()
+
+
+def _endpoints(kvs: dict[int, KVRequest]) -> list[str]:
+    """Where decode reads a room's replies, each once (every decode rank of a room names the same)."""
+    return sorted({kv.reply_to for kv in kvs.values()})

@@ -3,12 +3,14 @@
 Who decides: every rank runs the same ``Scheduler`` code on the same inputs, so its
 decisions are replayed, not sent. Each loop iteration:
 
-1. **Exchange** (every rank): rank 0 alone reads the frontend's socket; the raw messages
-   it drained, plus each rank's (has work, requests held), are shared with every rank
+1. **Exchange** (every rank): rank 0 alone reads the frontend's socket (and a
+   disaggregation mode's sockets); the raw messages it drained, its clock, and each
+   rank's state (has work, requests held, runnable, ...) are shared with every rank
    (``ControlPlane.exchange``). Every rank then handles the same messages in the same
    order: a generate request is kept only by the attention group it is assigned to
    (``pick_dp_rank``, least loaded, computed identically everywhere), aborts and
-   control requests go to all.
+   control requests go to all. Rank 0 waits for messages before an exchange only when
+   no rank has a forward to run (then as long as the modes' poll interval says).
 2. **Step** (every rank, when any rank has work): ``Scheduler.step()``. Before its
    forward a rank agrees with all others on the step (``StepSync``: its token count,
    which attention groups with no tokens need, and a fingerprint of its batch that must
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,11 +96,15 @@ def merge_stats(per_dp: list[dict]) -> dict:
 # ----------------------------------------------------------- control plane
 @dataclass
 class Inbound:
-    """What one exchange gave every rank: the leader's messages and each rank's state."""
+    """What one exchange gave every rank: the leader's messages and clock, each rank's state."""
 
     messages: list
     has_work: list[bool]  # [W]
     loads: list[int]  # [W] requests each rank holds
+    runnable: list[bool]  # [W] a forward (or an output) is due on the rank
+    poll_ms: list[int | None]  # [W] how soon its mode wants the next step when nothing is runnable
+    agreement_due: bool  # some rank's mode asked for an agreement round in this iteration's step
+    now: float  # rank 0's monotonic clock at the exchange: the time every rank uses
 
 
 class ControlPlane:
@@ -107,12 +114,15 @@ class ControlPlane:
         self.layout = layout
         self.group = group
 
-    def exchange(self, frames: list[bytes], has_work: bool, load: int) -> Inbound:
+    def exchange(self, frames: list[bytes], has_work: bool, load: int, runnable: bool = True,
+                 poll_ms: int | None = None, agreement: bool = False) -> Inbound:
         """Every rank calls this once per iteration; ``frames`` (pickled messages) count only on
         rank 0. One all-gather, plus a broadcast when rank 0 has messages."""
         payload = pickle.dumps(frames) if frames else b""
-        mine = torch.tensor([int(has_work), load, len(payload)], dtype=torch.int64)
-        table = self.all_gather_row(mine)  # [W, 3]
+        now_us = int(time.monotonic() * 1e6)
+        mine = torch.tensor([int(has_work), load, len(payload), int(runnable), -1 if poll_ms is None else poll_ms,
+                             int(agreement), now_us], dtype=torch.int64)
+        table = self.all_gather_row(mine)  # [W, 7]
         n = int(table[0, 2])
         if n:
             buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.layout.is_leader
@@ -120,7 +130,9 @@ class ControlPlane:
             dist.broadcast(buf, src=0, group=self.group)
             frames = pickle.loads(buf.numpy().tobytes())
         messages = [pickle.loads(f) for f in frames] if n else []
-        return Inbound(messages, table[:, 0].bool().tolist(), table[:, 1].tolist())
+        polls = [None if p < 0 else p for p in table[:, 4].tolist()]
+        return Inbound(messages, table[:, 0].bool().tolist(), table[:, 1].tolist(), table[:, 3].bool().tolist(),
+                       polls, bool(table[:, 5].any()), int(table[0, 6]) / 1e6)
 
     def gather(self, obj) -> list:
         """Every rank's ``obj``, in rank order (all ranks call it)."""
@@ -222,11 +234,12 @@ class RankSchedulerLoop:
     leaders). ``run`` returns after a ShutdownReq reached every rank, or once rank 0's
     parent is gone; an exception (a peer died mid-collective, a lock-step error) propagates.
 
-    Extension points: ``add_inbox(sock)`` (rank 0) reads another socket of typed messages
-    the same way; ``on(msg_type, handler)`` registers a handler for another message type.
-    Every rank calls the handler with the same message at the same point of its loop, so
-    anything that changes scheduler state must arrive this way (or be agreed on with
-    ``self.control.gather``), never be applied by one rank alone.
+    Extension points (a disaggregation mode's I/O uses them, ``engine/mode_io.py``):
+    ``add_inbox(sock, decode)`` (rank 0) reads another socket the same way;
+    ``on(msg_type, handler, wakes)`` registers a handler for another message type. Every rank
+    calls the handler with the same message at the same point of its loop, so anything that
+    changes scheduler state must arrive this way (or be agreed on with ``self.control.gather``),
+    never be applied by one rank alone. ``inbound``: the latest exchange (its clock, ...).
     """
 
     def __init__(self, scheduler, groups: RankGroups, inbox: zmq.Socket | None, outbox: zmq.Socket,
@@ -234,33 +247,44 @@ class RankSchedulerLoop:
         self.scheduler = scheduler
         self.layout = groups.layout
         self.control = ControlPlane(groups.layout, groups.cpu)
-        self.inboxes = [inbox] if inbox is not None else []
+        self.inboxes: list[tuple[zmq.Socket, Callable | None]] = []
         self.poller = zmq.Poller()
-        for sock in self.inboxes:
-            self.poller.register(sock, zmq.POLLIN)
+        if inbox is not None:
+            self.add_inbox(inbox)
         self.outbox = outbox
         self.parent_pid = parent_pid
         self.idle_poll_ms = idle_poll_ms
         self.stopped = False
-        self.busy = False  # did any rank have work at the last exchange
+        self.busy = False  # did any rank have work at the last exchange (or get a waking message)
+        self.woke = False  # did the last exchange bring a waking message
+        self.inbound: Inbound | None = None
         self.dp_loads: list[int] = [0] * self.layout.dp_size
         self.handlers: dict[type, Callable] = {
             TokenizedGenerateReq: self._add, AbortReq: self._abort, GetStatsReq: self._stats,
             FlushCacheReq: self._flush, CheckMemoryReq: self._check_memory, ShutdownReq: self._stop}
+        self.waking: set[type] = {TokenizedGenerateReq}
 
-    def on(self, msg_type: type, handler: Callable) -> None:
+    def on(self, msg_type: type, handler: Callable, wakes: bool = False) -> None:
+        """``wakes``: a message of this type makes every rank step in the iteration it arrives."""
         self.handlers[msg_type] = handler
+        if wakes:
+            self.waking.add(msg_type)
 
-    def add_inbox(self, sock: zmq.Socket) -> None:
-        """Rank 0: also read ``sock`` (pickled typed messages) and share what arrives."""
-        self.inboxes.append(sock)
+    def add_inbox(self, sock: zmq.Socket, decode: Callable | None = None) -> None:
+        """Rank 0: also read ``sock``. Its frames are pickled typed messages, or, with ``decode``,
+        whatever ``decode(frame)`` makes of them (None: a frame to drop)."""
+        self.inboxes.append((sock, decode))
         self.poller.register(sock, zmq.POLLIN)
 
     def run(self) -> None:
+        mode = self.scheduler.mode
         while not self.stopped:
-            inbound = self.control.exchange(self._drain(), self.scheduler.has_work(), len(self.scheduler.reqs))
+            s = self.scheduler
+            self.inbound = inbound = self.control.exchange(self._drain(), s.has_work(), len(s.reqs), s.runnable(),
+                                                           mode.poll_interval_ms(), mode.wants_agreement())
             self.dp_loads = [inbound.loads[self.layout.dp_leader_rank(d)] for d in range(self.layout.dp_size)]
-            self.busy = any(inbound.has_work) or any(isinstance(m, TokenizedGenerateReq) for m in inbound.messages)
+            self.woke = any(type(m) in self.waking for m in inbound.messages)
+            self.busy = any(inbound.has_work) or self.woke
             for msg in inbound.messages:
                 self.handle(msg)
             if self.stopped:
@@ -283,19 +307,36 @@ class RankSchedulerLoop:
 
     # ------------------------------------------------------------ inbox
     def _drain(self) -> list[bytes]:
-        """Rank 0: every queued frame; waits up to the idle poll first when nobody has work."""
+        """Rank 0: every queued frame, after waiting up to ``_wait_ms`` for the first."""
         if not self.inboxes:
             return []
-        if not self.busy and not self.poller.poll(self.idle_poll_ms):
+        wait = self._wait_ms()
+        if wait and not self.poller.poll(wait):
             return [pickle.dumps(ShutdownReq())] if self._parent_gone() else []
         frames = []
-        for sock in self.inboxes:
+        for sock, decode in self.inboxes:
             while True:
                 try:
-                    frames.append(sock.recv(zmq.NOBLOCK))
+                    raw = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if decode is None:
+                    frames.append(raw)
+                elif (msg := decode(raw)) is not None:
+                    frames.append(pickle.dumps(msg))
         return frames
+
+    def _wait_ms(self) -> int:
+        """How long rank 0 waits for a message before the next exchange: the idle poll when no
+        rank had work; not at all when a rank had a forward to run or the last exchange brought
+        news (state may have changed since); otherwise (the modes wait on the network) the
+        shortest poll interval they asked for."""
+        if not self.busy:
+            return self.idle_poll_ms
+        inb = self.inbound
+        if inb is None or self.woke or any(inb.runnable) or self.scheduler.runnable():
+            return 0
+        return min([p for p in inb.poll_ms if p is not None] + [self.idle_poll_ms])
 
     def _parent_gone(self) -> bool:
         gone = self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -322,7 +363,25 @@ class RankSchedulerLoop:
 
     def _stats(self, _msg: GetStatsReq) -> None:
         every = self.control.gather(self.scheduler.stats())
-        self._reply(lambda: StatsResp(merge_stats(self._per_dp(every))))
+        self._reply(lambda: StatsResp(self._merged_stats(every)))
+
+    def _merged_stats(self, every: list[dict]) -> dict:
+        """One server's stats: each attention group's leader speaks for its group, except for the
+        mode's per-rank counters (a rank's own KV writes), which add up over the group."""
+        mode, a = self.scheduler.mode, self.layout.attn_tp_size
+        per_dp = []
+        for d in range(self.layout.dp_size):
+            group = every[d * a:(d + 1) * a]
+            s = dict(group[0])
+            for key in mode.rank_counters:
+                s[f"{key}_by_rank"] = [g[key] for g in group]
+                s[key] = sum(s[f"{key}_by_rank"])
+            per_dp.append(s)
+        merged = merge_stats(per_dp)
+        if len(per_dp) > 1:
+            merged.update(mode.merge_stats(per_dp))
+        merged["rank_pages"] = [{k: s[k] for k in ("total_pages", "free_pages", "cached_pages")} for s in every]
+        return merged
 
     def _flush(self, _msg: FlushCacheReq) -> None:
         every = self.control.gather(bool(self.scheduler.flush_cache()))
@@ -353,10 +412,11 @@ class RankSchedulerLoop:
 
 # ----------------------------------------------------------------- builder
 def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, device: str = "cpu",
-                         **scheduler_kwargs):
+                         make_mode: Callable | None = None, **scheduler_kwargs):
     """This rank's Scheduler: a RankModelRunner over its split of the model and KV pool, and a
-    sampler that broadcasts from the attention group's leader. ``scheduler_kwargs`` go to
-    the Scheduler (a disaggregation mode, ...)."""
+    sampler that broadcasts from the attention group's leader. ``make_mode(runner)``: this
+    rank's disaggregation mode over its pool (every rank calls it at the same point, so it may
+    use collectives); ``scheduler_kwargs`` go to the Scheduler."""
     from pdserve.engine.scheduler import Scheduler
 
     lay = groups.layout
@@ -364,6 +424,8 @@ def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, devi
     control = ControlPlane(lay, groups.cpu)
     runner = RankModelRunner(model_config, cache, groups.parallel, seed=sched.random_seed, device=device,
                              sync=StepSync(control))
+    if make_mode is not None:
+        scheduler_kwargs["mode"] = make_mode(runner)
     scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner, **scheduler_kwargs)
     # Attention groups other than the first draw other random streams for unseeded sampling.
     inner = Sampler(sched.random_seed + lay.dp_rank)

@@ -324,9 +324,11 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
         groups, scheduler = _start_rank(args, layout, store_dir)
         from pdserve.engine.rank_group import RankSchedulerLoop
 
+        loop = RankSchedulerLoop(scheduler, groups, recv, send, parent_pid)
+        scheduler.mode.connect(loop)  # a disaggregation mode's messages go through rank 0 too
         if layout.is_leader:
             send.send_pyobj(ready_message(scheduler))
-        RankSchedulerLoop(scheduler, groups, recv, send, parent_pid).run()
+        loop.run()
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
         # A ValueError names its field: the frontend prints it in one line (as run_scheduler_process).
         level = logging.DEBUG if isinstance(e, ValueError) else logging.ERROR
@@ -346,6 +348,7 @@ def _start_rank(args: ServerArgs, layout, store_dir: str | None):
     import torch
 
     from pdserve.distributed.groups import backend_for_device, init_method, init_rank_groups
+    from pdserve.engine.disagg_setup import build_mode
     from pdserve.engine.rank_group import ControlPlane, build_rank_scheduler
     from pdserve.engine.tokenizer import load_tokenizer
 
@@ -355,7 +358,8 @@ def _start_rank(args: ServerArgs, layout, store_dir: str | None):
     model_config = args.model_config()
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
     groups = init_rank_groups(layout, init_method(store_dir, args.dist_init_addr), backend_for_device(device))
-    scheduler = build_rank_scheduler(args, groups, model_config, tokenizer, device)
+    scheduler = build_rank_scheduler(args, groups, model_config, tokenizer, device,
+                                     make_mode=lambda runner: build_mode(args, model_config, runner, groups))
     ControlPlane(layout, groups.cpu).gather(os.getpid())  # every rank is ready
     return groups, scheduler
 
