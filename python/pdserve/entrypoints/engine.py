@@ -39,7 +39,7 @@ class Engine:
         if self.args.disaggregation_mode != "null":
             raise ValueError("disaggregation_mode: the offline Engine runs colocated; start prefill and decode "
                              "servers with `pdserve serve --disaggregation-mode ...` (or `pdserve up`)")
-        torch.set_num_threads(self.args.num_threads or default_num_threads())
+        torch.set_num_threads(self.args.num_threads or default_num_threads(frontend=False))
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
