@@ -14,6 +14,7 @@ import torch
 from pdserve.config import ServerArgs, default_num_threads
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.logprobs import check_logprob_params
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import load_tokenizer, output_text
@@ -43,8 +44,10 @@ class Engine:
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
-        self.scheduler = Scheduler(model_config, self.args.cache_config(), self.args.scheduler_config(),
-                                   self.tokenizer)
+        cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
+        runner = ModelRunner(model_config, cache_config, seed=scheduler_config.random_seed,
+                             compile_config=self.args.compile_config())
+        self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API
