@@ -69,7 +69,7 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # [B, hidden] of the latest forward
         logger.info("KV pool: %d pages x %d tokens (%s)", self.pool.num_pages, self.pool.page_size,
                     type(self.pool).__name__)
-        self.compiled = None
+        self.compiled = None  # CompiledDecode when compile_config is enabled
         if compile_config is not None and compile_config.enabled:
             from pdserve.engine.torch_compile import CompiledDecode
 

@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 EAGER_MODULES = (Experts,)
 
 
-
 def dynamo_config(config: CompileConfig, warm_up: bool = False) -> dict:
     """Dynamo settings for the compiled layers, applied around each compiled forward.
 
