@@ -1,17 +1,24 @@
 """Output tokens/s of pdserve's offline Engine vs transformers' ``generate`` on the same
 random-weight model, side by side in one run, same thread count.
 
-    python benchmark/bench_engine.py --model tiny-llama --batch-sizes 1 8 32
+    python benchmark/bench_engine.py --model tiny-llama --batch-sizes 1 8 32 --enable-torch-compile
 
 Both get identical prompts of equal length (so transformers' batch needs no
 padding beyond its static shape) and generate exactly ``--output-len`` tokens
-greedily (EOS ignored). Prints tokens/s for each and the ratio pdserve / HF.
+greedily (EOS ignored). Rounds alternate pdserve, HF, pdserve, ... so load from
+other processes hits both alike; each side's tokens/s is reported as the median
+over ``--repeats`` rounds (with min..max), and the ratio pdserve / HF as the
+median of the per-round ratios. With ``--enable-torch-compile`` the Engine
+compiles its decode buckets up to the largest batch size first, and that
+warm-up time is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
 import time
 
@@ -58,7 +65,7 @@ def time_pdserve(engine, prompts, output_len: int) -> float:
     return dt
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama", help="a built-in preset name")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -66,30 +73,67 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per side and batch size (alternating)")
+    ap.add_argument("--enable-torch-compile", action="store_true",
+                    help="pdserve compiles its decode steps (buckets up to the largest batch size)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print one JSON line per batch size")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    return ap.parse_args(argv)
 
+
+def build_engine(args: argparse.Namespace, model_dir: str):
+    """The Engine under test, and its start-up seconds (which include compiling, if enabled)."""
     import pdserve
 
+    t0 = time.perf_counter()
+    engine = pdserve.Engine(model_path=model_dir, tokenizer_path=None, page_size=args.page_size,
+                            disable_radix_cache=True, num_threads=args.threads,
+                            max_running_requests=max(args.batch_sizes),
+                            enable_torch_compile=args.enable_torch_compile,
+                            torch_compile_max_bs=max(args.batch_sizes))
+    return engine, time.perf_counter() - t0
+
+
+def measure(engine, hf, prompts, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Alternating rounds: (pdserve tok/s per round, HF tok/s per round)."""
+    time_pdserve(engine, prompts[:1], 4)  # warm-up
+    time_hf(hf, prompts[:1], 4)
+    tokens = len(prompts) * args.output_len
+    pd, ref = [], []
+    for _ in range(args.repeats):
+        pd.append(tokens / time_pdserve(engine, prompts, args.output_len))
+        ref.append(tokens / time_hf(hf, prompts, args.output_len))
+    return pd, ref
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):8.1f} ({min(xs):.0f}..{max(xs):.0f})"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
         hf, cfg = build_hf_model(args.model, d, args.seed)
-        engine = pdserve.Engine(model_path=d, tokenizer_path=None, page_size=args.page_size,
-                                disable_radix_cache=True, num_threads=args.threads,
-                                max_running_requests=max(args.batch_sizes))
-        print(f"model={args.model} threads={args.threads} prompt_len={args.prompt_len} "
-              f"output_len={args.output_len} page_size={args.page_size}")
-        print(f"{'batch':>5} {'pdserve tok/s':>14} {'HF tok/s':>10} {'ratio':>7}")
+        engine, startup_s = build_engine(args, d)
+        compiled = engine.scheduler.runner.compiled
+        print(f"model={args.model} threads={args.threads} prompt_len={args.prompt_len} output_len={args.output_len} "
+              f"page_size={args.page_size} torch_compile={'on' if compiled else 'off'} repeats={args.repeats} "
+              f"load_average={' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        if compiled is not None:
+            print(f"compile warm-up: {compiled.warmup_s:.1f} s for buckets {list(compiled.config.buckets)} "
+                  f"(Engine start-up {startup_s:.1f} s)")
+        print(f"{'batch':>5} {'pdserve tok/s (min..max)':>26} {'HF tok/s (min..max)':>26} {'ratio (min..max)':>18}")
         for bs in args.batch_sizes:
             prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed + bs)
-            time_pdserve(engine, prompts[:1], 4)  # warm-up
-            time_hf(hf, prompts[:1], 4)
-            tp = bs * args.output_len / time_pdserve(engine, prompts, args.output_len)
-            th = bs * args.output_len / time_hf(hf, prompts, args.output_len)
-            print(f"{bs:>5} {tp:>14.1f} {th:>10.1f} {tp / th:>6.2f}x")
+            pd, ref = measure(engine, hf, prompts, args)
+            ratios = [p / r for p, r in zip(pd, ref)]
+            print(f"{bs:>5} {spread(pd):>26} {spread(ref):>26} "
+                  f"{statistics.median(ratios):6.2f}x ({min(ratios):.2f}..{max(ratios):.2f})")
             if args.json:
-                print(json.dumps({"batch": bs, "pdserve_tok_s": tp, "hf_tok_s": th, "ratio": tp / th}))
+                print(json.dumps({"batch": bs, "pdserve_tok_s": pd, "hf_tok_s": ref, "ratios": ratios,
+                                  "torch_compile": compiled is not None}))
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         engine.shutdown()
 
 

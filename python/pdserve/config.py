@@ -335,6 +335,33 @@ def split_host_port(addr: str, field_name: str) -> tuple[str, int]:
     return host, int(port)
 
 
+@dataclass(frozen=True)
+class CompileConfig:
+    """``--enable-torch-compile``: decode forwards compiled with inductor, one graph set per
+    batch-size bucket up to ``max_bs`` (SGLang's ``--torch-compile-max-bs``); larger decode
+    batches and every extend run eagerly."""
+
+    enabled: bool = False
+    max_bs: int = 32
+
+    def __post_init__(self):
+        if self.max_bs < 1:
+            raise ValueError(f"torch_compile_max_bs: must be >= 1, got {self.max_bs}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Padded decode batch sizes: powers of two below ``max_bs``, then ``max_bs`` itself."""
+        sizes, b = [], 1
+        while b < self.max_bs:
+            sizes.append(b)
+            b *= 2
+        return (*sizes, self.max_bs)
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        """The smallest bucket holding ``batch_size`` requests; None when it runs eagerly."""
+        return next((b for b in self.buckets if b >= batch_size), None) if self.enabled else None
+
+
 DISAGG_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake",)
 FALLBACK_POLICIES = ("local", "error")
@@ -406,6 +433,8 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     num_threads: int | None = None
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
     max_request_bytes: int = 32 << 20  # larger HTTP request bodies are refused (413) before parsing
     disaggregation_mode: str = "null"
@@ -435,6 +464,9 @@ class ServerArgs:
             # request to a DP group, so it could not know which group's ranks hold the KV.
             raise ValueError(f"dp_size: a prefill server runs one attention group (TP/EP), got dp_size "
                              f"{self.dp_size}; start more prefill servers instead")
+        if self.compile_config().enabled and self.parallel_config().world_size > 1:
+            raise ValueError("enable_torch_compile: compiled decode runs on single-rank servers for now "
+                             "(tp_size, dp_size and ep_size 1)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
         if self.load_format not in LOAD_FORMATS:
@@ -465,6 +497,9 @@ class ServerArgs:
         return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention,
                               self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank)
 
+    def compile_config(self) -> CompileConfig:
+        return CompileConfig(self.enable_torch_compile, self.torch_compile_max_bs)
+
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig(self.disaggregation_mode, self.disaggregation_transfer_backend,
                             self.disaggregation_bootstrap_port, self.disaggregation_ib_device,
@@ -485,9 +520,25 @@ class ServerArgs:
         return d
 
 
-def default_num_threads() -> int:
-    """OMP_NUM_THREADS when the operator set it, else every core."""
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers narrow), else os.cpu_count()."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def default_num_threads(frontend: bool = True) -> int:
+    """Torch threads of a compute process when ``--num-threads`` is not given.
+
+    OMP_NUM_THREADS when the operator set it. Otherwise every usable core, less one when
+    an HTTP frontend shares the machine (``frontend``: a server's scheduler process): the
+    frontend's event loop parses requests and detokenizes and frames every streamed token,
+    and when the scheduler's threads take all cores each token waits for the frontend to be
+    scheduled (measured on 2 cores: see the README's benchmark section). The in-process
+    Engine (``frontend=False``) has no frontend and takes every core.
+    """
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, os.cpu_count() or 1)
+    cores = usable_cores()
+    return max(1, cores - 1) if frontend else cores

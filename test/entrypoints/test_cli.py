@@ -14,7 +14,8 @@ FLAGS = ["--model-path", "tiny-deepseek", "--tokenizer-path", "/tok", "--load-fo
          "--dtype", "bfloat16", "--host", "0.0.0.0", "--port", "8123", "--page-size", "16",
          "--max-running-requests", "8", "--max-total-tokens", "4096", "--chunked-prefill-size", "256",
          "--schedule-policy", "lpm", "--disable-radix-cache", "--random-seed", "7", "--api-key", "k",
-         "--log-level", "debug", "--served-model-name", "tiny", "--max-request-bytes", "1000"]
+         "--log-level", "debug", "--served-model-name", "tiny", "--max-request-bytes", "1000",
+         "--num-threads", "3", "--enable-torch-compile", "--torch-compile-max-bs", "8"]
 
 
 def test_every_flag_maps_to_server_args():
@@ -24,7 +25,8 @@ def test_every_flag_maps_to_server_args():
                               dtype="bfloat16", host="0.0.0.0", port=8123, page_size=16, max_running_requests=8,
                               max_total_tokens=4096, chunked_prefill_size=256, schedule_policy="lpm",
                               disable_radix_cache=True, random_seed=7, api_key="k", log_level="debug",
-                              served_model_name="tiny", max_request_bytes=1000)
+                              served_model_name="tiny", max_request_bytes=1000, num_threads=3,
+                              enable_torch_compile=True, torch_compile_max_bs=8)
 
 
 def test_defaults_are_server_args_defaults():
@@ -42,6 +44,7 @@ def _run(*argv: str, module: str = "pdserve") -> subprocess.CompletedProcess:
     (["--max-running-requests", "0"], "max_running_requests"),
     (["--max-total-tokens", "0"], "max_total_tokens"),
     (["--max-request-bytes", "0"], "max_request_bytes"),
+    (["--torch-compile-max-bs", "0"], "torch_compile_max_bs"),
 ])
 def test_invalid_server_args_exit_2_naming_the_field(argv, field):
     proc = _run("serve", "--model-path", "tiny-deepseek", *argv)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import CacheConfig, ModelConfig
+from pdserve.config import CacheConfig, CompileConfig, ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
@@ -54,7 +54,9 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  parallel: ParallelState = SINGLE, attention_backend: str = "torch_native",
-                 seed: int = 0, device: str = "cpu"):
+                 seed: int = 0, device: str = "cpu", compile_config: CompileConfig | None = None):
+        """``compile_config`` (``--enable-torch-compile``): decode steps that fit a bucket run
+        compiled layers (engine/torch_compile.py); every bucket is compiled here, at start-up."""
         from pdserve.models.loader import load_model
 
         self.model_config = model_config
@@ -67,6 +69,12 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None  # [B, hidden] of the latest forward
         logger.info("KV pool: %d pages x %d tokens (%s)", self.pool.num_pages, self.pool.page_size,
                     type(self.pool).__name__)
+        self.compiled = None  # CompiledDecode when compile_config is enabled
+        if compile_config is not None and compile_config.enabled:
+            from pdserve.engine.torch_compile import CompiledDecode
+
+            self.compiled = CompiledDecode(self.model, self.backend, compile_config)
+            self.compiled.warm_up(self.pool, self.device)
 
     def build_forward_batch(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> ForwardBatch:
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
@@ -84,7 +92,8 @@ class ModelRunner:
         those of ``batch.prompt_logit_index`` when it is set ([B + K, V])."""
         fb = self.build_forward_batch(batch, req_to_token)
         fb.attn_metadata = self.backend.prepare(fb)  # once per forward, before the first layer
-        hidden = self.model(fb)  # [T, hidden]
+        compiled = self.compiled is not None and self.compiled.accepts(fb)
+        hidden = self.compiled(fb) if compiled else self.model(fb)  # [T, hidden]
         rows = logit_rows(fb, batch.prompt_logit_index)
         if rows is not None:
             hidden = hidden[rows]  # [B (+ K), hidden]

@@ -224,7 +224,7 @@ def build_scheduler(args: ServerArgs):
     if not args.skip_tokenizer_init:
         tokenizer = load_tokenizer(args.tokenizer_path or model_config.path)
     cache_config, config = args.cache_config(), args.scheduler_config()
-    runner = ModelRunner(model_config, cache_config, seed=config.random_seed)
+    runner = ModelRunner(model_config, cache_config, seed=config.random_seed, compile_config=args.compile_config())
     mode = build_mode(args, model_config, runner)
     return Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode)
 

@@ -81,7 +81,12 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
     _flag(g, "--random-seed", "seed for weights of dummy models and for sampling", type=int)
-    _flag(g, "--num-threads", "torch threads of the scheduler process (default: all cores)", type=int)
+    _flag(g, "--num-threads", "torch threads of the scheduler process (default: OMP_NUM_THREADS, else all "
+          "cores but one, which the HTTP frontend keeps)", type=int)
+    _flag(g, "--enable-torch-compile", "compile decode forwards with torch.compile (inductor), per batch-size "
+          "bucket; compiled at start-up", action="store_true")
+    _flag(g, "--torch-compile-max-bs", "largest decode batch run compiled (buckets 1, 2, 4, ... up to it)",
+          type=int)
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 

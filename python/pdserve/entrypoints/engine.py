@@ -14,6 +14,7 @@ import torch
 from pdserve.config import ServerArgs, default_num_threads
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.logprobs import check_logprob_params
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import load_tokenizer, output_text
@@ -53,9 +54,11 @@ class Engine:
             require_backend(self.args.moe_a2a_backend)
             self.scheduler = RankClient(self.args, model_config)
         else:
-            torch.set_num_threads(self.args.num_threads or default_num_threads())
-            self.scheduler = Scheduler(model_config, self.args.cache_config(), self.args.scheduler_config(),
-                                       self.tokenizer)
+            torch.set_num_threads(self.args.num_threads or default_num_threads(frontend=False))
+            cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
+            runner = ModelRunner(model_config, cache_config, seed=scheduler_config.random_seed,
+                                 compile_config=self.args.compile_config())
+            self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API

@@ -262,15 +262,23 @@ class _Signals:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A bound, not yet listening TCP socket: clients are refused until the workers are ready."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, _ = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    set_nodelay(sock)
     try:
         sock.bind((host, port))
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def set_nodelay(sock: socket.socket) -> None:
+    """Nagle off on the listening socket (accepted connections inherit it on Linux): relayed SSE
+    events are small writes that would otherwise wait for the client's delayed ACK (~40 ms) on a
+    reused connection. Same reasoning as ``entrypoints.http_server.set_nodelay``."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def configure_logging(level: str) -> None:

@@ -38,23 +38,44 @@ class TorchNativeMetadata(AttentionMetadata):
     q_index: torch.Tensor  # [B, Q] flat token index of each padded query (clamped)
     q_valid: torch.Tensor  # [B, Q] True where the padded query is a real token
     mask: torch.Tensor  # [B, 1, Q, K] key k visible to query q
-    single: bool  # one request: pad and unpad by reshaping
+    uniform: bool  # every request has exactly Q new tokens (decode, one request): pad and unpad by reshaping
     stage: StagePlan | None  # set for a decode step that reads the stage; None: gather pages
 
 
 def _pad_q(x: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
     """[T, H, X] -> [B, H, Q, X]."""
-    if md.single:
-        return x.unsqueeze(0).transpose(1, 2)
+    if md.uniform:
+        B, Q = md.q_index.shape
+        return x.view(B, Q, *x.shape[1:]).transpose(1, 2)
     return x[md.q_index].transpose(1, 2)
 
 
 def _unpad(o: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
     """[B, H, Q, X] -> [T, H, X]."""
     o = o.transpose(1, 2)  # [B, Q, H, X]
-    if md.single:
-        return o[0]
+    if md.uniform:
+        return o.reshape(-1, *o.shape[2:])
     return o[md.q_valid]
+
+
+def _attend_grouped(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: TorchNativeMetadata,
+                    scale: float) -> torch.Tensor:
+    """Masked softmax attention with each KV head shared by a group of query heads, without
+    expanding K/V: qp [B, Hq, Q, D], k [B, Hkv, K, D], v [B, Hkv, K, X] -> [B, Hq, Q, X].
+
+    MLA's absorbed attention (one latent "head", values the first C of its C+R columns) is two
+    batched matmuls here. SDPA, given values narrower than keys, takes its math path, which
+    expands the latent to every head and scales a transposed copy of it: several times slower
+    on CPU. Query head h reads KV head h // G, as SDPA's enable_gqa does.
+    """
+    B, Hq, Q, D = qp.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scores = torch.matmul(qp.reshape(B, Hkv, G * Q, D), k.transpose(-1, -2))  # [B, Hkv, G Q, K]
+    scores = scores.float().mul_(scale).view(B, Hkv, G, Q, K)
+    scores.masked_fill_(md.mask.logical_not()[:, :, None], float("-inf"))  # mask [B, 1, 1, Q, K]
+    p = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * Q, K)
+    return torch.matmul(p, v).view(B, Hq, Q, v.shape[-1])  # [B, Hq, Q, X]
 
 
 class _DecodeStage:
@@ -125,7 +146,8 @@ class TorchNativeBackend(AttentionBackend):
         kj = torch.arange(K)[None, None, :]  # [1, 1, K]
         # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
         mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
-        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], B == 1, stage)
+        uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
+        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, stage)
 
     def _kv(self, layer_id: int, md: TorchNativeMetadata, new: tuple, gather) -> tuple:
         """This layer's KV for the whole batch, [B, H, K, X] each: staged in decode, else gathered."""
@@ -169,8 +191,7 @@ class TorchNativeBackend(AttentionBackend):
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md)  # [B, H, Q, C+R]
         kv = cache.unsqueeze(1)  # [B, 1, K, C+R]
-        o_lat = F.scaled_dot_product_attention(qp, kv, kv[..., :C], attn_mask=md.mask,
-                                               scale=scale, enable_gqa=True)  # [B, H, Q, C]
+        o_lat = _attend_grouped(qp, kv, kv[..., :C], md, scale)  # [B, H, Q, C]
         return torch.einsum("bhqc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
 
     @staticmethod

@@ -1,0 +1,171 @@
+"""``--enable-torch-compile``: decode steps run inductor-compiled decoder layers, per batch-size bucket.
+
+Legend: B requests (= tokens) in a decode step, Bp its bucket (the padded batch size), H hidden.
+
+What is compiled: each decoder layer's ``forward`` (norms, projections, rotary, MLP/MoE), for
+decode steps whose batch fits a bucket (``CompileConfig.buckets``); extend steps and larger
+decode batches run the very same layers eagerly. Attention stays eager behind
+``torch.compiler.disable``: dynamo breaks the graph there, so the backend runs exactly as
+without compile: its pool write, the per-layer KV hook (``ForwardBatch.kv_written``, which
+disaggregation streams from) and torch_native's staged decode KV all see the real batch.
+
+Padding: the dense parts run on Bp rows, so each bucket compiles once with static shapes.
+The model gets a padded ForwardBatch (``input_ids`` and ``positions`` padded with zeros)
+whose ``attn_backend`` is a ``BucketAttention``: it hands the real backend the first B rows
+of its inputs together with the real ForwardBatch, and pads the output back to Bp rows.
+Padded rows are computed and dropped; they never reach the pool, the hook or the sampler.
+
+Routed MoE experts stay eager too (``torch._grouped_mm`` has no float32 CPU kernel dynamo can
+trace, and their sort and bincount are data-dependent); the router and shared experts compile.
+
+Layers of one model share their compiled graphs (parameters are graph inputs and
+``layer_id`` is not specialised), so warm-up compiles a few graphs per bucket, not per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+
+import torch
+from torch import nn
+
+from pdserve.config import CompileConfig
+from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
+from pdserve.layers.moe.experts import Experts
+
+logger = logging.getLogger(__name__)
+
+# Modules that run eagerly inside the compiled layers (see the module docstring).
+EAGER_MODULES = (Experts,)
+
+
+def dynamo_config(config: CompileConfig, warm_up: bool = False) -> dict:
+    """Dynamo settings for the compiled layers, applied around each compiled forward.
+
+    allow_unspec_int_on_nn_module: layer_id is an input, not a constant: one graph for all layers.
+    nested_graph_breaks: the break inside the attention module does not also split the layer
+    around the attention call, so a layer is two graphs (before / after attention), not four.
+    recompile_limit: a layer's code holds a graph per bucket and layer variant (the first layer,
+    which has no residual yet; dense and MoE layers), of every compiled model in the process:
+    far more than dynamo's default of 8. Past the limit dynamo would silently run that code
+    eagerly, so warm-up (``warm_up``) fails loudly instead.
+    """
+    return {"allow_unspec_int_on_nn_module": True, "nested_graph_breaks": True,
+            "recompile_limit": max(64, 8 * len(config.buckets)), "accumulated_recompile_limit": 4096,
+            "fail_on_recompile_limit_hit": warm_up}
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, ...] -> contiguous [rows, ...], zero rows appended.
+
+    Always contiguous: the compiled graph after the attention was traced (at warm-up) with a
+    contiguous input, and dynamo guards on strides.
+    """
+    if x.shape[0] == rows:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+class BucketAttention(AttentionBackend):
+    """What the compiled layers see as ``fb.attn_backend``: the real backend on the real rows.
+
+    ``real`` is the ForwardBatch of the step being run (set by ``CompiledDecode`` around
+    the forward, None outside it); with ``real`` None (warm-up) it returns zeros of the
+    right shape and touches nothing, so compiling never writes the pool or calls the hook.
+    One instance serves the runner's life, so dynamo's guards on it hold from step to step.
+    """
+
+    name = "bucket"
+
+    def __init__(self, inner: AttentionBackend):
+        self.inner = inner
+        self.real: ForwardBatch | None = None
+
+    def prepare(self, fb: ForwardBatch) -> AttentionMetadata:
+        raise RuntimeError("BucketAttention is never prepared: the real backend prepares the real batch")
+
+    @torch.compiler.disable
+    def forward_gqa(self, q, k, v, layer_id, scale, fb):
+        if self.real is None:
+            return q.new_zeros(q.shape)  # [Bp, Hq, D]
+        B = self.real.batch_size
+        o = self.inner.forward_gqa(q[:B], k[:B], v[:B], layer_id, scale, self.real)  # [B, Hq, D]
+        return _pad_rows(o, q.shape[0])  # [Bp, Hq, D]
+
+    @torch.compiler.disable
+    def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
+        if self.real is None:
+            return q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], w_vc.shape[-1])  # [Bp, H, Dv]
+        B = self.real.batch_size
+        o = self.inner.forward_mla(q_nope[:B], q_pe[:B], latent[:B], k_pe[:B], w_kc, w_vc, layer_id, scale,
+                                   self.real, absorbed)  # [B, H, Dv]
+        return _pad_rows(o, q_nope.shape[0])  # [Bp, H, Dv]
+
+
+class CompiledDecode:
+    """Owns the compiled layer forwards of one model and runs padded decode steps through them.
+
+    Installing replaces each decoder layer's ``forward`` with a dispatcher: the compiled
+    forward when the layer is called with a ``BucketAttention`` batch (a step run by
+    ``__call__``), the original one otherwise. The model's weights and structure are untouched.
+    """
+
+    def __init__(self, model: nn.Module, backend: AttentionBackend, config: CompileConfig):
+        self.model = model
+        self.config = config
+        self.attention = BucketAttention(backend)
+        self.dynamo_config = dynamo_config(config)
+        self.warmup_s = 0.0
+        self.steps: Counter[int] = Counter()  # decode steps run per bucket (observable in tests)
+        for layer in model.model.layers:
+            _install(layer)
+        for module in model.modules():
+            if isinstance(module, EAGER_MODULES):
+                module.forward = torch.compiler.disable(module.forward)
+
+    def accepts(self, fb: ForwardBatch) -> bool:
+        return fb.is_decode and self.config.bucket_for(fb.batch_size) is not None
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model's hidden states [B, H] for a decode batch the runner has prepared."""
+        Bp = self.config.bucket_for(fb.batch_size)
+        self.steps[Bp] += 1
+        padded = dataclasses.replace(fb, input_ids=_pad_rows(fb.input_ids, Bp),
+                                     positions=_pad_rows(fb.positions, Bp), attn_backend=self.attention)
+        self.attention.real = fb
+        try:
+            with torch._dynamo.config.patch(self.dynamo_config):
+                hidden = self.model(padded)  # [Bp, H]
+        finally:
+            self.attention.real = None
+        return hidden[:fb.batch_size]  # [B, H]
+
+    def warm_up(self, pool, device: torch.device) -> float:
+        """Compile every bucket now (start-up), without touching the pool; returns the seconds taken."""
+        t0 = time.perf_counter()
+        for Bp in self.config.buckets:
+            zeros = torch.zeros(Bp, dtype=torch.int64, device=device)
+            ones = torch.ones(Bp, dtype=torch.int64, device=device)
+            fb = ForwardBatch(ForwardMode.DECODE, zeros, zeros, zeros, zeros, ones, ones, zeros[:, None],
+                              pool, self.attention)
+            with torch.inference_mode(), torch._dynamo.config.patch(dynamo_config(self.config, warm_up=True)):
+                self.model(fb)
+            logger.debug("torch.compile: decode bucket %d compiled after %.1f s", Bp, time.perf_counter() - t0)
+        self.warmup_s = time.perf_counter() - t0
+        logger.info("torch.compile: decode buckets %s compiled in %.1f s", list(self.config.buckets), self.warmup_s)
+        return self.warmup_s
+
+
+def _install(layer: nn.Module) -> None:
+    eager = layer.forward
+    compiled = torch.compile(eager, dynamic=False)
+
+    def forward(x, residual, rotation, fb: ForwardBatch):
+        run = compiled if isinstance(fb.attn_backend, BucketAttention) else eager
+        return run(x, residual, rotation, fb)
+
+    layer.forward = forward
