@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from pdserve.entrypoints import http_server
+from pdserve.entrypoints import http_server, listen
 from pdserve.router import app as router_app
 
 
@@ -54,9 +54,13 @@ async def serve_and_ask(sock: socket.socket, requests: int) -> list[list[int]]:
         await task
 
 
-@pytest.mark.parametrize("bind", [http_server.bind_socket, router_app.bind_socket], ids=["server", "router"])
-def test_accepted_connections_have_nodelay(bind):
-    sock = bind("127.0.0.1", 0)
+def test_server_and_router_bind_the_same_way():
+    assert http_server.bind_socket is listen.bind_socket
+    assert router_app.bind_socket is listen.bind_socket
+
+
+def test_accepted_connections_have_nodelay():
+    sock = listen.bind_socket("127.0.0.1", 0)
     try:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         first, reused = asyncio.run(serve_and_ask(sock, requests=2))

@@ -34,6 +34,7 @@ from pdserve.entrypoints.errors import (
     parse_body,
     read_body,
 )
+from pdserve.entrypoints.listen import bind_socket, configure_logging
 from pdserve.entrypoints.protocol import AbortRequest
 from pdserve.entrypoints.streaming import collect
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
@@ -226,7 +227,7 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
                   model_config: ModelConfig | None = None) -> int:
     """Run a server until a signal (-> 0) or a failure (-> 1). Raises ValueError for bad args.
     ``model_config``: the caller's (config.json is then not read again)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, "frontend")
     _limit_frontend_threads()
     model_config = model_config or args.model_config()
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
@@ -335,36 +336,6 @@ class _UvicornServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self.signals.on_signal()
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound, not yet listening TCP socket: connections are refused until the server is ready."""
-    family, _, proto, _, _ = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    set_nodelay(sock)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(False)
-    return sock
-
-
-def set_nodelay(sock: socket.socket) -> None:
-    """Nagle off on a listening socket; Linux copies the option to every accepted connection.
-
-    A stream writes one small SSE event per token. With Nagle on, the first event after
-    the response headers on a reused keep-alive connection waits for the client's delayed
-    ACK of the headers (~40 ms). asyncio turns Nagle off itself only for sockets whose
-    ``proto`` is IPPROTO_TCP, which a socket built with proto 0 is not; so both are set here.
-    """
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="[%(asctime)s frontend] %(levelname)s %(name)s: %(message)s")
 
 
 def _limit_frontend_threads() -> None:

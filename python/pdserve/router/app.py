@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
 from pdserve.entrypoints.errors import RequestError, ServerError, error_body, error_response
+from pdserve.entrypoints.listen import bind_socket, configure_logging
 from pdserve.router.config import RouterArgs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
@@ -186,7 +187,7 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 # --------------------------------------------------------------- launch
 def launch_router(args: RouterArgs) -> int:
     """Run a router until a signal (-> 0) or a failure to start (-> 1)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, "router")
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -258,28 +259,3 @@ class _Signals:
             self.server.should_exit = True
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.stopped.set)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound, not yet listening TCP socket: clients are refused until the workers are ready."""
-    family, _, proto, _, _ = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    set_nodelay(sock)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def set_nodelay(sock: socket.socket) -> None:
-    """Nagle off on the listening socket (accepted connections inherit it on Linux): relayed SSE
-    events are small writes that would otherwise wait for the client's delayed ACK (~40 ms) on a
-    reused connection. Same reasoning as ``entrypoints.http_server.set_nodelay``."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="[%(asctime)s router] %(levelname)s %(name)s: %(message)s")
