@@ -3,7 +3,8 @@ pays: interactive requests while long prompts keep arriving. One run, side by si
 
     python benchmark/compare_pd.py --model-path tiny-deepseek --out-dir benchmark/results/compare_pd
 
-1. A colocated ``pdserve serve`` pinned to all the cores (as many torch threads as cores).
+1. A colocated ``pdserve serve`` pinned to all the cores, at its default flags (its scheduler takes
+   every core but one, leaving one to the frontend; ``--colocated-num-threads`` overrides).
 2. ``pdserve up``: one prefill and one decode server, each pinned to its half of the cores, a
    router in front.
 Against each, ``pdserve bench --dataset-name mixed`` with the same seed (same prompts, same
@@ -33,14 +34,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="tiny-deepseek")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-prompts", type=int, default=80, help="interactive + background requests")
+    p.add_argument("--num-prompts", type=int, default=120, help="interactive + background requests")
     p.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests per second")
     p.add_argument("--interactive-input-len", type=int, default=128)
-    p.add_argument("--interactive-output-len", type=int, default=64)
-    p.add_argument("--background-rate", type=float, default=0.4, help="long prompts per second")
-    p.add_argument("--background-input-len", type=int, default=2048)
+    p.add_argument("--interactive-output-len", type=int, default=128)
+    p.add_argument("--background-rate", type=float, default=2.0, help="long prompts per second")
+    p.add_argument("--background-input-len", type=int, default=512)
     p.add_argument("--background-output-len", type=int, default=8)
-    p.add_argument("--slo", default="ttft:3000,tpot:150", help="goodput SLO (ms), pdserve bench's format")
+    p.add_argument("--slo", default="ttft:2000,tpot:100", help="goodput SLO (ms), pdserve bench's format")
+    p.add_argument("--colocated-num-threads", type=int, default=None,
+                   help="torch threads of the colocated scheduler (default: the server's own default, "
+                        "every core but one; 1P1D's servers get one thread per core of their share)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="benchmark/results/compare_pd")
     return p.parse_args(argv)
@@ -101,7 +105,8 @@ def bench(a: argparse.Namespace, url: str, label: str, out: Path) -> dict:
 def run_colocated(a: argparse.Namespace, cores: list[int], out: Path) -> dict:
     port = _free_port()
     proc = _start(["serve", "--model-path", a.model_path, "--port", str(port), "--page-size", str(a.page_size),
-                   "--num-threads", str(len(cores)), "--log-level", "error"], cores)
+                   *(["--num-threads", str(a.colocated_num_threads)] if a.colocated_num_threads else []),
+                   "--log-level", "error"], cores)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc)
         return bench(a, f"http://127.0.0.1:{port}", "colocated", out)
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
           f"(ratio {r['p99_itl_1p1d_over_colocated']:.2f}, target <= 0.5; interactive stream "
           f"{r['interactive_p99_itl_1p1d_over_colocated']:.2f})")
     print(f"goodput: colocated {colo['request_goodput']:.2f} req/s, 1P1D {pd['request_goodput']:.2f} req/s "
-          f"(ratio {r['goodput_1p1d_over_colocated']}, target >= 1); mean TTFT ratio "
+          f"(ratio {r['goodput_1p1d_over_colocated']:.2f}, target >= 1); mean TTFT ratio "
           f"{r['mean_ttft_1p1d_over_colocated']:.2f}")
     print(f"wrote {out_dir / 'compare_pd.json'} and {out_dir / 'compare_pd.png'} in {summary['wall_s']:.0f} s")
     return 0

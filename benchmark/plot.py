@@ -21,6 +21,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from pdserve.bench.planner import offered_rate
+
 LATENCIES = (("TTFT", "ttfts"), ("ITL", "itls"), ("E2E latency", "e2e_latencies"))
 SWEEP_PANELS = (("Output throughput (tok/s)", "output_throughput"), ("Goodput (req/s)", "request_goodput"),
                 ("P99 TTFT (ms)", "p99_ttft_ms"), ("P99 ITL (ms)", "p99_itl_ms"),
@@ -46,7 +48,10 @@ def load_results(paths: list[str]) -> list[dict]:
 
 
 def label(r: dict) -> str:
-    return f"{r.get('label') or r['backend'] + ' ' + r['dataset_name']} @ {r['request_rate']} req/s"
+    """The run's label (or backend and dataset) and the rate it offered: both streams of ``mixed``."""
+    rate = offered_rate({**r, **(r.get("args") or {})})
+    name = r.get("label") or f"{r['backend']} {r['dataset_name']}"
+    return f"{name} @ {'inf' if rate is None else f'{rate:g}'} req/s"
 
 
 def cdf(values: list[float]) -> tuple[list[float], list[float]]:

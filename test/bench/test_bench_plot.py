@@ -39,6 +39,15 @@ def test_cdf_and_latencies(plot):
     assert lat["ITL"] == pytest.approx([10.0, 20.0])  # the failed request contributes nothing
 
 
+def test_label_names_the_offered_rate(plot):
+    assert plot.label(result(2.0, 0.1, "a")) == "a @ 2 req/s"
+    assert plot.label(result(float("inf"), 0.1)) == "pdserve random @ inf req/s"
+    mixed = {**result(float("inf"), 0.1, "pd"), "dataset_name": "mixed"}
+    mixed["args"] = {**mixed["args"], "dataset_name": "mixed", "mixed_interactive_rate": 2.0,
+                     "mixed_background_rate": 0.5}
+    assert plot.label(mixed) == "pd @ 2.5 req/s"  # both streams, not the unused --request-rate
+
+
 def test_sweep_series_sorted_by_rate_per_label(plot):
     runs = [result(4.0, 0.4, "a"), result(1.0, 0.1, "a"), result(2.0, 0.2, "a"), result(float("inf"), 9, "a"),
             result(1.0, 0.3, "b", slo={"ttft": 200})]

@@ -13,7 +13,6 @@ import json
 import socket
 
 import httpx
-import pytest
 import uvicorn
 
 from pdserve.entrypoints import http_server, listen
