@@ -193,7 +193,11 @@ def test_chat_logprobs_top_logprobs_n_and_stream(client, model):
     r = client.chat.completions.create(n=2, **kw)
     assert len(r.choices) == 2 and r.usage.prompt_tokens_details.cached_tokens == 2 * (len(ids) - 1)
     content = r.choices[0].logprobs.content
-    assert r.choices[1].logprobs.content == content  # greedy samples agree
+    # Greedy samples agree: same tokens; logprobs within TOL, not bit-equal, since the two copies
+    # may reach the scheduler in different steps and so run in batches of different shapes.
+    other = r.choices[1].logprobs.content
+    assert [e.token for e in other] == [e.token for e in content]
+    assert [e.logprob for e in other] == pytest.approx([e.logprob for e in content], abs=TOL)
     assert len(content) == 5
     ref_first = hf_logprobs(hf, ids)[-1]
     assert content[0].logprob == pytest.approx(float(ref_first.max()), abs=TOL)
