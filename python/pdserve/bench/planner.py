@@ -200,7 +200,30 @@ class PrefillWorker:
             self._start()
 
 
-class DecodeWorker:
+class DecodeInbox:
+    """How work reaches a simulated decode instance: prompts to prefill locally (conditional
+    disaggregation) and requests whose KV arrived. Subclasses say what a kick does."""
+
+    def __init__(self, loop: EventLoop, hw: Hardware):
+        self.loop, self.hw = loop, hw
+        self.local: deque[SimRequest] = deque()  # prompts to prefill here
+        self.joining: deque[SimRequest] = deque()  # KV arrived, waiting for a step boundary
+        self.assigned = 0  # unfinished requests routed here (the router's load)
+        self.busy = False
+
+    def add_local(self, r: SimRequest) -> None:
+        self.local.append(r)
+        self._kick()
+
+    def add_kv(self, r: SimRequest) -> None:
+        self.joining.append(r)
+        self._kick()
+
+    def _kick(self) -> None:
+        raise NotImplementedError
+
+
+class DecodeWorker(DecodeInbox):
     """A running batch stepping back to back; local prefills (prefill priority) stall it.
 
     Steps are simulated in runs: while the batch does not change, the steps up to
@@ -212,25 +235,13 @@ class DecodeWorker:
     """
 
     def __init__(self, loop: EventLoop, hw: Hardware):
-        self.loop, self.hw = loop, hw
-        self.local: deque[SimRequest] = deque()  # prompts to prefill here
-        self.joining: deque[SimRequest] = deque()  # KV arrived, waiting for a step boundary
+        super().__init__(loop, hw)
         self.running: set[SimRequest] = set()
         self.finishing: list = []
         self.fresh: list[SimRequest] = []
         self.steps = 0  # decode steps done
-        self.assigned = 0  # unfinished requests routed here (the router's load)
-        self.busy = False
         self.run: tuple[float, float, int, int] | None = None  # (start, step time, steps, steps before)
         self.version = 0  # bumps when the scheduled end of a run changes
-
-    def add_local(self, r: SimRequest) -> None:
-        self.local.append(r)
-        self._kick()
-
-    def add_kv(self, r: SimRequest) -> None:
-        self.joining.append(r)
-        self._kick()
 
     def _kick(self) -> None:
         if not self.busy:
@@ -303,26 +314,14 @@ class DecodeWorker:
         self.assigned -= 1
 
 
-class StepDecodeWorker:
+class StepDecodeWorker(DecodeInbox):
     """The slow twin of DecodeWorker: one event per step, every request counted per token.
     Same contract and same results (tests compare them); kept because it is obviously right."""
 
     def __init__(self, loop: EventLoop, hw: Hardware):
-        self.loop, self.hw = loop, hw
-        self.local: deque[SimRequest] = deque()
-        self.joining: deque[SimRequest] = deque()
+        super().__init__(loop, hw)
         self.running: list[SimRequest] = []
         self.left: dict[SimRequest, int] = {}  # tokens still to come
-        self.assigned = 0
-        self.busy = False
-
-    def add_local(self, r: SimRequest) -> None:
-        self.local.append(r)
-        self._kick()
-
-    def add_kv(self, r: SimRequest) -> None:
-        self.joining.append(r)
-        self._kick()
 
     def _kick(self) -> None:
         if not self.busy:

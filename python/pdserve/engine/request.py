@@ -133,6 +133,16 @@ def check_request(input_ids: list[int], max_new_tokens: int, limits: RequestLimi
                          f"({limits.max_total_tokens} tokens)")
 
 
+def check_scheduler_request(input_ids: list[int], sampling: SamplingParams, limits: RequestLimits) -> None:
+    """What a scheduler (or the Engine's client of its ranks) checks before queueing a request:
+    the sampling values, one sequence per request, and ``check_request``."""
+    sampling.validate(limits.vocab_size)
+    if sampling.n != 1:
+        raise ValueError("sampling_params.n: the scheduler runs one sequence per request; "
+                         "submit n requests (the frontends do)")
+    check_request(input_ids, sampling.max_new_tokens, limits, max_tokens_field="sampling_params.max_new_tokens")
+
+
 class ReqState(enum.Enum):
     WAITING = "waiting"  # queued for prefill (new, or retracted and re-queued)
     WAITING_FOR_KV = "waiting_for_kv"  # disaggregated decode: pages reserved, KV in flight

@@ -24,7 +24,7 @@ from pdserve.engine.request import (
     ReqState,
     RequestLimits,
     SamplingParams,
-    check_request,
+    check_scheduler_request,
     finish_abort,
     finish_length,
     finish_stop,
@@ -91,12 +91,7 @@ class Scheduler:
 
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
-        sampling.validate(self.model_config.vocab_size)
-        if sampling.n != 1:
-            raise ValueError("sampling_params.n: the scheduler runs one sequence per request; "
-                             "submit n requests (the frontends do)")
-        check_request(input_ids, sampling.max_new_tokens, self.limits,
-                      max_tokens_field="sampling_params.max_new_tokens")
+        check_scheduler_request(input_ids, sampling, self.limits)
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
                     return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,

@@ -32,7 +32,7 @@ from pdserve.engine.io_struct import (
     TokenOutput,
 )
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp
-from pdserve.engine.request import RequestLimits, SamplingParams, check_request
+from pdserve.engine.request import RequestLimits, SamplingParams, check_scheduler_request
 from pdserve.engine.scheduler_process import RankProcesses, SchedulerEndpoints, bind_address
 
 STARTUP_TIMEOUT_S = 600.0
@@ -73,12 +73,7 @@ class RankClient:
     # -------------------------------------------------------------- Scheduler API
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """What Scheduler.validate checks, against the limits the ranks reported."""
-        sampling.validate(self.model_config.vocab_size)
-        if sampling.n != 1:
-            raise ValueError("sampling_params.n: the scheduler runs one sequence per request; "
-                             "submit n requests (the frontends do)")
-        check_request(input_ids, sampling.max_new_tokens, self.limits,
-                      max_tokens_field="sampling_params.max_new_tokens")
+        check_scheduler_request(input_ids, sampling, self.limits)
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                     logprob_start_len: int = -1, top_logprobs_num: int = 0) -> None:
