@@ -25,16 +25,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -45,6 +42,9 @@ from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.disagg.transfer import MooncakeTransferBackend, merge_contiguous
 from pdserve.distributed.parallel_state import ParallelState
 from pdserve.engine.model_runner import create_kv_pool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import servers  # noqa: E402  (benchmark/servers.py, beside this script)
 
 PRESETS = ("tiny-llama", "tiny-deepseek", "tiny-qwen3-moe")
 POLL_S = 0.0002
@@ -212,38 +212,6 @@ def part1(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
 
 
 # ------------------------------------------------------------------ part 2
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def _wait_healthy(url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} not healthy after {timeout} s")
-
-
 def ttft(url: str, ids: list[int]) -> float:
     """Seconds from sending a streamed /generate to its first token."""
     body = json.dumps({"input_ids": ids, "stream": True,
@@ -260,19 +228,19 @@ def ttft(url: str, ids: list[int]) -> float:
 def part2(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
     common = ["--model-path", model, "--page-size", str(a.page_size), "--num-threads", str(a.num_threads),
               "--log-level", "error"]
-    ports = {k: _free_port() for k in ("colo", "prefill", "boot", "decode", "router")}
+    ports = {k: servers.free_port() for k in ("colo", "prefill", "boot", "decode", "router")}
     url = {k: f"http://127.0.0.1:{ports[k]}" for k in ports}
-    procs = [Proc(["serve", *common, "--port", str(ports["colo"]), "--tp-size", str(src_tp)]),
-             Proc(["serve", *common, "--port", str(ports["prefill"]), "--disaggregation-mode", "prefill",
+    procs = [servers.start(["serve", *common, "--port", str(ports["colo"]), "--tp-size", str(src_tp)]),
+             servers.start(["serve", *common, "--port", str(ports["prefill"]), "--disaggregation-mode", "prefill",
                    "--disaggregation-bootstrap-port", str(ports["boot"]), "--tp-size", str(src_tp)]),
-             Proc(["serve", *common, "--port", str(ports["decode"]), "--disaggregation-mode", "decode",
+             servers.start(["serve", *common, "--port", str(ports["decode"]), "--disaggregation-mode", "decode",
                    "--tp-size", str(dst_tp)])]
     try:
-        for k in ("colo", "prefill", "decode"):
-            _wait_healthy(url[k])
-        procs.append(Proc(["router", "--port", str(ports["router"]), "--prefill", url["prefill"], str(ports["boot"]),
-                           "--decode", url["decode"], "--log-level", "error"]))
-        _wait_healthy(url["router"])
+        for i, k in enumerate(("colo", "prefill", "decode")):
+            servers.wait_healthy(url[k], procs[i])
+        procs.append(servers.start(["router", "--port", str(ports["router"]), "--prefill", url["prefill"],
+                                    str(ports["boot"]), "--decode", url["decode"], "--log-level", "error"]))
+        servers.wait_healthy(url["router"], procs[-1])
         rng = random.Random(0)
         prompt = lambda: [rng.randrange(16, 1500) for _ in range(a.prompt_len)]  # noqa: E731
         ttft(url["colo"], prompt()), ttft(url["router"], prompt())  # warm-up
@@ -284,7 +252,7 @@ def part2(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
                 "pd_over_colocated_ttft": statistics.median(pd) / statistics.median(colo)}
     finally:
         for p in reversed(procs):
-            p.stop()
+            servers.stop(p)
 
 
 def main(argv=None) -> int:

@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plot  # noqa: E402  (benchmark/plot.py, beside this script)
+import servers  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,43 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.25)
-    raise RuntimeError(f"{url} not healthy after {timeout} s")
-
-
-def _start(args: list[str], cores: list[int] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 def bench(a: argparse.Namespace, url: str, label: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "pdserve.bench_serving", "--base-url", url, "--backend", "pdserve",
            "--dataset-name", "mixed", "--num-prompts", str(a.num_prompts), "--tokenize-prompt",
@@ -103,26 +64,27 @@ def bench(a: argparse.Namespace, url: str, label: str, out: Path) -> dict:
 
 
 def run_colocated(a: argparse.Namespace, cores: list[int], out: Path) -> dict:
-    port = _free_port()
-    proc = _start(["serve", "--model-path", a.model_path, "--port", str(port), "--page-size", str(a.page_size),
-                   *(["--num-threads", str(a.colocated_num_threads)] if a.colocated_num_threads else []),
-                   "--log-level", "error"], cores)
+    port = servers.free_port()
+    proc = servers.start(["serve", "--model-path", a.model_path, "--port", str(port), "--page-size", str(a.page_size),
+                          *(["--num-threads", str(a.colocated_num_threads)] if a.colocated_num_threads else []),
+                          "--log-level", "error"], cores)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        servers.wait_healthy(f"http://127.0.0.1:{port}", proc)
         return bench(a, f"http://127.0.0.1:{port}", "colocated", out)
     finally:
-        _stop(proc)
+        servers.stop(proc)
 
 
 def run_pd(a: argparse.Namespace, out: Path) -> dict:
-    port = _free_port()
-    proc = _start(["up", "--model-path", a.model_path, "--port", str(port), "--bootstrap-port", str(_free_port()),
-                   "--page-size", str(a.page_size), "--log-level", "error"])
+    port = servers.free_port()
+    proc = servers.start(["up", "--model-path", a.model_path, "--port", str(port),
+                          "--bootstrap-port", str(servers.free_port()), "--page-size", str(a.page_size),
+                          "--log-level", "error"])
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        servers.wait_healthy(f"http://127.0.0.1:{port}", proc)
         return bench(a, f"http://127.0.0.1:{port}", "1P1D", out)
     finally:
-        _stop(proc)
+        servers.stop(proc)
 
 
 def ratios(colo: dict, pd: dict) -> dict:
