@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from entrypoints.server_utils import Server, alive, descendants, free_port, port_is_free, reapable
+from entrypoints.server_utils import Server, assert_gone, descendants, free_port, port_is_free, reapable
 from fixtures.parallel_runs import ENGINE_ARGS, mixed_requests, single_rank_answers
 
 SHUTDOWN_BUDGET_S = 10.0
@@ -77,14 +77,6 @@ def _stream_long(url: str, result: dict, started: threading.Event) -> None:
         started.set()
 
 
-def _assert_gone(server: Server, pids: list[int]) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], f"left behind: {pids}\n{server.output()}"
-    assert port_is_free(server.port), f"port {server.port} still bound\n{server.output()}"
-
-
 def test_sigterm_stops_every_rank():
     server = Server("--tp-size", "2", "--max-total-tokens", "4096", model="tiny-llama").start()
     try:
@@ -103,7 +95,7 @@ def test_sigterm_stops_every_rank():
         client.join(10)
         assert result["events"][-1] == "[DONE]", result
         assert json.loads(result["events"][-2])["meta_info"]["finish_reason"]["type"] == "abort"
-        _assert_gone(server, [server.proc.pid, *children])
+        assert_gone(server, [server.proc.pid, *children])
     finally:
         server.stop()
 
@@ -115,7 +107,7 @@ def test_killed_frontend_takes_every_rank_with_it():
         ranks = server.info()["scheduler_pids"]
         os.kill(server.proc.pid, signal.SIGKILL)
         server.wait(10)
-        _assert_gone(server, ranks)
+        assert_gone(server, ranks)
     finally:
         server.stop()
 
@@ -155,7 +147,7 @@ def test_killed_rank_fails_health_and_exits_nonzero():
         rc = server.wait(15)
         assert rc not in (0, None), server.output()
         assert "rank" in server.output()
-        _assert_gone(server, [server.proc.pid, leader, *children])
+        assert_gone(server, [server.proc.pid, leader, *children])
     finally:
         server.stop()
 
@@ -182,7 +174,7 @@ def test_rank_startup_failure_exits_nonzero(tmp_path):
             time.sleep(0.1)
         assert s.wait(5) == 1, s.output()
         assert "scheduler failed to start: rank" in s.output() and "checkpoint is missing" in s.output()
-        _assert_gone(s, sorted(seen))
+        assert_gone(s, sorted(seen))
     finally:
         s.stop()
 

@@ -83,6 +83,15 @@ def alive(pid: int) -> bool:
     return state[state.rindex(")") + 2] != "Z"
 
 
+def assert_gone(server: Server, pids: list[int]) -> None:
+    """Every pid in ``pids`` has exited (within 5 s) and the server's port is free again."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], f"left behind: {pids}\n{server.output()}"
+    assert port_is_free(server.port), f"port {server.port} still bound\n{server.output()}"
+
+
 class Server:
     """A ``python -m pdserve serve`` subprocess; ``url`` once ``start()`` returns."""
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import pdserve
-from server_utils import Server, alive, descendants, port_is_free, reapable
+from server_utils import Server, assert_gone, descendants, reapable
 
 SHUTDOWN_BUDGET_S = 10.0
 
@@ -101,14 +101,6 @@ def _assert_stream_aborted(result: dict) -> None:
     assert last["meta_info"]["finish_reason"]["type"] == "abort", last
 
 
-def _assert_gone(server: Server, pids: list[int]) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], f"left behind: {pids}\n{server.output()}"
-    assert port_is_free(server.port), f"port {server.port} still bound\n{server.output()}"
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_everything(roomy_server, sig):
     """A signal while requests are in flight, one of them a long prefill: the server exits 0
@@ -138,7 +130,7 @@ def test_signal_stops_everything(roomy_server, sig):
     assert rc == 0, server.output()
     for t in clients:
         t.join(10)
-    _assert_gone(server, [server.proc.pid, *children])
+    assert_gone(server, [server.proc.pid, *children])
     _assert_stream_aborted(decoding)
     _assert_503_json(plain)
     if prefilling.get("status") == 200:
@@ -205,7 +197,7 @@ def test_scheduler_crash_fails_health_and_exits_nonzero(server):
     rc = server.wait(15)
     assert rc not in (0, None), server.output()
     assert "scheduler" in server.output()
-    _assert_gone(server, [server.proc.pid, *children])
+    assert_gone(server, [server.proc.pid, *children])
 
 
 def test_scheduler_startup_failure_exits_nonzero(tmp_path):
@@ -228,7 +220,7 @@ def test_scheduler_startup_failure_exits_nonzero(tmp_path):
             time.sleep(0.1)
         assert s.wait(5) == 1
         assert "scheduler failed to start" in s.output()
-        _assert_gone(s, children)
+        assert_gone(s, children)
     finally:
         s.stop()
 

@@ -484,31 +484,27 @@ def build_parser() -> argparse.ArgumentParser:
                                      "built around prefill/decode disaggregation.")
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    serve = sub.add_parser("serve", help="launch an HTTP server (frontend + scheduler process)",
-                           description="Launch an HTTP server: OpenAI and SGLang-native APIs.")
-    add_server_args(serve)
-    serve.set_defaults(handler=cmd_serve, subparser=serve)
-    router = sub.add_parser("router", help="launch a P/D router in front of prefill and decode servers",
-                            description="Send each request to a prefill and a decode server at once "
-                            "(bootstrap_host/port/room added) and return the decode server's answer.")
-    add_router_args(router)
-    router.set_defaults(handler=cmd_router, subparser=router)
-    up = sub.add_parser("up", help="launch a whole P/D deployment here: prefill + decode servers and a router",
-                        description="Start prefill and decode servers (cores split between them) and a "
-                                    "router in front; Ctrl-C stops everything.")
-    add_up_args(up)
-    up.set_defaults(handler=cmd_up, subparser=up)
-    bench = sub.add_parser("bench", help="benchmark a running server (TTFT, TPOT, ITL, throughput, goodput)",
-                           description="Streaming serving benchmark for pdserve, SGLang and OpenAI-compatible "
-                           "servers; metrics as sglang.bench_serving and vllm bench serve compute them.")
-    add_bench_args(bench)
-    bench.set_defaults(handler=cmd_bench, subparser=bench)
-    plan = sub.add_parser("plan", help="recommend prefill:decode instance counts by simulating a workload",
-                          description="P:D ratio planner: simulates prefill queues, decode batches and KV "
-                          "transfer from measured profiles, and recommends the deployment with the most goodput "
-                          "per instance that meets the SLOs (or colocation).")
-    add_plan_args(plan)
-    plan.set_defaults(handler=cmd_plan, subparser=plan)
+    commands = (
+        ("serve", add_server_args, cmd_serve, "launch an HTTP server (frontend + scheduler process)",
+         "Launch an HTTP server: OpenAI and SGLang-native APIs."),
+        ("router", add_router_args, cmd_router, "launch a P/D router in front of prefill and decode servers",
+         "Send each request to a prefill and a decode server at once (bootstrap_host/port/room added) and "
+         "return the decode server's answer."),
+        ("up", add_up_args, cmd_up, "launch a whole P/D deployment here: prefill + decode servers and a router",
+         "Start prefill and decode servers (cores split between them) and a router in front; Ctrl-C stops "
+         "everything."),
+        ("bench", add_bench_args, cmd_bench, "benchmark a running server (TTFT, TPOT, ITL, throughput, goodput)",
+         "Streaming serving benchmark for pdserve, SGLang and OpenAI-compatible servers; metrics as "
+         "sglang.bench_serving and vllm bench serve compute them."),
+        ("plan", add_plan_args, cmd_plan, "recommend prefill:decode instance counts by simulating a workload",
+         "P:D ratio planner: simulates prefill queues, decode batches and KV transfer from measured profiles, "
+         "and recommends the deployment with the most goodput per instance that meets the SLOs (or "
+         "colocation)."),
+    )
+    for name, add_args, handler, help_text, description in commands:
+        cmd = sub.add_parser(name, help=help_text, description=description)
+        add_args(cmd)
+        cmd.set_defaults(handler=handler, subparser=cmd)
     return parser
 
 
