@@ -402,9 +402,6 @@ class RankSchedulerLoop:
     def _stop(self, _msg: ShutdownReq) -> None:
         self.stopped = True
 
-    def _per_dp(self, every: list) -> list:
-        return [every[self.layout.dp_leader_rank(d)] for d in range(self.layout.dp_size)]
-
     def _reply(self, make) -> None:
         if self.layout.is_leader:
             self.outbox.send_pyobj(make())

@@ -56,10 +56,6 @@ class LogprobData:
         if logprobs is not None:
             self.input_logprobs, self.input_top = logprobs, top
 
-    @property
-    def cumulative_logprob(self) -> float:
-        return sum(self.output_logprobs)
-
 
 # ------------------------------------------------------------------ SGLang
 def sglang_meta(data: LogprobData, prompt_ids: list[int], texts: TokenTexts | None, top_k: int) -> dict:
