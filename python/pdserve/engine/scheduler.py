@@ -199,6 +199,7 @@ class Scheduler:
         candidates += policy.order_waiting(self.waiting, self.config.schedule_policy, self._match_len)
         reqs, lens = [], []
         self.chunked = None
+        running_growth = [self._growth(r) for r in self.running]  # the same for every candidate
         for req in candidates:
             fresh = req.state is ReqState.WAITING
             if fresh and not self._admit(req, len(reqs)):
@@ -206,7 +207,8 @@ class Scheduler:
             remaining = len(req.fill_ids) - req.kv_len
             n = policy.chunk_len(remaining, budget, req.kv_len, self.page_size)
             need = policy.pages_needed(req.kv_len + n, len(req.pages), self.page_size)
-            pages = self._reserve_pages(need, headroom=self._headroom(req, n, fresh, reqs, lens)) if n else None
+            headroom = self._headroom(running_growth, req, n, fresh, reqs, lens) if n else 0
+            pages = self._reserve_pages(need, headroom=headroom) if n else None
             if pages is None:
                 if fresh:
                     self._unadmit(req)
@@ -228,11 +230,13 @@ class Scheduler:
                 break
         return (reqs, lens) if reqs else None
 
-    def _headroom(self, req: Req, n: int, fresh: bool, batch: list[Req], lens: list[int]) -> int:
+    def _headroom(self, running_growth: list[policy.Growth], req: Req, n: int, fresh: bool, batch: list[Req],
+                  lens: list[int]) -> int:
         """Pages to keep free besides ``req``'s next ``n`` prompt tokens: the expected decode growth
-        of the running requests and, when admitting ``req``, of this batch and of ``req`` itself.
-        A lone request is admitted on its prompt alone (else one too long could never start)."""
-        growth = [self._growth(r) for r in self.running]
+        of the running requests (``running_growth``) and, when admitting ``req``, of this batch and
+        of ``req`` itself. A lone request is admitted on its prompt alone (else one too long could
+        never start)."""
+        growth = list(running_growth)
         if fresh and (self.running or batch):
             growth += [self._growth(r, m) for r, m in zip(batch, lens)] + [self._growth(req, n)]
         return policy.reserved_pages(growth, self.new_token_ratio.value, self.page_size)
