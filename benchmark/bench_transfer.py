@@ -142,7 +142,7 @@ def time_pdserve(p: Pools, tokens: int, room: int) -> float:
     """The prefill ranks' path: open the room, stage every page, post layer by layer, aux, drain."""
     (_, src_layout, src_te, src_aux), (dst_pools, dst_layout, dst_te, dst_aux) = p.src, p.dst
     senders = [KVSender(te, src_layout, s, p.bases(p.src, s), src_aux[s]) for s, te in enumerate(src_te)]
-    kvs = {d: KVRequest(room, "bench", d, te.session_id, [b.base_addr for b in dst_pools[d].buffer_descriptors()],
+    kvs = {d: KVRequest(room, 1, "bench", d, te.session_id, [b.base_addr for b in dst_pools[d].buffer_descriptors()],
                         dst_layout, p.pages, 0, tokens - 1, dst_aux[d].data_ptr(), p.hidden * 4, "tcp://unused:1")
            for d, te in enumerate(dst_te)}
     t0 = time.perf_counter()

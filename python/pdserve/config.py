@@ -363,8 +363,25 @@ class CompileConfig:
 
 
 DISAGG_MODES = ("null", "prefill", "decode")
+AUTH_TOKEN_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
 TRANSFER_BACKENDS = ("mooncake",)
 FALLBACK_POLICIES = ("local", "error")
+
+
+def resolve_token(token: str | None, token_file: str | None, env: dict | None = None) -> str | None:
+    """The P/D shared token: the flag, else the file's first line, else ``AUTH_TOKEN_ENV``."""
+    if token:
+        return token
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                value = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"disaggregation_auth_token_file: cannot read {token_file}: {e.strerror}") from None
+        if not value:
+            raise ValueError(f"disaggregation_auth_token_file: {token_file} is empty")
+        return value
+    return (os.environ if env is None else env).get(AUTH_TOKEN_ENV, "").strip() or None
 
 
 @dataclass(frozen=True)
@@ -379,6 +396,10 @@ class DisaggConfig:
     heartbeat_s: float = 1.0  # decode probes each prefill peer it waits on this often
     fallback: str = "local"  # decode, when a transfer fails: prefill locally, or fail the request
     min_prefill_tokens: int = 0  # decode prefills locally when it would receive fewer tokens
+    # Shared by every server of a deployment: HMACs on bootstrap requests and control frames
+    # (disagg/auth.py). None: loopback peers only, unless allow_unauthenticated.
+    auth_token: str | None = field(default=None, repr=False)
+    allow_unauthenticated: bool = False
 
     def __post_init__(self):
         if self.mode not in DISAGG_MODES:
@@ -445,6 +466,9 @@ class ServerArgs:
     disaggregation_heartbeat_s: float = 1.0
     disaggregation_fallback: str = "local"
     disaggregation_min_prefill_tokens: int = 0
+    disaggregation_auth_token: str | None = field(default=None, repr=False)
+    disaggregation_auth_token_file: str | None = None
+    disaggregation_allow_unauthenticated: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -504,7 +528,9 @@ class ServerArgs:
         return DisaggConfig(self.disaggregation_mode, self.disaggregation_transfer_backend,
                             self.disaggregation_bootstrap_port, self.disaggregation_ib_device,
                             self.disaggregation_timeout_s, self.disaggregation_heartbeat_s,
-                            self.disaggregation_fallback, self.disaggregation_min_prefill_tokens)
+                            self.disaggregation_fallback, self.disaggregation_min_prefill_tokens,
+                            resolve_token(self.disaggregation_auth_token, self.disaggregation_auth_token_file),
+                            self.disaggregation_allow_unauthenticated)
 
     @property
     def model_name(self) -> str:
@@ -515,8 +541,9 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        if d.get("api_key"):
-            d["api_key"] = "***"
+        for secret in ("api_key", "disaggregation_auth_token"):
+            if d.get(secret):
+                d[secret] = "***"
         return d
 
 

@@ -8,10 +8,11 @@ import pytest
 
 from pdserve.disagg.layout import KVLayout
 from pdserve.disagg.protocol import (
+    MAX_DEPTH,
     PROTOCOL_VERSION,
+    BufferRange,
+    DecodeRecord,
     DropRoom,
-    Heartbeat,
-    HeartbeatAck,
     KVAbort,
     KVAbortAck,
     KVCompletion,
@@ -25,21 +26,30 @@ LAYOUT = KVLayout("gqa", 2, 8, 16, "bfloat16", 4, 100, 4 * 16 * 256, 100 * 4 * 1
 
 
 def kv_request(**kw) -> KVRequest:
-    fields = dict(room=2**63 + 5, decode_id="decode-0", decode_rank=3, session="127.0.0.1:15000",
+    fields = dict(room=2**63 + 5, nonce=77, decode_id="decode-0", decode_rank=3, session="127.0.0.1:15000",
                   buffers=[0x7F0000000000, 0x7F1000000000], layout=LAYOUT, dst_pages=[5, 6, 9],
                   start_pos=32, num_tokens=40, aux_addr=0x7F2000000000, aux_bytes=256,
                   reply_to="tcp://127.0.0.1:5555")
     return KVRequest(**{**fields, **kw})
 
 
+def decode_record(**kw) -> DecodeRecord:
+    fields = dict(decode_id="decode-0", decode_rank=3, session="127.0.0.1:15000",
+                  buffers=[BufferRange(0x7F0000000000, LAYOUT.layer_stride * 4),
+                           BufferRange(0x7F1000000000, LAYOUT.layer_stride * 4)],
+                  layout=LAYOUT, aux=BufferRange(0x7F2000000000, 256 * 8), aux_row_bytes=256,
+                  reply_to="tcp://127.0.0.1:5555")
+    return DecodeRecord(**{**fields, **kw})
+
+
 MESSAGES = [
     kv_request(),
-    KVCompletion(room=1, src_rank=0, dst_rank=2, writes=24, status="ok"),
-    KVCompletion(room=1, src_rank=1, dst_rank=2, writes=0, status="failed", error="write to x failed"),
-    KVAbort(room=7, reason="client disconnected", side="decode"),
-    KVAbortAck(room=7, src_rank=1),
-    Heartbeat(server_id="decode-0", time=1234.5),
-    HeartbeatAck(server_id="prefill-0", time=1234.5),
+    decode_record(),
+    KVCompletion(room=1, nonce=9, src_rank=0, dst_rank=2, writes=24, status="ok"),
+    KVCompletion(room=1, nonce=9, src_rank=1, dst_rank=2, writes=0, status="failed", error="write to x failed"),
+    KVAbort(room=7, reason="client disconnected", side="decode", sender="decode-0", nonce=9),
+    KVAbort(room=7, reason="never paired", side="decode", sender="decode-0"),
+    KVAbortAck(room=7, nonce=9, src_rank=1),
     DropRoom(room=0),
 ]
 
@@ -58,7 +68,7 @@ def envelope(msg) -> dict:
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda e: e.update(v=PROTOCOL_VERSION + 1), "v: unsupported protocol version 2"),
+    (lambda e: e.update(v=PROTOCOL_VERSION + 1), "v: unsupported protocol version 3"),
     (lambda e: e.update(type="KVRead"), "type: unknown message type 'KVRead'"),
     (lambda e: e.pop("body"), "malformed message"),
     (lambda e: e["body"].pop("room"), r"KVCompletion.room: missing field"),
@@ -70,7 +80,7 @@ def envelope(msg) -> dict:
     (lambda e: e["body"].update(room=-1), r"room: -1 is not an unsigned 64-bit value"),
 ])
 def test_completion_refusals_name_the_field(mutate, match):
-    env = envelope(KVCompletion(room=1, src_rank=0, dst_rank=0, writes=3, status="ok"))
+    env = envelope(KVCompletion(room=1, nonce=5, src_rank=0, dst_rank=0, writes=3, status="ok"))
     mutate(env)
     with pytest.raises(ProtocolError, match=match):
         decode(json.dumps(env).encode())
@@ -112,8 +122,8 @@ def test_nested_layout_is_checked():
     (b"\xff\xfe", "not JSON"),
     (b"{not json", "not JSON"),
     (b"[1, 2]", "malformed message"),
-    (b'{"v": 1, "type": 3, "body": {}}', "unknown message type 3"),
-    (b'{"v": 1, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
+    (b'{"v": 2, "type": 3, "body": {}}', "unknown message type 3"),
+    (b'{"v": 2, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
 ])
 def test_garbage_is_refused(data, match):
     with pytest.raises(ProtocolError, match=match):
@@ -122,6 +132,75 @@ def test_garbage_is_refused(data, match):
 
 def test_other_side_value_refused():
     with pytest.raises(ProtocolError, match="side: 'router' is not one of"):
-        KVAbort(room=1, reason="x", side="router")
+        KVAbort(room=1, reason="x", side="router", sender="r")
     with pytest.raises(ProtocolError, match="type: dict is not a protocol message"):
         encode({"room": 1})
+
+
+def completion_with(field: str, raw: str) -> bytes:
+    """A KVCompletion frame whose ``field`` is the literal JSON text ``raw``."""
+    env = envelope(KVCompletion(room=1, nonce=5, src_rank=0, dst_rank=0, writes=3, status="ok"))
+    env["body"][field] = "@@"
+    return json.dumps(env).replace('"@@"', raw).encode()
+
+
+@pytest.mark.parametrize("data,match", [
+    # Each of these ended a scheduler before (OverflowError, ValueError, RecursionError).
+    (completion_with("queue_s", "9" * 400), "a number of 400 digits"),
+    (completion_with("writes", "9" * 5000), "a number of 5000 digits"),
+    (completion_with("queue_s", "1e999"), "not a finite number"),
+    (completion_with("queue_s", "NaN"), "NaN is not a JSON number"),
+    (completion_with("writes", "18446744073709551616000"), "writes: 18446744073709551616000 is out of range"),
+    (completion_with("error", "[" * 100_000 + "]" * 100_000), f"nested 100002 deep \\(at most {MAX_DEPTH}\\)"),
+    (b"[" * 1_000_000, "nested 1000000 deep"),
+    (b'"' + b"\\" * 10 + b'"', "malformed message: expected an object"),
+    (b"\x00" * 64, "not JSON"),
+    (b"{" * 3 + b'"' * 7, "not JSON"),
+])
+def test_hostile_frames_are_refused_not_raised(data, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(data)
+
+
+def test_a_frame_over_the_size_bound_is_refused_before_parsing():
+    from pdserve.disagg.protocol import MAX_FRAME_BYTES
+    with pytest.raises(ProtocolError, match="bytes \\(at most"):
+        decode(b" " * (MAX_FRAME_BYTES + 1))
+
+
+@pytest.mark.parametrize("endpoint", ["not-an-endpoint", "tcp://", "tcp://host:0", "tcp://host:99999",
+                                      "tcp://*:5555", "ipc:///tmp/x", "tcp://h:1;x"])
+def test_reply_endpoints_must_be_tcp_host_port(endpoint):
+    with pytest.raises(ProtocolError, match="reply_to: .* is not an endpoint tcp://host:port"):
+        kv_request(reply_to=endpoint)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"session": "127.0.0.1:16000"}, "session: 127.0.0.1:16000 is not the published"),
+    ({"buffers": [0x7F0000000000, 0x7F1000001000]}, "buffers: differ"),
+    ({"layout": KVLayout("gqa", 2, 8, 16, "bfloat16", 4, 200, 4 * 16 * 256, 200 * 4 * 16 * 256, dp_size=2)},
+     "layout: differs"),
+    ({"reply_to": "tcp://127.0.0.1:6666"}, "reply_to: tcp://127.0.0.1:6666 is not the published"),
+    ({"aux_addr": 0x7F2000000000 + 256 * 8}, "aux_addr: .* is not a row of the published aux buffer"),
+    ({"aux_addr": 0x7F2000000000 + 100}, "aux_addr: .* is not a row"),
+    ({"aux_bytes": 512}, "aux_addr: .* is not a row"),
+])
+def test_a_kv_request_must_match_its_decode_record(change, match):
+    rec = decode_record()
+    rec.check_request(kv_request())  # the published destinations pass
+    with pytest.raises(ProtocolError, match=match):
+        rec.check_request(kv_request(**change))
+
+
+def test_decode_record_invariants():
+    with pytest.raises(ProtocolError, match="buffers: a range shorter than the layout"):
+        decode_record(buffers=[BufferRange(1, 10), BufferRange(2, 10)])
+    with pytest.raises(ProtocolError, match="aux_row_bytes: 300 does not divide"):
+        decode_record(aux_row_bytes=300)
+
+
+def test_nonces_are_required_and_bounded():
+    with pytest.raises(ProtocolError, match="nonce: 0 is not in"):
+        kv_request(nonce=0)
+    with pytest.raises(ProtocolError, match="nonce: .* is not in"):
+        KVAbortAck(room=1, nonce=2**63, src_rank=0)

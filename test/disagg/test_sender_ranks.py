@@ -81,7 +81,7 @@ def mla_fill(latent: torch.Tensor, pages: list[int]):
 
 def transfer(src: Side, dst: Side, room: int, hidden: torch.Tensor) -> list[KVSender]:
     """Every prefill rank's sender over one room, as the ranks run it; returns them drained."""
-    kvs = {d: KVRequest(room, "decode", d, be.session_id, [b.base_addr for b in dst.pools[d].buffer_descriptors()],
+    kvs = {d: KVRequest(room, 1, "decode", d, be.session_id, [b.base_addr for b in dst.pools[d].buffer_descriptors()],
                         dst.layout, DST_PAGES, 0, T - 1, dst.aux[d].data_ptr(), HIDDEN * 4, "tcp://127.0.0.1:1")
            for d, be in enumerate(dst.engines)}
     senders = [KVSender(be, src.layout, r, {b.name: b.base_addr for b in src.pools[r].buffer_descriptors()},

@@ -8,7 +8,8 @@ import threading
 import time
 
 from pdserve.disagg import protocol
-from pdserve.disagg.channel import ControlChannel, Mailbox, decode_frame
+from pdserve.disagg.auth import PeerAuth
+from pdserve.disagg.channel import ControlChannel, FrameGate, Mailbox
 from pdserve.disagg.protocol import DropRoom, KVAbortAck
 from pdserve.disagg.receiver import PeersDead
 from pdserve.engine.mode_io import DirectIO
@@ -33,7 +34,7 @@ def test_direct_io_reads_its_channel_and_mailbox_and_agrees_alone():
         for t in posters:
             t.start()
         sender.send(io.endpoint, DropRoom(7))
-        io.send_once(io.endpoint, KVAbortAck(7, 1))
+        io.send_once(io.endpoint, KVAbortAck(7, 3, 1))
         for t in posters:
             t.join()
         got = _recv(io, 10)
@@ -49,9 +50,11 @@ def test_direct_io_reads_its_channel_and_mailbox_and_agrees_alone():
 
 
 def test_a_malformed_frame_is_dropped_not_shared():
-    assert decode_frame(protocol.encode(DropRoom(3))) == DropRoom(3)
-    assert decode_frame(b"not json") is None
-    assert decode_frame(b'{"v": 99, "type": "DropRoom", "body": {"room": 1}}') is None
+    gate = FrameGate(PeerAuth(allow_unauthenticated=True))
+    assert gate.accept(protocol.encode(DropRoom(3))) == DropRoom(3)
+    assert gate.accept(b"not json") is None
+    assert gate.accept(b'{"v": 99, "type": "DropRoom", "body": {"room": 1}}') is None
+    assert gate.refused == {"malformed": 2}
 
 
 def test_a_closed_mailbox_drops_late_posts():

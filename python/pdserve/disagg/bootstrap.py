@@ -11,6 +11,11 @@ HTTP API (JSON bodies in the ``protocol.from_dict`` form of the records):
                                                     record: it restarted), or 409 on a layout clash
   GET /bootstrap          {"compat", "ranks", "complete", "missing"}
   GET /health             "ok"
+
+Every request but ``/health`` is checked by the server's ``PeerAuth`` (``disagg/auth.py``):
+signed with the shared token, else from a loopback peer; refused with 401 (403 for a
+non-loopback peer without a token) and counted in ``refused``. Bodies over ``MAX_BODY_BYTES``
+get a 413 before they are read.
 """
 
 from __future__ import annotations
@@ -22,21 +27,30 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from pdserve.disagg.auth import SIGNATURE_HEADER, AuthError, PeerAuth
 from pdserve.disagg.layout import KVLayout
-from pdserve.disagg.protocol import ProtocolError, from_dict
+from pdserve.disagg.protocol import ProtocolError, check_endpoint, from_dict, parse_json
 from pdserve.mem.kv_pool import BufferDescriptor
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998
+MAX_BODY_BYTES = 1 << 20  # a rank record with its buffers is a few hundred bytes
+REFUSED_GRACE_S = 1.0  # how long a refused connection is retried (a registry restarting its listener)
+MAX_SNAPSHOT_BYTES = 64 << 20  # a snapshot holds at most layout.MAX_RANKS records
 KV_LAYOUTS = ("gqa-hnd", "mla")
 
 
 class BootstrapError(RuntimeError):
     """The bootstrap exchange failed: unreachable, incomplete, refused or malformed."""
+
+
+class Unreachable(BootstrapError):
+    """Nothing listens at the registry's address (connections refused)."""
 
 
 class IncompatiblePeer(BootstrapError):
@@ -99,6 +113,7 @@ class RankRecord:
         names = tuple(b.name for b in self.buffers)
         if names != self.layout.buffers:
             raise ValueError(f"buffers: {names} where the layout has {self.layout.buffers}")
+        check_endpoint(self.control, "control")
 
 
 @dataclass(frozen=True)
@@ -160,19 +175,23 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's naming)
         if self.path == "/health":
             return self._reply(200, "ok")
+        if not self._allowed(b""):
+            return None
         if self.path == "/bootstrap":
             return self._reply(200, self.server.registry.snapshot())
-        return self._reply(404, {"error": f"no route {self.path}"})
+        return self._reply(404, {"error": f"no route {self.path[:100]}"})
 
     def do_PUT(self):  # noqa: N802
         routes = {"/bootstrap/compat": (CompatRecord, self.server.registry.put_compat),
                   "/bootstrap/rank": (RankRecord, self.server.registry.put_rank)}
+        body = self._body()
+        if body is None or not self._allowed(body):
+            return None
         if self.path not in routes:
-            return self._reply(404, {"error": f"no route {self.path}"})
+            return self._reply(404, {"error": f"no route {self.path[:100]}"})
         cls, put = routes[self.path]
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            put(from_dict(cls, body, cls.__name__))
+            put(from_dict(cls, parse_json(body, MAX_BODY_BYTES), cls.__name__))
         except ValueError as e:  # malformed JSON or record (ProtocolError is a ValueError)
             return self._reply(400, {"error": str(e), "kind": "malformed"})
         except IncompatiblePeer as e:
@@ -180,6 +199,32 @@ class _Handler(BaseHTTPRequestHandler):
         except BootstrapError as e:
             return self._reply(409, {"error": str(e), "kind": "conflict"})
         return self._reply(200, {"ok": True})
+
+    def _body(self) -> bytes | None:
+        """The request body, or None once a 4xx went out (too large, bad length)."""
+        length = self.headers.get("Content-Length", "0")
+        if not length.isdigit():
+            self._reply(400, {"error": "Content-Length: not a number", "kind": "malformed"})
+            return None
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True  # the unread body must not be parsed as a request
+            self._reply(413, {"error": f"body of {length} bytes (at most {MAX_BODY_BYTES})", "kind": "malformed"})
+            return None
+        return self.rfile.read(int(length))
+
+    def _allowed(self, body: bytes) -> bool:
+        try:
+            self.server.auth.verify(self.command, self.path, body, self.headers.get(SIGNATURE_HEADER),
+                                    self.client_address[0])
+            return True
+        except AuthError as e:
+            self.server.refused["auth"] += 1
+            logger.warning("bootstrap: refused %s %s from %s: %s", self.command, self.path[:100],
+                           self.client_address[0], e)
+            self.close_connection = True
+            code = 403 if self.server.auth.token is None else 401
+            self._reply(code, {"error": str(e), "kind": "unauthorized"})
+            return False
 
     def _reply(self, code: int, payload) -> None:
         data = json.dumps(payload).encode()
@@ -197,18 +242,25 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr, registry: BootstrapRegistry):
+    def __init__(self, addr, registry: BootstrapRegistry, auth: PeerAuth):
         super().__init__(addr, _Handler)
         self.registry = registry
+        self.auth = auth
+        self.refused: Counter[str] = Counter()
 
 
 class BootstrapServer:
     """The registry served over HTTP from a background thread. ``port=0`` picks a free port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_BOOTSTRAP_PORT):
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_BOOTSTRAP_PORT, auth: PeerAuth | None = None):
         self.registry = BootstrapRegistry()
-        self._server = _Server((host, port), self.registry)
+        self._server = _Server((host, port), self.registry, auth or PeerAuth())
         self._thread: threading.Thread | None = None
+
+    @property
+    def refused(self) -> Counter[str]:
+        """Requests refused by reason ("auth")."""
+        return self._server.refused
 
     @property
     def host(self) -> str:
@@ -250,21 +302,31 @@ class BootstrapClient:
     ``timeout_s``, then raises BootstrapError saying what it last saw.
     """
 
-    def __init__(self, request_timeout_s: float = 2.0, interval_s: float = 0.1):
+    def __init__(self, request_timeout_s: float = 2.0, interval_s: float = 0.1, auth: PeerAuth | None = None):
         self.request_timeout_s = request_timeout_s
         self.interval_s = interval_s
+        self.auth = auth or PeerAuth()
+        self.refused_grace_s = REFUSED_GRACE_S
 
     def fetch(self, host: str, port: int, timeout_s: float = 30.0) -> BootstrapInfo:
+        """The complete registry. Retries while it is incomplete or does not answer; gives up at
+        once when the server refuses (4xx) and after ``refused_grace_s`` when nothing listens on
+        the port (a dead prefill: decode falls back instead of waiting out ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
+        refused_until = time.monotonic() + self.refused_grace_s
         while True:
             status, why = self._call("GET", host, port, "/bootstrap")
-            if status == 200 and why["complete"]:
+            if status == 200 and isinstance(why, dict) and why.get("complete") is True:
                 return self._info(why, host, port)
-            if status == 200:
-                why = (f"{len(why['ranks'])} prefill ranks registered, missing ranks {why['missing']}"
-                       + ("" if why["compat"] else ", no compatibility record"))
+            if status == 200 and isinstance(why, dict):
+                why = (f"{len(why.get('ranks') or [])} prefill ranks registered, missing ranks "
+                       f"{str(why.get('missing'))[:200]}" + ("" if why.get("compat") else ", no compatibility record"))
             elif status is not None:
-                why = f"HTTP {status}: {why.get('error', why)}"
+                why = f"HTTP {status}: {str(why.get('error', why) if isinstance(why, dict) else why)[:300]}"
+                if 400 <= status < 500:
+                    raise BootstrapError(f"bootstrap {host}:{port} refused: {why}")
+            elif "refused" in str(why).lower() and time.monotonic() >= refused_until:
+                raise Unreachable(f"bootstrap {host}:{port}: {why}: nothing listens there")
             self._wait_or_fail(deadline, host, port, timeout_s, why)
 
     def register_compat(self, host: str, port: int, compat: CompatRecord, timeout_s: float = 30.0) -> None:
@@ -286,18 +348,20 @@ class BootstrapClient:
 
     def _call(self, method: str, host: str, port: int, path: str, body: bytes | None = None):
         """(status, payload) from the server, or (None, reason) when it did not answer."""
-        req = urllib.request.Request(f"http://{host}:{port}{path}", data=body, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **self.auth.sign(method, path, body or b"")}
+        req = urllib.request.Request(f"http://{host}:{port}{path}", data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
-                return resp.status, json.loads(resp.read())
+                return resp.status, parse_json(resp.read(), MAX_SNAPSHOT_BYTES)
         except urllib.error.HTTPError as e:
             try:
-                return e.code, json.loads(e.read())
+                return e.code, parse_json(e.read(MAX_BODY_BYTES))
             except ValueError:
                 return e.code, {"error": f"HTTP {e.code} {e.reason}"}
         except (urllib.error.URLError, OSError) as e:
             return None, f"no answer ({getattr(e, 'reason', e)})"
+        except ProtocolError as e:  # the server answered, but not with a registry snapshot
+            return 502, {"error": f"malformed answer: {e}"}
 
     def _wait_or_fail(self, deadline: float, host: str, port: int, timeout_s: float, why) -> None:
         if time.monotonic() + self.interval_s > deadline:
@@ -307,11 +371,24 @@ class BootstrapClient:
     @staticmethod
     def _info(snap: dict, host: str, port: int) -> BootstrapInfo:
         try:
-            compat = from_dict(CompatRecord, snap["compat"], "compat")
+            compat = from_dict(CompatRecord, snap.get("compat"), "compat")
+            if not isinstance(snap.get("ranks"), list):
+                raise ProtocolError("ranks: expected a list")
             ranks = [from_dict(RankRecord, r, f"ranks[{i}]") for i, r in enumerate(snap["ranks"])]
+            _check_ranks(ranks)
         except ProtocolError as e:
             raise BootstrapError(f"bootstrap {host}:{port}: malformed record: {e}") from None
         return BootstrapInfo(compat, ranks)
+
+
+def _check_ranks(ranks: list[RankRecord]) -> None:
+    """One record per attention rank 0..n-1 of one layout (what ``BootstrapInfo`` promises)."""
+    if not ranks:
+        raise ProtocolError("ranks: none registered")
+    if [r.rank for r in ranks] != list(range(ranks[0].layout.num_ranks)):
+        raise ProtocolError(f"ranks: {[r.rank for r in ranks][:16]} is not one record per rank of the layout")
+    if any(r.layout != ranks[0].layout for r in ranks):
+        raise ProtocolError("ranks: records disagree on the layout")
 
 
 # --- pairing the two halves of a request ---------------------------------------------------------

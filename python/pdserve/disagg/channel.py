@@ -5,6 +5,13 @@ aborts; with several scheduler ranks, rank 0's alone) and opens a PUSH socket to
 use. Sends never block the scheduler loop: a peer that is gone or not reading loses what exceeds
 the high-water mark, and the protocol's timeouts and aborts cover that loss.
 
+Every frame read is input from whoever can reach the port (DESIGN §5, trust boundary): it is
+authenticated (``disagg/auth.py``: an HMAC with the shared token, else loopback peers only),
+bounded (``zmq.MAXMSGSIZE``, then ``protocol.decode``'s limits) and decoded; whatever fails is
+counted by reason (``refused``) and logged once per peer per minute, and nothing a frame holds
+can raise past the channel. Peer sockets are bounded: one idle for ``IDLE_PEER_S`` is closed, and
+past ``MAX_PEERS`` the least recently used goes.
+
 ``Mailbox``: how the messenger's helper threads (bootstrap fetches, the heartbeat) hand their
 verdicts to the scheduler loop, as messages it reads like the channel's.
 """
@@ -16,15 +23,21 @@ import logging
 import pickle
 import socket
 import threading
+import time
+from collections import Counter, OrderedDict
 
 import zmq
 
 from pdserve.disagg import protocol
+from pdserve.disagg.auth import FRAME_MAGIC, MAC_BYTES, AuthError, PeerAuth
 from pdserve.disagg.protocol import Message, ProtocolError
 
 logger = logging.getLogger(__name__)
 
 SEND_HWM = 10_000  # messages queued to one peer before sends to it are dropped
+MAX_PEERS = 256  # open PUSH sockets; the least recently used one is closed past this
+IDLE_PEER_S = 600.0  # a peer socket unused this long is closed (reopened on the next send)
+LOG_EVERY_S = 60.0  # a refused peer is logged at most once a minute
 
 
 def advertised_host(host: str) -> str:
@@ -34,75 +47,144 @@ def advertised_host(host: str) -> str:
     return host
 
 
+class FrameGate:
+    """Turns received frames into messages: authentication, bounds, decoding. Counts what it
+    refuses by reason and rate-limits the log per peer. Any thread may hold one, one at a time."""
+
+    def __init__(self, auth: PeerAuth | None = None, clock=time.monotonic):
+        self.auth = auth or PeerAuth()
+        self.clock = clock
+        self.refused: Counter[str] = Counter()  # "auth" | "malformed" -> frames
+        self._logged: dict[tuple[str, str], float] = {}  # (peer, reason) -> last logged
+
+    def accept(self, frame) -> Message | None:
+        """A ``zmq.Frame`` (or bytes) -> its message, or None when refused."""
+        peer = _peer_address(frame)
+        data = frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+        try:
+            return protocol.decode(self.auth.open(data, peer))
+        except AuthError as e:
+            self._refuse("auth", peer, str(e))
+        except ProtocolError as e:
+            self._refuse("malformed", peer, str(e))
+        except Exception as e:  # noqa: BLE001 - a frame must never take the scheduler down
+            self._refuse("malformed", peer, f"{type(e).__name__}: {e}")
+        return None
+
+    def _refuse(self, reason: str, peer: str | None, why: str) -> None:
+        self.refused[reason] += 1
+        key, now = (peer or "?", reason), self.clock()
+        if now - self._logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[key] = now
+            if len(self._logged) > MAX_PEERS:  # bounded even under a flood from many addresses
+                self._logged.pop(next(iter(self._logged)))
+            logger.error("control channel: refused a message from %s (%s; %d refused so far, logged once a "
+                         "minute per peer): %s", peer or "an unknown peer", reason, sum(self.refused.values()),
+                         why[:300])
+
+
+def _peer_address(frame) -> str | None:
+    try:
+        return frame.get("Peer-Address") if isinstance(frame, zmq.Frame) else None
+    except zmq.ZMQError:
+        return None
+
+
 class ControlChannel:
     """One process's end of the control plane; used from the scheduler thread only.
 
     ``listen=False``: a channel that only sends (a scheduler rank other than 0, whose peers
     write to rank 0's endpoint); it has no ``socket`` and its ``endpoint`` is None."""
 
-    def __init__(self, host: str = "127.0.0.1", listen: bool = True):
+    def __init__(self, host: str = "127.0.0.1", listen: bool = True, auth: PeerAuth | None = None):
         self._ctx = zmq.Context()
+        self.auth = auth or PeerAuth()
+        self.gate = FrameGate(self.auth)
         self.socket: zmq.Socket | None = None
         self.endpoint: str | None = None
         if listen:
             self.socket = self._ctx.socket(zmq.PULL)
             self.socket.setsockopt(zmq.LINGER, 0)
+            # ZMQ drops a larger frame (and the connection) before it is buffered.
+            self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + len(FRAME_MAGIC) + MAC_BYTES)
             port = self.socket.bind_to_random_port(f"tcp://{host if host not in ('', '::') else '0.0.0.0'}")
             self.endpoint = f"tcp://{advertised_host(host)}:{port}"
-        self._peers: dict[str, zmq.Socket] = {}
+        self._peers: OrderedDict[str, tuple[zmq.Socket, float]] = OrderedDict()  # endpoint -> (socket, last use)
+        self.send_failures = 0
 
     def send(self, endpoint: str, msg: Message) -> bool:
-        """Queue ``msg`` for ``endpoint``; False when it had to be dropped."""
-        sock = self._peers.get(endpoint)
-        if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.IMMEDIATE, 0)  # queue before the connection is up
-            sock.connect(endpoint)
-            self._peers[endpoint] = sock
+        """Queue ``msg`` for ``endpoint``; False when it had to be dropped (logged)."""
+        now = time.monotonic()
+        self._close_idle(now)
         try:
-            sock.send(protocol.encode(msg), zmq.NOBLOCK)
+            sock = self._socket(endpoint, now)
+            sock.send(self.auth.seal(protocol.encode(msg)), zmq.NOBLOCK)
             return True
         except zmq.Again:
             logger.warning("control channel: %s is not reading; dropped %s", endpoint, type(msg).__name__)
-            return False
+        except (zmq.ZMQError, ProtocolError) as e:  # a bad endpoint, or no socket left: drop, keep serving
+            self.forget(endpoint)
+            logger.warning("control channel: cannot send %s to %s: %s", type(msg).__name__, endpoint[:80], e)
+        self.send_failures += 1
+        return False
+
+    def _socket(self, endpoint: str, now: float) -> zmq.Socket:
+        entry = self._peers.pop(endpoint, None)
+        if entry is None:
+            protocol.check_endpoint(endpoint, "endpoint")
+            while len(self._peers) >= MAX_PEERS:
+                self._peers.popitem(last=False)[1][0].close(linger=0)
+            sock = self._ctx.socket(zmq.PUSH)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+                sock.setsockopt(zmq.IMMEDIATE, 0)  # queue before the connection is up
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
+            entry = (sock, now)
+        self._peers[endpoint] = (entry[0], now)  # most recently used last
+        return entry[0]
+
+    def _close_idle(self, now: float) -> None:
+        while self._peers:
+            endpoint, (sock, used) = next(iter(self._peers.items()))
+            if now - used < IDLE_PEER_S:
+                return
+            del self._peers[endpoint]
+            sock.close(linger=0)
+
+    @property
+    def num_peer_sockets(self) -> int:
+        return len(self._peers)
 
     def recv_all(self) -> list[Message]:
-        """Every message waiting now; a malformed one is logged and skipped."""
+        """Every message waiting now; a refused frame is counted and skipped."""
         out: list[Message] = []
         while self.socket is not None:
             try:
-                msg = decode_frame(self.socket.recv(zmq.NOBLOCK))
+                frame = self.socket.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            msg = self.gate.accept(frame)
             if msg is not None:
                 out.append(msg)
         return out
 
     def forget(self, endpoint: str) -> None:
         """Drop the connection to a peer that is gone (queued messages to it are discarded)."""
-        sock = self._peers.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
+        entry = self._peers.pop(endpoint, None)
+        if entry is not None:
+            entry[0].close(linger=0)
 
     def close(self) -> None:
-        for sock in self._peers.values():
+        for sock, _ in self._peers.values():
             sock.close(linger=0)
         self._peers.clear()
         if self.socket is not None:
             self.socket.close(linger=0)
         self._ctx.term()
-
-
-def decode_frame(data: bytes) -> Message | None:
-    """A frame read from a channel's socket by someone else (the rank loop), or None when it is
-    malformed (logged, as ``recv_all`` does)."""
-    try:
-        return protocol.decode(data)
-    except ProtocolError as e:
-        logger.error("control channel: refused a message: %s", e)
-        return None
 
 
 class Mailbox:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 KINDS = ("gqa", "mla")
 BUFFERS = {"gqa": ("k", "v"), "mla": ("latent",)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+MAX_RANKS = 4096  # attention ranks of one side: far above any cluster, low enough to list
 
 
 class LayoutError(ValueError):
@@ -62,6 +63,8 @@ class KVLayout:
         for name in ("tp_size", "num_kv_heads", "page_size", "num_layers", "num_pages", "page_bytes", "dp_size"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.tp_size * self.dp_size > MAX_RANKS:
+            raise LayoutError(f"tp_size, dp_size: {self.tp_size} x {self.dp_size} ranks (at most {MAX_RANKS})")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise LayoutError(f"num_kv_heads: an MLA latent is one head, got {self.num_kv_heads}")
         H, p = self.num_kv_heads, self.tp_size

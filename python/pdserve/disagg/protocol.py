@@ -2,13 +2,21 @@
 
 Wire form: UTF-8 JSON ``{"v": PROTOCOL_VERSION, "type": <class name>, "body": {<fields>}}``.
 ``decode`` refuses another version, an unknown type, a missing, extra or mistyped field, and
-anything a message's own checks reject, with a ProtocolError naming the field.
+anything a message's own checks reject, with a ProtocolError naming the field. A frame is input
+from whoever can reach the port (DESIGN §5, trust boundary): ``decode`` raises nothing but
+ProtocolError, whatever the bytes, and bounds what it parses (frame size, nesting depth, digits
+of a number) before Python's json would spend time or memory on it.
 
 Who sends what (DESIGN §5):
-- decode -> prefill: ``KVRequest`` (one per destination rank), ``KVAbort``, ``DropRoom``,
-  ``Heartbeat``.
+- decode -> prefill: ``DecodeRecord`` (once per decode rank and prefill server, before its first
+  KV request: what prefill checks every KV request against), ``KVRequest`` (one per destination
+  rank), ``KVAbort``, ``DropRoom``.
 - prefill -> decode: ``KVCompletion`` (one per source rank and destination rank), ``KVAbort``,
-  ``KVAbortAck``, ``HeartbeatAck``.
+  ``KVAbortAck``.
+
+Every room carries decode's random ``nonce``: a completion, abort or acknowledgement counts only
+for the room instance whose nonce it echoes, so a late message of an earlier life of a room (or
+a guessed room number) never lands on the current one.
 """
 
 from __future__ import annotations
@@ -16,15 +24,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass
 
 from pdserve.disagg.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 SIDES = ("prefill", "decode")
 STATUSES = ("ok", "failed")
 MAX_ROOM = 2**64 - 1
+MAX_NONCE = 2**63 - 1
+# Bounds on what a frame may make the decoder do. A KV request for a 1M-token prompt at page
+# size 1 is about 8 MiB of page ids; no message nests deeper than envelope/body/layout/list.
+MAX_FRAME_BYTES = 32 * 2**20
+MAX_DEPTH = 6
+MAX_NUMBER_CHARS = 32  # a u64 has 20 digits; a float's repr fits in 24 characters
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 class ProtocolError(ValueError):
@@ -40,6 +57,74 @@ def _check_room(room: int) -> None:
     _require(0 <= room <= MAX_ROOM, f"room: {room} is not an unsigned 64-bit value")
 
 
+def _check_nonce(nonce: int) -> None:
+    _require(1 <= nonce <= MAX_NONCE, f"nonce: {nonce} is not in [1, 2**63)")
+
+
+@dataclass(frozen=True)
+class BufferRange:
+    """A registered memory range of a decode rank: ``[addr, addr + nbytes)``."""
+
+    addr: int
+    nbytes: int
+
+    def __post_init__(self):
+        _require(self.addr > 0 and self.nbytes > 0, f"addr, nbytes: must be > 0, got {self.addr}, {self.nbytes}")
+
+    def holds(self, addr: int, nbytes: int) -> bool:
+        return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
+
+
+@dataclass(frozen=True)
+class DecodeRecord:
+    """What one decode rank publishes to a prefill server before asking it for KV: the only
+    destinations that prefill will ever write for this rank. Prefill checks every KVRequest of
+    ``(decode_id, decode_rank)`` against it (``check_request``) before a single write."""
+
+    decode_id: str  # the decode server ("host:http_port")
+    decode_rank: int  # attention rank on decode: dp_rank * tp_size + tp_rank
+    session: str  # that rank's transfer session, "host:rpc_port"
+    buffers: list[BufferRange]  # the rank's KV buffers, in layout.buffers order
+    layout: KVLayout
+    aux: BufferRange  # the rank's aux buffer: rows of aux_row_bytes
+    aux_row_bytes: int
+    reply_to: str  # decode's control endpoint: where prefill sends completions, aborts and acks
+
+    def __post_init__(self):
+        _require(bool(self.decode_id), "decode_id: empty")
+        _require(0 <= self.decode_rank < self.layout.num_ranks,
+                 f"decode_rank: {self.decode_rank} outside [0, {self.layout.num_ranks})")
+        _require(len(self.buffers) == len(self.layout.buffers),
+                 f"buffers: {len(self.buffers)} ranges for buffers {self.layout.buffers}")
+        need = self.layout.layer_stride * self.layout.num_layers
+        _require(all(b.nbytes >= need for b in self.buffers),
+                 f"buffers: a range shorter than the layout's {need} bytes")
+        _require(0 < self.aux_row_bytes <= self.aux.nbytes and self.aux.nbytes % self.aux_row_bytes == 0,
+                 f"aux_row_bytes: {self.aux_row_bytes} does not divide the aux buffer of {self.aux.nbytes} bytes")
+        _require(bool(self.session), "session: empty")
+        check_endpoint(self.reply_to, "reply_to")
+
+    def check_request(self, kv: KVRequest) -> None:
+        """Raise ProtocolError naming the first field of ``kv`` that this record does not allow."""
+        _require(kv.session == self.session, f"session: {kv.session} is not the published {self.session}")
+        _require(kv.layout == self.layout, "layout: differs from the layout decode published")
+        _require(kv.buffers == [b.addr for b in self.buffers], "buffers: differ from the buffers decode published")
+        _require(kv.reply_to == self.reply_to, f"reply_to: {kv.reply_to} is not the published {self.reply_to}")
+        if kv.aux_bytes:
+            offset = kv.aux_addr - self.aux.addr
+            _require(kv.aux_bytes == self.aux_row_bytes and self.aux.holds(kv.aux_addr, kv.aux_bytes)
+                     and offset % self.aux_row_bytes == 0,
+                     f"aux_addr: {kv.aux_addr:#x} (+{kv.aux_bytes}) is not a row of the published aux buffer")
+
+
+def check_endpoint(endpoint: str, name: str) -> None:
+    """A ZMQ TCP endpoint ``tcp://host:port`` (what a channel may connect to)."""
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    _require(endpoint.startswith("tcp://") and bool(sep) and bool(host) and port.isdigit()
+             and 0 < int(port) < 65536 and len(endpoint) <= 300 and not any(c in host for c in "*;/ "),
+             f"{name}: {endpoint[:80]!r} is not an endpoint tcp://host:port")
+
+
 @dataclass(frozen=True)
 class KVRequest:
     """Decode asks prefill for one request's KV on one destination rank.
@@ -50,7 +135,8 @@ class KVRequest:
     """
 
     room: int
-    decode_id: str  # the decode server, for aborts and heartbeats
+    nonce: int  # decode's random id of this room's life; every answer echoes it
+    decode_id: str  # the decode server, for aborts
     decode_rank: int  # attention rank on decode: dp_rank * tp_size + tp_rank
     session: str  # that rank's transfer session, "host:rpc_port"
     buffers: list[int]  # base address of each KV buffer of that rank, in layout.buffers order
@@ -64,6 +150,7 @@ class KVRequest:
 
     def __post_init__(self):
         _check_room(self.room)
+        _check_nonce(self.nonce)
         ps = self.layout.page_size
         _require(0 <= self.decode_rank < self.layout.num_ranks,
                  f"decode_rank: {self.decode_rank} outside [0, {self.layout.num_ranks})")
@@ -76,10 +163,11 @@ class KVRequest:
                  f"dst_pages: {len(self.dst_pages)} pages for {self.num_tokens} tokens of page_size {ps}")
         _require(all(0 <= p < self.layout.num_pages for p in self.dst_pages),
                  f"dst_pages: a page outside [0, {self.layout.num_pages})")
+        _require(len(set(self.dst_pages)) == len(self.dst_pages), "dst_pages: a page named twice")
         _require(self.aux_bytes >= 0 and (self.aux_addr == 0) == (self.aux_bytes == 0),
                  f"aux_addr, aux_bytes: both zero or both set, got {self.aux_addr}, {self.aux_bytes}")
         _require(bool(self.session), "session: empty")
-        _require(bool(self.reply_to), "reply_to: empty")
+        check_endpoint(self.reply_to, "reply_to")
 
     @property
     def dst_dp_rank(self) -> int:
@@ -94,6 +182,7 @@ class KVCompletion:
     was sent, so the bytes are in decode's memory; with "failed", ``error`` says why."""
 
     room: int
+    nonce: int
     src_rank: int
     dst_rank: int
     writes: int
@@ -106,7 +195,9 @@ class KVCompletion:
 
     def __post_init__(self):
         _check_room(self.room)
-        _require(self.queue_s >= 0 and self.prefill_s >= 0, "queue_s, prefill_s: must be >= 0")
+        _check_nonce(self.nonce)
+        _require(0 <= self.queue_s < math.inf and 0 <= self.prefill_s < math.inf,
+                 "queue_s, prefill_s: must be finite and >= 0")
         _require(self.status in STATUSES, f"status: {self.status!r} is not one of {STATUSES}")
         _require(self.writes >= 0, f"writes: must be >= 0, got {self.writes}")
         _require(self.status == "ok" or bool(self.error), "error: a failed completion must say why")
@@ -114,14 +205,20 @@ class KVCompletion:
 
 @dataclass(frozen=True)
 class KVAbort:
-    """Either side gives up on ``room`` (client left, timeout, failure); ``side`` is the sender."""
+    """Either side gives up on ``room`` (client left, timeout, failure); ``side`` is the sender,
+    ``sender`` its server id (prefill answers a decode's abort at the endpoint of that decode's
+    record, never at an address the message names). ``nonce`` 0: the sender never learned it
+    (prefill gave up on a room before decode's KV request arrived)."""
 
     room: int
     reason: str
     side: str
+    sender: str
+    nonce: int = 0
 
     def __post_init__(self):
         _check_room(self.room)
+        _require(self.nonce == 0 or 1 <= self.nonce <= MAX_NONCE, f"nonce: {self.nonce} is not in [0, 2**63)")
         _require(self.side in SIDES, f"side: {self.side!r} is not one of {SIDES}")
 
 
@@ -131,26 +228,12 @@ class KVAbortAck:
     in flight: decode may reuse the room's pages once every source rank acknowledged."""
 
     room: int
+    nonce: int
     src_rank: int
 
     def __post_init__(self):
         _check_room(self.room)
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """Liveness probe from ``server_id``; ``time`` is its wall clock, echoed by the ack."""
-
-    server_id: str
-    time: float
-
-
-@dataclass(frozen=True)
-class HeartbeatAck:
-    """Answer from ``server_id`` to a Heartbeat sent at ``time``."""
-
-    server_id: str
-    time: float
+        _check_nonce(self.nonce)
 
 
 @dataclass(frozen=True)
@@ -163,7 +246,7 @@ class DropRoom:
         _check_room(self.room)
 
 
-Message = KVRequest | KVCompletion | KVAbort | KVAbortAck | Heartbeat | HeartbeatAck | DropRoom
+Message = DecodeRecord | KVRequest | KVCompletion | KVAbort | KVAbortAck | DropRoom
 MESSAGES: dict[str, type] = {c.__name__: c for c in typing.get_args(Message)}
 
 
@@ -176,17 +259,56 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    try:
-        env = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"malformed message: not JSON ({e})") from None
+    """The message in ``data``; ProtocolError (naming the field) for anything else, never
+    another exception."""
+    env = parse_json(data)
     _require(isinstance(env, dict) and set(env) == {"v", "type", "body"},
              "malformed message: expected an object with keys v, type, body")
     _require(env["v"] == PROTOCOL_VERSION,
              f"v: unsupported protocol version {env['v']!r} (this build speaks {PROTOCOL_VERSION})")
     cls = MESSAGES.get(env["type"]) if isinstance(env["type"], str) else None
-    _require(cls is not None, f"type: unknown message type {env['type']!r}")
-    return from_dict(cls, env["body"], env["type"])
+    _require(cls is not None, f"type: unknown message type {env['type']!r:.60}")
+    try:
+        return from_dict(cls, env["body"], env["type"])
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a value no check foresaw is still the peer's error
+        raise ProtocolError(f"{env['type']}: malformed ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def parse_json(data: bytes, max_bytes: int = MAX_FRAME_BYTES):
+    """JSON from an untrusted peer, bounded before parsing: size, nesting depth, digits of a
+    number; NaN and infinities refused. ProtocolError for anything that is not such JSON."""
+    _require(isinstance(data, bytes | bytearray | memoryview), "malformed message: not bytes")
+    _require(len(data) <= max_bytes, f"malformed message: {len(data)} bytes (at most {max_bytes})")
+    data = bytes(data)
+    depth = deepest = 0
+    for b in _BRACKET.findall(_STRING.sub(b'""', data)):
+        depth += 1 if b in b"[{" else -1
+        deepest = max(deepest, depth)
+    _require(deepest <= MAX_DEPTH, f"malformed message: nested {deepest} deep (at most {MAX_DEPTH})")
+    try:
+        return json.loads(data, parse_int=_bounded_int, parse_float=_bounded_float, parse_constant=_no_constant)
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - UnicodeDecodeError, JSONDecodeError, RecursionError, ...
+        raise ProtocolError(f"malformed message: not JSON ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _bounded_int(text: str) -> int:
+    _require(len(text) <= MAX_NUMBER_CHARS, f"malformed message: a number of {len(text)} digits")
+    return int(text)
+
+
+def _bounded_float(text: str) -> float:
+    _require(len(text) <= MAX_NUMBER_CHARS, f"malformed message: a number of {len(text)} characters")
+    v = float(text)
+    _require(math.isfinite(v), f"malformed message: {text} is not a finite number")
+    return v
+
+
+def _no_constant(text: str):
+    raise ProtocolError(f"malformed message: {text} is not a JSON number")
 
 
 def from_dict(cls: type, body, path: str):
@@ -196,7 +318,7 @@ def from_dict(cls: type, body, path: str):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in body:
-        _require(name in fields, f"{path}.{name}: unknown field")
+        _require(name in fields, f"{path}.{str(name)[:40]}: unknown field")
     kwargs = {}
     for name, f in fields.items():
         if name not in body:
@@ -214,6 +336,7 @@ def _value(v, hint, path: str):
         _require(isinstance(v, bool), f"{path}: expected bool, got {type(v).__name__}")
     elif hint is int:
         _require(isinstance(v, int) and not isinstance(v, bool), f"{path}: expected int, got {type(v).__name__}")
+        _require(-(2**64) < v < 2**64, f"{path}: {v} is out of range")
     elif hint is float:
         _require(isinstance(v, (int, float)) and not isinstance(v, bool),
                  f"{path}: expected float, got {type(v).__name__}")

@@ -9,32 +9,40 @@ when the KV has landed, and where abandoned pages wait until no late write can r
 - ``PeerMonitor``: decode's heartbeat (on rank 0 alone). It probes the transfer engines of the
   known prefill servers from a helper thread (Mooncake answers probes from its own threads, so a
   long prefill forward is not mistaken for death); two misses in a row make it post a
-  ``PeersDead`` verdict.
+  ``PeersDead`` verdict. A dead verdict fails rooms over, but it is a suspicion, not a proof: a
+  paused prefill (GC, VM stall, SIGSTOP, partition) resumes and finishes the writes it started.
+  So the monitor goes on checking dead sessions until their exit is confirmed (the transfer port
+  refuses connections, which a paused process's kernel does not, and the bootstrap registry
+  refuses too or no longer lists the session) and posts ``PeersGone``.
 - ``IncomingRoom``: one request's expected page-writes per (prefill rank, decode rank), from
   ``layout.expected_writes``, and the completions that arrived.
 - ``Quarantine``: destination pages (and the aux slot) of a room decode gave up on. They are
   reused only once every prefill rank acknowledged the abort or completed the room, once the
-  peer is known dead (after a grace period for bytes already on the wire), or once the lease
-  runs out.
+  exit of the ranks that may still write is confirmed (after a grace period for bytes already
+  on the wire), or once the lease runs out; never on a dead verdict alone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.disagg.bootstrap import BootstrapClient, BootstrapInfo, CompatRecord
+from pdserve.disagg.auth import PeerAuth
+from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError, BootstrapInfo, CompatRecord, Unreachable
 from pdserve.disagg.layout import KVLayout, LayoutError, check_compatible
 from pdserve.disagg.protocol import KVCompletion
 from pdserve.disagg.transfer import TransferBackend
 
 logger = logging.getLogger(__name__)
 
-DEAD_PEER_GRACE_S = 0.5  # after a peer is known dead, bytes it already sent may still be applied
+GONE_PEER_GRACE_S = 0.5  # after a peer's exit is confirmed, bytes it already sent may still be applied
 PROBE_MISSES = 2  # consecutive failed probes before a peer is declared dead
+UNREACHABLE_BACKOFF_S = 2.0  # a prefill whose registry did not answer is not asked again this soon
 
 
 # ------------------------------------------------------------------- peers
@@ -46,6 +54,7 @@ class Peer:
     info: BootstrapInfo | None = None
     error: str | None = None  # fetch failed, or incompatible (then every request to it fails)
     incompatible: bool = False
+    retry_at: float = 0.0  # with an error: requests naming it fall back at once until then
 
     @property
     def name(self) -> str:
@@ -75,6 +84,13 @@ class PeersDead:
     sessions: frozenset[str]
 
 
+@dataclass(frozen=True)
+class PeersGone:
+    """The monitor confirmed that the processes behind these dead sessions exited (mailbox message)."""
+
+    sessions: frozenset[str]
+
+
 def check_peer_layout(prefill: KVLayout, decode: KVLayout) -> None:
     """Raise LayoutError naming what makes ``prefill``'s KV unreceivable by ``decode``."""
     if prefill.dp_size != 1:
@@ -92,16 +108,18 @@ class PeerDirectory:
     its PeerFetched when done (any thread).
     """
 
-    def __init__(self, compat: CompatRecord, layout: KVLayout, fetch_timeout_s: float, post: Callable):
+    def __init__(self, compat: CompatRecord, layout: KVLayout, fetch_timeout_s: float, post: Callable,
+                 auth: PeerAuth | None = None):
         self.compat = compat
         self.layout = layout
         self.fetch_timeout_s = fetch_timeout_s
         self.post = post
-        self._client = BootstrapClient()
+        self.auth = auth
+        self._client = BootstrapClient(auth=auth)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the fetching rank's
         self._peers: dict[tuple[str, int], Peer] = {}
         self._fetching: set[tuple[str, int]] = set()
-        self._retired: set[str] = set()  # sessions of forgotten peers, watched until declared dead
+        self._retired: dict[str, tuple[str, int]] = {}  # sessions of forgotten peers -> their bootstrap
 
     def get(self, host: str, port: int) -> Peer | None:
         """The peer once its records are known (or its fetch failed); None until then."""
@@ -128,28 +146,33 @@ class PeerDirectory:
             logger.warning("disaggregation: %s", peer.error)
         self.post(PeerFetched(peer))
 
-    def apply(self, msg: PeerFetched) -> None:
+    def apply(self, msg: PeerFetched, now: float) -> None:
+        if msg.peer.error is not None:
+            msg.peer.retry_at = now + UNREACHABLE_BACKOFF_S
         self._peers[msg.peer.key] = msg.peer
         self._fetching.discard(msg.peer.key)
 
     def forget(self, key: tuple[str, int]) -> None:
         """A dead or unreachable peer: fetch it again when a request names it (it may have restarted).
-        Its sessions stay watched until declared dead: pages in quarantine may wait on them."""
+        Its sessions stay watched until their exit is confirmed: pages in quarantine may wait on them."""
         peer = self._peers.pop(key, None)
         if peer is not None:
-            self._retired |= set(peer.sessions)
+            self._retired.update({s: key for s in peer.sessions})
 
     def buried(self, sessions: frozenset[str]) -> None:
-        """``sessions`` were declared dead: nothing needs them watched any more."""
-        self._retired -= sessions
+        """``sessions``' processes are gone: nothing needs them watched any more."""
+        for s in sessions:
+            self._retired.pop(s, None)
 
     def peers(self) -> list[Peer]:
         return list(self._peers.values())
 
-    def sessions(self) -> set[str]:
-        """Transfer sessions of every known prefill rank, and of forgotten ones not yet declared
-        dead (what the heartbeat watches)."""
-        return {s for p in self._peers.values() for s in p.sessions} | self._retired
+    def sessions(self) -> dict[str, tuple[str, int]]:
+        """Transfer sessions of every known prefill rank, and of forgotten ones whose exit is not
+        confirmed yet (what the heartbeat watches), with their bootstrap (host, port)."""
+        out = dict(self._retired)
+        out.update({s: p.key for p in self._peers.values() for s in p.sessions})
+        return out
 
     def close(self) -> None:
         if self._pool is not None:
@@ -158,36 +181,60 @@ class PeerDirectory:
 
 class PeerMonitor:
     """Probes transfer sessions from a helper thread and ``post``s ``PeersDead`` for those that
-    stopped answering. A session reported dead is not probed again while it stays watched; one
-    no longer watched is forgotten, so a restarted prefill reusing the address is judged afresh."""
+    stopped answering, then ``PeersGone`` once their exit is confirmed (``exited``). A session
+    reported dead is not probed again while it stays watched; one no longer watched is
+    forgotten, so a restarted prefill reusing the address is judged afresh."""
 
-    def __init__(self, backend: TransferBackend, interval_s: float, post: Callable):
+    def __init__(self, backend: TransferBackend, interval_s: float, post: Callable, auth: PeerAuth | None = None):
         self.backend = backend
         self.interval_s = interval_s
         self.post = post
-        self._watched: set[str] = set()
+        self._client = BootstrapClient(request_timeout_s=max(0.5, interval_s), auth=auth)
+        self._client.refused_grace_s = 0.0  # asked again at the next heartbeat anyway
+        self._watched: dict[str, tuple[str, int]] = {}
         self._misses: dict[str, int] = {}
         self._dead: set[str] = set()
+        self._gone: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-heartbeat", daemon=True)
         self._thread.start()
 
-    def watch(self, sessions: set[str]) -> None:
-        """The sessions to probe (replaces the previous set)."""
+    def watch(self, sessions: dict[str, tuple[str, int]]) -> None:
+        """The sessions to probe, with their bootstrap (host, port) (replaces the previous set)."""
         with self._lock:
-            self._watched = set(sessions)
-            self._dead &= self._watched
+            self._watched = dict(sessions)
+            self._dead &= set(self._watched)
+            self._gone &= set(self._watched)
             self._misses = {s: n for s, n in self._misses.items() if s in self._watched}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             with self._lock:
-                sessions = self._watched - self._dead
+                alive = set(self._watched) - self._dead
+                suspects = {s: self._watched[s] for s in self._dead - self._gone}
             timeout = max(0.5, self.interval_s)
-            dead = {s for s in sessions if not self._answered(s, self.backend.probe(s, timeout_s=timeout))}
+            dead = {s for s in alive if not self._answered(s, self.backend.probe(s, timeout_s=timeout))}
             if dead:
                 self.post(PeersDead(frozenset(dead)))
+            gone = {s for s, key in suspects.items() if self.exited(s, key)}
+            if gone:
+                with self._lock:
+                    self._gone |= gone
+                self.post(PeersGone(frozenset(gone)))
+
+    def exited(self, session: str, bootstrap: tuple[str, int]) -> bool:
+        """The process behind ``session`` is gone: its transfer port refuses connections (a paused
+        process's kernel still accepts them) and its registry refuses too or no longer lists it."""
+        if not _refuses(session):
+            return False
+        try:
+            info = self._client.fetch(*bootstrap, timeout_s=self._client.request_timeout_s)
+        except Unreachable:
+            return True
+        except BootstrapError:  # no answer (paused too?), refused, incomplete: not a proof
+            return False
+        return session not in {r.session for r in info.ranks}
 
     def _answered(self, session: str, alive: bool) -> bool:
         """Record a probe's outcome; False when it makes the session dead (newly)."""
@@ -207,12 +254,27 @@ class PeerMonitor:
         self._thread.join(timeout=5)
 
 
+def _refuses(session: str, timeout_s: float = 1.0) -> bool:
+    """A TCP connection to ``session`` ("host:port") is refused (nothing listens any more)."""
+    host, _, port = session.rpartition(":")
+    if not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError as e:
+        return e.errno == errno.ECONNREFUSED
+
+
 # ------------------------------------------------------------------- rooms
 @dataclass
 class IncomingRoom:
     """What decode waits for in one room."""
 
     room: int
+    nonce: int  # this life of the room: a completion must echo it
     peer: Peer
     expected: dict[tuple[int, int], int]  # page-writes by (prefill rank, decode rank)
     deadline: float
@@ -251,53 +313,59 @@ class IncomingRoom:
 @dataclass
 class QuarantineEntry:
     room: int
+    nonce: int
     pages: list[int]
     aux_slot: int | None
     pending: dict[int, str]  # prefill rank yet to acknowledge or complete -> its transfer session
     until: float  # lease: released then whatever happened
-    dead_at: dict[int, float] = field(default_factory=dict)  # pending rank -> when it was declared dead
+    gone_at: dict[int, float] = field(default_factory=dict)  # pending rank -> when its exit was confirmed
 
     def safe(self, now: float) -> bool:
-        """No late write can land: every pending rank is dead (and its grace is over), none is
-        left, or the lease ran out."""
-        gone = all(r in self.dead_at and now - self.dead_at[r] >= DEAD_PEER_GRACE_S for r in self.pending)
+        """No late write can land: every pending rank's exit is confirmed (and its grace is over),
+        none is left, or the lease ran out. A dead verdict alone is not enough (module docstring)."""
+        gone = all(r in self.gone_at and now - self.gone_at[r] >= GONE_PEER_GRACE_S for r in self.pending)
         return now >= self.until or gone
 
 
 class Quarantine:
-    """Pages no one may reuse while a late write could still land on them."""
+    """Pages no one may reuse while a late write could still land on them, by (room, nonce)."""
 
     def __init__(self, lease_s: float):
         self.lease_s = lease_s
-        self.entries: dict[int, QuarantineEntry] = {}
+        self.entries: dict[tuple[int, int], QuarantineEntry] = {}
 
-    def add(self, room: int, pages: list[int], aux_slot: int | None, pending: dict[int, str], now: float) -> None:
+    def add(self, room: int, nonce: int, pages: list[int], aux_slot: int | None, pending: dict[int, str],
+            now: float) -> None:
         """``pending``: the prefill ranks that may still write (rank -> transfer session)."""
         if not pages and aux_slot is None:
             return
-        self.entries[room] = QuarantineEntry(room, list(pages), aux_slot, dict(pending), now + self.lease_s)
+        self.entries[(room, nonce)] = QuarantineEntry(room, nonce, list(pages), aux_slot, dict(pending),
+                                                      now + self.lease_s)
 
     @property
     def num_pages(self) -> int:
         return sum(len(e.pages) for e in self.entries.values())
 
-    def settled(self, room: int, src_rank: int) -> None:
-        """Prefill rank ``src_rank`` acknowledged the abort or completed the room."""
-        e = self.entries.get(room)
-        if e is not None:
-            e.pending.pop(src_rank, None)
+    def settled(self, room: int, nonce: int, src_rank: int) -> bool:
+        """Prefill rank ``src_rank`` acknowledged the abort or completed the room; False when no
+        entry has that room and nonce."""
+        e = self.entries.get((room, nonce))
+        if e is None:
+            return False
+        e.pending.pop(src_rank, None)
+        return True
 
-    def peers_dead(self, sessions: set[str], now: float) -> None:
+    def peers_gone(self, sessions: set[str], now: float) -> None:
         for e in self.entries.values():
             for rank, session in e.pending.items():
                 if session in sessions:
-                    e.dead_at.setdefault(rank, now)
+                    e.gone_at.setdefault(rank, now)
 
     def release(self, now: float) -> list[QuarantineEntry]:
         """Entries that are safe now; removed from the quarantine."""
         out = [e for e in self.entries.values() if e.safe(now)]
         for e in out:
-            del self.entries[e.room]
+            del self.entries[(e.room, e.nonce)]
         return out
 
 

@@ -13,6 +13,11 @@ destination head), reports completions for its own (source, destination) pairs, 
 destination rank's aux row only if it is that destination's first source. A rank with no writes
 for a room settles at once and reports nothing.
 
+A room has a deadline (``open``'s ``budget_s``: what is left of ``--disaggregation-timeout-s``
+since its KV request arrived): past it the sender posts nothing more for the room, whatever the
+scheduler asks, because decode may have failed the room over and, once its lease ends, reused the
+pages. A prefill that was paused (GC, VM stall, SIGSTOP) checks this before every post.
+
 Legend: S page_size, n prompt tokens; the sender moves positions [start_pos, n - 1).
 """
 
@@ -58,6 +63,7 @@ class OutgoingRoom:
     num_tokens: int  # prompt length - 1: positions this prefill fills
     next_page: int  # first prompt page (index) not yet staged
     paired_at: float
+    deadline: float = float("inf")  # time.monotonic() past which nothing more is posted
     state: RoomState = RoomState.SENDING
     handles: list[WriteHandle] = field(default_factory=list)
     writes: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # page-writes by decode rank
@@ -117,10 +123,15 @@ class KVSender:
             raise LayoutError(f"aux_bytes: decode expects {kv.aux_bytes}, prefill sends "
                               f"{self.aux.shape[1] * self.aux.element_size()}")
 
-    def open(self, room: int, kvs: dict[int, KVRequest], num_tokens: int, now: float) -> OutgoingRoom:
+    def open(self, room: int, kvs: dict[int, KVRequest], num_tokens: int, now: float,
+             budget_s: float = float("inf")) -> OutgoingRoom:
+        """``budget_s``: how long from now the room may still be written (module docstring)."""
         for kv in kvs.values():
             self.check(kv, num_tokens)
-        r = OutgoingRoom(room, kvs, {d: self._sources(room, kv, d) for d, kv in kvs.items()}, num_tokens, 0, now)
+        if budget_s <= 0:
+            raise LayoutError("room: its KV request waited past --disaggregation-timeout-s before pairing")
+        r = OutgoingRoom(room, kvs, {d: self._sources(room, kv, d) for d, kv in kvs.items()}, num_tokens, 0, now,
+                         deadline=time.monotonic() + budget_s)
         r.next_page = r.start_page
         self.rooms[room] = r
         return r
@@ -167,7 +178,7 @@ class KVSender:
         """The model runner's hook: ``layer``'s KV for this forward is in the pool; post its writes."""
         for r in self._active:
             ops = r.staged.pop(layer, None)
-            if not ops or r.aborted:
+            if not ops or r.aborted or self._past_deadline(r):
                 continue
             for d, kv in r.kvs.items():
                 mine = [op for op in ops if op.dst_rank == d]
@@ -201,7 +212,7 @@ class KVSender:
             return
         r.state = RoomState.DRAINING
         for d, kv in r.kvs.items():
-            if kv.aux_bytes and not r.aborted and r.sources[d][0] == self.rank:  # one aux row per destination
+            if kv.aux_bytes and not r.aborted and not self._past_deadline(r) and r.sources[d][0] == self.rank:
                 self._post_aux(r, kv, hidden)
 
     def _post_aux(self, r: OutgoingRoom, kv: KVRequest, hidden: torch.Tensor) -> None:
@@ -213,6 +224,16 @@ class KVSender:
         row = self.aux[self._aux_slot[r.room]]
         row.copy_(hidden.to(row.dtype))
         r.handles.append(self.backend.post_writes(kv.session, [row.data_ptr()], [kv.aux_addr], [kv.aux_bytes]))
+
+    @staticmethod
+    def _past_deadline(r: OutgoingRoom) -> bool:
+        """Checked before every post: a room past its deadline gets nothing more and fails."""
+        if time.monotonic() <= r.deadline:
+            return False
+        if not r.aborted:
+            logger.warning("prefill: room %d is past its deadline: no more writes for it", r.room)
+            r.aborted, r.error = True, "the room passed its deadline before its KV was sent"
+        return True
 
     # ------------------------------------------------------------- progress
     def poll(self, room: int) -> RoomState:

@@ -23,14 +23,16 @@ completions, bootstrap records and heartbeat verdicts reach every rank as messag
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.config import DisaggConfig
 from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes
-from pdserve.disagg.protocol import DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
+from pdserve.disagg.protocol import MAX_NONCE, DecodeRecord, DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
 from pdserve.disagg.receiver import (
     AuxSlots,
     IncomingRoom,
@@ -39,6 +41,7 @@ from pdserve.disagg.receiver import (
     PeerFetched,
     PeerMonitor,
     PeersDead,
+    PeersGone,
     Quarantine,
 )
 from pdserve.disagg.transfer import TransferBackend
@@ -49,16 +52,29 @@ from pdserve.engine.request import Req, ReqState, finish_abort
 logger = logging.getLogger(__name__)
 
 FALLBACK_WINDOW = 100  # the fallback rate is over this many recent disaggregated requests
+LEASE_TIMEOUTS = 2  # quarantine lease in --disaggregation-timeout-s: past prefill's own bound on writing a room
+
+
+@dataclass
+class WaitingRoom:
+    """A request of this rank waiting for its KV: what it expects and the aux row it lent prefill."""
+
+    req: Req
+    incoming: IncomingRoom
+    aux_slot: int
 
 
 class DecodeMode(SchedulerMode):
     name = "decode"
 
     def __init__(self, config: DisaggConfig, io: ModeIO, backend: TransferBackend, layout: KVLayout,
-                 bases: list[int], aux: torch.Tensor, directory: PeerDirectory, server_id: str, rank: int = 0):
+                 bases: list[int], aux: torch.Tensor, directory: PeerDirectory, server_id: str, rank: int = 0,
+                 record: DecodeRecord | None = None, nonce_salt: bytes = b""):
         """``rank``: this rank's attention rank in ``layout``; ``bases``: its KV buffer addresses in
         ``layout.buffers`` order; ``aux`` [slots, hidden] float32, registered: where prefill
-        writes each request's aux data."""
+        writes each request's aux data; ``record``: what this rank publishes to each prefill before
+        its first KV request (the only destinations prefill will write); ``nonce_salt``: random,
+        the same on every rank (rooms' nonces derive from it, so the ranks agree on them)."""
         self.config = config
         self.io = io
         self.backend = backend
@@ -69,23 +85,37 @@ class DecodeMode(SchedulerMode):
         self.server_id = server_id
         self.rank = rank
         self.dp_rank = rank // layout.tp_size
-        self.monitor = PeerMonitor(backend, config.heartbeat_s, io.post) if io.is_fetcher else None
+        self.monitor = (PeerMonitor(backend, config.heartbeat_s, io.post, directory.auth)
+                        if io.is_fetcher else None)
         self.asked: set[tuple[str, int]] = set()  # prefill servers this rank asked to be fetched
-        self.quarantine = Quarantine(lease_s=2 * config.timeout_s)
+        self.record = record
+        self.introduced: set[tuple[str, int]] = set()  # prefill servers that have this rank's record
+        self.nonce_salt = nonce_salt
+        self._seq = 0
+        self.quarantine = Quarantine(lease_s=LEASE_TIMEOUTS * config.timeout_s)
         self.aux_slots = AuxSlots(aux.shape[0])
         self.pending: list[Req] = []  # waiting for their prefill's records or for free pages
-        self.rooms: dict[int, tuple[Req, IncomingRoom, int]] = {}  # room -> (req, expectation, aux slot)
+        self.rooms: dict[int, WaitingRoom] = {}
         self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # recent transfers: True = fell back
         self.counters = {"requests_disaggregated": 0, "kv_received": 0, "local_prefills": 0,
-                         "fallbacks": 0, "transfer_failures": 0, "kv_pages_received": 0}
+                         "fallbacks": 0, "transfer_failures": 0, "kv_pages_received": 0, "stale_messages": 0,
+                         "duplicate_rooms": 0}
 
     # ------------------------------------------------------------- intake
     def take(self, req: Req, bootstrap) -> bool:
         if bootstrap is None:
             return False  # not routed: a colocated request
+        if self._live(bootstrap.room):  # the frontend refuses these; a second frontend or a bug must not either
+            self.counters["duplicate_rooms"] += 1
+            self.scheduler.finish_request(req, finish_abort(f"bootstrap_room: {bootstrap.room} is already used by "
+                                                            f"a request in flight (rooms must be unique)"))
+            return True
         req.room, req.bootstrap = bootstrap.room, bootstrap
         self.pending.append(req)
         return True
+
+    def _live(self, room: int) -> bool:
+        return room in self.rooms or any(r.room == room for r in self.pending)
 
     def connect(self, loop) -> None:
         self.io.connect(loop)
@@ -98,9 +128,9 @@ class DecodeMode(SchedulerMode):
         for req in list(self.pending):
             if not self._try_prepare(req, now):
                 break  # FCFS: a request that cannot get pages holds back the ones behind it
-        for room, (_, inc, _) in list(self.rooms.items()):
-            if now > inc.deadline:
-                self._fail(room, f"no KV from prefill {inc.peer.name} within {self.config.timeout_s:.0f} s")
+        for room, w in list(self.rooms.items()):
+            if now > w.incoming.deadline:
+                self._fail(room, f"no KV from prefill {w.incoming.peer.name} within {self.config.timeout_s:.0f} s")
         self._release_quarantine(now)
         if self.monitor is not None:
             self.monitor.watch(self.directory.sessions())
@@ -132,6 +162,9 @@ class DecodeMode(SchedulerMode):
         if peer is None:
             return True  # records on their way; later requests may go ahead
         if peer.error is not None:
+            if now >= peer.retry_at and not peer.incompatible:
+                self._forget(peer.key)  # ask again: it may have restarted (the request waits for the answer)
+                return True
             self.pending.remove(req)
             self._unreachable(req, peer)
             return True
@@ -140,15 +173,16 @@ class DecodeMode(SchedulerMode):
         return self._request_kv(req, peer, now)
 
     def _unreachable(self, req: Req, peer: Peer) -> None:
+        """Within the back-off after a failed fetch, requests naming the peer fall back at once."""
         if peer.incompatible:  # a deployment error: never hidden behind a fallback
             self.scheduler.finish_request(req, finish_abort(f"disaggregation handshake refused: {peer.error}"))
             return
-        self._forget(peer.key)
         self._fall_back(req, peer.error)
 
     def _forget(self, key: tuple[str, int]) -> None:
         self.directory.forget(key)
         self.asked.discard(key)
+        self.introduced.discard(key)
 
     def _serve_locally(self, req: Req, peer: Peer) -> bool:
         """Prefill here instead (and tell prefill to drop the room) when a transfer cannot pay."""
@@ -196,40 +230,66 @@ class DecodeMode(SchedulerMode):
         seed = peer.info.ranks[0].seed
         expected = expected_writes(src, self.layout, len(pages), room=req.room, seed=seed, dst_dp_rank=self.dp_rank)
         row = self.aux[aux_slot]
-        kv = KVRequest(req.room, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
+        nonce = self._nonce(req.room)
+        kv = KVRequest(req.room, nonce, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
                        pages, req.kv_len, len(req.fill_ids) - 1 - req.kv_len, row.data_ptr(),
                        row.numel() * row.element_size(), self.io.endpoint)
-        for control in peer.controls({s for s, _ in expected}):
+        controls = peer.controls({s for s, _ in expected})
+        if peer.key not in self.introduced and self.record is not None:
+            for control in peer.controls(range(len(peer.info.ranks))):  # before the KV request, on the same pipe
+                self.io.send(control, self.record)
+            self.introduced.add(peer.key)
+        for control in controls:
             self.io.send(control, kv)
         req.state = ReqState.WAITING_FOR_KV
         req.clock.start_prefill(now)
-        self.rooms[req.room] = (req, IncomingRoom(req.room, peer, expected, now + self.config.timeout_s, now),
-                                aux_slot)
+        inc = IncomingRoom(req.room, nonce, peer, expected, now + self.config.timeout_s, now)
+        self.rooms[req.room] = WaitingRoom(req, inc, aux_slot)
         self.counters["requests_disaggregated"] += 1
+
+    def _nonce(self, room: int) -> int:
+        """This life of ``room``: unguessable without the salt, the same on every rank (lock step
+        makes ``_seq`` agree)."""
+        self._seq += 1
+        digest = hashlib.blake2b(f"{room}:{self._seq}".encode(), key=self.nonce_salt[:64], digest_size=8).digest()
+        return int.from_bytes(digest, "little") % MAX_NONCE + 1
 
     # ------------------------------------------------------------- arrivals
     def _on_message(self, msg, now: float) -> None:
         if isinstance(msg, PeerFetched):
-            self.directory.apply(msg)
+            self.directory.apply(msg, now)
             self.asked.discard(msg.peer.key)
         elif isinstance(msg, PeersDead):
-            self._on_dead(msg.sessions, now)
+            self._on_dead(msg.sessions)
+        elif isinstance(msg, PeersGone):
+            self.quarantine.peers_gone(set(msg.sessions), now)
+            self.directory.buried(msg.sessions)
         elif isinstance(msg, KVCompletion):
             self._on_completion(msg, now)
         elif isinstance(msg, KVAbort):
-            if msg.room in self.rooms:
+            if self._current(msg.room, msg.nonce):
                 self._fail(msg.room, f"prefill gave up: {msg.reason}", notify=False)
         elif isinstance(msg, KVAbortAck):
-            self.quarantine.settled(msg.room, msg.src_rank)
+            if not self.quarantine.settled(msg.room, msg.nonce, msg.src_rank):
+                self.counters["stale_messages"] += 1
         else:
             logger.debug("decode: ignoring %s", type(msg).__name__)
 
+    def _current(self, room: int, nonce: int) -> bool:
+        """``room``'s current life has ``nonce``; anything else is stale (an earlier life, a room
+        decode failed over) or forged, and counted."""
+        w = self.rooms.get(room)
+        if w is not None and w.incoming.nonce == nonce:
+            return True
+        self.counters["stale_messages"] += 1
+        return False
+
     def _on_completion(self, c: KVCompletion, now: float) -> None:
-        self.quarantine.settled(c.room, c.src_rank)  # a room decode already gave up on
-        entry = self.rooms.get(c.room)
-        if entry is None:
+        if self.quarantine.settled(c.room, c.nonce, c.src_rank):  # a room decode already gave up on
             return
-        req, inc, _ = entry
+        if not self._current(c.room, c.nonce):
+            return
+        inc = self.rooms[c.room].incoming
         err = inc.add(c)
         if err is not None:
             self._fail(c.room, err, notify=False, settled={c.src_rank})
@@ -238,8 +298,9 @@ class DecodeMode(SchedulerMode):
 
     def _land(self, room: int, now: float) -> None:
         """Every byte is in place: the request joins the running batch."""
-        req, inc, aux_slot = self.rooms.pop(room)
-        self.aux_slots.free(aux_slot)
+        w = self.rooms.pop(room)
+        req, inc = w.req, w.incoming
+        self.aux_slots.free(w.aux_slot)
         req.kv_len = len(req.fill_ids) - 1
         req.state = ReqState.RUNNING
         req.clock.end_prefill(now)
@@ -252,11 +313,13 @@ class DecodeMode(SchedulerMode):
 
     # ------------------------------------------------------------- failures
     def _fail(self, room: int, reason: str, notify: bool = True, settled: set[int] = frozenset()) -> None:
-        """Give up on the room's transfer; its pages go to quarantine, the request falls back."""
-        req, inc, aux_slot = self.rooms.pop(room)
-        self._abandon(req, inc, aux_slot, settled, self.io.now())
+        """Give up on the room's transfer; its pages go to quarantine, the request falls back.
+        ``notify`` False: prefill itself ended the room (it acknowledges once its writes settled)."""
+        w = self.rooms.pop(room)
+        req, inc = w.req, w.incoming
+        self._abandon(req, inc, w.aux_slot, settled, self.io.now())
         if notify:
-            self._send_abort(inc.peer, room, reason)
+            self._send_abort(inc.peer, room, reason, inc.nonce)
         self.counters["transfer_failures"] += 1
         self.outcomes.append(True)
         self._fall_back(req, reason)
@@ -265,7 +328,7 @@ class DecodeMode(SchedulerMode):
         own = req.pages[req.num_cached_pages:]
         pending = inc.sources - set(settled)  # the prefill ranks that may still write these pages
         sessions = {s: inc.peer.info.ranks[s].session for s in pending}
-        self.quarantine.add(req.room, own, aux_slot, sessions, now)
+        self.quarantine.add(req.room, inc.nonce, own, aux_slot, sessions, now)
         req.pages = req.pages[:req.num_cached_pages]
         self._drop_memory(req)
 
@@ -288,24 +351,22 @@ class DecodeMode(SchedulerMode):
         req.clock.restart()
         self.scheduler.waiting.insert(0, req)
 
-    def _send_abort(self, peer: Peer, room: int, reason: str) -> None:
+    def _send_abort(self, peer: Peer, room: int, reason: str, nonce: int = 0) -> None:
         if peer.info is not None:
             for control in peer.controls(range(len(peer.info.ranks))):
-                self.io.send_once(control, KVAbort(room, reason, "decode"))
+                self.io.send_once(control, KVAbort(room, reason, "decode", self.server_id, nonce))
 
-    def _on_dead(self, sessions: frozenset[str], now: float) -> None:
-        """The heartbeat's verdict: rooms waiting on a dead prefill rank fall back, pages that
-        only dead ranks could still write leave quarantine after the grace period, and the
-        prefill is forgotten (a request naming it again fetches its records afresh)."""
-        for room, (_, inc, _) in list(self.rooms.items()):
-            if set(inc.peer.sessions) & sessions:
-                alive = not set(inc.peer.sessions) <= sessions  # tell its other ranks to stop
-                self._fail(room, f"prefill {inc.peer.name} stopped answering", notify=alive)
-        self.quarantine.peers_dead(sessions, now)  # the rooms just failed too: a verdict comes once
+    def _on_dead(self, sessions: frozenset[str]) -> None:
+        """The heartbeat's verdict: rooms waiting on a dead prefill rank fall back and the prefill
+        is forgotten (a request naming it again fetches its records afresh). The verdict may be
+        wrong (a paused prefill resumes): every rank is still told to drop the room, and its
+        pages stay in quarantine until acknowledged, confirmed gone (``PeersGone``) or leased out."""
+        for room, w in list(self.rooms.items()):
+            if set(w.incoming.peer.sessions) & sessions:
+                self._fail(room, f"prefill {w.incoming.peer.name} stopped answering")
         for peer in self.directory.peers():
             if set(peer.sessions) & sessions:
                 self._forget(peer.key)
-        self.directory.buried(sessions)
 
     def _release_quarantine(self, now: float) -> None:
         for e in self.quarantine.release(now):
@@ -321,14 +382,12 @@ class DecodeMode(SchedulerMode):
                 self._send_abort(peer, req.room, message)
             self.scheduler.finish_request(req, finish_abort(message))
             return True
-        entry = self.rooms.pop(req.room, None) if req.room is not None else None
-        if entry is None or entry[0] is not req:
-            if entry is not None:
-                self.rooms[req.room] = entry
+        w = self.rooms.get(req.room) if req.room is not None else None
+        if w is None or w.req is not req:
             return False
-        _, inc, aux_slot = entry
-        self._abandon(req, inc, aux_slot, set(), self.io.now())
-        self._send_abort(inc.peer, req.room, message)
+        del self.rooms[req.room]
+        self._abandon(req, w.incoming, w.aux_slot, set(), self.io.now())
+        self._send_abort(w.incoming.peer, req.room, message, w.incoming.nonce)
         self.scheduler.finish_request(req, finish_abort(message))
         return True
 
@@ -342,7 +401,7 @@ class DecodeMode(SchedulerMode):
         return 20 if (self.rooms or self.quarantine.entries) else None
 
     def held_reqs(self) -> list[Req]:
-        return [req for req, _, _ in self.rooms.values()]
+        return [w.req for w in self.rooms.values()]
 
     def quarantined_pages(self) -> int:
         return self.quarantine.num_pages
@@ -354,13 +413,14 @@ class DecodeMode(SchedulerMode):
         rate = sum(self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
         return {"disaggregation_mode": self.name, "num_waiting_for_kv": len(self.rooms),
                 "num_pending_kv": len(self.pending), "quarantined_pages": self.quarantine.num_pages,
-                "fallback_rate": rate, "fallback_window": len(self.outcomes), **self.counters}
+                "fallback_rate": rate, "fallback_window": len(self.outcomes),
+                "control_refused": self.io.refused(), **self.counters}
 
     @classmethod
     def merge_stats(cls, per_dp: list[dict]) -> dict:
         counters = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "fallback_window",
                     "requests_disaggregated", "kv_received", "local_prefills", "fallbacks", "transfer_failures",
-                    "kv_pages_received")
+                    "kv_pages_received", "stale_messages", "duplicate_rooms", "control_refused")
         out = {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in counters}}
         fell_back = sum(s["fallback_rate"] * s["fallback_window"] for s in per_dp)
         out["fallback_rate"] = fell_back / out["fallback_window"] if out["fallback_window"] else 0.0

@@ -16,10 +16,12 @@ import torch
 
 from pdserve.config import DisaggConfig, ModelConfig, ServerArgs, split_host_port
 from pdserve.disagg import protocol
+from pdserve.disagg.auth import PeerAuth, peer_auth
 from pdserve.disagg.bootstrap import BootstrapClient, CompatRecord, RankRecord
 from pdserve.disagg.channel import ControlChannel, Mailbox, advertised_host
 from pdserve.disagg.layout import KVLayout
-from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead
+from pdserve.disagg.protocol import BufferRange, DecodeRecord
+from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead, PeersGone
 from pdserve.disagg.sender import KVSender
 from pdserve.disagg.topology import transfer_device
 from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, create_transfer_backend
@@ -34,7 +36,7 @@ BOOTSTRAP_FETCH_TIMEOUT_S = 10.0  # decode's bound on reaching a prefill's boots
 FAULTS_ENV = "PDSERVE_TRANSFER_FAULTS"
 _FAULT_KNOBS = {"delay_posts": float, "hold": float, "fail_after": int}
 # What a mode's channel and mailbox carry (the rank loop shares these with every rank).
-MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead)
+MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead, PeersGone)
 
 
 def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
@@ -87,15 +89,15 @@ def with_faults(backend: TransferBackend, spec: str) -> TransferBackend:
     return faulty
 
 
-def mode_io(host: str, groups=None) -> ModeIO:
+def mode_io(host: str, groups=None, auth: PeerAuth | None = None) -> ModeIO:
     """A single scheduler's I/O, or (``groups``: this rank's RankGroups) one lock-step rank's,
     whose peers reach rank 0's channel (every rank learns its endpoint here: a collective)."""
     if groups is None:
-        return DirectIO(ControlChannel(host), Mailbox())
+        return DirectIO(ControlChannel(host, auth=auth), Mailbox())
     from pdserve.engine.rank_group import ControlPlane
 
     lay = groups.layout
-    channel = ControlChannel(host, listen=lay.is_leader)
+    channel = ControlChannel(host, listen=lay.is_leader, auth=auth)
     control = ControlPlane(lay, groups.cpu)
     endpoint = control.gather(channel.endpoint)[0]
     return LockStepIO(channel, Mailbox() if lay.is_leader else None, lay, control, endpoint, MESSAGE_TYPES)
@@ -118,15 +120,27 @@ def build_mode(args: ServerArgs, model_config: ModelConfig, runner, groups=None)
                      + [(aux.data_ptr(), aux.numel() * aux.element_size())])
     par = args.parallel_config()
     layout = kv_layout(model_config, pool, par.attn_tp_size, par.dp_size)
-    io = mode_io(args.host, groups)
+    auth = peer_auth(cfg)
+    io = mode_io(args.host, groups, auth)
     server_id = f"{advertised_host(args.host)}:{args.port}"
     if cfg.mode == "prefill":
-        return _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank)
+        return _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth)
     from pdserve.engine.decode_mode import DecodeMode
 
     directory = PeerDirectory(compat_record(args, model_config), layout,
-                              min(cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post)
-    return DecodeMode(cfg, io, backend, layout, [d.base_addr for d in descriptors], aux, directory, server_id, rank)
+                              min(cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post, auth)
+    record = decode_record(server_id, rank, backend.session_id, descriptors, layout, aux, io.endpoint)
+    salt = io.from_leader(os.urandom(16))
+    return DecodeMode(cfg, io, backend, layout, [d.base_addr for d in descriptors], aux, directory, server_id, rank,
+                      record=record, nonce_salt=salt)
+
+
+def decode_record(server_id: str, rank: int, session: str, descriptors, layout: KVLayout, aux: torch.Tensor,
+                  endpoint: str) -> DecodeRecord:
+    """What a decode rank publishes to prefill: its KV buffers and aux rows, whole."""
+    row_bytes = aux.shape[1] * aux.element_size()
+    return DecodeRecord(server_id, rank, session, [BufferRange(d.base_addr, d.total_bytes) for d in descriptors],
+                        layout, BufferRange(aux.data_ptr(), aux.shape[0] * row_bytes), row_bytes, endpoint)
 
 
 def registry_host(args: ServerArgs) -> str:
@@ -137,12 +151,12 @@ def registry_host(args: ServerArgs) -> str:
     return "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
 
 
-def _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank):
+def _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth):
     from pdserve.engine.prefill_mode import PrefillMode
 
     bases = {d.name: d.base_addr for d in descriptors}
     sender = KVSender(backend, layout, rank, bases, aux, seed=args.random_seed)
-    client, here = BootstrapClient(), registry_host(args)
+    client, here = BootstrapClient(auth=auth), registry_host(args)
     if rank == 0:
         client.register_compat(here, cfg.bootstrap_port, compat_record(args, model_config))
     client.register_rank(here, cfg.bootstrap_port,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from pdserve.disagg.channel import ControlChannel, Mailbox, decode_frame
+from pdserve.disagg.channel import ControlChannel, Mailbox
 from pdserve.disagg.protocol import Message
 
 
@@ -67,9 +67,17 @@ class ModeIO:
         """From a helper thread: ``msg`` reaches ``recv_all`` on every rank."""
         self.mailbox.post(msg)
 
+    def from_leader(self, value):
+        """Rank 0's ``value`` on every rank (a collective at set-up: every rank calls it)."""
+        return value
+
     def sockets(self) -> list:
         """Sockets the single-process loop should wake on."""
         return []
+
+    def refused(self) -> int:
+        """Control frames this rank refused (unauthenticated, malformed) so far."""
+        return sum(self.channel.gate.refused.values())
 
     def connect(self, loop) -> None:
         """A multi-rank server's loop is about to run (``LockStepIO`` only)."""
@@ -120,7 +128,7 @@ class LockStepIO(ModeIO):
     def connect(self, loop) -> None:
         self.loop = loop
         if self.layout.is_leader:
-            loop.add_inbox(self.channel.socket, decode=decode_frame)
+            loop.add_inbox(self.channel.socket, decode=self.channel.gate.accept)
             loop.add_inbox(self.mailbox.socket)
         for t in self.message_types:
             loop.on(t, self._deliver, wakes=True)
@@ -137,6 +145,9 @@ class LockStepIO(ModeIO):
 
     def agree(self, fact) -> list | None:
         return self.control.gather(fact) if self.loop.inbound.agreement_due else None
+
+    def from_leader(self, value):
+        return self.control.gather(value)[0]
 
     def send_once(self, endpoint: str, msg: Message) -> None:
         if self.layout.is_dp_leader:

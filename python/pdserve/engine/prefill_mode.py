@@ -12,23 +12,43 @@ With several ranks (TP, EP) every rank runs this mode on the messages rank 0 sha
 posts its own writes from its own pool (``disagg/sender.py``), and a room ends (pages released,
 completions sent) only once every rank's writes have settled, which the ranks agree on
 (``ModeIO.agree``) before acting.
+
+A KV request is input, not a command (DESIGN §5, trust boundary): it is served only for a decode
+rank whose ``DecodeRecord`` arrived first, and only if its session, buffers, layout, aux row and
+reply endpoint are the ones that record published; replies go to record endpoints, never to an
+address an unrecorded message names. Every way a room ends without a completion (refused,
+expired, timed out, aborted) sends decode a ``KVAbortAck`` once nothing posted can still land,
+so decode's quarantine empties on acknowledgements, not leases. A room is never written more
+than ``--disaggregation-timeout-s`` after its KV request arrived (the sender's deadline), which is
+inside the lease decode keeps abandoned pages for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 
 from pdserve.config import DisaggConfig
 from pdserve.disagg.bootstrap import Dropped, Expired, Paired, RoomError, RoomTable
 from pdserve.disagg.layout import LayoutError
-from pdserve.disagg.protocol import DropRoom, Heartbeat, HeartbeatAck, KVAbort, KVAbortAck, KVCompletion, KVRequest
+from pdserve.disagg.protocol import (
+    DecodeRecord,
+    DropRoom,
+    KVAbort,
+    KVAbortAck,
+    KVCompletion,
+    KVRequest,
+    ProtocolError,
+)
 from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.request import Req, ReqState, finish_abort, finish_length
 
 logger = logging.getLogger(__name__)
+
+MAX_DECODE_RECORDS = 4096  # decode ranks remembered; the oldest is dropped past this
 
 
 class PrefillMode(SchedulerMode):
@@ -42,11 +62,13 @@ class PrefillMode(SchedulerMode):
         self.server_id = server_id
         self.rooms = RoomTable(config.timeout_s)
         self.reqs: dict[int, Req] = {}  # room -> its request, from pairing until it finishes
-        self.reply_to: dict[int, str] = {}  # room -> decode's endpoint, while the room is open
+        self.reply_to: dict[int, tuple[str, int]] = {}  # room -> decode's (endpoint, nonce), while open
         self.transferring: dict[int, Req] = {}
-        self.closing: dict[int, str | None] = {}  # aborted room -> decode endpoint awaiting the ack
+        self.closing: dict[int, tuple[str, int] | None] = {}  # aborted room -> (endpoint, nonce) awaiting the ack
+        self.decodes: OrderedDict[tuple[str, int], DecodeRecord] = OrderedDict()  # (decode_id, rank) -> record
+        self.kv_arrival: dict[int, float] = {}  # room -> when its first KV request arrived (unpaired rooms)
         self.counters = {"rooms_completed": 0, "rooms_failed": 0, "rooms_dropped": 0, "rooms_aborted": 0,
-                         "rooms_expired": 0}
+                         "rooms_expired": 0, "kv_requests_refused": 0, "stale_messages": 0}
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
@@ -82,16 +104,20 @@ class PrefillMode(SchedulerMode):
 
     def _start(self, req: Req, kvs: dict[int, KVRequest]) -> None:
         """Both halves are here: queue the prefill of ``prompt[:-1]``."""
-        room = req.room
+        room, now = req.room, self.io.now()
         kv_by_rank = {kv.decode_rank: kv for kv in kvs.values()}
-        reply = next(iter(kv_by_rank.values())).reply_to
+        first = next(iter(kv_by_rank.values()))
+        arrived = self.kv_arrival.pop(room, now)
         try:
-            self.sender.open(room, kv_by_rank, req.prompt_len - 1, self.io.now())
+            if any(kv.nonce != first.nonce or kv.reply_to != first.reply_to for kv in kv_by_rank.values()):
+                raise LayoutError("nonce, reply_to: the KV requests of one room disagree")
+            self.sender.open(room, kv_by_rank, req.prompt_len - 1, now,
+                             budget_s=self.config.timeout_s - (now - arrived))
         except LayoutError as e:
-            self.io.send_once(reply, KVAbort(room, f"prefill refuses the KV request: {e}", "prefill"))
+            self._refuse_room(room, first.reply_to, first.nonce, f"prefill refuses the KV request: {e}")
             self._finish(req, finish_abort(f"KV request refused: {e}"))
             return
-        self.reply_to[room] = reply
+        self.reply_to[room] = (first.reply_to, first.nonce)
         self.reqs[room] = req
         req.hold_back_last_token()
         req.sampling = dataclasses.replace(req.sampling, max_new_tokens=0)
@@ -132,20 +158,57 @@ class PrefillMode(SchedulerMode):
         return bool(self.transferring)
 
     def _on_message(self, msg, now: float) -> None:
-        if isinstance(msg, KVRequest):
-            tp = msg.layout.tp_size  # one KV request per rank of decode's attention group
-            try:
-                self._on_pairing(self.rooms.add_kv(msg.room, msg.decode_rank % tp, msg, now, parts=tp))
-            except RoomError as e:
-                self.io.send_once(msg.reply_to, KVAbort(msg.room, str(e), "prefill"))
+        if isinstance(msg, DecodeRecord):
+            self._on_record(msg)
+        elif isinstance(msg, KVRequest):
+            self._on_kv_request(msg, now)
         elif isinstance(msg, DropRoom):
             self._on_drop(msg.room, now)
         elif isinstance(msg, KVAbort):
             self._on_decode_abort(msg, now)
-        elif isinstance(msg, Heartbeat):
-            self.io.send_once(msg.server_id, HeartbeatAck(self.server_id, msg.time))
         else:
+            self.counters["stale_messages"] += 1
             logger.warning("prefill: unexpected %s", type(msg).__name__)
+
+    def _on_record(self, rec: DecodeRecord) -> None:
+        key = (rec.decode_id, rec.decode_rank)
+        self.decodes.pop(key, None)
+        self.decodes[key] = rec  # newest last: a restarted decode replaces its record
+        while len(self.decodes) > MAX_DECODE_RECORDS:
+            self.decodes.popitem(last=False)
+
+    def _on_kv_request(self, kv: KVRequest, now: float) -> None:
+        """Checked against the decode rank's record before anything else (module docstring)."""
+        rec = self.decodes.get((kv.decode_id, kv.decode_rank))
+        try:
+            if rec is None:
+                raise ProtocolError(f"decode_id: no record of decode {kv.decode_id[:80]} rank {kv.decode_rank}")
+            rec.check_request(kv)
+        except ProtocolError as e:
+            self.counters["kv_requests_refused"] += 1
+            logger.warning("prefill: refused a KV request for room %d: %s", kv.room, e)
+            if rec is not None:  # an endpoint we learned from the record, not from this request
+                self._refuse_room(kv.room, rec.reply_to, kv.nonce, f"KV request refused: {e}")
+            return
+        tp = kv.layout.tp_size  # one KV request per rank of decode's attention group
+        fresh = kv.room not in self.kv_arrival
+        self.kv_arrival.setdefault(kv.room, now)  # the room's write deadline counts from here
+        try:
+            self._on_pairing(self.rooms.add_kv(kv.room, kv.decode_rank % tp, kv, now, parts=tp))
+        except RoomError as e:
+            if fresh:
+                self.kv_arrival.pop(kv.room, None)
+            self.counters["kv_requests_refused"] += 1
+            self._refuse_room(kv.room, kv.reply_to, kv.nonce, str(e))
+
+    def _refuse_room(self, room: int, reply: str, nonce: int, reason: str) -> None:
+        """Decode's room will get nothing from here: say so, and acknowledge at once (nothing was
+        posted for it), so its pages leave quarantine now."""
+        self.io.send_once(reply, KVAbort(room, reason, "prefill", self.server_id, nonce))
+        self.io.send(reply, KVAbortAck(room, nonce, self.sender.rank))
+
+    def _endpoint_of(self, decode_id: str) -> str | None:
+        return next((r.reply_to for (d, _), r in self.decodes.items() if d == decode_id), None)
 
     def _on_drop(self, room: int, now: float) -> None:
         try:
@@ -156,18 +219,32 @@ class PrefillMode(SchedulerMode):
     def _on_decode_abort(self, msg: KVAbort, now: float) -> None:
         cancelled = self.rooms.cancel(msg.room, now)
         if cancelled is not None:  # never paired: nothing was posted
+            self.kv_arrival.pop(msg.room, None)
             if cancelled.http is not None:
                 self._finish(cancelled.http, finish_abort(f"decode gave up on the room: {msg.reason}"))
-            for reply in _endpoints(cancelled.kv):
-                self.io.send(reply, KVAbortAck(msg.room, self.sender.rank))  # each rank for itself
+            for reply, nonce in _endpoints(cancelled.kv):
+                self.io.send(reply, KVAbortAck(msg.room, nonce, self.sender.rank))  # each rank for itself
             return
-        req = self.reqs.get(msg.room)
-        if req is None:
-            logger.info("prefill: abort for unknown room %d (%s)", msg.room, msg.reason)
+        req, open_room = self.reqs.get(msg.room), self.reply_to.get(msg.room)
+        if req is None or open_room is None:
+            self._ack_unknown(msg)
+            return
+        if msg.nonce != open_room[1]:
+            self.counters["stale_messages"] += 1
+            logger.info("prefill: abort of room %d with a stale nonce ignored", msg.room)
             return
         self.counters["rooms_aborted"] += 1
-        self.closing[msg.room] = self.reply_to.get(msg.room)
+        self.closing[msg.room] = open_room
         self.scheduler.abort(req.rid, f"decode gave up on the room: {msg.reason}")
+
+    def _ack_unknown(self, msg: KVAbort) -> None:
+        """A room this server holds nothing of: nothing of it can be in flight, so say so at once
+        (unless its ack is already due from ``closing``), at the endpoint of the decode's record."""
+        reply = self._endpoint_of(msg.sender)
+        if msg.room in self.closing or msg.room in self.sender.rooms or not msg.nonce or reply is None:
+            return
+        logger.info("prefill: abort for unknown room %d (%s): acknowledged", msg.room, msg.reason)
+        self.io.send(reply, KVAbortAck(msg.room, msg.nonce, self.sender.rank))
 
     def _drained_here(self) -> dict[int, str | None]:
         """This rank's writes of each transferring room: None while some are in flight, "" once
@@ -199,8 +276,9 @@ class PrefillMode(SchedulerMode):
         queue_s, prefill_s = r.timings()
         status = "failed" if r.state is RoomState.FAILED else "ok"
         for d in self.sender.own_pairs(room):
-            self.io.send(r.kvs[d].reply_to, KVCompletion(room, self.sender.rank, d, r.writes.get(d, 0), status,
-                                                         r.error or "", queue_s, prefill_s))
+            kv = r.kvs[d]
+            self.io.send(kv.reply_to, KVCompletion(room, kv.nonce, self.sender.rank, d, r.writes.get(d, 0), status,
+                                                   r.error or "", queue_s, prefill_s))
         if error is None:
             self.counters["rooms_completed"] += 1
             self._finish(req, finish_length(0))
@@ -220,7 +298,7 @@ class PrefillMode(SchedulerMode):
         if r is not None:
             self.sender.close_room(room)
         if reply:
-            self.io.send(reply, KVAbortAck(room, self.sender.rank))
+            self.io.send(reply[0], KVAbortAck(room, reply[1], self.sender.rank))
 
     def _expire(self, now: float) -> None:
         for e in self.rooms.expire(now):
@@ -228,18 +306,22 @@ class PrefillMode(SchedulerMode):
             self._fail_expired(e)
         for room, req in list(self.transferring.items()):
             if now - self.sender.rooms[room].paired_at > self.config.timeout_s:
-                self.sender.fail_unsettled(room, f"writes not landed after {self.config.timeout_s:.0f} s")
+                why = f"writes not landed after {self.config.timeout_s:.0f} s"
+                self.sender.fail_unsettled(room, why)
                 self.transferring.pop(room)
-                self.closing[room] = self.reply_to.get(room)
+                reply = self.closing[room] = self.reply_to.get(room)
+                if reply is not None:  # decode fails over now; the ack follows once the writes settled
+                    self.io.send_once(reply[0], KVAbort(room, why, "prefill", self.server_id, reply[1]))
                 self.counters["rooms_failed"] += 1
                 self._finish(req, finish_abort("KV transfer to decode timed out"))
 
     def _fail_expired(self, e: Expired) -> None:
         t = self.config.timeout_s
+        self.kv_arrival.pop(e.room, None)
         if e.http is not None:
             self._finish(e.http, finish_abort(f"no KV request from decode for room {e.room} within {t:.0f} s"))
-        for reply in _endpoints(e.kv):
-            self.io.send_once(reply, KVAbort(e.room, f"the request never reached prefill within {t:.0f} s", "prefill"))
+        for reply, nonce in _endpoints(e.kv):
+            self._refuse_room(e.room, reply, nonce, f"the request never reached prefill within {t:.0f} s")
 
     # ------------------------------------------------------------- release
     def abort(self, req: Req, message: str) -> bool:
@@ -248,8 +330,9 @@ class PrefillMode(SchedulerMode):
             return False
         cancelled = self.rooms.cancel(room, self.io.now())
         if cancelled is not None:  # the client left before pairing
-            for reply in _endpoints(cancelled.kv):
-                self.io.send_once(reply, KVAbort(room, message, "prefill"))
+            self.kv_arrival.pop(room, None)
+            for reply, nonce in _endpoints(cancelled.kv):
+                self._refuse_room(room, reply, nonce, message)
             self._finish(req, finish_abort(message))
             return True
         if room in self.transferring:
@@ -272,7 +355,8 @@ class PrefillMode(SchedulerMode):
         self.sender.abort(room)
         if room not in self.closing:
             if reply is not None:
-                self.io.send_once(reply, KVAbort(room, "prefill ended the request before its KV was sent", "prefill"))
+                self.io.send_once(reply[0], KVAbort(room, "prefill ended the request before its KV was sent",
+                                                    "prefill", self.server_id, reply[1]))
             self.closing[room] = reply
 
     def _finish(self, req: Req, reason: dict) -> None:
@@ -296,12 +380,13 @@ class PrefillMode(SchedulerMode):
     def stats(self) -> dict:
         return {"disaggregation_mode": self.name, "rooms_waiting": len(self.rooms),
                 "rooms_transferring": len(self.transferring), "kv_bytes_sent": self.sender.bytes_posted,
-                "kv_writes_sent": self.sender.writes_posted, **self.counters}
+                "kv_writes_sent": self.sender.writes_posted, "control_refused": self.io.refused(), **self.counters}
 
     def close(self) -> None:
         self.io.close()
 
 
-def _endpoints(kvs: dict[int, KVRequest]) -> list[str]:
-    """Where decode reads a room's replies, each once (every decode rank of a room names the same)."""
-    return sorted({kv.reply_to for kv in kvs.values()})
+def _endpoints(kvs: dict[int, KVRequest]) -> list[tuple[str, int]]:
+    """Where decode reads a room's replies and the room's nonce, each once (every decode rank of a
+    room names the same; every KV request was checked against its decode's record)."""
+    return sorted({(kv.reply_to, kv.nonce) for kv in kvs.values()})

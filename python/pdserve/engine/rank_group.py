@@ -272,7 +272,7 @@ class RankSchedulerLoop:
 
     def add_inbox(self, sock: zmq.Socket, decode: Callable | None = None) -> None:
         """Rank 0: also read ``sock``. Its frames are pickled typed messages, or, with ``decode``,
-        whatever ``decode(frame)`` makes of them (None: a frame to drop)."""
+        whatever ``decode(frame)`` makes of each ``zmq.Frame`` (None: a frame to drop)."""
         self.inboxes.append((sock, decode))
         self.poller.register(sock, zmq.POLLIN)
 
@@ -316,8 +316,8 @@ class RankSchedulerLoop:
         frames = []
         for sock, decode in self.inboxes:
             while True:
-                try:
-                    raw = sock.recv(zmq.NOBLOCK)
+                try:  # a decoded inbox gets the zmq.Frame: its peer address is part of the input
+                    raw = sock.recv(zmq.NOBLOCK, copy=decode is None)
                 except zmq.Again:
                     break
                 if decode is None:

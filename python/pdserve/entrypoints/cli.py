@@ -123,6 +123,12 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
           choices=FALLBACK_POLICIES)
     _flag(g, "--disaggregation-min-prefill-tokens", "decode: prefill locally when it would receive fewer "
           "tokens than this (0: always transfer)", type=int)
+    _flag(g, "--disaggregation-auth-token", "token shared by every prefill and decode server: bootstrap requests "
+          "and control messages carry an HMAC under it (prefer the file or PDSERVE_DISAGGREGATION_AUTH_TOKEN: a "
+          "flag shows in the process list)")
+    _flag(g, "--disaggregation-auth-token-file", "file whose first line is the shared token")
+    _flag(g, "--disaggregation-allow-unauthenticated", "without a token, accept P/D peers off the loopback "
+          "(a private network you trust)", action="store_true")
 
 
 SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_parallel_args, add_runtime_args,

@@ -258,9 +258,11 @@ def start_bootstrap_server(args: ServerArgs):
     read it), listening before the scheduler starts; None in other modes."""
     if args.disaggregation_mode != "prefill":
         return None
+    from pdserve.disagg.auth import peer_auth
     from pdserve.disagg.bootstrap import BootstrapServer
 
-    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port).start()
+    auth = peer_auth(args.disagg_config())
+    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port, auth).start()
     logger.info("bootstrap registry on %s:%d", args.host, server.port)
     return server
 
