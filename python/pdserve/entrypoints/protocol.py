@@ -30,6 +30,12 @@ class _Bootstrap(_Body):
         """One BootstrapRef per prompt (None for all when the request was not routed)."""
         if self.bootstrap_room is None and self.bootstrap_host is None:
             return [None] * n
+        if n > 1 and not isinstance(self.bootstrap_room, list):
+            # One room would pair every prompt of the batch with the same prefill half.
+            raise RequestError(f"bootstrap_room: a batch of {n} prompts needs a list of {n} rooms, one per prompt",
+                               param="bootstrap_room")
+        if isinstance(self.bootstrap_room, list) and len(set(self.bootstrap_room)) != len(self.bootstrap_room):
+            raise RequestError("bootstrap_room: the rooms of a batch must be distinct", param="bootstrap_room")
         hosts, ports, rooms = (_per_prompt(v, n, name) for v, name in (
             (self.bootstrap_host, "bootstrap_host"), (self.bootstrap_port, "bootstrap_port"),
             (self.bootstrap_room, "bootstrap_room")))

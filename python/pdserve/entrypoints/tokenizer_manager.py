@@ -143,6 +143,7 @@ class TokenizerManager:
         self.on_fatal: Callable[[str], None] | None = None
         self.scheduler: SchedulerProcess | RankProcesses | None = None
         self._reqs: dict[str, _ReqState] = {}
+        self._rooms: set[int] = set()  # bootstrap rooms of the requests in flight (each must be unique)
         self._stats_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._ids = itertools.count()
@@ -260,9 +261,15 @@ class TokenizerManager:
         """
         self._check_healthy()
         rid = self.new_rid(rid)
+        room = bootstrap.room if bootstrap is not None else None
+        if room is not None and room in self._rooms:  # checked and taken with no await in between
+            raise RequestError(f"bootstrap_room: {room} is already used by a request in flight (rooms must be "
+                               f"unique; a P/D router draws a random one per request)", param="bootstrap_room")
         # Without streaming nothing is shown before the end, so only the finish wakes the request.
         state = _ReqState(rid, return_logprob, self.stream_interval if stream else sys.maxsize, len(input_ids))
         self._reqs[rid] = state
+        if room is not None:
+            self._rooms.add(room)
         detok = self._detokenizer(sampling) if stream else None
         acc = _Accumulator()
         finished = False
@@ -290,6 +297,7 @@ class TokenizerManager:
                 yield acc.final(self.tokenizer, sampling)
         finally:
             self._reqs.pop(rid, None)
+            self._rooms.discard(room)
             if not finished and state.error is None:
                 self.abort(rid)
 

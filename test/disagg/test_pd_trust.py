@@ -1,0 +1,299 @@
+"""The P/D trust boundary and failure behaviour (DESIGN §5), between a prefill and a decode
+scheduler in one process over real Mooncake engines and ZMQ: hostile frames on either control
+port, forged and stale messages, a paused prefill after a death verdict, duplicate rooms, and
+every abort path acknowledged. Each test ends with both sides serving colocated-identical tokens
+and every page accounted for."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import zmq
+from pd_pair import PDPair, greedy
+from test_pd_flow import _colocated, _prompts
+
+from pdserve.disagg import protocol
+from pdserve.disagg.auth import PeerAuth
+from pdserve.disagg.protocol import KVCompletion, KVRequest
+from pdserve.disagg.receiver import PeersDead
+from pdserve.disagg.transfer import FaultInjectingBackend
+from pdserve.engine.request import ReqState
+
+pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
+
+NEW = 8
+MODEL = "tiny-llama"
+
+
+@pytest.fixture
+def pair_factory():
+    pairs = []
+
+    def make(model=MODEL, **flags) -> PDPair:
+        pairs.append(PDPair(model, **flags))
+        return pairs[-1]
+
+    yield make
+    for p in pairs:
+        p.close()
+
+
+class RawPeer:
+    """Whoever can reach a control port: sends bytes as they are (or sealed with a token)."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.socks: dict[str, zmq.Socket] = {}
+
+    def send(self, endpoint: str, data: bytes) -> None:
+        if endpoint not in self.socks:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self.socks[endpoint] = sock
+        self.socks[endpoint].send(data)
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(linger=0)
+        self.ctx.term()
+
+
+def _completion_frame(field: str, raw: str) -> bytes:
+    env = json.loads(protocol.encode(KVCompletion(room=1, nonce=5, src_rank=0, dst_rank=0, writes=3, status="ok")))
+    env["body"][field] = "@@"
+    return json.dumps(env).replace('"@@"', raw).encode()
+
+
+HOSTILE = [
+    _completion_frame("queue_s", "9" * 400),  # OverflowError in float() before
+    _completion_frame("writes", "9" * 5000),  # ValueError: int digit limit before
+    b"[" * 100_000,  # RecursionError before
+    b'{"v": 1, "type": "Heartbeat", "body": {"server_id": "not an endpoint", "time": 1.0}}',  # connect() raised
+    json.dumps({"v": 2, "type": "KVAbort", "body": {"room": 1, "reason": "x", "side": "decode",
+                                                    "sender": "tcp://[", "nonce": 0}}).encode(),
+    b"\xff" * 1000,
+    b"",
+]
+
+
+def _wait_refused(pair: PDPair, side, n: int) -> None:
+    pair.run(until=lambda: side.stats()["control_refused"] >= n, timeout_s=30)
+
+
+def test_hostile_frames_on_either_port_are_counted_and_both_sides_keep_serving(pair_factory):
+    pair = pair_factory()
+    peer = RawPeer()
+    try:
+        for endpoint in (pair.prefill.mode.io.endpoint, pair.decode.mode.io.endpoint):
+            for frame in HOSTILE:
+                peer.send(endpoint, frame)
+        _wait_refused(pair, pair.prefill, len(HOSTILE) - 1)  # the KVAbort frame is valid: prefill ignores it
+        _wait_refused(pair, pair.decode, len(HOSTILE) - 1)
+        prompts = _prompts([30, 21])
+        for i, p in enumerate(prompts):
+            pair.submit(f"r{i}", p, greedy(NEW))
+        pair.run()
+        assert [pair.outputs[f"r{i}"]["ids"] for i in range(2)] == _colocated(MODEL, prompts, n=NEW)
+        assert pair.decode.stats()["kv_received"] == 2
+        pair.assert_idle_and_accounted()
+    finally:
+        peer.close()
+
+
+def test_with_a_token_unauthenticated_and_wrongly_keyed_frames_are_refused(pair_factory):
+    pair = pair_factory(disaggregation_auth_token="s3cret")
+    peer = RawPeer()
+    try:
+        plain = protocol.encode(protocol.DropRoom(5))
+        forged = PeerAuth("wrong").seal(plain)
+        tampered = bytearray(PeerAuth("s3cret").seal(plain))
+        tampered[-2] ^= 1
+        for frame in (plain, forged, bytes(tampered)):
+            peer.send(pair.prefill.mode.io.endpoint, frame)
+        _wait_refused(pair, pair.prefill, 3)
+        (prompt,) = _prompts([27])
+        pair.submit("a", prompt, greedy(NEW))
+        pair.run()
+        assert pair.outputs["a"]["ids"] == _colocated(MODEL, [prompt], n=NEW)[0]
+        assert pair.decode.stats()["kv_received"] == 1  # the sides' own frames carry the right MAC
+        pair.assert_idle_and_accounted()
+    finally:
+        peer.close()
+
+
+def test_a_kv_request_outside_the_published_record_is_refused_before_any_write(pair_factory):
+    """A forger (or a bug) asks prefill to write elsewhere than decode published: refused, no byte
+    written, decode told at its recorded endpoint, and the room falls back."""
+    pair = pair_factory(disaggregation_timeout_s=5.0)
+    send, rewritten = pair.decode.mode.io.send, []
+
+    def rewrite(endpoint, msg):
+        if isinstance(msg, KVRequest):
+            msg = KVRequest(**{**msg.__dict__, "aux_addr": msg.aux_addr + 4})  # not a row of the aux buffer
+            rewritten.append(msg)
+        send(endpoint, msg)
+
+    pair.decode.mode.io.send = rewrite
+    (prompt,) = _prompts([26])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    assert rewritten and pair.prefill.stats()["kv_requests_refused"] == 1
+    assert pair.prefill.stats()["kv_writes_sent"] == 0
+    assert pair.decode.stats()["fallbacks"] == 1
+    assert pair.outputs["a"]["ids"] == _colocated(MODEL, [prompt], n=NEW)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_a_kv_request_from_a_decode_prefill_has_no_record_of_is_refused(pair_factory):
+    pair = pair_factory(disaggregation_timeout_s=2.0)
+    pair.decode.mode.record = None  # never published
+    (prompt,) = _prompts([22])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    assert pair.prefill.stats()["kv_requests_refused"] == 1 and pair.prefill.stats()["kv_writes_sent"] == 0
+    assert pair.decode.stats()["fallbacks"] == 1  # decode's own deadline: no endpoint to answer at
+    assert pair.outputs["a"]["ids"] == _colocated(MODEL, [prompt], n=NEW)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_a_completion_with_another_nonce_does_not_land_the_room(pair_factory):
+    """A forged or stale completion (right room, right write count, wrong nonce) is counted and
+    ignored; the room lands on prefill's real completion."""
+    pair = pair_factory()
+    sender = pair.prefill.mode.sender
+    sender.backend = slow = FaultInjectingBackend(sender.backend)
+    slow.hold()  # prefill's writes wait until the forgery was read
+    (prompt,) = _prompts([31])
+    room = pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: room in pair.decode.mode.rooms and pair.prefill.mode.transferring)
+    inc = pair.decode.mode.rooms[room].incoming
+    ((src, dst), writes), = inc.expected.items()
+    forged = KVCompletion(room, inc.nonce % protocol.MAX_NONCE + 1, src, dst, writes, "ok")
+    pair.prefill.mode.io.send(pair.decode.mode.io.endpoint, forged)
+    pair.run(until=lambda: pair.decode.stats()["stale_messages"] >= 1)
+    assert pair.decode.mode.rooms[room].req.state is ReqState.WAITING_FOR_KV
+    slow.release()
+    pair.run()
+    assert pair.decode.stats()["kv_received"] == 1 and pair.decode.stats()["fallbacks"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated(MODEL, [prompt], n=NEW)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_a_paused_prefill_never_writes_pages_decode_gave_to_another_request(pair_factory):
+    """The field failure the quarantine exists for: decode declares a paused prefill dead, fails
+    R1 over and serves R2; the prefill resumes and finishes R1's writes. R1's pages stay
+    quarantined until prefill acknowledges decode's abort, so R2's pages are never among them
+    and R2's tokens equal an undisturbed run."""
+    pair = pair_factory(page_size=4)
+    sender = pair.prefill.mode.sender
+    sender.backend = paused = FaultInjectingBackend(sender.backend)
+    paused.hold()  # "SIGSTOP": prefill's writes go nowhere until it resumes
+    r1, r2 = _prompts([40, 36], seed=3)
+    room = pair.submit("r1", r1, greedy(NEW))
+    pair.run(until=lambda: pair.prefill.mode.transferring)
+    abandoned = set(pair.decode.mode.rooms[room].req.pages)
+    pair.decode.mode.io.post(PeersDead(frozenset(pair.decode.mode.directory.sessions())))
+    pair.run(until=lambda: pair.decode.stats()["fallbacks"] == 1)
+    assert pair.decode.stats()["quarantined_pages"] == len(abandoned)
+    resume_at = time.monotonic() + 1.0  # well past any grace a verdict alone once earned
+    while time.monotonic() < resume_at:
+        _step_decode(pair)
+    assert pair.decode.stats()["quarantined_pages"] == len(abandoned)
+    pair.submit_local("r2", r2, greedy(NEW))  # decode serves R2 alone, on pages it owns now
+    while pair.outputs["r2"]["final"] is None or pair.outputs["r1"]["final"] is None:
+        _step_decode(pair)  # the prefill is still "paused": only decode runs
+        r2_req = pair.decode.reqs.get("r2")
+        if r2_req is not None:
+            assert not set(r2_req.pages) & abandoned, "R2 got a page a paused prefill may still write"
+    assert pair.decode.stats()["quarantined_pages"] == len(abandoned)  # no ack, no proof of exit: held
+    paused.release()  # "SIGCONT": R1's writes land in its quarantined pages; prefill reads the abort
+    pair.run()
+    assert pair.decode.stats()["quarantined_pages"] == 0  # released on prefill's acknowledgement
+    expected = _colocated(MODEL, [r1, r2], n=NEW, page_size=4)
+    assert [pair.outputs["r1"]["ids"], pair.outputs["r2"]["ids"]] == expected
+    pair.assert_idle_and_accounted()
+
+
+def _step_decode(pair: PDPair) -> None:
+    for o in pair.decode.step():
+        acc = pair.outputs.setdefault(o.rid, {"ids": [], "final": None})
+        acc["ids"] += o.new_token_ids
+        if o.finished:
+            acc["final"] = o
+
+
+def test_prefill_writes_nothing_for_a_room_past_its_deadline(pair_factory):
+    """A prefill resumed after its room's deadline posts nothing more for it (decode may have
+    leased the pages out by then), fails the room and acknowledges."""
+    pair = pair_factory(page_size=4, chunked_prefill_size=8, disaggregation_timeout_s=30.0)
+    (prompt,) = _prompts([40], seed=4)
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: pair.prefill.mode.sender.rooms)
+    (r,) = pair.prefill.mode.sender.rooms.values()
+    posted = pair.prefill.stats()["kv_writes_sent"]  # the first chunk's, at most: 4 of its 10 pages
+    assert r.next_page < 10
+    r.deadline = 0.0  # as if the process had been stopped for longer than the timeout
+    pair.run()
+    assert pair.prefill.stats()["kv_writes_sent"] == posted
+    assert pair.decode.stats()["fallbacks"] == 1 and pair.decode.stats()["quarantined_pages"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated(MODEL, [prompt], n=NEW, page_size=4)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_a_prefill_side_timeout_tells_decode_and_acknowledges(pair_factory, caplog):
+    """Prefill gives up on writes that do not land: decode hears it at once (not at its own
+    deadline) and its quarantine empties on the acknowledgement, not the lease."""
+    pair = pair_factory(prefill_flags={"disaggregation_timeout_s": 1.0},
+                        decode_flags={"disaggregation_timeout_s": 60.0})
+    sender = pair.prefill.mode.sender
+    sender.backend = stuck = FaultInjectingBackend(sender.backend)
+    stuck.hold()
+    (prompt,) = _prompts([29])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: pair.prefill.stats()["rooms_failed"] == 1)
+    pair.run(until=lambda: pair.decode.stats()["fallbacks"] == 1, timeout_s=20)
+    assert "prefill gave up: writes not landed" in caplog.text  # not decode's 60 s deadline
+    assert pair.decode.stats()["quarantined_pages"] > 0  # the writes may still land
+    stuck.release()  # the writes settle: now prefill may acknowledge
+    pair.run()
+    assert pair.decode.stats()["fallbacks"] == 1 and pair.decode.stats()["quarantined_pages"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated(MODEL, [prompt], n=NEW)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_a_second_request_with_a_live_room_is_refused_and_the_first_completes(pair_factory):
+    pair = pair_factory()
+    a, b = _prompts([28, 24], seed=5)
+    room = pair.submit("a", a, greedy(NEW))
+    pair.outputs["b"] = {"ids": [], "final": None}
+    pair.decode.add_request("b", b, greedy(NEW), bootstrap=pair.ref(room))
+    pair.run()
+    assert "already used by a request in flight" in pair.outputs["b"]["final"].finish_reason["message"]
+    assert pair.outputs["a"]["ids"] == _colocated(MODEL, [a], n=NEW)[0]
+    assert pair.decode.stats()["duplicate_rooms"] == 1
+    pair.assert_idle_and_accounted()
+
+
+def test_decode_abort_of_a_room_prefill_never_saw_is_acknowledged(pair_factory):
+    """Decode aborts a room whose KV request prefill refused or forgot: the ack still comes, so
+    the quarantine empties at once."""
+    pair = pair_factory(disaggregation_timeout_s=30.0)
+    send = pair.decode.mode.io.send
+
+    def lose_kv_requests(endpoint, msg):
+        if not isinstance(msg, KVRequest):
+            send(endpoint, msg)
+
+    pair.decode.mode.io.send = lose_kv_requests
+    (prompt,) = _prompts([25])
+    pair.submit("a", prompt, greedy(NEW), to_prefill=False)
+    pair.run(until=lambda: pair.decode.mode.rooms)
+    req = next(iter(pair.decode.mode.rooms.values())).req
+    pair.decode.abort(req.rid, "client left")
+    pair.run(until=lambda: pair.outputs["a"]["final"] is not None)
+    pair.run(timeout_s=20)  # idle includes an empty quarantine: the ack, well before the 60 s lease
+    assert pair.decode.stats()["quarantined_pages"] == 0
+    pair.assert_idle_and_accounted()
