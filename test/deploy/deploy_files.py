@@ -67,7 +67,7 @@ def exec_form(text: str, where: str) -> list[str]:
 
 def dockerfile_commands(path: Path) -> list[Command]:
     """The image's default command: ENTRYPOINT ["pdserve"] + the last CMD of the final stage."""
-    final = _final_stage(dockerfile_instructions(path))
+    final = final_stage(dockerfile_instructions(path))
     entry = [exec_form(a, f"{path.name} ENTRYPOINT") for i, a in final if i == "ENTRYPOINT"]
     cmd = [exec_form(a, f"{path.name} CMD") for i, a in final if i == "CMD"]
     if entry != [["pdserve"]]:
@@ -75,7 +75,7 @@ def dockerfile_commands(path: Path) -> list[Command]:
     return [Command(f"{path.name} CMD", tuple(cmd[-1]))] if cmd else []
 
 
-def _final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
     starts = [k for k, (i, _) in enumerate(instructions) if i == "FROM"]
     return instructions[starts[-1]:]
 

@@ -21,8 +21,9 @@ from deploy_files import (
     kustomize_dirs,
 )
 
+from pdserve.assets import PRESET_NAMES
 from pdserve.config import ServerArgs
-from pdserve.entrypoints.cli import build_parser, router_args_from_namespace
+from pdserve.entrypoints.cli import build_parser, router_args_from_namespace, server_args_from_namespace
 from pdserve.entrypoints.up import UpArgs
 
 SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerArgs)}
@@ -51,7 +52,9 @@ def check(command: Command, parser: argparse.ArgumentParser) -> None:
     if inexact:
         raise AssertionError(f"{command.source}: pdserve {ns.command} has no flag {', '.join(inexact)}")
     try:
-        if ns.command in ("serve", "up"):
+        if ns.command in ("serve", "up") and ns.model_path in PRESET_NAMES:
+            server_args_from_namespace(ns)  # and against the model: head and expert counts vs TP/EP
+        elif ns.command in ("serve", "up"):  # a checkpoint mounted at run time: the flags alone
             ServerArgs(**{k: v for k, v in vars(ns).items() if k in SERVER_FIELDS})
         if ns.command == "up":
             UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port)
@@ -102,7 +105,11 @@ def test_a_renamed_flag_fails_the_check(subcommand, flag, new):
             check(command, parser)
 
 
-def test_an_invalid_combination_fails_the_check():
-    bad = Command("here", ("serve", "--model-path", "m", "--tp-size", "8", "--ep-size", "4"))
-    with pytest.raises(AssertionError, match="ep_size"):
-        check(bad, build_parser())
+@pytest.mark.parametrize("argv,field", [
+    (("serve", "--model-path", "/models/model", "--tp-size", "8", "--ep-size", "4"), "ep_size"),
+    (("serve", "--model-path", "tiny-deepseek", "--tp-size", "8"), "tp_size"),  # 4 heads
+    (("router", "--prefill", "ftp://p", "--decode", "http://d:1"), "prefill"),
+])
+def test_an_invalid_combination_fails_the_check(argv, field):
+    with pytest.raises(AssertionError, match=field):
+        check(Command("here", argv), build_parser())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_files import DOCKER, DOCKERFILES, ROOT, _final_stage, dockerfile_commands, dockerfile_instructions
+from deploy_files import DOCKER, DOCKERFILES, ROOT, dockerfile_commands, dockerfile_instructions, final_stage
 
 from entrypoints.server_utils import alive, descendants, free_port, port_is_free
 
@@ -48,7 +48,7 @@ def test_bases_are_pinned_by_tag_and_digest(path):
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_final_stage_runs_pdserve_as_a_user_with_a_health_check(path):
-    final = _final_stage(dockerfile_instructions(path))
+    final = final_stage(dockerfile_instructions(path))
     user = [a for i, a in final if i == "USER"]
     assert user and re.fullmatch(r"[1-9]\d*(:\d+)?", user[-1]), "a numeric non-root USER (runAsNonRoot can check it)"
     assert any(i == "HEALTHCHECK" and "pdserve-healthcheck" in a for i, a in final)

@@ -4,6 +4,7 @@ fails), and keeps what a P/D group needs to work on a cluster."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -150,3 +151,25 @@ def test_the_renderer_agrees_with_kubectl_kustomize(directory):
     want = sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=lambda o: (o["kind"], o["metadata"]["name"]))
     got = sorted(render(directory), key=lambda o: (o["kind"], o["metadata"]["name"]))
     assert got == want
+
+
+@pytest.mark.skipif(not shutil.which("mooncake_master"), reason="no mooncake_master (the Mooncake wheel's) here")
+def test_mooncake_master_flags_are_the_binarys():
+    objects = render(K8S / "overlays" / "mooncake-master")
+    (master,) = [c for o in objects for c in pod_containers(o) if c.get("command") == ["mooncake_master"]]
+    out = subprocess.run(["mooncake_master", "--help"], capture_output=True, text=True, timeout=60)
+    known = set(re.findall(r"^\s+-(\w+) \(", out.stdout + out.stderr, re.M))
+    assert "rpc_port" in known, out.stderr[-2000:]
+    used = [a.lstrip("-").split("=", 1)[0] for a in master["args"]]
+    assert used and not [f for f in used if f not in known], f"unknown to mooncake_master: {used}"
+    ports = {p["name"]: str(p["containerPort"]) for p in master["ports"]}
+    flags = dict(a.lstrip("-").split("=", 1) for a in master["args"])
+    assert (flags["rpc_port"], flags["metrics_port"], flags["http_metadata_server_port"]) == \
+        (ports["rpc"], ports["metrics"], ports["metadata"])
+
+
+def test_the_schema_check_rejects_a_misspelled_field():
+    sts = next(o for o in render(K8S / "base") if o["kind"] == "StatefulSet")
+    pod_spec(sts)["hostNetwrok"] = pod_spec(sts).pop("hostNetwork")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, K8S_VERSIONS[0], strict=True)
