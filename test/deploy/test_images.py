@@ -168,3 +168,14 @@ def test_cpu_image_default_command_serves_the_readme_example():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         Path(log.name).unlink()
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_the_build_context_keeps_what_the_recipe_copies(path):
+    ignore = (path.parent / (path.name + ".dockerignore")).read_text().splitlines()
+    kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    assert "*" in ignore
+    sources = [s for i, a in dockerfile_instructions(path) if i == "COPY" and "--from=" not in a
+               for s in a.split()[:-1] if not s.startswith("--")]
+    sources += re.findall(r"--mount=type=bind,source=([\w./-]+)", " ".join(a for _, a in dockerfile_instructions(path)))
+    assert sources and not [s for s in sources if s.rstrip("/") not in kept]
