@@ -36,9 +36,10 @@ class PDPair:
         self.bootstrap = BootstrapServer("127.0.0.1", free_port()).start()
         base = {"model_path": model, "disaggregation_bootstrap_port": self.bootstrap.port, "num_threads": 1,
                 **flags}
-        self.prefill = build_scheduler(ServerArgs(**base, **(prefill_flags or {}), disaggregation_mode="prefill",
+        # a side's own flags win over the shared ones (model_path too: two copies of one model)
+        self.prefill = build_scheduler(ServerArgs(**{**base, **(prefill_flags or {})}, disaggregation_mode="prefill",
                                                   port=free_port()))
-        self.decode = build_scheduler(ServerArgs(**base, **(decode_flags or {}), disaggregation_mode="decode",
+        self.decode = build_scheduler(ServerArgs(**{**base, **(decode_flags or {})}, disaggregation_mode="decode",
                                                  port=free_port()))
         self.outputs: dict[str, dict] = {}
         self.prefill_outputs: list = []  # what prefill emitted in the latest step

@@ -27,7 +27,8 @@ from pdserve.disagg.bootstrap import (
 from pdserve.disagg.layout import KVLayout
 from pdserve.mem.kv_pool import BufferDescriptor
 
-COMPAT = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 16, "gqa-hnd", 4, 8, 64)
+WEIGHTS = "ab" * 32  # a sha256 hex digest
+COMPAT = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 16, "gqa-hnd", 4, 8, 64, WEIGHTS)
 LAYOUT = KVLayout("gqa", 2, 8, 16, "bfloat16", 4, 100, 4 * 16 * 128, 100 * 4 * 16 * 128)
 
 
@@ -48,12 +49,12 @@ def server():
 
 
 def test_compat_check_names_the_field():
-    other = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 1, "gqa-hnd", 4, 8, 64)
+    other = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 1, "gqa-hnd", 4, 8, 64, WEIGHTS)
     with pytest.raises(IncompatiblePeer, match="^page_size: prefill has 16, decode has 1$"):
         COMPAT.check(other)
     COMPAT.check(CompatRecord(**vars(COMPAT)))
     with pytest.raises(ValueError, match="kv_layout"):
-        CompatRecord("m", "a", "bfloat16", 16, "nhd", 4, 8, 64)
+        CompatRecord("m", "a", "bfloat16", 16, "nhd", 4, 8, 64, WEIGHTS)
 
 
 def test_compat_from_model_config():
@@ -61,7 +62,7 @@ def test_compat_from_model_config():
     ds = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek"), page_size=1, model="ds")
     assert (llama.kv_layout, llama.page_size, ds.kv_layout, ds.num_kv_heads, ds.model) == (
         "gqa-hnd", 16, "mla", 1, "ds")
-    with pytest.raises(IncompatiblePeer, match="^model: prefill has"):
+    with pytest.raises(IncompatiblePeer, match="^architecture: prefill has"):
         llama.check(ds)
 
 

@@ -4,14 +4,19 @@ write counting, handshake refusal, aborts and quarantine, conditional disaggrega
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from pd_pair import PDPair, greedy
 
 import pdserve
+from fixtures.tiny_models import make_tiny_hf_model
+from pdserve.config import ModelConfig
 from pdserve.disagg.layout import page_runs
 from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, merge_contiguous
 from pdserve.engine.request import ReqState
+from pdserve.models.fingerprint import weights_fingerprint
 
 pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
 
@@ -167,6 +172,7 @@ def test_kv_streams_layer_by_layer_in_one_write_per_page_run(pair_factory):
 @pytest.mark.parametrize("field, prefill, decode", [
     ("page_size", {"page_size": 16}, {"page_size": 1}),
     ("dtype", {"dtype": "bfloat16"}, {"dtype": "float32"}),
+    ("weights", {"random_seed": 1}, {"random_seed": 0}),  # dummy weights of another seed: same shapes
 ])
 def test_mismatched_peer_is_refused_naming_the_field(pair_factory, field, prefill, decode):
     pair = pair_factory("tiny-llama", prefill_flags=prefill, decode_flags=decode)
@@ -178,6 +184,38 @@ def test_mismatched_peer_is_refused_naming_the_field(pair_factory, field, prefil
     pair.submit_local("b", other, greedy(NEW))  # decode keeps serving
     pair.run(until=lambda: pair.outputs["b"]["final"] is not None)
     assert pair.outputs["b"]["ids"] == _colocated("tiny-llama", [other], **decode)[0]
+
+
+@pytest.fixture(scope="module")
+def llama_copies(tmp_path_factory):
+    """One tiny Llama checkpoint at two paths, and another one of the same shapes."""
+    root = tmp_path_factory.mktemp("weights")
+    a = make_tiny_hf_model("LlamaForCausalLM", root / "a", seed=0)
+    return a, shutil.copytree(a, root / "b"), make_tiny_hf_model("LlamaForCausalLM", root / "other", seed=1)
+
+
+def test_same_weights_at_two_paths_pair(pair_factory, llama_copies):
+    a, b, _ = llama_copies
+    pair = pair_factory(a, page_size=4, decode_flags={"model_path": str(b)})
+    (prompt,) = _prompts([30])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    assert pair.prefill.stats()["rooms_completed"] == 1  # the KV came from prefill
+    assert pair.outputs["a"]["ids"] == _colocated(a, [prompt], page_size=4)[0]
+    pair.assert_idle_and_accounted()
+
+
+def test_same_shapes_other_weights_are_refused_naming_weights(pair_factory, llama_copies):
+    a, _, other = llama_copies
+    pair = pair_factory(a, page_size=4, decode_flags={"model_path": other})
+    (prompt,) = _prompts([30])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: pair.outputs["a"]["final"] is not None)
+    reason = pair.outputs["a"]["final"].finish_reason
+    theirs, mine = (weights_fingerprint(ModelConfig.from_path(m))[:12] for m in (a, other))
+    assert reason["type"] == "abort" and f"weights: decode has {mine} (" in reason["message"], reason
+    assert f"has {theirs} (" in reason["message"], reason
+    assert pair.prefill.stats()["rooms_completed"] == 0
 
 
 # --------------------------------------------------------------- conditional

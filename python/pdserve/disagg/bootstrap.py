@@ -68,7 +68,8 @@ class RoomError(ValueError):
 class CompatRecord:
     """What must be equal on both sides for KV bytes to mean the same thing."""
 
-    model: str  # served model identity (both sides must serve the same weights)
+    # served name or path, for messages only: the same weights may sit at different paths
+    model: str = field(compare=False)
     architecture: str  # HF architecture name
     dtype: str  # KV cache dtype
     page_size: int
@@ -76,23 +77,30 @@ class CompatRecord:
     num_layers: int
     num_kv_heads: int  # the model's total KV heads (1 for MLA)
     head_dim: int  # one head's row (kv_lora_rank + qk_rope_head_dim for MLA)
+    weights: str  # sha256 hex of the weights (models/fingerprint.py): same on every path, split and rank
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: {self.kv_layout!r} is not one of {KV_LAYOUTS}")
+        if len(self.weights) != 64 or not set(self.weights) <= set("0123456789abcdef"):
+            raise ValueError(f"weights: {self.weights[:80]!r} is not a sha256 hex digest")
 
     @classmethod
-    def from_model(cls, model_config, page_size: int, model: str | None = None) -> CompatRecord:
-        """From a ``config.ModelConfig`` (``model`` defaults to its path)."""
+    def from_model(cls, model_config, page_size: int, model: str | None = None, seed: int = 0) -> CompatRecord:
+        """From a ``config.ModelConfig`` (``model`` defaults to its path; ``seed``: of dummy weights)."""
+        from pdserve.models.fingerprint import weights_fingerprint
+
         mc = model_config
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
-                   mc.num_layers, mc.num_kv_heads, mc.head_dim)
+                   mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed))
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
-        """Raise IncompatiblePeer naming the first field that differs."""
+        """Raise IncompatiblePeer naming the first compared field that differs."""
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if a != b:
+            if f.compare and a != b:
+                if f.name == "weights":  # short digests, and the names an operator recognises
+                    a, b = f"{a[:12]} ({self.model})", f"{b[:12]} ({other.model})"
                 raise IncompatiblePeer(f"{f.name}: {mine} has {a}, {theirs} has {b}")
 
 
