@@ -1,6 +1,7 @@
 """The P/D protocol of DESIGN §5 between a prefill and a decode scheduler (in one process, over
-real Mooncake engines and ZMQ): token identity with a colocated engine, layer-wise streaming,
-write counting, handshake refusal, aborts and quarantine, conditional disaggregation, fallback."""
+real ZMQ and each transfer backend: Mooncake engines, and the in-memory one): token identity with
+a colocated engine, layer-wise streaming, write counting, handshake refusal, aborts and
+quarantine, conditional disaggregation, fallback."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pd_pair import PDPair, greedy
 
 import pdserve
 from pdserve.disagg.layout import page_runs
-from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, merge_contiguous
+from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, merge_contiguous, mooncake_available
 from pdserve.engine.request import ReqState
 
-pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
+NEEDS_MOONCAKE = pytest.mark.skipif(not mooncake_available(), reason="needs mooncake")
+BACKENDS = [pytest.param("mooncake", marks=NEEDS_MOONCAKE), "memory"]
 
 NEW = 12
 
@@ -29,12 +31,12 @@ def _colocated(model: str, prompts, n=NEW, **flags) -> list[list[int]]:
     return [o["output_ids"] for o in out]
 
 
-@pytest.fixture
-def pair_factory():
+@pytest.fixture(params=BACKENDS)
+def pair_factory(request):
     pairs = []
 
     def make(model="tiny-llama", **flags) -> PDPair:
-        pairs.append(PDPair(model, **flags))
+        pairs.append(PDPair(model, backend=request.param, **flags))
         return pairs[-1]
 
     yield make
@@ -43,8 +45,11 @@ def pair_factory():
 
 
 # ------------------------------------------------------------------ identity
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-deepseek"])
-@pytest.mark.parametrize("page_size", [1, 16])
+# Every layout on Mooncake; the in-memory backend moves bytes the same way for each, so one.
+@pytest.mark.parametrize("pair_factory, model, page_size", [
+    *(pytest.param("mooncake", m, p, marks=NEEDS_MOONCAKE) for m in ("tiny-llama", "tiny-deepseek") for p in (1, 16)),
+    ("memory", "tiny-deepseek", 16),
+], indirect=["pair_factory"])
 def test_outputs_match_a_colocated_engine(pair_factory, model, page_size):
     """Mixed lengths (longer than a chunk, one token), a prefix cached on both sides first:
     every request but the one-token prompt moves its KV, and decode's tokens are the
@@ -112,6 +117,9 @@ class RecordingBackend(TransferBackend):
 
     def probe(self, peer, timeout_s=2.0):
         return self.inner.probe(peer, timeout_s)
+
+    def outstanding(self):
+        return self.inner.outstanding()
 
     def close(self):
         self.inner.close()
