@@ -69,6 +69,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.disagg.transfer import mooncake_log
 from pdserve.disagg.transfer.base import (
     Notify,
     Outstanding,
@@ -96,6 +97,7 @@ _SUBMIT_FAILED = (0, 2**64 - 1)  # transfer_submit_write's "could not start" sen
 
 def import_mooncake():
     """The ``mooncake.engine`` module, or a TransferError saying what to install."""
+    mooncake_log.set_level()  # read when the library loads
     try:
         from mooncake import engine
     except ImportError as e:
@@ -143,8 +145,9 @@ class MooncakeTransferBackend(TransferBackend):
         if max_inflight_per_peer < 1:
             raise ValueError(f"max_inflight_per_peer: must be >= 1, got {max_inflight_per_peer}")
         self._mc = import_mooncake()
-        self._te = self._mc.TransferEngine()
-        rc = self._te.initialize(hostname, metadata_server, protocol, device_name)
+        with mooncake_log.quiet_start(protocol):
+            self._te = self._mc.TransferEngine()
+            rc = self._te.initialize(hostname, metadata_server, protocol, device_name)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({hostname!r}, {metadata_server!r}, {protocol!r}, "
                                 f"{device_name!r}) returned {rc}")
