@@ -249,12 +249,9 @@ class MemoryTransferBackend(TransferBackend):
                 work = list(self._queue)
             waiting = [b for b in work if not self._copy(b)]
             with self._cond:
-                done = {id(b) for b in work} - {id(b) for b in waiting}
-                self._queue = deque(b for b in self._queue if id(b) not in done)
                 if self._stopping:
                     for b in waiting:
                         self._settle(b, f"write to {b.handle.peer} failed: it did not answer before this engine closed")
-                    self._queue.clear()
                 elif waiting and len(self._queue) == len(waiting):
                     self._cond.wait(_RETRY_S)
 
@@ -280,6 +277,8 @@ class MemoryTransferBackend(TransferBackend):
         return True
 
     def _settle(self, b: _Batch, error: str | None) -> None:
-        """Publish a terminal state (caller holds ``_cond``)."""
+        """Publish a terminal state and forget the batch, in one step for ``poll`` and
+        ``outstanding`` (caller holds ``_cond``)."""
         b.handle.error = error
         b.handle.state = WriteState.FAILED if error else WriteState.DONE
+        self._queue.remove(b)
