@@ -47,23 +47,30 @@ def _run_child(mode: str, **env) -> tuple[dict, str]:
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
-def test_a_normal_start_logs_nothing_and_debug_keeps_mooncakes_lines():
-    _, quiet = _run_child("quiet")
+LOW, HIGH = 23400, 23460  # the port range the quiet child is confined to
+
+
+@pytest.fixture(scope="module")
+def quiet_child() -> tuple[dict, str]:
+    return _run_child("quiet", MC_MIN_RPC_PORT=str(LOW), MC_MAX_RPC_PORT=str(HIGH))
+
+
+def test_a_normal_start_logs_nothing_and_debug_keeps_mooncakes_lines(quiet_child):
+    _, quiet = quiet_child
     assert HARMLESS not in quiet and not GLOG_LINE.search(quiet), quiet
     _, debug = _run_child("debug")
     assert HARMLESS in debug and "Transfer Engine RPC using P2P handshake" in debug, debug
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/ss") and not os.path.exists("/bin/ss"), reason="needs ss")
-def test_an_engine_listens_on_every_interface_within_the_port_range():
+def test_an_engine_listens_on_every_interface_within_the_port_range(quiet_child):
     """Mooncake binds its handshake and TCP data ports to the wildcard address whatever host it
     is given (docs/disaggregation.md, "Ports to firewall"); MC_MIN_RPC_PORT/MC_MAX_RPC_PORT
     confine both to a range an operator can firewall."""
-    low, high = 23400, 23460
-    got, _ = _run_child("quiet", MC_MIN_RPC_PORT=str(low), MC_MAX_RPC_PORT=str(high))
+    got, _ = quiet_child
     hosts_ports = [addr.rsplit(":", 1) for addr in got["listening"]]
     ports = {int(p) for _, p in hosts_ports}
     assert len(ports) == 4, got  # per engine: the handshake port (its session) and the data port
-    assert all(low <= p <= high for p in ports), got
+    assert all(LOW <= p <= HIGH for p in ports), got
     assert {int(s.rsplit(":", 1)[1]) for s in got["sessions"]} <= ports
     assert {h for h, _ in hosts_ports} <= {"0.0.0.0", "*", "[::]"}, got  # not 127.0.0.1: all interfaces
