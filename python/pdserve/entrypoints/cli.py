@@ -260,7 +260,8 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.entrypoints.up import UpArgs, launch_up
 
     try:
-        server_args_from_namespace(ns)  # every server would refuse these: say so now
+        server = server_args_from_namespace(ns)  # every server would refuse these: say so now
+        server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
         args = UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port, ns.up_bootstrap_port,
                       server_flags_from_namespace(ns, parser), ns.up_policy)
     except (ValueError, TypeError) as e:
