@@ -364,7 +364,10 @@ class CompileConfig:
 
 DISAGG_MODES = ("null", "prefill", "decode")
 AUTH_TOKEN_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
-TRANSFER_BACKENDS = ("mooncake",)
+TRANSFER_BACKENDS = ("mooncake", "memory")  # disagg.transfer's backends, by name
+# What a server may use: its scheduler runs in its own process, and "memory" moves KV only
+# between schedulers built in one process (test/disagg/pd_pair.py).
+SERVER_TRANSFER_BACKENDS = ("mooncake",)
 FALLBACK_POLICIES = ("local", "error")
 
 
@@ -416,6 +419,14 @@ class DisaggConfig:
             raise ValueError(f"disaggregation_fallback: {self.fallback!r} is not one of {FALLBACK_POLICIES}")
         if self.min_prefill_tokens < 0:
             raise ValueError(f"disaggregation_min_prefill_tokens: must be >= 0, got {self.min_prefill_tokens}")
+
+    def check_servable(self) -> None:
+        """Raise ValueError when a server (prefill and decode in separate processes) cannot use
+        this configuration."""
+        if self.enabled and self.transfer_backend not in SERVER_TRANSFER_BACKENDS:
+            raise ValueError(f"disaggregation_transfer_backend: {self.transfer_backend!r} moves KV only between "
+                             "schedulers in one process (tests); a prefill or decode server needs one of "
+                             f"{SERVER_TRANSFER_BACKENDS}")
 
     @property
     def enabled(self) -> bool:

@@ -1,6 +1,6 @@
 """A prefill scheduler and a decode scheduler in one test process, wired as two servers would be:
-real Mooncake transfer engines over TCP loopback, real ZMQ control channels, a real bootstrap
-registry. Tests step both schedulers by hand, so every state of the protocol can be reached
+real transfer engines (Mooncake over TCP loopback, or the in-memory backend), real ZMQ control
+channels, a real bootstrap registry. Tests step both schedulers by hand, so every state of the protocol can be reached
 and inspected without HTTP or subprocesses."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer
+from pdserve.disagg.transfer import Outstanding
 from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler_process import build_scheduler
@@ -29,13 +30,14 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 
 class PDPair:
-    """``prefill`` and ``decode``: Schedulers in their modes; ``flags`` go to both sides, and
-    ``prefill_flags`` / ``decode_flags`` to one."""
+    """``prefill`` and ``decode``: Schedulers in their modes, moving KV through ``backend``;
+    ``flags`` go to both sides, and ``prefill_flags`` / ``decode_flags`` to one."""
 
-    def __init__(self, model: str, prefill_flags: dict | None = None, decode_flags: dict | None = None, **flags):
+    def __init__(self, model: str, prefill_flags: dict | None = None, decode_flags: dict | None = None,
+                 backend: str = "mooncake", **flags):
         self.bootstrap = BootstrapServer("127.0.0.1", free_port()).start()
         base = {"model_path": model, "disaggregation_bootstrap_port": self.bootstrap.port, "num_threads": 1,
-                **flags}
+                "disaggregation_transfer_backend": backend, **flags}
         # a side's own flags win over the shared ones (model_path too: two copies of one model)
         self.prefill = build_scheduler(ServerArgs(**{**base, **(prefill_flags or {})}, disaggregation_mode="prefill",
                                                   port=free_port()))
@@ -43,6 +45,9 @@ class PDPair:
                                                  port=free_port()))
         self.outputs: dict[str, dict] = {}
         self.prefill_outputs: list = []  # what prefill emitted in the latest step
+        # The engines as built (tests may wrap the sender's later), and what set-up registered.
+        self.engines = (self.prefill.mode.sender.backend, self.decode.mode.backend)
+        self.registered = [e.outstanding().regions for e in self.engines]
 
     def ref(self, room: int) -> BootstrapRef:
         return BootstrapRef("127.0.0.1", self.bootstrap.port, room)
@@ -87,8 +92,14 @@ class PDPair:
             s.check_memory()
             st = s.stats()
             assert st["free_pages"] + st["cached_pages"] == st["total_pages"], st
+        # No batch left in flight, no region registered beyond the pool and aux rows.
+        now = (self.prefill.mode.sender.backend, *self.engines)  # a wrapper counts its own handles
+        for engine, regions in zip(now, (self.registered[0], *self.registered)):
+            assert engine.outstanding() == Outstanding(0, regions), (engine, engine.outstanding())
 
     def close(self) -> None:
         for s in (self.prefill, self.decode):
             s.mode.close()
+        for engine in self.engines:  # the modes leave their transfer engine to the process's end
+            engine.close()
         self.bootstrap.stop()

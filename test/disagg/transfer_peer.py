@@ -1,17 +1,23 @@
-"""A receiving transfer engine in its own process, driven over a pipe (for the transfer tests).
+"""A receiving transfer engine driven over a pipe (for the transfer tests): in its own process
+for Mooncake, on a thread of the test process for the in-memory backend (its fabric does not
+cross processes).
 
-The child owns a real MooncakeTransferBackend with one registered CPU buffer (pinned when an
-accelerator makes that possible) and answers commands: check a region, read bytes, drain
-notifies, or wait for the next notify and check the region it names at once.
+The child owns a real backend with one registered CPU buffer (pinned when an accelerator makes
+that possible) and answers commands: check a region, read bytes, drain notifies, or wait for the
+next notify and check the region it names at once.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import threading
 
 import torch
 
-from pdserve.disagg.transfer import MooncakeTransferBackend
+from pdserve.disagg.transfer import TransferBackend, create_transfer_backend
+from pdserve.disagg.transfer.memory import PROCESS_FABRIC
 
 
 def alloc(nbytes: int) -> torch.Tensor:
@@ -28,7 +34,7 @@ def _mismatches(buf: torch.Tensor, off: int, size: int, val: int) -> int:
     return bad
 
 
-def _check_on_notify(be: MooncakeTransferBackend, buf: torch.Tensor):
+def _check_on_notify(be: TransferBackend, buf: torch.Tensor):
     """Spin until a notify arrives, then check the region its msg names: ``"off,size,val"``."""
     while not (got := be.notifies()):
         pass
@@ -38,8 +44,8 @@ def _check_on_notify(be: MooncakeTransferBackend, buf: torch.Tensor):
     return name, _mismatches(buf, off, size, val)
 
 
-def _serve(conn, nbytes: int) -> None:
-    be = MooncakeTransferBackend()
+def _serve(conn, nbytes: int, backend: str = "mooncake") -> None:
+    be = create_transfer_backend(backend)
     buf = alloc(nbytes)
     be.register([(buf.data_ptr(), nbytes)])
     conn.send((be.session_id, buf.data_ptr()))
@@ -60,15 +66,23 @@ def _serve(conn, nbytes: int) -> None:
 
 
 class Peer:
-    """Parent-side handle: ``session``, ``base`` (address of the child's buffer), ``call``."""
+    """Parent-side handle: ``session``, ``base`` (address of the child's buffer), ``call``;
+    ``kill``, ``freeze`` and ``thaw`` act on the child as signals act on a process."""
 
-    def __init__(self, nbytes: int):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, nbytes), daemon=True)
-        self.proc.start()
+    def __init__(self, nbytes: int, backend: str = "mooncake"):
+        self.backend = backend
+        self.proc: mp.Process | None = None
+        if backend == "memory":
+            self.conn, child = mp.Pipe()
+            self.thread = threading.Thread(target=_serve, args=(child, nbytes, backend), daemon=True)
+            self.thread.start()
+        else:
+            ctx = mp.get_context("spawn")
+            self.conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_serve, args=(child, nbytes, backend), daemon=True)
+            self.proc.start()
         if not self.conn.poll(120):
-            self.proc.kill()
+            self.kill()
             raise RuntimeError("transfer peer did not start within 120 s")
         self.session, self.base = self.conn.recv()
 
@@ -76,7 +90,39 @@ class Peer:
         self.conn.send((cmd, *args))
         return self.conn.recv()
 
+    def kill(self) -> None:
+        """The end of the child's engine: kill -9 of its process; closing an in-process one."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join()
+        else:
+            self.stop()
+
+    def freeze(self) -> None:
+        """SIGSTOP, waiting until every thread is really stopped (delivery is not instant);
+        an in-process engine freezes."""
+        if self.proc is None:
+            PROCESS_FABRIC.lookup(self.session).freeze()
+            return
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        tasks = f"/proc/{self.proc.pid}/task"
+        while not all(_stopped(f"{tasks}/{t}/stat") for t in os.listdir(tasks)):
+            threading.Event().wait(0.01)
+
+    def thaw(self) -> None:
+        if self.proc is None:
+            if (be := PROCESS_FABRIC.lookup(self.session)) is not None:
+                be.thaw()
+        elif self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        if self.proc is None:
+            if self.thread.is_alive():
+                self.thaw()
+                self.call("stop")
+                self.thread.join(30)
+            return
         if self.proc.is_alive():
             try:
                 self.call("stop")
@@ -86,3 +132,8 @@ class Peer:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+
+def _stopped(stat: str) -> bool:
+    with open(stat) as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"

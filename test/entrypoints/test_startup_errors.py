@@ -53,3 +53,12 @@ def test_checkpoint_error_in_the_scheduler_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     [line] = _error_lines(proc)
     assert "checkpoint is missing 1 tensor(s): model.layers.1.self_attn.k_proj.weight" in line
+
+
+def test_a_server_with_the_in_memory_transfer_backend_is_refused():
+    """It moves KV only between schedulers in one process; a server's run in their own."""
+    proc = _serve("tiny-llama", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "memory")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    [line] = _error_lines(proc)
+    assert "disaggregation_transfer_backend: 'memory' moves KV only between schedulers in one process" in line

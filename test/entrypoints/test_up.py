@@ -43,6 +43,9 @@ def test_invalid_deployment_is_refused():
     proc = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--page-size", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "page_size" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama",
+                           "--disaggregation-transfer-backend", "memory"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "disaggregation_transfer_backend: 'memory'" in proc.stderr
 
 
 def test_up_serves_through_its_router_and_stops_everything():

@@ -24,17 +24,13 @@ from pdserve.disagg.protocol import BufferRange, DecodeRecord
 from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead, PeersGone
 from pdserve.disagg.sender import KVSender
 from pdserve.disagg.topology import transfer_device
-from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, create_transfer_backend
+from pdserve.disagg.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
 from pdserve.engine.mode_io import DirectIO, LockStepIO, ModeIO
 from pdserve.engine.modes import SchedulerMode
 
 logger = logging.getLogger(__name__)
 
 BOOTSTRAP_FETCH_TIMEOUT_S = 10.0  # decode's bound on reaching a prefill's bootstrap registry
-# Failure drills and tests: e.g. PDSERVE_TRANSFER_FAULTS="delay_posts=1.5" makes this server's KV
-# writes reach the network 1.5 s late (disagg.transfer.FaultInjectingBackend's knobs).
-FAULTS_ENV = "PDSERVE_TRANSFER_FAULTS"
-_FAULT_KNOBS = {"delay_posts": float, "hold": float, "fail_after": int}
 # What a mode's channel and mailbox carry (the rank loop shares these with every rank).
 MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead, PeersGone)
 
@@ -74,20 +70,6 @@ def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> Tr
     backend = create_transfer_backend(cfg.transfer_backend, hostname=advertised_host(host), protocol=protocol_name,
                                       device_name=device)
     return with_faults(backend, os.environ.get(FAULTS_ENV, ""))
-
-
-def with_faults(backend: TransferBackend, spec: str) -> TransferBackend:
-    """``backend`` wrapped to misbehave as ``spec`` ("knob=value,...") says; as is when empty."""
-    if not spec:
-        return backend
-    faulty = FaultInjectingBackend(backend)
-    for item in spec.split(","):
-        knob, _, value = item.partition("=")
-        if knob not in _FAULT_KNOBS:
-            raise ValueError(f"{FAULTS_ENV}: unknown fault {knob!r} (known: {', '.join(_FAULT_KNOBS)})")
-        getattr(faulty, knob)(_FAULT_KNOBS[knob](value))
-    logger.warning("KV transfer faults injected (%s=%s)", FAULTS_ENV, spec)
-    return faulty
 
 
 def mode_io(host: str, groups=None, auth: PeerAuth | None = None) -> ModeIO:

@@ -113,7 +113,8 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
               choices=DISAGG_MODES)
         _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
               type=int)
-    _flag(g, "--disaggregation-transfer-backend", "KV transfer engine", choices=TRANSFER_BACKENDS)
+    _flag(g, "--disaggregation-transfer-backend", "KV transfer engine (memory: in-process test pairs only, "
+          "refused by servers)", choices=TRANSFER_BACKENDS)
     _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
     _flag(g, "--disaggregation-timeout-s", "bound on every waiting state (unpaired room, KV in flight)",
           type=float)
@@ -152,6 +153,7 @@ def _checked_args(ns: argparse.Namespace):
 
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELDS}
     args = ServerArgs(**kwargs)
+    args.disagg_config().check_servable()
     model_config = args.model_config()
     require_backend(args.moe_a2a_backend)  # and whether the EP backend can run on this host
     return args, model_config
@@ -264,7 +266,8 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pdserve.entrypoints.up import UpArgs, launch_up
 
     try:
-        server_args_from_namespace(ns)  # every server would refuse these: say so now
+        server = server_args_from_namespace(ns)  # every server would refuse these: say so now
+        server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
         args = UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port, ns.up_bootstrap_port,
                       server_flags_from_namespace(ns, parser), ns.up_policy)
     except (ValueError, TypeError) as e:

@@ -227,6 +227,7 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
                   model_config: ModelConfig | None = None) -> int:
     """Run a server until a signal (-> 0) or a failure (-> 1). Raises ValueError for bad args.
     ``model_config``: the caller's (config.json is then not read again)."""
+    args.disagg_config().check_servable()
     configure_logging(args.log_level, "frontend")
     _limit_frontend_threads()
     model_config = model_config or args.model_config()

@@ -1,11 +1,7 @@
-"""The narrow interface pdserve keeps in front of a KV transfer engine, and its Mooncake implementation.
+"""The Mooncake Transfer Engine behind the TransferBackend contract (``base.py``).
 
-Peers are named by their transfer session id (``"host:rpc_port"``). Addresses are raw ints
-(``tensor.data_ptr()``); sources must lie in memory this backend registered, destinations in
-memory the peer registered.
-
-What "done" means (measured on Mooncake's TCP transport, 127.0.0.1; the tests in
-``test/disagg/test_transfer.py`` reproduce it):
+Why Mooncake keeps the contract's guarantees (mooncake-transfer-engine 0.3.13, from its source
+and measured on TCP, 127.0.0.1):
 
 * **DONE means landed.** When ``poll(handle)`` reports ``DONE`` on the sender, every byte of
   the batch is already in the receiver's memory: a sender that polls DONE and at once tells the
@@ -25,10 +21,6 @@ What "done" means (measured on Mooncake's TCP transport, 127.0.0.1; the tests in
   ``notifies()`` returns it saw no stale byte (200 rounds, 1 B to 6 MiB; with the legacy
   framing it does). But a notify can be **lost silently** (from the source): when the notify
   RPC fails, Mooncake logs an error and the write still reports success.
-* **Consequence for decode's completion:** prefill waits until every posted write of a room
-  polls DONE, then sends the completion message (with its write count) over its control
-  channel; decode may trust the bytes when that message arrives. Counting notifies alone
-  could wait forever on a lost notify, so they are never the only signal.
 
 Mooncake quirks this module hides (mooncake-transfer-engine 0.3.13):
 
@@ -69,16 +61,27 @@ Mooncake quirks this module hides (mooncake-transfer-engine 0.3.13):
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
-import enum
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from pdserve.disagg.transfer import mooncake_log
+from pdserve.disagg.transfer.base import (
+    Notify,
+    Outstanding,
+    Regions,
+    TransferBackend,
+    TransferError,
+    WriteHandle,
+    WriteState,
+    check_regions,
+    check_writes,
+    merge_contiguous,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,134 +95,9 @@ MOONCAKE_INSTALL_HINT = (
 _SUBMIT_FAILED = (0, 2**64 - 1)  # transfer_submit_write's "could not start" sentinels
 
 
-class TransferError(RuntimeError):
-    """A transfer failed, or the engine could not be set up; the message names the peer."""
-
-
-class WriteState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class WriteHandle:
-    """Ticket for one ``post_writes`` batch; only the backend that issued it may poll it.
-
-    ``num_writes`` counts writes after merging; ``error`` says why, once FAILED.
-    """
-
-    peer: str
-    num_writes: int
-    nbytes: int
-    state: WriteState = WriteState.PENDING
-    error: str | None = None
-
-
-Notify = tuple[str, str]  # (name, msg)
-
-
-def merge_contiguous(srcs: Sequence[int], dsts: Sequence[int],
-                     lens: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-    """Merge each write into the previous one when both its source and its destination
-    continue the previous write's exactly (order kept): one network write per contiguous run."""
-    out_s: list[int] = []
-    out_d: list[int] = []
-    out_n: list[int] = []
-    for s, d, n in zip(srcs, dsts, lens):
-        if out_n and out_s[-1] + out_n[-1] == s and out_d[-1] + out_n[-1] == d:
-            out_n[-1] += n
-        else:
-            out_s.append(s)
-            out_d.append(d)
-            out_n.append(n)
-    return out_s, out_d, out_n
-
-
-def check_writes(srcs: Sequence[int], dsts: Sequence[int], lens: Sequence[int]) -> None:
-    """Reject malformed batches before they reach the engine (lengths must match, bytes >= 1)."""
-    if not (len(srcs) == len(dsts) == len(lens)):
-        raise ValueError(f"srcs, dsts, lens: lengths differ ({len(srcs)}, {len(dsts)}, {len(lens)})")
-    if not srcs:
-        raise ValueError("srcs: a batch needs at least one write")
-    for i, n in enumerate(lens):
-        if n < 1:
-            raise ValueError(f"lens[{i}]: must be >= 1 byte, got {n}")
-
-
-class TransferBackend(ABC):
-    """One process's endpoint of the KV transfer fabric.
-
-    Contracts every implementation keeps:
-    - ``register`` before any write reads from (or a peer writes into) a region; a source
-      outside the registered regions is a ``ValueError`` at post time, on every transport.
-    - ``post_writes`` never blocks on the network; it merges contiguous runs (see
-      ``merge_contiguous``) and returns a handle. The caller keeps sources unchanged and
-      alive until the handle is terminal.
-    - ``poll`` is non-blocking. A handle turns DONE once every byte is in the peer's memory
-      (see the module docstring for the evidence), FAILED once any write failed and *no write
-      of the batch is still in flight* (so no byte of it can land later). It never goes back.
-    - ``write_sync`` blocks until the batch is done or failed (raising ``TransferError``); the
-      optional notify reaches the peer's ``notifies()`` after the data, or is lost (never early).
-    - ``notifies`` drains what arrived since the last call, oldest first.
-    - ``probe`` answers within ``timeout_s``; False means "did not answer", not "dead".
-    - ``close`` is idempotent; it waits (bounded) for in-flight writes, then frees the engine.
-    """
-
-    @property
-    @abstractmethod
-    def session_id(self) -> str:
-        """This endpoint's peer name, ``"host:rpc_port"``."""
-
-    @abstractmethod
-    def register(self, regions: Sequence[tuple[int, int]]) -> None:
-        """Register ``(addr, nbytes)`` regions (one batch call). Raises TransferError."""
-
-    @abstractmethod
-    def unregister(self, addrs: Sequence[int]) -> None:
-        """Forget regions registered at ``addrs`` (before their memory is freed or reused: a new
-        region overlapping a registered one is refused)."""
-
-    @abstractmethod
-    def post_writes(self, peer: str, srcs: Sequence[int], dsts: Sequence[int],
-                    lens: Sequence[int]) -> WriteHandle:
-        """Queue writes ``srcs[i] -> peer:dsts[i]`` of ``lens[i]`` bytes."""
-
-    @abstractmethod
-    def poll(self, handle: WriteHandle) -> WriteState:
-        """Current state of a posted batch."""
-
-    @abstractmethod
-    def write_sync(self, peer: str, srcs: Sequence[int], dsts: Sequence[int], lens: Sequence[int],
-                   notify: Notify | None = None) -> None:
-        """Write and wait; then, if given, deliver ``notify`` to the peer."""
-
-    @abstractmethod
-    def notifies(self) -> list[Notify]:
-        """Notifies received since the last call."""
-
-    @abstractmethod
-    def probe(self, peer: str, timeout_s: float = 2.0) -> bool:
-        """Whether the peer's transfer engine answered within ``timeout_s``."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Stop, wait for in-flight writes (bounded), unregister and free the engine."""
-
-    def wait(self, handle: WriteHandle, timeout_s: float, interval_s: float = 0.0005) -> WriteState:
-        """Poll until terminal or ``timeout_s`` passed; returns the last state (maybe PENDING)."""
-        deadline = time.monotonic() + timeout_s
-        while (state := self.poll(handle)) is WriteState.PENDING and time.monotonic() < deadline:
-            time.sleep(interval_s)
-        return state
-
-
-# ---------------------------------------------------------------------------------------------
-# Mooncake
-
-
 def import_mooncake():
     """The ``mooncake.engine`` module, or a TransferError saying what to install."""
+    mooncake_log.set_level()  # read when the library loads
     try:
         from mooncake import engine
     except ImportError as e:
@@ -251,32 +129,6 @@ class _Batch:
         return not self.inflight and not self.connecting and (not self.writes or self.error is not None)
 
 
-class _Regions:
-    """Registered ``[addr, addr + n)`` regions, for the source check."""
-
-    def __init__(self):
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-
-    def add(self, addr: int, n: int) -> None:
-        i = bisect.bisect(self._starts, addr)
-        self._starts.insert(i, addr)
-        self._ends.insert(i, addr + n)
-
-    def contains(self, addr: int, n: int) -> bool:
-        i = bisect.bisect(self._starts, addr) - 1
-        return i >= 0 and addr + n <= self._ends[i]
-
-    def remove(self, addr: int) -> None:
-        i = bisect.bisect_left(self._starts, addr)
-        if i == len(self._starts) or self._starts[i] != addr:
-            raise ValueError(f"addrs: {addr:#x} is not the start of a registered region")
-        del self._starts[i], self._ends[i]
-
-    def all(self) -> list[int]:
-        return list(self._starts)
-
-
 class MooncakeTransferBackend(TransferBackend):
     """``mooncake.engine.TransferEngine`` behind the TransferBackend contract.
 
@@ -293,13 +145,14 @@ class MooncakeTransferBackend(TransferBackend):
         if max_inflight_per_peer < 1:
             raise ValueError(f"max_inflight_per_peer: must be >= 1, got {max_inflight_per_peer}")
         self._mc = import_mooncake()
-        self._te = self._mc.TransferEngine()
-        rc = self._te.initialize(hostname, metadata_server, protocol, device_name)
+        with mooncake_log.quiet_start(protocol):
+            self._te = self._mc.TransferEngine()
+            rc = self._te.initialize(hostname, metadata_server, protocol, device_name)
         if rc != 0:
             raise TransferError(f"Mooncake initialize({hostname!r}, {metadata_server!r}, {protocol!r}, "
                                 f"{device_name!r}) returned {rc}")
         self._session = f"{hostname}:{self._te.get_rpc_port()}"
-        self._regions = _Regions()
+        self._regions = Regions()
         self._prober = _Prober(self._te)
         self._connect_timeout_s = connect_timeout_s
         self._pump = _WritePump(self._te, self._prober, max_inflight_per_peer, poll_interval_s, connect_timeout_s)
@@ -313,9 +166,7 @@ class MooncakeTransferBackend(TransferBackend):
         self._check_open()
         if not regions:
             return
-        for i, (addr, n) in enumerate(regions):
-            if addr <= 0 or n < 1:
-                raise ValueError(f"regions[{i}]: need addr > 0 and nbytes >= 1, got ({addr}, {n})")
+        check_regions(regions)
         rc = self._te.batch_register_memory([a for a, _ in regions], [n for _, n in regions])
         if rc != 0:
             raise TransferError(f"Mooncake batch_register_memory of {len(regions)} regions returned {rc}")
@@ -367,6 +218,9 @@ class MooncakeTransferBackend(TransferBackend):
         self._check_open()
         return self._prober.probe(peer, timeout_s)
 
+    def outstanding(self) -> Outstanding:
+        return Outstanding(self._pump.pending(), len(self._regions))
+
     def close(self, timeout_s: float = 40.0) -> None:
         """Writes or probes still inside Mooncake after ``timeout_s`` (a hung peer fails writes
         after 30 s, probes after about 60 s) keep the engine alive, leaked on purpose: freeing
@@ -381,6 +235,7 @@ class MooncakeTransferBackend(TransferBackend):
             return
         if self._regions.all():
             self._te.batch_unregister_memory(self._regions.all())
+        self._regions = Regions()
         self._te = None
 
     def _check_open(self) -> None:
@@ -460,6 +315,11 @@ class _WritePump:
     def state(self, handle: WriteHandle) -> WriteState:
         with self._cond:
             return handle.state
+
+    def pending(self) -> int:
+        """Batches not yet terminal."""
+        with self._cond:
+            return len(self._batches)
 
     def known(self, peer: str) -> bool:
         """Whether the peer's segment is open (first contact done)."""
@@ -584,167 +444,3 @@ class _WritePump:
             else:
                 keep.append(b)
         self._batches = keep
-
-
-class FaultInjectingBackend(TransferBackend):
-    """A real backend that breaks on request, for failure tests (no fake engine underneath).
-
-    Knobs, thread-safe and changeable at any time:
-    - ``fail_writes_to(peer)``: later writes to ``peer`` fail without reaching the network.
-    - ``fail_after(n)``: the next ``n`` writes (counted after merging) go through, later ones
-      fail; a batch straddling the limit sends its first writes, so some of its bytes land.
-    - ``hold()``: batches report PENDING until ``release()``, whatever their bytes did;
-      ``hold(seconds=s)``: each batch posted from now on reports PENDING for ``s`` seconds more.
-    - ``drop_notifies()``: ``write_sync`` writes the data but the notify never leaves, as when
-      Mooncake's notify RPC fails (it only logs).
-    - ``delay_posts(s)``: batches posted from now on reach the real engine only ``s`` seconds
-      later (a slow network): their bytes land late, after anything the caller did meanwhile.
-    ``reset()`` clears them all. A failed batch still reports FAILED only after its real writes
-    settled, as the contract requires.
-    """
-
-    def __init__(self, inner: TransferBackend, clock: Callable[[], float] = time.monotonic):
-        self.inner = inner
-        self._clock = clock
-        self._lock = threading.Lock()
-        # handle -> (the real engine's handle or None, injected error, time it may complete)
-        self._batches: dict[WriteHandle, tuple[WriteHandle | None, str | None, float]] = {}
-        self.reset()
-
-    def reset(self) -> None:
-        with self._lock:
-            self._failing_peers: set[str] = set()
-            self._budget: int | None = None
-            self._held = False
-            self._delay_s = 0.0
-            self._drop_notifies = False
-            self._post_delay_s = 0.0
-
-    def fail_writes_to(self, peer: str) -> None:
-        with self._lock:
-            self._failing_peers.add(peer)
-
-    def fail_after(self, n: int | None) -> None:
-        with self._lock:
-            self._budget = n
-
-    def hold(self, seconds: float | None = None) -> None:
-        with self._lock:
-            if seconds is None:
-                self._held = True
-            else:
-                self._delay_s = seconds
-
-    def delay_posts(self, seconds: float) -> None:
-        with self._lock:
-            self._post_delay_s = seconds
-
-    def release(self) -> None:
-        with self._lock:
-            self._held = False
-            self._delay_s = 0.0
-
-    def inner_handle(self, handle: WriteHandle) -> WriteHandle | None:
-        """The real engine's handle behind ``handle`` (None when nothing was sent), so a test
-        can tell "bytes landed" from "reported done"; only until ``handle`` turned terminal."""
-        with self._lock:
-            return self._batches[handle][0]
-
-    def drop_notifies(self, drop: bool = True) -> None:
-        with self._lock:
-            self._drop_notifies = drop
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, regions) -> None:
-        self.inner.register(regions)
-
-    def unregister(self, addrs) -> None:
-        self.inner.unregister(addrs)
-
-    def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
-        check_writes(srcs, dsts, lens)
-        s, d, n = merge_contiguous(srcs, dsts, lens)
-        with self._lock:
-            keep, error = self._allowed(peer, len(n))
-            posted_at = self._clock() + self._delay_s
-            post_delay = self._post_delay_s
-        handle = WriteHandle(peer, len(n), sum(n))
-        if keep and post_delay > 0:
-            with self._lock:
-                self._batches[handle] = (_LATE, error, posted_at)
-            timer = threading.Timer(post_delay, self._post_late, (handle, peer, s[:keep], d[:keep], n[:keep]))
-            timer.daemon = True
-            timer.start()
-            return handle
-        inner = self.inner.post_writes(peer, s[:keep], d[:keep], n[:keep]) if keep else None
-        with self._lock:
-            self._batches[handle] = (inner, error, posted_at)
-        return handle
-
-    def _post_late(self, handle: WriteHandle, peer, srcs, dsts, lens) -> None:
-        inner = self.inner.post_writes(peer, srcs, dsts, lens)
-        with self._lock:
-            _, error, posted_at = self._batches[handle]
-            self._batches[handle] = (inner, error, posted_at)
-
-    def poll(self, handle: WriteHandle) -> WriteState:
-        with self._lock:
-            if handle.state is not WriteState.PENDING:
-                return handle.state
-            inner, error, release_at = self._batches[handle]
-            held = self._held or self._clock() < release_at
-        if inner is _LATE:
-            return WriteState.PENDING
-        state = self.inner.poll(inner) if inner is not None else WriteState.DONE
-        if state is WriteState.PENDING or held:
-            return WriteState.PENDING
-        with self._lock:
-            handle.error = error or (inner.error if state is WriteState.FAILED else None)
-            handle.state = WriteState.FAILED if handle.error else WriteState.DONE
-            del self._batches[handle]
-            return handle.state
-
-    def write_sync(self, peer, srcs, dsts, lens, notify=None) -> None:
-        check_writes(srcs, dsts, lens)
-        s, d, n = merge_contiguous(srcs, dsts, lens)
-        with self._lock:
-            keep, error = self._allowed(peer, len(n))
-            if self._drop_notifies:
-                notify = None
-        if keep:
-            self.inner.write_sync(peer, s[:keep], d[:keep], n[:keep], None if error else notify)
-        if error:
-            raise TransferError(error)
-
-    def notifies(self) -> list[Notify]:
-        return self.inner.notifies()
-
-    def probe(self, peer: str, timeout_s: float = 2.0) -> bool:
-        return self.inner.probe(peer, timeout_s)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def _allowed(self, peer: str, count: int) -> tuple[int, str | None]:
-        """How many of ``count`` writes really go, and the injected error (caller holds the lock)."""
-        if peer in self._failing_peers:
-            return 0, f"injected failure: writes to {peer} fail"
-        if self._budget is None:
-            return count, None
-        keep = min(count, self._budget)
-        self._budget -= keep
-        return keep, None if keep == count else f"injected failure: write budget exhausted ({peer})"
-
-
-_LATE = WriteHandle("", 0, 0)  # stands for a delayed batch's real handle until it is posted
-
-
-def create_transfer_backend(name: str, **kwargs) -> TransferBackend:
-    """Backend by its ``--disaggregation-transfer-backend`` name (imported only when chosen)."""
-    factories: dict[str, Callable[..., TransferBackend]] = {"mooncake": MooncakeTransferBackend}
-    if name not in factories:
-        raise ValueError(f"disaggregation_transfer_backend: {name!r} is not one of {sorted(factories)}")
-    return factories[name](**kwargs)

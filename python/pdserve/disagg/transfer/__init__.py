@@ -1,0 +1,70 @@
+"""KV transfer backends behind one contract (``base.py``), one module each, chosen by name.
+
+``mooncake`` (``mooncake.py``): Mooncake's Transfer Engine, TCP or RDMA, what servers use.
+``memory`` (``memory.py``): memcpy between schedulers built in one process (tests).
+``faults.py`` wraps either to misbehave on request. A new backend (NIXL) is a new module and
+one line in ``_BACKENDS``; its library is imported only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from pdserve.disagg.transfer.base import (
+    Notify,
+    Outstanding,
+    TransferBackend,
+    TransferError,
+    WriteHandle,
+    WriteState,
+    check_writes,
+    merge_contiguous,
+)
+from pdserve.disagg.transfer.faults import FAULTS_ENV, FaultInjectingBackend, with_faults
+from pdserve.disagg.transfer.memory import MemoryFabric, MemoryTransferBackend
+from pdserve.disagg.transfer.mooncake import (
+    MOONCAKE_INSTALL_HINT,
+    PROTOCOLS,
+    MooncakeTransferBackend,
+    import_mooncake,
+    mooncake_available,
+)
+
+# name -> (module, class); the module is imported, and its engine library loaded, on first use.
+_BACKENDS = {
+    "mooncake": ("pdserve.disagg.transfer.mooncake", "MooncakeTransferBackend"),
+    "memory": ("pdserve.disagg.transfer.memory", "MemoryTransferBackend"),
+}
+BACKEND_NAMES = tuple(_BACKENDS)
+
+
+def create_transfer_backend(name: str, **kwargs) -> TransferBackend:
+    """Backend by its ``--disaggregation-transfer-backend`` name."""
+    if name not in _BACKENDS:
+        raise ValueError(f"disaggregation_transfer_backend: {name!r} is not one of {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "FAULTS_ENV",
+    "MOONCAKE_INSTALL_HINT",
+    "PROTOCOLS",
+    "FaultInjectingBackend",
+    "MemoryFabric",
+    "MemoryTransferBackend",
+    "MooncakeTransferBackend",
+    "Notify",
+    "Outstanding",
+    "TransferBackend",
+    "TransferError",
+    "WriteHandle",
+    "WriteState",
+    "check_writes",
+    "create_transfer_backend",
+    "import_mooncake",
+    "merge_contiguous",
+    "mooncake_available",
+    "with_faults",
+]
