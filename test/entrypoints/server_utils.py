@@ -92,6 +92,11 @@ def assert_gone(server: Server, pids: list[int]) -> None:
     assert port_is_free(server.port), f"port {server.port} still bound\n{server.output()}"
 
 
+# P/D resources a server holds only while a request or a late write needs them.
+IDLE_ZERO = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "quarantine_entries", "aux_rows_in_use",
+             "transfer_batches_in_flight", "rooms_waiting", "rooms_transferring", "rooms_open")
+
+
 class Server:
     """A ``python -m pdserve serve`` subprocess; ``url`` once ``start()`` returns."""
 
@@ -144,12 +149,14 @@ class Server:
         return r.json()
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
-        """Poll until nothing runs or waits and free + cached pages == total; returns the last info."""
+        """Poll until nothing runs or waits, free + cached pages == total, and (P/D modes) no
+        room, quarantine entry, aux row or transfer batch is held; returns the last info."""
         deadline = time.monotonic() + timeout
         info = self.info()
         while time.monotonic() < deadline:
             if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-                    and info["free_pages"] + info["cached_pages"] == info["total_pages"]):
+                    and info["free_pages"] + info["cached_pages"] == info["total_pages"]
+                    and not any(info.get(k) for k in IDLE_ZERO)):
                 return info
             time.sleep(0.1)
             info = self.info()

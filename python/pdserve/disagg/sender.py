@@ -112,6 +112,10 @@ class KVSender:
         self.bytes_posted = 0
         self.writes_posted = 0
 
+    @property
+    def aux_rows_free(self) -> int:
+        return len(self._aux_free)
+
     # ------------------------------------------------------------- rooms
     def check(self, kv: KVRequest, num_tokens: int) -> None:
         """Raise LayoutError naming what makes ``kv`` unservable for a prompt of n - 1 = num_tokens."""

@@ -47,6 +47,7 @@ from pdserve.disagg.receiver import (
 from pdserve.disagg.transfer import TransferBackend
 from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
+from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort
 
 logger = logging.getLogger(__name__)
@@ -406,6 +407,17 @@ class DecodeMode(SchedulerMode):
     def quarantined_pages(self) -> int:
         return self.quarantine.num_pages
 
+    def check_resources(self, idle: bool) -> None:
+        """Aux rows: one per waiting room or quarantine entry holding one; with ``idle``, no room,
+        pending request, quarantine entry or transfer batch left (``SchedulerMode``)."""
+        lent = len(self.rooms) + sum(e.aux_slot is not None for e in self.quarantine.entries.values())
+        _balance("decode aux slots", self.aux_slots.num_free + lent, self.aux.shape[0])
+        if idle:
+            _balance("decode rooms waiting for KV", len(self.rooms), 0)
+            _balance("decode pending requests", len(self.pending), 0)
+            _balance("decode quarantine entries", len(self.quarantine.entries), 0)
+            _balance("decode transfer batches in flight", self.backend.outstanding().batches, 0)
+
     def sockets(self) -> list:
         return self.io.sockets()
 
@@ -414,13 +426,16 @@ class DecodeMode(SchedulerMode):
         return {"disaggregation_mode": self.name, "num_waiting_for_kv": len(self.rooms),
                 "num_pending_kv": len(self.pending), "quarantined_pages": self.quarantine.num_pages,
                 "fallback_rate": rate, "fallback_window": len(self.outcomes),
-                "control_refused": self.io.refused(), **self.counters}
+                "control_refused": self.io.refused(), "quarantine_entries": len(self.quarantine.entries),
+                "aux_rows_in_use": self.aux.shape[0] - self.aux_slots.num_free,
+                "transfer_batches_in_flight": self.backend.outstanding().batches, **self.counters}
 
     @classmethod
     def merge_stats(cls, per_dp: list[dict]) -> dict:
         counters = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "fallback_window",
                     "requests_disaggregated", "kv_received", "local_prefills", "fallbacks", "transfer_failures",
-                    "kv_pages_received", "stale_messages", "duplicate_rooms", "control_refused")
+                    "kv_pages_received", "stale_messages", "duplicate_rooms", "control_refused", "quarantine_entries",
+                    "aux_rows_in_use", "transfer_batches_in_flight")
         out = {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in counters}}
         fell_back = sum(s["fallback_rate"] * s["fallback_window"] for s in per_dp)
         out["fallback_rate"] = fell_back / out["fallback_window"] if out["fallback_window"] else 0.0

@@ -77,6 +77,12 @@ class SchedulerMode:
     def quarantined_pages(self) -> int:
         return 0
 
+    def check_resources(self, idle: bool) -> None:
+        """Raise naming the resource when the mode's books do not balance: what it holds must be
+        what its live rooms account for, and with ``idle`` (no request anywhere, nothing in
+        flight) every table, slot, pending list and transfer batch must be empty. Called by
+        ``Scheduler.check_memory`` so a leak fails the test that caused it."""
+
     def sockets(self) -> list:
         """ZMQ sockets whose messages this mode reads in ``poll`` (the loop wakes on them)."""
         return []
@@ -99,3 +105,9 @@ class SchedulerMode:
 
     def close(self) -> None:
         """Stop threads and release transfer resources (the process is ending)."""
+
+
+def balance(what: str, have: int, want: int) -> None:
+    """``check_resources``' one assertion: ``what`` must count ``want``."""
+    if have != want:
+        raise RuntimeError(f"resource accounting broken: {what}: {have}, expected {want}")

@@ -44,6 +44,7 @@ from pdserve.disagg.protocol import (
 from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
+from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort, finish_length
 
 logger = logging.getLogger(__name__)
@@ -374,13 +375,28 @@ class PrefillMode(SchedulerMode):
     def held_reqs(self) -> list[Req]:
         return list(self.transferring.values())
 
+    def check_resources(self, idle: bool) -> None:
+        """Every open room is a request's (``reqs``), with a sender room once started; with
+        ``idle``, no room, pairing half, sender room, aux row or transfer batch is left."""
+        _balance("prefill rooms with a reply endpoint and no request", len(set(self.reply_to) - set(self.reqs)), 0)
+        if idle:
+            for what, n in (("rooms waiting to pair", len(self.rooms)), ("requests", len(self.reqs)),
+                            ("transferring rooms", len(self.transferring)), ("rooms closing", len(self.closing)),
+                            ("KV arrival stamps", len(self.kv_arrival)), ("sender rooms", len(self.sender.rooms)),
+                            ("transfer batches in flight", self.sender.backend.outstanding().batches)):
+                _balance(f"prefill {what}", n, 0)
+            _balance("prefill aux rows free", self.sender.aux_rows_free, self.sender.aux.shape[0])
+
     def sockets(self) -> list:
         return self.io.sockets()
 
     def stats(self) -> dict:
         return {"disaggregation_mode": self.name, "rooms_waiting": len(self.rooms),
                 "rooms_transferring": len(self.transferring), "kv_bytes_sent": self.sender.bytes_posted,
-                "kv_writes_sent": self.sender.writes_posted, "control_refused": self.io.refused(), **self.counters}
+                "kv_writes_sent": self.sender.writes_posted, "control_refused": self.io.refused(),
+                "rooms_open": len(self.reqs) + len(self.closing),
+                "aux_rows_in_use": self.sender.aux.shape[0] - self.sender.aux_rows_free,
+                "transfer_batches_in_flight": self.sender.backend.outstanding().batches, **self.counters}
 
     def close(self) -> None:
         self.io.close()

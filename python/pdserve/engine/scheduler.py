@@ -427,6 +427,11 @@ class Scheduler:
             raise RuntimeError(f"page accounting broken: free {self.allocator.num_free} + cached "
                                f"{self.cache.num_cached_pages} + held {self.pages_held_by_requests()} "
                                f"!= total {self.allocator.num_pages}")
+        rows = sum(r.row is not None for r in self._live_reqs())
+        if self.table.num_free_rows + rows != self.table.max_reqs:
+            raise RuntimeError(f"table rows broken: free {self.table.num_free_rows} + held by live requests {rows} "
+                               f"!= {self.table.max_reqs}")
+        self.mode.check_resources(idle=not self.has_work() and not self.reqs)
 
     def stats(self) -> dict:
         total = self.allocator.num_pages

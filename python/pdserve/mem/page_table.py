@@ -25,6 +25,10 @@ class ReqToTokenTable:
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     @property
+    def max_reqs(self) -> int:
+        return self.table.shape[0]
+
+    @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
