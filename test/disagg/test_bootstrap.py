@@ -3,6 +3,8 @@ and RoomTable pairing with an injected clock."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import socket
 import threading
 import time
@@ -11,7 +13,9 @@ import urllib.request
 import pytest
 
 from pdserve.config import ModelConfig
+from pdserve.disagg.auth import AuthError, PeerAuth
 from pdserve.disagg.bootstrap import (
+    MAX_BODY_BYTES,
     BootstrapClient,
     BootstrapError,
     BootstrapServer,
@@ -227,3 +231,62 @@ def test_unpaired_halves_expire_and_tombstones_are_forgotten():
     assert len(t) == 1
     with pytest.raises(ValueError, match="timeout_s"):
         RoomTable(timeout_s=0)
+
+
+# ------------------------------------------------------------------ who may talk to the registry
+def _raw(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, data=body or None,
+                                 headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_with_a_token_every_unsigned_or_wrongly_signed_request_is_refused():
+    auth = PeerAuth("s3cret")
+    with BootstrapServer("127.0.0.1", 0, auth) as server:
+        signed = BootstrapClient(request_timeout_s=2.0, interval_s=0.05, auth=auth)
+        signed.register_compat("127.0.0.1", server.port, COMPAT)
+        for r in (0, 1):
+            signed.register_rank("127.0.0.1", server.port, rank_record(r))
+        assert signed.fetch("127.0.0.1", server.port, timeout_s=5).compat == COMPAT
+        # A forger replacing rank 0's control endpoint (what made decode talk to it before).
+        forged = RankRecord(0, "127.0.0.1:15000", rank_record(0).buffers, "tcp://127.0.0.1:6666", LAYOUT)
+        for client in (CLIENT, BootstrapClient(request_timeout_s=2.0, auth=PeerAuth("wrong"))):
+            with pytest.raises(BootstrapError, match="refused /bootstrap/rank: .*authentication|missing"):
+                client.register_rank("127.0.0.1", server.port, forged)
+            with pytest.raises(BootstrapError, match="refused: HTTP 401"):
+                client.fetch("127.0.0.1", server.port, timeout_s=5)
+        body = json.dumps(dataclasses.asdict(forged)).encode()
+        stale = auth.sign("PUT", "/bootstrap/rank", body, now=time.time() - 3600)
+        assert _raw(server.port, "PUT", "/bootstrap/rank", body, stale) == 401  # an old signature
+        altered = auth.sign("PUT", "/bootstrap/rank", json.dumps(dataclasses.asdict(rank_record(0))).encode())
+        assert _raw(server.port, "PUT", "/bootstrap/rank", body, altered) == 401  # signed another body
+        assert _raw(server.port, "GET", "/health") == 200  # liveness stays open, it tells nothing
+        assert signed.fetch("127.0.0.1", server.port, timeout_s=5).ranks[0].control == "tcp://127.0.0.1:6000"
+        assert server.refused["auth"] >= 6
+
+
+def test_without_a_token_only_loopback_peers_are_accepted():
+    open_auth, strict = PeerAuth(allow_unauthenticated=True), PeerAuth()
+    for peer in ("127.0.0.1", "::1", "127.3.4.5"):
+        strict.verify("GET", "/bootstrap", b"", None, peer)
+    for peer in ("192.0.2.7", "2001:db8::1", None, "not-an-address"):
+        with pytest.raises(AuthError, match="only loopback peers are accepted"):
+            strict.verify("GET", "/bootstrap", b"", None, peer)
+        open_auth.verify("GET", "/bootstrap", b"", None, peer)
+    with pytest.raises(AuthError, match="has no --disaggregation-auth-token"):
+        strict.open(PeerAuth("t").seal(b"{}"), "127.0.0.1")  # a misconfigured pair is named, not guessed
+
+
+def test_a_record_with_an_absurd_layout_is_refused_not_stored(server):
+    big = {**dataclasses.asdict(LAYOUT), "dp_size": 10**9}
+    body = json.dumps({**dataclasses.asdict(rank_record(0)), "layout": big}).encode()
+    assert _raw(server.port, "PUT", "/bootstrap/rank", body) == 400
+    assert _raw(server.port, "PUT", "/bootstrap/rank", b"{" * 100_000) == 400
+    assert _raw(server.port, "PUT", "/bootstrap/rank", b"x" * (MAX_BODY_BYTES + 1)) == 413
+    assert _raw(server.port, "PUT", "/bootstrap/rank", b"{}", {"Content-Length": "-1"}) == 400
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/bootstrap", timeout=5) as resp:
+        assert len(resp.read()) < 200  # nothing was stored: the snapshot stays small

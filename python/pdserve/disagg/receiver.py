@@ -60,6 +60,10 @@ class Peer:
     def name(self) -> str:
         return f"{self.key[0]}:{self.key[1]}"
 
+    def retry_due(self, now: float) -> bool:
+        """A peer whose fetch failed is asked again from ``retry_at`` on (incompatible ones never)."""
+        return self.error is not None and not self.incompatible and now >= self.retry_at
+
     @property
     def sessions(self) -> list[str]:
         return [r.session for r in self.info.ranks] if self.info else []
@@ -284,6 +288,10 @@ class IncomingRoom:
     @property
     def sources(self) -> set[int]:
         return {s for s, _ in self.expected}
+
+    def overdue(self, now: float) -> bool:
+        """More than ``--disaggregation-timeout-s`` since the KV request went out."""
+        return now > self.deadline
 
     def add(self, c: KVCompletion) -> str | None:
         """Record a completion; returns an error when it breaks the room."""

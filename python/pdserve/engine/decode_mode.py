@@ -130,7 +130,7 @@ class DecodeMode(SchedulerMode):
             if not self._try_prepare(req, now):
                 break  # FCFS: a request that cannot get pages holds back the ones behind it
         for room, w in list(self.rooms.items()):
-            if now > w.incoming.deadline:
+            if w.incoming.overdue(now):
                 self._fail(room, f"no KV from prefill {w.incoming.peer.name} within {self.config.timeout_s:.0f} s")
         self._release_quarantine(now)
         if self.monitor is not None:
@@ -163,7 +163,7 @@ class DecodeMode(SchedulerMode):
         if peer is None:
             return True  # records on their way; later requests may go ahead
         if peer.error is not None:
-            if now >= peer.retry_at and not peer.incompatible:
+            if peer.retry_due(now):
                 self._forget(peer.key)  # ask again: it may have restarted (the request waits for the answer)
                 return True
             self.pending.remove(req)
