@@ -49,6 +49,19 @@ class ServerError(RequestError):
         super().__init__(message, None, status, None)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """What ``error_body`` returns, for the OpenAPI schema."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}

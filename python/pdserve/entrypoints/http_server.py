@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from pdserve import __version__
 from pdserve.config import ModelConfig, ServerArgs
@@ -27,6 +30,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
 from pdserve.entrypoints.errors import (
+    ErrorResponse,
     RequestError,
     ServerError,
     error_body,
@@ -35,7 +39,7 @@ from pdserve.entrypoints.errors import (
     read_body,
 )
 from pdserve.entrypoints.listen import bind_socket, configure_logging
-from pdserve.entrypoints.protocol import AbortRequest
+from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, AbortRequest
 from pdserve.entrypoints.streaming import collect
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
 from pdserve.obs.metrics import ServerMetrics
@@ -72,7 +76,7 @@ class ServerContext:
 
 # ------------------------------------------------------------------ app
 def create_app(ctx: ServerContext) -> FastAPI:
-    app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="pdserve", version=__version__, redoc_url=None)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(Exception, _internal_error)
     _add_generation_routes(app, ctx)
@@ -80,25 +84,64 @@ def create_app(ctx: ServerContext) -> FastAPI:
     _add_control_routes(app, ctx)
     if ctx.args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
+    app.openapi = lambda: _openapi(app)
     return app
 
 
+# ------------------------------------------------------------- OpenAPI
+# The routes parse their bodies themselves (errors.read_body, errors.parse_body); these declare
+# the same models in the schema without letting FastAPI validate (its 422 is not OpenAI's shape).
+_ERRORS = {400: "a field is wrong (the message names it)", 401: "missing or wrong API key (--api-key)",
+           413: "body larger than --max-request-bytes", 503: "the scheduler is gone, busy or stopping"}
+_EMPTY_200 = {200: {"description": "OK (no body)", "content": {}}}
+
+
+def _errors(*statuses: int) -> dict:
+    return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
+
+
+def _documented(path: str, streams: bool = False) -> dict:
+    """``app.post`` keyword arguments declaring ``path``'s request body and its responses."""
+    model = OPENAPI_BODIES[path]
+    body = {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    responses = _errors(400, 401, 413, 503)
+    if streams:
+        event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+        responses[200] = {"content": {"text/event-stream": {"schema": event}},
+                          "description": "a JSON body, or with stream: true server-sent events ending in [DONE]"}
+    return {"openapi_extra": {"requestBody": body}, "responses": responses}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        models: list[type[BaseModel]] = [*OPENAPI_BODIES.values(), *OPENAPI_EXTRA_MODELS]
+        _, defs = models_json_schema([(m, "validation") for m in models],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def _add_generation_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/generate")
+    @app.post("/generate", **_documented("/generate", streams=True))
     async def generate(request: Request):
         return await native_api.generate(ctx.tm, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **_documented("/v1/completions", streams=True))
     async def completions(request: Request):
         return await openai_api.completions(ctx.tm, request, ctx.model_name)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_documented("/v1/chat/completions", streams=True))
     async def chat_completions(request: Request):
         return await openai_api.chat_completions(ctx.tm, request, ctx.model_name)
 
 
 def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.get("/health")
+    # A decode server whose transfers mostly fall back answers 200 with a JSON body; the schema
+    # describes the colocated answer (an operator reads the body, a fuzzer should not expect one).
+    @app.get("/health", response_class=Response, responses={**_EMPTY_200, **_errors(503)})
     async def health():
         if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):
             raise ServerError(ctx.tm.fatal_error or "scheduler is not running")
@@ -108,12 +151,12 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
                 return JSONResponse(detail)
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, responses={**_EMPTY_200, **_errors(503)})
     async def health_generate():
         await asyncio.wait_for(_one_token(ctx.tm), HEALTH_GENERATE_TIMEOUT_S)
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models():
         return openai_api.list_models(ctx.model_name, ctx.args.model_path, ctx.tm.limits.context_len)
 
@@ -124,11 +167,12 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         return _model_info(ctx)
 
     for path in ("/get_server_info", "/server_info"):
-        app.get(path)(server_info)
+        app.get(path, responses=_errors(401, 503))(server_info)
     for path in ("/model_info", "/get_model_info"):
-        app.get(path)(model_info)
+        app.get(path, responses=_errors(401))(model_info)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         try:
             await ctx.tm.get_stats()  # refreshes the scheduler gauges
@@ -138,13 +182,13 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 
 def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=_errors(400, 401, 503))
     async def flush_cache():
         if await ctx.tm.flush_cache():
             return {"success": True, "message": "Cache flushed."}
         raise RequestError("flush_cache: requests are still running; retry when the server is idle")
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", **_documented("/abort_request"))
     async def abort_request(request: Request):
         req: AbortRequest = parse_body(AbortRequest, await read_body(request, ctx.args.max_request_bytes))
         if req.abort_all:

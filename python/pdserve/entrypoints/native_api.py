@@ -102,6 +102,7 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
     tops = _per_prompt(req.top_logprobs_num, n, "top_logprobs_num", int)
     rids = _per_prompt(req.rid, n, "rid", str)
     samplings = [_sampling(sp, tm.limits.vocab_size) for sp in sps]
+    _check_sample_rids(tm, rids, [s.n for s in samplings])
     boots = tm.bootstraps(req, n, max(s.n for s in samplings))
     items = []
     for ids, sampling, lp, start, top, rid, boot in zip(ids_list, samplings, lps, starts, tops, rids, boots):
@@ -148,10 +149,33 @@ def _per_prompt(value, n: int, name: str, kind: type) -> list:
     return list(value)
 
 
+def _check_sample_rids(tm: TokenizerManager, rids: list[str | None], counts: list[int]) -> None:
+    """The rids the samples will run under (``PromptJob``: the rid, or ``rid-j`` for n > 1) are
+    distinct and free before any sample starts: one refused later would fail the request while
+    the others already run (a 500 from ``gather_or_cancel`` until it re-raises the first error)."""
+    first: dict[str, int] = {}
+    for i, (rid, count) in enumerate(zip(rids, counts)):
+        for sample_rid in [] if rid is None else [rid] if count == 1 else [f"{rid}-{j}" for j in range(count)]:
+            if sample_rid in first:
+                raise RequestError(f"rid[{i}]: {rid!r} collides with rid[{first[sample_rid]}] "
+                                   f"(as {sample_rid!r}); each prompt needs its own", param="rid")
+            first[sample_rid] = i
+            tm.new_rid(sample_rid)  # refuses a rid already in use
+
+
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")  # SamplingParams.validate leaves them unchecked
+
+
 def _sampling(d: dict | None, vocab_size: int) -> SamplingParams:
     try:
-        return SamplingParams.from_dict(d).validate(vocab_size)
+        sampling = SamplingParams.from_dict(d).validate(vocab_size)
     except TypeError as e:
         raise RequestError(f"sampling_params: {e}", param="sampling_params") from None
     except ValueError as e:
         raise RequestError.from_value_error(e) from None
+    for name in _BOOL_FIELDS:  # a non-bool reaches the tokenizer's decode, which raises TypeError
+        value = getattr(sampling, name)
+        if not isinstance(value, bool):
+            raise RequestError(f"sampling_params.{name}: must be a boolean, got {value!r}",
+                               param=f"sampling_params.{name}")
+    return sampling

@@ -2,15 +2,20 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields are
 type-checked here and range-checked by ``SamplingParams.validate``.
+
+The routes read the raw body themselves (so a 413 comes before parsing and a bad field is a
+400 in OpenAI's error shape, see ``errors.parse_body``); ``OPENAPI_BODIES`` names the model
+each route documents in ``/openapi.json``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pdserve.engine.io_struct import BootstrapRef
+from pdserve.engine.request import MAX_N, SEED_MAX, SEED_MIN
 from pdserve.entrypoints.errors import RequestError
 
 
@@ -62,12 +67,46 @@ def _per_prompt(value, n: int, name: str) -> list:
     return value
 
 
+_StopString = Annotated[str, Field(min_length=1)]
+
+
+class GenerateSamplingParams(BaseModel):
+    """``sampling_params`` of ``/generate`` (SGLang's names), for the schema only: the route
+    hands the object to ``SamplingParams.from_dict``, which refuses unknown fields, and
+    ``SamplingParams.validate`` checks the ranges stated here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(-1, description="-1 (the whole vocabulary) or >= 1")
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: _StopString | list[_StopString] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    n: int = Field(1, ge=1, le=MAX_N)
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+# A plain dict at run time (SamplingParams.from_dict names the bad key), documented as the model.
+_SamplingParamsField = Annotated[dict | list[dict] | None, WithJsonSchema({"anyOf": [
+    _ref(GenerateSamplingParams), {"type": "array", "items": _ref(GenerateSamplingParams)}, {"type": "null"}]})]
+
+
 class GenerateRequest(_Bootstrap):
     """SGLang's native ``POST /generate``: exactly one of ``text`` / ``input_ids``."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict | list[dict] | None = None
+    sampling_params: _SamplingParamsField = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] | None = None  # -1 / None: the last prompt token
@@ -139,3 +178,10 @@ class ChatCompletionRequest(_SamplingFields):
 class AbortRequest(_Body):
     rid: str | None = None
     abort_all: bool = False
+
+
+# The request body each route documents; GenerateSamplingParams is referenced by GenerateRequest.
+OPENAPI_BODIES: dict[str, type[BaseModel]] = {
+    "/generate": GenerateRequest, "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest, "/abort_request": AbortRequest}
+OPENAPI_EXTRA_MODELS: tuple[type[BaseModel], ...] = (GenerateSamplingParams,)
