@@ -24,11 +24,10 @@ from pdserve.mem.kv_pool import BufferDescriptor
 FUZZ = settings(max_examples=30, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 FUZZ_KNOWN = settings(FUZZ, max_examples=20, phases=(Phase.explicit, Phase.generate))  # no shrinking
-HARDENING = pytest.mark.xfail(strict=True, reason="fixed by the protocol hardening")
 TIMEOUT_S = 5.0  # an answer later than this is a hang
 MAX_SNAPSHOT_BYTES = 1 << 20  # GET /bootstrap for any accepted record stays under this
 
-COMPAT = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 16, "gqa-hnd", 4, 8, 64)
+COMPAT = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 16, "gqa-hnd", 4, 8, 64, "ab" * 32)
 LAYOUT = KVLayout("gqa", 2, 8, 16, "bfloat16", 4, 100, 4 * 16 * 128, 100 * 4 * 16 * 128)
 RECORDS = {"/bootstrap/compat": COMPAT}
 
@@ -63,7 +62,7 @@ def answers_cleanly(server: BootstrapServer, path: str, body: bytes, headers: di
                     timeout: float = TIMEOUT_S) -> None:
     """The property: 200, 400, 404 or 409 with a JSON body; then the registry still serves."""
     status, data = request(server, "PUT", path, body, headers, timeout)
-    assert status in (200, 400, 404, 409), (status, data)
+    assert status in (200, 400, 404, 409, 413), (status, data)
     json.loads(data)
     assert request(server, "GET", "/health")[0] == 200
 
@@ -135,7 +134,6 @@ def test_valid_records_are_accepted(registry):
 # --- properties today's handler breaks ---------------------------------------------------------
 
 
-@HARDENING
 @FUZZ_KNOWN
 @given(paths, st.integers(sys.getrecursionlimit(), 50 * sys.getrecursionlimit()))
 def test_deep_nesting(registry, path, depth):
@@ -144,7 +142,6 @@ def test_deep_nesting(registry, path, depth):
     answers_cleanly(registry, path, ("[" * depth + "]" * depth).encode())
 
 
-@HARDENING
 @FUZZ_KNOWN
 @given(st.sampled_from(["-1", "x", "99999999999999999999", "1e3"]))
 def test_bad_content_length(registry, declared):
@@ -153,15 +150,14 @@ def test_bad_content_length(registry, declared):
     answers_cleanly(registry, "/bootstrap/compat", b"{}", {"Content-Length": declared}, timeout=2.0)
 
 
-@HARDENING
 @FUZZ_KNOWN
 @given(st.sampled_from([1 << 17, 1 << 20]))
 def test_snapshot_stays_small(registry, dp_size):
     """A PUT with a huge ``dp_size`` is accepted and makes every GET /bootstrap list that many
     missing ranks (26 MB in the issue's run)."""
-    layout = dataclasses.replace(LAYOUT, dp_size=dp_size)
-    status, _ = request(registry, "PUT", "/bootstrap/rank",
-                        json.dumps(dataclasses.asdict(rank_record(0, layout))).encode())
+    record = dataclasses.asdict(rank_record(0))
+    record["layout"]["dp_size"] = dp_size  # a layout KVLayout itself would refuse to build
+    status, _ = request(registry, "PUT", "/bootstrap/rank", json.dumps(record).encode())
     if status == 200:
         status, data = request(registry, "GET", "/bootstrap")
         assert status == 200 and len(data) <= MAX_SNAPSHOT_BYTES, len(data)

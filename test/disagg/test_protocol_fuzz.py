@@ -10,19 +10,19 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pdserve.disagg.layout import DTYPE_BYTES, KINDS, KVLayout
 from pdserve.disagg.protocol import (
+    MAX_NONCE,
     MAX_ROOM,
     MESSAGES,
     PROTOCOL_VERSION,
     SIDES,
+    BufferRange,
+    DecodeRecord,
     DropRoom,
-    Heartbeat,
-    HeartbeatAck,
     KVAbort,
     KVAbortAck,
     KVCompletion,
@@ -35,7 +35,6 @@ from pdserve.disagg.protocol import (
 # derandomize: CI sees the same examples every run, so a strict xfail cannot flip by chance.
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
-HARDENING = pytest.mark.xfail(strict=True, reason="fixed by the protocol hardening")
 # Known failures are not shrunk (shrinking 300-digit integers costs a minute); the docstrings
 # name the minimal inputs.
 FUZZ_KNOWN = settings(FUZZ, max_examples=20, phases=(Phase.explicit, Phase.generate))
@@ -80,21 +79,26 @@ def layouts(draw) -> KVLayout:
 
 
 rooms = st.integers(0, MAX_ROOM)
+nonces = st.integers(1, MAX_NONCE)
 u64 = st.integers(0, 2**64 - 1)
 texts = st.text(max_size=30)
-endpoints = st.text(min_size=1, max_size=30)
-seconds = st.floats(min_value=0, allow_nan=False)
+sessions = st.text(min_size=1, max_size=30)
+endpoints = st.builds(lambda h, p: f"tcp://{h}:{p}", st.sampled_from(["127.0.0.1", "decode-0", "10.1.2.3"]),
+                      st.integers(1, 65535))
+seconds = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
 
 
 @st.composite
 def kv_requests(draw) -> KVRequest:
     layout = draw(layouts())
     ps = layout.page_size
-    num_tokens = draw(st.integers(1, 4 * ps))
-    pages = draw(st.lists(st.integers(0, layout.num_pages - 1), min_size=-(-num_tokens // ps),
-                          max_size=-(-num_tokens // ps)))
+    num_tokens = draw(st.integers(1, ps * min(4, layout.num_pages)))  # distinct pages must exist
+    n = -(-num_tokens // ps)
+    pages = draw(st.lists(st.integers(0, layout.num_pages - 1), min_size=n, max_size=n, unique=True)
+                 .filter(lambda p: len(p) == n))
     aux_bytes = draw(st.integers(0, 1 << 20))
-    return KVRequest(draw(rooms), draw(texts), draw(st.integers(0, layout.num_ranks - 1)), draw(endpoints),
+    return KVRequest(draw(rooms), draw(nonces), draw(texts), draw(st.integers(0, layout.num_ranks - 1)),
+                     draw(sessions),
                      draw(st.lists(u64, min_size=len(layout.buffers), max_size=len(layout.buffers))), layout,
                      pages, ps * draw(st.integers(0, 1 << 16)), num_tokens,
                      draw(st.integers(1, 2**64 - 1)) if aux_bytes else 0, aux_bytes, draw(endpoints))
@@ -104,16 +108,25 @@ def kv_requests(draw) -> KVRequest:
 def kv_completions(draw) -> KVCompletion:
     status = draw(st.sampled_from(("ok", "failed")))
     error = draw(texts if status == "ok" else st.text(min_size=1, max_size=30))
-    return KVCompletion(draw(rooms), draw(st.integers(0, 64)), draw(st.integers(0, 64)), draw(st.integers(0, 2**32)),
-                        status, error, draw(seconds), draw(seconds))
+    return KVCompletion(draw(rooms), draw(nonces), draw(st.integers(0, 64)), draw(st.integers(0, 64)),
+                        draw(st.integers(0, 2**32)), status, error, draw(seconds), draw(seconds))
+
+
+@st.composite
+def decode_records(draw) -> DecodeRecord:
+    layout = draw(layouts())
+    need = layout.layer_stride * layout.num_layers
+    bufs = [BufferRange(draw(st.integers(1, 2**48)), need + draw(st.integers(0, 4096))) for _ in layout.buffers]
+    row = draw(st.integers(1, 1 << 16))
+    return DecodeRecord(draw(sessions), draw(st.integers(0, layout.num_ranks - 1)), draw(sessions), bufs, layout,
+                        BufferRange(draw(st.integers(1, 2**48)), row * draw(st.integers(1, 64))), row,
+                        draw(endpoints))
 
 
 messages = st.one_of(
-    kv_requests(), kv_completions(),
-    st.builds(KVAbort, rooms, texts, st.sampled_from(SIDES)),
-    st.builds(KVAbortAck, rooms, st.integers(0, 64)),
-    st.builds(Heartbeat, texts, st.floats(allow_nan=False)),
-    st.builds(HeartbeatAck, texts, st.floats(allow_nan=False)),
+    kv_requests(), kv_completions(), decode_records(),
+    st.builds(KVAbort, rooms, texts, st.sampled_from(SIDES), texts, st.integers(0, MAX_NONCE)),
+    st.builds(KVAbortAck, rooms, nonces, st.integers(0, 64)),
     st.builds(DropRoom, rooms),
 )
 
@@ -174,30 +187,26 @@ def test_one_field_of_a_valid_message_replaced(frame):
     decodes_or_refuses(frame)
 
 
-# --- properties today's decoder breaks (each names the frames that broke it) ------------------
+# --- the frames that broke the decoder before it bounded what it parses --------------------------
 
 
-@HARDENING
 @settings(FUZZ_KNOWN, max_examples=100)  # most draws replace an int or str field, which is fine
 @given(mutated_frames(values=huge_ints))
 def test_one_field_replaced_by_a_huge_integer(frame):
-    """Found: a float field (``Heartbeat.time``, ``HeartbeatAck.time``, ``KVCompletion.queue_s`` /
-    ``prefill_s``) holding an integer of 309+ digits: OverflowError from ``float()``."""
+    """Found before: a float field (``KVCompletion.queue_s`` / ``prefill_s``, then also the
+    heartbeat's ``time``) holding an integer of 309+ digits: OverflowError from ``float()``."""
     decodes_or_refuses(frame)
 
 
-@HARDENING
 @FUZZ_KNOWN
-@given(st.sampled_from(["Heartbeat", "HeartbeatAck", "KVCompletion"]), huge_ints)
-def test_huge_integer_in_a_float_field(name, value):
-    """``{"v":1,"type":"Heartbeat","body":{"server_id":"d","time":10**309}}``: OverflowError."""
-    field = "time" if name.startswith("Heartbeat") else "queue_s"
-    body = {"server_id": "d"} if name.startswith("Heartbeat") else {
-        "room": 1, "src_rank": 0, "dst_rank": 0, "writes": 0, "status": "ok"}
-    decodes_or_refuses(json.dumps({"v": PROTOCOL_VERSION, "type": name, "body": {**body, field: value}}).encode())
+@given(st.sampled_from(["queue_s", "prefill_s"]), huge_ints)
+def test_huge_integer_in_a_float_field(field, value):
+    """``KVCompletion`` with ``queue_s`` = 10**309: OverflowError from ``float()`` before."""
+    body = {"room": 1, "nonce": 1, "src_rank": 0, "dst_rank": 0, "writes": 0, "status": "ok"}
+    decodes_or_refuses(json.dumps({"v": PROTOCOL_VERSION, "type": "KVCompletion",
+                                   "body": {**body, field: value}}).encode())
 
 
-@HARDENING
 @FUZZ_KNOWN
 @given(st.integers(4301, 20000), st.sampled_from(["v", "room"]))
 def test_integer_beyond_the_int_parser_limit(digits, where):
@@ -206,7 +215,6 @@ def test_integer_beyond_the_int_parser_limit(digits, where):
     decodes_or_refuses(drop_room(number, "1") if where == "v" else drop_room("1", number))
 
 
-@HARDENING
 @FUZZ_KNOWN
 @given(st.integers(sys.getrecursionlimit(), 50 * sys.getrecursionlimit()), st.sampled_from("[{"))
 def test_deep_nesting(depth, bracket):

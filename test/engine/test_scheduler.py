@@ -194,6 +194,9 @@ def test_lpm_policy_gives_same_tokens(llama_dir):
     (dict(input_ids=[1, 2], sampling_params={"temperature": -1}), "sampling_params.temperature"),
     (dict(input_ids=[1, 2], sampling_params={"top_p": 0}), "sampling_params.top_p"),
     (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": -3}), "sampling_params.max_new_tokens"),
+    (dict(input_ids=[1, 2], sampling_params={"ignore_eos": "yes"}), "sampling_params.ignore_eos"),
+    (dict(input_ids=[1, 2], sampling_params={"skip_special_tokens": [], "stop": "x"}),
+     "sampling_params.skip_special_tokens"),  # ended the scheduler before
     (dict(), "prompt/input_ids"),
 ])
 def test_bad_input_names_the_field_and_engine_stays_usable(llama_dir, kwargs, field):

@@ -179,6 +179,7 @@ class BootstrapRegistry:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    timeout = 10.0  # a peer that stops sending mid-request (or lies about Content-Length) is dropped
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         if self.path == "/health":

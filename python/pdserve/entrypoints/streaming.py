@@ -79,6 +79,9 @@ async def gather_or_cancel(*awaitables: Awaitable) -> list:
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:  # the others may still run: their results do not exist yet
+            raise failed.exception()
         return [t.result() for t in tasks]
     finally:
         for t in tasks:
