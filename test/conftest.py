@@ -7,6 +7,10 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pdserve_kernels (top-level kernels/) from this checkout, here and in the servers tests start.
+_KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+sys.path.insert(0, _KERNELS)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_KERNELS, os.environ.get("PYTHONPATH")) if p)
 
 import torch  # noqa: E402
 
