@@ -21,7 +21,9 @@ from pdserve_kernels.decode_attention import _f32_dot
 @dataclass(frozen=True)
 class SortedPairs:
     """Pairs grouped by expert; each expert's run padded to a multiple of ``block_m`` with N
-    (an index past the last pair, which the GEMM skips)."""
+    (an index past the last pair, which the GEMM skips). Sized for the worst case, so building
+    it never waits for the GPU (and can be captured in a CUDA graph): blocks past the used ones
+    hold only padding."""
 
     pair_ids: torch.Tensor  # [Np] pair index t*K + k, or N for padding
     block_expert: torch.Tensor  # [Np / BM] the expert of each block of rows
@@ -32,17 +34,19 @@ class SortedPairs:
 def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
     """ids [T, K] expert ids in [0, E) -> the pairs sorted (stably) by expert, runs padded."""
     flat = ids.flatten()  # [N]
-    N = flat.numel()
+    N, E, dev = flat.numel(), num_experts, ids.device
     order = torch.argsort(flat, stable=True)  # [N]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    starts = torch.cumsum(padded, 0) - padded  # [E] first padded row of each expert
+    counts = torch.bincount(flat, minlength=E)  # [E]
+    blocks = (counts + block_m - 1) // block_m  # [E] blocks of each expert
+    block_end = torch.cumsum(blocks, 0)  # [E]
     first = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
     sorted_e = flat[order]  # [N]
-    dest = starts[sorted_e] + torch.arange(N, device=ids.device) - first[sorted_e]  # [N]
-    pair_ids = torch.full((int(padded.sum()),), N, dtype=torch.int64, device=ids.device)
+    dest = (block_end - blocks)[sorted_e] * block_m + torch.arange(N, device=dev) - first[sorted_e]  # [N]
+    max_blocks = -(-N // block_m) + E  # sum_e ceil(c_e / BM) never exceeds it
+    pair_ids = torch.full((max_blocks * block_m,), N, dtype=torch.int64, device=dev)
     pair_ids[dest] = order
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=ids.device), padded // block_m)
+    j = torch.arange(max_blocks, device=dev)
+    block_expert = torch.searchsorted(block_end, j, right=True).clamp_(max=E - 1)  # [max_blocks]
     return SortedPairs(pair_ids, block_expert, N, block_m)
 
 

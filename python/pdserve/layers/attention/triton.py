@@ -36,6 +36,7 @@ class TritonMetadata(AttentionMetadata):
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graph = True  # prepare reads kv_slots' width, never its values
 
     def __init__(self):
         # Imported here, not at module load: triton is needed only once this backend is chosen.
@@ -47,7 +48,7 @@ class TritonBackend(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> TritonMetadata:
         B = fb.batch_size
         max_len = int(fb.kv_slots.shape[1])
-        max_extend = int(fb.extend_lens.max()) if B else 0
+        max_extend = 1 if fb.is_decode else (int(fb.extend_lens.max()) if B else 0)
         heads = getattr(fb.kv_pool, "num_kv_heads", 1)
         splits = self.decode.default_num_splits(max_len, B * heads) if fb.is_decode else 1
         return TritonMetadata(fb.kv_slots, fb.prefix_lens, fb.extend_lens, fb.seq_lens, max_len, max_extend, splits)
