@@ -259,8 +259,11 @@ class ParallelConfig:
     dist_init_addr: str | None = None  # "host:port" of rank 0's rendezvous (required with nnodes > 1)
     nnodes: int = 1
     node_rank: int = 0
+    deepep_mode: str = "auto"  # with moe_a2a_backend deepep: normal (prefill), low_latency (decode), auto
 
     def __post_init__(self):
+        if self.deepep_mode not in DEEPEP_MODES:
+            raise ValueError(f"deepep_mode: {self.deepep_mode!r} is not one of {DEEPEP_MODES}")
         for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -546,8 +549,6 @@ class ServerArgs:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype: {self.dtype!r} is not one of {('auto', *DTYPES)}")
         self.device_config()
-        if self.deepep_mode not in DEEPEP_MODES:
-            raise ValueError(f"deepep_mode: {self.deepep_mode!r} is not one of {DEEPEP_MODES}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         # A chunk must hold at least one page, or a long prompt could never advance.
@@ -575,7 +576,8 @@ class ServerArgs:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention,
-                              self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank)
+                              self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank,
+                              deepep_mode=self.deepep_mode)
 
     def compile_config(self) -> CompileConfig:
         return CompileConfig(self.enable_torch_compile, self.torch_compile_max_bs)
