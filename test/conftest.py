@@ -16,6 +16,11 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Without a GPU, Triton kernels (pdserve_kernels, the triton backend) run in its interpreter,
+# which must be on before anything (torch's inductor included) first imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     """``gpu``-marked tests need a CUDA device; on a CPU host they are skipped, not failed."""

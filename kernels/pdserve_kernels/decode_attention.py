@@ -19,12 +19,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _decode_partial_kernel(Q, K, V, Slots, SeqLens, O, Lse,
                            sq_b, sq_h, sk_p, sk_h, sk_s, sv_p, sv_h, sv_s, ss_b,
                            so_b, so_h, so_s, sl_b, sl_h,
                            scale, page_size, group, hblocks, split_len,
-                           DK: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
-                           BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                           DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_DK1: tl.constexpr, BLOCK_DK2: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SHARED_KV: tl.constexpr, IEEE: tl.constexpr):
+    # Keys are [main DK1 | tail DK2] (MLA: latent C | rope R), each a power-of-two block, so
+    # 576-wide MLA keys are not padded to 1024. SHARED_KV: values are the main part of the keys
+    # (MLA's latent), taken from the tile already loaded instead of read twice.
     b = tl.program_id(0)
     kvh = tl.program_id(1) // hblocks
     heads = (tl.program_id(1) % hblocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # within the group
@@ -34,10 +45,13 @@ def _decode_partial_kernel(Q, K, V, Slots, SeqLens, O, Lse,
     seq = tl.load(SeqLens + b)
     start = split * split_len
     end = tl.minimum(start + split_len, seq)
-    dk = tl.arange(0, BLOCK_DK)
+    d1 = tl.arange(0, BLOCK_DK1)
+    d2 = DK1 + tl.arange(0, BLOCK_DK2)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + dk[None, :], mask=hmask[:, None] & (dk[None, :] < DK),
-                other=0.0)  # [BH, BDK]
+    q_row = Q + b * sq_b + h[:, None] * sq_h
+    q1 = tl.load(q_row + d1[None, :], mask=hmask[:, None] & (d1[None, :] < DK1), other=0.0)  # [BH, BDK1]
+    if DK2 > 0:
+        q2 = tl.load(q_row + d2[None, :], mask=hmask[:, None] & (d2[None, :] < DK1 + DK2), other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -47,23 +61,22 @@ def _decode_partial_kernel(Q, K, V, Slots, SeqLens, O, Lse,
         slot = tl.load(Slots + b * ss_b + offs, mask=valid, other=0)
         page = slot // page_size
         off = slot % page_size
-        k = tl.load(K + (page * sk_p + kvh * sk_h + off * sk_s)[:, None] + dk[None, :],
-                    mask=valid[:, None] & (dk[None, :] < DK), other=0.0)  # [BN, BDK]
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BN]
+        k_row = K + (page * sk_p + kvh * sk_h + off * sk_s)[:, None]
+        k1 = tl.load(k_row + d1[None, :], mask=valid[:, None] & (d1[None, :] < DK1), other=0.0)  # [BN, BDK1]
+        s = _dot(q1, tl.trans(k1), IEEE)  # [BH, BN]
+        if DK2 > 0:
+            k2 = tl.load(k_row + d2[None, :], mask=valid[:, None] & (d2[None, :] < DK1 + DK2), other=0.0)
+            s += _dot(q2, tl.trans(k2), IEEE)
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        v = tl.load(V + (page * sv_p + kvh * sv_h + off * sv_s)[:, None] + dv[None, :],
-                    mask=valid[:, None] & (dv[None, :] < DV), other=0.0)  # [BN, BDV]
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        if SHARED_KV:
+            v = k1  # [BN, BDV]
         else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+            v = tl.load(V + (page * sv_p + kvh * sv_h + off * sv_s)[:, None] + dv[None, :],
+                        mask=valid[:, None] & (dv[None, :] < DV), other=0.0)  # [BN, BDV]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         l_sum = l_sum * alpha + tl.sum(p, 1)
         m = m_new
     has = l_sum > 0  # an empty split (past the request's end) contributes nothing to the merge
@@ -110,10 +123,11 @@ def default_num_splits(max_len: int, batch_heads: int, min_split: int = 256, tar
 def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_slots: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, page_size: int, num_kv_heads: int, dv: int,
                     kv_strides: tuple[int, int, int], num_splits: int, max_len: int,
-                    block_n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                    tail: int = 0, shared_kv: bool = False, block_n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, DK]; k/v a pool layer addressed by (page, head, slot) ``kv_strides`` (the same
     for k and v); kv_slots [B, L]; seq_lens [B] -> partial outputs [B, Hq, Ns, DV] (float32) and
-    their log-sum-exp [B, Hq, Ns] (-inf for an empty split)."""
+    their log-sum-exp [B, Hq, Ns] (-inf for an empty split). ``tail``: the last DK columns taken
+    as a second block (MLA's rope part); ``shared_kv``: values are the first DV key columns."""
     B, Hq, DK = q.shape
     G = Hq // num_kv_heads
     split_len = triton.cdiv(max(max_len, 1), num_splits)
@@ -123,14 +137,15 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_slots:
     hblocks = triton.cdiv(G, block_h)
     if B == 0:
         return o, lse
+    assert not shared_kv or dv == DK - tail, "shared_kv: values are the keys' main part"
     sp, sh, ss = kv_strides
     _decode_partial_kernel[(B, num_kv_heads * hblocks, num_splits)](
         q, k, v, kv_slots, seq_lens, o, lse,
         q.stride(0), q.stride(1), sp, sh, ss, sp, sh, ss, kv_slots.stride(0),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         scale, page_size, G, hblocks, split_len,
-        DK=DK, DV=dv, BLOCK_H=block_h, BLOCK_DK=_pow2(DK), BLOCK_DV=_pow2(dv), BLOCK_N=block_n,
-        IEEE=_f32_dot(q))
+        DK1=DK - tail, DK2=tail, DV=dv, BLOCK_H=block_h, BLOCK_DK1=_pow2(DK - tail), BLOCK_DK2=_pow2(tail),
+        BLOCK_DV=_pow2(dv), BLOCK_N=block_n, SHARED_KV=shared_kv, IEEE=_f32_dot(q))
     return o, lse
 
 
@@ -174,7 +189,8 @@ def decode_mla(q: torch.Tensor, latent_pool: torch.Tensor, kv_lora_rank: int, kv
     ns = num_splits or default_num_splits(max_len, q.shape[0])
     # One KV head (head stride 0) shared by all H query heads; values are the first C columns.
     o, lse = decode_partials(q, latent_pool, latent_pool, kv_slots, seq_lens, scale, S, 1, kv_lora_rank,
-                             (latent_pool.stride(0), 0, latent_pool.stride(1)), ns, max_len)
+                             (latent_pool.stride(0), 0, latent_pool.stride(1)), ns, max_len,
+                             tail=latent_pool.shape[-1] - kv_lora_rank, shared_kv=True)
     return merge_partials(o, lse, q.dtype)
 
 
