@@ -76,3 +76,15 @@ def test_serve_with_cuda_on_a_cpu_host_is_one_line():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     [line] = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
     assert "device: 'cuda'" in line and "--device cpu" in line
+
+
+def test_device_flags_map_to_server_args_and_up_forwards_them():
+    from pdserve.entrypoints.cli import build_parser, server_args_from_namespace, server_flags_from_namespace
+
+    flags = ["--device", "cpu", "--attention-backend", "torch_native", "--cuda-graph-max-bs", "8",
+             "--disable-cuda-graph", "--deepep-mode", "normal", "--dtype", "float32"]
+    args = server_args_from_namespace(build_parser().parse_args(["serve", "--model-path", "tiny-llama", *flags]))
+    assert (args.device, args.attention_backend, args.cuda_graph_max_bs, args.disable_cuda_graph,
+            args.deepep_mode, args.dtype) == ("cpu", "torch_native", 8, True, "normal", "float32")
+    ns = build_parser().parse_args(["up", "--model-path", "tiny-llama", *flags])
+    assert set(flags) <= set(server_flags_from_namespace(ns, ns.subparser))  # what `pdserve up` passes on
