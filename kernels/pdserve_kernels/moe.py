@@ -36,7 +36,8 @@ def sort_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs
     flat = ids.flatten()  # [N]
     N, E, dev = flat.numel(), num_experts, ids.device
     order = torch.argsort(flat, stable=True)  # [N]
-    counts = torch.bincount(flat, minlength=E)  # [E]
+    # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     blocks = (counts + block_m - 1) // block_m  # [E] blocks of each expert
     block_end = torch.cumsum(blocks, 0)  # [E]
     first = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert

@@ -85,8 +85,12 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: kernels compiled and autotuned outside the capture
-                self.runner.model(fb)
+            # Warm-up outside the capture: kernels compiled, and (last position first) the rotary
+            # table grown to the context length, which the captured forward cannot do.
+            self.positions[:bs].fill_(self.width - 1)
+            self.runner.model(fb)
+            self.positions[:bs].zero_()
+            self.runner.model(fb)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
