@@ -48,6 +48,7 @@ class Mutation:
 
 SCHED = "python/pdserve/engine/scheduler.py"
 T_PD = "test/disagg/test_pd_flow.py"
+T_TRUST = "test/disagg/test_pd_trust.py"
 SAMPLER = "python/pdserve/engine/sampler.py"
 STAGE = "python/pdserve/layers/attention/torch_native.py"
 T_SCHED = "test/engine/test_scheduler.py"
@@ -173,6 +174,37 @@ MUTATIONS = (
         "        req.hold_back_last_token()\n",
         "",
         (f"{T_PD}::test_outputs_match_a_colocated_engine",)),
+    # The trust boundary (issue 14): each is the bug a test was written against.
+    Mutation(
+        "quarantine_released_on_verdict", "a death verdict alone frees pages a paused prefill may still write",
+        "python/pdserve/disagg/receiver.py",
+        "        gone = all(r in self.gone_at and now - self.gone_at[r] >= GONE_PEER_GRACE_S for r in self.pending)",
+        "        gone = True",
+        (f"{T_TRUST}::test_a_paused_prefill_never_writes_pages_decode_gave_to_another_request",)),
+    Mutation(
+        "kv_request_unchecked", "prefill writes wherever a KV request says, not where decode published",
+        "python/pdserve/engine/prefill_mode.py",
+        "            rec.check_request(kv)\n",
+        "",
+        (f"{T_TRUST}::test_a_kv_request_outside_the_published_record_is_refused_before_any_write",)),
+    Mutation(
+        "nonce_unchecked", "decode lands a room on a completion of another life of the room",
+        "python/pdserve/engine/decode_mode.py",
+        "if w is not None and w.incoming.nonce == nonce:",
+        "if w is not None:",
+        (f"{T_TRUST}::test_a_completion_with_another_nonce_does_not_land_the_room",)),
+    Mutation(
+        "mac_unchecked", "a control frame is accepted whatever its MAC",
+        "python/pdserve/disagg/auth.py",
+        "if not hmac.compare_digest(mac, hmac.new(self._key, payload, hashlib.sha256).digest()):",
+        "if False:",
+        (f"{T_TRUST}::test_with_a_token_unauthenticated_and_wrongly_keyed_frames_are_refused",)),
+    Mutation(
+        "unknown_abort_unacknowledged", "prefill ignores an abort of a room it holds nothing of (pages wait a lease)",
+        "python/pdserve/engine/prefill_mode.py",
+        "        self.io.send(reply, KVAbortAck(msg.room, msg.nonce, self.sender.rank))\n",
+        "",
+        (f"{T_TRUST}::test_decode_abort_of_a_room_prefill_never_saw_is_acknowledged",)),
 )
 
 

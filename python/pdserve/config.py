@@ -17,6 +17,9 @@ from pdserve.assets import PRESET_NAMES, preset_dir
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+DEEPEP_MODES = ("normal", "low_latency", "auto")
 
 
 @dataclass(frozen=True)
@@ -256,8 +259,11 @@ class ParallelConfig:
     dist_init_addr: str | None = None  # "host:port" of rank 0's rendezvous (required with nnodes > 1)
     nnodes: int = 1
     node_rank: int = 0
+    deepep_mode: str = "auto"  # with moe_a2a_backend deepep: normal (prefill), low_latency (decode), auto
 
     def __post_init__(self):
+        if self.deepep_mode not in DEEPEP_MODES:
+            raise ValueError(f"deepep_mode: {self.deepep_mode!r} is not one of {DEEPEP_MODES}")
         for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -362,6 +368,73 @@ class CompileConfig:
         return next((b for b in self.buckets if b >= batch_size), None) if self.enabled else None
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (imports torch: call only where a device is chosen)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs and with which kernels: ``--device``, ``--attention-backend``,
+    ``--dtype`` and decode CUDA graphs (``--cuda-graph-max-bs``, ``--disable-cuda-graph``).
+
+    Fields hold resolved names; ``resolve`` fills the host-dependent defaults (CUDA when torch
+    sees a GPU; flashinfer and bfloat16 on CUDA, torch_native and float32 on CPU). Whether this
+    host can run the choice (a GPU, the packages) is checked by ``engine.device.require_device``.
+    """
+
+    device: str = "cpu"
+    attention_backend: str = "torch_native"
+    dtype: str = "float32"
+    cuda_graph_max_bs: int = 32
+    disable_cuda_graph: bool = False
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ValueError(f"device: {self.device!r} is not one of {DEVICES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
+        if self.attention_backend == "flashinfer" and self.device != "cuda":
+            raise ValueError(f"attention_backend: 'flashinfer' runs on CUDA only, but device is {self.device!r} "
+                             "(use --attention-backend torch_native or triton)")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs: must be >= 1, got {self.cuda_graph_max_bs}")
+
+    @classmethod
+    def resolve(cls, device: str | None, attention_backend: str | None, dtype: str = "auto",
+                cuda_graph_max_bs: int = 32, disable_cuda_graph: bool = False) -> DeviceConfig:
+        """None / "auto" fields take this host's defaults."""
+        device = device or ("cuda" if cuda_available() else "cpu")
+        on_cuda = device == "cuda"
+        backend = attention_backend or ("flashinfer" if on_cuda else "torch_native")
+        if dtype == "auto":
+            dtype = "bfloat16" if on_cuda else "float32"
+        return cls(device, backend, dtype, cuda_graph_max_bs, disable_cuda_graph)
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Decode runs captured graphs only on CUDA; on CPU the flags are accepted and ignored."""
+        return self.device == "cuda" and not self.disable_cuda_graph
+
+    @property
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        """Captured decode batch sizes: 1, 2, 4, 8, then every 8 up to ``cuda_graph_max_bs``
+        (a step pads to the next one; larger batches run eagerly)."""
+        sizes = [b for b in (1, 2, 4) if b < self.cuda_graph_max_bs]
+        sizes += list(range(8, self.cuda_graph_max_bs, 8))
+        return (*sizes, self.cuda_graph_max_bs)
+
+    def graph_size_for(self, batch_size: int) -> int | None:
+        """The smallest captured size holding ``batch_size``; None: run eagerly."""
+        if not self.use_cuda_graph:
+            return None
+        return next((b for b in self.cuda_graph_batch_sizes if b >= batch_size), None)
+
+
 DISAGG_MODES = ("null", "prefill", "decode")
 AUTH_TOKEN_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
 TRANSFER_BACKENDS = ("mooncake", "memory")  # disagg.transfer's backends, by name
@@ -440,7 +513,7 @@ class ServerArgs:
     model_path: str
     tokenizer_path: str | None = None
     load_format: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU (DeviceConfig.resolve)
     context_length: int | None = None
     host: str = "127.0.0.1"
     port: int = 30000
@@ -480,6 +553,12 @@ class ServerArgs:
     disaggregation_auth_token: str | None = field(default=None, repr=False)
     disaggregation_auth_token_file: str | None = None
     disaggregation_allow_unauthenticated: bool = False
+    # GPU engine path (DeviceConfig): None resolves by what this host has.
+    device: str | None = None
+    attention_backend: str | None = None
+    cuda_graph_max_bs: int = 32
+    disable_cuda_graph: bool = False
+    deepep_mode: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -502,8 +581,9 @@ class ServerArgs:
         if self.compile_config().enabled and self.parallel_config().world_size > 1:
             raise ValueError("enable_torch_compile: compiled decode runs on single-rank servers for now "
                              "(tp_size, dp_size and ep_size 1)")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPES}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {('auto', *DTYPES)}")
+        self.device_config()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         # A chunk must hold at least one page, or a long prompt could never advance.
@@ -517,7 +597,8 @@ class ServerArgs:
     def model_config(self) -> ModelConfig:
         """Reads config.json: call once per process and pass the result on. Raises ValueError
         when the parallel split cannot shard this model (naming the field)."""
-        model = ModelConfig.from_path(self.model_path, self.dtype, self.load_format, self.context_length)
+        model = ModelConfig.from_path(self.model_path, self.device_config().dtype, self.load_format,
+                                      self.context_length)
         self.parallel_config().check_model(model)
         return model
 
@@ -530,10 +611,15 @@ class ServerArgs:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention,
-                              self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank)
+                              self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank,
+                              deepep_mode=self.deepep_mode)
 
     def compile_config(self) -> CompileConfig:
         return CompileConfig(self.enable_torch_compile, self.torch_compile_max_bs)
+
+    def device_config(self) -> DeviceConfig:
+        return DeviceConfig.resolve(self.device, self.attention_backend, self.dtype, self.cuda_graph_max_bs,
+                                    self.disable_cuda_graph)
 
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig(self.disaggregation_mode, self.disaggregation_transfer_backend,

@@ -103,7 +103,7 @@ def parallel_state(layout: RankLayout, groups: dict[str, Any]) -> ParallelState:
     a2a = layout.config.moe_a2a_backend
     if not layout.dp_attention:
         return ParallelState(layout.tp_rank, layout.tp_size, layout.ep_rank, layout.ep_size, tp, ep,
-                             moe_a2a_backend=a2a)
+                             moe_a2a_backend=a2a, deepep_mode=layout.config.deepep_mode)
     attn = ParallelState(layout.attn_tp_rank, layout.attn_tp_size, tp_group=groups.get("attn_tp"))
     return ParallelState(layout.tp_rank, layout.tp_size, layout.ep_rank, layout.ep_size, tp, ep, attn,
-                         layout.dp_rank, layout.dp_size, groups.get("attn_dp"), a2a)
+                         layout.dp_rank, layout.dp_size, groups.get("attn_dp"), a2a, layout.config.deepep_mode)

@@ -41,6 +41,7 @@ class ParallelState:
     attn_dp_size: int = 1
     attn_dp_group: Any = None  # same attention-TP slice in every attention group
     moe_a2a_backend: str = "none"  # how EP moves tokens to experts (layers/moe/dispatch.py)
+    deepep_mode: str = "auto"  # DeepEP's kernels: normal, low_latency, or auto (by batch size)
 
     def __post_init__(self):
         if not 0 <= self.tp_rank < self.tp_size:

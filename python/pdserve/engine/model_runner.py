@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import CacheConfig, CompileConfig, ModelConfig
+from pdserve.config import CacheConfig, CompileConfig, DeviceConfig, ModelConfig, ServerArgs
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
@@ -54,15 +54,20 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  parallel: ParallelState = SINGLE, attention_backend: str = "torch_native",
-                 seed: int = 0, device: str = "cpu", compile_config: CompileConfig | None = None):
+                 seed: int = 0, device: str = "cpu", compile_config: CompileConfig | None = None,
+                 device_config: DeviceConfig | None = None):
         """``compile_config`` (``--enable-torch-compile``): decode steps that fit a bucket run
-        compiled layers (engine/torch_compile.py); every bucket is compiled here, at start-up."""
+        compiled layers (engine/torch_compile.py); every bucket is compiled here, at start-up.
+        ``device_config``: with ``use_cuda_graph``, decode batch sizes are captured here too
+        (engine/cuda_graph.py). Servers build runners through ``build_model_runner``."""
         from pdserve.models.loader import load_model
 
         self.model_config = model_config
         self.parallel = parallel
         self.device = torch.device(device)
         self.model = load_model(model_config, parallel, seed=seed)
+        if self.device.type != "cpu":
+            self.model.to(self.device)
         self.pool = create_kv_pool(model_config, cache_config, parallel, device)
         self.backend = create_backend(attention_backend)
         self.layer_hook: LayerHook | None = None
@@ -75,13 +80,21 @@ class ModelRunner:
 
             self.compiled = CompiledDecode(self.model, self.backend, compile_config)
             self.compiled.warm_up(self.pool, self.device)
+        self.graphs = None  # CudaGraphRunner when decode runs captured CUDA graphs
+        if device_config is not None and device_config.use_cuda_graph and self.device.type == "cuda":
+            from pdserve.engine.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self, device_config)
+            self.graphs.capture()
 
     def build_forward_batch(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> ForwardBatch:
-        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        t = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device)  # noqa: E731
         prefix, ext = t(batch.prefix_lens), t(batch.extend_lens)
         seq = prefix + ext
-        max_len = int(seq.max())
-        kv_slots = req_to_token[t(batch.rows), :max_len]  # [B, L]
+        max_len = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+        # The req->token table lives on the host: index it there, move only the batch's rows.
+        rows = torch.tensor(batch.rows, dtype=torch.int64, device=req_to_token.device)
+        kv_slots = req_to_token[rows, :max_len].to(self.device)  # [B, L]
         return ForwardBatch(batch.mode, t(batch.input_ids), t(batch.positions), t(batch.out_cache_loc),
                             prefix, ext, seq, kv_slots, self.pool, self.backend, self.layer_hook,
                             batch.req_uids)
@@ -91,15 +104,42 @@ class ModelRunner:
         """Returns the logits of each request's last scheduled token [B, V] (float32), followed by
         those of ``batch.prompt_logit_index`` when it is set ([B + K, V])."""
         fb = self.build_forward_batch(batch, req_to_token)
-        fb.attn_metadata = self.backend.prepare(fb)  # once per forward, before the first layer
-        compiled = self.compiled is not None and self.compiled.accepts(fb)
-        hidden = self.compiled(fb) if compiled else self.model(fb)  # [T, hidden]
+        if self.graphs is not None and self.graphs.accepts(fb):
+            hidden = self.graphs(fb)  # [T, hidden]; the graph's own plan, prepared from fixed buffers
+        else:
+            fb.attn_metadata = self.backend.prepare(fb)  # once per forward, before the first layer
+            compiled = self.compiled is not None and self.compiled.accepts(fb)
+            hidden = self.compiled(fb) if compiled else self.model(fb)  # [T, hidden]
         rows = logit_rows(fb, batch.prompt_logit_index)
         if rows is not None:
             hidden = hidden[rows]  # [B (+ K), hidden]
         # Each request's last hidden state: what a disaggregated prefill sends as aux data.
         self.last_hidden = hidden[:fb.batch_size]  # [B, hidden]
-        return self.model.compute_logits(hidden)  # [B (+ K), V]
+        # The sampler runs on the host (per-request CPU generators keep seeded sampling the same
+        # on every device), so logits cross once per step.
+        return self.model.compute_logits(hidden).cpu()  # [B (+ K), V]
+
+
+def build_model_runner(args: ServerArgs, model_config: ModelConfig, parallel: ParallelState = SINGLE,
+                       runner_cls: type[ModelRunner] | None = None, device: str | None = None,
+                       **kwargs) -> ModelRunner:
+    """The one place a server's model runner is built from its arguments: device, attention
+    backend, dtype (already in ``model_config``), torch.compile and CUDA graphs. ``device``
+    overrides the configured one with a specific GPU (``cuda:3`` for a rank); ``runner_cls`` and
+    ``kwargs``: a subclass and its extra arguments (the multi-rank RankModelRunner)."""
+    from pdserve.engine.device import require_device
+
+    dev = args.device_config()
+    require_device(dev)
+    cls = runner_cls or ModelRunner
+    return cls(model_config, args.cache_config(), parallel, attention_backend=dev.attention_backend,
+               seed=args.random_seed, device=device or dev.device, compile_config=args.compile_config(),
+               device_config=dev, **kwargs)
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """This rank's device: its own GPU on a node (ranks are placed in order), the CPU otherwise."""
+    return f"cuda:{local_rank}" if device == "cuda" else device
 
 
 def logit_rows(fb: ForwardBatch, prompt_logit_index: list[int] | None) -> torch.Tensor | None:

@@ -51,7 +51,7 @@ from pdserve.engine.io_struct import (
     StatsResp,
     TokenizedGenerateReq,
 )
-from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
+from pdserve.engine.model_runner import ModelRunner, ScheduledBatch, build_model_runner
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp, RankMemory
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
@@ -419,8 +419,8 @@ def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, devi
     lay = groups.layout
     cache, sched = args.cache_config(), args.scheduler_config()
     control = ControlPlane(lay, groups.cpu)
-    runner = RankModelRunner(model_config, cache, groups.parallel, seed=sched.random_seed, device=device,
-                             sync=StepSync(control))
+    runner = build_model_runner(args, model_config, groups.parallel, RankModelRunner, device=device,
+                                sync=StepSync(control))
     if make_mode is not None:
         scheduler_kwargs["mode"] = make_mode(runner)
     scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner, **scheduler_kwargs)

@@ -214,7 +214,7 @@ def build_scheduler(args: ServerArgs):
     import torch
 
     from pdserve.engine.disagg_setup import build_mode
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import build_model_runner
     from pdserve.engine.scheduler import Scheduler
     from pdserve.engine.tokenizer import load_tokenizer
 
@@ -224,7 +224,7 @@ def build_scheduler(args: ServerArgs):
     if not args.skip_tokenizer_init:
         tokenizer = load_tokenizer(args.tokenizer_path or model_config.path)
     cache_config, config = args.cache_config(), args.scheduler_config()
-    runner = ModelRunner(model_config, cache_config, seed=config.random_seed, compile_config=args.compile_config())
+    runner = build_model_runner(args, model_config)
     mode = build_mode(args, model_config, runner)
     return Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode)
 
@@ -353,7 +353,11 @@ def _start_rank(args: ServerArgs, layout, store_dir: str | None):
     from pdserve.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.num_threads or max(1, default_num_threads() // len(layout.ranks_on_node())))
-    device = "cpu"  # the model runner runs on CPU in this build
+    from pdserve.engine.model_runner import rank_device
+
+    device = rank_device(args.device_config().device, layout.ranks_on_node().index(layout.rank))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # before NCCL: each rank's communicator on its own GPU
     # Configs first (parallel_state.py says why), then the process group.
     model_config = args.model_config()
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)

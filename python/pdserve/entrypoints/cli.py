@@ -15,6 +15,9 @@ import sys
 from pdserve import __version__
 from pdserve.bench import config as bench_config
 from pdserve.config import (
+    ATTENTION_BACKENDS,
+    DEEPEP_MODES,
+    DEVICES,
     DISAGG_MODES,
     DTYPES,
     FALLBACK_POLICIES,
@@ -53,7 +56,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--tokenizer-path", "tokenizer directory (default: the model's)")
     _flag(g, "--load-format", "weight format; presets default to random 'dummy' weights",
           choices=LOAD_FORMATS)
-    _flag(g, "--dtype", "weight and KV dtype", choices=DTYPES)
+    _flag(g, "--dtype", "weight and KV dtype; auto: bfloat16 on CUDA, float32 on CPU", choices=("auto", *DTYPES))
     _flag(g, "--context-length", "override the model's max_position_embeddings", type=int)
     _flag(g, "--served-model-name", "model name reported by the OpenAI API (default: --model-path)")
     _flag(g, "--skip-tokenizer-init", "serve input_ids only; no tokenizer is loaded", action="store_true")
@@ -132,8 +135,20 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
           "(a private network you trust)", action="store_true")
 
 
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("device and kernels (docs/gpu.md)")
+    _flag(g, "--device", "where the model runs (default: cuda when torch sees a GPU, else cpu)", choices=DEVICES)
+    _flag(g, "--attention-backend", "attention kernels (default: flashinfer on cuda, torch_native on cpu; "
+          "triton on cpu needs TRITON_INTERPRET=1)", choices=ATTENTION_BACKENDS)
+    _flag(g, "--cuda-graph-max-bs", "largest decode batch run as a captured CUDA graph", type=int)
+    _flag(g, "--disable-cuda-graph", "run every decode step eagerly (CUDA graphs are never used on cpu)",
+          action="store_true")
+    _flag(g, "--deepep-mode", "with --moe-a2a-backend deepep: normal kernels (prefill), low_latency (decode), "
+          "or auto (by step)", choices=DEEPEP_MODES)
+
+
 SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_parallel_args, add_runtime_args,
-                     add_disagg_args)
+                     add_disagg_args, add_device_args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +171,9 @@ def _checked_args(ns: argparse.Namespace):
     args.disagg_config().check_servable()
     model_config = args.model_config()
     require_backend(args.moe_a2a_backend)  # and whether the EP backend can run on this host
+    from pdserve.engine.device import require_device
+
+    require_device(args.device_config())  # --device / --attention-backend on this host
     return args, model_config
 
 
@@ -228,7 +246,7 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # --------------------------------------------------------------------- up
-UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_runtime_args)
+UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_runtime_args, add_device_args)
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import torch
 from pdserve.config import ServerArgs, default_num_threads
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.logprobs import check_logprob_params
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import build_model_runner
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import load_tokenizer, output_text
@@ -47,6 +47,9 @@ class Engine:
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
+        from pdserve.engine.device import require_device
+
+        require_device(self.args.device_config())  # before any rank starts: one clear line
         if self.args.parallel_config().world_size > 1:
             from pdserve.entrypoints.rank_client import RankClient
             from pdserve.layers.moe.dispatch import require_backend
@@ -56,8 +59,7 @@ class Engine:
         else:
             torch.set_num_threads(self.args.num_threads or default_num_threads(frontend=False))
             cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
-            runner = ModelRunner(model_config, cache_config, seed=scheduler_config.random_seed,
-                                 compile_config=self.args.compile_config())
+            runner = build_model_runner(self.args, model_config)
             self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner)
         self._ids = itertools.count()
 

@@ -77,7 +77,10 @@ class DecoderStack(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.num_tokens == 0:
             return self._idle(fb)
-        self.rotary_emb.ensure_capacity(int(fb.positions.max()) + 1)
+        # Growing the table reads the positions on the host, which a CUDA graph capture cannot;
+        # the graph runner grows it to the context length before capturing.
+        if not (fb.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.rotary_emb.ensure_capacity(int(fb.positions.max()) + 1)
         rotation = self.rotary_emb.rotation(fb.positions)
         hidden, residual = self.embed_tokens(fb.input_ids), None  # [T, H]
         for layer in self.layers:

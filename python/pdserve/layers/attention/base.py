@@ -48,6 +48,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    # CUDA graphs (engine/cuda_graph.py): True when ``prepare`` of a decode batch reads only the
+    # ForwardBatch's tensors and fixed host values (no sync, no state across forwards), so a
+    # captured forward replays correctly after the runner refills those tensors in place.
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> AttentionMetadata:

@@ -8,6 +8,8 @@ from pdserve.layers.attention.base import AttentionBackend
 
 _BACKENDS = {
     "torch_native": ("pdserve.layers.attention.torch_native", "TorchNativeBackend"),
+    "triton": ("pdserve.layers.attention.triton", "TritonBackend"),
+    "flashinfer": ("pdserve.layers.attention.flashinfer", "FlashInferBackend"),
 }
 
 

@@ -105,7 +105,7 @@ class _DecodeStage:
         if not same:
             self.capacity = L + self.MARGIN
             self.bufs = {}
-        return StagePlan(same, L, torch.arange(fb.batch_size), fb.seq_lens - 1)
+        return StagePlan(same, L, torch.arange(fb.batch_size, device=fb.seq_lens.device), fb.seq_lens - 1)
 
     def get(self, layer: int, plan: StagePlan, new: tuple, gather) -> tuple[torch.Tensor, ...]:
         """new: this step's rows, each [B, H, X]; gather() -> the pool's [B, H, L', X] tensors."""
@@ -140,10 +140,11 @@ class TorchNativeBackend(AttentionBackend):
         stage = self.stage.plan(fb) if fb.is_decode and fb.req_uids is not None else None
         K = stage.length if stage is not None else pages.shape[1] * S
         Q = int(ext.max()) if B else 0
-        qi = torch.arange(Q)  # [Q]
+        dev = seq.device
+        qi = torch.arange(Q, device=dev)  # [Q]
         starts = torch.cumsum(ext, 0) - ext  # [B]
         q_index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0))  # [B, Q]
-        kj = torch.arange(K)[None, None, :]  # [1, 1, K]
+        kj = torch.arange(K, device=dev)[None, None, :]  # [1, 1, K]
         # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
         mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it

@@ -5,8 +5,8 @@ Legend: T tokens this rank dispatches, K experts per token, H hidden, N = T*K pa
 M pairs received, E routed experts, El = E/ep experts per rank, ep EP ranks.
 
 Backends (``--moe-a2a-backend``): ``none`` moves the pairs with torch.distributed
-``all_to_all_single`` (gloo on CPU, NCCL on GPU); ``deepep`` names DeepEP's kernels,
-CUDA only, imported only when selected.
+``all_to_all_single`` (gloo on CPU, NCCL on GPU); ``deepep`` runs DeepEP's kernels
+(layers/moe/deepep.py), 2+ CUDA GPUs only, imported only when selected.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class AllToAllDispatcher(Dispatcher):
 def create_dispatcher(parallel: ParallelState, num_experts: int) -> Dispatcher:
     """The dispatcher ``parallel.moe_a2a_backend`` names."""
     require_backend(parallel.moe_a2a_backend)
+    if parallel.moe_a2a_backend == "deepep":
+        from pdserve.layers.moe.deepep import DeepEPDispatcher
+
+        return DeepEPDispatcher(parallel, num_experts)
     return AllToAllDispatcher(parallel, num_experts)
 
 
@@ -81,12 +85,14 @@ def require_backend(backend: str) -> None:
     if not torch.cuda.is_available():
         raise ValueError("moe_a2a_backend: 'deepep' runs on CUDA GPUs only and this host has none "
                          "(use --moe-a2a-backend none)")
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        raise ValueError(f"moe_a2a_backend: 'deepep' moves tokens between GPUs and needs 2 or more, this host has "
+                         f"{gpus} (use --moe-a2a-backend none)")
     try:
         import deep_ep  # noqa: F401
     except ImportError as e:
         raise ValueError(f"moe_a2a_backend: 'deepep' needs the deep_ep package ({e})") from None
-    raise ValueError("moe_a2a_backend: 'deepep' is not wired to pdserve's model runner yet, which runs "
-                     "models on CPU (use --moe-a2a-backend none)")
 
 
 def share(num_tokens: int, rank: int, size: int) -> tuple[int, int]:

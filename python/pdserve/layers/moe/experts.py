@@ -60,6 +60,8 @@ class Experts(nn.Module):
         intermediate stays in cache instead of [Nl, 2I] arrays streaming through memory.
         """
         T, K = ids.shape
+        if x.is_cuda and self.num_local == self.num_experts:
+            return self._fused_triton(x, weights, ids)
         local = ids.flatten() - self.expert_start  # [N]
         if self.num_local != self.num_experts:
             # Pairs for other ranks' experts get id El, which sorts after every local expert.
@@ -72,6 +74,13 @@ class Experts(nn.Module):
         if self._use_grouped(x, n_local):
             return self._grouped(x, pairs, w, counts, T, K)
         return self._sliced(x, pairs, w, counts, K)
+
+    def _fused_triton(self, x, weights, ids) -> torch.Tensor:
+        """On CUDA: pdserve_kernels' sorted pairs + grouped GEMM, which never waits for the GPU
+        (so decode steps can be captured in CUDA graphs)."""
+        from pdserve_kernels.moe import fused_experts
+
+        return fused_experts(x, self.w13, self.w2, weights, ids)
 
     def _use_grouped(self, x: torch.Tensor, n_local: int) -> bool:
         if self.impl != "auto":

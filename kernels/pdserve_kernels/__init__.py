@@ -1,0 +1,12 @@
+"""pdserve's Triton kernels, each beside the plain-torch twin its tests compare it with.
+
+Installed with pdserve as the top-level package ``pdserve_kernels`` (source: ``kernels/``).
+Importing a module here imports triton: pdserve does so only when a Triton path is selected
+(``--attention-backend triton``). On a CPU host the kernels run under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is first imported): slow, but the same code.
+
+Modules: ``decode_attention`` (paged GQA and MLA decode, split-KV partials + LSE merge),
+``extend_attention`` (prefill/extend over paged KV with a prefix), ``rmsnorm`` (fused with the
+residual add), ``rotary`` (in place), ``moe`` (token sort/permute + grouped expert GEMM),
+``kv_pack`` (HND head-range pack/unpack for transfers between different TP sizes).
+"""
