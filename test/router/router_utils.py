@@ -50,6 +50,8 @@ class Router:
         for d in decode:
             cmd += ["--decode", d]
         self.cmd = [*cmd, "--port", str(self.port), "--log-level", "info", *flags]
+        key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}  # get/post send it unless told otherwise
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-router-test-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
@@ -70,10 +72,11 @@ class Router:
         raise RuntimeError(f"router not listening after {timeout} s:\n{self.output()}")
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
+        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), headers=kw.pop("headers", self.headers), **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=kw.pop("timeout", 60), **kw)
+        return httpx.post(self.url + path, timeout=kw.pop("timeout", 60), headers=kw.pop("headers", self.headers),
+                          **kw)
 
     def worker_state(self, url: str) -> dict:
         info = self.get("/get_server_info").json()

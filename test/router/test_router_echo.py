@@ -400,15 +400,16 @@ def test_api_key_is_required_and_forwarded(echo, make_router, worker_key):
     p1, d1 = echo["p1"], echo["d1"]
     flags = ("--api-key", "router-secret", *(("--worker-api-key", worker_key) if worker_key else ()))
     router = make_router([p1.url], [d1.url], *flags)
+    assert router.headers == {"Authorization": "Bearer router-secret"}
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = router.post("/generate", json={"text": "x"}, headers=headers)
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["param"] == "Authorization"
         assert router.post("/flush_cache", headers=headers).status_code == 401
     assert d1.generation_bodies() == []
-    # open, as on a server
-    assert router.get("/health").status_code == 200 and router.get("/metrics").status_code == 200
-    ok = {"Authorization": "Bearer router-secret"}
+    for path in ("/health", "/metrics"):  # open, as on a server
+        assert router.get(path, headers={}).status_code == 200
+    ok = router.headers
     assert router.post("/generate", json={"text": "x"}, headers=ok).json()["worker"] == "d1"
     assert router.post("/flush_cache", headers=ok).status_code == 200
     sent = f"Bearer {worker_key or 'router-secret'}"
