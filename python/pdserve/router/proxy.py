@@ -10,6 +10,10 @@ Lifetimes: a request holds a lease on each worker until that worker's response e
 client that leaves closes the decode connection (so decode aborts the request) and cancels
 the prefill request (its connection closes too). A decode worker refusing the connection
 is marked dead and the request tries another pair.
+
+Failures: with no healthy prefill a request goes to a decode alone, without bootstrap fields
+(degraded: decode prefills it as a colocated request). A streamed ``/generate`` whose decode
+breaks off is resumed on another decode (``resume``); other broken streams end with an error event.
 """
 
 from __future__ import annotations
