@@ -63,6 +63,9 @@ def test_api_keys_with_servers_that_require_one(pd):
     ok = router.post("/generate", json=body, headers=AUTH)
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
     assert router.post("/flush_cache", headers=AUTH).json()["success"] is True  # the key reached every worker
+    assert router.post("/abort_request", json={"rid": "nobody"}, headers=AUTH).json()["success"] is True
+    health = router.get("/health_generate", headers={})  # open, like /health
+    assert health.status_code == 200 and [w["status"] for w in health.json()["workers"]] == [200] * 3
     own = Router([(prefill.url, pd_boot(prefill))], [decodes[0].url], "--api-key", "client-key",
                  "--worker-api-key", KEY).start()
     try:
