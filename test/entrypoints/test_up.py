@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import pdserve
-from pdserve.entrypoints.up import UpArgs, plan, split_cores
+from pdserve.entrypoints.up import UpArgs, _shown, plan, split_cores
 from server_utils import alive, descendants, free_port, port_is_free
 
 
@@ -47,6 +47,7 @@ def test_plan_gives_the_api_key_to_every_server_and_the_router():
         assert k.cmd[k.cmd.index("--api-key") + 1] == "k"
     assert kids[-1].cmd[kids[-1].cmd.index("--health-check-interval-secs") + 1] == "0.5"
     assert "secret-key" not in repr(UpArgs(api_key="secret-key"))
+    assert _shown(kids[0].cmd).count("--api-key ***") == 1 and " k " not in _shown(kids[0].cmd) + " "
 
 
 def test_invalid_deployment_is_refused():

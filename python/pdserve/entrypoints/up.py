@@ -148,7 +148,7 @@ class Deployment:
                 os.sched_setaffinity(0, cores)
 
         logger.info("starting %s%s: %s", child.name, f" on cores {list(cores)}" if cores else "",
-                    " ".join(child.cmd))
+                    _shown(child.cmd))
         child.proc = subprocess.Popen(child.cmd, start_new_session=True, preexec_fn=pin)
 
     def _wait_healthy(self, children: list[Child]) -> None:
@@ -182,7 +182,7 @@ class Deployment:
                 if c.proc.poll() is not None and c.name not in reported:
                     reported.add(c.name)
                     logger.error("%s exited with code %s; the router serves without it (restart it with: %s)",
-                                 c.name, c.proc.returncode, " ".join(c.cmd))
+                                 c.name, c.proc.returncode, _shown(c.cmd))
             time.sleep(HEALTH_POLL_S)
         return 0
 
@@ -210,6 +210,11 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _shown(cmd: list[str]) -> str:
+    """A command line for the log, the API key hidden."""
+    return " ".join("***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd))
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
