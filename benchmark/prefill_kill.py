@@ -150,7 +150,8 @@ def come_back(dep: Deployment, n: int) -> dict:
     kv_before = dep.decode_info()["kv_received"]
     while time.monotonic() - healthy_at < COME_BACK_LIMIT_S:
         before = prefill_requests(dep)
-        timed(0, dep.url, PROMPTS[0], n, False, [])
+        # a prompt decode has not cached: with all of it cached decode asks for no KV at all
+        timed(0, dep.url, f"Come back, prefill: attempt {sent}", n, False, [])
         sent += 1
         if prefill_requests(dep) > before:
             return {"back_after_s": round(time.monotonic() - healthy_at, 1), "requests_until_back": sent,

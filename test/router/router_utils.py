@@ -228,6 +228,9 @@ class EchoWorker:
         if self.fail_status:
             return web.json_response({"error": {"message": f"{self.name} failed", "worker": self.name}},
                                      status=self.fail_status)
+        if body.get("echo_die_on") == self.name and not body.get("stream"):
+            request.transport.close()  # dies before answering: the client sees the connection drop
+            return web.Response()
         if body.get("stream") and "input_ids" in body:
             return await self._cumulative(request, body)
         if body.get("stream"):

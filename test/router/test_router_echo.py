@@ -450,3 +450,15 @@ def test_a_stream_with_no_decode_left_ends_with_an_error_event(echo, make_router
     assert got[0]["output_ids"] == [1001] and got[-1] == "[DONE]"
     assert got[-2]["error"]["message"] == f"decode worker {echo['d1'].url}: stream broke"
     assert router.worker_state(echo["d1"].url)["in_flight"] == 0
+
+
+def test_a_json_answer_that_breaks_off_is_asked_of_another_decode(echo, make_router):
+    d1, d2 = echo["d1"], echo["d2"]
+    router = make_router([echo["p1"].url], [d1.url, d2.url], "--policy", "round_robin")
+    r = router.post("/generate", json={"text": "x", "echo_die_on": "d1"})
+    assert r.status_code == 200 and r.json()["worker"] == "d2"
+    assert router.metric("pdserve_router:worker_errors_total", role="decode", worker=d1.url, kind="broken") == 1
+    alone = make_router([echo["p1"].url], [d1.url])
+    r = alone.post("/generate", json={"text": "x", "echo_die_on": "d1"})
+    assert r.status_code == 502 and r.json()["error"]["message"] == (
+        f"decode worker {d1.url}: answer broke off and no other decode could take it")

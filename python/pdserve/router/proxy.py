@@ -49,6 +49,14 @@ class WorkerUnreachable(Exception):
     """The connection to a worker failed: the request never reached it."""
 
 
+class _BrokeOff(Exception):
+    """A decode's whole-JSON answer broke off before it was read: the client has nothing yet."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(worker.url)
+        self.worker = worker
+
+
 @dataclass
 class UpstreamReply:
     status: int
@@ -106,28 +114,46 @@ class PDProxy:
 
     # ------------------------------------------------------------ generation
     async def generate(self, request: Request, path: str) -> Response:
-        """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions)."""
+        """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions).
+        A decode that breaks off before a whole JSON answer is sent again to another decode (nothing
+        reached the client yet); each decode is tried at most once."""
         body = parse_json_object(await request.body())
         headers = self.upstream_headers(request)
-        try:
-            ex = await until_disconnect(request, self._open_exchange(path, body, headers))
-        except RequestError as e:
-            if e.status == 499:
-                self.metrics.client_disconnects.inc()
-            raise
+        avoid: Worker | None = None
+        for _ in range(len(self.decode.workers)):
+            try:
+                ex = await until_disconnect(request, self._open_exchange(path, body, headers, avoid))
+                return await self._answer(request, ex, path, body, headers)
+            except _BrokeOff as e:
+                avoid = e.worker
+            except RequestError as e:
+                if e.status == 499:
+                    self.metrics.client_disconnects.inc()
+                raise
+        raise RequestError(f"decode worker {avoid.url}: answer broke off and no other decode could take it",
+                           status=502, code="upstream_error")
+
+    async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
         try:
             if ex.resp.status == 200 and ex.resp.content_type == "text/event-stream":
                 relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
                 return _RelayResponse(self._relay(relay, path, headers), relay.finish)
-            content = await until_disconnect(request, ex.resp.read())
+            try:
+                content = await until_disconnect(request, ex.resp.read())
+            except aiohttp.ClientError as e:
+                ex.broken = True
+                self.metrics.error(ex.decode.worker, "broken")
+                logger.warning("decode worker %s: answer broke off (%s: %s)", ex.decode.worker.url,
+                               type(e).__name__, e)
+                raise _BrokeOff(ex.decode.worker) from None
+            except asyncio.TimeoutError:
+                self.metrics.error(ex.decode.worker, "timeout")
+                raise RequestError(f"decode worker {ex.decode.worker.url}: no answer within the request timeout",
+                                   status=504, code="upstream_timeout") from None
             ex.completed = True
             self._count_status(ex.decode.worker, ex.resp.status)
             return Response(content, status_code=ex.resp.status, media_type=ex.resp.content_type)
-        except RequestError as e:
-            if e.status == 499:
-                self.metrics.client_disconnects.inc()
-            raise
         finally:
             if not ex.streaming:
                 ex.finish()
@@ -186,10 +212,11 @@ class PDProxy:
             self.metrics.error(worker, "timeout")
             raise RequestError(f"decode worker {worker.url}: no answer within the request timeout",
                                status=504, code="upstream_timeout") from None
-        except aiohttp.ClientError as e:
+        except aiohttp.ClientError as e:  # the request reached it, then the connection dropped
             self.metrics.error(worker, "broken")
-            raise RequestError(f"decode worker {worker.url}: {type(e).__name__}: {e}", status=502,
-                               code="upstream_error") from None
+            logger.warning("decode worker %s: connection dropped before an answer (%s: %s)", worker.url,
+                           type(e).__name__, e)
+            raise _BrokeOff(worker) from None
 
     async def _relay(self, relay: _Relay, path: str, headers: dict) -> AsyncIterator[bytes]:
         """Decode's SSE bytes as they arrive. A broken upstream resumes the stream on another decode
@@ -226,6 +253,9 @@ class PDProxy:
             try:
                 prompt = stream.known_prompt_ids() or await self._prompt_ids(stream.body, headers, failed)
                 ex = await self._open_exchange(path, stream.resume_body(prompt), headers, avoid=failed)
+            except _BrokeOff as e:
+                failed = e.worker
+                continue
             except (RequestError, WorkerUnreachable, NoHealthyWorker, aiohttp.ClientError, asyncio.TimeoutError,
                     ValueError) as e:
                 logger.warning("stream of %s: cannot resume: %s", failed.url, e)
