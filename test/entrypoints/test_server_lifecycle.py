@@ -230,3 +230,14 @@ def test_busy_port_is_reported(server):
                            "--port", str(server.port)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "port" in proc.stderr and str(server.port) in proc.stderr
+
+
+def test_sigterm_to_the_whole_process_group_is_a_shutdown_not_a_crash(server):
+    """``kill -TERM -PGID`` (a service manager, ``pdserve up`` before) reaches the scheduler and the
+    frontend at once; the scheduler dies of it first. That is a shutdown: exit 0, and no
+    "exited ... unexpectedly" in the log."""
+    children = descendants(server.proc.pid)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    assert server.wait(SHUTDOWN_BUDGET_S) == 0, server.output()
+    assert "unexpectedly" not in server.output() and "scheduler failed" not in server.output()
+    assert_gone(server, [server.proc.pid, *children])

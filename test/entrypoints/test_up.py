@@ -3,19 +3,21 @@ with real transfers, then SIGTERM stops every process it started and frees every
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 import pdserve
-from pdserve.entrypoints.up import UpArgs, plan, split_cores
+from pdserve.entrypoints.up import UpArgs, _shown, plan, split_cores
 from server_utils import alive, descendants, free_port, port_is_free
 
 
@@ -35,6 +37,17 @@ def test_plan_wires_prefills_decodes_and_the_router():
     r = kids[-1].cmd
     assert r[r.index("--port") + 1] == "40000"
     assert " ".join(r).count("--prefill") == 2 and "http://127.0.0.1:40003" in r
+    assert "--api-key" not in r and r[r.index("--health-check-interval-secs") + 1] == "5"
+
+
+def test_plan_gives_the_api_key_to_every_server_and_the_router():
+    kids = plan(UpArgs(1, 1, server_flags=("--model-path", "m"), api_key="k", health_check_interval_secs=0.5,
+                       cores=(0, 1)))
+    for k in kids:
+        assert k.cmd[k.cmd.index("--api-key") + 1] == "k"
+    assert kids[-1].cmd[kids[-1].cmd.index("--health-check-interval-secs") + 1] == "0.5"
+    assert "secret-key" not in repr(UpArgs(api_key="secret-key"))
+    assert _shown(kids[0].cmd).count("--api-key ***") == 1 and " k " not in _shown(kids[0].cmd) + " "
 
 
 def test_invalid_deployment_is_refused():
@@ -72,6 +85,7 @@ def test_up_serves_through_its_router_and_stops_everything():
         assert decode["disaggregation_mode"] == "decode" and decode["kv_received"] == 1  # through prefill
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        assert "unexpectedly" not in Path(log.name).read_text(errors="replace")
         wait_until = time.monotonic() + 30
         while any(alive(c) for c in children) and time.monotonic() < wait_until:
             time.sleep(0.2)
@@ -81,4 +95,116 @@ def test_up_serves_through_its_router_and_stops_everything():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        Path(log.name).unlink()
+
+
+# ------------------------------------------------------- a dead prefill
+PROMPTS = [f"Request {i}: tell me about the number {i * 7}" for i in range(16)]
+FRESH = "A prompt no server has seen yet, so decode has none of it cached"  # cached: decode would not ask for KV
+SAMPLING = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+
+
+def _wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not true after {timeout} s")
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key == (f"{name}{{{want}}}" if want else name):
+            return float(value)
+    return 0.0
+
+
+def _ask(url: str, prompt: str, stream: bool) -> list[int]:
+    """One greedy request's output ids; fails on any client-visible error."""
+    body = {"text": prompt, "sampling_params": SAMPLING, "stream": stream}
+    if not stream:
+        r = httpx.post(url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+    last = None
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+                assert "error" not in last, last
+    return last["output_ids"]
+
+
+def _server_pid(up_pid: int, role: str) -> int:
+    """The session leader (frontend) of ``up``'s server of ``role``."""
+    for pid in descendants(up_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and role.encode() in argv and os.getpgid(pid) == pid:
+            return pid
+    raise AssertionError(f"no {role} server under pid {up_pid}")
+
+
+def test_killed_prefill_under_up_degrades_then_comes_back():
+    """kill -9 of the only prefill with 8 streams in flight and 8 requests after: all 16 complete with
+    the colocated engine's greedy tokens; restarted on its ports, it is used again once the router's
+    next health check passes it."""
+    port, boot = free_port(), free_port()
+    router, decode = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 2}"
+    log = tempfile.NamedTemporaryFile(prefix="pdserve-up-kill-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
+           "--bootstrap-port", str(boot), "--log-level", "warning", "--health-check-interval-secs", "1"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    restarted = None
+    try:
+        _wait(lambda: "pdserve is up" in Path(log.name).read_text(errors="replace") or proc.poll() is not None,
+              240, "up")
+        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+        want = [o["output_ids"] for o in pdserve.Engine(model_path="tiny-llama", num_threads=1).generate(
+            prompt=[*PROMPTS, FRESH], sampling_params=SAMPLING)]
+        victim = _server_pid(proc.pid, "prefill")
+        prefill_cmd = [a.decode() for a in Path(f"/proc/{victim}/cmdline").read_bytes().split(b"\0")[:-1]]
+        with ThreadPoolExecutor(16) as pool:
+            first = [pool.submit(_ask, router, p, True) for p in PROMPTS[:8]]
+            _wait(lambda: httpx.get(router + "/get_server_info", timeout=30).json()["decode"][0]["in_flight"] == 8,
+                  60, "8 streams in flight")
+            os.killpg(victim, signal.SIGKILL)
+            _wait(lambda: not alive(victim), 30, "prefill gone")
+            after = [pool.submit(_ask, router, p, i % 2 == 0) for i, p in enumerate(PROMPTS[8:])]
+            got = [f.result() for f in first + after]
+        assert got == want[:16]
+        assert _metric(router, "pdserve_router:degraded_requests_total") >= 1
+        assert httpx.get(router + "/health", timeout=30).json()["status"] == "degraded"
+        assert proc.poll() is None  # up keeps serving without its prefill
+        restarted = subprocess.Popen(prefill_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait(lambda: _metric(router, "pdserve_router:worker_healthy", role="prefill",
+                              worker=f"http://127.0.0.1:{port + 1}") == 1, 240, "router sees the prefill again")
+        prefill = f"http://127.0.0.1:{port + 1}"
+        sent = _metric(router, "pdserve_router:requests_total", role="prefill", worker=prefill)
+        degraded = _metric(router, "pdserve_router:degraded_requests_total")
+        kv_before = httpx.get(decode + "/get_server_info", timeout=30).json()["kv_received"]
+        assert _ask(router, FRESH, False) == want[16]
+        assert _metric(router, "pdserve_router:requests_total", role="prefill", worker=prefill) == sent + 1
+        assert _metric(router, "pdserve_router:degraded_requests_total") == degraded
+        assert httpx.get(router + "/health", timeout=30).json()["status"] == "ok"
+        assert httpx.get(decode + "/get_server_info", timeout=30).json()["kv_received"] == kv_before + 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "unexpectedly" not in Path(log.name).read_text(errors="replace")
+    finally:
+        for p in (proc, restarted):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
         Path(log.name).unlink()

@@ -50,28 +50,33 @@ class Router:
         for d in decode:
             cmd += ["--decode", d]
         self.cmd = [*cmd, "--port", str(self.port), "--log-level", "info", *flags]
+        key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}  # get/post send it unless told otherwise
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-router-test-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = ROUTER_STARTUP_TIMEOUT_S) -> Router:
+    def start(self, timeout: float = ROUTER_STARTUP_TIMEOUT_S, ready: bool = True) -> Router:
+        """Start and wait until it listens (``ready``: until its /health is 200, it can serve)."""
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                httpx.get(self.url + "/health", timeout=2)
-                return self
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200 or not ready:
+                    return self
             except httpx.HTTPError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"router not listening after {timeout} s:\n{self.output()}")
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
+        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), headers=kw.pop("headers", self.headers), **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=kw.pop("timeout", 60), **kw)
+        return httpx.post(self.url + path, timeout=kw.pop("timeout", 60), headers=kw.pop("headers", self.headers),
+                          **kw)
 
     def worker_state(self, url: str) -> dict:
         info = self.get("/get_server_info").json()
@@ -157,7 +162,8 @@ class EchoWorker:
         self.disconnects.clear()
 
     def generation_bodies(self) -> list[dict]:
-        return [r.body for r in self.received if r.method == "POST" and r.path != "/flush_cache"]
+        control = ("/flush_cache", "/abort_request")
+        return [r.body for r in self.received if r.method == "POST" and r.path not in control]
 
     # -------------------------------------------------------------- server
     def start(self) -> EchoWorker:
@@ -189,6 +195,8 @@ class EchoWorker:
         for path in ("/get_server_info", "/server_info", "/model_info", "/get_model_info", "/v1/models"):
             app.router.add_get(path, self._info)
         app.router.add_post("/flush_cache", self._flush)
+        app.router.add_post("/abort_request", self._flush)
+        app.router.add_get("/health_generate", self._health)
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._generate)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
@@ -209,7 +217,7 @@ class EchoWorker:
                                   "internal_states": [{"worker": self.name}]})
 
     async def _flush(self, request: web.Request) -> web.Response:
-        self._record(request, None)
+        self._record(request, await request.json() if request.can_read_body else None)
         if self.fail_status:
             return web.json_response({"error": {"message": f"{self.name} is busy"}}, status=self.fail_status)
         return web.json_response({"success": True, "message": f"{self.name} flushed"})
@@ -220,6 +228,11 @@ class EchoWorker:
         if self.fail_status:
             return web.json_response({"error": {"message": f"{self.name} failed", "worker": self.name}},
                                      status=self.fail_status)
+        if body.get("echo_die_on") == self.name and not body.get("stream"):
+            request.transport.close()  # dies before answering: the client sees the connection drop
+            return web.Response()
+        if body.get("stream") and "input_ids" in body:
+            return await self._cumulative(request, body)
         if body.get("stream"):
             return await self._stream(request, body)
         if body.get("echo_hold"):
@@ -252,6 +265,30 @@ class EchoWorker:
         except asyncio.CancelledError:
             self.disconnects.append(body)
             raise
+        return resp
+
+    async def _cumulative(self, request: web.Request, body: dict) -> web.StreamResponse:
+        """SGLang's cumulative /generate stream: output token i is ``1000 + len(input_ids) + i``
+        (so a resumed request continues the same sequence). On the worker named ``echo_die_on`` the
+        connection drops after ``echo_die_after`` events, as when the server is killed."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["sampling_params"]["max_new_tokens"]
+        start = len(body["input_ids"])
+        ids = []
+        for i in range(n):
+            ids.append(1000 + start + i)
+            event = {"text": "".join(f"<{t}>" for t in ids), "output_ids": ids,
+                     "meta_info": {"id": self.name, "prompt_tokens": start, "completion_tokens": len(ids),
+                                   "finish_reason": {"type": "length", "length": n} if i == n - 1 else None}}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            if body.get("echo_die_on") == self.name and i + 1 == body.get("echo_die_after"):
+                # give the events a moment to reach the reader: a close right behind them can make
+                # aiohttp's reader raise before handing over what had arrived (as a real crash may)
+                await asyncio.sleep(0.3)
+                request.transport.close()  # no end of the chunked body: the client sees a broken stream
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def _hold(self, resp: web.StreamResponse) -> None:

@@ -198,26 +198,51 @@ def test_bad_bodies_are_refused_before_any_worker(echo, make_router):
 
 
 # ---------------------------------------------------------------- health
-@pytest.mark.parametrize("side", ["decode", "prefill"])
-def test_a_worker_failing_health_is_not_routed_to_and_503_names_the_side(echo, make_router, side):
+def test_a_decode_failing_health_is_not_routed_to_and_503_names_it(echo, make_router):
     p1, d1 = echo["p1"], echo["d1"]
     router = make_router([p1.url], [d1.url], *FAST_HEALTH)
-    sick = d1 if side == "decode" else p1
-    sick.health_status = 503
-    router.wait_health(sick.url, False)
+    d1.health_status = 503
+    router.wait_health(d1.url, False)
     r = router.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 503
     err = r.json()["error"]
     assert err["type"] == "service_unavailable"
-    assert err["message"] == f"no healthy {side} worker ({sick.url}: GET /health answered 503)"
+    assert err["message"] == f"no healthy decode worker ({d1.url}: GET /health answered 503)"
     assert p1.generation_bodies() == [] and d1.generation_bodies() == []
-    assert router.get("/health").status_code == 503
-    assert router.metric("pdserve_router:dead_workers", role=side) == 1
-    assert router.metric("pdserve_router:no_healthy_worker_total", role=side) == 1
-    sick.health_status = 200
-    router.wait_health(sick.url, True)
+    health = router.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "down"
+    assert health.json()["unhealthy"] == [{"url": d1.url, "role": "decode", "last_error": "GET /health answered 503"}]
+    assert router.metric("pdserve_router:dead_workers", role="decode") == 1
+    assert router.metric("pdserve_router:no_healthy_worker_total", role="decode") == 1
+    d1.health_status = 200
+    router.wait_health(d1.url, True)
     assert router.post("/generate", json={"text": "back"}).json()["worker"] == "d1"
     assert router.get("/health").status_code == 200
+
+
+def test_no_healthy_prefill_degrades_to_decode_alone(echo, make_router):
+    """Requests go to decode without bootstrap fields (decode prefills them), counted, logged once,
+    reported by /health (still 200); the prefill is used again once it passes a health check."""
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url], *FAST_HEALTH)
+    p1.health_status = 503
+    router.wait_health(p1.url, False)
+    for text in ("one", "two"):
+        r = router.post("/generate", json={"text": text, "bootstrap_room": 5})
+        assert r.status_code == 200 and r.json()["body"] == {"text": text}  # no bootstrap field, not even the client's
+    assert p1.generation_bodies() == []
+    health = router.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert router.metric("pdserve_router:degraded_requests_total") == 2
+    assert router.metric("pdserve_router:degraded") == 1
+    assert router.output().count("degraded: no healthy prefill worker") == 1
+    p1.health_status = 200
+    router.wait_health(p1.url, True)
+    assert "bootstrap_room" in router.post("/generate", json={"text": "three"}).json()["body"]
+    assert bodies(p1, 1)[0]["text"] == "three"
+    assert router.get("/health").json()["status"] == "ok" and router.metric("pdserve_router:degraded") == 0
+    assert router.metric("pdserve_router:degraded_requests_total") == 2
+    assert "serving disaggregated again" in router.output()
 
 
 def test_a_decode_refusing_connections_is_marked_dead_and_the_request_retried(echo, make_router):
@@ -294,14 +319,29 @@ def _router_cmd(prefill: str, decode: str, *flags: str) -> list[str]:
             "--port", str(free_port()), *flags]
 
 
-def test_startup_gives_up_naming_the_missing_side(echo):
-    dead = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.run(_router_cmd(echo["p1"].url, dead, "--worker-startup-timeout-secs", "1",
-                                      "--worker-startup-check-interval", "0.2"),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
-    assert f"no healthy decode worker ({dead}: GET /health failed" in proc.stderr
-    assert "after 1 s" in proc.stderr and "Traceback" not in proc.stderr
+def test_router_listens_at_once_and_names_the_workers_it_waits_for(echo):
+    port = free_port()
+    late_url = f"http://127.0.0.1:{port}"
+    router = Router([echo["p1"].url], [late_url], "--worker-startup-timeout-secs", "0.5",
+                    "--worker-startup-check-interval", "0.1", "--health-check-interval-secs", "600")
+    try:
+        router.start(ready=False)
+        health = router.get("/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "starting" and health.json()["waiting_for"] == [late_url]
+        r = router.post("/generate", json={"text": "x"})
+        assert r.status_code == 503 and r.json()["error"]["message"].startswith(f"no healthy decode worker ({late_url}")
+        wait_for(lambda: "still waiting for " + late_url in router.output(), what="start-up timeout logged")
+        assert f"waiting for decode worker {late_url} (GET /health failed" in router.output()
+        late = EchoWorker("late", port=port).start()
+        try:
+            router.wait_health(late_url, True)  # probed at the start-up interval, not the 600 s one
+            assert router.get("/health").json() == {"status": "ok", "waiting_for": [], "unhealthy": []}
+            assert router.post("/generate", json={"text": "y"}).json()["worker"] == "late"
+        finally:
+            late.close()
+    finally:
+        assert router.stop() == 0, router.output()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -338,3 +378,87 @@ def test_sigterm_while_streaming_closes_upstreams_and_frees_the_port(echo, make_
             list(lines)  # the router cut the held stream off when its graceful-shutdown time ran out
     assert len(d1.disconnects) == 1 and len(p1.disconnects) == 1
     assert port_is_free(router.port)
+
+
+# ------------------------------------------------------ control routes
+def test_abort_request_and_health_generate_reach_every_worker(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    r = router.post("/abort_request", json={"rid": "r-1"})
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert [x.body for x in p1.received + d1.received if x.path == "/abort_request"] == [{"rid": "r-1"}] * 2
+    r = router.get("/health_generate")
+    assert r.status_code == 200 and [w["status"] for w in r.json()["workers"]] == [200, 200]
+    d1.health_status = 503  # its /health_generate fails too
+    r = router.get("/health_generate")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+# -------------------------------------------------------------- API keys
+@pytest.mark.parametrize("worker_key", [None, "worker-secret"])
+def test_api_key_is_required_and_forwarded(echo, make_router, worker_key):
+    p1, d1 = echo["p1"], echo["d1"]
+    flags = ("--api-key", "router-secret", *(("--worker-api-key", worker_key) if worker_key else ()))
+    router = make_router([p1.url], [d1.url], *flags)
+    assert router.headers == {"Authorization": "Bearer router-secret"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = router.post("/generate", json={"text": "x"}, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["param"] == "Authorization"
+        assert router.post("/flush_cache", headers=headers).status_code == 401
+    assert d1.generation_bodies() == []
+    for path in ("/health", "/metrics"):  # open, as on a server
+        assert router.get(path, headers={}).status_code == 200
+    ok = router.headers
+    assert router.post("/generate", json={"text": "x"}, headers=ok).json()["worker"] == "d1"
+    assert router.post("/flush_cache", headers=ok).status_code == 200
+    sent = f"Bearer {worker_key or 'router-secret'}"
+    bodies(p1, 1)
+    for w in (p1, d1):
+        assert {r.headers.get("Authorization") for r in w.received} == {sent}  # health probes too
+    assert "router-secret" not in router.output()
+
+
+# ----------------------------------------------------------- resumption
+def test_a_stream_whose_decode_dies_resumes_on_another(echo, make_router):
+    p1, d1, d2 = echo["p1"], echo["d1"], echo["d2"]
+    router = make_router([p1.url], [d1.url, d2.url], "--policy", "round_robin")
+    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 6, "min_new_tokens": 5},
+            "echo_die_on": "d1", "echo_die_after": 2}
+    with httpx.stream("POST", router.url + "/generate", json=body, timeout=30) as r:
+        got = events(r)
+    assert got[-1] == "[DONE]" and all("error" not in e for e in got[:-1])
+    want = [1003 + i for i in range(6)]  # what an undisturbed run streams
+    assert [e["output_ids"] for e in got[:-1]] == [want[:k] for k in range(1, 7)]
+    assert got[-2]["text"] == "".join(f"<{t}>" for t in want)
+    assert got[-2]["meta_info"]["completion_tokens"] == 6 and got[-2]["meta_info"]["prompt_tokens"] == 3
+    resumed = d2.generation_bodies()[-1]
+    k = len(resumed["input_ids"]) - 3  # tokens the router had relayed when d1 died (2 unless a load spike)
+    assert resumed["input_ids"] == [1, 2, 3, *want[:k]] and k <= 2
+    assert resumed["sampling_params"] == {"max_new_tokens": 6 - k, "min_new_tokens": 5 - k}
+    assert got[-2]["meta_info"]["id"] == ("d1" if k else "d2")  # one stream, as the client began it
+    assert router.metric("pdserve_router:resumed_streams_total") == 1
+    assert f"resumed on {d2.url} after {k} tokens" in router.output()
+
+
+def test_a_stream_with_no_decode_left_ends_with_an_error_event(echo, make_router):
+    router = make_router([echo["p1"].url], [echo["d1"].url])
+    body = {"input_ids": [1], "stream": True, "sampling_params": {"max_new_tokens": 5},
+            "echo_die_on": "d1", "echo_die_after": 1}
+    with httpx.stream("POST", router.url + "/generate", json=body, timeout=30) as r:
+        got = events(r)
+    assert got[0]["output_ids"] == [1001] and got[-1] == "[DONE]"
+    assert got[-2]["error"]["message"] == f"decode worker {echo['d1'].url}: stream broke"
+    assert router.worker_state(echo["d1"].url)["in_flight"] == 0
+
+
+def test_a_json_answer_that_breaks_off_is_asked_of_another_decode(echo, make_router):
+    d1, d2 = echo["d1"], echo["d2"]
+    router = make_router([echo["p1"].url], [d1.url, d2.url], "--policy", "round_robin")
+    r = router.post("/generate", json={"text": "x", "echo_die_on": "d1"})
+    assert r.status_code == 200 and r.json()["worker"] == "d2"
+    assert router.metric("pdserve_router:worker_errors_total", role="decode", worker=d1.url, kind="broken") == 1
+    alone = make_router([echo["p1"].url], [d1.url])
+    r = alone.post("/generate", json={"text": "x", "echo_die_on": "d1"})
+    assert r.status_code == 502 and r.json()["error"]["message"] == (
+        f"decode worker {d1.url}: answer broke off and no other decode could take it")

@@ -51,34 +51,35 @@ def test_leases_count_in_flight_and_release_once():
     assert [w.in_flight for w in ws.workers] == [0, 0]
 
 
-def test_health_checker_marks_dead_and_alive_from_the_probe():
+def test_health_checker_marks_dead_and_alive_from_the_probe_and_reports_each_round():
     prefill = make_worker_set(Role.PREFILL, ["http://p:1"], RoundRobinPolicy(random.Random(0)), [8998])
-    decode = decode_set(2)
+    decode = make_worker_set(Role.DECODE, ["http://d0:1", "http://d1:1"], RoundRobinPolicy(random.Random(0)))
     verdicts = {"http://p:1": None, "http://d0:1": "GET /health answered 503", "http://d1:1": None}
 
     async def probe(worker):
         return verdicts[worker.url]
 
     checker = HealthChecker([prefill, decode], probe, interval_s=1.0)
+    rounds = []
+    checker.after_check.append(lambda: rounds.append([w.healthy for w in decode.workers]))
     asyncio.run(checker.check_all())
     assert [w.healthy for w in prefill.workers + decode.workers] == [True, False, True]
     assert decode.workers[0].last_error == "GET /health answered 503"
-    assert checker.ready()
+    assert [w.url for w in decode.waiting_for] == ["http://d0:1"]  # never seen healthy yet
     verdicts["http://d1:1"] = "GET /health failed: refused"
     asyncio.run(checker.check_all())
-    assert not checker.ready()
+    assert decode.healthy == [] and decode.waiting_for == [decode.workers[0]]  # d1 was up once: not awaited
     verdicts["http://d0:1"] = None
     asyncio.run(checker.check_all())
-    assert [w.url for w in decode.healthy] == ["http://d0:1"]
+    assert [w.url for w in decode.healthy] == ["http://d0:1"] and decode.waiting_for == []
+    assert rounds == [[False, True], [False, False], [True, False]]
 
 
-def test_wait_ready_times_out_naming_the_missing_side():
-    prefill = make_worker_set(Role.PREFILL, ["http://p:1"], RoundRobinPolicy(random.Random(0)), [8998])
-    decode = make_worker_set(Role.DECODE, ["http://d:1"], RoundRobinPolicy(random.Random(0)))
-
-    async def probe(worker):
-        return None if worker.role is Role.PREFILL else "GET /health failed: refused"
-
-    checker = HealthChecker([prefill, decode], probe, interval_s=1.0)
-    with pytest.raises(TimeoutError, match=r"no healthy decode worker \(http://d:1: GET /health failed: refused\)"):
-        asyncio.run(checker.wait_ready(timeout_s=0.2, interval_s=0.05))
+def test_pick_avoids_the_worker_named():
+    ws = decode_set(2)
+    for w in ws.workers:
+        ws.mark_alive(w)
+    assert {ws.pick(avoid=ws.workers[0]).worker.url for _ in range(3)} == {"http://d1:1"}
+    ws.mark_dead(ws.workers[1], "gone")
+    with pytest.raises(NoHealthyWorker):
+        ws.pick(avoid=ws.workers[0])

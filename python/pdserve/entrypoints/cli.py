@@ -206,10 +206,16 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("health")
     _router_flag(g, "--health-check-interval-secs", "seconds between GET /health of every worker", type=float)
     _router_flag(g, "--health-check-timeout-secs", "a health check slower than this fails", type=float)
-    _router_flag(g, "--worker-startup-timeout-secs", "at start-up, how long to wait for a healthy prefill "
-                 "and decode worker", type=float)
-    _router_flag(g, "--worker-startup-check-interval", "seconds between checks at start-up", type=float)
+    _router_flag(g, "--worker-startup-timeout-secs", "the router serves at once; a worker not healthy after "
+                 "this long is reported as an error (and still probed)", type=float)
+    _router_flag(g, "--worker-startup-check-interval", "seconds between checks of workers not yet seen healthy",
+                 type=float)
     _router_flag(g, "--log-level", "logging level", choices=LOG_LEVELS)
+    g = parser.add_argument_group("authentication")
+    _router_flag(g, "--api-key", "clients must send 'Authorization: Bearer KEY' (401 otherwise); also sent to "
+                 "the workers unless --worker-api-key is given")
+    _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
+                 "--api-key, or else the client's own Authorization header")
 
 
 def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
@@ -261,6 +267,11 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill i's bootstrap registry listens on this + i (default: %(default)s)")
     g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="least_load",
                    help="the router's policy for both sides (default: %(default)s)")
+    g.add_argument("--api-key", dest="up_api_key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' to the router and every server")
+    g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
+                   help="the router's health checks: a restarted server is used again within this "
+                   "(default: %(default)s)")
     for add in UP_SERVER_GROUPS:
         add(parser)
     add_disagg_args(parser, per_server=False)
@@ -287,7 +298,8 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         server = server_args_from_namespace(ns)  # every server would refuse these: say so now
         server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
         args = UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port, ns.up_bootstrap_port,
-                      server_flags_from_namespace(ns, parser), ns.up_policy)
+                      server_flags_from_namespace(ns, parser), ns.up_policy, ns.up_api_key,
+                      ns.up_health_check_interval_secs)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return launch_up(args)

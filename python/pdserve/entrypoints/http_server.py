@@ -10,7 +10,6 @@ scheduler, release the port and the socket directory. Returns the exit code:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from pdserve.config import ModelConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
+from pdserve.entrypoints.api_key import ApiKeyMiddleware
 from pdserve.entrypoints.errors import (
     ErrorResponse,
     RequestError,
@@ -57,7 +57,6 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 HEALTH_STATS_TIMEOUT_S = 1.0
 FALLBACK_ALARM_RATE = 0.5  # decode /health reports "degraded" above this recent fallback rate
 FALLBACK_ALARM_MIN = 4  # ... once at least this many disaggregated requests were seen
-OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # reachable without the API key
 
 
 @dataclass
@@ -247,25 +246,6 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
 
-class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every path but health checks and metrics (plain ASGI:
-    no per-chunk overhead on streams, unlike BaseHTTPMiddleware)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        got = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(got, self.expected):
-            return await self.app(scope, receive, send)
-        err = RequestError("Authorization: missing or wrong API key (send 'Authorization: Bearer <key>')",
-                           param="Authorization", status=401, code="invalid_api_key")
-        await error_response(err)(scope, receive, send)
-
-
 # --------------------------------------------------------------- launch
 def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
                   model_config: ModelConfig | None = None) -> int:
@@ -367,6 +347,7 @@ class _SignalCatcher:
     def on_signal(self) -> None:
         first = not self.caught
         self.caught = True
+        self.tm.signalled = True
         if self.server is not None:
             self.server.should_exit = True
         if first and not self.loop.is_closed():

@@ -22,6 +22,7 @@ import functools
 import itertools
 import logging
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -66,6 +67,8 @@ from pdserve.obs.timeline import ReqTimeline
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
+SIGNAL_GRACE_S = 2.0
+SHUTDOWN_EXIT_CODES = (-signal.SIGTERM, -signal.SIGINT)  # a process killed by a signal exits with -signum
 CONTROL_TIMEOUT_S = 10.0
 # Texts longer than this are tokenized on a worker thread (~50 us of work inline at most).
 INLINE_TOKENIZE_CHARS = 4096
@@ -139,6 +142,7 @@ class TokenizerManager:
         self.limits: RequestLimits | None = None
         self.healthy = False
         self.closing = False  # set at shutdown: new requests get a 503
+        self.signalled = False  # a shutdown signal arrived (it may reach the scheduler too: not a crash)
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self.scheduler: SchedulerProcess | RankProcesses | None = None
@@ -462,7 +466,22 @@ class TokenizerManager:
         while self.healthy:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             if not self.scheduler.is_alive():
-                self._fatal(f"{self.scheduler.describe_exit()} unexpectedly")
+                await self._scheduler_exited()
+
+    async def _scheduler_exited(self) -> None:
+        """A scheduler killed by SIGTERM/SIGINT was most likely signalled with this whole process group
+        (``kill -TERM -PGID``, a service manager): this process's own handler may run a moment later,
+        so it gets SIGNAL_GRACE_S to say so before the exit counts as a crash."""
+        if self.scheduler.exitcode in SHUTDOWN_EXIT_CODES:
+            deadline = time.monotonic() + SIGNAL_GRACE_S
+            while not self.signalled and time.monotonic() < deadline:
+                await asyncio.sleep(WATCHDOG_INTERVAL_S / 10)
+        if self.signalled:
+            logger.info("%s during shutdown", self.scheduler.describe_exit())
+            self.healthy = False
+            self._fail_all(ServerError("server is shutting down"))
+            return
+        self._fatal(f"{self.scheduler.describe_exit()} unexpectedly")
 
     def _fatal(self, message: str) -> None:
         if self.fatal_error is not None:

@@ -3,8 +3,10 @@ router in front, with the machine's cores split between prefill and decode.
 
 Each server is an ordinary ``pdserve serve`` process (its own session, pinned to its cores, with
 as many torch threads as cores); the router is ``pdserve router``. ``up`` waits until every
-server answers /health, starts the router, prints its URL, and on Ctrl-C or SIGTERM (or when any
-child dies) stops every process it started.
+server answers /health, starts the router, prints its URL, and on Ctrl-C or SIGTERM (or when the
+router dies) stops every process it started. A server that dies is logged and left to the router,
+which serves without it (a dead prefill: decode prefills alone) and uses it again when it is back
+(restarted by the operator on the same ports).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class UpArgs:
     bootstrap_port: int = 8998  # prefill i's registry listens on bootstrap_port + i
     server_flags: tuple[str, ...] = ()
     router_policy: str = "least_load"
+    api_key: str | None = field(default=None, repr=False)  # servers require it; the router too
+    health_check_interval_secs: float = 5.0  # the router's
     startup_timeout_s: float = 600.0
     cores: tuple[int, ...] | None = None  # default: the cores this process may use
 
@@ -84,7 +88,7 @@ def plan(args: UpArgs) -> list[Child]:
         port = args.port + 1 + i
         url = f"http://{args.host}:{port}"
         cmd = [*py, "serve", *args.server_flags, "--host", args.host, "--port", str(port),
-               "--disaggregation-mode", role]
+               "--disaggregation-mode", role, *(["--api-key", args.api_key] if args.api_key else [])]
         if "--num-threads" not in args.server_flags:
             cmd += ["--num-threads", str(len(shares[i]))]
         if role == "prefill":
@@ -94,7 +98,9 @@ def plan(args: UpArgs) -> list[Child]:
         else:
             decode_urls.append(url)
         children.append(Child(f"{role}-{i if role == 'prefill' else i - args.num_prefill}", cmd, url, shares[i]))
-    router = [*py, "router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy]
+    router = [*py, "router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
+              "--health-check-interval-secs", f"{args.health_check_interval_secs:g}",
+              *(["--api-key", args.api_key] if args.api_key else [])]
     for url, boot in prefill_urls:
         router += ["--prefill", url, str(boot)]
     for url in decode_urls:
@@ -142,7 +148,7 @@ class Deployment:
                 os.sched_setaffinity(0, cores)
 
         logger.info("starting %s%s: %s", child.name, f" on cores {list(cores)}" if cores else "",
-                    " ".join(child.cmd))
+                    _shown(child.cmd))
         child.proc = subprocess.Popen(child.cmd, start_new_session=True, preexec_fn=pin)
 
     def _wait_healthy(self, children: list[Child]) -> None:
@@ -164,12 +170,30 @@ class Deployment:
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc is not None and c.proc.poll() is not None), None)
 
+    def watch(self) -> int:
+        """Until a signal (-> 0) or the router's death (-> 1); a server's death is logged once."""
+        reported: set[str] = set()
+        router = self.children[-1]
+        while not self.stopping:
+            if router.proc.poll() is not None:
+                logger.error("router exited with code %s; stopping the deployment", router.proc.returncode)
+                return 1
+            for c in self.children[:-1]:
+                if c.proc.poll() is not None and c.name not in reported:
+                    reported.add(c.name)
+                    logger.error("%s exited with code %s; the router serves without it (restart it with: %s)",
+                                 c.name, c.proc.returncode, _shown(c.cmd))
+            time.sleep(HEALTH_POLL_S)
+        return 0
+
     def stop(self) -> None:
-        """SIGTERM to every child (router first), then SIGKILL what is left after a grace period."""
+        """SIGTERM to every child (router first), then SIGKILL what is left after a grace period.
+        The signal goes to each child alone, not its process group: a server stops its own scheduler
+        processes in order (a scheduler killed under its frontend would look like a crash)."""
         self.stopping = True
         started = [c for c in reversed(self.children) if c.proc is not None]
         for c in started:
-            _signal_group(c.proc, signal.SIGTERM)
+            _signal(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for c in started:
             try:
@@ -186,6 +210,16 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _shown(cmd: list[str]) -> str:
+    """A command line for the log, the API key hidden."""
+    return " ".join("***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd))
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
 
 
 def _healthy(url: str) -> bool:
@@ -216,13 +250,7 @@ def launch_up(args: UpArgs) -> int:
         dep.start()
         print(f"pdserve is up: {dep.children[-1].url} (router -> {args.num_prefill} prefill, "
               f"{args.num_decode} decode)", flush=True)
-        while not dep.stopping:
-            dead = dep.dead_child()
-            if dead is not None:
-                logger.error("%s exited with code %s; stopping the deployment", dead.name, dead.proc.returncode)
-                code = 1
-                break
-            time.sleep(HEALTH_POLL_S)
+        code = dep.watch()
     except InterruptedError:
         pass
     except RuntimeError as e:

@@ -1,9 +1,10 @@
 """The router's HTTP server: FastAPI routes over a PDProxy, a health-check loop, and its life.
 
-``launch_router(args)`` binds the port first (a busy port fails at once), waits
-(bounded by ``worker_startup_timeout_secs``) until a prefill and a decode worker
-pass their health checks, then serves until SIGINT/SIGTERM. Returns the exit
-code: 0 after a signal, 1 when the port is busy or no workers became healthy.
+``launch_router(args)`` binds the port first (a busy port fails at once), probes every
+worker once (bounded by the health-check timeout), then listens and serves until
+SIGINT/SIGTERM, whatever the workers' state: workers that are not up yet are named in
+the log and in ``/health`` and probed until they are (see ``state``). Returns the exit
+code: 0 after a signal, 1 when the port is busy.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
+from pdserve.entrypoints.api_key import ApiKeyMiddleware
 from pdserve.entrypoints.errors import RequestError, ServerError, error_body, error_response
 from pdserve.entrypoints.listen import bind_socket, configure_logging
 from pdserve.router.config import RouterArgs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
-from pdserve.router.proxy import PDProxy, WorkerUnreachable
+from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
+from pdserve.router.state import RouterState
 from pdserve.router.workers import HealthChecker, Role, Worker, WorkerSet, make_worker_set
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class RouterContext:
     metrics: RouterMetrics
     proxy: PDProxy
     checker: HealthChecker
+    state: RouterState
 
     @property
     def sets(self) -> tuple[WorkerSet, WorkerSet]:
@@ -58,9 +62,21 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
                               [p.bootstrap_port for p in args.prefill])
     decode = make_worker_set(Role.DECODE, args.decode, make_policy(args.decode_policy_name, rng))
     metrics = RouterMetrics()
-    proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs)
+    state = RouterState(prefill, decode, args.worker_startup_timeout_secs)
+    proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
+                    args.worker_key, state)
     checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs)
-    return RouterContext(args, prefill, decode, metrics, proxy, checker)
+    checker.after_check.append(state.update)
+    checker.next_interval = lambda: _check_interval(args, state)
+    return RouterContext(args, prefill, decode, metrics, proxy, checker, state)
+
+
+def _check_interval(args: RouterArgs, state: RouterState) -> float:
+    """Workers not yet seen healthy are probed at the start-up interval (if shorter), so the router
+    notices them as soon as they are up."""
+    if state.waiting_for:
+        return min(args.worker_startup_check_interval, args.health_check_interval_secs)
+    return args.health_check_interval_secs
 
 
 # ------------------------------------------------------------------ app
@@ -70,6 +86,9 @@ def create_app(ctx: RouterContext) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
+    _add_control_routes(app, ctx)
+    if ctx.args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
     return app
 
 
@@ -87,10 +106,12 @@ def _add_generation_routes(app: FastAPI, ctx: RouterContext) -> None:
 def _add_info_routes(app: FastAPI, ctx: RouterContext) -> None:
     @app.get("/health")
     async def health():
-        for s in ctx.sets:
-            if not s.healthy:
-                raise ServerError(f"no healthy {s.role.value} worker")
-        return Response(status_code=200)
+        status, body = ctx.state.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        return await _health_generate(ctx)
 
     def model_info_route(path: str):
         async def model_info():
@@ -106,10 +127,6 @@ def _add_info_routes(app: FastAPI, ctx: RouterContext) -> None:
 
     for path in ("/get_server_info", "/server_info"):
         app.get(path)(server_info)
-
-    @app.post("/flush_cache")
-    async def flush_cache():
-        return await _flush_cache(ctx)
 
     @app.get("/metrics")
     async def metrics():
@@ -149,30 +166,62 @@ async def _worker_server_info(ctx: RouterContext, worker: Worker) -> dict | None
     return reply.json() if reply.status == 200 else None
 
 
-async def _flush_cache(ctx: RouterContext) -> JSONResponse:
-    """``POST /flush_cache`` on every worker; 200 only if every one flushed, else the first failure's status."""
+def _add_control_routes(app: FastAPI, ctx: RouterContext) -> None:
+    @app.post("/flush_cache")
+    async def flush_cache():
+        return await _broadcast(ctx, "/flush_cache", None, "Cache flushed")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        # the rid reached both halves of a request in its body, so every worker may hold it
+        body = parse_json_object(await request.body())
+        return await _broadcast(ctx, "/abort_request", body, "Abort sent")
+
+
+async def _broadcast(ctx: RouterContext, path: str, body: dict | None, done: str) -> JSONResponse:
+    """``POST path`` on every worker; 200 only if every one answered 200, else the first failure's status."""
     workers = [w for s in ctx.sets for w in s.workers]
-    results = await asyncio.gather(*(_flush_one(ctx, w) for w in workers))
+    results = await asyncio.gather(*(_post_one(ctx, w, path, body) for w in workers))
     failed = [r for r in results if r["status"] != 200]
     if not failed:
-        return JSONResponse({"success": True, "message": f"Cache flushed on {len(results)} workers.",
-                             "workers": results})
+        return JSONResponse({"success": True, "message": f"{done} on {len(results)} workers.", "workers": results})
     status = failed[0]["status"]
-    message = "flush_cache: failed on " + "; ".join(f"{r['role']} {r['url']} ({r['status']}: {r['message']})"
-                                                    for r in failed)
+    message = f"{path.lstrip('/')}: failed on " + "; ".join(
+        f"{r['role']} {r['url']} ({r['status']}: {r['message']})" for r in failed)
     return JSONResponse({**error_body(message, status), "success": False, "workers": results}, status_code=status)
 
 
-async def _flush_one(ctx: RouterContext, worker: Worker) -> dict:
+async def _post_one(ctx: RouterContext, worker: Worker, path: str, body: dict | None) -> dict:
     out = {"url": worker.url, "role": worker.role.value}
     try:
-        reply = await ctx.proxy.call(worker, "POST", "/flush_cache", timeout=ctx.proxy.health_timeout)
+        reply = await ctx.proxy.call(worker, "POST", path, timeout=ctx.proxy.health_timeout, json_body=body)
     except (WorkerUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as e:
         return {**out, "status": 503, "message": f"unreachable: {type(e).__name__}"}
-    body = reply.json()
-    if isinstance(body, dict):
-        body = body.get("message") or body.get("error", {}).get("message")
-    return {**out, "status": reply.status, "message": body}
+    answer = reply.json()
+    if isinstance(answer, dict):
+        answer = answer.get("message") or (answer.get("error") or {}).get("message")
+    return {**out, "status": reply.status, "message": answer}
+
+
+async def _health_generate(ctx: RouterContext) -> JSONResponse:
+    """Every healthy worker's ``GET /health_generate`` (one token each); 200 when a decode worker
+    generated (the router can serve, disaggregated or degraded), else 503. Each result is listed."""
+    workers = [w for s in ctx.sets for w in s.healthy]
+    results = await asyncio.gather(*(_get_one(ctx, w, "/health_generate") for w in workers))
+    serving = any(r["status"] == 200 and r["role"] == Role.DECODE.value for r in results)
+    body = {"status": ctx.state.health()[1]["status"] if serving else "down", "workers": results}
+    if not serving:
+        body.update(error_body("health_generate: no decode worker generated a token", 503))
+    return JSONResponse(body, status_code=200 if serving else 503)
+
+
+async def _get_one(ctx: RouterContext, worker: Worker, path: str) -> dict:
+    out = {"url": worker.url, "role": worker.role.value}
+    try:
+        reply = await ctx.proxy.call(worker, "GET", path, timeout=ctx.proxy.request_timeout)
+    except (WorkerUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return {**out, "status": 503, "message": f"unreachable: {type(e).__name__}"}
+    return {**out, "status": reply.status}
 
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
@@ -201,15 +250,18 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
     await ctx.proxy.start()
     health_loop = None
     try:
-        if not await _wait_for_workers(ctx, signals):
-            return 0 if signals.caught else 1
+        # one round before listening (bounded by the probe timeout), so the first requests
+        # meet known workers; from then on, serve whatever the workers' state
+        await ctx.checker.check_all()
+        if signals.caught:
+            return 0
         health_loop = asyncio.ensure_future(ctx.checker.run())
         config = uvicorn.Config(create_app(ctx), log_level=ctx.args.log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = uvicorn.Server(config)
-        signals.server = server
-        logger.info("pdserve router on http://%s:%d: prefill %s, decode %s", ctx.args.host, ctx.args.port,
-                    [w.url for w in ctx.prefill.workers], [w.url for w in ctx.decode.workers])
+        signals.attach(server)
+        logger.info("pdserve router on http://%s:%d (%s): prefill %s, decode %s", ctx.args.host, ctx.args.port,
+                    ctx.state.mode.value, [w.url for w in ctx.prefill.workers], [w.url for w in ctx.decode.workers])
         await server.serve(sockets=[sock])
         return 0
     finally:
@@ -220,29 +272,8 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
         sock.close()
 
 
-async def _wait_for_workers(ctx: RouterContext, signals: _Signals) -> bool:
-    """True once a prefill and a decode worker are healthy; False on a signal or after the startup timeout."""
-    args = ctx.args
-    logger.info("waiting up to %g s for a healthy prefill and decode worker", args.worker_startup_timeout_secs)
-    wait = asyncio.ensure_future(ctx.checker.wait_ready(args.worker_startup_timeout_secs,
-                                                        args.worker_startup_check_interval))
-    stop = asyncio.ensure_future(signals.stopped.wait())
-    await asyncio.wait({wait, stop}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (wait, stop):
-        task.cancel()
-    await asyncio.gather(wait, stop, return_exceptions=True)
-    if signals.caught:
-        logger.info("stopped while waiting for workers")
-        return False
-    if isinstance(wait.exception(), TimeoutError):
-        logger.error("worker startup: %s", wait.exception())
-        return False
-    wait.result()  # re-raises anything unexpected
-    return True
-
-
 class _Signals:
-    """SIGINT/SIGTERM: end the startup wait, or tell uvicorn to stop. While uvicorn serves it
+    """SIGINT/SIGTERM: note it before serving, or tell uvicorn to stop. While uvicorn serves it
     handles the signals itself and re-raises them afterwards; this handler absorbs them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -252,6 +283,11 @@ class _Signals:
         self.server: uvicorn.Server | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
+
+    def attach(self, server: uvicorn.Server) -> None:
+        """From now on a signal stops ``server``; one caught before stops it as soon as it starts."""
+        self.server = server
+        server.should_exit = self.caught
 
     def _handle(self, _sig, _frame) -> None:
         self.caught = True

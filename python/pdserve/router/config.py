@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pdserve.router.policy import POLICIES
@@ -51,6 +51,9 @@ class RouterArgs:
     worker_startup_check_interval: float = 1.0
     request_timeout_secs: float = 1800.0
     log_level: str = "info"
+    # repr=False: keys stay out of logs and tracebacks
+    api_key: str | None = field(default=None, repr=False)  # clients must send it; the workers get it too
+    worker_api_key: str | None = field(default=None, repr=False)  # sent to the workers instead of api_key
 
     def __post_init__(self):
         if not self.prefill:
@@ -70,6 +73,9 @@ class RouterArgs:
                      "worker_startup_check_interval", "request_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("api_key", "worker_api_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}: must not be empty")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
 
@@ -80,6 +86,12 @@ class RouterArgs:
     @property
     def decode_policy_name(self) -> str:
         return self.decode_policy or self.policy
+
+    @property
+    def worker_key(self) -> str | None:
+        """The key sent to the workers: ``worker_api_key``, else the router's own ``api_key``."""
+        return self.worker_api_key or self.api_key
+
 
 
 def normalize_url(url: str) -> str:

@@ -1,5 +1,6 @@
 """Prometheus metrics of the router (its own registry): requests and errors per worker,
-worker health and in-flight counts, requests refused for want of a healthy worker."""
+worker health and in-flight counts, requests refused for want of a healthy worker, requests
+served by decode alone (degraded) and streams resumed on another decode."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ class RouterMetrics:
                               "(connect, status, timeout, broken)", LABELS + ["kind"], registry=r)
         self.no_worker = Counter(PREFIX + "no_healthy_worker", "Requests refused (503): no healthy worker "
                                  "of this role", ["role"], registry=r)
+        self.degraded_requests = Counter(PREFIX + "degraded_requests", "Requests sent to a decode worker alone "
+                                         "(no healthy prefill worker: decode prefilled them)", registry=r)
+        self.resumed = Counter(PREFIX + "resumed_streams", "Streams resumed on another decode worker after "
+                               "theirs broke off mid-stream", registry=r)
+        self.degraded = Gauge(PREFIX + "degraded", "1 while no prefill worker is healthy and decode workers "
+                              "serve alone", registry=r)
         self.client_disconnects = Counter(PREFIX + "client_disconnects", "Clients that left before the "
                                           "answer ended (their upstream requests were closed)", registry=r)
         self.healthy = Gauge(PREFIX + "worker_healthy", "1 if the worker passes health checks", LABELS, registry=r)
@@ -46,4 +53,6 @@ class RouterMetrics:
                 self.healthy.labels(w.role.value, w.url).set(int(w.healthy))
                 self.in_flight.labels(w.role.value, w.url).set(w.in_flight)
             self.dead.labels(s.role.value).set(len(s.workers) - len(s.healthy))
+        prefill = next(s for s in sets if s.role is Role.PREFILL)
+        self.degraded.set(int(not prefill.healthy))
         return generate_latest(self.registry)

@@ -10,6 +10,10 @@ Lifetimes: a request holds a lease on each worker until that worker's response e
 client that leaves closes the decode connection (so decode aborts the request) and cancels
 the prefill request (its connection closes too). A decode worker refusing the connection
 is marked dead and the request tries another pair.
+
+Failures: with no healthy prefill a request goes to a decode alone, without bootstrap fields
+(degraded: decode prefills it as a colocated request). A streamed ``/generate`` whose decode
+breaks off is resumed on another decode (``resume``); other broken streams end with an error event.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pdserve.entrypoints.errors import RequestError, ServerError, error_body
 from pdserve.entrypoints.streaming import SSE_DONE, sse, until_disconnect
 from pdserve.router.bootstrap import with_bootstrap
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
+from pdserve.router.state import RouterState
 from pdserve.router.workers import Lease, NoHealthyWorker, Worker, WorkerSet
 
 logger = logging.getLogger(__name__)
@@ -41,6 +47,14 @@ LOGGED_BODY_BYTES = 500
 
 class WorkerUnreachable(Exception):
     """The connection to a worker failed: the request never reached it."""
+
+
+class _BrokeOff(Exception):
+    """A decode's whole-JSON answer broke off before it was read: the client has nothing yet."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(worker.url)
+        self.worker = worker
 
 
 @dataclass
@@ -64,11 +78,16 @@ class PDProxy:
     """Owns the connection pool and the background prefill tasks; ``start`` before use, ``close`` after."""
 
     def __init__(self, prefill: WorkerSet, decode: WorkerSet, metrics: RouterMetrics, rng: random.Random,
-                 request_timeout_s: float, health_timeout_s: float):
+                 request_timeout_s: float, health_timeout_s: float, worker_api_key: str | None = None,
+                 state: RouterState | None = None):
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
         self.rng = rng
+        self.state = state
+        # With a worker key every upstream call carries it; without one, a client's own
+        # Authorization header is passed on (workers started with --api-key check it).
+        self.worker_headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         self.request_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self.session: aiohttp.ClientSession | None = None
@@ -85,56 +104,102 @@ class PDProxy:
         if self.session is not None:
             await self.session.close()
 
+    def upstream_headers(self, request: Request) -> dict:
+        if self.worker_headers:
+            return dict(self.worker_headers)
+        return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+
     def set_of(self, worker: Worker) -> WorkerSet:
         return self.prefill if worker in self.prefill.workers else self.decode
 
     # ------------------------------------------------------------ generation
     async def generate(self, request: Request, path: str) -> Response:
-        """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions)."""
+        """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions).
+        A decode that breaks off before a whole JSON answer is sent again to another decode (nothing
+        reached the client yet); each decode is tried at most once."""
         body = parse_json_object(await request.body())
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        for _ in range(len(self.decode.workers) + 1):
-            prefill, decode = self._pick_pair()
+        headers = self.upstream_headers(request)
+        avoid: Worker | None = None
+        for _ in range(len(self.decode.workers)):
             try:
-                return await self._exchange(request, path, body, headers, prefill, decode)
+                ex = await until_disconnect(request, self._open_exchange(path, body, headers, avoid))
+                return await self._answer(request, ex, path, body, headers)
+            except _BrokeOff as e:
+                avoid = e.worker
+            except RequestError as e:
+                if e.status == 499:
+                    self.metrics.client_disconnects.inc()
+                raise
+        raise RequestError(f"decode worker {avoid.url}: answer broke off and no other decode could take it",
+                           status=502, code="upstream_error")
+
+    async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
+        try:
+            if ex.resp.status == 200 and ex.resp.content_type == "text/event-stream":
+                relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
+                ex.streaming = True  # from here on the response owns the exchange and ends it
+                return _RelayResponse(self._relay(relay, path, headers), relay.finish)
+            try:
+                content = await until_disconnect(request, ex.resp.read())
+            except aiohttp.ClientError as e:
+                ex.broken = True
+                self.metrics.error(ex.decode.worker, "broken")
+                logger.warning("decode worker %s: answer broke off (%s: %s)", ex.decode.worker.url,
+                               type(e).__name__, e)
+                raise _BrokeOff(ex.decode.worker) from None
+            except asyncio.TimeoutError:
+                self.metrics.error(ex.decode.worker, "timeout")
+                raise RequestError(f"decode worker {ex.decode.worker.url}: no answer within the request timeout",
+                                   status=504, code="upstream_timeout") from None
+            ex.completed = True
+            self._count_status(ex.decode.worker, ex.resp.status)
+            return Response(content, status_code=ex.resp.status, media_type=ex.resp.content_type)
+        finally:
+            if not ex.streaming:
+                ex.finish()
+
+    async def _open_exchange(self, path: str, body: dict, headers: dict,
+                             avoid: Worker | None = None) -> _Exchange:
+        """A decode response opened for ``body`` (with a prefill half when one is healthy); a decode
+        refusing the connection is marked dead and another tried. ``avoid``: a decode not to pick."""
+        for _ in range(len(self.decode.workers) + 1):
+            prefill, decode = self._pick_pair(avoid)
+            try:
+                return await self._start_exchange(path, body, headers, prefill, decode)
             except WorkerUnreachable:
                 continue  # that decode worker is now dead: try another pair
         raise ServerError(f"decode: every decode worker refused the connection ({self._reasons(self.decode)})")
 
-    def _pick_pair(self) -> tuple[Lease, Lease]:
+    def _pick_pair(self, avoid: Worker | None = None) -> tuple[Lease | None, Lease]:
+        """A prefill lease (None when no prefill is healthy: degraded) and a decode lease."""
         try:
-            prefill = self.prefill.pick()
+            decode = self.decode.pick(avoid)
         except NoHealthyWorker as e:
             self.metrics.refused(e.role)
             raise ServerError(str(e)) from None
         try:
-            return prefill, self.decode.pick()
-        except NoHealthyWorker as e:
-            prefill.release()
-            self.metrics.refused(e.role)
-            raise ServerError(str(e)) from None
+            return self.prefill.pick(), decode
+        except NoHealthyWorker:
+            self.metrics.degraded_requests.inc()
+            if self.state is not None:
+                self.state.update()  # logs the move to degraded once, before the first such request
+            return None, decode
 
-    async def _exchange(self, request: Request, path: str, body: dict, headers: dict,
-                        prefill: Lease, decode: Lease) -> Response:
-        p = prefill.worker
-        payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.bootstrap_port, self.rng)).encode()
-        ex = _Exchange(decode, self._spawn(self._drain_prefill(prefill, path, payload, headers)), self.metrics)
+    async def _start_exchange(self, path: str, body: dict, headers: dict, prefill: Lease | None,
+                              decode: Lease) -> _Exchange:
+        if prefill is None:  # degraded: decode serves it as a colocated request
+            payload, task = json.dumps(without_bootstrap(body)).encode(), None
+        else:
+            p = prefill.worker
+            payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.bootstrap_port, self.rng)).encode()
+            task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
+        ex = _Exchange(decode, task, self.metrics)
         try:
-            ex.resp = await until_disconnect(request, self._open_decode(decode.worker, path, payload, headers))
-            if ex.resp.status == 200 and ex.resp.content_type == "text/event-stream":
-                ex.streaming = True  # from here on the response owns the exchange and ends it
-                return _RelayResponse(self._relay(ex), ex.finish)
-            content = await until_disconnect(request, ex.resp.read())
-            ex.completed = True
-            self._count_status(decode.worker, ex.resp.status)
-            return Response(content, status_code=ex.resp.status, media_type=ex.resp.content_type)
-        except RequestError as e:
-            if e.status == 499:
-                self.metrics.client_disconnects.inc()
+            ex.resp = await self._open_decode(decode.worker, path, payload, headers)
+        except BaseException:
+            ex.finish()
             raise
-        finally:
-            if not ex.streaming:
-                ex.finish()
+        return ex
 
     async def _open_decode(self, worker: Worker, path: str, payload: bytes, headers: dict) -> aiohttp.ClientResponse:
         self.metrics.request(worker)
@@ -147,24 +212,76 @@ class PDProxy:
             self.metrics.error(worker, "timeout")
             raise RequestError(f"decode worker {worker.url}: no answer within the request timeout",
                                status=504, code="upstream_timeout") from None
-        except aiohttp.ClientError as e:
+        except aiohttp.ClientError as e:  # the request reached it, then the connection dropped
             self.metrics.error(worker, "broken")
-            raise RequestError(f"decode worker {worker.url}: {type(e).__name__}: {e}", status=502,
-                               code="upstream_error") from None
+            logger.warning("decode worker %s: connection dropped before an answer (%s: %s)", worker.url,
+                           type(e).__name__, e)
+            raise _BrokeOff(worker) from None
 
-    async def _relay(self, ex: _Exchange) -> AsyncIterator[bytes]:
-        """Decode's SSE bytes as they arrive; a broken upstream ends the stream with an error event."""
+    async def _relay(self, relay: _Relay, path: str, headers: dict) -> AsyncIterator[bytes]:
+        """Decode's SSE bytes as they arrive. A broken upstream resumes the stream on another decode
+        when it can (``resume``), else ends the stream with an error event."""
+        while True:
+            ex = relay.ex
+            try:
+                async for chunk in ex.resp.content.iter_any():
+                    out = relay.stream.feed(chunk) if relay.stream is not None else chunk
+                    if out:
+                        yield out
+                ex.completed = True
+                return
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                ex.broken = True
+                worker = ex.decode.worker
+                self.metrics.error(worker, "broken")
+                logger.warning("decode worker %s: stream broke: %s: %s", worker.url, type(e).__name__, e)
+            if relay.stream is not None and relay.stream.finished:
+                if not relay.stream.done:
+                    yield SSE_DONE  # the final event had arrived: nothing is lost
+                return
+            resumed = await self._resume(relay, path, headers) if relay.stream is not None else None
+            if resumed is None:
+                yield sse(error_body(f"decode worker {ex.decode.worker.url}: stream broke", 502))
+                yield SSE_DONE
+                return
+            relay.switch(resumed)
+
+    async def _resume(self, relay: _Relay, path: str, headers: dict) -> _Exchange | None:
+        """The stream continued on another decode worker, or None if none can take it."""
+        stream, failed = relay.stream, relay.ex.decode.worker
+        for _ in range(len(self.decode.workers)):
+            try:
+                prompt = stream.known_prompt_ids() or await self._prompt_ids(stream.body, headers, failed)
+                ex = await self._open_exchange(path, stream.resume_body(prompt), headers, avoid=failed)
+            except _BrokeOff as e:
+                failed = e.worker
+                continue
+            except (RequestError, WorkerUnreachable, NoHealthyWorker, aiohttp.ClientError, asyncio.TimeoutError,
+                    ValueError) as e:
+                logger.warning("stream of %s: cannot resume: %s", failed.url, e)
+                return None
+            if ex.resp.status == 200:
+                self.metrics.resumed.inc()
+                logger.warning("decode worker %s died mid-stream: resumed on %s after %d tokens", failed.url,
+                               ex.decode.worker.url, len(stream.base["output_ids"]))
+                return ex
+            logger.warning("stream of %s: resume on %s answered %d", failed.url, ex.decode.worker.url,
+                           ex.resp.status)
+            ex.finish()
+            failed = ex.decode.worker
+        return None
+
+    async def _prompt_ids(self, body: dict, headers: dict, avoid: Worker) -> list[int]:
+        """A text prompt's token ids, from a healthy decode worker's tokenizer."""
+        decode = self.decode.pick(avoid)
         try:
-            async for chunk in ex.resp.content.iter_any():
-                yield chunk
-            ex.completed = True
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            ex.broken = True
-            worker = ex.decode.worker
-            self.metrics.error(worker, "broken")
-            logger.warning("decode worker %s: stream broke: %s: %s", worker.url, type(e).__name__, e)
-            yield sse(error_body(f"decode worker {worker.url}: stream broke ({type(e).__name__})", 502))
-            yield SSE_DONE
+            reply = await self.call(decode.worker, "POST", "/generate", json_body=prompt_probe(body),
+                                    headers=headers)
+        finally:
+            decode.release()
+        if reply.status != 200:
+            raise ValueError(f"prompt probe on {decode.worker.url} answered {reply.status}")
+        return prompt_ids_from_probe(reply.json())
 
     async def _drain_prefill(self, lease: Lease, path: str, payload: bytes, headers: dict) -> None:
         """Prefill's answer, read to the end and dropped; failures are logged and counted, never raised."""
@@ -211,11 +328,13 @@ class PDProxy:
 
     # ------------------------------------------------------- plain upstream calls
     async def call(self, worker: Worker, method: str, path: str, timeout: aiohttp.ClientTimeout | None = None,
-                   json_body=None) -> UpstreamReply:
-        """One request to a worker, read whole. Raises WorkerUnreachable (and marks it dead) if the
-        connection fails; other transport errors raise aiohttp.ClientError / asyncio.TimeoutError."""
+                   json_body=None, headers: dict | None = None) -> UpstreamReply:
+        """One request to a worker, read whole (with the worker key, or ``headers``). Raises
+        WorkerUnreachable (and marks it dead) if the connection fails; other transport errors
+        raise aiohttp.ClientError / asyncio.TimeoutError."""
         try:
             async with self.session.request(method, worker.url + path, json=json_body,
+                                            headers=self.worker_headers if headers is None else headers,
                                             timeout=timeout or self.request_timeout) as resp:
                 return UpstreamReply(resp.status, await resp.read(), resp.content_type)
         except aiohttp.ClientConnectorError as e:
@@ -225,7 +344,8 @@ class PDProxy:
     async def probe(self, worker: Worker) -> str | None:
         """Health probe: None if ``GET /health`` answers 200 in time, else why not."""
         try:
-            async with self.session.get(worker.url + "/health", timeout=self.health_timeout) as resp:
+            async with self.session.get(worker.url + "/health", headers=self.worker_headers,
+                                        timeout=self.health_timeout) as resp:
                 return None if resp.status == 200 else f"GET /health answered {resp.status}"
         except asyncio.TimeoutError:
             return "GET /health timed out"
@@ -236,7 +356,7 @@ class PDProxy:
 class _Exchange:
     """One request's two upstream halves: decode's response (relayed) and prefill's task (drained)."""
 
-    def __init__(self, decode: Lease, prefill_task: asyncio.Task, metrics: RouterMetrics):
+    def __init__(self, decode: Lease, prefill_task: asyncio.Task | None, metrics: RouterMetrics):
         self.decode = decode
         self.prefill_task = prefill_task
         self.metrics = metrics
@@ -256,11 +376,29 @@ class _Exchange:
             self.resp.release()  # back to the pool
         elif self.resp is not None:
             self.resp.close()  # drops the connection: decode sees the client leave and aborts
-        if not self.completed:
+        if not self.completed and self.prefill_task is not None:
             self.prefill_task.cancel()
             if self.streaming and not self.broken:
                 self.metrics.client_disconnects.inc()
         self.decode.release()
+
+
+class _Relay:
+    """A streamed answer to one client: the current exchange (a new one after each resume) and,
+    for a resumable /generate, what the client has received."""
+
+    def __init__(self, ex: _Exchange, stream: GenerateStream | None):
+        self.ex = ex
+        self.stream = stream
+
+    def switch(self, ex: _Exchange) -> None:
+        """Continue on ``ex``; the broken exchange is ended (its decode lease released)."""
+        self.ex.finish()
+        ex.streaming = True
+        self.ex = ex
+
+    def finish(self) -> None:
+        self.ex.finish()
 
 
 class _RelayResponse(StreamingResponse):

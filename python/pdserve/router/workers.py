@@ -32,6 +32,7 @@ class Worker:
     position: int  # index in its set's configured order
     bootstrap_port: int | None = None  # prefill only
     healthy: bool = False
+    ever_healthy: bool = False  # False: the router is still waiting for it to come up
     in_flight: int = 0
     last_error: str | None = None  # why it was last marked dead
 
@@ -84,9 +85,9 @@ class WorkerSet:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
 
-    def pick(self) -> Lease:
-        """A lease on the worker the policy picks; raises NoHealthyWorker when none is alive."""
-        alive = self.healthy
+    def pick(self, avoid: Worker | None = None) -> Lease:
+        """A lease on the worker the policy picks (never ``avoid``); raises NoHealthyWorker when none is alive."""
+        alive = [w for w in self.healthy if w is not avoid]
         if not alive:
             raise NoHealthyWorker(self.role, self.workers)
         index = self.policy.pick([Candidate(w.position, w.url, w.in_flight) for w in alive])
@@ -101,7 +102,12 @@ class WorkerSet:
     def mark_alive(self, worker: Worker) -> None:
         if not worker.healthy:
             logger.info("%s worker %s is healthy", self.role.value, worker.url)
-        worker.healthy = True
+        worker.healthy = worker.ever_healthy = True
+
+    @property
+    def waiting_for(self) -> list[Worker]:
+        """Workers that have never passed a health check (still starting, or misconfigured)."""
+        return [w for w in self.workers if not w.ever_healthy]
 
 
 def make_worker_set(role: Role, urls: Sequence[str], policy: Policy,
@@ -115,12 +121,16 @@ Probe = Callable[[Worker], Awaitable[str | None]]
 
 
 class HealthChecker:
-    """Probes every worker of every set; a failed probe marks a worker dead, a passed one alive again."""
+    """Probes every worker of every set; a failed probe marks a worker dead, a passed one alive again.
+    Dead workers keep being probed, so a restarted one is back within one interval. ``after_check``
+    callbacks run after each round (the router's degraded-mode and start-up reports)."""
 
     def __init__(self, sets: Sequence[WorkerSet], probe: Probe, interval_s: float):
         self.sets = list(sets)
         self.probe = probe
         self.interval_s = interval_s
+        self.after_check: list[Callable[[], None]] = []
+        self.next_interval: Callable[[], float] = lambda: self.interval_s  # the router shortens it at start-up
 
     async def check_all(self) -> None:
         pairs = [(s, w) for s in self.sets for w in s.workers]
@@ -130,26 +140,11 @@ class HealthChecker:
                 s.mark_alive(w)
             else:
                 s.mark_dead(w, reason)
-
-    def ready(self) -> bool:
-        """Every set has a healthy worker (the router can serve)."""
-        return all(s.healthy for s in self.sets)
-
-    async def wait_ready(self, timeout_s: float, interval_s: float) -> None:
-        """Probe until every set has a healthy worker; TimeoutError (naming the side) after ``timeout_s``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            await self.check_all()
-            if self.ready():
-                return
-            if loop.time() >= deadline:
-                missing = next(s for s in self.sets if not s.healthy)
-                raise TimeoutError(f"{NoHealthyWorker(missing.role, missing.workers)} after {timeout_s:g} s")
-            await asyncio.sleep(min(interval_s, max(0.0, deadline - loop.time())))
+        for callback in self.after_check:
+            callback()
 
     async def run(self) -> None:
-        """Check forever, every ``interval_s`` (cancel to stop)."""
+        """Check forever, every ``next_interval()`` s (cancel to stop)."""
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.next_interval())
             await self.check_all()

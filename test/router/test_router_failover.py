@@ -1,0 +1,109 @@
+"""``pdserve router`` in front of 1 prefill + 2 decode real servers (tiny-llama, real Mooncake), all
+started with ``--api-key``: the router's own key and the key it sends the workers; then kill -9 of
+the decode serving a stream mid-stream, and the client's one stream carries the same greedy tokens
+and text as an undisturbed run (the router resumes it on the other decode)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from router_utils import Router
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
+from pd_servers import decode_server, kill9, prefill_server, start_all  # noqa: E402
+
+MODEL = "tiny-llama"
+KEY = "worker-secret"
+FLAGS = ("--max-total-tokens", "8192", "--num-threads", "1", "--api-key", KEY)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GREEDY = {"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}
+KILL_AFTER_EVENTS = 20
+
+
+@pytest.fixture(scope="module")
+def pd():
+    prefill, boot = prefill_server(MODEL, *FLAGS)
+    decodes = [decode_server(MODEL, *FLAGS) for _ in range(2)]
+    router = None
+    try:
+        start_all([prefill, *decodes])
+        router = Router([(prefill.url, boot)], [d.url for d in decodes], "--policy", "round_robin",
+                        "--api-key", KEY).start()
+        yield prefill, decodes, router
+    finally:
+        if router is not None:
+            assert router.stop() == 0, router.output()
+        for s in (prefill, *decodes):
+            s.stop()
+
+
+def stream(url: str, body: dict, on_event=None) -> list[dict]:
+    """The events of one streamed /generate; ``on_event(i)`` after event i arrives."""
+    out = []
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, headers=AUTH, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+                if on_event is not None:
+                    on_event(len(out))
+            elif line == "data: [DONE]":
+                out.append("[DONE]")
+    return out
+
+
+def test_api_keys_with_servers_that_require_one(pd):
+    prefill, decodes, router = pd
+    body = {"text": "Keys", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    assert router.post("/generate", json=body, headers={}).status_code == 401
+    ok = router.post("/generate", json=body, headers=AUTH)
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
+    assert router.post("/flush_cache", headers=AUTH).json()["success"] is True  # the key reached every worker
+    assert router.post("/abort_request", json={"rid": "nobody"}, headers=AUTH).json()["success"] is True
+    health = router.get("/health_generate", headers={})  # open, like /health
+    assert health.status_code == 200 and [w["status"] for w in health.json()["workers"]] == [200] * 3
+    own = Router([(prefill.url, pd_boot(prefill))], [decodes[0].url], "--api-key", "client-key",
+                 "--worker-api-key", KEY).start()
+    try:
+        assert own.post("/generate", json=body, headers=AUTH).status_code == 401  # the workers' key is not its own
+        again = own.post("/generate", json=body, headers={"Authorization": "Bearer client-key"})
+        assert again.status_code == 200 and again.json()["output_ids"] == ok.json()["output_ids"]
+        assert own.get("/get_server_info", headers={"Authorization": "Bearer client-key"}).json()[
+            "decode"][0]["server_info"]["disaggregation_mode"] == "decode"
+    finally:
+        assert own.stop() == 0, own.output()
+
+
+def pd_boot(prefill) -> int:
+    cmd = prefill.cmd
+    return int(cmd[cmd.index("--disaggregation-bootstrap-port") + 1])
+
+
+def test_decode_killed_mid_stream_is_resumed_on_the_other(pd):
+    """A text prompt: the router asks the surviving decode for the prompt's ids first."""
+    prefill, decodes, router = pd
+    body = {"text": "Once upon a time, in a land far away,", "sampling_params": GREEDY}
+    undisturbed = stream(router.url, body)
+    killed = []
+
+    def kill_midway(i):
+        if i == KILL_AFTER_EVENTS:  # the decode serving this stream, as the router sees it
+            busy = [d for d in decodes if router.worker_state(d.url)["in_flight"] == 1]
+            assert len(busy) == 1
+            kill9(busy[0])
+            killed.append(busy[0])
+
+    got = stream(router.url, body, kill_midway)
+    assert killed and killed[0].proc.poll() is not None  # it died with the stream open
+    assert got[-1] == "[DONE]" and all("error" not in e for e in got[:-1])
+    final, want = got[-2], undisturbed[-2]
+    assert final["output_ids"] == want["output_ids"] and len(want["output_ids"]) == GREEDY["max_new_tokens"]
+    assert final["text"] == want["text"]
+    assert all(e["output_ids"] == want["output_ids"][:len(e["output_ids"])] for e in got[:-1])  # one stream
+    assert final["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+    assert router.metric("pdserve_router:resumed_streams_total") == 1
+    assert [router.worker_state(d.url)["in_flight"] for d in decodes] == [0, 0]
