@@ -47,6 +47,7 @@ class Mutation:
 
 
 SCHED = "python/pdserve/engine/scheduler.py"
+KV_MANAGER = "python/pdserve/mem/cache_manager.py"
 T_PD = "test/disagg/test_pd_flow.py"
 T_TRUST = "test/disagg/test_pd_trust.py"
 SAMPLER = "python/pdserve/engine/sampler.py"
@@ -95,8 +96,8 @@ MUTATIONS = (
         "            if not finished and state.error is None:\n                pass\n",
         ("test/entrypoints/test_http_server.py::test_client_disconnect_aborts_the_request",)),
     Mutation(
-        "cached_prefix_slots_not_written", "_admit does not write the cached prefix's slots into the table row",
-        SCHED,
+        "cached_prefix_slots_not_written", "admission does not write the cached prefix's slots into the table row",
+        KV_MANAGER,
         "        if match.pages:\n"
         "            self.table.write(row, 0, self.table.slots_for(req.pages, 0, req.kv_len))\n",
         "",
@@ -111,8 +112,8 @@ MUTATIONS = (
     Mutation(
         "cached_tokens_from_readmission", "cached_tokens reports the re-admission's hit after a retraction",
         SCHED,
-        "        if req.num_retractions == 0:\n            req.cached_tokens_reported = match.num_tokens\n",
-        "        req.cached_tokens_reported = match.num_tokens\n",
+        "        if req.num_retractions == 0:\n            req.cached_tokens_reported = req.cached_len\n",
+        "        req.cached_tokens_reported = req.cached_len\n",
         (f"{T_PATHS}::test_retraction_keeps_seeded_sampling_logprobs_stop_strings_and_cached_tokens",)),
     Mutation(
         "evict_locked_parent", "eviction climbs into a parent that running requests still lock",

@@ -187,39 +187,37 @@ class DecodeMode(SchedulerMode):
 
     def _serve_locally(self, req: Req, peer: Peer) -> bool:
         """Prefill here instead (and tell prefill to drop the room) when a transfer cannot pay."""
-        receive = len(req.fill_ids) - 1 - self.scheduler.cache.match_prefix(req.fill_ids[:-1]).num_tokens
+        receive = len(req.fill_ids) - 1 - self.scheduler.kv_manager.match_len(req.fill_ids[:-1])
         if receive > 0 and receive >= self.config.min_prefill_tokens and req.logprob is None:
             return False
         self.pending.remove(req)
         self.io.send_once(peer.info.ranks[0].control, DropRoom(req.room))
         self.counters["local_prefills"] += 1
-        self.scheduler.waiting.append(req)
+        self.scheduler.enqueue(req)
         return True
 
     def _request_kv(self, req: Req, peer: Peer, now: float) -> bool:
-        s = self.scheduler
+        """Pin pages for ``prompt[:-1]`` (its cached prefix locked, the rest this request's own)
+        and ask prefill for the rest; False (nothing taken) when they do not fit yet."""
+        kv = self.scheduler.kv_manager
         n = len(req.fill_ids) - 1  # positions decode receives or has: all but the last prompt token
-        row, aux_slot = s.table.alloc_row(), self.aux_slots.alloc()
-        match = s.cache.match_prefix(req.fill_ids[:-1])
-        s.cache.lock(match.node)
-        pages = None
-        if row is not None and aux_slot is not None:
-            pages = s._reserve_pages(-(-n // s.page_size) - len(match.pages), headroom=len(s.running))
-        if pages is None:
-            s.cache.unlock(match.node)
-            if row is not None:
-                s.table.free_row(row)
+        aux_slot = self.aux_slots.alloc()
+        if aux_slot is None:
+            return False
+        if not kv.admit(req, req.fill_ids[:-1]):
+            self.aux_slots.free(aux_slot)
+            return False
+        # A page per running request stays free or evictable: its next decode step may need one.
+        if not kv.grow(req, n, headroom=len(self.scheduler.running)):
+            kv.unadmit(req)
             self.aux_slots.free(aux_slot)
             return False
         self.pending.remove(req)
-        req.row, req.cache_node, req.num_cached_pages = row, match.node, len(match.pages)
-        req.pages = list(match.pages) + pages
-        req.kv_len = req.cached_len = req.cached_tokens_reported = match.num_tokens
-        s.table.write(row, 0, s.table.slots_for(req.pages, 0, n))
+        req.cached_tokens_reported = req.cached_len
         try:
-            self._send_kv_request(req, peer, pages, aux_slot, now)
+            self._send_kv_request(req, peer, req.pages[req.num_cached_pages:], aux_slot, now)
         except LayoutError as e:  # refused at handshake: name what differs, keep serving
-            self._drop_memory(req)
+            kv.drop(req)
             self.aux_slots.free(aux_slot)
             self.scheduler.finish_request(req, finish_abort(f"disaggregation handshake refused: {e}"))
         return True
@@ -303,11 +301,10 @@ class DecodeMode(SchedulerMode):
         req, inc = w.req, w.incoming
         self.aux_slots.free(w.aux_slot)
         req.kv_len = len(req.fill_ids) - 1
-        req.state = ReqState.RUNNING
         req.clock.end_prefill(now)
         req.clock.remote_queue, req.clock.remote_prefill = inc.remote_timings()
         req.clock.transferred = True
-        self.scheduler.running.append(req)
+        self.scheduler.activate(req)
         self.counters["kv_received"] += 1
         self.outcomes.append(False)
         self.counters["kv_pages_received"] += len(req.pages) - req.num_cached_pages
@@ -326,21 +323,12 @@ class DecodeMode(SchedulerMode):
         self._fall_back(req, reason)
 
     def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: set[int], now: float) -> None:
-        own = req.pages[req.num_cached_pages:]
+        """The request lets go of its memory; its own pages (and the aux row) wait in quarantine,
+        kept allocated by the KV cache manager, until no late write can land."""
         pending = inc.sources - set(settled)  # the prefill ranks that may still write these pages
         sessions = {s: inc.peer.info.ranks[s].session for s in pending}
+        own = self.scheduler.kv_manager.quarantine(req)
         self.quarantine.add(req.room, inc.nonce, own, aux_slot, sessions, now)
-        req.pages = req.pages[:req.num_cached_pages]
-        self._drop_memory(req)
-
-    def _drop_memory(self, req: Req) -> None:
-        """Unpin the cached prefix and the table row; own pages were already handed on."""
-        s = self.scheduler
-        s.allocator.free(req.pages[req.num_cached_pages:])
-        s.cache.unlock(req.cache_node)
-        s.table.free_row(req.row)
-        req.pages, req.num_cached_pages, req.cache_node, req.row = [], 0, None, None
-        req.kv_len = req.cached_len = 0
 
     def _fall_back(self, req: Req, reason: str) -> None:
         if self.config.fallback == "error":
@@ -348,9 +336,8 @@ class DecodeMode(SchedulerMode):
             return
         logger.warning("disaggregation: falling back to a local prefill for %s: %s", req.rid, reason)
         self.counters["fallbacks"] += 1
-        req.state = ReqState.WAITING
         req.clock.restart()
-        self.scheduler.waiting.insert(0, req)
+        self.scheduler.enqueue(req, front=True)
 
     def _send_abort(self, peer: Peer, room: int, reason: str, nonce: int = 0) -> None:
         if peer.info is not None:
@@ -371,7 +358,7 @@ class DecodeMode(SchedulerMode):
 
     def _release_quarantine(self, now: float) -> None:
         for e in self.quarantine.release(now):
-            self.scheduler.allocator.free(e.pages)
+            self.scheduler.kv_manager.free_quarantined(e.pages)
             self.aux_slots.free(e.aux_slot)
 
     # ------------------------------------------------------------- release

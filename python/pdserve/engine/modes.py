@@ -4,7 +4,8 @@ The colocated scheduler loop stays the core; a mode sees it only at these fixed 
 
 - ``take`` (intake): a new request may go to the mode's own queues instead of ``waiting``;
 - ``poll`` (start of every step): control messages, transfer progress, timeouts; the mode may
-  hand requests back to the scheduler (``waiting``) or make them runnable (``running``);
+  hand requests back to the scheduler (``Scheduler.enqueue``) or make them runnable
+  (``Scheduler.activate``);
 - ``before_extend`` / ``after_prefill`` (around an extend forward): prefill streams KV, and
   takes the requests whose prompt is done instead of letting them sample;
 - ``abort`` / ``on_finish`` (release): a request the mode holds, and any request that ends.
@@ -28,10 +29,15 @@ if TYPE_CHECKING:
 class SchedulerMode:
     """Contract between the scheduler and a mode.
 
-    Pages: a request in the scheduler's ``running`` or ``chunked`` is accounted by the
-    scheduler; one the mode holds elsewhere (parked, waiting for KV, draining writes) is listed
-    by ``held_reqs``, and pages the mode keeps without a request (quarantine) by
-    ``quarantined_pages``, so ``Scheduler.check_memory`` still sees every page.
+    Memory: a mode never touches the allocator, the table or the radix cache; it asks
+    ``scheduler.kv_manager`` (``mem.cache_manager.KVCacheManager``: admit, grow, release, drop,
+    quarantine) and hands requests to the loop with ``scheduler.enqueue`` / ``activate``, never
+    by editing ``waiting`` or ``running``. A request in the scheduler's ``running`` or
+    ``chunked`` is accounted by the scheduler; one the mode holds elsewhere (parked, waiting for
+    KV, draining writes) is listed by ``held_reqs``. Pages the mode took out of a request with
+    ``kv_manager.quarantine`` stay the manager's until the mode gives them back with
+    ``free_quarantined``; ``quarantined_pages`` must count exactly those still out (the
+    ``Scheduler.check_memory`` cross-check).
     """
 
     name = "null"

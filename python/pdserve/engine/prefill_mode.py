@@ -122,7 +122,7 @@ class PrefillMode(SchedulerMode):
         self.reqs[room] = req
         req.hold_back_last_token()
         req.sampling = dataclasses.replace(req.sampling, max_new_tokens=0)
-        self.scheduler.waiting.append(req)
+        self.scheduler.enqueue(req)
 
     # ------------------------------------------------------------- forward
     def before_extend(self, reqs: list[Req], lens: list[int]) -> None:

@@ -172,8 +172,9 @@ class Req:
 
     Memory invariants (checked by ``check``):
     - ``pages[:num_cached_pages]`` belong to the radix cache and are locked via
-      ``cache_node``; the rest belong to this request and are freed or handed to
-      the cache exactly once, in ``Scheduler._release``.
+      ``cache_node``; the rest belong to this request and are freed, cached or
+      quarantined exactly once, by ``mem.cache_manager.KVCacheManager`` (which
+      alone sets these fields).
     - ``0 <= cached_len <= kv_len <= len(fill_ids)``; tokens ``[0, kv_len)`` have
       KV in the pool; ``len(pages) * page_size >= kv_len``.
     - RUNNING: ``kv_len == len(fill_ids) - 1`` (the last token is fed next step).

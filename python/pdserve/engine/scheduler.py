@@ -33,6 +33,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.stop import StopStringMatcher
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.cache_manager import KVCacheManager
 from pdserve.mem.page_table import ReqToTokenTable
 from pdserve.mem.radix_cache import RadixCache
 from pdserve.obs.timeline import StageClock
@@ -45,8 +46,11 @@ class Scheduler:
 
     Callers (the offline Engine or the scheduler process) call ``add_request``,
     ``abort``, then ``step()`` repeatedly; ``step`` returns the tokens produced.
-    Pages move allocator -> request -> radix cache -> allocator; ``_release`` is
-    the only place a request gives pages back.
+    KV memory (pages, table rows, prefix locks) belongs to ``kv_manager``
+    (``mem.cache_manager.KVCacheManager``): the loop and the modes ask it, never
+    the allocator, the table or the radix cache. A mode hands requests to the loop
+    only through ``enqueue`` (to be prefilled here) and ``activate`` (KV complete:
+    decode from now on).
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, config: SchedulerConfig,
@@ -62,10 +66,9 @@ class Scheduler:
         self.page_size = cache_config.page_size
         self.runner = runner or ModelRunner(model_config, cache_config, parallel, seed=config.random_seed)
         pool = self.runner.pool
-        self.allocator = PageAllocator(pool.num_pages)
-        self.cache = RadixCache(self.allocator, self.page_size, disable=cache_config.disable_radix_cache)
         self.context_len = model_config.context_length
-        self.table = ReqToTokenTable(config.max_running_requests, self.context_len, self.page_size)
+        self.kv_manager = KVCacheManager(pool.num_pages, self.page_size, config.max_running_requests,
+                                         self.context_len, disable_radix_cache=cache_config.disable_radix_cache)
         self.sampler = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -83,11 +86,25 @@ class Scheduler:
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
 
+    # ---------------------------------------------------------- memory views
+    # Inspection only (stats, tests, the rank group's memory report): changes go through kv_manager.
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.kv_manager.allocator
+
+    @property
+    def cache(self) -> RadixCache:
+        return self.kv_manager.cache
+
+    @property
+    def table(self) -> ReqToTokenTable:
+        return self.kv_manager.table
+
     # ---------------------------------------------------------------- intake
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.context_len, self.model_config.vocab_size,
-                             self.allocator.num_pages * self.page_size)
+                             self.kv_manager.num_pages * self.page_size)
 
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
@@ -113,8 +130,23 @@ class Scheduler:
         req.clock = StageClock()
         self.reqs[rid] = req
         if not self.mode.take(req, bootstrap):
-            self.waiting.append(req)
+            self.enqueue(req)
         return req
+
+    def enqueue(self, req: Req, front: bool = False) -> None:
+        """Queue ``req`` for admission (a prefill here, from its cached prefix); ``front``: ahead
+        of every waiting request (retracted or fallen back: it already waited). It must hold no
+        KV memory."""
+        req.state = ReqState.WAITING
+        if front:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)
+
+    def activate(self, req: Req) -> None:
+        """``req``'s KV for ``fill_ids[:-1]`` is in its pages: it joins the decode batch."""
+        req.state = ReqState.RUNNING
+        self.running.append(req)
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
         req = self.reqs.get(rid)
@@ -149,7 +181,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _match_len(self, req: Req) -> int:
-        return self.cache.match_prefix(self._matchable(req)).num_tokens
+        return self.kv_manager.match_len(self._matchable(req))
 
     @staticmethod
     def _matchable(req: Req) -> list[int]:
@@ -162,35 +194,11 @@ class Scheduler:
         """Give a waiting request a table row and its cached prefix (locked)."""
         if len(self.running) + admitted_now >= self.config.max_running_requests:
             return False
-        row = self.table.alloc_row()
-        if row is None:
+        if not self.kv_manager.admit(req, self._matchable(req)):
             return False
-        match = self.cache.match_prefix(self._matchable(req))
-        self.cache.lock(match.node)
-        req.row, req.cache_node = row, match.node
-        req.pages, req.num_cached_pages = list(match.pages), len(match.pages)
-        req.kv_len = req.cached_len = match.num_tokens
         if req.num_retractions == 0:
-            req.cached_tokens_reported = match.num_tokens
-        if match.pages:
-            self.table.write(row, 0, self.table.slots_for(req.pages, 0, req.kv_len))
+            req.cached_tokens_reported = req.cached_len
         return True
-
-    def _unadmit(self, req: Req) -> None:
-        self.cache.unlock(req.cache_node)
-        self.table.free_row(req.row)
-        req.row, req.cache_node, req.pages, req.num_cached_pages = None, None, [], 0
-        req.kv_len = req.cached_len = 0
-
-    def _reserve_pages(self, n: int, headroom: int = 0) -> list[int] | None:
-        """n pages from the allocator, evicting unlocked cache pages if needed, provided
-        ``headroom`` more pages stay free or evictable (evicted only once actually needed)."""
-        if n + headroom > self.allocator.num_free + self.cache.num_evictable_pages:
-            return None
-        short = n - self.allocator.num_free
-        if short > 0:
-            self.cache.evict(short)
-        return self.allocator.alloc(n)
 
     def _schedule_extend(self):
         budget = self.config.chunked_prefill_size
@@ -206,20 +214,16 @@ class Scheduler:
                 break
             remaining = len(req.fill_ids) - req.kv_len
             n = policy.chunk_len(remaining, budget, req.kv_len, self.page_size)
-            need = policy.pages_needed(req.kv_len + n, len(req.pages), self.page_size)
             headroom = self._headroom(running_growth, req, n, fresh, reqs, lens) if n else 0
-            pages = self._reserve_pages(need, headroom=headroom) if n else None
-            if pages is None:
+            if not n or not self.kv_manager.grow(req, req.kv_len + n, headroom=headroom):
                 if fresh:
-                    self._unadmit(req)
+                    self.kv_manager.unadmit(req)
                 else:  # an in-flight chunk always continues later
                     self.chunked = req
                 break
             if fresh:
                 self.waiting.remove(req)
                 req.state = ReqState.PREFILLING
-            req.pages.extend(pages)
-            self.table.write(req.row, req.kv_len, self.table.slots_for(req.pages, req.kv_len, req.kv_len + n))
             reqs.append(req)
             lens.append(n)
             budget -= n
@@ -255,14 +259,14 @@ class Scheduler:
         for req, n in zip(reqs, lens):
             ids += req.fill_ids[req.kv_len:req.kv_len + n]
             pos += range(req.kv_len, req.kv_len + n)
-            loc += self.table.slots_for(req.pages, req.kv_len, req.kv_len + n)
+            loc += self.kv_manager.slots(req, req.kv_len, req.kv_len + n)
         for req in reqs:
             req.clock.start_prefill()
         self.mode.before_extend(reqs, lens)
         plan = PromptLogitPlan.build(reqs, lens)
         batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], lens,
                                [r.row for r in reqs], prompt_logit_index=plan.index)
-        logits = self.runner.forward(batch, self.table.table)
+        logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         plan.record(reqs, logits[len(reqs):])
         logits = logits[:len(reqs)]
@@ -276,8 +280,7 @@ class Scheduler:
         if done:
             finished_prefill = [reqs[i] for i in done]
             for req in finished_prefill:
-                req.state = ReqState.RUNNING
-                self.running.append(req)
+                self.activate(req)
             self._sample_and_append(finished_prefill, logits[torch.tensor(done)])
 
     def _finish_prefill_only(self, reqs: list[Req], done: list[int]) -> list[int]:
@@ -293,12 +296,11 @@ class Scheduler:
         if not reqs:
             return
         pos = [r.kv_len for r in reqs]
-        loc = [r.pages[p // self.page_size] * self.page_size + p % self.page_size for r, p in zip(reqs, pos)]
+        loc = self.kv_manager.write_next_slots(reqs)
         rows = [r.row for r in reqs]
-        self.table.write_one_each(rows, pos, loc)
         batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
                                [1] * len(reqs), rows, tuple(r.uid for r in reqs))
-        logits = self.runner.forward(batch, self.table.table)
+        logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         self.new_token_ratio.decay()
         for r in reqs:
@@ -309,10 +311,7 @@ class Scheduler:
         """Every running request needs a slot for its next token; retract until they all fit."""
         while True:
             needy = [r for r in self.running if r.kv_len == len(r.pages) * self.page_size]
-            pages = self._reserve_pages(len(needy))
-            if pages is not None:
-                for r, p in zip(needy, pages):
-                    r.pages.append(p)
+            if self.kv_manager.grow_each(needy):
                 return
             if len(self.running) == 1:
                 self._finish(self.running[0], finish_abort("KV cache exhausted: the request does not fit "
@@ -326,11 +325,10 @@ class Scheduler:
         logger.info("retracting %s to free KV pages", req.rid)
         self.running.remove(req)
         self._release(req)
-        req.state = ReqState.WAITING
         req.num_retractions += 1
         self.num_retractions += 1
         self.new_token_ratio.on_retract()
-        self.waiting.insert(0, req)
+        self.enqueue(req, front=True)
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         want_lp = any(r.return_logprob for r in reqs)
@@ -387,13 +385,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Hand computed full pages to the radix cache (which frees duplicates) and free the rest."""
-        full = req.kv_len // self.page_size
-        self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full])
-        self.allocator.free(req.pages[full:])
-        self.cache.unlock(req.cache_node)
-        self.table.free_row(req.row)
-        req.pages, req.num_cached_pages, req.cache_node, req.row = [], 0, None, None
-        req.kv_len = req.cached_len = 0
+        self.kv_manager.release(req, req.kv_len)
 
     def _output(self, req: Req, new_ids: list[int], logprobs, top_logprobs=None) -> TokenOutput:
         out = TokenOutput(req.rid, new_ids, logprobs, req.finished, req.finish_reason, req.prompt_len,
@@ -407,43 +399,40 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
-        return self.cache.reset()
+        return self.kv_manager.flush()
 
     def _live_reqs(self) -> list[Req]:
         """Requests holding pages: the scheduler's own, then the mode's."""
         return self.running + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
 
     def pages_held_by_requests(self) -> int:
-        held = sum(len(r.pages) - r.num_cached_pages for r in self._live_reqs())
-        return held + self.mode.quarantined_pages()
+        """Pages outside the allocator and the cache: live requests' own and quarantined ones."""
+        return self.kv_manager.pages_held(self._live_reqs())
 
     def check_memory(self) -> None:
-        """free + cached + request-owned pages == total, and every live request's own
-        invariants; raises on a leak, a double count or a broken request."""
-        for req in self._live_reqs():
+        """free + cached + request-owned + quarantined pages == total, rows, the mode's books,
+        and every live request's own invariants; raises on a leak, a double count or a broken
+        request."""
+        live = self._live_reqs()
+        for req in live:
             req.check(self.page_size)
-        total = self.allocator.num_free + self.cache.num_cached_pages + self.pages_held_by_requests()
-        if total != self.allocator.num_pages:
-            raise RuntimeError(f"page accounting broken: free {self.allocator.num_free} + cached "
-                               f"{self.cache.num_cached_pages} + held {self.pages_held_by_requests()} "
-                               f"!= total {self.allocator.num_pages}")
-        rows = sum(r.row is not None for r in self._live_reqs())
-        if self.table.num_free_rows + rows != self.table.max_reqs:
-            raise RuntimeError(f"table rows broken: free {self.table.num_free_rows} + held by live requests {rows} "
-                               f"!= {self.table.max_reqs}")
+        self.kv_manager.check(live)
+        if self.mode.quarantined_pages() != self.kv_manager.num_quarantined_pages:
+            raise RuntimeError(f"quarantine accounting broken: the mode holds {self.mode.quarantined_pages()} "
+                               f"pages, the KV cache manager {self.kv_manager.num_quarantined_pages}")
         self.mode.check_resources(idle=not self.has_work() and not self.reqs)
 
     def stats(self) -> dict:
-        total = self.allocator.num_pages
-        free = self.allocator.num_free
+        total = self.kv_manager.num_pages
+        free = self.kv_manager.num_free_pages
         return {
             "num_running_reqs": len(self.running) + (self.chunked is not None),
             "num_waiting_reqs": len(self.waiting),
             "total_pages": total,
             "free_pages": free,
-            "cached_pages": self.cache.num_cached_pages,
+            "cached_pages": self.kv_manager.num_cached_pages,
             "page_size": self.page_size,
-            "token_usage": (total - free - self.cache.num_evictable_pages) / total,
+            "token_usage": (total - free - self.kv_manager.num_evictable_pages) / total,
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
             **self.mode.stats(),

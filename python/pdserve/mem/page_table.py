@@ -12,8 +12,8 @@ import torch
 class ReqToTokenTable:
     """Rows are handed to admitted requests and returned when they release memory.
 
-    The table only records slots; page ownership lives with the allocator,
-    the radix cache and the request (see engine.request.Req).
+    The table only records slots; rows and pages are handed out and taken back by
+    their one owner, ``mem.cache_manager.KVCacheManager``.
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, page_size: int):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.mem.allocator import PageAllocator
@@ -85,17 +85,22 @@ class RadixCache:
     * ``insert`` takes ownership of every page passed, whatever happens: pages
       for new blocks join the tree, pages duplicating an already cached block
       are freed to the allocator. The caller must not free any of them after.
-    * ``evict`` and ``reset`` free tree pages to the allocator; locked nodes
-      (and so their ancestors) are never evicted.
+    * ``evict`` hands the pages it takes out of the tree to ``on_evict`` (the
+      owner of KV memory, ``mem.cache_manager``; by default the allocator's
+      ``free``), which must free them or keep them accounted; ``reset`` frees
+      tree pages to the allocator. Locked nodes (and so their ancestors) are
+      never evicted.
 
     So at all times ``allocator.num_free + num_cached_pages + pages held by
     callers == allocator.num_pages``.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False):
+    def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False,
+                 on_evict: Callable[[list[int]], None] | None = None):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
+        self.on_evict = on_evict or allocator.free
         self.page_size = page_size
         self.disable = disable
         self._clock = 0
@@ -195,7 +200,8 @@ class RadixCache:
         """Free up to ``num_pages`` pages from unlocked leaves, least recently used first.
 
         Evicting a leaf can turn its parent into an evictable leaf, which then
-        competes by its own ``last_access``. Returns the number of pages freed.
+        competes by its own ``last_access``. The pages go to ``on_evict`` in one
+        call. Returns the number of pages evicted.
         """
         heap = [(n.last_access, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
@@ -207,7 +213,7 @@ class RadixCache:
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent))
         if freed:
-            self.allocator.free(freed)
+            self.on_evict(freed)
         return len(freed)
 
     def reset(self) -> bool:

@@ -1,0 +1,233 @@
+"""The one owner of KV memory: pages, table rows, prefix-cache locks, quarantined pages.
+
+The scheduler and every disaggregation mode go through ``KVCacheManager``; none of them calls
+the allocator, the request -> slot table or the radix cache's locks directly, so a cache tier
+(host memory, storage) can later be added here without touching the loop or the modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.page_table import ReqToTokenTable
+from pdserve.mem.radix_cache import RadixCache
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.request import Req
+
+
+class KVCacheManager:
+    """Pages move allocator -> request -> radix cache -> allocator, and only through here.
+
+    A request's memory (the fields ``Req`` documents: ``row``, ``cache_node``, ``pages``,
+    ``num_cached_pages``, ``kv_len``, ``cached_len``) has one life:
+
+    * ``admit(req, tokens)``: a table row and the longest cached prefix of ``tokens``, locked
+      (``pages[:num_cached_pages]`` stay the cache's; the request must not free them).
+      ``unadmit`` undoes an admission that took no pages of its own.
+    * ``grow(req, n, headroom)`` / ``grow_each(reqs)``: own pages, all or nothing, evicting
+      unlocked cache pages only when actually short. Own pages belong to the request.
+    * It ends exactly once, by one of:
+      ``release(req, cache_len)``: full pages of ``fill_ids[:cache_len]`` join the radix cache
+      (duplicates freed by it), the other own pages are freed;
+      ``drop(req)``: every own page freed, nothing cached (KV never written or not trusted);
+      ``quarantine(req)``: own pages leave the request but stay allocated (a late remote write
+      may still land on them) until ``free_quarantined`` gets them back, once each.
+      Each unlocks the prefix and frees the row. Ending a request that holds no row (never
+      admitted, or already ended) raises: a double release means two owners.
+
+    ``check(live)``: ``free + cached + own pages of live requests + quarantined == total`` and
+    every row held by a live request; a leak or double count raises.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_context_len: int,
+                 disable_radix_cache: bool = False):
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        # Evicted pages come back here, not to the allocator behind the manager's back: a lower
+        # cache tier will demote them instead of freeing.
+        self.cache = RadixCache(self.allocator, page_size, disable=disable_radix_cache, on_evict=self._evicted)
+        self.table = ReqToTokenTable(max_reqs, max_context_len, page_size)
+        self._quarantined: set[int] = set()
+        self.num_evicted_pages = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.cache.num_cached_pages
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.cache.num_evictable_pages
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        return len(self._quarantined)
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """[max_reqs, context] slot ids the attention backend gathers from (read-only to callers)."""
+        return self.table.table
+
+    def match_len(self, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens`` the prefix cache holds now (marks them used; locks nothing)."""
+        return self.cache.match_prefix(tokens).num_tokens
+
+    def can_allocate(self, n: int) -> bool:
+        """``n`` pages are free or evictable now."""
+        return n <= self.allocator.num_free + self.cache.num_evictable_pages
+
+    # -------------------------------------------------------------- admission
+    def admit(self, req: Req, tokens: Sequence[int]) -> bool:
+        """A table row and the cached prefix of ``tokens`` (locked); False (nothing taken) when
+        no row is free. Sets ``kv_len = cached_len`` to the hit and writes its slots."""
+        if req.row is not None:
+            raise RuntimeError(f"admit: {req.rid} already holds table row {req.row}")
+        row = self.table.alloc_row()
+        if row is None:
+            return False
+        match = self.cache.match_prefix(tokens)
+        self.cache.lock(match.node)
+        req.row, req.cache_node = row, match.node
+        req.pages, req.num_cached_pages = list(match.pages), len(match.pages)
+        req.kv_len = req.cached_len = match.num_tokens
+        if match.pages:
+            self.table.write(row, 0, self.table.slots_for(req.pages, 0, req.kv_len))
+        return True
+
+    def unadmit(self, req: Req) -> None:
+        """Undo ``admit`` of a request that took no pages of its own."""
+        if len(req.pages) != req.num_cached_pages:
+            raise RuntimeError(f"unadmit: {req.rid} holds {len(req.pages) - req.num_cached_pages} pages of its own")
+        self._unpin(req, "unadmit")
+
+    # ------------------------------------------------------------------ pages
+    def grow(self, req: Req, num_tokens: int, headroom: int = 0) -> bool:
+        """Own pages so ``req`` can hold ``num_tokens`` positions, provided ``headroom`` more
+        pages stay free or evictable; writes the slots of ``[kv_len, num_tokens)``. False (nothing
+        taken) when they do not fit."""
+        need = max(0, -(-num_tokens // self.page_size) - len(req.pages))
+        pages = self._reserve(need, headroom)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        self.write_slots(req, req.kv_len, num_tokens)
+        return True
+
+    def grow_each(self, reqs: list[Req]) -> bool:
+        """One more page for each of ``reqs`` (decode growth), all or nothing."""
+        pages = self._reserve(len(reqs))
+        if pages is None:
+            return False
+        for r, p in zip(reqs, pages):
+            r.pages.append(p)
+        return True
+
+    def _reserve(self, n: int, headroom: int = 0) -> list[int] | None:
+        """n pages, evicting unlocked cache pages if needed, provided ``headroom`` more pages stay
+        free or evictable (evicted only once actually needed)."""
+        if not self.can_allocate(n + headroom):
+            return None
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.alloc(n)
+
+    def _evicted(self, pages: list[int]) -> None:
+        self.num_evicted_pages += len(pages)
+        self.allocator.free(pages)
+
+    # ------------------------------------------------------------------ slots
+    def slots(self, req: Req, start: int, end: int) -> list[int]:
+        """Pool slots of ``req``'s positions ``[start, end)``."""
+        return self.table.slots_for(req.pages, start, end)
+
+    def write_slots(self, req: Req, start: int, end: int) -> None:
+        if end > start:
+            self.table.write(req.row, start, self.slots(req, start, end))
+
+    def write_next_slots(self, reqs: list[Req]) -> list[int]:
+        """Decode: the slot of each request's next position (``kv_len``), written to its row."""
+        ps = self.page_size
+        loc = [r.pages[r.kv_len // ps] * ps + r.kv_len % ps for r in reqs]
+        self.table.write_one_each([r.row for r in reqs], [r.kv_len for r in reqs], loc)
+        return loc
+
+    # ---------------------------------------------------------------- release
+    def release(self, req: Req, cache_len: int) -> None:
+        """End ``req``: the full pages of ``fill_ids[:cache_len]`` (KV computed and trusted) go to
+        the radix cache, which frees duplicates; the rest of its own pages are freed."""
+        self._check_held(req, "release")
+        full = cache_len // self.page_size
+        self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full])
+        self.allocator.free(req.pages[full:])
+        self._unpin(req, "release")
+
+    def drop(self, req: Req) -> None:
+        """End ``req`` without caching anything: its own pages are freed."""
+        self._check_held(req, "drop")
+        self.allocator.free(req.pages[req.num_cached_pages:])
+        self._unpin(req, "drop")
+
+    def quarantine(self, req: Req) -> list[int]:
+        """End ``req`` but keep its own pages allocated (returned) until ``free_quarantined``:
+        a write may still land on them."""
+        self._check_held(req, "quarantine")
+        own = req.pages[req.num_cached_pages:]
+        self._quarantined.update(own)
+        self._unpin(req, "quarantine")
+        return own
+
+    def free_quarantined(self, pages: Sequence[int]) -> None:
+        """Quarantined pages no write can reach any more go back to the pool."""
+        stray = [p for p in pages if p not in self._quarantined]
+        if stray or len(set(pages)) != len(pages):
+            raise RuntimeError(f"free_quarantined: pages {sorted(stray or pages)} are not quarantined "
+                               f"(freed twice, or never quarantined)")
+        self._quarantined.difference_update(pages)
+        self.allocator.free(pages)
+
+    def flush(self) -> bool:
+        """Empty the prefix cache; refused (False) while a request locks part of it."""
+        return self.cache.reset()
+
+    def _check_held(self, req: Req, what: str) -> None:
+        if req.row is None:
+            raise RuntimeError(f"{what}: {req.rid} holds no KV memory (released twice, or never admitted)")
+
+    def _unpin(self, req: Req, what: str) -> None:
+        """Let go of the prefix lock and the row; the request holds nothing after."""
+        self._check_held(req, what)
+        self.cache.unlock(req.cache_node)
+        self.table.free_row(req.row)
+        req.row, req.cache_node, req.pages, req.num_cached_pages = None, None, [], 0
+        req.kv_len = req.cached_len = 0
+
+    # ----------------------------------------------------------------- checks
+    def pages_held(self, live: Sequence[Req]) -> int:
+        """Pages owned outside the allocator and the cache: ``live`` requests' own, quarantined."""
+        return sum(len(r.pages) - r.num_cached_pages for r in live) + len(self._quarantined)
+
+    def check(self, live: Sequence[Req]) -> None:
+        """Raise on a leak or double count; ``live``: every request that holds memory."""
+        held = self.pages_held(live)
+        if self.allocator.num_free + self.cache.num_cached_pages + held != self.allocator.num_pages:
+            raise RuntimeError(f"page accounting broken: free {self.allocator.num_free} + cached "
+                               f"{self.cache.num_cached_pages} + held {held} (quarantined "
+                               f"{len(self._quarantined)}) != total {self.allocator.num_pages}")
+        rows = sum(r.row is not None for r in live)
+        if self.table.num_free_rows + rows != self.table.max_reqs:
+            raise RuntimeError(f"table rows broken: free {self.table.num_free_rows} + held by live requests {rows} "
+                               f"!= {self.table.max_reqs}")
