@@ -74,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hung-s", type=float, default=90.0, help="a request with no answer after this is hung")
     p.add_argument("--idle-s", type=float, default=4.0 * PD_TIMEOUT_S,
                    help="how long a server may take to release everything after a scenario")
+    p.add_argument("--decodes", type=int, default=2, help="decode servers behind the router")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/reliability.md")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
@@ -170,9 +171,9 @@ class Node:
 
 
 class Cluster:
-    """A prefill, two decodes and a router; every process is stopped by ``close``."""
+    """A prefill, ``decodes`` decode servers and a router; every process is stopped by ``close``."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, decodes: int = 2):
         self.token = token
         auth = ("--disaggregation-auth-token", token)
         pd = ("--disaggregation-timeout-s", str(PD_TIMEOUT_S), "--disaggregation-heartbeat-s", str(HEARTBEAT_S))
@@ -182,7 +183,7 @@ class Cluster:
                                         "--disaggregation-mode", "prefill",
                                         "--disaggregation-bootstrap-port", str(self.boot)], port)
         self.decodes = []
-        for i in range(2):
+        for i in range(decodes):
             port = servers.free_port()
             self.decodes.append(Node(f"decode{i}", ["serve", "--model-path", MODEL, "--port", str(port), *FLAGS,
                                                     *auth, *pd, "--disaggregation-mode", "decode"], port))
@@ -197,7 +198,7 @@ class Cluster:
         return [self.prefill, *self.decodes]
 
     def start(self, prefill_faults: str) -> None:
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(len(self.servers)) as pool:
             futures = [pool.submit(self.prefill.start, _faults_env(prefill_faults)),
                        *[pool.submit(d.start) for d in self.decodes]]
             for f in futures:
@@ -225,6 +226,42 @@ class Cluster:
     def close(self) -> None:
         for n in (self.router, *self.servers):
             n.close()
+
+
+COUNTERS = {"decode": ("kv_received", "fallbacks", "transfer_failures", "local_prefills", "duplicate_rooms",
+                       "stale_messages", "control_refused"),
+            "prefill": ("rooms_completed", "rooms_failed", "rooms_aborted", "rooms_expired", "rooms_dropped",
+                        "kv_requests_refused", "stale_messages", "control_refused")}
+
+
+def counters(cluster: Cluster) -> dict[str, tuple[int, dict]]:
+    """Each live server's (pid, counters), to show what the servers did during a scenario."""
+    out = {}
+    for node in cluster.servers:
+        try:
+            info = node.info()
+        except httpx.HTTPError:  # dead or stopped: reported by the scenario's exit check
+            continue
+        out[node.name] = (node.proc.pid, {k: info.get(k, 0) for k in COUNTERS[info["disaggregation_mode"]]})
+    return out
+
+
+def exits(cluster: Cluster) -> list[str]:
+    """Processes that exited without the drill asking (every drill restarts what it kills)."""
+    return [f"{n.name} exited with code {n.proc.returncode}" for n in (cluster.router, *cluster.servers)
+            if n.proc is not None and not n.alive()]
+
+
+def counter_notes(before: dict, after: dict) -> list[str]:
+    notes = []
+    for name, (pid, now) in after.items():
+        then = before.get(name)
+        restarted = then is None or then[0] != pid
+        base = {} if restarted else then[1]
+        moved = [f"{k} +{v - base.get(k, 0)}" for k, v in now.items() if v - base.get(k, 0)]
+        notes.append(f"{name} counters{' (restarted: since its restart)' if restarted else ''}: "
+                     + (", ".join(moved) or "no change"))
+    return notes
 
 
 def _faults_env(spec: str) -> dict:
@@ -535,21 +572,12 @@ class Drills:
     def lossy_writes(self) -> Row:
         row = Row("lossy_writes", "5% of KV write batches dropped (reported failed), 5% delayed by 2 s")
         self._prefill_faults(LOSSY)
-        before = self._decode_counters()
         n = 8 * self.a.requests
         with ThreadPoolExecutor(4) as pool:
             row.outcomes += [f.result() for f in self._burst(pool, n)]
         row.hit = list(row.outcomes)  # every request's writes ran under the fault rates
-        after = self._decode_counters()
-        row.notes.append("decode counters over the scenario: "
-                         + ", ".join(f"{k} +{after[k] - before[k]}" for k in after))
         self._after(row)
         return row
-
-    def _decode_counters(self) -> dict:
-        keys = ("kv_received", "fallbacks", "transfer_failures")
-        infos = [d.info() for d in self.cluster.decodes]
-        return {k: sum(i[k] for i in infos) for k in keys}
 
     def malformed(self) -> Row:
         row = Row("malformed", "malformed and forged control frames on every control port; a forged bootstrap PUT")
@@ -663,7 +691,11 @@ class Drills:
         for node in nodes:
             s[f"{node.name}_rss_mib"] = round(node.rss_mib(), 1)
         for node in self.cluster.servers:
-            info = node.info()
+            try:
+                info = node.info()
+            except httpx.HTTPError:
+                s.update({f"{node.name}_{k}": "down" for k in ("used_pages", "cached_pages", "pd")})
+                continue
             s[f"{node.name}_used_pages"] = info["total_pages"] - info["free_pages"] - info["cached_pages"]
             s[f"{node.name}_cached_pages"] = info["cached_pages"]
             s[f"{node.name}_pd"] = sum(info.get(k, 0) for k in IDLE_ZERO)
@@ -782,22 +814,25 @@ def references(prompts, streams) -> dict[tuple, list[int]]:
 def run(a: argparse.Namespace) -> list[Row]:
     prompts, streams = make_prompts(a.seed)
     refs = references(prompts, streams)
-    cluster = Cluster(secrets.token_hex(16))
+    cluster = Cluster(secrets.token_hex(16), a.decodes)
     rows = []
     try:
         cluster.start(SLOW)
         drills = Drills(a, cluster, Client(refs, a.hung_s), prompts, streams)
         for name in a.scenarios.split(","):
             print(f"[reliability] {name} ...", file=sys.stderr, flush=True)
-            t = time.monotonic()
+            t, before = time.monotonic(), counters(cluster)
             try:
                 row = getattr(drills, name)()
             except Exception as e:  # recorded and flagged; the remaining scenarios still run
                 row = Row(name, f"{name} (crashed)", crashed=f"{type(e).__name__}: {e}")
+            row.notes += counter_notes(before, counters(cluster))
+            if exits(cluster):
+                row.crashed = (row.crashed + "; " if row.crashed else "") + "; ".join(exits(cluster))
             row.extra["seconds"] = round(time.monotonic() - t, 1)
             rows.append(row)
             print(f"[reliability] {name}: {row.summary()} {row.flags() or ''}", file=sys.stderr, flush=True)
-    except BaseException:
+    except Exception:  # a failed start: the logs say why (a signal or Ctrl-C needs no logs)
         for n in (cluster.router, *cluster.servers):
             if n.proc is not None:
                 print(f"--- {n.name} log tail ---\n{n.tail()}", file=sys.stderr)
@@ -819,7 +854,7 @@ def render(a: argparse.Namespace, argv: list[str], rows: list[Row], started: str
              f"- date: {started} (UTC)",
              f"- machine: {os.cpu_count()} CPU cores ({platform.machine()}, {platform.system()}), no GPU, "
              "shared with other work",
-             f"- deployment: 1 prefill + 2 decodes + `pdserve router`, {MODEL}, page size 4, greedy, "
+             f"- deployment: 1 prefill + {a.decodes} decodes + `pdserve router`, {MODEL}, page size 4, greedy, "
              f"{NEW} new tokens ({STREAM_NEW} streamed), Mooncake over TCP loopback, HMAC token on the P/D ports, "
              f"`--disaggregation-timeout-s {PD_TIMEOUT_S} --disaggregation-heartbeat-s {HEARTBEAT_S}`",
              f"- a request is hung after {a.hung_s:g} s without an answer; a server must release every page and "

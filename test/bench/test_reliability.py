@@ -31,7 +31,7 @@ def test_an_unknown_scenario_is_named():
 def test_short_run_has_zero_hung_wrong_and_leaked(tmp_path):
     out, rows = tmp_path / "reliability.md", tmp_path / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--scenarios", "duplicate_rooms,soak", "--requests", "1", "--soak-s", "3",
-           "--soak-concurrency", "2", "--sample-s", "1", "--out", str(out), "--json", str(rows)]
+           "--decodes", "1", "--soak-concurrency", "2", "--sample-s", "1", "--out", str(out), "--json", str(rows)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = {r["scenario"]: r for r in json.loads(rows.read_text())}
