@@ -17,11 +17,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], cores: list[int] | None = None) -> subprocess.Popen:
-    """``pdserve *args`` in its own session (so ``stop`` reaches its children), output discarded,
-    pinned to ``cores`` when given."""
-    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
+def start(args: list[str], cores: list[int] | None = None, env: dict | None = None, log=None) -> subprocess.Popen:
+    """``pdserve *args`` in its own session (so ``stop`` reaches its children), output discarded
+    (or written to the open file ``log``), pinned to ``cores`` when given; ``env`` is added to ours."""
+    out = subprocess.DEVNULL if log is None else log
+    return subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=out,
+                            stderr=subprocess.DEVNULL if log is None else subprocess.STDOUT, start_new_session=True,
+                            env=None if env is None else {**os.environ, **env},
                             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
 
 

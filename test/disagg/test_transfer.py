@@ -28,6 +28,7 @@ from pdserve.disagg.transfer import (
     merge_contiguous,
     mooncake_available,
 )
+from pdserve.disagg.transfer.faults import _LATE, FAULTS_ENV, with_faults
 
 needs_mooncake = pytest.mark.skipif(
     not mooncake_available(),
@@ -372,6 +373,66 @@ def test_fault_dropped_notify_still_writes_the_data(peer, faulty):
     fb.reset()
     fb.write_sync(peer.session, [src.data_ptr()], [peer.base], [128], notify=("room-y", "done"))
     assert peer.call("notifies") == [("room-y", "done")]
+
+
+def _random_failures(fb, peer, src, n: int) -> list[bool]:
+    """Post ``n`` one-KiB batches, each to its own KiB (value i % 200 + 1); which ones failed.
+    Every batch that did not fail has landed its bytes."""
+    peer.call("fill", 0, 1024 * n, 0)
+    for i in range(n):
+        src[1024 * i:1024 * (i + 1)] = i % 200 + 1
+    handles = [fb.post_writes(peer.session, [src.data_ptr() + 1024 * i], [peer.base + 1024 * i], [1024])
+               for i in range(n)]
+    failed = [fb.wait(h, WAIT_S) is WriteState.FAILED for h in handles]
+    for i, f in enumerate(failed):
+        assert peer.call("mismatches", 1024 * i, 1024, 0 if f else i % 200 + 1) == 0, (i, f)
+    return failed
+
+
+def test_fault_fail_rate_drops_that_share_of_batches_reproducibly(peer, faulty):
+    fb, src, _ = faulty
+    fb.fail_rate(0.25)
+    fb.seed(11)
+    first = _random_failures(fb, peer, src, 200)
+    assert 20 <= sum(first) <= 80, sum(first)  # 50 expected; the bounds are ~4 sigma
+    fb.seed(11)
+    assert _random_failures(fb, peer, src, 200) == first  # the same seed, the same drills
+    fb.fail_rate(1.0)
+    with pytest.raises(TransferError, match="fail_rate"):
+        fb.write_sync(peer.session, [src.data_ptr()], [peer.base], [128])
+    fb.reset()
+    assert not any(_random_failures(fb, peer, src, 50))
+
+
+def test_fault_delay_rate_posts_that_share_of_batches_late(peer, faulty):
+    fb, src, _ = faulty
+    src[:256] = 6
+    fb.delay_rate(1.0)
+    fb.delay_s(3.0)
+    h = fb.post_writes(peer.session, [src.data_ptr()], [peer.base], [256])
+    assert fb.inner_handle(h) is _LATE and fb.poll(h) is WriteState.PENDING  # not yet handed on
+    assert fb.outstanding().batches >= 1
+    assert fb.wait(h, WAIT_S) is WriteState.DONE
+    assert peer.call("mismatches", 0, 256, 6) == 0
+    fb.delay_rate(0.0)  # none delayed: handed to the engine at once
+    h = fb.post_writes(peer.session, [src.data_ptr()], [peer.base], [256])
+    assert fb.inner_handle(h) is not _LATE
+    assert fb.wait(h, WAIT_S) is WriteState.DONE
+
+
+@pytest.mark.parametrize("spec, field", [("fail_rate=1.5", "fail_rate"), ("delay_rate=-0.1", "delay_rate"),
+                                         ("delay_s=-1", "delay_s"), ("seed=x", "seed"), ("fail_rate=nan", "fail_rate")])
+def test_fault_spec_out_of_range_names_the_knob(spec, field):
+    with pytest.raises(ValueError, match=f"{FAULTS_ENV}: {field}"):
+        with_faults(create_transfer_backend("memory"), spec)
+
+
+def test_fault_spec_sets_the_rates(peer, sender):
+    be, src = sender
+    fb = with_faults(be, "fail_rate=1,delay_rate=0.5,delay_s=0.25,seed=3")
+    assert isinstance(fb, FaultInjectingBackend)
+    h = fb.post_writes(peer.session, [src.data_ptr()], [peer.base], [64])
+    assert fb.wait(h, WAIT_S) is WriteState.FAILED and "fail_rate=1.0" in h.error
 
 
 def test_register_unregister_and_overlap(peer, sender):

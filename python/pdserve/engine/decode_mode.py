@@ -410,7 +410,10 @@ class DecodeMode(SchedulerMode):
 
     def stats(self) -> dict:
         rate = sum(self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
-        return {"disaggregation_mode": self.name, "num_waiting_for_kv": len(self.rooms),
+        # control_endpoint: where prefill's completions and acks arrive (for drills and operators;
+        # frames there are authenticated, so publishing it gives nothing away)
+        return {"disaggregation_mode": self.name, "control_endpoint": self.io.endpoint,
+                "num_waiting_for_kv": len(self.rooms),
                 "num_pending_kv": len(self.pending), "quarantined_pages": self.quarantine.num_pages,
                 "fallback_rate": rate, "fallback_window": len(self.outcomes),
                 "control_refused": self.io.refused(), "quarantine_entries": len(self.quarantine.entries),
@@ -424,6 +427,7 @@ class DecodeMode(SchedulerMode):
                     "kv_pages_received", "stale_messages", "duplicate_rooms", "control_refused", "quarantine_entries",
                     "aux_rows_in_use", "transfer_batches_in_flight")
         out = {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in counters}}
+        out["control_endpoints"] = [s["control_endpoint"] for s in per_dp]
         fell_back = sum(s["fallback_rate"] * s["fallback_window"] for s in per_dp)
         out["fallback_rate"] = fell_back / out["fallback_window"] if out["fallback_window"] else 0.0
         return out

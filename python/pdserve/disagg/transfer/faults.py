@@ -1,12 +1,15 @@
 """A fault-injecting wrapper around any TransferBackend, and ``PDSERVE_TRANSFER_FAULTS``.
 
 Failure drills and tests: e.g. ``PDSERVE_TRANSFER_FAULTS="delay_posts=1.5"`` makes a server's KV
-writes reach the network 1.5 s late (``with_faults`` reads the knobs below from it).
+writes reach the network 1.5 s late, ``"fail_rate=0.05,delay_rate=0.05,delay_s=2,seed=7"`` fails
+one batch in twenty and delays another one in twenty by 2 s, drawn reproducibly (``with_faults``
+reads the knobs below from it).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +28,9 @@ from pdserve.disagg.transfer.base import (
 logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "PDSERVE_TRANSFER_FAULTS"
-FAULT_KNOBS: dict[str, Callable[[str], float | int]] = {"delay_posts": float, "hold": float, "fail_after": int}
+FAULT_KNOBS: dict[str, Callable[[str], float | int]] = {
+    "delay_posts": float, "hold": float, "fail_after": int,
+    "fail_rate": float, "delay_rate": float, "delay_s": float, "seed": int}
 
 
 class FaultInjectingBackend(TransferBackend):
@@ -41,8 +46,13 @@ class FaultInjectingBackend(TransferBackend):
       Mooncake's notify RPC fails (it only logs).
     - ``delay_posts(s)``: batches posted from now on reach the real engine only ``s`` seconds
       later (a slow network): their bytes land late, after anything the caller did meanwhile.
-    ``reset()`` clears them all. A failed batch still reports FAILED only after its real writes
-    settled, as the contract requires.
+    - ``fail_rate(p)``: each batch or synchronous write fails with probability ``p``, nothing of
+      it sent (a lossy link whose engine reports the loss, as Mooncake does).
+    - ``delay_rate(p)`` with ``delay_s(s)``: each batch reaches the engine ``s`` seconds late
+      with probability ``p`` (on top of ``delay_posts``).
+    - ``seed(n)``: restarts the draws of the two rates, so a drill repeats exactly.
+    ``reset()`` clears them all (the draws restart from seed 0). A failed batch still reports
+    FAILED only after its real writes settled, as the contract requires.
     """
 
     def __init__(self, inner: TransferBackend, clock: Callable[[], float] = time.monotonic):
@@ -61,6 +71,10 @@ class FaultInjectingBackend(TransferBackend):
             self._delay_s = 0.0
             self._drop_notifies = False
             self._post_delay_s = 0.0
+            self._fail_rate = 0.0
+            self._delay_rate = 0.0
+            self._random_delay_s = 0.0
+            self._rng = random.Random(0)
 
     def fail_writes_to(self, peer: str) -> None:
         with self._lock:
@@ -80,6 +94,24 @@ class FaultInjectingBackend(TransferBackend):
     def delay_posts(self, seconds: float) -> None:
         with self._lock:
             self._post_delay_s = seconds
+
+    def fail_rate(self, p: float) -> None:
+        with self._lock:
+            self._fail_rate = _probability("fail_rate", p)
+
+    def delay_rate(self, p: float) -> None:
+        with self._lock:
+            self._delay_rate = _probability("delay_rate", p)
+
+    def delay_s(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"delay_s: {seconds} is not a duration in seconds")
+        with self._lock:
+            self._random_delay_s = seconds
+
+    def seed(self, n: int) -> None:
+        with self._lock:
+            self._rng = random.Random(n)
 
     def release(self) -> None:
         with self._lock:
@@ -112,7 +144,7 @@ class FaultInjectingBackend(TransferBackend):
         with self._lock:
             keep, error = self._allowed(peer, len(n))
             posted_at = self._clock() + self._delay_s
-            post_delay = self._post_delay_s
+            post_delay = self._post_delay_s + self._random_delay()
         handle = WriteHandle(peer, len(n), sum(n))
         if keep and post_delay > 0:
             with self._lock:
@@ -187,11 +219,26 @@ class FaultInjectingBackend(TransferBackend):
         """How many of ``count`` writes really go, and the injected error (caller holds the lock)."""
         if peer in self._failing_peers:
             return 0, f"injected failure: writes to {peer} fail"
+        if self._fail_rate and self._rng.random() < self._fail_rate:
+            return 0, f"injected failure: a write to {peer} dropped (fail_rate={self._fail_rate})"
         if self._budget is None:
             return count, None
         keep = min(count, self._budget)
         self._budget -= keep
         return keep, None if keep == count else f"injected failure: write budget exhausted ({peer})"
+
+
+    def _random_delay(self) -> float:
+        """This batch's extra delay under ``delay_rate`` (caller holds the lock)."""
+        if self._delay_rate and self._rng.random() < self._delay_rate:
+            return self._random_delay_s
+        return 0.0
+
+
+def _probability(name: str, p: float) -> float:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name}: {p} is not a probability in [0, 1]")
+    return p
 
 
 _LATE = WriteHandle("", 0, 0)  # stands for a delayed batch's real handle until it is posted
@@ -210,6 +257,9 @@ def with_faults(backend: TransferBackend, spec: str) -> TransferBackend:
             setting = FAULT_KNOBS[knob](value)
         except ValueError:
             raise ValueError(f"{FAULTS_ENV}: {knob}={value!r} is not a number") from None
-        getattr(faulty, knob)(setting)
+        try:
+            getattr(faulty, knob)(setting)
+        except ValueError as e:
+            raise ValueError(f"{FAULTS_ENV}: {e}") from None
     logger.warning("KV transfer faults injected (%s=%s)", FAULTS_ENV, spec)
     return faulty

@@ -1,0 +1,940 @@
+"""Failure drills against real servers on loopback; regenerates docs/reliability.md.
+
+    PYTHONPATH=python python3 benchmark/reliability.py                  # every scenario, 10-minute soak
+    PYTHONPATH=python python3 benchmark/reliability.py --scenarios malformed,duplicate_rooms \\
+        --requests 3 --soak-s 5 --out /tmp/reliability.md --json /tmp/reliability.json
+
+One prefill, two decodes and a ``pdserve router`` in front (tiny-llama, page size 4, greedy,
+real Mooncake over TCP, an HMAC token shared by the servers). Each scenario sends requests
+through the router (or straight to a server where the scenario needs it), breaks something while
+they are in flight, and then classifies every request:
+
+- completed: a normal finish; its tokens are compared with a colocated ``pdserve.Engine`` run of
+  the same prompt (a difference is a wrong token);
+- failed with a clear error: HTTP 4xx/5xx with a message, an abort finish reason with a message,
+  or a stream's error event;
+- unclear: anything else the client saw (a dropped connection, a stream that just stops);
+- hung: no answer within ``--hung-s``.
+
+After each scenario every live server must come back to idle: free + cached pages == total and
+every P/D resource count zero (rooms, quarantine, aux rows, transfer batches); what is still held
+after ``--idle-s`` counts as leaked. The failover rate is completed / (completed + failed) among
+the requests that were in flight while the fault lasted. Rows that must be zero and are not are
+flagged in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import servers  # noqa: E402  (benchmark/servers.py, beside this script)
+
+MODEL = "tiny-llama"
+NEW = 12  # tokens per request
+STREAM_NEW = 64  # per streamed request (long enough to be mid-stream when a decode dies)
+FLAGS = ("--page-size", "4", "--max-total-tokens", "8192", "--num-threads", "1", "--log-level", "warning")
+PD_TIMEOUT_S = 10  # --disaggregation-timeout-s of both sides (decode's quarantine lease is twice this)
+HEARTBEAT_S = 0.5
+PAUSE_S = 3.0  # SIGSTOP length: several heartbeats, so decode reaches its death verdict
+SLOW = "delay_posts=1.5"  # prefill's writes reach the network late: transfers stay in flight
+LOSSY = "fail_rate=0.05,delay_rate=0.05,delay_s=2,seed=7"
+# Mirrors test/entrypoints/server_utils.IDLE_ZERO (test/bench/test_reliability.py checks they agree).
+IDLE_ZERO = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "quarantine_entries", "aux_rows_in_use",
+             "transfer_batches_in_flight", "rooms_waiting", "rooms_transferring", "rooms_open")
+SCENARIOS = ("prefill_kill9", "prefill_sigstop", "decode_sigstop", "decode_kill9", "malformed", "duplicate_rooms",
+             "lossy_writes", "soak")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from: " + ", ".join(SCENARIOS))
+    p.add_argument("--requests", type=int, default=8, help="requests per fault scenario (lossy_writes: 8x)")
+    p.add_argument("--soak-s", type=float, default=600.0, help="length of the soak")
+    p.add_argument("--soak-concurrency", type=int, default=4)
+    p.add_argument("--sample-s", type=float, default=5.0, help="soak: seconds between RSS and page samples")
+    p.add_argument("--hung-s", type=float, default=90.0, help="a request with no answer after this is hung")
+    p.add_argument("--idle-s", type=float, default=4.0 * PD_TIMEOUT_S,
+                   help="how long a server may take to release everything after a scenario")
+    p.add_argument("--decodes", type=int, default=2, help="decode servers behind the router")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="docs/reliability.md")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    a = p.parse_args(argv)
+    unknown = set(a.scenarios.split(",")) - set(SCENARIOS)
+    if unknown:
+        p.error(f"--scenarios: unknown {sorted(unknown)} (known: {', '.join(SCENARIOS)})")
+    return a
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+
+class Node:
+    """One ``pdserve`` process (server or router) on a fixed port, so it can be killed and
+    restarted where its peers expect it. Output goes to a temporary log, shown on failure."""
+
+    def __init__(self, name: str, args: list[str], port: int, env: dict | None = None):
+        self.name, self.args, self.port, self.env = name, args, port, env
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix=f"reliability-{name}-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, env: dict | None = None) -> Node:
+        self.env = self.env if env is None else env
+        self.proc = servers.start(self.args, env=self.env, log=self.log)
+        try:
+            servers.wait_healthy(self.url, self.proc, timeout=300)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.name}: {e}\n{self.tail()}") from None
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def info(self) -> dict:
+        r = httpx.get(self.url + "/get_server_info", timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def kill9(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def pause(self, seconds: float) -> None:
+        """SIGSTOP the whole process group (frontend and scheduler), SIGCONT ``seconds`` later."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the pause is the drill itself
+        finally:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def pids(self) -> list[int]:
+        """The process group's live processes (frontend, scheduler, their helpers)."""
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                fields = stat[stat.rindex(")") + 2:].split()
+                if fields[0] != "Z" and self.proc is not None and int(fields[2]) == self.proc.pid:
+                    out.append(int(entry.name))
+        return out
+
+    def rss_mib(self) -> float:
+        total = 0
+        for pid in self.pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+            except OSError:
+                pass
+        return total / 1024
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
+            except ProcessLookupError:
+                pass
+            servers.stop(self.proc)
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        self.stop()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+class Cluster:
+    """A prefill, ``decodes`` decode servers and a router; every process is stopped by ``close``."""
+
+    def __init__(self, token: str, decodes: int = 2):
+        self.token = token
+        auth = ("--disaggregation-auth-token", token)
+        pd = ("--disaggregation-timeout-s", str(PD_TIMEOUT_S), "--disaggregation-heartbeat-s", str(HEARTBEAT_S))
+        self.boot = servers.free_port()
+        port = servers.free_port()
+        self.prefill = Node("prefill", ["serve", "--model-path", MODEL, "--port", str(port), *FLAGS, *auth, *pd,
+                                        "--disaggregation-mode", "prefill",
+                                        "--disaggregation-bootstrap-port", str(self.boot)], port)
+        self.decodes = []
+        for i in range(decodes):
+            port = servers.free_port()
+            self.decodes.append(Node(f"decode{i}", ["serve", "--model-path", MODEL, "--port", str(port), *FLAGS,
+                                                    *auth, *pd, "--disaggregation-mode", "decode"], port))
+        port = servers.free_port()
+        self.router = Node("router", ["router", "--port", str(port), "--prefill", self.prefill.url, str(self.boot),
+                                      *[a for d in self.decodes for a in ("--decode", d.url)],
+                                      "--health-check-interval-secs", "1", "--health-check-timeout-secs", "2",
+                                      "--log-level", "warning"], port)
+
+    @property
+    def servers(self) -> list[Node]:
+        return [self.prefill, *self.decodes]
+
+    def start(self, prefill_faults: str) -> None:
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            futures = [pool.submit(self.prefill.start, _faults_env(prefill_faults)),
+                       *[pool.submit(d.start) for d in self.decodes]]
+            for f in futures:
+                f.result()
+        self.router.start()
+
+    def restart_prefill(self, faults: str) -> None:
+        self.prefill.stop()
+        self.prefill.start(_faults_env(faults))
+        self.wait_router_sees_all()
+
+    def wait_router_sees_all(self, timeout: float = 60.0) -> None:
+        """Until the router's health checks found every worker healthy again."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(self.router.url + "/metrics", timeout=5)
+                gauges = [ln for ln in r.text.splitlines() if "worker_healthy{" in ln]
+                if r.status_code == 200 and gauges and all(float(ln.split()[-1]) == 1 for ln in gauges):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        for n in (self.router, *self.servers):
+            n.close()
+
+
+COUNTERS = {"decode": ("kv_received", "fallbacks", "transfer_failures", "local_prefills", "duplicate_rooms",
+                       "stale_messages", "control_refused"),
+            "prefill": ("rooms_completed", "rooms_failed", "rooms_aborted", "rooms_expired", "rooms_dropped",
+                        "kv_requests_refused", "stale_messages", "control_refused")}
+
+
+def counters(cluster: Cluster) -> dict[str, tuple[int, dict]]:
+    """Each live server's (pid, counters), to show what the servers did during a scenario."""
+    out = {}
+    for node in cluster.servers:
+        try:
+            info = node.info()
+        except httpx.HTTPError:  # dead or stopped: reported by the scenario's exit check
+            continue
+        out[node.name] = (node.proc.pid, {k: info.get(k, 0) for k in COUNTERS[info["disaggregation_mode"]]})
+    return out
+
+
+def exits(cluster: Cluster) -> list[str]:
+    """Processes that exited without the drill asking (every drill restarts what it kills)."""
+    return [f"{n.name} exited with code {n.proc.returncode}" for n in (cluster.router, *cluster.servers)
+            if n.proc is not None and not n.alive()]
+
+
+def counter_notes(before: dict, after: dict) -> list[str]:
+    notes = []
+    for name, (pid, now) in after.items():
+        then = before.get(name)
+        restarted = then is None or then[0] != pid
+        base = {} if restarted else then[1]
+        moved = [f"{k} +{v - base.get(k, 0)}" for k, v in now.items() if v - base.get(k, 0)]
+        notes.append(f"{name} counters{' (restarted: since its restart)' if restarted else ''}: "
+                     + (", ".join(moved) or "no change"))
+    return notes
+
+
+def _faults_env(spec: str) -> dict:
+    return {"PDSERVE_TRANSFER_FAULTS": spec} if spec else {}
+
+
+# --- requests and their outcomes ---------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    kind: str  # "completed", "failed", "unclear", "hung"
+    detail: str = ""
+    wrong: bool = False
+    start: float = 0.0
+    end: float = 0.0
+
+
+def _greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+class Client:
+    """Sends /generate and classifies the answer against the colocated reference."""
+
+    def __init__(self, refs: dict[tuple, list[int]], hung_s: float):
+        self.refs, self.hung_s = refs, hung_s
+
+    def generate(self, url: str, prompt: list[int], n: int = NEW, extra: dict | None = None,
+                 tokens: bool = True) -> Outcome:
+        """``tokens`` False: a prefill server's half of a request (it answers with no tokens)."""
+        body = {"input_ids": prompt, "sampling_params": _greedy(n), **(extra or {})}
+        start = time.monotonic()
+        try:
+            r = httpx.post(url + "/generate", json=body, timeout=self.hung_s)
+        except httpx.TimeoutException:
+            return Outcome("hung", f"no answer in {self.hung_s} s", start=start, end=time.monotonic())
+        except httpx.HTTPError as e:
+            return Outcome("unclear", f"{type(e).__name__}: {e}", start=start, end=time.monotonic())
+        out = self._classify_response(r, prompt, n if tokens else None)
+        out.start, out.end = start, time.monotonic()
+        if out.wrong:
+            out.detail = f"POST {url}/generate {json.dumps(extra or {})}: {out.detail}"
+        return out
+
+    def stream(self, url: str, prompt: list[int], n: int = STREAM_NEW) -> Outcome:
+        body = {"input_ids": prompt, "sampling_params": _greedy(n), "stream": True}
+        start, last, error = time.monotonic(), None, None
+        try:
+            with httpx.stream("POST", url + "/generate", json=body, timeout=self.hung_s) as r:
+                if r.status_code != 200:
+                    r.read()
+                    out = self._classify_response(r, prompt, n)
+                    out.start, out.end = start, time.monotonic()
+                    return out
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        event = json.loads(line[len("data: "):])
+                        if "error" in event:
+                            error = event["error"]
+                        else:
+                            last = event
+        except httpx.TimeoutException:
+            return Outcome("hung", f"stream silent for {self.hung_s} s", start=start, end=time.monotonic())
+        except httpx.HTTPError as e:
+            return Outcome("unclear", f"stream broke: {type(e).__name__}: {e}", start=start, end=time.monotonic())
+        if error is not None:
+            msg = error.get("message", "") if isinstance(error, dict) else str(error)
+            kind = "failed" if msg else "unclear"
+            return Outcome(kind, f"stream error event: {msg[:200]}", start=start, end=time.monotonic())
+        out = self._classify_final(last, prompt, n)
+        out.start, out.end = start, time.monotonic()
+        return out
+
+    def _classify_response(self, r: httpx.Response, prompt, n) -> Outcome:
+        if r.status_code >= 400:
+            msg = _error_message(r)
+            return Outcome("failed" if msg else "unclear", f"HTTP {r.status_code}: {msg[:200]}")
+        try:
+            body = r.json()
+        except ValueError:
+            return Outcome("unclear", f"HTTP {r.status_code} with a body that is not JSON")
+        return self._classify_final(body, prompt, n)
+
+    def _classify_final(self, body, prompt, n) -> Outcome:
+        if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+            return Outcome("unclear", f"no final event / meta_info: {str(body)[:200]}")
+        reason = body["meta_info"].get("finish_reason") or {}
+        if reason.get("type") == "abort":
+            msg = reason.get("message") or ""
+            return Outcome("failed" if msg else "unclear", f"abort: {msg[:200]}")
+        if reason.get("type") not in ("length", "stop"):
+            return Outcome("unclear", f"finish_reason {reason}")
+        if n is None:
+            return Outcome("completed")
+        got = body.get("output_ids")
+        want = self.refs[(tuple(prompt), n)]
+        return Outcome("completed", wrong=got != want,
+                       detail="" if got == want else f"got {got[:8]}.. want {want[:8]}..")
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text.strip()
+    err = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(err, dict):
+        return str(err.get("message") or "")
+    return str(err or "")
+
+
+# --- per-scenario accounting ---------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    title: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    hit: list[Outcome] = field(default_factory=list)  # in flight while the fault lasted
+    leaked: dict = field(default_factory=dict)  # server -> what was still held
+    notes: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+    crashed: str = ""  # the drill itself failed (an expected state never came): flagged
+
+    def count(self, kind: str, among: list[Outcome] | None = None) -> int:
+        return sum(o.kind == kind for o in (self.outcomes if among is None else among))
+
+    @property
+    def wrong(self) -> int:
+        return sum(o.wrong for o in self.outcomes)
+
+    @property
+    def leaked_pages(self) -> int:
+        return sum(v.get("pages", 0) + sum(v.get("counts", {}).values()) for v in self.leaked.values())
+
+    @property
+    def failover(self) -> float | None:
+        done, failed = self.count("completed", self.hit), self.count("failed", self.hit) + self.count(
+            "unclear", self.hit) + self.count("hung", self.hit)
+        return done / (done + failed) if done + failed else None
+
+    def summary(self) -> dict:
+        return {"scenario": self.name, "sent": len(self.outcomes), "completed": self.count("completed"),
+                "failed_clear": self.count("failed"), "unclear": self.count("unclear"), "hung": self.count("hung"),
+                "wrong_tokens": self.wrong, "leaked": self.leaked_pages, "hit_by_fault": len(self.hit),
+                "failover_rate": self.failover}
+
+    def flags(self) -> list[str]:
+        s = self.summary()
+        bad = [f"{k}={s[k]}" for k in ("hung", "wrong_tokens", "leaked", "unclear") if s[k]]
+        if self.crashed:
+            bad.append(f"drill crashed: {self.crashed[:300]}")
+        if s["failover_rate"] is not None and s["failover_rate"] < 0.99:
+            bad.append(f"failover_rate={s['failover_rate']:.0%} < 99%")
+        return bad
+
+
+def in_window(outcomes: list[Outcome], t0: float, t1: float) -> list[Outcome]:
+    """The requests in flight at some moment of [t0, t1]."""
+    return [o for o in outcomes if o.start <= t1 and o.end >= t0]
+
+
+def check_idle(node: Node, timeout: float) -> dict | None:
+    """None once ``node`` is idle with everything returned; else what it still holds at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = node.info()
+        pages = info["total_pages"] - info["free_pages"] - info["cached_pages"]
+        counts = {k: info[k] for k in IDLE_ZERO if info.get(k)}
+        busy = info["num_running_reqs"] + info["num_waiting_reqs"]
+        if not pages and not counts and not busy:
+            return None
+        if time.monotonic() > deadline:
+            return {"pages": pages, "counts": counts, "busy": busy}
+        time.sleep(0.2)
+
+
+def settle(row: Row, cluster: Cluster, idle_s: float) -> None:
+    for node in cluster.servers:
+        if node.alive():
+            held = check_idle(node, idle_s)
+            if held:
+                row.leaked[node.name] = held
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _in_transfer(cluster: Cluster, n: int) -> bool:
+    return sum(d.info()["num_waiting_for_kv"] for d in cluster.decodes) >= n
+
+
+# --- scenarios ----------------------------------------------------------------------------------------
+
+
+class Drills:
+    def __init__(self, a: argparse.Namespace, cluster: Cluster, client: Client, prompts: list[list[int]],
+                 streams: list[list[int]]):
+        self.a, self.cluster, self.client = a, cluster, client
+        self.prompts, self.streams = prompts, streams
+        self.rng = random.Random(a.seed)
+        self.faults = SLOW
+
+    def _prefill_faults(self, spec: str) -> None:
+        if self.faults != spec:
+            self.cluster.restart_prefill(spec)
+            self.faults = spec
+
+    def _burst(self, pool: ThreadPoolExecutor, n: int, stream: bool = False) -> list:
+        url = self.cluster.router.url
+        if stream:
+            return [pool.submit(self.client.stream, url, self.streams[i % len(self.streams)]) for i in range(n)]
+        return [pool.submit(self.client.generate, url, self.rng.choice(self.prompts)) for _ in range(n)]
+
+    def prefill_kill9(self) -> Row:
+        row = Row("prefill_kill9", "kill -9 of the prefill mid-transfer, then a restart")
+        self._prefill_faults(SLOW)
+        n = self.a.requests
+        with ThreadPoolExecutor(n) as pool:
+            futures = self._burst(pool, n)
+            wait_until(lambda: _in_transfer(self.cluster, 1), 60, "KV in flight")
+            waiting = sum(d.info()["num_waiting_for_kv"] for d in self.cluster.decodes)
+            t0 = time.monotonic()
+            self.cluster.prefill.kill9()
+            t1 = time.monotonic()
+            during = [f.result() for f in futures]
+        row.outcomes += during
+        row.hit = in_window(during, t0, t1)
+        row.notes.append(f"{waiting} requests were waiting for KV on the decodes at the kill")
+        # With the prefill gone, new requests (router: degraded, decode prefills locally).
+        with ThreadPoolExecutor(n) as pool:
+            row.outcomes += [f.result() for f in self._burst(pool, max(2, n // 2))]
+        self.cluster.prefill.start()
+        self.cluster.wait_router_sees_all()
+        before = sum(d.info()["kv_received"] for d in self.cluster.decodes)
+        with ThreadPoolExecutor(n) as pool:
+            row.outcomes += [f.result() for f in self._burst(pool, max(2, n // 2))]
+        received = sum(d.info()["kv_received"] for d in self.cluster.decodes) - before
+        row.notes.append(f"after the restart, {received} of {max(2, n // 2)} requests received their KV from "
+                         "the restarted prefill (the rest prefilled on decode)")
+        settle(row, self.cluster, self.a.idle_s)
+        return row
+
+    def prefill_sigstop(self) -> Row:
+        row = Row("prefill_sigstop", f"SIGSTOP of the prefill for {PAUSE_S:g} s mid-transfer, then SIGCONT")
+        self._prefill_faults(SLOW)
+        n = self.a.requests
+        with ThreadPoolExecutor(n) as pool:
+            futures = self._burst(pool, n)
+            wait_until(lambda: _in_transfer(self.cluster, 1), 60, "KV in flight")
+            t0 = time.monotonic()
+            self.cluster.prefill.pause(PAUSE_S)
+            t1 = time.monotonic()
+            row.outcomes += [f.result() for f in futures]
+        row.hit = in_window(row.outcomes, t0, t1)
+        self._after(row)
+        return row
+
+    def decode_sigstop(self) -> Row:
+        row = Row("decode_sigstop", f"SIGSTOP of a decode for {PAUSE_S:g} s mid-transfer, then SIGCONT")
+        self._prefill_faults(SLOW)
+        n = self.a.requests
+        with ThreadPoolExecutor(n) as pool:
+            futures = self._burst(pool, n)
+            wait_until(lambda: _in_transfer(self.cluster, 1), 60, "KV in flight")
+            victim = max(self.cluster.decodes, key=lambda d: d.info()["num_waiting_for_kv"])
+            t0 = time.monotonic()
+            victim.pause(PAUSE_S)
+            t1 = time.monotonic()
+            row.outcomes += [f.result() for f in futures]
+        row.hit = in_window(row.outcomes, t0, t1)
+        row.notes.append(f"paused {victim.name}")
+        self._after(row)
+        return row
+
+    def decode_kill9(self) -> Row:
+        row = Row("decode_kill9", "kill -9 of a decode mid-stream (through the router), then a restart")
+        n = self.a.requests
+        with ThreadPoolExecutor(n) as pool:
+            futures = self._burst(pool, n, stream=True)
+            wait_until(lambda: any(d.info()["num_running_reqs"] for d in self.cluster.decodes), 120, "streams")
+            victim = max(self.cluster.decodes, key=lambda d: d.info()["num_running_reqs"])
+            on_victim = victim.info()["num_running_reqs"]
+            t0 = time.monotonic()
+            victim.kill9()
+            t1 = time.monotonic()
+            row.outcomes += [f.result() for f in futures]
+        row.hit = in_window(row.outcomes, t0, t1)
+        seen = sorted({o.detail[:120] for o in row.hit if o.kind != "completed"})
+        row.notes.append(f"killed {victim.name} with {on_victim} streams running on it; what the clients of the "
+                         f"{len(row.hit)} streams in flight saw: {'; '.join(seen) or 'nothing wrong'}")
+        row.notes.append("`pdserve router` on this branch has no decode failover yet: a stream on the killed decode "
+                         "ends with an error event (counted as failed with a clear error, never as completed)")
+        victim.start()
+        self.cluster.wait_router_sees_all()
+        with ThreadPoolExecutor(n) as pool:
+            row.outcomes += [f.result() for f in self._burst(pool, max(2, n // 2))]
+        self._after(row)
+        return row
+
+    def lossy_writes(self) -> Row:
+        row = Row("lossy_writes", "5% of KV write batches dropped (reported failed), 5% delayed by 2 s")
+        self._prefill_faults(LOSSY)
+        n = 8 * self.a.requests
+        with ThreadPoolExecutor(4) as pool:
+            row.outcomes += [f.result() for f in self._burst(pool, n)]
+        row.hit = list(row.outcomes)  # every request's writes ran under the fault rates
+        self._after(row)
+        return row
+
+    def malformed(self) -> Row:
+        row = Row("malformed", "malformed and forged control frames on every control port; a forged bootstrap PUT")
+        endpoints = self._control_endpoints()
+        refused_before = self._refused()
+        sent = must_refuse = 0
+        peer = Forger(self.cluster.token)
+        n = self.a.requests
+        try:
+            with ThreadPoolExecutor(n) as pool:
+                futures = self._burst(pool, n)
+                for _ in range(3):
+                    for ep in endpoints:
+                        n_sent, n_refuse = peer.hostile(ep)
+                        sent, must_refuse = sent + n_sent, must_refuse + n_refuse
+                row.outcomes += [f.result() for f in futures]
+        finally:
+            peer.close()
+        row.extra["bootstrap"] = forged_bootstrap(self.cluster)
+        row.extra["frames"] = sent
+        try:
+            wait_until(lambda: self._refused() - refused_before >= must_refuse, 30, "hostile frames counted")
+        except RuntimeError:
+            pass  # reported below: the count says how many were
+        row.notes.append(f"{sent} hostile frames to {len(endpoints)} control endpoints (unsigned, under a wrong key, "
+                         f"signed but malformed: {must_refuse} must be refused; signed, well-formed, for rooms nobody "
+                         f"holds: ignored as stale); control_refused grew by {self._refused() - refused_before}")
+        for what, status in row.extra["bootstrap"].items():
+            row.notes.append(f"bootstrap: {what} -> {status}")
+        row.notes.append("every server alive afterwards: " + str(all(s.alive() for s in self.cluster.servers)))
+        with ThreadPoolExecutor(n) as pool:
+            row.outcomes += [f.result() for f in self._burst(pool, n)]
+        self._after(row)
+        return row
+
+    def _control_endpoints(self) -> list[str]:
+        signed = Forger(self.cluster.token).auth.sign("GET", "/bootstrap", b"")
+        snap = httpx.get(f"http://127.0.0.1:{self.cluster.boot}/bootstrap", headers=signed, timeout=10).json()
+        return [r["control"] for r in snap["ranks"]] + [d.info()["control_endpoint"] for d in self.cluster.decodes]
+
+    def _refused(self) -> int:
+        return sum(s.info()["control_refused"] for s in self.cluster.servers)
+
+    def duplicate_rooms(self) -> Row:
+        row = Row("duplicate_rooms", "one bootstrap_room used twice (decode, prefill), a scalar room on a batch")
+        self._prefill_faults(SLOW)  # the first pair's room stays live while the second arrives
+        row.notes.append("each routed pair is sent straight to prefill and decode (two requests; prefill's half "
+                         "answers without tokens, so only decode's tokens are compared); the second pair reuses the "
+                         "first's room while it is in flight; then a batch with one scalar room and one with a room "
+                         "named twice")
+        prefill, decode = self.cluster.prefill, self.cluster.decodes[0]
+        for _ in range(self.a.requests):
+            room = random.getrandbits(63)
+            prompt, other = self.rng.sample(self.prompts, 2)
+            pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.cluster.boot, "bootstrap_room": room}
+            row.outcomes += self._same_room_twice(prefill, decode, prompt, other, pd)
+            # A batch with one scalar room, and one that names a room twice.
+            row.outcomes.append(self._batch(decode, [prompt, other], {**pd, "bootstrap_room": room + 1}))
+            row.outcomes.append(self._batch(decode, [prompt, other], {**pd, "bootstrap_room": [room + 2] * 2}))
+        self._after(row)
+        return row
+
+    def _same_room_twice(self, prefill: Node, decode: Node, prompt, other, pd: dict) -> list[Outcome]:
+        """A routed pair, and while decode holds it, a second pair with the same room."""
+        with ThreadPoolExecutor(4) as pool:
+            first = [pool.submit(self.client.generate, s.url, prompt, NEW, pd, s is decode) for s in (prefill, decode)]
+            wait_until(lambda: decode.info()["num_waiting_for_kv"] + decode.info()["num_running_reqs"] >= 1
+                       or first[1].done(), 60, "the first request in")
+            again = [pool.submit(self.client.generate, s.url, other, NEW, pd, s is decode) for s in (prefill, decode)]
+            return [f.result() for f in first + again]
+
+    def _batch(self, node: Node, prompts: list[list[int]], pd: dict) -> Outcome:
+        body = {"input_ids": prompts, "sampling_params": _greedy(NEW), **pd}
+        r = httpx.post(node.url + "/generate", json=body, timeout=self.a.hung_s)
+        if r.status_code >= 400:
+            msg = _error_message(r)
+            return Outcome("failed" if "bootstrap_room" in msg else "unclear", f"HTTP {r.status_code}: {msg[:200]}")
+        return Outcome("unclear", f"a batch with a shared room was accepted: HTTP {r.status_code}")
+
+    def soak(self) -> Row:
+        row = Row("soak", f"soak: {self.a.soak_s:g} s at concurrency {self.a.soak_concurrency}, prefill faults "
+                          f"{self.faults or 'none'}")
+        stop = threading.Event()
+        samples: list[dict] = []
+        t_start = time.monotonic()
+
+        def worker():
+            while not stop.is_set():
+                row.outcomes.append(self.client.generate(self.cluster.router.url, self.rng.choice(self.prompts)))
+
+        nodes = [*self.cluster.servers, self.cluster.router]
+        with ThreadPoolExecutor(self.a.soak_concurrency) as pool:
+            futures = [pool.submit(worker) for _ in range(self.a.soak_concurrency)]
+            try:
+                while time.monotonic() - t_start < self.a.soak_s:
+                    samples.append(self._sample(nodes, t_start))
+                    stop.wait(min(self.a.sample_s, max(0.0, self.a.soak_s - (time.monotonic() - t_start))))
+            finally:
+                stop.set()
+                for f in futures:
+                    f.result()
+        samples.append(self._sample(nodes, t_start))
+        row.extra["samples"] = samples
+        row.hit = []
+        self._after(row)
+        samples.append(self._sample(nodes, t_start))
+        return row
+
+    def _sample(self, nodes: list[Node], t0: float) -> dict:
+        s = {"t": round(time.monotonic() - t0, 1)}
+        for node in nodes:
+            s[f"{node.name}_rss_mib"] = round(node.rss_mib(), 1)
+        for node in self.cluster.servers:
+            try:
+                info = node.info()
+            except httpx.HTTPError:
+                s.update({f"{node.name}_{k}": "down" for k in ("used_pages", "cached_pages", "pd")})
+                continue
+            s[f"{node.name}_used_pages"] = info["total_pages"] - info["free_pages"] - info["cached_pages"]
+            s[f"{node.name}_cached_pages"] = info["cached_pages"]
+            s[f"{node.name}_pd"] = sum(info.get(k, 0) for k in IDLE_ZERO)
+        return s
+
+    def _after(self, row: Row) -> None:
+        settle(row, self.cluster, self.a.idle_s)
+
+
+class Forger:
+    """Whoever reaches a control port: unsigned frames, frames under a wrong key, and frames sealed
+    with the real token whose content is hostile (a compromised or buggy peer)."""
+
+    def __init__(self, token: str):
+        from pdserve.disagg.auth import PeerAuth
+
+        self.auth = PeerAuth(token)
+        self.wrong = PeerAuth("not-the-token")
+        self.ctx = zmq.Context()
+        self.socks: dict[str, zmq.Socket] = {}
+
+    def hostile(self, endpoint: str) -> tuple[int, int]:
+        """Sends the frames; (how many, how many the server must refuse)."""
+        refused = [*_malformed(), *[self.wrong.seal(f) for f in _forged()], *[self.auth.seal(f) for f in _malformed()]]
+        stale = [self.auth.seal(f) for f in _forged()]  # well-formed, signed, for rooms nobody holds: ignored
+        for f in refused + stale:
+            self._send(endpoint, f)
+        return len(refused) + len(stale), len(refused)
+
+    def _send(self, endpoint: str, data: bytes) -> None:
+        if endpoint not in self.socks:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, 2000)
+            sock.connect(endpoint)
+            self.socks[endpoint] = sock
+        self.socks[endpoint].send(data)
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(linger=0)
+        self.ctx.term()
+
+
+def _malformed() -> list[bytes]:
+    completion = {"v": 1, "type": "KVCompletion", "body": {"room": 1, "nonce": 5, "src_rank": 0, "dst_rank": 0,
+                                                           "writes": 3, "status": "ok", "queue_s": "@@"}}
+    return [json.dumps(completion).replace('"@@"', "9" * 400).encode(),  # float overflow
+            json.dumps(completion).replace('"@@"', "9" * 5000).encode(),  # int digit limit
+            b"[" * 100_000,  # recursion
+            b'{"v": 1, "type": "Heartbeat", "body": {"server_id": "not an endpoint", "time": 1.0}}',
+            b"\xff" * 1000, b"", b"{}", os.urandom(4096)]
+
+
+def _forged() -> list[bytes]:
+    from pdserve.disagg import protocol
+    from pdserve.disagg.protocol import DropRoom, KVAbort, KVCompletion
+
+    room = random.getrandbits(63)
+    return [protocol.encode(KVCompletion(room=room, nonce=7, src_rank=0, dst_rank=0, writes=3, status="ok")),
+            protocol.encode(KVAbort(room=room, reason="forged", side="decode", sender="127.0.0.1:1", nonce=7)),
+            protocol.encode(DropRoom(room))]
+
+
+def forged_bootstrap(cluster: Cluster) -> dict[str, int]:
+    """PUTs of a rank record that points rank 0's control at a forger: unsigned, under a wrong
+    key, and oversized; then checks the registry still holds the real record."""
+    from pdserve.disagg.auth import PeerAuth
+
+    base = f"http://127.0.0.1:{cluster.boot}"
+    real = PeerAuth(cluster.token)
+    snap = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b""), timeout=10).json()
+    rec = dict(snap["ranks"][0], control="tcp://127.0.0.1:1")
+    body = json.dumps(rec).encode()
+    out = {"unsigned PUT /bootstrap/rank": httpx.put(base + "/bootstrap/rank", content=body, timeout=10).status_code,
+           "PUT /bootstrap/rank under a wrong key": httpx.put(
+               base + "/bootstrap/rank", content=body, timeout=10,
+               headers=PeerAuth("not-the-token").sign("PUT", "/bootstrap/rank", body)).status_code,
+           "unsigned GET /bootstrap": httpx.get(base + "/bootstrap", timeout=10).status_code}
+    huge = b"{" + b" " * (2 << 20) + b"}"
+    try:
+        out["2 MiB PUT /bootstrap/rank"] = httpx.put(base + "/bootstrap/rank", content=huge, timeout=10).status_code
+    except httpx.HTTPError as e:  # the server may close before reading the body
+        out["2 MiB PUT /bootstrap/rank"] = f"connection closed ({type(e).__name__})"
+    after = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b""), timeout=10).json()
+    out["rank 0 control unchanged"] = after["ranks"][0]["control"] == snap["ranks"][0]["control"]
+    return out
+
+
+# --- references, the run, the report --------------------------------------------------------------------
+
+
+def make_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(seed)
+    shared = [rng.randint(3, 1500) for _ in range(16)]  # a common prefix: the radix cache is exercised too
+    prompts = [(shared if i % 3 == 0 else []) + [rng.randint(3, 1500) for _ in range(rng.randint(12, 90))]
+               for i in range(32)]
+    streams = [[rng.randint(3, 1500) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    return prompts, streams
+
+
+def references(prompts, streams) -> dict[tuple, list[int]]:
+    import pdserve
+
+    eng = pdserve.Engine(model_path=MODEL, page_size=4, num_threads=1)
+    try:
+        refs = {}
+        for batch, n in ((prompts, NEW), (streams, STREAM_NEW)):
+            outs = eng.generate(input_ids=batch, sampling_params=_greedy(n))
+            refs.update({(tuple(p), n): o["output_ids"] for p, o in zip(batch, outs)})
+        return refs
+    finally:
+        eng.shutdown()
+
+
+def run(a: argparse.Namespace) -> list[Row]:
+    prompts, streams = make_prompts(a.seed)
+    refs = references(prompts, streams)
+    cluster = Cluster(secrets.token_hex(16), a.decodes)
+    rows = []
+    try:
+        cluster.start(SLOW)
+        drills = Drills(a, cluster, Client(refs, a.hung_s), prompts, streams)
+        for name in a.scenarios.split(","):
+            print(f"[reliability] {name} ...", file=sys.stderr, flush=True)
+            t, before = time.monotonic(), counters(cluster)
+            try:
+                row = getattr(drills, name)()
+            except Exception as e:  # recorded and flagged; the remaining scenarios still run
+                row = Row(name, f"{name} (crashed)", crashed=f"{type(e).__name__}: {e}")
+            row.notes += counter_notes(before, counters(cluster))
+            if exits(cluster):
+                row.crashed = (row.crashed + "; " if row.crashed else "") + "; ".join(exits(cluster))
+            row.extra["seconds"] = round(time.monotonic() - t, 1)
+            rows.append(row)
+            print(f"[reliability] {name}: {row.summary()} {row.flags() or ''}", file=sys.stderr, flush=True)
+    except Exception:  # a failed start: the logs say why (a signal or Ctrl-C needs no logs)
+        for n in (cluster.router, *cluster.servers):
+            if n.proc is not None:
+                print(f"--- {n.name} log tail ---\n{n.tail()}", file=sys.stderr)
+        raise
+    finally:
+        cluster.close()
+    return rows
+
+
+def _fmt_rate(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.0%}"
+
+
+def render(a: argparse.Namespace, argv: list[str], rows: list[Row], started: str) -> str:
+    cmd = "PYTHONPATH=python python3 benchmark/reliability.py" + ("" if not argv else " " + " ".join(argv))
+    flagged = [(r.name, r.flags()) for r in rows if r.flags()]
+    lines = ["# Reliability report", "",
+             "Regenerate with:", "", f"    {cmd}", "",
+             f"- date: {started} (UTC)",
+             f"- machine: {os.cpu_count()} CPU cores ({platform.machine()}, {platform.system()}), no GPU, "
+             "shared with other work",
+             f"- deployment: 1 prefill + {a.decodes} decodes + `pdserve router`, {MODEL}, page size 4, greedy, "
+             f"{NEW} new tokens ({STREAM_NEW} streamed), Mooncake over TCP loopback, HMAC token on the P/D ports, "
+             f"`--disaggregation-timeout-s {PD_TIMEOUT_S} --disaggregation-heartbeat-s {HEARTBEAT_S}`",
+             f"- a request is hung after {a.hung_s:g} s without an answer; a server must release every page and "
+             f"P/D resource within {a.idle_s:g} s of a scenario's end", ""]
+    if flagged:
+        lines += ["**ATTENTION: rows that must be zero are not:**", ""]
+        lines += [f"- **{name}: {', '.join(f)}**" for name, f in flagged]
+        lines.append("")
+    else:
+        lines += ["All zero rows are zero: no request hung, no wrong token, nothing leaked, "
+                  "no unclear failure, every failover rate >= 99%.", ""]
+    lines += ["## Summary", "",
+              "| scenario | sent | completed | failed (clear error) | unclear | hung | wrong tokens | leaked | "
+              "hit by the fault | failover rate |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r.summary()
+        mark = " **(!)**" if r.flags() else ""
+        lines.append(f"| [{r.name}](#{r.name.replace('_', '-')}){mark} | {s['sent']} | {s['completed']} | "
+                     f"{s['failed_clear']} | {s['unclear']} | {s['hung']} | {s['wrong_tokens']} | {s['leaked']} | "
+                     f"{s['hit_by_fault']} | {_fmt_rate(s['failover_rate'])} |")
+    lines += ["", "*leaked*: pages not free or cached, plus P/D resource counts (rooms, quarantine entries, aux "
+              "rows, transfer batches) still non-zero after the idle bound, summed over the live servers. "
+              "*failover rate*: completed / (completed + any failure) among the requests in flight while the "
+              "fault lasted (lossy_writes: all of its requests).", ""]
+    for r in rows:
+        lines += section(r)
+    return "\n".join(lines) + "\n"
+
+
+def section(r: Row) -> list[str]:
+    s = r.summary()
+    out = [f"## {r.name}", "", r.title + ".", "",
+           f"{s['sent']} sent, {s['completed']} completed, {s['failed_clear']} failed with a clear error, "
+           f"{s['unclear']} unclear, {s['hung']} hung, {s['wrong_tokens']} wrong among completed, "
+           f"{s['leaked']} leaked; failover {_fmt_rate(s['failover_rate'])} over {s['hit_by_fault']} requests hit; "
+           f"{r.extra.get('seconds', 0):g} s.", ""]
+    if r.flags():
+        out += [f"**FLAGGED: {', '.join(r.flags())}**", ""]
+    out += [f"- {n}" for n in r.notes]
+    errors = sorted({o.detail[:160] for o in r.outcomes if o.kind in ("failed", "unclear", "hung")})
+    if errors:
+        out += ["- errors the clients saw:"] + [f"  - `{e}`" for e in errors[:12]]
+    wrong = [o.detail for o in r.outcomes if o.wrong]
+    if wrong:
+        out += ["- wrong tokens:"] + [f"  - `{w}`" for w in wrong[:8]]
+    for name, held in r.leaked.items():
+        out.append(f"- **still held on {name}**: {held}")
+    if "samples" in r.extra:
+        out += ["", *soak_table(r.extra["samples"])]
+    return out + [""]
+
+
+def soak_table(samples: list[dict]) -> list[str]:
+    keys = [k for k in samples[0] if k != "t"]
+    step = max(1, len(samples) // 20)
+    shown = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    out = ["RSS (MiB, every process of each server's group) and pages sampled during the soak (the last row: "
+           "after the idle check); *_pd* sums the P/D resource counts:", "",
+           "| t (s) | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    out += ["| " + " | ".join(str(s[k]) for k in ["t", *keys]) + " |" for s in shown]
+    first, last = samples[0], samples[-1]
+    growth = ", ".join(f"{k.removesuffix('_rss_mib')} {last[k] - first[k]:+.1f} MiB"
+                       for k in keys if k.endswith("_rss_mib"))
+    return out + ["", f"RSS change from the first to the last sample: {growth}."]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop every process
+    rows = run(a)
+    Path(a.out).write_text(render(a, argv, rows, started))
+    if a.json:
+        Path(a.json).write_text(json.dumps([{**r.summary(), "flags": r.flags()} for r in rows], indent=1))
+    flagged = [r.name for r in rows if r.flags()]
+    print(f"[reliability] wrote {a.out}" + (f"; FLAGGED: {flagged}" if flagged else ""), file=sys.stderr)
+    return 1 if flagged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
