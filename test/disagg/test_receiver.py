@@ -204,3 +204,40 @@ def test_an_unreachable_prefill_is_remembered_for_a_back_off():
     finally:
         directory.close()
         mailbox.close()
+
+
+class _Switch:
+    """A transfer engine whose probes answer as ``answering`` says (a peer paused and resumed)."""
+
+    def __init__(self):
+        self.answering = False
+
+    def probe(self, session: str, timeout_s: float) -> bool:
+        return self.answering
+
+
+def test_a_paused_peer_that_answers_again_gets_a_new_verdict_when_it_really_dies():
+    """Found by benchmark/reliability.py: after a pause (a verdict, then answers again) and a later
+    real death, decode must hear of the death; a session left in the dead set never was."""
+    mailbox, switch = Mailbox(), _Switch()
+    paused = socket.socket()
+    paused.bind(("127.0.0.1", 0))
+    paused.listen(16)
+    session = f"127.0.0.1:{paused.getsockname()[1]}"
+    monitor = PeerMonitor(switch, 0.05, mailbox.post)
+    try:
+        with BootstrapServer("127.0.0.1", 0) as registry:
+            _registry(registry, LAYOUT)
+            monitor.watch({session: ("127.0.0.1", registry.port)})
+            assert _wait_messages(mailbox) == [PeersDead(frozenset({session}))]  # the pause
+            switch.answering = True  # SIGCONT
+            deadline = time.monotonic() + 10
+            while session in monitor._dead:
+                assert time.monotonic() < deadline, "a session answering again stays dead"
+                time.sleep(0.05)
+            switch.answering = False  # now it dies for real
+            assert _wait_messages(mailbox) == [PeersDead(frozenset({session}))]
+    finally:
+        monitor.close()
+        mailbox.close()
+        paused.close()

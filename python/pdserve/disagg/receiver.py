@@ -185,9 +185,10 @@ class PeerDirectory:
 
 class PeerMonitor:
     """Probes transfer sessions from a helper thread and ``post``s ``PeersDead`` for those that
-    stopped answering, then ``PeersGone`` once their exit is confirmed (``exited``). A session
-    reported dead is not probed again while it stays watched; one no longer watched is
-    forgotten, so a restarted prefill reusing the address is judged afresh."""
+    stopped answering, then ``PeersGone`` once their exit is confirmed (``exited``). A dead
+    session is still probed: one that answers again (it was paused) is alive again, so its next
+    death gets a verdict of its own; one no longer watched is forgotten, so a restarted prefill
+    reusing the address is judged afresh."""
 
     def __init__(self, backend: TransferBackend, interval_s: float, post: Callable, auth: PeerAuth | None = None):
         self.backend = backend
@@ -221,7 +222,12 @@ class PeerMonitor:
             dead = {s for s in alive if not self._answered(s, self.backend.probe(s, timeout_s=timeout))}
             if dead:
                 self.post(PeersDead(frozenset(dead)))
-            gone = {s for s, key in suspects.items() if self.exited(s, key)}
+            revived = {s for s in suspects if self.backend.probe(s, timeout_s=timeout)}
+            if revived:  # it was paused, not dead: its next death must get a verdict of its own
+                with self._lock:
+                    self._dead -= revived
+                logger.info("disaggregation: prefill transfer engine(s) %s answer again", sorted(revived))
+            gone = {s for s, key in suspects.items() if s not in revived and self.exited(s, key)}
             if gone:
                 with self._lock:
                     self._gone |= gone

@@ -262,6 +262,9 @@ class DecodeMode(SchedulerMode):
             self._on_dead(msg.sessions)
         elif isinstance(msg, PeersGone):
             self.quarantine.peers_gone(set(msg.sessions), now)
+            for peer in self.directory.peers():  # records naming an exited process are stale
+                if set(peer.sessions) & msg.sessions:
+                    self._forget(peer.key)
             self.directory.buried(msg.sessions)
         elif isinstance(msg, KVCompletion):
             self._on_completion(msg, now)
