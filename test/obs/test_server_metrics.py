@@ -37,3 +37,15 @@ def test_metrics_render_and_servers_do_not_share_state():
     assert 'pdserve:inter_token_latency_seconds_count{model_name="m"} 1.0' in text
     assert 'finish_reason="length"' in text
     assert 'prompt_tokens_total{model_name="m"} 0.0' in b.render().decode()
+
+
+def test_refused_and_stale_p_d_messages_are_counted_in_metrics():
+    m = ServerMetrics("m")
+    m.set_scheduler_stats({"control_refused": 7, "stale_messages": 2, "duplicate_rooms": 1,
+                           "kv_requests_refused": 3})
+    text = m.render().decode()
+    for line in ('pdserve:control_frames_refused_total{model_name="m"} 7.0',
+                 'pdserve:control_stale_messages_total{model_name="m"} 2.0',
+                 'pdserve:decode_duplicate_rooms_total{model_name="m"} 1.0',
+                 'pdserve:prefill_kv_requests_refused_total{model_name="m"} 3.0'):
+        assert line in text, line

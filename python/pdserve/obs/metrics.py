@@ -41,6 +41,12 @@ DISAGG_COUNTERS = {
     "local_prefills": ("decode_local_prefills", "Decode: routed requests prefilled locally by choice"),
     "fallbacks": ("decode_fallbacks", "Decode: requests prefilled locally after a failed transfer"),
     "transfer_failures": ("decode_transfer_failures", "Decode: failed KV transfers"),
+    "control_refused": ("control_frames_refused", "P/D control frames refused (unauthenticated or malformed)"),
+    "stale_messages": ("control_stale_messages", "P/D messages for another life of a room (wrong nonce) or "
+                       "an unexpected type, ignored"),
+    "duplicate_rooms": ("decode_duplicate_rooms", "Decode: requests refused for a bootstrap room already in flight"),
+    "kv_requests_refused": ("prefill_kv_requests_refused", "Prefill: KV requests refused (no or another decode "
+                            "record, duplicate room, layout)"),
 }
 DISAGG_GAUGES = {
     "rooms_waiting": ("prefill_rooms_waiting", "Prefill: request halves waiting for their other half"),
