@@ -1,6 +1,6 @@
 """Processes that die in the middle of a transfer (kill -9, real servers, real Mooncake).
 
-Prefill servers A and B write their KV 1.5 s late (PDSERVE_TRANSFER_FAULTS), so requests are
+Prefill servers A and B write their KV 3 s late (PDSERVE_TRANSFER_FAULTS), so requests are
 reliably in flight when a test pulls the plug. Decode L falls back to a local prefill, decode E
 fails requests instead, decode X is killed in phase 3. The test plays the router (it must pick
 which prefill serves a request).
@@ -21,7 +21,7 @@ from router.router_utils import wait_for
 MODEL = "tiny-llama"
 NEW = 12
 FLAGS = ("--page-size", "4", "--max-total-tokens", "8192", "--num-threads", "1")
-SLOW = {"PDSERVE_TRANSFER_FAULTS": "delay_posts=1.5"}
+SLOW = {"PDSERVE_TRANSFER_FAULTS": "delay_posts=3"}  # wide enough for 8 rooms to overlap on a loaded host
 TIMEOUT_S = 10
 
 
