@@ -75,7 +75,7 @@ class SamplingParams:
             bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits)")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                bad(name, "must be true or false")
+                bad(name, "must be a boolean")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
