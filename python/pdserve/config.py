@@ -189,7 +189,7 @@ class ModelConfig:
         return int(self.hf_config.max_position_embeddings)
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token occupies over all layers (DESIGN §1)."""
+        """Bytes of KV cache one token occupies over all layers."""
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         return self.num_layers * per_layer * itemsize
@@ -462,7 +462,7 @@ def resolve_token(token: str | None, token_file: str | None, env: dict | None = 
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    """Prefill/decode disaggregation (DESIGN §5). ``mode`` "null" is a colocated server."""
+    """Prefill/decode disaggregation (docs/disaggregation.md). ``mode`` "null" is a colocated server."""
 
     mode: str = "null"
     transfer_backend: str = "mooncake"

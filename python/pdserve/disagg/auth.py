@@ -1,5 +1,5 @@
-"""Who may talk to a server's P/D ports (bootstrap registry, control channel): DESIGN §5, trust
-boundary.
+"""Who may talk to a server's P/D ports (bootstrap registry, control channel): docs/disaggregation.md,
+"The trust boundary".
 
 With a shared token (``--disaggregation-auth-token``, ``--disaggregation-auth-token-file`` or
 ``PDSERVE_DISAGGREGATION_AUTH_TOKEN``: ``config.resolve_token``; the same on every prefill and decode server of a

@@ -5,7 +5,7 @@ aborts; with several scheduler ranks, rank 0's alone) and opens a PUSH socket to
 use. Sends never block the scheduler loop: a peer that is gone or not reading loses what exceeds
 the high-water mark, and the protocol's timeouts and aborts cover that loss.
 
-Every frame read is input from whoever can reach the port (DESIGN §5, trust boundary): it is
+Every frame read is input from whoever can reach the port (docs/disaggregation.md, "The trust boundary"): it is
 authenticated (``disagg/auth.py``: an HMAC with the shared token, else loopback peers only),
 bounded (``zmq.MAXMSGSIZE``, then ``protocol.decode``'s limits) and decoded; whatever fails is
 counted by reason (``refused``) and logged once per peer per minute, and nothing a frame holds

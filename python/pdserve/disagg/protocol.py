@@ -3,11 +3,11 @@
 Wire form: UTF-8 JSON ``{"v": PROTOCOL_VERSION, "type": <class name>, "body": {<fields>}}``.
 ``decode`` refuses another version, an unknown type, a missing, extra or mistyped field, and
 anything a message's own checks reject, with a ProtocolError naming the field. A frame is input
-from whoever can reach the port (DESIGN §5, trust boundary): ``decode`` raises nothing but
+from whoever can reach the port (docs/disaggregation.md, "The trust boundary"): ``decode`` raises nothing but
 ProtocolError, whatever the bytes, and bounds what it parses (frame size, nesting depth, digits
 of a number) before Python's json would spend time or memory on it.
 
-Who sends what (DESIGN §5):
+Who sends what (docs/disaggregation.md, "One request"):
 - decode -> prefill: ``DecodeRecord`` (once per decode rank and prefill server, before its first
   KV request: what prefill checks every KV request against), ``KVRequest`` (one per destination
   rank), ``KVAbort``, ``DropRoom``.

@@ -2,7 +2,7 @@
 
 The scheduler tells the sender which pages a forward is about to fill (``stage``); the model
 runner's per-layer hook (``on_layer``) posts that layer's writes as soon as the layer has
-written its KV, without waiting for the forward to end (DESIGN §5 step 2). After the last
+written its KV, without waiting for the forward to end: the transfer overlaps the rest. After the last
 chunk the sender writes the aux data, and ``poll`` reports the room done once every write has
 polled DONE: only then may decode be told, because DONE means the bytes have landed
 (``disagg.transfer``).

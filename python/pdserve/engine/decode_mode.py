@@ -1,4 +1,4 @@
-"""The decode server's scheduler mode (DESIGN §5): pre-allocate pages, ask prefill for the KV,
+"""The decode server's scheduler mode (docs/disaggregation.md): pre-allocate pages, ask prefill for the KV,
 wait until every write has landed, then decode; fall back to a local prefill when it fails.
 
 A request's life here: it waits (``pending``) until its prefill's bootstrap records are known

@@ -1,7 +1,7 @@
 """How a disaggregation mode talks to the world: one object, so the modes read the same with one
 scheduler rank or many.
 
-The rule with several ranks (DESIGN §2: every rank runs the same scheduler on the same inputs):
+The rule with several ranks (every rank runs the same scheduler on the same inputs):
 anything that depends on time or on a thread (a control message arriving, a bootstrap fetch
 ending, a heartbeat verdict, a timeout, "my writes have landed") may change scheduler state only
 as an event every rank applies at the same loop iteration. So:

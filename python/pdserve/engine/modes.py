@@ -1,4 +1,4 @@
-"""How a disaggregation mode plugs into the scheduler loop (CONVENTIONS 14: modes are objects).
+"""How a disaggregation mode plugs into the scheduler loop (modes are objects, not branches in the loop).
 
 The colocated scheduler loop stays the core; a mode sees it only at these fixed points:
 

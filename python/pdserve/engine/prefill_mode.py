@@ -1,4 +1,4 @@
-"""The prefill server's scheduler mode (DESIGN §5): pair rooms, prefill ``prompt[:-1]``, never
+"""The prefill server's scheduler mode (docs/disaggregation.md): pair rooms, prefill ``prompt[:-1]``, never
 sample, stream the KV layer by layer, report completion with the write count.
 
 A request's life here: its HTTP half (from the router) waits in the room table until decode's
@@ -13,7 +13,7 @@ posts its own writes from its own pool (``disagg/sender.py``), and a room ends (
 completions sent) only once every rank's writes have settled, which the ranks agree on
 (``ModeIO.agree``) before acting.
 
-A KV request is input, not a command (DESIGN §5, trust boundary): it is served only for a decode
+A KV request is input, not a command (docs/disaggregation.md, "The trust boundary"): it is served only for a decode
 rank whose ``DecodeRecord`` arrived first, and only if its session, buffers, layout, aux row and
 reply endpoint are the ones that record published; replies go to record endpoints, never to an
 address an unrecorded message names. Every way a room ends without a completion (refused,

@@ -1,4 +1,4 @@
-"""Lock step for the scheduler ranks of one engine (DESIGN §2, one process per DP x TP rank).
+"""Lock step for the scheduler ranks of one engine (one process per DP x TP rank).
 
 Who decides: every rank runs the same ``Scheduler`` code on the same inputs, so its
 decisions are replayed, not sent. Each loop iteration:

@@ -1,4 +1,4 @@
-"""The scheduler process: a ZMQ loop around ``Scheduler`` (DESIGN §2).
+"""The scheduler process: a ZMQ loop around ``Scheduler``. One process per DP x TP rank.
 
 Child side: ``run_scheduler_process`` (the ``spawn`` target) builds the
 scheduler, reports ``SchedulerReady`` (or ``SchedulerFailed``) and runs

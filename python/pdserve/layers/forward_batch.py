@@ -24,7 +24,7 @@ class ForwardMode(enum.Enum):
 
 
 # Called as hook(layer_id, forward_batch) right after layer ``layer_id`` has written
-# this step's KV into the pool; disaggregation streams KV from here (DESIGN §5).
+# this step's KV into the pool; disaggregation streams KV from here, layer by layer.
 LayerHook = Callable[[int, "ForwardBatch"], None]
 
 

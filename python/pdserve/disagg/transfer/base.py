@@ -1,4 +1,4 @@
-"""The narrow interface pdserve keeps in front of a KV transfer engine (CONVENTIONS 10, 17).
+"""The narrow interface pdserve keeps in front of a KV transfer engine (one small contract, one backend per module).
 
 Peers are named by their transfer session id (``"host:rpc_port"``). Addresses are raw ints
 (``tensor.data_ptr()``); sources must lie in memory this backend registered, destinations in
