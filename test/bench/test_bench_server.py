@@ -324,7 +324,7 @@ def assert_cold_profiles(server, tmp_path, first: dict) -> None:
     with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(io.StringIO()) as err:
         cli_main(["bench", "--base-url", server.url, "--profile", "prefill", "--profile-input-lens", "32,99999"])
     assert e.value.code == 1
-    assert "--profile-input-lens: 99999 leave no room for the output token in the server's context length" \
+    assert "--profile-input-lens: 99999 leaves no room for the output token in the server's context length" \
         in err.getvalue()
 
 

@@ -231,7 +231,7 @@ def test_a_simulated_plan_reports_its_margin():
 # ------------------------------------------------------------- profiling
 def test_profile_lengths_past_the_context_are_refused_naming_the_flag():
     check_context_room(ProfileConfig(profile="prefill", profile_input_lens=(256, 1024, 4095)), 4096)
-    with pytest.raises(ValueError, match=r"^--profile-input-lens: 4096 leave no room .* context length of 4096 "
+    with pytest.raises(ValueError, match=r"^--profile-input-lens: 4096 leaves no room .* context length of 4096 "
                                          r"tokens; use lengths up to 4095"):
         check_context_room(ProfileConfig(profile="prefill", profile_input_lens=(256, 1024, 4096)), 4096)
     with pytest.raises(ValueError, match=r"^--profile-context-len: 4000 prompt \+ 128 output"):

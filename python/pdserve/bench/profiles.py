@@ -190,7 +190,8 @@ def check_context_room(p: ProfileConfig, context_len: int) -> None:
     if p.profile == "prefill":
         too_long = [n for n in p.profile_input_lens if n + 1 > context_len]
         if too_long:
-            raise ValueError(f"--profile-input-lens: {', '.join(map(str, too_long))} leave no room for the output "
+            verb = "leaves" if len(too_long) == 1 else "leave"
+            raise ValueError(f"--profile-input-lens: {', '.join(map(str, too_long))} {verb} no room for the output "
                              f"token in the server's context length of {context_len} tokens; use lengths up to "
                              f"{context_len - 1}")
     elif p.profile_context_len + p.profile_output_len > context_len:
