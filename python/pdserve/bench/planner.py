@@ -628,13 +628,13 @@ def margin_lines(p: Plan) -> list[str]:
     if u is None or p.margin is None:
         return ["Recommendation: " + p.verdict,
                 "Margin: no other deployment simulated meets the SLOs"]
-    lead = (f"{p.margin:.1%} more goodput per instance than {u.deployment} "
-            f"({r.goodput_per_instance:.3g} vs {u.goodput_per_instance:.3g} req/s)")
+    rates = f"({r.goodput_per_instance:.3g} vs {u.goodput_per_instance:.3g} req/s)"
     if p.close_call:
-        return [f"WARNING: no clear winner: {r.deployment} leads by only {lead}; a lead under "
-                f"{MARGIN_WARNING:.0%} is within profiling noise, so benchmark both before choosing",
-                "Closest call: " + p.verdict]
-    return ["Recommendation: " + p.verdict, "Margin: " + lead]
+        return [f"WARNING: no clear winner: {r.deployment} leads {u.deployment} by only {p.margin:.1%} in goodput "
+                f"per instance {rates}; a lead under {MARGIN_WARNING:.0%} is within profiling noise, so benchmark "
+                "both before choosing", "Closest call: " + p.verdict]
+    return ["Recommendation: " + p.verdict,
+            f"Margin: {p.margin:.1%} more goodput per instance than {u.deployment} {rates}"]
 
 
 # ------------------------------------------------------------------- inputs
