@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
 from pdserve.bench.config import BenchConfig
-from pdserve.entrypoints.cli import bench_config_from_namespace, build_parser, main
+from pdserve.entrypoints.cli import add_bench_args, bench_config_from_namespace, build_parser, main
 from server_utils import free_port
 
 
@@ -70,3 +71,16 @@ def test_module_entry_point_is_the_bench_command():
     assert out.returncode == 0 and "--random-input-len" in out.stdout and "--slo" in out.stdout
     top = subprocess.run([sys.executable, "-m", "pdserve", "--help"], capture_output=True, text=True, timeout=120)
     assert "bench" in top.stdout and "plan" in top.stdout
+
+
+def test_every_bench_flag_describes_itself():
+    """Every flag has a help string of its own (a copied one tells a reader nothing about the second flag)."""
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    flags = [a for a in parser._actions if a.option_strings]
+    assert all(a.help for a in flags)
+    by_text: dict[str, list[str]] = {}
+    for a in flags:
+        by_text.setdefault(a.help, []).append(a.option_strings[0])
+    assert {text: names for text, names in by_text.items() if len(names) > 1} == {}
+    assert len(flags) > 40

@@ -27,8 +27,10 @@ import httpx
 import pytest
 from aiohttp import ClientSession, web
 
-from pdserve.bench.config import DatasetConfig, LoadConfig
-from pdserve.bench.datasets import build_workload
+from pdserve.bench.backends import new_session, send
+from pdserve.bench.config import DatasetConfig, EndpointConfig, LoadConfig
+from pdserve.bench.datasets import BenchRequest, build_workload
+from pdserve.bench.profiles import flush_prefix_cache
 from pdserve.bench.serving import load_tokenizer
 from pdserve.entrypoints.cli import main as cli_main
 from server_utils import Server
@@ -304,6 +306,36 @@ def test_failures_are_counted_not_fatal(server, tmp_path):
 
 
 # ----------------------------------------------------------- planner inputs
+def assert_cold_profiles(server, tmp_path, first: dict) -> None:
+    """A re-run of the same profile times cold prompts too (fresh prompts, flushed cache, cached_tokens
+    checked); the check would see a hit (the server reports one for a repeated prompt); lengths past
+    the server's context are refused before anything is sent."""
+    again = tmp_path / "again.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        assert cli_main(["bench", "--base-url", server.url, "--output-file", str(again), "--profile", "prefill",
+                         "--profile-input-lens", "32,128", "--profile-repeats", "2"]) == 0
+    rerun = json.loads(again.read_text())
+    for prof in (first, rerun):
+        assert prof["cache"] == {"flushed_before_each": True, "max_cached_tokens": 0,
+                                 "requests_with_cache_hits": 0, "requests": 4}
+    assert "warning" not in rerun and "WARNING" not in err.getvalue()
+    outs = asyncio.run(_twice(server.url, "a repeated prompt " * 8))
+    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens > 0
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(io.StringIO()) as err:
+        cli_main(["bench", "--base-url", server.url, "--profile", "prefill", "--profile-input-lens", "32,99999"])
+    assert e.value.code == 1
+    assert "--profile-input-lens: 99999 leaves no room for the output token in the server's context length" \
+        in err.getvalue()
+
+
+async def _twice(url: str, text: str) -> list:
+    ep = EndpointConfig(base_url=url)
+    req = BenchRequest(text, None, 24, 2)
+    async with new_session(ep) as session:
+        assert await flush_prefix_cache(session, ep)
+        return [await send(session, ep, req, MODEL) for _ in range(2)]
+
+
 def test_profiles_and_plan_from_a_real_server(server, tmp_path):
     profiles = tmp_path / "profiles.jsonl"
     for flags in (["--profile", "prefill", "--profile-input-lens", "32,128", "--profile-repeats", "2"],
@@ -318,6 +350,7 @@ def test_profiles_and_plan_from_a_real_server(server, tmp_path):
     assert [p["batch_size"] for p in decode["points"]] == [1, 4] and all(p["step_seconds"] > 0
                                                                          for p in decode["points"])
     assert decode["context_len"] == 32 and prefill["model"] == MODEL
+    assert_cold_profiles(server, tmp_path, prefill)
     run = bench(server.url, tmp_path / "w.jsonl", "--num-prompts", "4", "--random-input-len", "64",
                 "--random-output-len", "8", "--request-rate", "4")
     plan_file = tmp_path / "plan.jsonl"

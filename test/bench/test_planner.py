@@ -7,22 +7,35 @@ import random
 
 import pytest
 
+from pdserve.bench.config import ProfileConfig
 from pdserve.bench.planner import (
     SLO,
     Deployment,
+    Evaluation,
     Hardware,
+    Plan,
     SimRequest,
     WorkloadModel,
+    margin_lines,
     meets,
     offered_rate,
     plan,
     request_tpot,
     simulate,
     threshold_candidates,
+    with_margin,
     workload_from_lengths,
     workload_from_result,
 )
-from pdserve.bench.profiles import PROFILE_SCHEMA, Curve, DecodeProfile, PrefillProfile, load_profile
+from pdserve.bench.profiles import (
+    PROFILE_SCHEMA,
+    CacheAudit,
+    Curve,
+    DecodeProfile,
+    PrefillProfile,
+    check_context_room,
+    load_profile,
+)
 
 
 def linear_prefill(seconds_per_token: float, overhead: float = 0.0) -> PrefillProfile:
@@ -179,6 +192,61 @@ def test_impossible_slos_give_no_recommendation():
     h = hw(linear_prefill(0.001), linear_decode(0.01))
     p = plan(h, closed_form_workload(512, 8, 1.0), SLO(ttft=0.1, tpot=0.5), max_instances=4, num_requests=100)
     assert p.recommendation is None and "no deployment of up to 4 instances" in p.verdict  # prefill alone 0.5 s
+
+
+# ---------------------------------------------------------------- margin
+def _plan_of(rec: Evaluation, *others: Evaluation) -> Plan:
+    return with_margin(Plan(rec, rec, None, [], [rec, *others], f"disaggregate: {rec.deployment}"))
+
+
+def test_a_lead_under_five_percent_is_a_warning_not_a_recommendation():
+    rec = Evaluation(Deployment(prefill=1, decode=1), True, 1.0, 0.500)
+    same_shape = Evaluation(Deployment(prefill=1, decode=1, min_prefill_tokens=64), True, 1.0, 0.4999)
+    coloc = Evaluation(Deployment(colocated=2), True, 0.99, 0.495)
+    p = _plan_of(rec, same_shape, coloc, Evaluation(Deployment(colocated=1), False, 0.5, 0.5))
+    assert p.runner_up is coloc and p.margin == pytest.approx(0.5 / 0.495 - 1) and p.close_call
+    lines = margin_lines(p)
+    assert lines[0].startswith("WARNING: no clear winner: 1P1D leads 2 colocated by only 1.0% in goodput per "
+                               "instance (0.5 vs 0.495 req/s)")
+    assert not any(line.startswith("Recommendation:") for line in lines)
+    assert p.to_dict()["close_call"] is True
+
+
+def test_a_clear_lead_prints_its_margin():
+    rec = Evaluation(Deployment(prefill=1, decode=1), True, 1.0, 0.5)
+    p = _plan_of(rec, Evaluation(Deployment(colocated=4), True, 1.0, 0.25))
+    assert p.margin == pytest.approx(1.0) and not p.close_call
+    assert margin_lines(p) == ["Recommendation: disaggregate: 1P1D",
+                               "Margin: 100.0% more goodput per instance than 4 colocated (0.5 vs 0.25 req/s)"]
+    alone = _plan_of(rec, Evaluation(Deployment(colocated=1), False, 0.2, 0.2))
+    assert alone.margin is None and margin_lines(alone)[1] == "Margin: no other deployment simulated meets the SLOs"
+
+
+def test_a_simulated_plan_reports_its_margin():
+    h = hw(linear_prefill(0.5 / 2048), linear_decode(0.02))
+    p = plan(h, closed_form_workload(2048, 8, 1.0), SLO(ttft=3.0, tpot=0.05), max_instances=4, num_requests=300)
+    assert p.recommendation is not None and p.runner_up is not None and p.margin is not None
+    assert p.margin == pytest.approx(p.recommendation.goodput_per_instance / p.runner_up.goodput_per_instance - 1)
+
+
+# ------------------------------------------------------------- profiling
+def test_profile_lengths_past_the_context_are_refused_naming_the_flag():
+    check_context_room(ProfileConfig(profile="prefill", profile_input_lens=(256, 1024, 4095)), 4096)
+    with pytest.raises(ValueError, match=r"^--profile-input-lens: 4096 leaves no room .* context length of 4096 "
+                                         r"tokens; use lengths up to 4095"):
+        check_context_room(ProfileConfig(profile="prefill", profile_input_lens=(256, 1024, 4096)), 4096)
+    with pytest.raises(ValueError, match=r"^--profile-context-len: 4000 prompt \+ 128 output"):
+        check_context_room(ProfileConfig(profile="decode", profile_context_len=4000, profile_output_len=128), 4096)
+
+
+def test_cache_audit_warns_about_hits_and_unverifiable_runs():
+    assert CacheAudit(True, [0, 0, None]).warning() == ""
+    hit = CacheAudit(True, [0, 2048, 16])
+    assert hit.warning().startswith("2 of 3 timed requests reused up to 2048 cached prompt tokens")
+    assert hit.to_dict() == {"flushed_before_each": True, "max_cached_tokens": 2048,
+                             "requests_with_cache_hits": 2, "requests": 3}
+    assert "cannot be ruled out" in CacheAudit(False, [None, None]).warning()
+    assert CacheAudit(False, [0, 0]).warning() == ""  # no flush, but the server says nothing was reused
 
 
 # ---------------------------------------------------------------- inputs

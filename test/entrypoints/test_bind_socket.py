@@ -15,8 +15,9 @@ import socket
 import httpx
 import uvicorn
 
-from pdserve.entrypoints import http_server, listen
+from pdserve.entrypoints import http_server
 from pdserve.router import app as router_app
+from pdserve.web import listen
 
 
 def nodelay_of_connections(server: uvicorn.Server) -> list[int]:

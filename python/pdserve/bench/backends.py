@@ -53,6 +53,7 @@ class RequestOutput:
     output_ids: list[int] | None = None
     timeline: dict | None = None  # the server's per-stage durations (seconds), when it sends them
     tag: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server reused from its prefix cache, when it says
     # raw event clock, for other ITL definitions: offsets from start of output-carrying events and their
     # token counts (None where the stream does not say)
     event_times: list[float] = field(default_factory=list)
@@ -125,6 +126,8 @@ class NativeParser(StreamParser):
             self.out.output_ids = list(data["output_ids"])
         if "prompt_tokens" in meta:
             self.out.prompt_len = meta["prompt_tokens"]
+        if isinstance(meta.get("cached_tokens"), int):
+            self.out.cached_tokens = meta["cached_tokens"]
         if isinstance(meta.get("timeline"), dict):
             self.out.timeline = meta["timeline"]
 
@@ -151,6 +154,9 @@ class OpenAIParser(StreamParser):
         if usage:
             self.out.output_len = usage.get("completion_tokens", self.out.output_len)
             self.out.prompt_len = usage.get("prompt_tokens", self.out.prompt_len)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if isinstance(cached, int):
+                self.out.cached_tokens = cached
 
 
 def make_parser(backend: str, out: RequestOutput) -> StreamParser:

@@ -46,6 +46,9 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.profiles import DecodeProfile, PrefillProfile
 
 THRESHOLD_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+# A lead in goodput per instance under this is within what profiles measured on a shared host
+# move by: the plan says it is a close call instead of recommending.
+MARGIN_WARNING = 0.05
 
 
 # ------------------------------------------------------------------- inputs
@@ -478,10 +481,18 @@ class Plan:
     thresholds: list[Evaluation]  # the best disaggregated deployment found for each threshold tried
     evaluations: list[Evaluation]
     verdict: str
+    runner_up: Evaluation | None = None  # the best feasible deployment of another shape
+    margin: float | None = None  # the recommendation's lead in goodput per instance over runner_up
+
+    @property
+    def close_call(self) -> bool:
+        """The recommendation's lead is within noise: a warning, not a recommendation."""
+        return self.margin is not None and self.margin < MARGIN_WARNING
 
     def to_dict(self) -> dict:
         pick = lambda e: e.to_dict() if e else None  # noqa: E731
         return {"schema": "pdserve.plan/v1", "verdict": self.verdict, "recommendation": pick(self.recommendation),
+                "margin": self.margin, "close_call": self.close_call, "runner_up": pick(self.runner_up),
                 "best_disaggregated": pick(self.best_disaggregated), "best_colocated": pick(self.best_colocated),
                 "min_prefill_tokens_tried": [e.to_dict() for e in self.thresholds],
                 "evaluations": [e.to_dict() for e in self.evaluations]}
@@ -524,12 +535,32 @@ def plan(hw: Hardware, wl: WorkloadModel, slo: SLO, max_instances: int = 16, num
         why = "only colocation meets the SLOs" if disagg is None else \
             f"colocation gives {coloc.goodput_per_instance:.3g} req/s per instance vs " \
             f"{disagg.goodput_per_instance:.3g} for {disagg.deployment}"
-        return Plan(coloc, disagg, coloc, per_threshold, evals, f"colocate: {coloc.deployment} ({why})")
+        return with_margin(Plan(coloc, disagg, coloc, per_threshold, evals, f"colocate: {coloc.deployment} ({why})"))
     verdict = f"disaggregate: {disagg.deployment}"
     if coloc is not None:
         verdict += (f" ({disagg.goodput_per_instance:.3g} req/s per instance vs {coloc.goodput_per_instance:.3g} "
                     f"colocated with {coloc.deployment})")
-    return Plan(disagg, disagg, coloc, per_threshold, evals, verdict)
+    return with_margin(Plan(disagg, disagg, coloc, per_threshold, evals, verdict))
+
+
+def with_margin(p: Plan) -> Plan:
+    """``p`` with its runner-up and margin: the best feasible deployment of another shape (other
+    P, D or C; a threshold alone is no other shape) among those simulated, and the recommendation's
+    relative lead over it in goodput per instance (None when nothing else meets the SLOs)."""
+    rec = p.recommendation
+    if rec is None:
+        return p
+    shape = _shape(rec.deployment)
+    for e in p.evaluations:
+        if _shape(e.deployment) != shape and better(p.runner_up, e):
+            p.runner_up = e
+    if p.runner_up is not None and p.runner_up.goodput_per_instance > 0:
+        p.margin = rec.goodput_per_instance / p.runner_up.goodput_per_instance - 1
+    return p
+
+
+def _shape(d: Deployment) -> tuple[int, int, int]:
+    return d.prefill, d.decode, d.colocated
 
 
 def _search_colocated(hw, wl, slo, reqs, max_instances, evals) -> Evaluation | None:
@@ -579,7 +610,7 @@ def format_plan(p: Plan) -> str:
                     f"{e.goodput_per_instance:>9.3g}{s.get('p99_ttft_ms', math.nan):>9.0f}"
                     f"{s.get('p99_tpot_ms', math.nan):>9.1f}" + (f"  {e.reason}" if e.reason and not s else ""))
     rows.append("-" * 78)
-    rows.append("Recommendation: " + p.verdict)
+    rows += margin_lines(p)
     r = p.recommendation
     if r is not None and r.deployment.colocated == 0:
         rows.append(f"--disaggregation-min-prefill-tokens {r.deployment.min_prefill_tokens}"
@@ -587,6 +618,23 @@ def format_plan(p: Plan) -> str:
                        "  (shorter prompts are prefilled on decode)"))
     rows.append("=" * 78)
     return "\n".join(rows)
+
+
+def margin_lines(p: Plan) -> list[str]:
+    """The verdict with its margin; a lead under MARGIN_WARNING is printed as a warning instead."""
+    r, u = p.recommendation, p.runner_up
+    if r is None:
+        return ["Recommendation: " + p.verdict]
+    if u is None or p.margin is None:
+        return ["Recommendation: " + p.verdict,
+                "Margin: no other deployment simulated meets the SLOs"]
+    rates = f"({r.goodput_per_instance:.3g} vs {u.goodput_per_instance:.3g} req/s)"
+    if p.close_call:
+        return [f"WARNING: no clear winner: {r.deployment} leads {u.deployment} by only {p.margin:.1%} in goodput "
+                f"per instance {rates}; a lead under {MARGIN_WARNING:.0%} is within profiling noise, so benchmark "
+                "both before choosing", "Closest call: " + p.verdict]
+    return ["Recommendation: " + p.verdict,
+            f"Margin: {p.margin:.1%} more goodput per instance than {u.deployment} {rates}"]
 
 
 # ------------------------------------------------------------------- inputs

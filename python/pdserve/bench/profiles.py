@@ -8,8 +8,9 @@ A profile is one JSON object (schema ``pdserve.profile/v1``)::
      "points": [{"batch_size": 8, "step_seconds": 0.012}, ...]}      # one decode step of a batch
 
 ``pdserve bench --profile prefill`` times ``--profile-input-lens`` prompts one at
-a time with one output token (TTFT, median of ``--profile-repeats``; distinct
-prompts, so no prefix-cache hit); ``--profile decode`` sends
+a time with one output token (TTFT, median of ``--profile-repeats``; fresh random
+prompts on a flushed prefix cache, checked by the ``cached_tokens`` the server
+reports; lengths past the server's context are refused); ``--profile decode`` sends
 ``--profile-batch-sizes`` requests at once and keeps the median inter-token
 latency (one decode step of that batch). Point it at a server started as the
 instance will run (same flags, cores, parallelism). Between points the planner
@@ -23,13 +24,17 @@ import asyncio
 import bisect
 import datetime
 import json
+import secrets
 import statistics
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.bench.backends import new_session, send
-from pdserve.bench.config import BenchConfig, DatasetConfig, LoadConfig
-from pdserve.bench.datasets import build_workload
+import aiohttp
+
+from pdserve.bench.backends import RequestOutput, new_session, send
+from pdserve.bench.config import BenchConfig, DatasetConfig, EndpointConfig, LoadConfig, ProfileConfig
+from pdserve.bench.datasets import BenchRequest, build_workload
 
 PROFILE_SCHEMA = "pdserve.profile/v1"
 _FIELDS = {"prefill": ("input_len", "seconds"), "decode": ("batch_size", "step_seconds")}
@@ -120,55 +125,150 @@ def load_profile(path: str, kind: str):
 
 
 # ---------------------------------------------------------------- measuring
+@dataclass
+class CacheAudit:
+    """Whether a profile timed cold prompts: the prefix cache was flushed before every measurement
+    (``flushed``), and what ``cached_tokens`` the server reported for each timed request (None where
+    it did not say). A prefix-cache hit makes a 2048-token prefill look 20x faster than it is."""
+
+    flushed: bool = True
+    cached: list[int | None] = field(default_factory=list)
+
+    def record(self, outs: list[RequestOutput]) -> None:
+        self.cached += [o.cached_tokens for o in outs]
+
+    def to_dict(self) -> dict:
+        known = [c for c in self.cached if c is not None]
+        return {"flushed_before_each": self.flushed, "max_cached_tokens": max(known) if known else None,
+                "requests_with_cache_hits": sum(c > 0 for c in known), "requests": len(self.cached)}
+
+    def warning(self) -> str:
+        """'' when the points are known to be cold; else what is wrong, for a person."""
+        hits = [c for c in self.cached if c]
+        if hits:
+            return (f"{len(hits)} of {len(self.cached)} timed requests reused up to {max(hits)} cached prompt "
+                    "tokens: those points time prefix-cache hits, not prefill (is another client sending the "
+                    "same prompts?)")
+        if not self.flushed and all(c is None for c in self.cached):
+            return ("the server neither flushes its cache (POST /flush_cache) nor reports cached_tokens: the "
+                    "prompts are fresh random text, but prefix-cache hits cannot be ruled out")
+        return ""
+
+
 async def run_profile(cfg: BenchConfig) -> dict:
-    """Measure the profile ``cfg.profile.profile`` against the server; appends it to --output-file."""
+    """Measure the profile ``cfg.profile.profile`` against the server; appends it to --output-file.
+
+    Every measurement times cold prompts: fresh random prompts each run (a re-run must not hit the
+    radix cache the last run filled), the server's prefix cache flushed before each one, and the
+    ``cached_tokens`` it reports checked (a warning on stderr and in the profile if any is not 0)."""
     from pdserve.bench.serving import append_jsonl, resolve_model
 
     async with new_session(cfg.endpoint) as session:
         model, _, tokenizer = await resolve_model(session, cfg.endpoint)
-        measure = _prefill_points if cfg.profile.profile == "prefill" else _decode_points
-        points = await measure(session, cfg, tokenizer, model)
+        context_len = await server_context_len(session, cfg.endpoint)
+        if context_len is not None:
+            check_context_room(cfg.profile, context_len)
+        run = _Run(session, cfg, tokenizer, model, cfg.load.seed + secrets.randbits(48), CacheAudit())
+        points = await (run.prefill_points() if cfg.profile.profile == "prefill" else run.decode_points())
     prof = {"schema": PROFILE_SCHEMA, "kind": cfg.profile.profile, "model": model, "base_url": cfg.endpoint.url,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "points": points}
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "points": points,
+            "cache": run.audit.to_dict()}
     if cfg.profile.profile == "decode":
         prof["context_len"] = cfg.profile.profile_context_len
+    warning = run.audit.warning()
+    if warning:
+        prof["warning"] = warning
+        print(f"WARNING: --profile {cfg.profile.profile}: {warning}", file=sys.stderr)
     if cfg.report.output_file:
         append_jsonl(cfg.report.output_file, prof)
     return prof
 
 
-def _prompts(cfg: BenchConfig, tokenizer, n: int, input_len: int, output_len: int, seed: int):
-    ds = DatasetConfig(random_input_len=input_len, random_output_len=output_len, random_range_ratio=1.0)
-    return [c.first() for c in build_workload(ds, LoadConfig(num_prompts=n, seed=seed), tokenizer).conversations]
+def check_context_room(p: ProfileConfig, context_len: int) -> None:
+    """Refuse, naming the flag, profile lengths the server would reject: every prompt needs room for
+    its output tokens in the context (a refusal before the run beats a failure half-way)."""
+    if p.profile == "prefill":
+        too_long = [n for n in p.profile_input_lens if n + 1 > context_len]
+        if too_long:
+            verb = "leaves" if len(too_long) == 1 else "leave"
+            raise ValueError(f"--profile-input-lens: {', '.join(map(str, too_long))} {verb} no room for the output "
+                             f"token in the server's context length of {context_len} tokens; use lengths up to "
+                             f"{context_len - 1}")
+    elif p.profile_context_len + p.profile_output_len > context_len:
+        raise ValueError(f"--profile-context-len: {p.profile_context_len} prompt + {p.profile_output_len} output "
+                         f"tokens (--profile-output-len) exceed the server's context length of {context_len} tokens")
 
 
-async def _prefill_points(session, cfg: BenchConfig, tokenizer, model: str) -> list[dict]:
-    p = cfg.profile
-    await send(session, cfg.endpoint, _prompts(cfg, tokenizer, 1, 16, 1, cfg.load.seed + 10**6)[0], model)  # warm-up
-    points = []
-    for i, n in enumerate(sorted(p.profile_input_lens)):
-        times = []
-        for req in _prompts(cfg, tokenizer, p.profile_repeats, n, 1, cfg.load.seed + i):
-            out = await send(session, cfg.endpoint, req, model)
-            if not out.success:
-                raise RuntimeError(f"--profile prefill: a {n}-token request failed: {out.error}")
-            times.append(out.ttft)
-        points.append({"input_len": n, "seconds": statistics.median(times)})
-    return points
+async def server_context_len(session: aiohttp.ClientSession, ep: EndpointConfig) -> int | None:
+    """The server's context length (``max_model_len`` of ``/v1/models``), None if it does not say."""
+    try:
+        async with session.get(ep.url + "/v1/models", headers=ep.headers()) as r:
+            if r.status != 200:
+                return None
+            first = (await r.json())["data"][0]
+    except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError):
+        return None
+    value = first.get("max_model_len") if isinstance(first, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
 
 
-async def _decode_points(session, cfg: BenchConfig, tokenizer, model: str) -> list[dict]:
-    p = cfg.profile
-    points = []
-    for i, b in enumerate(sorted(p.profile_batch_sizes)):
-        steps = []
-        for r in range(p.profile_repeats):
-            reqs = _prompts(cfg, tokenizer, b, p.profile_context_len, p.profile_output_len,
-                            cfg.load.seed + 1000 * i + r)
-            outs = await asyncio.gather(*(send(session, cfg.endpoint, q, model) for q in reqs))
-            bad = [o for o in outs if not o.success]
-            if bad:
-                raise RuntimeError(f"--profile decode: a request at batch {b} failed: {bad[0].error}")
-            steps.append(statistics.median([x for o in outs for x in o.itl]))
-        points.append({"batch_size": b, "step_seconds": statistics.median(steps)})
-    return points
+async def flush_prefix_cache(session: aiohttp.ClientSession, ep: EndpointConfig) -> bool:
+    """POST /flush_cache; whether the server did it (an OpenAI-only server has no such route)."""
+    try:
+        async with session.post(ep.url + "/flush_cache", headers=ep.headers()) as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+@dataclass
+class _Run:
+    """One profile run: its session, prompts (seeded by ``seed``, fresh per run) and cache audit."""
+
+    session: aiohttp.ClientSession
+    cfg: BenchConfig
+    tokenizer: object
+    model: str
+    seed: int
+    audit: CacheAudit
+
+    def prompts(self, n: int, input_len: int, output_len: int, offset: int) -> list[BenchRequest]:
+        ds = DatasetConfig(random_input_len=input_len, random_output_len=output_len, random_range_ratio=1.0)
+        load = LoadConfig(num_prompts=n, seed=self.seed + offset)
+        return [c.first() for c in build_workload(ds, load, self.tokenizer).conversations]
+
+    async def cold(self, reqs: list[BenchRequest]) -> list[RequestOutput]:
+        """``reqs`` sent at once, on an empty prefix cache."""
+        if not await flush_prefix_cache(self.session, self.cfg.endpoint):
+            self.audit.flushed = False
+        outs = list(await asyncio.gather(*(send(self.session, self.cfg.endpoint, q, self.model) for q in reqs)))
+        self.audit.record(outs)
+        return outs
+
+    async def prefill_points(self) -> list[dict]:
+        p = self.cfg.profile
+        await send(self.session, self.cfg.endpoint, self.prompts(1, 16, 1, 10**6)[0], self.model)  # warm-up
+        points = []
+        for i, n in enumerate(sorted(p.profile_input_lens)):
+            times = []
+            for req in self.prompts(p.profile_repeats, n, 1, i):
+                out = (await self.cold([req]))[0]
+                if not out.success:
+                    raise RuntimeError(f"--profile prefill: a {n}-token request failed: {out.error}")
+                times.append(out.ttft)
+            points.append({"input_len": n, "seconds": statistics.median(times)})
+        return points
+
+    async def decode_points(self) -> list[dict]:
+        p = self.cfg.profile
+        points = []
+        for i, b in enumerate(sorted(p.profile_batch_sizes)):
+            steps = []
+            for r in range(p.profile_repeats):
+                outs = await self.cold(self.prompts(b, p.profile_context_len, p.profile_output_len, 1000 * i + r))
+                bad = [o for o in outs if not o.success]
+                if bad:
+                    raise RuntimeError(f"--profile decode: a request at batch {b} failed: {bad[0].error}")
+                steps.append(statistics.median([x for o in outs for x in o.itl]))
+            points.append({"batch_size": b, "step_seconds": statistics.median(steps)})
+        return points

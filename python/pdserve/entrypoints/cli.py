@@ -347,22 +347,39 @@ def add_bench_dataset_args(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("dataset")
     _bflag(d, c.DatasetConfig, "--dataset-name", "workload", choices=c.DATASETS)
     _bflag(d, c.DatasetConfig, "--dataset-path", "local ShareGPT JSON file (sharegpt)")
-    for name, kind in (("random-input-len", int), ("random-output-len", int), ("random-range-ratio", float)):
-        _bflag(d, c.DatasetConfig, "--" + name, "random: tokens per prompt / answer; ratio = min/max length",
-               type=kind)
-    for name in ("sharegpt-output-len", "sharegpt-context-len"):
-        _bflag(d, c.DatasetConfig, "--" + name, "sharegpt: fixed answer length / drop longer prompt+answer",
-               type=int)
-    for name in ("gsp-num-groups", "gsp-prompts-per-group", "gsp-system-prompt-len", "gsp-question-len",
-                 "gsp-output-len"):
-        _bflag(d, c.DatasetConfig, "--" + name, "generated-shared-prefix: groups sharing a system prompt", type=int)
-    for name in ("multi-turn-clients", "multi-turn-rounds", "multi-turn-question-len", "multi-turn-output-len"):
-        _bflag(d, c.DatasetConfig, "--" + name, "multi-turn: clients x rounds, each extending the last answer",
-               type=int)
+    _bflag(d, c.DatasetConfig, "--random-input-len", "random: tokens per prompt (the longest, with a ratio < 1)",
+           type=int)
+    _bflag(d, c.DatasetConfig, "--random-output-len", "random: tokens per answer (the longest, with a ratio < 1)",
+           type=int)
+    _bflag(d, c.DatasetConfig, "--random-range-ratio", "random: lengths uniform in [ratio * len, len]; 1 = fixed",
+           type=float)
+    _bflag(d, c.DatasetConfig, "--sharegpt-output-len", "sharegpt: fixed answer length (default: the dataset's)",
+           type=int)
+    _bflag(d, c.DatasetConfig, "--sharegpt-context-len", "sharegpt: drop conversations whose prompt + answer is "
+           "longer than this", type=int)
+    _bflag(d, c.DatasetConfig, "--gsp-num-groups", "generated-shared-prefix: groups, each with its own system "
+           "prompt", type=int)
+    _bflag(d, c.DatasetConfig, "--gsp-prompts-per-group", "generated-shared-prefix: questions sharing one system "
+           "prompt", type=int)
+    _bflag(d, c.DatasetConfig, "--gsp-system-prompt-len", "generated-shared-prefix: tokens of the shared system "
+           "prompt", type=int)
+    _bflag(d, c.DatasetConfig, "--gsp-question-len", "generated-shared-prefix: tokens of each question after it",
+           type=int)
+    _bflag(d, c.DatasetConfig, "--gsp-output-len", "generated-shared-prefix: tokens per answer", type=int)
+    _bflag(d, c.DatasetConfig, "--multi-turn-clients", "multi-turn: conversations running side by side", type=int)
+    _bflag(d, c.DatasetConfig, "--multi-turn-rounds", "multi-turn: turns per conversation, each extending the "
+           "last answer", type=int)
+    _bflag(d, c.DatasetConfig, "--multi-turn-question-len", "multi-turn: tokens of each new user turn", type=int)
+    _bflag(d, c.DatasetConfig, "--multi-turn-output-len", "multi-turn: tokens per answer", type=int)
     for stream in ("interactive", "background"):
-        for name, kind in (("input-len", int), ("output-len", int), ("rate", float)):
-            _bflag(d, c.DatasetConfig, f"--mixed-{stream}-{name}", f"mixed: the {stream} stream's "
-                   f"{name.replace('-', ' ')} (rates in req/s; interactive defaults to --request-rate)", type=kind)
+        _bflag(d, c.DatasetConfig, f"--mixed-{stream}-input-len", f"mixed: tokens per prompt of the {stream} "
+               "stream", type=int)
+        _bflag(d, c.DatasetConfig, f"--mixed-{stream}-output-len", f"mixed: tokens per answer of the {stream} "
+               "stream", type=int)
+    _bflag(d, c.DatasetConfig, "--mixed-interactive-rate", "mixed: req/s of the interactive stream (default: "
+           "--request-rate)", type=float)
+    _bflag(d, c.DatasetConfig, "--mixed-background-rate", "mixed: req/s of the background stream (Poisson, its "
+           "own clock)", type=float)
 
 
 def add_bench_load_args(parser: argparse.ArgumentParser) -> None:
@@ -375,7 +392,8 @@ def add_bench_load_args(parser: argparse.ArgumentParser) -> None:
     _bflag(ld, c.LoadConfig, "--max-concurrency", "most requests in flight from this client", type=int)
     _bflag(ld, c.LoadConfig, "--warmup-requests", "concurrent warm-up requests before the clock starts", type=int)
     _bflag(ld, c.LoadConfig, "--seed", "seed of prompts, lengths and arrivals", type=int)
-    _bflag(ld, c.LoadConfig, "--flush-cache", "POST /flush_cache after warm-up", action="store_true")
+    _bflag(ld, c.LoadConfig, "--flush-cache", "POST /flush_cache after warm-up (profiles flush before every "
+           "measurement anyway)", action="store_true")
     _bflag(ld, c.LoadConfig, "--disable-tqdm", "no progress bar", action="store_true")
 
 
@@ -395,7 +413,8 @@ def add_bench_profile_args(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("planner profiles (pdserve plan)")
     _bflag(p, c.ProfileConfig, "--profile", "measure a prefill or decode profile instead of running a dataset",
            choices=c.PROFILE_KINDS)
-    _bflag(p, c.ProfileConfig, "--profile-input-lens", "prefill: prompt lengths timed")
+    _bflag(p, c.ProfileConfig, "--profile-input-lens", "prefill: prompt lengths timed, each < the server's "
+           "context length (longer ones are refused before the run)")
     _bflag(p, c.ProfileConfig, "--profile-batch-sizes", "decode: batch sizes timed")
     _bflag(p, c.ProfileConfig, "--profile-context-len", "decode: prompt length of each request", type=int)
     _bflag(p, c.ProfileConfig, "--profile-output-len", "decode: tokens per request", type=int)

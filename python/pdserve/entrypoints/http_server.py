@@ -28,8 +28,11 @@ from pdserve.config import ModelConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
-from pdserve.entrypoints.api_key import ApiKeyMiddleware
-from pdserve.entrypoints.errors import (
+from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, AbortRequest
+from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
+from pdserve.obs.metrics import ServerMetrics
+from pdserve.web.api_key import ApiKeyMiddleware
+from pdserve.web.errors import (
     ErrorResponse,
     RequestError,
     ServerError,
@@ -38,11 +41,8 @@ from pdserve.entrypoints.errors import (
     parse_body,
     read_body,
 )
-from pdserve.entrypoints.listen import bind_socket, configure_logging
-from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, AbortRequest
-from pdserve.entrypoints.streaming import collect
-from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
-from pdserve.obs.metrics import ServerMetrics
+from pdserve.web.listen import bind_socket, configure_logging
+from pdserve.web.streaming import collect
 
 logger = logging.getLogger(__name__)
 

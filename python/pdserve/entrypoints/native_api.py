@@ -15,11 +15,12 @@ from fastapi import Request
 
 from pdserve.engine.logprobs import check_logprob_params, resolve_start
 from pdserve.engine.request import SamplingParams
-from pdserve.entrypoints.errors import RequestError, parse_body, read_body
 from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, sglang_meta
 from pdserve.entrypoints.parallel_sampling import PromptJob, run_job
 from pdserve.entrypoints.protocol import GenerateRequest
-from pdserve.entrypoints.streaming import (
+from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+from pdserve.web.errors import RequestError, parse_body, read_body
+from pdserve.web.streaming import (
     gather_or_cancel,
     json_response,
     prime,
@@ -28,7 +29,6 @@ from pdserve.entrypoints.streaming import (
     sse_response,
     until_disconnect,
 )
-from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
 
 
 @dataclass

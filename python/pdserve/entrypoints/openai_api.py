@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pdserve.engine.request import MAX_N, SamplingParams
-from pdserve.entrypoints.errors import RequestError, parse_body, read_body
 from pdserve.entrypoints.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_end
 from pdserve.entrypoints.parallel_sampling import PromptJob, attach_prompt_logprobs, run_job
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.entrypoints.streaming import (
+from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+from pdserve.web.errors import RequestError, parse_body, read_body
+from pdserve.web.streaming import (
     gather_or_cancel,
     indexed,
     json_response,
@@ -38,7 +39,6 @@ from pdserve.entrypoints.streaming import (
     sse_response,
     until_disconnect,
 )
-from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
 
 # Used only when the tokenizer ships no chat template.
 FALLBACK_CHAT_TEMPLATE = (

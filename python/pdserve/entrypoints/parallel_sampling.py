@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import SamplingParams
-from pdserve.entrypoints.streaming import collect, gather_or_cancel
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+from pdserve.web.streaming import collect, gather_or_cancel
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import MAX_N, SEED_MAX, SEED_MIN
-from pdserve.entrypoints.errors import RequestError
+from pdserve.web.errors import RequestError
 
 
 class _Body(BaseModel):

@@ -60,9 +60,9 @@ from pdserve.engine.scheduler_process import (
     scheduler_processes,
 )
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
-from pdserve.entrypoints.errors import RequestError, ServerError
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.timeline import ReqTimeline
+from pdserve.web.errors import RequestError, ServerError
 
 logger = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
-from pdserve.entrypoints.api_key import ApiKeyMiddleware
-from pdserve.entrypoints.errors import RequestError, ServerError, error_body, error_response
-from pdserve.entrypoints.listen import bind_socket, configure_logging
 from pdserve.router.config import RouterArgs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import make_policy
 from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
 from pdserve.router.workers import HealthChecker, Role, Worker, WorkerSet, make_worker_set
+from pdserve.web.api_key import ApiKeyMiddleware
+from pdserve.web.errors import RequestError, ServerError, error_body, error_response
+from pdserve.web.listen import bind_socket, configure_logging
 
 logger = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pdserve.entrypoints.errors import RequestError, ServerError, error_body
-from pdserve.entrypoints.streaming import SSE_DONE, sse, until_disconnect
 from pdserve.router.bootstrap import with_bootstrap
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState
 from pdserve.router.workers import Lease, NoHealthyWorker, Worker, WorkerSet
+from pdserve.web.errors import RequestError, ServerError, error_body
+from pdserve.web.streaming import SSE_DONE, sse, until_disconnect
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 
-from pdserve.entrypoints.errors import RequestError, error_response
+from pdserve.web.errors import RequestError, error_response
 
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")  # reachable without the API key
 

@@ -10,7 +10,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pdserve.entrypoints.errors import RequestError
+from pdserve.web.errors import RequestError
 
 SSE_DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 1.0
