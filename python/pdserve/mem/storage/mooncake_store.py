@@ -25,9 +25,12 @@ for into a counted miss.
 SSD offload: the wheel's ``setup`` takes ``enable_ssd_offload`` and ``ssd_offload_path`` and
 the master ``-enable_offload``; both are passed through (extra config keys of the same names,
 ``MooncakeMaster(enable_offload=True)``). Checked with mooncake-transfer-engine-non-cuda 0.3.13
-on a CPU host: the client mounts a "local disk segment", but within seconds of the memory pool
-filling it wrote no file under the path and evicted keys were not served from disk, so pdserve
-uses the file tier as its NVMe leg and does not rely on Mooncake's offload.
+on a CPU host, over TCP: in-process (``setup(enable_ssd_offload=True)``) and as Mooncake's
+documented "real client" (the wheel's ``mooncake_client -enable_offload=true`` with
+``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`` and the bucket backend) the segment owner mounts a
+"local disk segment", yet 15 s after the pool filled (1 MiB objects, 100 ms leases) no file had
+been written, puts into the full pool still failed and evicted keys were not served from disk.
+So pdserve's NVMe leg is the file tier, and Mooncake's offload is exposed but not relied on.
 """
 
 from __future__ import annotations
