@@ -332,8 +332,11 @@ class ParallelConfig:
                 raise ValueError(f"tp_size: {name} ({size}) is not divisible by tp_size={self.tp_size}")
 
 
-def split_host_port(addr: str, field_name: str) -> tuple[str, int]:
-    """"host:port" (IPv6 as "[::1]:port") -> (host, port); ValueError naming ``field_name``."""
+def split_host_port(addr: str | None, field_name: str) -> tuple[str, int]:
+    """"host:port" (IPv6 as "[::1]:port") -> (host, port); ValueError naming ``field_name``
+    (also when the address is unset)."""
+    if addr is None:
+        raise ValueError(f"{field_name}: required here (expected host:port)")
     host, sep, port = addr.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

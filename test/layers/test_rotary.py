@@ -99,7 +99,7 @@ def test_softmax_scale_correction_matches_deepseek(name):
 def test_partial_rotary_leaves_tail_untouched():
     rope = get_rope(16, 64, {"rope_type": "default", "rope_theta": 10000.0})
     x = torch.randn(3, 2, 32)
-    out = rope.apply(x, *rope.lookup(torch.tensor([1, 2, 3])))
+    out = rope.rotate(x, *rope.lookup(torch.tensor([1, 2, 3])))
     assert torch.equal(out[..., 16:], x[..., 16:])
     assert not torch.allclose(out[..., :16], x[..., :16])
 

@@ -81,7 +81,7 @@ def request_body(ep: EndpointConfig, req: BenchRequest, model: str) -> dict:
     """The JSON body for ``req`` in ``ep.backend``'s shape (greedy, exactly ``output_len`` tokens
     unless --disable-ignore-eos)."""
     if ep.native:
-        prompt = {"input_ids": list(req.prompt_ids)} if ep.tokenize_prompt else {"text": req.prompt}
+        prompt = {"input_ids": list(req.token_ids)} if ep.tokenize_prompt else {"text": req.prompt}
         sampling = {"temperature": 0.0, "max_new_tokens": req.output_len, "ignore_eos": ep.ignore_eos}
         body = {**prompt, "sampling_params": sampling, "stream": True}
     elif ep.backend == "openai":

@@ -51,6 +51,13 @@ class BenchRequest:
     def __post_init__(self):
         assert self.prompt_len >= 1 and self.output_len >= 1, (self.prompt_len, self.output_len)
 
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """``prompt_ids``, for the paths that send token ids (every generated dataset sets them)."""
+        if self.prompt_ids is None:
+            raise ValueError("prompt_ids: this request carries text only, no token ids to send")
+        return self.prompt_ids
+
 
 # ------------------------------------------------------------------ prompts
 class PromptMaker:
@@ -174,11 +181,13 @@ class MultiTurn(Conversation):
             return None
         q = self.questions[self.round]
         prompt = request.prompt + text + q
+        if request.messages is None:
+            raise ValueError("multi-turn: a follow-up needs the previous request's messages")
         messages = (*request.messages, {"role": "assistant", "content": text}, {"role": "user", "content": q})
         if self.use_ids:
             if output_ids is None:
                 raise ValueError("multi-turn with input_ids needs the server's output_ids (a native backend)")
-            ids = (*request.prompt_ids, *output_ids, *self.maker.encode(q, specials=False))
+            ids = (*request.token_ids, *output_ids, *self.maker.encode(q, specials=False))
         else:
             ids = tuple(self.maker.encode(prompt))
         return BenchRequest(prompt, ids, len(ids), self.output_len, messages, request.tag)
@@ -229,7 +238,7 @@ def _random(cfg, load, maker, rng, use_ids) -> Workload:
 def _sharegpt(cfg, load, maker, rng, use_ids) -> Workload:
     pairs = load_sharegpt(cfg.dataset_path)
     order = rng.permutation(len(pairs))
-    reqs = []
+    reqs: list[Conversation] = []
     for k in order:
         if len(reqs) == load.num_prompts:
             break
@@ -260,13 +269,15 @@ def load_sharegpt(path: str) -> list[tuple[str, str]]:
     pairs = []
     for item in data:
         turns = item.get("conversations", item.get("conversation", [])) if isinstance(item, dict) else []
+        if not isinstance(turns, list):
+            continue
         if len(turns) >= 2 and all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2]):
             pairs.append((turns[0]["value"], turns[1]["value"]))
     return pairs
 
 
 def _shared_prefix(cfg, load, maker, rng, use_ids) -> Workload:
-    reqs = []
+    reqs: list[Conversation] = []
     for group in range(cfg.gsp_num_groups):
         system = maker.text(max(cfg.gsp_system_prompt_len - maker.n_special, 1))
         for _ in range(cfg.gsp_prompts_per_group):
@@ -276,7 +287,7 @@ def _shared_prefix(cfg, load, maker, rng, use_ids) -> Workload:
 
 
 def _multi_turn(cfg, load, maker, rng, use_ids) -> Workload:
-    convs = []
+    convs: list[Conversation] = []
     for _ in range(cfg.multi_turn_clients):
         first = maker.text(max(cfg.multi_turn_question_len - maker.n_special, 1))
         rest = [maker.text(cfg.multi_turn_question_len) for _ in range(cfg.multi_turn_rounds - 1)]
@@ -297,5 +308,5 @@ def _mixed(cfg, load, maker, rng, use_ids) -> Workload:
         offsets = arrival_offsets(load.num_prompts, r, load.burstiness, rng)
         timed += [(t, tag, n_in, n_out) for t in offsets]
     timed = sorted(timed, key=lambda x: x[0])[:load.num_prompts]
-    convs = [SingleTurn(maker.prompt(n_in, n_out, tag)) for _, tag, n_in, n_out in timed]
+    convs: list[Conversation] = [SingleTurn(maker.prompt(n_in, n_out, tag)) for _, tag, n_in, n_out in timed]
     return Workload("mixed", convs, arrivals=[t for t, *_ in timed])

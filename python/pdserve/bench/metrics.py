@@ -21,6 +21,8 @@ when a native server sends it; any subset of stages is accepted.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pdserve.bench.backends import RequestOutput
@@ -80,7 +82,7 @@ def summarize(outputs: list[RequestOutput], duration: float, percentiles: tuple[
     total_in = sum(o.prompt_len for o in ok)
     total_out = sum(o.output_len for o in ok)
     tpots = [t for t in map(request_tpot, ok) if t is not None]
-    m = {"completed": len(ok), "failed": len(outputs) - len(ok), "duration": duration,
+    m: dict[str, Any] = {"completed": len(ok), "failed": len(outputs) - len(ok), "duration": duration,
          "total_input_tokens": total_in, "total_output_tokens": total_out,
          "request_throughput": len(ok) / duration, "input_throughput": total_in / duration,
          "output_throughput": total_out / duration, "total_throughput": (total_in + total_out) / duration,
@@ -104,21 +106,21 @@ def timeline_summary(outputs: list[RequestOutput]) -> dict | None:
     ``transfer_share_of_ttft`` = mean transfer / mean client TTFT over the requests that
     report a transfer; above TRANSFER_WARN_SHARE the network, not compute, is the bottleneck.
     """
-    ok = [o for o in outputs if o.success and o.timeline]
+    ok = [(o.timeline, o.ttft) for o in outputs if o.success and o.timeline]  # (timeline, client TTFT)
     if not ok:
         return None
-    stages = {}
-    for name in _stage_names(ok):
-        values = [float(o.timeline[name]) for o in ok if _is_number(o.timeline.get(name))]
+    stages: dict[str, dict[str, float]] = {}
+    for name in _stage_names([t for t, _ in ok]):
+        values = [float(t[name]) for t, _ in ok if _is_number(t.get(name))]
         if values:
             ms = np.asarray(values) * 1000.0
             stages[name] = {"count": len(values), "mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)),
                             "p99_ms": float(np.percentile(ms, 99))}
-    summary = {"stages": stages, "transfer_share_of_ttft": None, "warning": None}
-    with_transfer = [o for o in ok if _is_number(o.timeline.get("transfer")) and o.ttft > 0]
+    summary: dict[str, Any] = {"stages": stages, "transfer_share_of_ttft": None, "warning": None}
+    with_transfer = [(t, ttft) for t, ttft in ok if _is_number(t.get("transfer")) and ttft > 0]
     if with_transfer:
-        share = (np.mean([o.timeline["transfer"] for o in with_transfer])
-                 / np.mean([o.ttft for o in with_transfer]))
+        share = (np.mean([t["transfer"] for t, _ in with_transfer])
+                 / np.mean([ttft for _, ttft in with_transfer]))
         summary["transfer_share_of_ttft"] = float(share)
         if share > TRANSFER_WARN_SHARE:
             summary["warning"] = (f"KV transfer is {share:.0%} of TTFT (> {TRANSFER_WARN_SHARE:.0%}): the network, "
@@ -126,8 +128,8 @@ def timeline_summary(outputs: list[RequestOutput]) -> dict | None:
     return summary
 
 
-def _stage_names(outputs: list[RequestOutput]) -> list[str]:
-    seen = {k for o in outputs for k in o.timeline}
+def _stage_names(timelines: list[dict]) -> list[str]:
+    seen = {k for t in timelines for k in t}
     return [s for s in TIMELINE_STAGES if s in seen] + sorted(seen - set(TIMELINE_STAGES))
 
 

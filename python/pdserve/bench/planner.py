@@ -151,8 +151,28 @@ class SimRequest:
     osl: int
     first_token: float | None = None
     finish: float | None = None
-    decode: DecodeWorker | None = None
+    decode: DecodeInbox | None = None  # chosen on arrival
     finish_step: int = 0  # the decode worker's step count at which its last token comes out
+
+    # What a finished simulation has set on every request (``simulate``'s contract).
+    @property
+    def ttft(self) -> float:
+        if self.first_token is None:
+            raise RuntimeError(f"simulated request arriving at {self.arrival} has no first token yet")
+        return self.first_token - self.arrival
+
+    @property
+    def decode_time(self) -> float:
+        """From the first token to the last."""
+        if self.first_token is None or self.finish is None:
+            raise RuntimeError(f"simulated request arriving at {self.arrival} has not finished")
+        return self.finish - self.first_token
+
+    @property
+    def decoder(self) -> DecodeInbox:
+        if self.decode is None:
+            raise RuntimeError(f"simulated request arriving at {self.arrival} has no decode worker yet")
+        return self.decode
 
 
 class EventLoop:
@@ -254,6 +274,7 @@ class DecodeWorker(DecodeInbox):
 
     def _cut_run(self) -> None:
         """New work joins at the next step boundary: end the run there."""
+        assert self.run is not None  # only called with a run in progress
         start, dt, n, base = self.run
         done = int((self.loop.now - start) // dt) + 1
         if done < n:
@@ -300,6 +321,7 @@ class DecodeWorker(DecodeInbox):
     def _run_done(self, version: int) -> None:
         if version != self.version:
             return  # superseded by a cut
+        assert self.run is not None  # a current (not superseded) run-done event has its run
         start, dt, n, base = self.run
         self.steps = base + n
         for r in self.fresh:
@@ -362,7 +384,8 @@ class StepDecodeWorker(DecodeInbox):
 
 def take_batch(queue: deque, token_budget: int, max_requests: int) -> list:
     """FIFO prompts up to ``token_budget`` tokens (always at least one) and ``max_requests``."""
-    batch, tokens = [], 0
+    batch: list = []
+    tokens = 0
     while queue and len(batch) < max_requests and (not batch or tokens + queue[0].isl <= token_budget):
         r = queue.popleft()
         batch.append(r)
@@ -375,19 +398,19 @@ def simulate(dep: Deployment, hw: Hardware, requests: list[SimRequest], stepwise
     ``stepwise`` uses the per-step slow twin of the decode worker."""
     loop = EventLoop()
     reqs = [SimRequest(r.arrival, r.isl, r.osl) for r in requests]
-    worker = StepDecodeWorker if stepwise else DecodeWorker
+    worker: type[DecodeInbox] = StepDecodeWorker if stepwise else DecodeWorker
     decoders = [worker(loop, hw) for _ in range(dep.decode or dep.colocated)]
 
     def kv_computed(r: SimRequest) -> None:
-        loop.at(loop.now + hw.transfer(r.isl), r.decode.add_kv, r)
+        loop.at(loop.now + hw.transfer(r.isl), r.decoder.add_kv, r)
 
     prefills = [PrefillWorker(loop, hw, kv_computed) for _ in range(dep.prefill)]
 
     def arrive(r: SimRequest) -> None:
-        r.decode = min(decoders, key=lambda w: w.assigned)
-        r.decode.assigned += 1
+        decoder = r.decode = min(decoders, key=lambda w: w.assigned)
+        decoder.assigned += 1
         if dep.colocated or r.isl < dep.min_prefill_tokens:
-            r.decode.add_local(r)
+            decoder.add_local(r)
         else:
             min(prefills, key=lambda w: w.backlog).submit(r)
 
@@ -416,12 +439,12 @@ class Evaluation:
 
 
 def request_tpot(r: SimRequest) -> float | None:
-    return None if r.osl < 2 else (r.finish - r.first_token) / (r.osl - 1)
+    return None if r.osl < 2 else r.decode_time / (r.osl - 1)
 
 
 def meets(r: SimRequest, slo: SLO) -> bool:
     tpot = request_tpot(r)
-    return ((slo.ttft is None or r.first_token - r.arrival <= slo.ttft)
+    return ((slo.ttft is None or r.ttft <= slo.ttft)
             and (slo.tpot is None or tpot is None or tpot <= slo.tpot))
 
 
@@ -438,7 +461,7 @@ def evaluate(dep: Deployment, hw: Hardware, wl: WorkloadModel, slo: SLO, request
 
 
 def sim_stats(done: list[SimRequest]) -> dict:
-    ttft = np.asarray([r.first_token - r.arrival for r in done]) * 1000
+    ttft = np.asarray([r.ttft for r in done]) * 1000
     tpot = np.asarray([t for t in map(request_tpot, done) if t is not None] or [0.0]) * 1000
     return {"mean_ttft_ms": float(ttft.mean()), "p90_ttft_ms": float(np.percentile(ttft, 90)),
             "p99_ttft_ms": float(np.percentile(ttft, 99)), "mean_tpot_ms": float(tpot.mean()),
@@ -532,6 +555,7 @@ def plan(hw: Hardware, wl: WorkloadModel, slo: SLO, max_instances: int = 16, num
         return Plan(None, None, None, per_threshold, evals,
                     f"no deployment of up to {max_instances} instances meets the SLOs at {wl.rate:g} req/s")
     if disagg is None or (coloc is not None and coloc.goodput_per_instance >= disagg.goodput_per_instance):
+        assert coloc is not None  # both None returned above
         why = "only colocation meets the SLOs" if disagg is None else \
             f"colocation gives {coloc.goodput_per_instance:.3g} req/s per instance vs " \
             f"{disagg.goodput_per_instance:.3g} for {disagg.deployment}"

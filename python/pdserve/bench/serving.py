@@ -78,7 +78,8 @@ async def run_workload(session: aiohttp.ClientSession, cfg: BenchConfig, workloa
 
     async def conversation(conv: Conversation, at: float, t0: float) -> list[RequestOutput]:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-        outs, req = [], conv.first()
+        outs: list[RequestOutput] = []
+        req: BenchRequest | None = conv.first()
         while req is not None:
             out = await one(req)
             outs.append(out)

@@ -28,8 +28,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Generic, TypeVar
 
 from pdserve.disagg.auth import SIGNATURE_HEADER, AuthError, PeerAuth
 from pdserve.disagg.layout import KVLayout
@@ -136,8 +138,10 @@ class BootstrapInfo:
         return self.ranks[0].layout
 
 
-def _json(obj) -> bytes:
-    return json.dumps(dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj).encode()
+def _json(obj: Any) -> bytes:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    return json.dumps(obj).encode()
 
 
 # --- the registry and its HTTP server -----------------------------------------------------------
@@ -191,7 +195,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self._reply(404, {"error": f"no route {self.path[:100]}"})
 
     def do_PUT(self):  # noqa: N802
-        routes = {"/bootstrap/compat": (CompatRecord, self.server.registry.put_compat),
+        routes: dict[str, tuple[type, Callable[[Any], None]]] = {
+                  "/bootstrap/compat": (CompatRecord, self.server.registry.put_compat),
                   "/bootstrap/rank": (RankRecord, self.server.registry.put_rank)}
         body = self._body()
         if body is None or not self._allowed(body):
@@ -273,7 +278,7 @@ class BootstrapServer:
 
     @property
     def host(self) -> str:
-        return self._server.server_address[0]
+        return str(self._server.server_address[0])  # typed str | bytes; an AF_INET server's is a str
 
     @property
     def port(self) -> int:
@@ -403,42 +408,47 @@ def _check_ranks(ranks: list[RankRecord]) -> None:
 # --- pairing the two halves of a request ---------------------------------------------------------
 
 
+# H: what the caller keeps of the HTTP half (a request); K: of a KV request.
+H = TypeVar("H")
+K = TypeVar("K")
+
+
 @dataclass
-class Paired:
+class Paired(Generic[H, K]):
     """Both halves arrived: ``http`` from the router, ``kv`` the KV requests by part (decode rank)."""
 
     room: int
-    http: object
-    kv: dict
+    http: H
+    kv: dict[int, K]
 
 
 @dataclass
-class Dropped:
+class Dropped(Generic[H]):
     """Decode prefills the room itself (DropRoom): the HTTP half, to finish without work."""
 
     room: int
-    http: object
+    http: H
 
 
 @dataclass
-class Expired:
+class Expired(Generic[H, K]):
     """A half that waited past the timeout for its other half."""
 
     room: int
-    http: object | None
-    kv: dict
+    http: H | None
+    kv: dict[int, K]
 
 
 @dataclass
-class _Entry:
+class _Entry(Generic[H, K]):
     since: float
-    http: object | None = None
-    kv: dict = field(default_factory=dict)
+    http: H | None = None
+    kv: dict[int, K] = field(default_factory=dict)
     parts: int | None = None
     state: str = "waiting"  # "waiting", or a tombstone: "paired", "dropped"
 
 
-class RoomTable:
+class RoomTable(Generic[H, K]):
     """Pairs the HTTP half of a request (router -> prefill) with its KV half (decode's KV
     requests, one per destination rank: ``parts`` of them), whichever arrives first.
 
@@ -452,13 +462,13 @@ class RoomTable:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
-        self._rooms: dict[int, _Entry] = {}
+        self._rooms: dict[int, _Entry[H, K]] = {}
 
     def __len__(self) -> int:
         """Rooms with a half waiting."""
         return sum(e.state == "waiting" for e in self._rooms.values())
 
-    def add_http(self, room: int, item, now: float) -> Paired | Dropped | None:
+    def add_http(self, room: int, item: H, now: float) -> Paired[H, K] | Dropped[H] | None:
         e = self._entry(room, now, "HTTP half")
         if e.state == "dropped":
             if e.http is not None:
@@ -470,7 +480,7 @@ class RoomTable:
         e.http = item
         return self._pair_if_complete(room, e, now)
 
-    def add_kv(self, room: int, part: int, item, now: float, parts: int = 1) -> Paired | None:
+    def add_kv(self, room: int, part: int, item: K, now: float, parts: int = 1) -> Paired[H, K] | None:
         e = self._entry(room, now, "KV request")
         if e.state == "dropped":
             raise RoomError(f"room {room}: dropped by decode, KV request refused")
@@ -484,7 +494,7 @@ class RoomTable:
         e.kv[part] = item
         return self._pair_if_complete(room, e, now)
 
-    def drop(self, room: int, now: float) -> Dropped | None:
+    def drop(self, room: int, now: float) -> Dropped[H] | None:
         """Decode will prefill ``room`` itself. Returns the waiting HTTP half, if any; a half
         arriving later is answered ``Dropped`` by ``add_http``."""
         e = self._entry(room, now, "DropRoom")
@@ -493,7 +503,7 @@ class RoomTable:
         e.state, e.since = "dropped", now
         return Dropped(room, e.http) if e.http is not None else None
 
-    def cancel(self, room: int, now: float) -> Expired | None:
+    def cancel(self, room: int, now: float) -> Expired[H, K] | None:
         """Either side gave up on a room that is not paired yet: returns its waiting halves (to
         fail) and leaves a tombstone, so a half arriving later is answered ``Dropped``."""
         e = self._rooms.get(room)
@@ -502,8 +512,8 @@ class RoomTable:
         self._rooms[room] = _Entry(now, state="dropped")
         return Expired(room, e.http, e.kv)
 
-    def expire(self, now: float) -> list[Expired]:
-        out = []
+    def expire(self, now: float) -> list[Expired[H, K]]:
+        out: list[Expired[H, K]] = []
         for room, e in list(self._rooms.items()):
             if now - e.since < self.timeout_s:
                 continue
@@ -512,13 +522,13 @@ class RoomTable:
                 out.append(Expired(room, e.http, e.kv))
         return out
 
-    def _entry(self, room: int, now: float, what: str) -> _Entry:
+    def _entry(self, room: int, now: float, what: str) -> _Entry[H, K]:
         e = self._rooms.setdefault(room, _Entry(now))
         if e.state == "paired":
             raise RoomError(f"room {room}: already paired, duplicate {what} refused")
         return e
 
-    def _pair_if_complete(self, room: int, e: _Entry, now: float) -> Paired | None:
+    def _pair_if_complete(self, room: int, e: _Entry[H, K], now: float) -> Paired[H, K] | None:
         if e.http is None or e.parts is None or len(e.kv) < e.parts:
             return None
         paired = Paired(room, e.http, e.kv)

@@ -85,7 +85,8 @@ class FrameGate:
 
 def _peer_address(frame) -> str | None:
     try:
-        return frame.get("Peer-Address") if isinstance(frame, zmq.Frame) else None
+        address = frame.get("Peer-Address") if isinstance(frame, zmq.Frame) else None
+        return address if isinstance(address, str) else None  # typed int | str: Peer-Address is a str
     except zmq.ZMQError:
         return None
 

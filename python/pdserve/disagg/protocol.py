@@ -267,7 +267,8 @@ def decode(data: bytes) -> Message:
     _require(env["v"] == PROTOCOL_VERSION,
              f"v: unsupported protocol version {env['v']!r} (this build speaks {PROTOCOL_VERSION})")
     cls = MESSAGES.get(env["type"]) if isinstance(env["type"], str) else None
-    _require(cls is not None, f"type: unknown message type {env['type']!r:.60}")
+    if cls is None:
+        raise ProtocolError(f"type: unknown message type {env['type']!r:.60}")
     try:
         return from_dict(cls, env["body"], env["type"])
     except ProtocolError:
@@ -347,7 +348,7 @@ def _value(v, hint, path: str):
         _require(isinstance(v, list), f"{path}: expected a list, got {type(v).__name__}")
         (item,) = typing.get_args(hint)
         v = [_value(x, item, f"{path}[{i}]") for i, x in enumerate(v)]
-    elif dataclasses.is_dataclass(hint):
+    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
         v = from_dict(hint, v, path)
     else:  # pragma: no cover - a field type this codec was not taught
         raise TypeError(f"{path}: unsupported field type {hint}")

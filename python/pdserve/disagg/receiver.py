@@ -29,7 +29,7 @@ import errno
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.disagg.auth import PeerAuth
@@ -65,13 +65,20 @@ class Peer:
         return self.error is not None and not self.incompatible and now >= self.retry_at
 
     @property
+    def fetched_info(self) -> BootstrapInfo:
+        """Its records; only a peer whose fetch succeeded is used to send or receive KV."""
+        if self.info is None:
+            raise RuntimeError(f"prefill {self.name}: records not fetched ({self.error or 'fetch pending'})")
+        return self.info
+
+    @property
     def sessions(self) -> list[str]:
         return [r.session for r in self.info.ranks] if self.info else []
 
-    def controls(self, ranks) -> list[str]:
+    def controls(self, ranks: Iterable[int]) -> list[str]:
         """The control endpoints of prefill ``ranks``, each once (a multi-rank prefill reads all
         its ranks' messages on one endpoint)."""
-        return sorted({self.info.ranks[r].control for r in ranks})
+        return sorted({self.fetched_info.ranks[r].control for r in ranks})
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ def nic_for_gpus(topo: Topology, ib_device: str | None = None) -> list[str | Non
     nics = [known[n] for n in names] if names else topo.nics
     if not nics:
         return [None] * len(topo.gpus)
-    return _assign(topo.gpus, nics)
+    chosen: list[str | None] = list(_assign(topo.gpus, nics))
+    return chosen
 
 
 def _assign(gpus: list[PciDevice], nics: list[PciDevice]) -> list[str]:
@@ -156,8 +157,9 @@ def transfer_device(ib_device: str | None, gpu: int | None, root: str | os.PathL
     if gpu is None:
         return "tcp", ""
     choice = nic_for_gpus(discover(root), ib_device)
-    if gpu < len(choice) and choice[gpu]:
-        return "rdma", choice[gpu]
+    nic = choice[gpu] if gpu < len(choice) else None
+    if nic:
+        return "rdma", nic
     if names:  # sysfs shows fewer GPUs than CUDA does (a container): deal the names out
         return "rdma", names[gpu % len(names)]
     return "tcp", ""

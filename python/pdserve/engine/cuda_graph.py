@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.config import DeviceConfig
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # the type torch.cuda.graph(pool=...) takes and CUDAGraph.pool() returns
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class CudaGraphRunner:
         self.extend_lens = torch.ones(n, **i64)
         self.kv_slots = torch.zeros(n, self.width, **i64)  # [Bg max, Lc]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.mempool = None
+        self.mempool: _POOL_HANDLE | None = None
 
     @property
     def enabled(self) -> bool:
@@ -102,6 +106,8 @@ class CudaGraphRunner:
         """fb [B] -> hidden [B, Hd], replayed from the graph of size Bg >= B."""
         B, L = fb.batch_size, fb.kv_slots.shape[1]
         bs = self.cfg.graph_size_for(B)
+        if bs is None:
+            raise RuntimeError(f"CUDA graphs: no graph holds a batch of {B} (check accepts first)")
         for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
                          (self.out_cache_loc, fb.out_cache_loc), (self.prefix_lens, fb.prefix_lens),
                          (self.seq_lens, fb.seq_lens)):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +142,7 @@ class DecodeMode(SchedulerMode):
 
     def _unknown_peers(self) -> set[tuple[str, int]]:
         """Prefill servers pending requests name whose records this rank has not asked for yet."""
-        keys = {(r.bootstrap.host, r.bootstrap.port) for r in self.pending}
+        keys = {(r.bootstrap_ref.host, r.bootstrap_ref.port) for r in self.pending}
         return {k for k in keys if self.directory.get(*k) is None} - self.asked
 
     def _fetch(self, wanted: list[list] | None) -> None:
@@ -158,7 +159,7 @@ class DecodeMode(SchedulerMode):
     # ------------------------------------------------------------- preparing
     def _try_prepare(self, req: Req, now: float) -> bool:
         """False when the request must keep waiting for pages (nothing taken)."""
-        b = req.bootstrap
+        b = req.bootstrap_ref
         peer = self.directory.get(b.host, b.port)
         if peer is None:
             return True  # records on their way; later requests may go ahead
@@ -178,7 +179,7 @@ class DecodeMode(SchedulerMode):
         if peer.incompatible:  # a deployment error: never hidden behind a fallback
             self.scheduler.finish_request(req, finish_abort(f"disaggregation handshake refused: {peer.error}"))
             return
-        self._fall_back(req, peer.error)
+        self._fall_back(req, peer.error or f"prefill {peer.name} unreachable")
 
     def _forget(self, key: tuple[str, int]) -> None:
         self.directory.forget(key)
@@ -191,7 +192,7 @@ class DecodeMode(SchedulerMode):
         if receive > 0 and receive >= self.config.min_prefill_tokens and req.logprob is None:
             return False
         self.pending.remove(req)
-        self.io.send_once(peer.info.ranks[0].control, DropRoom(req.room))
+        self.io.send_once(peer.fetched_info.ranks[0].control, DropRoom(req.bootstrap_room))
         self.counters["local_prefills"] += 1
         self.scheduler.enqueue(req)
         return True
@@ -225,25 +226,26 @@ class DecodeMode(SchedulerMode):
     def _send_kv_request(self, req: Req, peer: Peer, pages: list[int], aux_slot: int, now: float) -> None:
         """This rank's KV request (its session, buffers, aux row); the room expects the page-writes
         of every (prefill rank, decode rank) pair of the attention group."""
-        src = peer.info.layout
-        seed = peer.info.ranks[0].seed
-        expected = expected_writes(src, self.layout, len(pages), room=req.room, seed=seed, dst_dp_rank=self.dp_rank)
+        info, room = peer.fetched_info, req.bootstrap_room
+        src = info.layout
+        seed = info.ranks[0].seed
+        expected = expected_writes(src, self.layout, len(pages), room=room, seed=seed, dst_dp_rank=self.dp_rank)
         row = self.aux[aux_slot]
-        nonce = self._nonce(req.room)
-        kv = KVRequest(req.room, nonce, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
+        nonce = self._nonce(room)
+        kv = KVRequest(room, nonce, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
                        pages, req.kv_len, len(req.fill_ids) - 1 - req.kv_len, row.data_ptr(),
                        row.numel() * row.element_size(), self.io.endpoint)
         controls = peer.controls({s for s, _ in expected})
         if peer.key not in self.introduced and self.record is not None:
-            for control in peer.controls(range(len(peer.info.ranks))):  # before the KV request, on the same pipe
+            for control in peer.controls(range(len(info.ranks))):  # before the KV request, on the same pipe
                 self.io.send(control, self.record)
             self.introduced.add(peer.key)
         for control in controls:
             self.io.send(control, kv)
         req.state = ReqState.WAITING_FOR_KV
-        req.clock.start_prefill(now)
-        inc = IncomingRoom(req.room, nonce, peer, expected, now + self.config.timeout_s, now)
-        self.rooms[req.room] = WaitingRoom(req, inc, aux_slot)
+        req.stage_clock.start_prefill(now)
+        inc = IncomingRoom(room, nonce, peer, expected, now + self.config.timeout_s, now)
+        self.rooms[room] = WaitingRoom(req, inc, aux_slot)
         self.counters["requests_disaggregated"] += 1
 
     def _nonce(self, room: int) -> int:
@@ -304,16 +306,17 @@ class DecodeMode(SchedulerMode):
         req, inc = w.req, w.incoming
         self.aux_slots.free(w.aux_slot)
         req.kv_len = len(req.fill_ids) - 1
-        req.clock.end_prefill(now)
-        req.clock.remote_queue, req.clock.remote_prefill = inc.remote_timings()
-        req.clock.transferred = True
+        clock = req.stage_clock
+        clock.end_prefill(now)
+        clock.remote_queue, clock.remote_prefill = inc.remote_timings()
+        clock.transferred = True
         self.scheduler.activate(req)
         self.counters["kv_received"] += 1
         self.outcomes.append(False)
         self.counters["kv_pages_received"] += len(req.pages) - req.num_cached_pages
 
     # ------------------------------------------------------------- failures
-    def _fail(self, room: int, reason: str, notify: bool = True, settled: set[int] = frozenset()) -> None:
+    def _fail(self, room: int, reason: str, notify: bool = True, settled: AbstractSet[int] = frozenset()) -> None:
         """Give up on the room's transfer; its pages go to quarantine, the request falls back.
         ``notify`` False: prefill itself ended the room (it acknowledges once its writes settled)."""
         w = self.rooms.pop(room)
@@ -325,13 +328,13 @@ class DecodeMode(SchedulerMode):
         self.outcomes.append(True)
         self._fall_back(req, reason)
 
-    def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: set[int], now: float) -> None:
+    def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: AbstractSet[int], now: float) -> None:
         """The request lets go of its memory; its own pages (and the aux row) wait in quarantine,
         kept allocated by the KV cache manager, until no late write can land."""
         pending = inc.sources - set(settled)  # the prefill ranks that may still write these pages
-        sessions = {s: inc.peer.info.ranks[s].session for s in pending}
+        sessions = {s: inc.peer.fetched_info.ranks[s].session for s in pending}
         own = self.scheduler.kv_manager.quarantine(req)
-        self.quarantine.add(req.room, inc.nonce, own, aux_slot, sessions, now)
+        self.quarantine.add(req.bootstrap_room, inc.nonce, own, aux_slot, sessions, now)
 
     def _fall_back(self, req: Req, reason: str) -> None:
         if self.config.fallback == "error":
@@ -339,7 +342,7 @@ class DecodeMode(SchedulerMode):
             return
         logger.warning("disaggregation: falling back to a local prefill for %s: %s", req.rid, reason)
         self.counters["fallbacks"] += 1
-        req.clock.restart()
+        req.stage_clock.restart()
         self.scheduler.enqueue(req, front=True)
 
     def _send_abort(self, peer: Peer, room: int, reason: str, nonce: int = 0) -> None:
@@ -368,17 +371,18 @@ class DecodeMode(SchedulerMode):
     def abort(self, req: Req, message: str) -> bool:
         if req in self.pending:
             self.pending.remove(req)
-            peer = self.directory.get(req.bootstrap.host, req.bootstrap.port)
+            peer = self.directory.get(req.bootstrap_ref.host, req.bootstrap_ref.port)
             if peer is not None:
-                self._send_abort(peer, req.room, message)
+                self._send_abort(peer, req.bootstrap_room, message)
             self.scheduler.finish_request(req, finish_abort(message))
             return True
-        w = self.rooms.get(req.room) if req.room is not None else None
-        if w is None or w.req is not req:
+        room = req.room
+        w = self.rooms.get(room) if room is not None else None
+        if room is None or w is None or w.req is not req:
             return False
-        del self.rooms[req.room]
+        del self.rooms[room]
         self._abandon(req, w.incoming, w.aux_slot, set(), self.io.now())
-        self._send_abort(w.incoming.peer, req.room, message, w.incoming.nonce)
+        self._send_abort(w.incoming.peer, room, message, w.incoming.nonce)
         self.scheduler.finish_request(req, finish_abort(message))
         return True
 

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pdserve.disagg.channel import ControlChannel, Mailbox
 from pdserve.disagg.protocol import Message
+
+if TYPE_CHECKING:
+    from pdserve.engine.rank_group import Inbound, RankSchedulerLoop
 
 
 class ModeIO:
@@ -65,7 +69,14 @@ class ModeIO:
 
     def post(self, msg) -> None:
         """From a helper thread: ``msg`` reaches ``recv_all`` on every rank."""
-        self.mailbox.post(msg)
+        self.own_mailbox.post(msg)
+
+    @property
+    def own_mailbox(self) -> Mailbox:
+        """The mailbox; only the fetching rank (rank 0) has one, and only it runs helper threads."""
+        if self.mailbox is None:
+            raise RuntimeError("this rank has no mailbox: only rank 0 runs the helper threads that post")
+        return self.mailbox
 
     def from_leader(self, value):
         """Rank 0's ``value`` on every rank (a collective at set-up: every rank calls it)."""
@@ -93,19 +104,21 @@ class DirectIO(ModeIO):
 
     def __init__(self, channel: ControlChannel, mailbox: Mailbox):
         super().__init__(channel, mailbox)
+        if channel.endpoint is None:
+            raise ValueError("channel: a single scheduler process needs a listening control channel")
         self.endpoint = channel.endpoint
 
     def now(self) -> float:
         return time.monotonic()
 
     def recv_all(self) -> list:
-        return self.channel.recv_all() + self.mailbox.recv_all()
+        return self.channel.recv_all() + self.own_mailbox.recv_all()
 
     def agree(self, fact) -> list:
         return [fact]
 
     def sockets(self) -> list:
-        return [self.channel.socket, self.mailbox.socket]
+        return [self.channel.socket, self.own_mailbox.socket]
 
 
 class LockStepIO(ModeIO):
@@ -122,29 +135,37 @@ class LockStepIO(ModeIO):
         self.endpoint = endpoint
         self.is_fetcher = layout.is_leader
         self.message_types = tuple(message_types)
-        self.loop = None
+        self.loop: RankSchedulerLoop | None = None
         self._inbox: list = []
 
-    def connect(self, loop) -> None:
+    def connect(self, loop: RankSchedulerLoop) -> None:
         self.loop = loop
         if self.layout.is_leader:
+            if self.channel.socket is None:
+                raise RuntimeError("LockStepIO: rank 0's control channel must listen")
             loop.add_inbox(self.channel.socket, decode=self.channel.gate.accept)
-            loop.add_inbox(self.mailbox.socket)
+            loop.add_inbox(self.own_mailbox.socket)
         for t in self.message_types:
             loop.on(t, self._deliver, wakes=True)
 
     def _deliver(self, msg) -> None:
         self._inbox.append(msg)
 
+    def _inbound(self) -> Inbound:
+        """The rank loop's latest exchange; the modes run only after the loop's first one."""
+        if self.loop is None or self.loop.inbound is None:
+            raise RuntimeError("LockStepIO: read before the rank loop's first exchange")
+        return self.loop.inbound
+
     def now(self) -> float:
-        return self.loop.inbound.now
+        return self._inbound().now
 
     def recv_all(self) -> list:
         out, self._inbox = self._inbox, []
         return out
 
     def agree(self, fact) -> list | None:
-        return self.control.gather(fact) if self.loop.inbound.agreement_due else None
+        return self.control.gather(fact) if self._inbound().agreement_due else None
 
     def from_leader(self, value):
         return self.control.gather(value)[0]

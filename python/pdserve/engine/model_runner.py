@@ -108,8 +108,10 @@ class ModelRunner:
             hidden = self.graphs(fb)  # [T, hidden]; the graph's own plan, prepared from fixed buffers
         else:
             fb.attn_metadata = self.backend.prepare(fb)  # once per forward, before the first layer
-            compiled = self.compiled is not None and self.compiled.accepts(fb)
-            hidden = self.compiled(fb) if compiled else self.model(fb)  # [T, hidden]
+            if self.compiled is not None and self.compiled.accepts(fb):
+                hidden = self.compiled(fb)  # [T, hidden]
+            else:
+                hidden = self.model(fb)  # [T, hidden]
         rows = logit_rows(fb, batch.prompt_logit_index)
         if rows is not None:
             hidden = hidden[rows]  # [B (+ K), hidden]

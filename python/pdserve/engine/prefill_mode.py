@@ -61,7 +61,7 @@ class PrefillMode(SchedulerMode):
         self.io = io
         self.sender = sender
         self.server_id = server_id
-        self.rooms = RoomTable(config.timeout_s)
+        self.rooms: RoomTable[Req, KVRequest] = RoomTable(config.timeout_s)
         self.reqs: dict[int, Req] = {}  # room -> its request, from pairing until it finishes
         self.reply_to: dict[int, tuple[str, int]] = {}  # room -> decode's (endpoint, nonce), while open
         self.transferring: dict[int, Req] = {}
@@ -96,7 +96,7 @@ class PrefillMode(SchedulerMode):
             self._finish(req, finish_abort(str(e)))
         return True
 
-    def _on_pairing(self, result) -> None:
+    def _on_pairing(self, result: Paired[Req, KVRequest] | Dropped[Req] | None) -> None:
         if isinstance(result, Paired):
             self._start(result.http, result.kv)
         elif isinstance(result, Dropped) and result.http is not None:
@@ -105,7 +105,7 @@ class PrefillMode(SchedulerMode):
 
     def _start(self, req: Req, kvs: dict[int, KVRequest]) -> None:
         """Both halves are here: queue the prefill of ``prompt[:-1]``."""
-        room, now = req.room, self.io.now()
+        room, now = req.bootstrap_room, self.io.now()
         kv_by_rank = {kv.decode_rank: kv for kv in kvs.values()}
         first = next(iter(kv_by_rank.values()))
         arrived = self.kv_arrival.pop(room, now)
@@ -134,12 +134,14 @@ class PrefillMode(SchedulerMode):
     def after_prefill(self, reqs: list[Req], done: list[int]) -> list[int]:
         self.sender.forward_done()
         hidden = self.scheduler.runner.last_hidden
-        rest = []
+        rest: list[int] = []
         for i in done:
             room = reqs[i].room
             if room not in self.sender.rooms:
                 rest.append(i)
                 continue
+            if hidden is None:
+                raise RuntimeError("prefill: the model runner kept no hidden states of the forward just run")
             self.sender.finish(room, hidden[i])
             reqs[i].state = ReqState.TRANSFERRING
             self.transferring[room] = reqs[i]
@@ -250,7 +252,7 @@ class PrefillMode(SchedulerMode):
     def _drained_here(self) -> dict[int, str | None]:
         """This rank's writes of each transferring room: None while some are in flight, "" once
         all landed, else why one failed."""
-        out = {}
+        out: dict[int, str | None] = {}
         for room in self.transferring:
             state = self.sender.poll(room)
             if state in (RoomState.DONE, RoomState.FAILED):

@@ -216,13 +216,17 @@ class BroadcastSampler:
         if self.is_leader:
             res = self.inner(logits, params, generators, outputs, want_logprobs, top_logprobs_nums)
         if self.group is None:
+            if res is None:
+                raise RuntimeError("BroadcastSampler: a rank without a group must be its leader")
             return res
         if want_logprobs:  # logprobs too: one pickled object
             box = [res]
             dist.broadcast_object_list(box, src=self.leader_rank, group=self.group)
+            if box[0] is None:
+                raise RuntimeError(f"BroadcastSampler: leader rank {self.leader_rank} broadcast no result")
             return box[0]
-        toks = torch.tensor(res.tokens, dtype=torch.int64) if self.is_leader else torch.empty(len(params),
-                                                                                              dtype=torch.int64)
+        toks = torch.tensor(res.tokens, dtype=torch.int64) if res is not None else torch.empty(len(params),
+                                                                                               dtype=torch.int64)
         dist.broadcast(toks, src=self.leader_rank, group=self.group)
         return SampleResult(toks.tolist(), None)
 
@@ -321,7 +325,7 @@ class RankSchedulerLoop:
                 except zmq.Again:
                     break
                 if decode is None:
-                    frames.append(raw)
+                    frames.append(raw if isinstance(raw, bytes) else raw.bytes)  # copy=True: bytes
                 elif (msg := decode(raw)) is not None:
                     frames.append(pickle.dumps(msg))
         return frames

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.io_struct import BootstrapRef
     from pdserve.engine.logprobs import ReqLogprobs
+    from pdserve.engine.stop import StopStringMatcher
+    from pdserve.mem.radix_cache import RadixNode
+    from pdserve.obs.timeline import StageClock
 
 # torch.Generator.manual_seed's range; OpenAI clients send any 64-bit integer.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -195,24 +201,24 @@ class Req:
         self.output_ids: list[int] = []
         # prompt + output, grown in place by append_output (read every step; never re-concatenated)
         self.fill_ids: list[int] = list(input_ids)
-        self.stop_matcher = None  # engine.stop.StopStringMatcher when stop strings can be checked
+        self.stop_matcher: StopStringMatcher | None = None  # set when stop strings can be checked
         self.output_logprobs: list[float] = []
         self.state = ReqState.WAITING
         self.finish_reason: dict | None = None
         # memory
         self.pages: list[int] = []
         self.num_cached_pages = 0
-        self.cache_node = None
+        self.cache_node: RadixNode | None = None
         self.row: int | None = None
         self.kv_len = 0
         self.cached_len = 0  # prefix tokens served from the radix cache at admission
         self.cached_tokens_reported = 0  # first admission's hit, reported in meta_info
         self.num_retractions = 0
-        self.generator = None  # torch.Generator for seeded sampling, created by the scheduler
+        self.generator: torch.Generator | None = None  # torch.Generator for seeded sampling, created by the scheduler
         self.logprob: ReqLogprobs | None = None  # input logprob state, set by the scheduler if asked
-        self.clock = None  # obs.timeline.StageClock, set by the scheduler: the TTFT breakdown
+        self.clock: StageClock | None = None  # set by the scheduler: the TTFT breakdown
         self.room: int | None = None  # disaggregation: the bootstrap room pairing its two halves
-        self.bootstrap = None  # disaggregation: io_struct.BootstrapRef of the prefill half (decode)
+        self.bootstrap: BootstrapRef | None = None  # disaggregation: the prefill half's address (decode)
 
     def append_output(self, token: int) -> None:
         """The only way a token joins the output (keeps ``fill_ids`` == prompt + output)."""
@@ -229,6 +235,43 @@ class Req:
     @property
     def prompt_len(self) -> int:
         return len(self.origin_input_ids)
+
+    # The late fields below are set by one component before the others read them; these accessors
+    # say which, so a broken invariant fails with the request's name instead of an AttributeError.
+    @property
+    def engine_uid(self) -> int:
+        """The scheduler-assigned identity; set by ``Scheduler.add_request``."""
+        if self.uid is None:
+            raise RuntimeError(f"{self!r} has no uid (not queued by a scheduler)")
+        return self.uid
+
+    @property
+    def table_row(self) -> int:
+        """The page-table row; set by ``KVCacheManager.admit`` and held until the request's memory is released."""
+        if self.row is None:
+            raise RuntimeError(f"{self!r} holds no page-table row (not admitted, or already released)")
+        return self.row
+
+    @property
+    def bootstrap_room(self) -> int:
+        """The disaggregation room; set by the scheduler for every request of a prefill or decode server."""
+        if self.room is None:
+            raise RuntimeError(f"{self!r} has no bootstrap room (not a disaggregated request)")
+        return self.room
+
+    @property
+    def bootstrap_ref(self) -> BootstrapRef:
+        """The prefill half's address; set on every request a decode server accepts."""
+        if self.bootstrap is None:
+            raise RuntimeError(f"{self!r} has no bootstrap address (not a disaggregated decode request)")
+        return self.bootstrap
+
+    @property
+    def stage_clock(self) -> StageClock:
+        """The TTFT breakdown; set by ``Scheduler.add_request`` on every request it queues."""
+        if self.clock is None:
+            raise RuntimeError(f"{self!r} has no stage clock (not queued by a scheduler)")
+        return self.clock
 
     @property
     def finished(self) -> bool:

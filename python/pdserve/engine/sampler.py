@@ -6,6 +6,7 @@ Legend: B requests, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,8 +33,9 @@ def token_logprobs(logits: torch.Tensor, token_ids, top_ks: list[int] | None = N
     k = max(top_ks or [0])
     if k == 0:
         return chosen, None
-    vals, idx = logp.topk(k, dim=-1)  # [N, k]
-    vals, idx = vals.tolist(), idx.tolist()
+    assert top_ks is not None  # k > 0 implies some row asked for top logprobs
+    top_vals, top_idx = logp.topk(k, dim=-1)  # [N, k]
+    vals, idx = top_vals.tolist(), top_idx.tolist()
     return chosen, [list(zip(v[:kn], i[:kn])) for v, i, kn in zip(vals, idx, top_ks)]
 
 
@@ -68,6 +70,14 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
     drop |= probs < (min_p * probs[:, 0])[:, None]
     drop[:, 0] = False
     return probs.masked_fill(drop, 0.0), order
+
+
+class SampleFn(Protocol):
+    """What the scheduler samples with: a ``Sampler``, or a wrapper that shares one rank's result."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
+                 outputs: list[list[int]], want_logprobs: bool = False,
+                 top_logprobs_nums: list[int] | None = None) -> SampleResult: ...
 
 
 class Sampler:

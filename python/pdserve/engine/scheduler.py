@@ -15,7 +15,7 @@ import torch
 from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
-from pdserve.engine.io_struct import TokenOutput
+from pdserve.engine.io_struct import BootstrapRef, TokenOutput
 from pdserve.engine.logprobs import PromptLogitPlan, ReqLogprobs, check_logprob_params
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
 from pdserve.engine.modes import SchedulerMode
@@ -29,7 +29,7 @@ from pdserve.engine.request import (
     finish_length,
     finish_stop,
 )
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import SampleFn, Sampler
 from pdserve.engine.stop import StopStringMatcher
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
@@ -69,7 +69,7 @@ class Scheduler:
         self.context_len = model_config.context_length
         self.kv_manager = KVCacheManager(pool.num_pages, self.page_size, config.max_running_requests,
                                          self.context_len, disable_radix_cache=cache_config.disable_radix_cache)
-        self.sampler = Sampler(config.random_seed)
+        self.sampler: SampleFn = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -112,7 +112,7 @@ class Scheduler:
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
                     return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                    bootstrap=None) -> Req:
+                    bootstrap: BootstrapRef | None = None) -> Req:
         """Queue a request. ``max_new_tokens`` 0 still prefills the prompt (its KV lands in the
         radix cache, its input logprobs are computed) and finishes without sampling.
         ``bootstrap`` (an ``io_struct.BootstrapRef``): the request's disaggregated other half."""
@@ -205,7 +205,8 @@ class Scheduler:
         budget = min(budget if budget > 0 else self.config.max_prefill_tokens, self.config.max_prefill_tokens)
         candidates = [self.chunked] if self.chunked else []
         candidates += policy.order_waiting(self.waiting, self.config.schedule_policy, self._match_len)
-        reqs, lens = [], []
+        reqs: list[Req] = []
+        lens: list[int] = []
         self.chunked = None
         running_growth = [self._growth(r) for r in self.running]  # the same for every candidate
         for req in candidates:
@@ -255,17 +256,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ runs
     def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
-        ids, pos, loc = [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        loc: list[int] = []
         for req, n in zip(reqs, lens):
             ids += req.fill_ids[req.kv_len:req.kv_len + n]
             pos += range(req.kv_len, req.kv_len + n)
             loc += self.kv_manager.slots(req, req.kv_len, req.kv_len + n)
         for req in reqs:
-            req.clock.start_prefill()
+            req.stage_clock.start_prefill()
         self.mode.before_extend(reqs, lens)
         plan = PromptLogitPlan.build(reqs, lens)
         batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], lens,
-                               [r.row for r in reqs], prompt_logit_index=plan.index)
+                               [r.table_row for r in reqs], prompt_logit_index=plan.index)
         logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         plan.record(reqs, logits[len(reqs):])
@@ -274,7 +277,7 @@ class Scheduler:
         for i, (req, n) in enumerate(zip(reqs, lens)):
             req.kv_len += n
             if req.kv_len == len(req.fill_ids):
-                req.clock.end_prefill()
+                req.stage_clock.end_prefill()
                 done.append(i)
         done = self._finish_prefill_only(reqs, self.mode.after_prefill(reqs, done))
         if done:
@@ -297,9 +300,9 @@ class Scheduler:
             return
         pos = [r.kv_len for r in reqs]
         loc = self.kv_manager.write_next_slots(reqs)
-        rows = [r.row for r in reqs]
+        rows = [r.table_row for r in reqs]
         batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
-                               [1] * len(reqs), rows, tuple(r.uid for r in reqs))
+                               [1] * len(reqs), rows, tuple(r.engine_uid for r in reqs))
         logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         self.new_token_ratio.decay()
@@ -339,6 +342,8 @@ class Scheduler:
             req.append_output(tok)
             lp = top = None
             if req.return_logprob:
+                if res.logprobs is None or top_ks is None:
+                    raise RuntimeError(f"sampler returned no logprobs for {req!r}, which asked for them")
                 lp = [res.logprobs[i]]
                 req.output_logprobs.append(res.logprobs[i])
                 top = [res.top_logprobs[i]] if res.top_logprobs is not None and top_ks[i] else None
@@ -347,7 +352,7 @@ class Scheduler:
                 self._finish(req, reason, emit=False)
             out = self._output(req, [tok], lp, top)
             if len(req.output_ids) == 1:
-                out.timeline = req.clock.breakdown()
+                out.timeline = req.stage_clock.breakdown()
             self._pending.append(out)
 
     def _check_finish(self, req: Req, tok: int) -> dict | None:

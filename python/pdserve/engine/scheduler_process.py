@@ -276,7 +276,8 @@ class SchedulerProcess:
 
     @property
     def pids(self) -> list[int]:
-        return [self.process.pid] if self.process else []
+        pid = self.pid
+        return [pid] if pid is not None else []
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
@@ -406,7 +407,7 @@ class RankProcesses:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        return [p.pid for p in self.processes if p.pid is not None]  # each started when appended
 
     def is_alive(self) -> bool:
         """True while every rank runs: a lone rank cannot serve."""

@@ -32,17 +32,20 @@ def text_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     tokenizer directly when that is all ``decode`` would do (a transformers fast tokenizer
     without space clean-up or a model-specific ``decode``): streaming decodes every token
     twice, and the Python wrapper costs several times the decode itself."""
+    def wrapped(ids: list[int], skip: bool) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: the plain path is always right
-        TokenizersBackend = None  # noqa: N806
-    plain = (backend is not None and TokenizersBackend is not None and not tokenizer.clean_up_tokenization_spaces
+        return wrapped
+    plain = (backend is not None and not tokenizer.clean_up_tokenization_spaces
              and type(tokenizer).decode is TokenizersBackend.decode
              and type(tokenizer)._decode is TokenizersBackend._decode)
-    if plain:
-        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
-    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+    if backend is None or not plain:
+        return wrapped
+    return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
 
 
 def output_text(tokenizer, output_ids: list[int], finish_reason: dict | None, skip_special_tokens: bool = True) -> str:

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from pdserve.config import CompileConfig
 from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
 from pdserve.layers.moe.experts import Experts
+
+if TYPE_CHECKING:
+    from pdserve.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +118,7 @@ class CompiledDecode:
     ``__call__``), the original one otherwise. The model's weights and structure are untouched.
     """
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, config: CompileConfig):
+    def __init__(self, model: CausalLM, backend: AttentionBackend, config: CompileConfig):
         self.model = model
         self.config = config
         self.attention = BucketAttention(backend)
@@ -125,7 +129,7 @@ class CompiledDecode:
             _install(layer)
         for module in model.modules():
             if isinstance(module, EAGER_MODULES):
-                module.forward = torch.compiler.disable(module.forward)
+                _run_eagerly(module)
 
     def accepts(self, fb: ForwardBatch) -> bool:
         return fb.is_decode and self.config.bucket_for(fb.batch_size) is not None
@@ -133,6 +137,8 @@ class CompiledDecode:
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """The model's hidden states [B, H] for a decode batch the runner has prepared."""
         Bp = self.config.bucket_for(fb.batch_size)
+        if Bp is None:
+            raise RuntimeError(f"torch.compile: no bucket holds a batch of {fb.batch_size} (check accepts first)")
         self.steps[Bp] += 1
         padded = dataclasses.replace(fb, input_ids=_pad_rows(fb.input_ids, Bp),
                                      positions=_pad_rows(fb.positions, Bp), attn_backend=self.attention)
@@ -158,6 +164,10 @@ class CompiledDecode:
         self.warmup_s = time.perf_counter() - t0
         logger.info("torch.compile: decode buckets %s compiled in %.1f s", list(self.config.buckets), self.warmup_s)
         return self.warmup_s
+
+
+def _run_eagerly(module: nn.Module) -> None:
+    module.forward = torch.compiler.disable(module.forward)
 
 
 def _install(layer: nn.Module) -> None:

@@ -308,7 +308,11 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 # ------------------------------------------------------------------ bench
 def _part_default(part, name: str):
     f = {f.name: f for f in dataclasses.fields(part)}[name]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise ValueError(f"{name}: {part.__name__}.{name} has no default")
 
 
 def _bflag(group, part, name: str, help: str, *aliases: str, **kw) -> None:

@@ -55,7 +55,7 @@ class Engine:
             from pdserve.layers.moe.dispatch import require_backend
 
             require_backend(self.args.moe_a2a_backend)
-            self.scheduler = RankClient(self.args, model_config)
+            self.scheduler: RankClient | Scheduler = RankClient(self.args, model_config)
         else:
             torch.set_num_threads(self.args.num_threads or default_num_threads(frontend=False))
             cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
@@ -179,7 +179,9 @@ class Engine:
         return [acc[rid] for rid in rids]
 
     def _result(self, acc: _Acc, seq: _Seq, prefill: _Acc | None, texts: TokenTexts | None) -> dict:
-        final: TokenOutput = acc.final
+        final = acc.final
+        if final is None:
+            raise RuntimeError(f"request {acc!r} produced no output")
         meta = {
             "id": final.rid,
             "prompt_tokens": final.prompt_tokens,

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -76,14 +77,15 @@ class ServerContext:
 # ------------------------------------------------------------------ app
 def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, redoc_url=None)
-    app.add_exception_handler(RequestError, _request_error)
+    # Starlette types every handler as taking Exception; this one is registered for RequestError only.
+    app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
     if ctx.args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
     return app
 
 
@@ -92,10 +94,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
 # the same models in the schema without letting FastAPI validate (its 422 is not OpenAI's shape).
 _ERRORS = {400: "a field is wrong (the message names it)", 401: "missing or wrong API key (--api-key)",
            413: "body larger than --max-request-bytes", 503: "the scheduler is gone, busy or stopping"}
-_EMPTY_200 = {200: {"description": "OK (no body)", "content": {}}}
+_EMPTY_200: dict[int | str, dict[str, Any]] = {200: {"description": "OK (no body)", "content": {}}}
 
 
-def _errors(*statuses: int) -> dict:
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
 
 
@@ -142,7 +144,7 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
     # describes the colocated answer (an operator reads the body, a fuzzer should not expect one).
     @app.get("/health", response_class=Response, responses={**_EMPTY_200, **_errors(503)})
     async def health():
-        if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):
+        if not (ctx.tm.healthy and ctx.tm.running_scheduler.is_alive()):
             raise ServerError(ctx.tm.fatal_error or "scheduler is not running")
         if ctx.args.disaggregation_mode == "decode":
             detail = await _transfer_health(ctx.tm)
@@ -157,7 +159,7 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/models", responses=_errors(401))
     async def models():
-        return openai_api.list_models(ctx.model_name, ctx.args.model_path, ctx.tm.limits.context_len)
+        return openai_api.list_models(ctx.model_name, ctx.args.model_path, ctx.tm.request_limits.context_len)
 
     async def server_info():
         return await _server_info(ctx)
@@ -221,10 +223,10 @@ async def _one_token(tm: TokenizerManager) -> None:
 
 async def _server_info(ctx: ServerContext) -> dict:
     stats = await ctx.tm.get_stats()
-    args = ctx.args.to_dict()
+    args, limits = ctx.args.to_dict(), ctx.tm.request_limits
     return {**args, "args": args, **stats, "internal_states": [stats], "version": __version__,
-            "context_length": ctx.tm.limits.context_len, "max_total_num_tokens": ctx.tm.limits.max_total_tokens,
-            "scheduler_pids": ctx.tm.scheduler.pids, "num_inflight_requests": ctx.tm.num_inflight,
+            "context_length": limits.context_len, "max_total_num_tokens": limits.max_total_tokens,
+            "scheduler_pids": ctx.tm.running_scheduler.pids, "num_inflight_requests": ctx.tm.num_inflight,
             "disaggregation_mode": ctx.args.disaggregation_mode}
 
 
@@ -232,7 +234,7 @@ def _model_info(ctx: ServerContext) -> dict:
     mc = ctx.model_config
     return {"model_path": ctx.args.model_path, "tokenizer_path": ctx.args.tokenizer_path or mc.path,
             "served_model_name": ctx.model_name, "is_generation": True, "architecture": mc.architecture,
-            "context_length": ctx.tm.limits.context_len, "vocab_size": mc.vocab_size}
+            "context_length": ctx.tm.request_limits.context_len, "vocab_size": mc.vocab_size}
 
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
@@ -302,7 +304,8 @@ async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float
         sock.close()
         return 1 if isinstance(e, StartupError) else 0
     config = uvicorn.Config(create_app(ctx), log_level=ctx.args.log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            # typed int; uvicorn hands it to asyncio.wait_for, so a float works
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # type: ignore[arg-type]
     server = _UvicornServer(config, signals)
     signals.server = server
     exit_code = 0
@@ -337,7 +340,7 @@ class _SignalCatcher:
         self.loop = loop
         self.tm = tm
         self.caught = False
-        self.server = None
+        self.server: _UvicornServer | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -351,7 +354,10 @@ class _SignalCatcher:
         if self.server is not None:
             self.server.should_exit = True
         if first and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.call_later, DRAIN_S, self.tm.end_inflight)
+            self.loop.call_soon_threadsafe(self._drain_later)
+
+    def _drain_later(self) -> None:
+        self.loop.call_later(DRAIN_S, self.tm.end_inflight)
 
 
 class _UvicornServer(uvicorn.Server):

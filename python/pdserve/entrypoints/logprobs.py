@@ -87,6 +87,7 @@ def completion_logprobs(ids: list[int], logprobs: list, tops: list | None, texts
     for tok in tokens:
         offsets.append(text_offset)
         text_offset += len(tok)
+    top_dicts: list[dict[str, float] | None]
     if tops is None:
         top_dicts = [None if lp is None else {} for lp in logprobs]
     else:

@@ -10,10 +10,14 @@ cumulative text, output ids and logprobs so far, then ``data: [DONE]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from pdserve.engine.logprobs import check_logprob_params, resolve_start
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs is 3.13+
 from pdserve.engine.request import SamplingParams
 from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, sglang_meta
 from pdserve.entrypoints.parallel_sampling import PromptJob, run_job
@@ -40,7 +44,7 @@ class _Item:
 
 
 async def generate(tm: TokenizerManager, request: Request):
-    req: GenerateRequest = parse_body(GenerateRequest, await read_body(request, tm.args.max_request_bytes))
+    req = parse_body(GenerateRequest, await read_body(request, tm.args.max_request_bytes))
     items, single = await _items(tm, req)
     texts = TokenTexts(tm.tokenizer) if req.return_text_in_logprobs else None
     if req.stream:
@@ -101,7 +105,7 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
     starts = _per_prompt(req.logprob_start_len, n, "logprob_start_len", int)
     tops = _per_prompt(req.top_logprobs_num, n, "top_logprobs_num", int)
     rids = _per_prompt(req.rid, n, "rid", str)
-    samplings = [_sampling(sp, tm.limits.vocab_size) for sp in sps]
+    samplings = [_sampling(sp, tm.request_limits.vocab_size) for sp in sps]
     _check_sample_rids(tm, rids, [s.n for s in samplings])
     boots = tm.bootstraps(req, n, max(s.n for s in samplings))
     items = []
@@ -109,7 +113,7 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
         tm.check_input(ids, sampling.max_new_tokens, field_name, "sampling_params.max_new_tokens")
         start, top = -1 if start is None else start, top or 0
         if lp:
-            _check_logprobs(ids, start, top, tm.limits.vocab_size)
+            _check_logprobs(ids, start, top, tm.request_limits.vocab_size)
         job = PromptJob(ids, sampling.for_copy(0), sampling.n, bool(lp), resolve_start(start, len(ids)) if lp else None,
                         top if lp else 0, rid, boot)
         items.append(_Item(job, top if lp else 0))
@@ -130,15 +134,21 @@ async def _prompts(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[lis
         if tm.tokenizer is None:
             raise RequestError("text: this server has no tokenizer; send input_ids instead", param="text")
         single = isinstance(req.text, str)
-        texts = [req.text] if single else req.text
+        texts = [req.text] if isinstance(req.text, str) else req.text
         if not texts or not all(texts):
             raise RequestError("text: the prompt is empty", param="text")
         return [await tm.encode(t) for t in texts], single, "text"
-    single = not req.input_ids or not isinstance(req.input_ids[0], list)
-    ids = [req.input_ids] if single else req.input_ids
+    raw = req.input_ids
+    assert raw is not None  # exactly one of text / input_ids, checked above
+    single = not _is_batch(raw)
+    ids = raw if _is_batch(raw) else [raw]
     if not ids:
         raise RequestError("input_ids: the prompt is empty", param="input_ids")
     return [list(x) for x in ids], single, "input_ids"
+
+
+def _is_batch(ids: list[int] | list[list[int]]) -> TypeIs[list[list[int]]]:
+    return bool(ids) and isinstance(ids[0], list)
 
 
 def _per_prompt(value, n: int, name: str, kind: type) -> list:

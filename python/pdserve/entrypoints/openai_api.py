@@ -18,7 +18,9 @@ usage counts the prompt once per choice, as OpenAI does.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -189,7 +191,8 @@ def _sampling(tm: TokenizerManager, req, prompt_ids: list[int], max_tokens: int 
               max_field: str, prompt_field: str) -> SamplingParams:
     """Validated SamplingParams for one prompt; ``max_tokens=None`` means as many as fit."""
     if max_tokens is None:
-        room = min(tm.limits.context_len - len(prompt_ids), tm.limits.max_total_tokens + 1 - len(prompt_ids))
+        limits = tm.request_limits
+        room = min(limits.context_len - len(prompt_ids), limits.max_total_tokens + 1 - len(prompt_ids))
         max_tokens = max(0, room)
     d = {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos,
          "skip_special_tokens": req.skip_special_tokens}
@@ -197,7 +200,7 @@ def _sampling(tm: TokenizerManager, req, prompt_ids: list[int], max_tokens: int 
     if req.stop is not None:
         d["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     try:
-        sampling = SamplingParams.from_dict(d).validate(tm.limits.vocab_size)
+        sampling = SamplingParams.from_dict(d).validate(tm.request_limits.vocab_size)
     except ValueError as e:
         raise RequestError.from_value_error(e, {"max_new_tokens": max_field}, "sampling_params.") from None
     tm.check_input(prompt_ids, sampling.max_new_tokens, prompt_field, max_field)
@@ -273,6 +276,7 @@ def _choice_logprobs(call: _Call, prompt: int, c: GenerateChunk, echo: bool, tex
 def _choice(call: _Call, index: int, prompt: int, c: GenerateChunk) -> dict:
     matched = (c.finish_reason or {}).get("matched")
     lp = _choice_logprobs(call, prompt, c, call.echo_texts is not None)
+    body: dict[str, Any]
     if call.kind == "chat":
         body = {"message": {"role": "assistant", "content": c.text}}
     else:
@@ -299,7 +303,8 @@ class _Streamer:
         self.last: dict[int, GenerateChunk] = {}
         self.offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
 
-    def events(self, first, merged):
+    def events(self, first: tuple[int, GenerateChunk], merged: AsyncGenerator[tuple[int, GenerateChunk], None]
+               ) -> AsyncGenerator[bytes, None]:
         return sse_events(first, merged, self.render, self.tail)
 
     def render(self, item: tuple[int, GenerateChunk]) -> list[bytes]:
@@ -308,13 +313,14 @@ class _Streamer:
         opening = index not in self.last
         self.last[index] = c
         text = c.text
-        echo = opening and self.call.echo_texts is not None
+        echo_texts = self.call.echo_texts
+        echo = opening and echo_texts is not None
         if opening:
             attach_prompt_logprobs(c, self.shared)
             if self.call.kind == "chat":  # the role comes first, alone
                 out.append(self._event(index, {"role": "assistant", "content": ""}, None, None))
-            elif echo:
-                text = self.call.echo_texts[0] + text
+            elif echo_texts is not None:  # echo
+                text = echo_texts[0] + text
         lp = self._logprobs(index, c, echo) if c.token_ids or echo else None
         if text or lp is not None:
             out.append(self._event(index, self._delta(text), lp, None))

@@ -9,7 +9,7 @@ parallel sampling. One sample needs no such step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pdserve.engine.io_struct import BootstrapRef
@@ -41,9 +41,9 @@ class PromptJob:
         rid = None if self.rid is None else f"{self.rid}-prefill"
         gen = tm.generate(self.input_ids, sampling, self.input_start is not None, rid, stream=False,
                           logprob_start_len=self._start(True), top_logprobs_num=self.top_logprobs_num)
-        return await collect(gen)
+        return await final_chunk(gen)
 
-    def generators(self, tm: TokenizerManager, stream: bool) -> list[AsyncIterator[GenerateChunk]]:
+    def generators(self, tm: TokenizerManager, stream: bool) -> list[AsyncGenerator[GenerateChunk, None]]:
         """One generator per sample; after a shared prefill they skip the prompt's logprobs."""
         with_input = not self.shares_prefill
         want = self.return_logprob or (with_input and self.input_start is not None)
@@ -61,12 +61,20 @@ class PromptJob:
         return f"{self.rid}-{j}"
 
 
+async def final_chunk(gen: AsyncGenerator[GenerateChunk, None]) -> GenerateChunk:
+    """The one chunk of a non-streaming request (``generate`` yields it or raises)."""
+    chunk = await collect(gen)
+    if chunk is None:
+        raise RuntimeError("a non-streaming request ended without its final chunk")
+    return chunk
+
+
 async def run_job(tm: TokenizerManager, job: PromptJob) -> list[GenerateChunk]:
     """Every sample's final chunk (non-streaming), each carrying the prompt's logprobs if asked."""
     if not job.shares_prefill:
-        return [await collect(job.generators(tm, stream=False)[0])]
+        return [await final_chunk(job.generators(tm, stream=False)[0])]
     shared = await job.prefill(tm)
-    chunks = await gather_or_cancel(*(collect(g) for g in job.generators(tm, stream=False)))
+    chunks = await gather_or_cancel(*(final_chunk(g) for g in job.generators(tm, stream=False)))
     for c in chunks:
         attach_prompt_logprobs(c, shared)
     return chunks

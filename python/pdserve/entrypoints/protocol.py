@@ -44,7 +44,7 @@ class _Bootstrap(_Body):
         hosts, ports, rooms = (_per_prompt(v, n, name) for v, name in (
             (self.bootstrap_host, "bootstrap_host"), (self.bootstrap_port, "bootstrap_port"),
             (self.bootstrap_room, "bootstrap_room")))
-        out = []
+        out: list[BootstrapRef | None] = []
         for i, (host, port, room) in enumerate(zip(hosts, ports, rooms)):
             at = f"[{i}]" if n > 1 else ""
             if not host:

@@ -28,7 +28,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -159,6 +159,25 @@ class TokenizerManager:
         self._recv: zmq.asyncio.Socket | None = None
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
 
+    # Set by ``start``; the HTTP server serves only after it returned.
+    @property
+    def request_limits(self) -> RequestLimits:
+        if self.limits is None:
+            raise ServerError("server is not ready (the scheduler has not reported its limits)")
+        return self.limits
+
+    @property
+    def running_scheduler(self) -> SchedulerProcess | RankProcesses:
+        if self.scheduler is None:
+            raise ServerError("server is not ready (no scheduler started)")
+        return self.scheduler
+
+    @property
+    def _receiver(self) -> zmq.asyncio.Socket:
+        if self._recv is None:
+            raise ServerError("server is not ready (the scheduler's output socket is not open)")
+        return self._recv
+
     # ------------------------------------------------------------ lifecycle
     async def start(self, timeout: float, should_stop: Callable[[], bool] = lambda: False) -> SchedulerReady:
         self._tmpdir = tempfile.mkdtemp(prefix="pdserve-")
@@ -188,8 +207,8 @@ class TokenizerManager:
     async def _wait_ready(self, timeout: float, should_stop: Callable[[], bool]) -> SchedulerReady:
         deadline = time.monotonic() + timeout
         while True:
-            if await self._recv.poll(250):
-                msg = await self._recv.recv_pyobj()
+            if await self._receiver.poll(250):
+                msg = await self._receiver.recv_pyobj()
                 if isinstance(msg, SchedulerReady):
                     return msg
                 if isinstance(msg, SchedulerFailed):
@@ -197,8 +216,8 @@ class TokenizerManager:
                 continue
             if should_stop():
                 raise StartupCancelled("shutdown requested during startup")
-            if not self.scheduler.is_alive():
-                raise StartupError(f"{self.scheduler.describe_exit()} during startup (see its log above)")
+            if not self.running_scheduler.is_alive():
+                raise StartupError(f"{self.running_scheduler.describe_exit()} during startup (see its log above)")
             if time.monotonic() > deadline:
                 raise StartupError(f"scheduler not ready after {timeout:.0f} s")
 
@@ -249,14 +268,14 @@ class TokenizerManager:
                     max_tokens_field: str) -> None:
         """The scheduler's admission checks, done early with the caller's field names."""
         try:
-            check_request(input_ids, max_new_tokens, self.limits, prompt_field, max_tokens_field)
+            check_request(input_ids, max_new_tokens, self.request_limits, prompt_field, max_tokens_field)
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                        rid: str | None = None, stream: bool = True, logprob_start_len: int = -1,
                        top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None
-                       ) -> AsyncIterator[GenerateChunk]:
+                       ) -> AsyncGenerator[GenerateChunk, None]:
         """Submit one request and yield its chunks until it finishes.
 
         Raises RequestError (400) if the scheduler rejects it, ServerError (503) if the
@@ -406,6 +425,8 @@ class TokenizerManager:
             raise ServerError("server is shutting down")
 
     def _try_send(self, msg) -> bool:
+        if self._send is None:
+            return False  # not started
         try:
             self._send.send_pyobj(msg, zmq.NOBLOCK)
             return True
@@ -419,7 +440,7 @@ class TokenizerManager:
     async def _dispatch_loop(self) -> None:
         while True:
             try:
-                msg = await self._recv.recv_pyobj()
+                msg = await self._receiver.recv_pyobj()
             except Exception as e:  # noqa: BLE001 - without this loop no request can finish
                 self._fatal(f"frontend lost the scheduler's output socket: {type(e).__name__}: {e}")
                 return
@@ -465,23 +486,25 @@ class TokenizerManager:
     async def _watchdog(self) -> None:
         while self.healthy:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            if not self.scheduler.is_alive():
+            if not self.running_scheduler.is_alive():
                 await self._scheduler_exited()
 
     async def _scheduler_exited(self) -> None:
         """A scheduler killed by SIGTERM/SIGINT was most likely signalled with this whole process group
         (``kill -TERM -PGID``, a service manager): this process's own handler may run a moment later,
         so it gets SIGNAL_GRACE_S to say so before the exit counts as a crash."""
-        if self.scheduler.exitcode in SHUTDOWN_EXIT_CODES:
+        scheduler = self.running_scheduler
+        code = scheduler.exitcode
+        if code is not None and code in SHUTDOWN_EXIT_CODES:
             deadline = time.monotonic() + SIGNAL_GRACE_S
             while not self.signalled and time.monotonic() < deadline:
                 await asyncio.sleep(WATCHDOG_INTERVAL_S / 10)
         if self.signalled:
-            logger.info("%s during shutdown", self.scheduler.describe_exit())
+            logger.info("%s during shutdown", scheduler.describe_exit())
             self.healthy = False
             self._fail_all(ServerError("server is shutting down"))
             return
-        self._fatal(f"{self.scheduler.describe_exit()} unexpectedly")
+        self._fatal(f"{scheduler.describe_exit()} unexpectedly")
 
     def _fatal(self, message: str) -> None:
         if self.fatal_error is not None:
@@ -536,7 +559,7 @@ class _Accumulator:
 
 
 def _join_logprobs(c: GenerateChunk, chunks: list[GenerateChunk]) -> None:
-    c.logprobs = [lp for x in chunks for lp in x.logprobs]
+    c.logprobs = [lp for x in chunks for lp in x.logprobs or []]  # set on every chunk when asked for
     if any(x.top_logprobs is not None for x in chunks):
         c.top_logprobs = [t for x in chunks for t in x.top_logprobs or []]
     first = next((x for x in chunks if x.input_logprobs is not None), None)

@@ -57,9 +57,16 @@ class UpArgs:
 class Child:
     name: str
     cmd: list[str]
-    url: str | None  # polled for /health before the next stage starts
+    url: str  # polled for /health before the next stage starts
     cores: tuple[int, ...] | None
     proc: subprocess.Popen | None = None
+
+    @property
+    def process(self) -> subprocess.Popen:
+        """Its process; every child is started before the deployment is watched or stopped."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.proc
 
 
 def split_cores(cores: tuple[int, ...], num_prefill: int, num_decode: int) -> list[tuple[int, ...]]:
@@ -159,7 +166,7 @@ class Deployment:
                 raise InterruptedError("stopped during start-up")
             dead = self.dead_child()
             if dead is not None:
-                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during start-up")
+                raise RuntimeError(f"{dead.name} exited with code {dead.process.returncode} during start-up")
             waiting = [c for c in waiting if not _healthy(c.url)]
             if waiting and time.monotonic() > deadline:
                 raise RuntimeError(f"{', '.join(c.name for c in waiting)} not healthy after "
@@ -175,14 +182,14 @@ class Deployment:
         reported: set[str] = set()
         router = self.children[-1]
         while not self.stopping:
-            if router.proc.poll() is not None:
-                logger.error("router exited with code %s; stopping the deployment", router.proc.returncode)
+            if router.process.poll() is not None:
+                logger.error("router exited with code %s; stopping the deployment", router.process.returncode)
                 return 1
             for c in self.children[:-1]:
-                if c.proc.poll() is not None and c.name not in reported:
+                if c.process.poll() is not None and c.name not in reported:
                     reported.add(c.name)
                     logger.error("%s exited with code %s; the router serves without it (restart it with: %s)",
-                                 c.name, c.proc.returncode, _shown(c.cmd))
+                                 c.name, c.process.returncode, _shown(c.cmd))
             time.sleep(HEALTH_POLL_S)
         return 0
 
@@ -191,18 +198,18 @@ class Deployment:
         The signal goes to each child alone, not its process group: a server stops its own scheduler
         processes in order (a scheduler killed under its frontend would look like a crash)."""
         self.stopping = True
-        started = [c for c in reversed(self.children) if c.proc is not None]
-        for c in started:
-            _signal(c.proc, signal.SIGTERM)
+        started = [(c.name, c.proc) for c in reversed(self.children) if c.proc is not None]
+        for _, proc in started:
+            _signal(proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
-        for c in started:
+        for name, proc in started:
             try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", c.name)
-        for c in started:
-            _signal_group(c.proc, signal.SIGKILL)
-            c.proc.wait()
+                logger.warning("%s did not stop in time; killing it", name)
+        for _, proc in started:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -65,7 +65,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                  tie_to: VocabParallelEmbedding | None = None):
         super().__init__(vocab_size, hidden, parallel, dtype)
         self.tied = tie_to is not None
-        if self.tied:
+        if tie_to is not None:
             self.weight = tie_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ class _OutputSplitLinear(nn.Module):
                 if getattr(self, pname) is None:
                     continue
                 key = f"{base}.{pname}"
-                yield WeightEntry(key, lambda src, k=key, pn=pname, pt=part: self._load(k, pn, pt, src),
+                yield WeightEntry(key, partial(self._load, key, pname, part),
                                   (f"{prefix}.{pname}#{i}",))
 
     def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -178,9 +179,10 @@ class RowParallelLinear(nn.Module):
     def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
         key = f"{prefix}.weight"
         yield WeightEntry(key, lambda src: self._load_weight(key, src), (key,))
-        if self.bias is not None:
+        bias = self.bias
+        if bias is not None:
             bkey = f"{prefix}.bias"
-            yield WeightEntry(bkey, lambda src: copy_into(bkey, self.bias.data, src), (bkey,))
+            yield WeightEntry(bkey, lambda src: copy_into(bkey, bias.data, src), (bkey,))
 
     def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         if self.in_features != self.in_full:

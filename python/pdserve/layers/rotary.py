@@ -124,8 +124,12 @@ class RotaryEmbedding(nn.Module):
     """Rotates the first R dims of each head by position.
 
     ``lookup(positions)`` is done once per forward and shared by every layer;
-    ``apply`` then costs a handful of elementwise ops per layer.
+    ``rotate`` then costs a handful of elementwise ops per layer (not named ``apply``, which
+    ``nn.Module.apply`` calls on every submodule).
     """
+
+    inv_freq: torch.Tensor  # [F] buffer
+    cos_sin: torch.Tensor  # [P, 2F] buffer, grown by ensure_capacity
 
     def __init__(self, rotary_dim: int, inv_freq: torch.Tensor, attention_scaling: float,
                  max_positions: int, interleaved: bool, dtype: torch.dtype):
@@ -150,9 +154,10 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, F] (broadcast over heads)."""
         cs = self.cos_sin[positions].unsqueeze(1)  # [T, 1, 2F]
-        return cs.chunk(2, dim=-1)
+        cos, sin = cs.chunk(2, dim=-1)
+        return cos, sin
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] -> rotated [T, H, D] (new tensor; x is not modified)."""
         R = self.rotary_dim
         rot = x if R == x.shape[-1] else x[..., :R]
@@ -168,7 +173,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.lookup(positions)
-        return self.apply(q, cos, sin), self.apply(k, cos, sin)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ class Rotation:
     sin: torch.Tensor  # [T, 1, F]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rope.apply(x, self.cos, self.sin)
+        return self.rope.rotate(x, self.cos, self.sin)
 
 
 def get_rope(rotary_dim: int, max_positions: int, rope_parameters: Mapping[str, Any],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ def copy_into(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def direct_tensors(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint key, tensor) of every parameter/persistent buffer owned directly by ``module``."""
-    tensors = dict(module.named_parameters(recurse=False))
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
     tensors.update({n: b for n, b in module.named_buffers(recurse=False)
                     if n not in module._non_persistent_buffers_set})
     for name, tensor in tensors.items():
@@ -58,7 +59,7 @@ def direct_tensors(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.
 def direct_entries(module: nn.Module, prefix: str) -> Iterator[WeightEntry]:
     """One entry per parameter/persistent buffer owned directly by ``module``, copied whole."""
     for key, tensor in direct_tensors(module, prefix):
-        yield WeightEntry(key, lambda src, k=key, t=tensor: copy_into(k, t, src), (key,))
+        yield WeightEntry(key, partial(copy_into, key, tensor), (key,))
 
 
 def sibling(prefix: str, name: str) -> str:

@@ -156,13 +156,13 @@ class KVCacheManager:
 
     def write_slots(self, req: Req, start: int, end: int) -> None:
         if end > start:
-            self.table.write(req.row, start, self.slots(req, start, end))
+            self.table.write(req.table_row, start, self.slots(req, start, end))
 
     def write_next_slots(self, reqs: list[Req]) -> list[int]:
         """Decode: the slot of each request's next position (``kv_len``), written to its row."""
         ps = self.page_size
         loc = [r.pages[r.kv_len // ps] * ps + r.kv_len % ps for r in reqs]
-        self.table.write_one_each([r.row for r in reqs], [r.kv_len for r in reqs], loc)
+        self.table.write_one_each([r.table_row for r in reqs], [r.kv_len for r in reqs], loc)
         return loc
 
     # ---------------------------------------------------------------- release
@@ -210,8 +210,10 @@ class KVCacheManager:
     def _unpin(self, req: Req, what: str) -> None:
         """Let go of the prefix lock and the row; the request holds nothing after."""
         self._check_held(req, what)
+        if req.cache_node is None:
+            raise RuntimeError(f"{what}: {req.rid} holds a table row but no prefix lock")
         self.cache.unlock(req.cache_node)
-        self.table.free_row(req.row)
+        self.table.free_row(req.table_row)
         req.row, req.cache_node, req.pages, req.num_cached_pages = None, None, [], 0
         req.kv_len = req.cached_len = 0
 

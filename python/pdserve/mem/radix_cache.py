@@ -53,6 +53,20 @@ class RadixNode:
         self.last_access = 0
         self.id = node_id
 
+    @property
+    def cached_page(self) -> int:
+        """The page this node caches; only the root has none."""
+        if self.page is None:
+            raise RuntimeError(f"the radix root caches no page: {self!r}")
+        return self.page
+
+    @property
+    def tree_parent(self) -> RadixNode:
+        """The parent of a node still in the tree (the root and evicted or flushed nodes have none)."""
+        if self.parent is None:
+            raise RuntimeError(f"node has no parent (the root, or evicted or flushed): {self!r}")
+        return self.parent
+
     def __lt__(self, other: RadixNode) -> bool:  # heap tie-break: older node first
         return self.id < other.id
 
@@ -71,7 +85,7 @@ class MatchResult:
 
     pages: list[int]
     num_tokens: int
-    node: object
+    node: RadixNode
 
 
 class RadixCache:
@@ -134,7 +148,8 @@ class RadixCache:
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Longest cached page-aligned prefix; marks the matched path as just used."""
-        node, pages = self._root, []
+        node = self._root
+        pages: list[int] = []
         if not self.disable:
             now = self._tick()
             for key in self._blocks(_token_list(token_ids)):
@@ -142,7 +157,7 @@ class RadixCache:
                 if child is None:
                     break
                 child.last_access = now
-                pages.append(child.page)
+                pages.append(child.cached_page)
                 node = child
         return MatchResult(pages, len(pages) * self.page_size, node)
 
@@ -208,7 +223,7 @@ class RadixCache:
         freed: list[int] = []
         while heap and len(freed) < num_pages:
             _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
+            parent = leaf.tree_parent
             freed.append(self._remove_leaf(leaf))
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent))
@@ -240,14 +255,15 @@ class RadixCache:
     def check_invariants(self) -> None:
         """Recompute every counter from the tree and assert it matches (tests, debugging)."""
         owners: dict[int, RadixNode] = {}
-        leaves, locked = set(), 0
+        leaves: set[RadixNode] = set()
+        locked = 0
         stack = list(self._root.children.values())
         while stack:
             n = stack.pop()
-            assert n.page not in owners, f"page {n.page} held by two nodes"
-            assert not self.allocator.is_free(n.page), f"cached page {n.page} is free"
-            owners[n.page] = n
-            assert n.hash == hash_block(n.parent.hash, n.key)
+            assert n.cached_page not in owners, f"page {n.page} held by two nodes"
+            assert not self.allocator.is_free(n.cached_page), f"cached page {n.page} is free"
+            owners[n.cached_page] = n
+            assert n.hash == hash_block(n.tree_parent.hash, n.key)
             assert n.lock_ref >= sum(c.lock_ref for c in n.children.values())
             locked += n.lock_ref > 0
             if not n.children:
@@ -275,12 +291,14 @@ class RadixCache:
 
     def _walk(self, keys: list[tuple[int, ...]]) -> list[RadixNode]:
         """Nodes matching the leading ``keys``, stopping at the first miss."""
-        node, path = self._root, []
+        node = self._root
+        path: list[RadixNode] = []
         for key in keys:
-            node = node.children.get(key)
-            if node is None:
+            child = node.children.get(key)
+            if child is None:
                 break
-            path.append(node)
+            path.append(child)
+            node = child
         return path
 
     def _check_insert_pages(self, pages: list[int], path: list[RadixNode]) -> None:
@@ -305,19 +323,19 @@ class RadixCache:
         return child
 
     def _remove_leaf(self, leaf: RadixNode) -> int:
-        parent = leaf.parent
+        parent = leaf.tree_parent
         del parent.children[leaf.key]
         self._leaves.discard(leaf)
         if parent is not self._root and not parent.children:
             self._leaves.add(parent)
-        del self._page_owner[leaf.page]
+        del self._page_owner[leaf.cached_page]
         leaf.parent = None
-        return leaf.page
+        return leaf.cached_page
 
     def _path_to_root(self, node: RadixNode) -> list[RadixNode]:
         """``node`` and its ancestors, root included; raises if ``node`` was evicted."""
-        path = []
-        n = node
+        path: list[RadixNode] = []
+        n: RadixNode | None = node
         while n is not None:
             path.append(n)
             n = n.parent

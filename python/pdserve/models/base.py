@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from torch import nn
 from pdserve.layers.embedding import ParallelLMHead
 from pdserve.layers.forward_batch import ForwardBatch
 from pdserve.layers.weights import WeightEntry, direct_entries, direct_tensors
+
+if TYPE_CHECKING:
+    from pdserve.models.decoder import DecoderStack
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +47,9 @@ def load_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     """
     spec = weight_spec(model)
     required: dict[str, str] = {}  # unit -> canonical checkpoint key
-    for entry in spec.values():
-        if entry.canonical:
-            required.update({u: entry.key for u in entry.units})
+    for spec_entry in spec.values():
+        if spec_entry.canonical:
+            required.update({u: spec_entry.key for u in spec_entry.units})
     filled: set[str] = set()
     skipped = 0
     for name, tensor in weights:
@@ -84,7 +88,7 @@ class CausalLM(nn.Module):
       whatever the layers precompute (``process_weights_after_loading``).
     """
 
-    model: nn.Module
+    model: DecoderStack
     lm_head: ParallelLMHead
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -100,5 +104,6 @@ class CausalLM(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Recompute derived tensors (e.g. MLA's w_kc/w_vc) from the loaded parameters."""
         for module in self.modules():
-            if module is not self and hasattr(module, "process_weights_after_loading"):
-                module.process_weights_after_loading()
+            derive = getattr(module, "process_weights_after_loading", None)
+            if module is not self and derive is not None:
+                derive()

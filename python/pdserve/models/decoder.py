@@ -57,6 +57,8 @@ class DecoderLayer(nn.Module):
         if self.dp is None:
             return self.mlp(x)  # [T, H]
         counts = fb.dp_num_tokens
+        if counts is None:
+            raise RuntimeError("DP attention: the forward batch carries no per-group token counts")
         return self.dp.dp_slice(self.mlp(self.dp.dp_gather(x, counts)), counts)  # [T, H] of [Ta, H]
 
 
@@ -67,7 +69,7 @@ class DecoderStack(nn.Module):
     the rotation for ``fb.positions`` is gathered once here instead of once per layer.
     """
 
-    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module, rope):
+    def __init__(self, embed_tokens: VocabParallelEmbedding, layers: list[DecoderLayer], norm: nn.Module, rope):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
@@ -94,6 +96,8 @@ class DecoderStack(nn.Module):
         w = self.embed_tokens.weight
         hidden = w.new_zeros(0, w.shape[-1])
         for layer in self.layers:
+            if not isinstance(layer, DecoderLayer):  # ModuleList iterates as nn.Module
+                raise TypeError(f"DecoderStack holds a {type(layer).__name__}, not a DecoderLayer")
             layer.idle(hidden, fb)
         return hidden
 
@@ -134,7 +138,7 @@ class GQAAttention(nn.Module):
         T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:  # set together (qk_norm)
             # q and k side by side in one tensor: one rotation call for both.
             qk = rotation(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D))  # [T, Hq + Hkv, D]
             q, k = qk[:, :Hq], qk[:, Hq:]

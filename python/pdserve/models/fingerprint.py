@@ -114,7 +114,7 @@ def tensor_files(directory: Path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         shards = {f: directory / f for f in set(weight_map.values())}
         return {n: shards[f] for n, f in weight_map.items()}
-    files = {}
+    files: dict[str, Path] = {}
     for file in safetensors_files(directory):
         with safe_open(str(file), framework="pt") as f:
             files.update((name, file) for name in f.keys())

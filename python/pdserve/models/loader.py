@@ -12,7 +12,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.norm import RMSNorm
-from pdserve.models.base import checkpoint_tensors
+from pdserve.models.base import CausalLM, checkpoint_tensors
 from pdserve.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -76,7 +76,7 @@ def dummy_checkpoint(model_config: ModelConfig, seed: int) -> list[tuple[str, to
     return list(checkpoint_tensors(full))
 
 
-def load_model(model_config: ModelConfig, parallel: ParallelState = SINGLE, seed: int = 0) -> nn.Module:
+def load_model(model_config: ModelConfig, parallel: ParallelState = SINGLE, seed: int = 0) -> CausalLM:
     """The model for ``model_config`` in its dtype, in eval mode, without gradients.
 
     ``load_format``: "dummy" -> seeded random weights (the same on any split); "auto" /

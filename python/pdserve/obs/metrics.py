@@ -124,8 +124,9 @@ class ServerMetrics:
             self.itl.observe(gap)
         if timeline.e2e is not None:
             self.e2e.observe(timeline.e2e)
-        for stage in STAGES if timeline.stages else ():
-            self._stages.labels(stage=stage, **self.labels).observe(timeline.stages[stage])
+        stages = timeline.stages or {}
+        for stage in STAGES if stages else ():
+            self._stages.labels(stage=stage, **self.labels).observe(stages[stage])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,7 +40,7 @@ class ReqTimeline:
         if self.first_token is None:
             self.first_token = now
             n -= 1
-        elif n:
+        elif n and self.last_token is not None:  # set with first_token
             gap = (now - self.last_token) / n
             self.itls.extend([gap] * n)
         self.last_token = now

@@ -15,6 +15,7 @@ import random
 import signal
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import uvicorn
@@ -82,7 +83,8 @@ def _check_interval(args: RouterArgs, state: RouterState) -> float:
 # ------------------------------------------------------------------ app
 def create_app(ctx: RouterContext) -> FastAPI:
     app = FastAPI(title="pdserve router", version=__version__, docs_url=None, redoc_url=None)
-    app.add_exception_handler(RequestError, _request_error)
+    # Starlette types every handler as taking Exception; this one is registered for RequestError only.
+    app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
@@ -148,9 +150,9 @@ async def _server_info(ctx: RouterContext) -> dict:
     ``internal_states`` concatenates the decode workers' (as sglang's bench tools expect)."""
     workers = [w for s in ctx.sets for w in s.workers]
     infos = await asyncio.gather(*(_worker_server_info(ctx, w) for w in workers))
-    out = {"version": __version__, "policy": {"prefill": ctx.args.prefill_policy_name,
-                                              "decode": ctx.args.decode_policy_name},
-           "prefill": [], "decode": [], "internal_states": []}
+    out: dict[str, Any] = {"version": __version__, "policy": {"prefill": ctx.args.prefill_policy_name,
+                                                              "decode": ctx.args.decode_policy_name},
+                           "prefill": [], "decode": [], "internal_states": []}
     for w, info in zip(workers, infos):
         out[w.role.value].append({**w.info(), "server_info": info})
         if w.role is Role.DECODE and isinstance(info, dict):
@@ -257,11 +259,13 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
             return 0
         health_loop = asyncio.ensure_future(ctx.checker.run())
         config = uvicorn.Config(create_app(ctx), log_level=ctx.args.log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                # typed int; uvicorn hands it to asyncio.wait_for, so a float works
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # type: ignore[arg-type]
         server = uvicorn.Server(config)
         signals.attach(server)
         logger.info("pdserve router on http://%s:%d (%s): prefill %s, decode %s", ctx.args.host, ctx.args.port,
-                    ctx.state.mode.value, [w.url for w in ctx.prefill.workers], [w.url for w in ctx.decode.workers])
+                    ctx.state.mode.value if ctx.state.mode else "not checked yet",
+                    [w.url for w in ctx.prefill.workers], [w.url for w in ctx.decode.workers])
         await server.serve(sockets=[sock])
         return 0
     finally:

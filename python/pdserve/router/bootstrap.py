@@ -19,6 +19,8 @@ ROOM_BITS = 63
 def bootstrap_host(url: str) -> str:
     """The host part of a worker URL as a peer would put it in a URL (IPv6 in brackets)."""
     host = urlsplit(url).hostname
+    if host is None:
+        raise ValueError(f"worker url: no host in {url!r}")
     try:
         return f"[{host}]" if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address) else host
     except ValueError:  # a DNS name

@@ -96,6 +96,13 @@ class PDProxy:
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(timeout=self.request_timeout, connector=aiohttp.TCPConnector(limit=0))
 
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The upstream connection pool, opened by ``start`` before the router serves."""
+        if self.session is None:
+            raise RuntimeError("router proxy: start() was not called (no upstream session)")
+        return self.session
+
     async def close(self) -> None:
         """Cancel the prefill requests still running, then close the pool."""
         for task in list(self.background):
@@ -130,17 +137,18 @@ class PDProxy:
                 if e.status == 499:
                     self.metrics.client_disconnects.inc()
                 raise
-        raise RequestError(f"decode worker {avoid.url}: answer broke off and no other decode could take it",
+        where = f"decode worker {avoid.url}" if avoid is not None else "no decode worker"
+        raise RequestError(f"{where}: answer broke off and no other decode could take it",
                            status=502, code="upstream_error")
 
     async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
         try:
-            if ex.resp.status == 200 and ex.resp.content_type == "text/event-stream":
+            if ex.response.status == 200 and ex.response.content_type == "text/event-stream":
                 relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
                 return _RelayResponse(self._relay(relay, path, headers), relay.finish)
             try:
-                content = await until_disconnect(request, ex.resp.read())
+                content = await until_disconnect(request, ex.response.read())
             except aiohttp.ClientError as e:
                 ex.broken = True
                 self.metrics.error(ex.decode.worker, "broken")
@@ -152,8 +160,8 @@ class PDProxy:
                 raise RequestError(f"decode worker {ex.decode.worker.url}: no answer within the request timeout",
                                    status=504, code="upstream_timeout") from None
             ex.completed = True
-            self._count_status(ex.decode.worker, ex.resp.status)
-            return Response(content, status_code=ex.resp.status, media_type=ex.resp.content_type)
+            self._count_status(ex.decode.worker, ex.response.status)
+            return Response(content, status_code=ex.response.status, media_type=ex.response.content_type)
         finally:
             if not ex.streaming:
                 ex.finish()
@@ -191,7 +199,7 @@ class PDProxy:
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
             p = prefill.worker
-            payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.bootstrap_port, self.rng)).encode()
+            payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)).encode()
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
         ex = _Exchange(decode, task, self.metrics)
         try:
@@ -204,7 +212,7 @@ class PDProxy:
     async def _open_decode(self, worker: Worker, path: str, payload: bytes, headers: dict) -> aiohttp.ClientResponse:
         self.metrics.request(worker)
         try:
-            return await self.session.post(worker.url + path, data=payload, headers=_json_headers(headers))
+            return await self.http.post(worker.url + path, data=payload, headers=_json_headers(headers))
         except aiohttp.ClientConnectorError as e:
             self._unreachable(worker, e)
             raise WorkerUnreachable(worker.url) from e
@@ -224,7 +232,7 @@ class PDProxy:
         while True:
             ex = relay.ex
             try:
-                async for chunk in ex.resp.content.iter_any():
+                async for chunk in ex.response.content.iter_any():
                     out = relay.stream.feed(chunk) if relay.stream is not None else chunk
                     if out:
                         yield out
@@ -239,16 +247,16 @@ class PDProxy:
                 if not relay.stream.done:
                     yield SSE_DONE  # the final event had arrived: nothing is lost
                 return
-            resumed = await self._resume(relay, path, headers) if relay.stream is not None else None
+            resumed = await self._resume(relay, relay.stream, path, headers) if relay.stream is not None else None
             if resumed is None:
                 yield sse(error_body(f"decode worker {ex.decode.worker.url}: stream broke", 502))
                 yield SSE_DONE
                 return
             relay.switch(resumed)
 
-    async def _resume(self, relay: _Relay, path: str, headers: dict) -> _Exchange | None:
-        """The stream continued on another decode worker, or None if none can take it."""
-        stream, failed = relay.stream, relay.ex.decode.worker
+    async def _resume(self, relay: _Relay, stream: GenerateStream, path: str, headers: dict) -> _Exchange | None:
+        """The stream (``relay.stream``) continued on another decode worker, or None if none can take it."""
+        failed = relay.ex.decode.worker
         for _ in range(len(self.decode.workers)):
             try:
                 prompt = stream.known_prompt_ids() or await self._prompt_ids(stream.body, headers, failed)
@@ -260,13 +268,13 @@ class PDProxy:
                     ValueError) as e:
                 logger.warning("stream of %s: cannot resume: %s", failed.url, e)
                 return None
-            if ex.resp.status == 200:
+            if ex.response.status == 200:
                 self.metrics.resumed.inc()
                 logger.warning("decode worker %s died mid-stream: resumed on %s after %d tokens", failed.url,
-                               ex.decode.worker.url, len(stream.base["output_ids"]))
+                               ex.decode.worker.url, len(stream.base["output_ids"]) if stream.base else 0)
                 return ex
             logger.warning("stream of %s: resume on %s answered %d", failed.url, ex.decode.worker.url,
-                           ex.resp.status)
+                           ex.response.status)
             ex.finish()
             failed = ex.decode.worker
         return None
@@ -288,7 +296,7 @@ class PDProxy:
         worker = lease.worker
         self.metrics.request(worker)
         try:
-            async with self.session.post(worker.url + path, data=payload, headers=_json_headers(headers)) as resp:
+            async with self.http.post(worker.url + path, data=payload, headers=_json_headers(headers)) as resp:
                 if resp.status >= 400:
                     text = (await resp.read())[:LOGGED_BODY_BYTES].decode(errors="replace")
                     self._count_status(worker, resp.status)
@@ -333,7 +341,7 @@ class PDProxy:
         WorkerUnreachable (and marks it dead) if the connection fails; other transport errors
         raise aiohttp.ClientError / asyncio.TimeoutError."""
         try:
-            async with self.session.request(method, worker.url + path, json=json_body,
+            async with self.http.request(method, worker.url + path, json=json_body,
                                             headers=self.worker_headers if headers is None else headers,
                                             timeout=timeout or self.request_timeout) as resp:
                 return UpstreamReply(resp.status, await resp.read(), resp.content_type)
@@ -344,7 +352,7 @@ class PDProxy:
     async def probe(self, worker: Worker) -> str | None:
         """Health probe: None if ``GET /health`` answers 200 in time, else why not."""
         try:
-            async with self.session.get(worker.url + "/health", headers=self.worker_headers,
+            async with self.http.get(worker.url + "/health", headers=self.worker_headers,
                                         timeout=self.health_timeout) as resp:
                 return None if resp.status == 200 else f"GET /health answered {resp.status}"
         except asyncio.TimeoutError:
@@ -365,6 +373,13 @@ class _Exchange:
         self.completed = False  # decode's whole answer reached the router
         self.broken = False  # decode's stream broke off
         self.finished = False
+
+    @property
+    def response(self) -> aiohttp.ClientResponse:
+        """Decode's response; set by ``_start_exchange`` before the exchange is handed out."""
+        if self.resp is None:
+            raise RuntimeError(f"decode worker {self.decode.worker.url}: the exchange has no response yet")
+        return self.resp
 
     def finish(self) -> None:
         """End the exchange once. A complete decode answer leaves prefill to end on its own;

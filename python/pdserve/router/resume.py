@@ -17,6 +17,7 @@ across tokens), the token ids do not. A batch body or n > 1 is not resumed (it i
 from __future__ import annotations
 
 import json
+from typing import TypeGuard
 
 from pdserve.router.bootstrap import batch_size
 
@@ -76,10 +77,11 @@ class GenerateStream:
             self.partial = data
             return b""
         complete, self.partial = data[:cut + len(EVENT_END)], data[cut + len(EVENT_END):]
-        if self.base is None:
+        base = self.base
+        if base is None:
             self._note(complete.split(EVENT_END))
             return complete
-        return b"".join(self._rewrite(e) + EVENT_END for e in complete.split(EVENT_END)[:-1])
+        return b"".join(self._rewrite(e, base) + EVENT_END for e in complete.split(EVENT_END)[:-1])
 
     def _note(self, events: list[bytes]) -> None:
         for event in reversed(events):
@@ -91,7 +93,7 @@ class GenerateStream:
                     self.last = payload
                     return
 
-    def _rewrite(self, event: bytes) -> bytes:
+    def _rewrite(self, event: bytes, base: dict) -> bytes:
         if not event.startswith(DATA):
             return event
         payload = event[len(DATA):]
@@ -100,7 +102,7 @@ class GenerateStream:
             return event
         out = json.loads(payload)
         if isinstance(out, dict) and "error" not in out:
-            out = continued(self.base, out)
+            out = continued(base, out)
         self.last = json.dumps(out).encode()
         return DATA + self.last
 
@@ -148,5 +150,5 @@ def continued(base: dict, event: dict) -> dict:
             "output_ids": list(base["output_ids"]) + list(event.get("output_ids", [])), "meta_info": meta}
 
 
-def _flat_ids(value) -> bool:
+def _flat_ids(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(isinstance(x, int) for x in value)

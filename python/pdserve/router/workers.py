@@ -40,6 +40,13 @@ class Worker:
     def bootstrap_host(self) -> str:
         return bootstrap_host(self.url)
 
+    @property
+    def prefill_bootstrap_port(self) -> int:
+        """A prefill worker's bootstrap port (every ``--prefill`` entry has one)."""
+        if self.bootstrap_port is None:
+            raise RuntimeError(f"{self.role.value} worker {self.url} has no bootstrap port")
+        return self.bootstrap_port
+
     def info(self) -> dict:
         d = {"url": self.url, "role": self.role.value, "healthy": self.healthy, "in_flight": self.in_flight,
              "last_error": self.last_error}
@@ -129,7 +136,7 @@ class HealthChecker:
         self.sets = list(sets)
         self.probe = probe
         self.interval_s = interval_s
-        self.after_check: list[Callable[[], None]] = []
+        self.after_check: list[Callable[[], object]] = []  # results ignored
         self.next_interval: Callable[[], float] = lambda: self.interval_s  # the router shortens it at start-up
 
     async def check_all(self) -> None:

@@ -6,9 +6,14 @@ so a client can tell what to fix without reading server logs.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 MAX_ECHOED_CHARS = 200  # of a bad value quoted back in an error message
 
@@ -91,7 +96,7 @@ def _too_large(size: int, limit: int) -> RequestError:
                         param=None, status=413, code="request_too_large")
 
 
-def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+def parse_body(model: type[ModelT], raw: bytes) -> ModelT:
     """Validate a JSON body against ``model``; malformed JSON or a bad field -> RequestError(400)."""
     try:
         return model.model_validate_json(raw or b"")
@@ -113,11 +118,11 @@ def _from_validation_error(e: ValidationError) -> RequestError:
     return RequestError(f"{field}: {detail}", param=field)
 
 
-def _most_relevant(errors: list[dict]) -> dict:
+def _most_relevant(errors: list[ErrorDetails]) -> ErrorDetails:
     """The complaint of the union member that got furthest: each member's first error, and of
     those the deepest, then the latest element (``prompt: [1, [2]]`` -> ``prompt[1]``, where
     list[int] failed, not ``prompt[0]``, where list[list[int]] and list[str] did)."""
-    firsts: dict[tuple, dict] = {}
+    firsts: dict[tuple, ErrorDetails] = {}
     for err in errors:
         firsts.setdefault(_member(err["loc"]), err)
     return max(firsts.values(), key=lambda err: (len(_clean(err["loc"])), _indices(err["loc"])))

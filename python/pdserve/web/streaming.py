@@ -4,13 +4,16 @@ disconnect-aware waits, merging the streams of parallel samples."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.web.errors import RequestError
+
+T = TypeVar("T")
 
 SSE_DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 1.0
@@ -24,7 +27,7 @@ def json_response(obj, status_code: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
 
 
-async def prime(gen: AsyncIterator):
+async def prime(gen: AsyncIterator[T]) -> T:
     """First item of ``gen``, awaited before any response byte is sent, so an
     early rejection still becomes an HTTP error status instead of a broken stream."""
     return await gen.__anext__()
@@ -35,8 +38,8 @@ def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def sse_events(first, gen: AsyncIterator, render: Callable[[object], list[bytes]],
-                     tail: Callable[[], list[bytes]] = lambda: []) -> AsyncIterator[bytes]:
+async def sse_events(first: T, gen: AsyncGenerator[T, None], render: Callable[[T], list[bytes]],
+                     tail: Callable[[], list[bytes]] = lambda: []) -> AsyncGenerator[bytes, None]:
     """Render ``first`` and the rest of ``gen`` as SSE, then ``tail()`` and ``[DONE]``.
 
     An error after the response started is sent as an ``{"error": ...}`` event
@@ -79,9 +82,9 @@ async def gather_or_cancel(*awaitables: Awaitable) -> list:
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
-        if failed is not None:  # the others may still run: their results do not exist yet
-            raise failed.exception()
+        for t in tasks:  # the others may still run: their results do not exist yet
+            if t.done() and not t.cancelled() and (error := t.exception()) is not None:
+                raise error
         return [t.result() for t in tasks]
     finally:
         for t in tasks:
@@ -90,7 +93,7 @@ async def gather_or_cancel(*awaitables: Awaitable) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(gen: AsyncIterator):
+async def collect(gen: AsyncIterator[T]) -> T | None:
     """The single (final) item of a non-streaming generator."""
     last = None
     async for item in gen:
@@ -98,14 +101,14 @@ async def collect(gen: AsyncIterator):
     return last
 
 
-async def merge_streams(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+async def merge_streams(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """``(i, item)`` from every generator as items arrive; closing the merge (or an error in
     one of them) cancels the rest, so their requests abort."""
     pending = {asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.get):
+            for task in sorted(done, key=lambda t: pending[t]):
                 i = pending.pop(task)
                 try:
                     item = task.result()
@@ -121,7 +124,7 @@ async def merge_streams(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, o
             await g.aclose()
 
 
-async def indexed(gen: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
+async def indexed(gen: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
     """``merge_streams`` of one generator, without the tasks."""
     try:
         async for item in gen:

@@ -159,6 +159,8 @@ class FaultInjectingBackend(TransferBackend):
         return handle
 
     def _post_late(self, handle: WriteHandle, peer, srcs, dsts, lens) -> None:
+        inner: WriteHandle | None
+        late_error: str | None
         try:
             inner = self.inner.post_writes(peer, srcs, dsts, lens)
         except TransferError as e:  # closed meanwhile: nothing was sent
@@ -181,7 +183,8 @@ class FaultInjectingBackend(TransferBackend):
         if state is WriteState.PENDING or held:
             return WriteState.PENDING
         with self._lock:
-            handle.error = error or (inner.error if state is WriteState.FAILED else None)
+            # FAILED comes only from the inner engine's poll, so ``inner`` is set then.
+            handle.error = error or (inner.error if state is WriteState.FAILED and inner is not None else None)
             handle.state = WriteState.FAILED if handle.error else WriteState.DONE
             del self._batches[handle]
             return handle.state

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -21,6 +22,9 @@ class AttentionMetadata:
     Each backend subclasses it with the typed fields its kernels read; nothing in it may
     depend on the layer, because one instance serves every layer of the forward.
     """
+
+
+M = TypeVar("M", bound=AttentionMetadata)
 
 
 class AttentionBackend(ABC):
@@ -74,9 +78,13 @@ class AttentionBackend(ABC):
         """
 
     @staticmethod
-    def metadata_of(fb: ForwardBatch) -> AttentionMetadata:
-        """``fb.attn_metadata``, or a clear error when ``prepare`` was never called."""
+    def metadata_of(fb: ForwardBatch, kind: type[M]) -> M:
+        """``fb.attn_metadata`` (the calling backend's ``kind``), or a clear error when ``prepare``
+        was never called or another backend prepared the batch."""
         if fb.attn_metadata is None:
             raise RuntimeError("ForwardBatch.attn_metadata is not set: call attn_backend.prepare(fb) once "
                                "before the forward (ModelRunner.forward does)")
+        if not isinstance(fb.attn_metadata, kind):
+            raise TypeError(f"ForwardBatch.attn_metadata is a {type(fb.attn_metadata).__name__}, not the "
+                            f"{kind.__name__} this backend prepares")
         return fb.attn_metadata

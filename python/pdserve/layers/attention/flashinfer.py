@@ -93,7 +93,7 @@ class FlashInferBackend(AttentionBackend):
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
-        md = self.metadata_of(fb)
+        md = self.metadata_of(fb, PagedPlan)
         kind = "decode" if fb.is_decode else "prefill"
         wrapper = self._wrapper(kind, q.device)
         key = (kind, q.shape[1], k.shape[1], q.shape[2], scale)
@@ -116,7 +116,7 @@ class FlashInferBackend(AttentionBackend):
         pool = fb.kv_pool
         pool.set_latent(layer_id, fb.out_cache_loc, torch.cat([latent, k_pe], dim=-1))  # [T, C+R]
         fb.kv_written(layer_id)
-        md = self.metadata_of(fb)
+        md = self.metadata_of(fb, PagedPlan)
         C, R, H = latent.shape[-1], k_pe.shape[-1], q_nope.shape[1]
         wrapper = self._wrapper("mla", q_nope.device)
         key = ("mla", H, C, R, scale)

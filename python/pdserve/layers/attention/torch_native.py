@@ -99,7 +99,7 @@ class _DecodeStage:
     def plan(self, fb: ForwardBatch) -> StagePlan:
         """Once per decode step: append when this is the staged batch one token later, else rebuild."""
         L = int(fb.seq_lens.max())
-        same = (fb.req_uids == self.req_uids and L <= self.capacity
+        same = (self.seq_lens is not None and fb.req_uids == self.req_uids and L <= self.capacity
                 and torch.equal(self.seq_lens + 1, fb.seq_lens))
         self.req_uids, self.seq_lens = fb.req_uids, fb.seq_lens
         if not same:
@@ -160,7 +160,7 @@ class TorchNativeBackend(AttentionBackend):
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
-        md = self.metadata_of(fb)
+        md = self.metadata_of(fb, TorchNativeMetadata)
         k_all, v_all = self._kv(layer_id, md, (k, v), lambda: pool.get_kv_pages(layer_id, md.pages))  # [B, Hkv, K, D]
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
         o = F.scaled_dot_product_attention(qp, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask,
@@ -172,7 +172,7 @@ class TorchNativeBackend(AttentionBackend):
         new = torch.cat([latent, k_pe], dim=-1)  # [T, C+R]
         pool.set_latent(layer_id, fb.out_cache_loc, new)
         fb.kv_written(layer_id)
-        md = self.metadata_of(fb)
+        md = self.metadata_of(fb, TorchNativeMetadata)
         (cache,) = self._kv(layer_id, md, (new.unsqueeze(1),),
                             lambda: (pool.get_latent_pages(layer_id, md.pages).unsqueeze(1),))
         cache = cache[:, 0].to(q_nope.dtype)  # [B, K, C+R]

@@ -57,7 +57,7 @@ class TritonBackend(AttentionBackend):
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
-        md = self.metadata_of(fb)
+        md = self.metadata_of(fb, TritonMetadata)
         q = q.contiguous()  # [T, Hq, D]
         kp, vp = pool.k[layer_id], pool.v[layer_id]  # [P, Hkv, S, D] each, read in place
         if fb.is_decode:
@@ -69,7 +69,7 @@ class TritonBackend(AttentionBackend):
         pool = fb.kv_pool
         pool.set_latent(layer_id, fb.out_cache_loc, torch.cat([latent, k_pe], dim=-1))  # [T, C+R]
         fb.kv_written(layer_id)
-        md = self.metadata_of(fb)
+        md = self.metadata_of(fb, TritonMetadata)
         C = latent.shape[-1]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         q = torch.cat([q_lat, q_pe], dim=-1).contiguous()  # [T, H, C+R]

@@ -11,6 +11,7 @@ returns this rank's partial sum over [T, H]; the MoE block reduces it over the g
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +134,7 @@ class Experts(nn.Module):
             for j, proj in enumerate(_PROJ):
                 key = f"{prefix}.{e}.{proj}.weight"
                 units = (f"{prefix}#{e}.{proj}",) if mine else ()
-                yield WeightEntry(key, lambda src, k=key, e=e, j=j: self._load_one(k, e, j, src), units)
+                yield WeightEntry(key, partial(self._load_one, key, e, j), units)
         all_units = [f"{prefix}#{e}.{p}" for e in range(self.expert_start, self.expert_start + self.num_local)
                      for p in _PROJ]
         yield WeightEntry(f"{prefix}.gate_up_proj", lambda src: self._load_fused_w13(f"{prefix}.gate_up_proj", src),

@@ -57,6 +57,8 @@ class SparseMoE(nn.Module):
 
     def _ep_dispatched(self, x: torch.Tensor) -> torch.Tensor:
         """This rank routes and dispatches its share of the tokens; the other rows stay zero."""
+        if self.dispatcher is None:
+            raise RuntimeError("MoE: token dispatch needs expert parallelism (ep_size > 1)")
         lo, hi = share(x.shape[0], self.parallel.ep_rank, self.parallel.ep_size)
         weights, ids = self.gate(x[lo:hi])  # [Ts, K]
         out = torch.zeros_like(x)  # [T, H]

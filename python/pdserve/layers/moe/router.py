@@ -114,6 +114,8 @@ class TopKRouter(nn.Module):
     ``{prefix}.e_score_correction_bias`` [E].
     """
 
+    e_score_correction_bias: torch.Tensor  # a buffer, registered for noaux_tc only
+
     def __init__(self, hidden: int, cfg: RoutingConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
