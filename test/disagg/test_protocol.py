@@ -68,7 +68,7 @@ def envelope(msg) -> dict:
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda e: e.update(v=PROTOCOL_VERSION + 1), "v: unsupported protocol version 3"),
+    (lambda e: e.update(v=PROTOCOL_VERSION + 1), "v: unsupported protocol version 4"),
     (lambda e: e.update(type="KVRead"), "type: unknown message type 'KVRead'"),
     (lambda e: e.pop("body"), "malformed message"),
     (lambda e: e["body"].pop("room"), r"KVCompletion.room: missing field"),
@@ -122,8 +122,8 @@ def test_nested_layout_is_checked():
     (b"\xff\xfe", "not JSON"),
     (b"{not json", "not JSON"),
     (b"[1, 2]", "malformed message"),
-    (b'{"v": 2, "type": 3, "body": {}}', "unknown message type 3"),
-    (b'{"v": 2, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
+    (b'{"v": 3, "type": 3, "body": {}}', "unknown message type 3"),
+    (b'{"v": 3, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
 ])
 def test_garbage_is_refused(data, match):
     with pytest.raises(ProtocolError, match=match):
