@@ -198,10 +198,11 @@ class KVSender:
         self._active.append(r)
 
     def _plan(self, room: int, kv: KVRequest, src: list[int], first_dst: int) -> list[WriteOp] | list[PackedWrite]:
-        where = dict(room=room, seed=self.seed, src_dp_rank=self.dp_rank, dst_dp_rank=kv.dst_dp_rank)
         if kv.staging_bytes:
-            return plan_packed_writes(self.layout, kv.layout, src, first_dst, len(kv.dst_pages), **where)
-        return plan_writes(self.layout, kv.layout, src, kv.dst_pages[first_dst:first_dst + len(src)], **where)
+            return plan_packed_writes(self.layout, kv.layout, src, first_dst, len(kv.dst_pages), room=room,
+                                      seed=self.seed, src_dp_rank=self.dp_rank, dst_dp_rank=kv.dst_dp_rank)
+        return plan_writes(self.layout, kv.layout, src, kv.dst_pages[first_dst:first_dst + len(src)], room=room,
+                           seed=self.seed, src_dp_rank=self.dp_rank, dst_dp_rank=kv.dst_dp_rank)
 
     def on_layer(self, layer: int) -> None:
         """The model runner's hook: ``layer``'s KV for this forward is in the pool; post its writes."""
