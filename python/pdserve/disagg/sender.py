@@ -244,16 +244,17 @@ class KVSender:
         for w in ops:
             if w.dst_offset < 0 or w.dst_offset + w.nbytes > kv.staging_bytes:
                 r.error, r.aborted = f"staging_bytes: a write past the room's {kv.staging_bytes} bytes", True
+                self._give_back(taken)  # packed, never posted
                 return
-            at = self._pack(w)
-            if at is None or staging is None:
+            packed = self._pack(w)
+            if packed is None or staging is None:
                 for op in unpacked_writes(self.layout, w):
                     srcs.append(self.bases[op.buffer] + op.src_offset)
                     dsts.append(kv.staging_addr + op.dst_offset)
                     lens.append(op.nbytes)
                 continue
-            taken.append(at)
-            srcs.append(staging.addr + at)
+            taken.append(packed)
+            srcs.append(staging.addr + packed)
             dsts.append(kv.staging_addr + w.dst_offset)
             lens.append(w.nbytes)
         if taken and staging is not None and staging.buffer.is_cuda:
@@ -273,6 +274,11 @@ class KVSender:
             pack_block(pool, w.layer, w.src_pages, w.src_head, w.nheads, self.staging, at)
         return at
 
+    def _give_back(self, taken: list[int]) -> None:
+        if self.staging is not None:
+            for at in taken:
+                self.staging.free(at)
+
     def _reclaim(self, room: OutgoingRoom | None = None) -> None:
         """Staging ranges whose write settled go back (of ``room``, or of every room)."""
         if self.staging is None:
@@ -283,8 +289,7 @@ class KVSender:
                 if self.backend.poll(handle) is WriteState.PENDING:
                     keep.append((handle, taken))
                 else:
-                    for at in taken:
-                        self.staging.free(at)
+                    self._give_back(taken)
             r.ranges = keep
 
     def forward_done(self) -> None:
