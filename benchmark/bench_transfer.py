@@ -11,7 +11,9 @@ head range, or the whole MLA latent) to the decode ranks' pools (TP ``D``) (a) t
 senders exactly as prefill ranks do it (plan the writes, post them layer by layer, the aux rows,
 poll until every write landed), (b) as raw ``batch_transfer_sync_write`` calls of the same bytes,
 one per (prefill rank, decode rank) pair, side by side as the ranks would, and (c) by memcpy.
-Targets: (a)/(b) >= 0.9.
+Targets: (a)/(b) >= 0.9. Where the TP sizes split GQA heads differently, (d) the packed path
+(``--disaggregation-transfer-pack``): head blocks packed into staging, one write per layer,
+buffer and head block, and decode's scatter into its pages, beside (a)'s per-page writes.
 
 Part 2 (real processes): the same prompt's time to first token through ``pdserve router`` in
 front of 1 prefill (TP ``P``) + 1 decode (TP ``D``) server, against one colocated server of
@@ -36,9 +38,10 @@ from pathlib import Path
 import torch
 
 from pdserve.config import CacheConfig, ModelConfig
-from pdserve.disagg.layout import KVLayout, op_addresses, plan_writes
+from pdserve.disagg.layout import KVLayout, op_addresses, packing_pays, plan_writes, staging_blocks, staging_bytes
 from pdserve.disagg.protocol import KVRequest
 from pdserve.disagg.sender import KVSender, RoomState
+from pdserve.disagg.staging import StagingPool, pool_tensors, unpack_room
 from pdserve.disagg.transfer import MooncakeTransferBackend, merge_contiguous
 from pdserve.distributed.parallel_state import ParallelState
 from pdserve.engine.model_runner import create_kv_pool
@@ -85,19 +88,23 @@ class Pools:
         cache = CacheConfig(page_size, max_total_tokens=tokens + 4 * page_size)
         kind = "mla" if mc.is_mla else "gqa"
         self.hidden = mc.hf_config.hidden_size
-        self.sides = []
+        self.sides: list = []
+        self.staging: list = []  # per side: each rank's StagingPool (GQA) or None
         for tp, fill in ((src_tp, 7), (dst_tp, 0)):  # distinct bytes, so a missed write would be visible
             pools = [create_kv_pool(mc, cache, ParallelState(t, tp)) for t in range(tp)]
             layout = KVLayout.from_descriptors(kind, tp, mc.num_kv_heads, page_size, mc.dtype,
                                                pools[0].buffer_descriptors())
             engines = [MooncakeTransferBackend() for _ in range(tp)]
             aux = [torch.zeros(1, self.hidden) for _ in range(tp)]  # [1, hidden] per rank
-            for pool, te, row in zip(pools, engines, aux):
+            room_bytes = staging_bytes(layout, -(-(tokens - 1) // page_size)) if kind == "gqa" else 0
+            staging = [StagingPool(room_bytes) if room_bytes else None for _ in range(tp)]  # a whole room each
+            for pool, te, row, st in zip(pools, engines, aux, staging):
                 te.register([(d.base_addr, d.total_bytes) for d in pool.buffer_descriptors()]
-                            + [(row.data_ptr(), row.numel() * 4)])
+                            + [(row.data_ptr(), row.numel() * 4)] + ([(st.addr, st.nbytes)] if st else []))
                 for d in pool.buffer_descriptors():
                     ctypes.memset(d.base_addr, fill, d.total_bytes)
             self.sides.append((pools, layout, engines, aux))
+            self.staging.append(staging)
         self.pages = list(range((tokens - 1 + page_size - 1) // page_size))
 
     @property
@@ -138,12 +145,18 @@ class Pools:
                 te.close()
 
 
-def time_pdserve(p: Pools, tokens: int, room: int) -> float:
-    """The prefill ranks' path: open the room, stage every page, post layer by layer, aux, drain."""
-    (_, src_layout, src_te, src_aux), (dst_pools, dst_layout, dst_te, dst_aux) = p.src, p.dst
-    senders = [KVSender(te, src_layout, s, p.bases(p.src, s), src_aux[s]) for s, te in enumerate(src_te)]
+def time_pdserve(p: Pools, tokens: int, room: int, packed: bool = False) -> tuple[float, int]:
+    """The prefill ranks' path: open the room, stage every page, post layer by layer, aux, drain
+    (``packed``: through the staging buffers, and decode's scatter after). Seconds and writes."""
+    (src_pools, src_layout, src_te, src_aux), (dst_pools, dst_layout, dst_te, dst_aux) = p.src, p.dst
+    src_st, dst_st = p.staging if packed else ([None] * len(src_te), [None] * len(dst_te))
+    senders = [KVSender(te, src_layout, s, p.bases(p.src, s), src_aux[s], pools=pool_tensors(src_pools[s]),
+                        staging=src_st[s]) for s, te in enumerate(src_te)]
+    need = staging_bytes(dst_layout, len(p.pages))
+    lent = [st.alloc(need) if st is not None else None for st in dst_st]
     kvs = {d: KVRequest(room, 1, "bench", d, te.session_id, [b.base_addr for b in dst_pools[d].buffer_descriptors()],
-                        dst_layout, p.pages, 0, tokens - 1, dst_aux[d].data_ptr(), p.hidden * 4, "tcp://unused:1")
+                        dst_layout, p.pages, 0, tokens - 1, dst_aux[d].data_ptr(), p.hidden * 4, "tcp://unused:1",
+                        *((dst_st[d].addr + lent[d], need) if lent[d] is not None else (0, 0)))
            for d, te in enumerate(dst_te)}
     t0 = time.perf_counter()
     for sender in senders:
@@ -157,11 +170,18 @@ def time_pdserve(p: Pools, tokens: int, room: int) -> float:
         sender.finish(room, torch.ones(p.hidden))
     while any(sender.poll(room) is RoomState.DRAINING for sender in senders):
         time.sleep(POLL_S)  # as the scheduler loop does between polls (it never spins on the GIL)
+    for d, at in enumerate(lent):  # decode's scatter: on its critical path before the first step
+        if at is not None:
+            blocks = staging_blocks(src_layout, dst_layout, d, len(p.pages), room=room)
+            unpack_room(dst_st[d], at, blocks, pool_tensors(dst_pools[d]), p.pages)
     elapsed = time.perf_counter() - t0
+    for d, at in enumerate(lent):
+        if at is not None:
+            dst_st[d].free(at)
     for sender in senders:
         assert sender.poll(room) is RoomState.DONE, sender.rooms[room].error
         sender.close_room(room)
-    return elapsed
+    return elapsed, sum(s.writes_posted for s in senders)
 
 
 def time_raw(p: Pools, room: int, pool: ThreadPoolExecutor) -> float:
@@ -192,21 +212,29 @@ def time_memcpy(p: Pools, room: int) -> float:
 
 def part1(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
     p = Pools(model, a.page_size, a.prompt_len, src_tp, dst_tp)
+    packs = packing_pays(p.src[1], p.dst[1], len(p.pages), "auto")
     try:
         with ThreadPoolExecutor(src_tp * dst_tp) as pool:
-            time_pdserve(p, a.prompt_len, 0)
+            _, per_page = time_pdserve(p, a.prompt_len, 0)
+            packed_writes = time_pdserve(p, a.prompt_len, 0, packed=True)[1] if packs else 0
             time_raw(p, 0, pool)  # warm-up: the first write opens the peer's segment
-            times = {"pdserve": [], "raw": [], "memcpy": []}
-            for r in range(a.repeats):  # interleaved, so drift hits all three alike
-                times["pdserve"].append(time_pdserve(p, a.prompt_len, r + 1))
+            kinds = ("pdserve", "raw", "memcpy", *(("packed",) if packs else ()))
+            times: dict[str, list[float]] = {k: [] for k in kinds}
+            for r in range(a.repeats):  # interleaved, so drift hits them all alike
+                times["pdserve"].append(time_pdserve(p, a.prompt_len, r + 1)[0])
+                if packs:
+                    times["packed"].append(time_pdserve(p, a.prompt_len, r + 1, packed=True)[0])
                 times["raw"].append(time_raw(p, r + 1, pool))
                 times["memcpy"].append(time_memcpy(p, r + 1))
         med = {k: statistics.median(v) for k, v in times.items()}
         nbytes = p.nbytes()
-        return {"model": model, "prefill_tp": src_tp, "decode_tp": dst_tp, "bytes": nbytes,
-                "writes": sum(len(x[0]) for x in p.addresses(0).values()),
-                **{f"{k}_gib_s": nbytes / v / 2**30 for k, v in med.items()},
-                "pdserve_over_raw": med["raw"] / med["pdserve"], "pdserve_over_memcpy": med["memcpy"] / med["pdserve"]}
+        row = {"model": model, "prefill_tp": src_tp, "decode_tp": dst_tp, "bytes": nbytes,
+               "writes": sum(len(x[0]) for x in p.addresses(0).values()), "pdserve_writes": per_page,
+               **{f"{k}_gib_s": nbytes / v / 2**30 for k, v in med.items()},
+               "pdserve_over_raw": med["raw"] / med["pdserve"], "pdserve_over_memcpy": med["memcpy"] / med["pdserve"]}
+        if packs:
+            row.update(packed_writes=packed_writes, packed_over_per_page=med["pdserve"] / med["packed"])
+        return row
     finally:
         p.close()
 
@@ -277,6 +305,9 @@ def _line(r: dict, a: argparse.Namespace) -> str:
          f"pdserve {r['pdserve_gib_s']:.2f} GiB/s, raw Mooncake {r['raw_gib_s']:.2f} GiB/s, memcpy "
          f"{r['memcpy_gib_s']:.2f} GiB/s | pdserve/raw {r['pdserve_over_raw']:.2f}, "
          f"pdserve/memcpy {r['pdserve_over_memcpy']:.2f}")
+    if "packed_gib_s" in r:
+        s += (f" | packed {r['packed_gib_s']:.2f} GiB/s in {r['packed_writes']} writes vs per-page "
+              f"{r['pdserve_writes']} writes: packed/per-page {r['packed_over_per_page']:.2f}")
     if "pd_over_colocated_ttft" in r:
         s += (f" | TTFT 1P1D {r['pd_ttft_s'] * 1000:.0f} ms vs colocated TP{r['prefill_tp']} "
               f"{r['colocated_ttft_s'] * 1000:.0f} ms "

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve_kernels import kv_pack_ref
+
 
 @triton.jit
 def _copy_kernel(Pool, Buf, Pages, n_pages, sp_l, sp_p, sp_h, sb_l, sb_p, sb_h, h0, run,
@@ -47,10 +49,12 @@ def _launch(pool, buf, pages, h0, unpack: bool) -> None:
                               UNPACK=unpack, BLOCK=min(1024, triton.next_power_of_2(S * D)))
 
 
-def pack_heads(pool: torch.Tensor, pages: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
-    """pool [N, P, H, S, D], pages [n] -> [N, n, h1-h0, S, D] (a new contiguous buffer)."""
+def pack_heads(pool: torch.Tensor, pages: torch.Tensor, h0: int, h1: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """pool [N, P, H, S, D], pages [n] -> [N, n, h1-h0, S, D]: ``out`` (contiguous; a staging
+    buffer the caller owns) or a new buffer."""
     N, _, _, S, D = pool.shape
-    buf = torch.empty(N, pages.shape[0], h1 - h0, S, D, dtype=pool.dtype, device=pool.device)
+    buf = torch.empty(N, pages.shape[0], h1 - h0, S, D, dtype=pool.dtype, device=pool.device) if out is None else out
     _launch(pool, buf, pages, h0, unpack=False)
     return buf
 
@@ -60,9 +64,5 @@ def unpack_heads(buf: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, h0:
     _launch(pool, buf.contiguous(), pages, h0, unpack=True)
 
 
-def pack_heads_ref(pool, pages, h0, h1) -> torch.Tensor:
-    return pool[:, pages, h0:h1].contiguous()
-
-
-def unpack_heads_ref(buf, pool, pages, h0) -> None:
-    pool[:, pages, h0:h0 + buf.shape[2]] = buf
+pack_heads_ref = kv_pack_ref.pack_heads_ref
+unpack_heads_ref = kv_pack_ref.unpack_heads_ref

@@ -445,6 +445,7 @@ TRANSFER_BACKENDS = ("mooncake", "memory")  # disagg.transfer's backends, by nam
 # between schedulers built in one process (test/disagg/pd_pair.py).
 SERVER_TRANSFER_BACKENDS = ("mooncake",)
 FALLBACK_POLICIES = ("local", "error")
+PACK_POLICIES = ("auto", "on", "off")  # --disaggregation-transfer-pack (disagg/layout.py, packing_pays)
 
 
 def resolve_token(token: str | None, token_file: str | None, env: dict | None = None) -> str | None:
@@ -479,6 +480,10 @@ class DisaggConfig:
     # (disagg/auth.py). None: loopback peers only, unless allow_unauthenticated.
     auth_token: str | None = field(default=None, repr=False)
     allow_unauthenticated: bool = False
+    # Packed transfers between different TP sizes (disagg/staging.py): decode's choice per room
+    # ("auto": where one write per forward replaces one per page), and each rank's staging buffer
+    transfer_pack: str = "auto"
+    pack_staging_mb: int = 64
 
     def __post_init__(self):
         if self.mode not in DISAGG_MODES:
@@ -495,6 +500,10 @@ class DisaggConfig:
             raise ValueError(f"disaggregation_fallback: {self.fallback!r} is not one of {FALLBACK_POLICIES}")
         if self.min_prefill_tokens < 0:
             raise ValueError(f"disaggregation_min_prefill_tokens: must be >= 0, got {self.min_prefill_tokens}")
+        if self.transfer_pack not in PACK_POLICIES:
+            raise ValueError(f"disaggregation_transfer_pack: {self.transfer_pack!r} is not one of {PACK_POLICIES}")
+        if self.pack_staging_mb < 0:
+            raise ValueError(f"disaggregation_pack_staging_mb: must be >= 0, got {self.pack_staging_mb}")
 
     def check_servable(self) -> None:
         """Raise ValueError when a server (prefill and decode in separate processes) cannot use
@@ -556,6 +565,8 @@ class ServerArgs:
     disaggregation_auth_token: str | None = field(default=None, repr=False)
     disaggregation_auth_token_file: str | None = None
     disaggregation_allow_unauthenticated: bool = False
+    disaggregation_transfer_pack: str = "auto"
+    disaggregation_pack_staging_mb: int = 64
     # GPU engine path (DeviceConfig): None resolves by what this host has.
     device: str | None = None
     attention_backend: str | None = None
@@ -630,7 +641,8 @@ class ServerArgs:
                             self.disaggregation_timeout_s, self.disaggregation_heartbeat_s,
                             self.disaggregation_fallback, self.disaggregation_min_prefill_tokens,
                             resolve_token(self.disaggregation_auth_token, self.disaggregation_auth_token_file),
-                            self.disaggregation_allow_unauthenticated)
+                            self.disaggregation_allow_unauthenticated, self.disaggregation_transfer_pack,
+                            self.disaggregation_pack_staging_mb)
 
     @property
     def model_name(self) -> str:

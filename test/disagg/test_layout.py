@@ -16,9 +16,14 @@ from pdserve.disagg.layout import (
     check_compatible,
     count_writes,
     expected_writes,
+    packing_pays,
     page_runs,
+    plan_packed_writes,
     plan_writes,
     segments,
+    staging_blocks,
+    staging_bytes,
+    unpacked_writes,
 )
 
 ROW = 4  # bytes of one token of one head (head_dim 2, bfloat16)
@@ -285,3 +290,69 @@ def test_layout_from_pool_descriptors():
     assert lay.page_bytes == 16 * 8 * 2 and lay.buffers == ("latent",)
     with pytest.raises(LayoutError, match="descriptors"):
         KVLayout.from_descriptors("mla", 2, 1, 16, "bfloat16", pool.buffer_descriptors())
+
+
+# ------------------------------------------------------------------ packed transfers
+def _apply(ops, src_bufs, dst_bufs) -> None:
+    for op in ops:
+        data = src_bufs[(op.src_rank, op.buffer)][op.src_offset:op.src_offset + op.nbytes]
+        dst_bufs[(op.dst_rank, op.buffer)][op.dst_offset:op.dst_offset + op.nbytes] = data
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (1, 2), (4, 2), (2, 8), (8, 1)])
+def test_packed_writes_cut_the_write_count_and_unpack_to_the_same_bytes(src_tp, dst_tp):
+    """Packed, a head block of a forward's pages is one write instead of one per page (page-writes,
+    what decode counts, unchanged); gathered on the source, scattered from the staging region
+    (``staging_blocks``), every destination byte equals the per-page plan's, and the staging
+    region is covered exactly once."""
+    src, dst = layout("gqa", src_tp, 8, 4, pages=12), layout("gqa", dst_tp, 8, 4, pages=12)
+    src_pages, dst_pages = [7, 2, 3, 4, 9, 0, 11], [1, 2, 3, 5, 6, 4, 10]
+    chunks = [(0, 3), (3, 7)]  # two forwards
+    n, rng = len(src_pages), np.random.default_rng(0)
+    unpacked, packed = [], []
+    for a, b in chunks:
+        unpacked += plan_writes(src, dst, src_pages[a:b], dst_pages[a:b], room=5, seed=1)
+        packed += plan_packed_writes(src, dst, src_pages[a:b], a, n, room=5, seed=1)
+    segs = segments(src, dst, room=5, seed=1)
+    assert len(packed) == src.num_layers * len(src.buffers) * len(segs) * len(chunks)
+    assert len(packed) < len(unpacked) == src.num_layers * len(src.buffers) * len(segs) * n  # per page
+    assert count_writes(packed) == count_writes(unpacked) == expected_writes(src, dst, n, room=5, seed=1)
+    assert packing_pays(src, dst, n, "auto") and not packing_pays(src, dst, n, "off")
+    assert not packing_pays(src, dst, 1, "auto") and packing_pays(src, dst, 1, "on")
+
+    sbuf = {(r, b): rng.integers(0, 256, src.layer_stride * src.num_layers, dtype=np.uint8)
+            for r in range(src.num_ranks) for b in src.buffers}
+    want = {(r, b): np.zeros(dst.layer_stride * dst.num_layers, dtype=np.uint8)
+            for r in range(dst.num_ranks) for b in dst.buffers}
+    got = {k: v.copy() for k, v in want.items()}
+    _apply(unpacked, sbuf, want)
+    size = staging_bytes(dst, n)
+    staging = {r: np.zeros(size, dtype=np.uint8) for r in range(dst.num_ranks)}
+    hits = {r: np.zeros(size, dtype=np.int32) for r in range(dst.num_ranks)}
+    for w in packed:  # the gather prefill's kernel does, then one write
+        block = np.concatenate([sbuf[(w.src_rank, w.buffer)][o.src_offset:o.src_offset + o.nbytes]
+                                for o in unpacked_writes(src, w)])
+        assert len(block) == w.nbytes and 0 <= w.dst_offset and w.dst_offset + w.nbytes <= size
+        staging[w.dst_rank][w.dst_offset:w.dst_offset + w.nbytes] = block
+        hits[w.dst_rank][w.dst_offset:w.dst_offset + w.nbytes] += 1
+    assert all((h == 1).all() for h in hits.values())
+    hb = dst.head_bytes
+    for d in range(dst.num_ranks):  # decode's scatter
+        for g, b, off in staging_blocks(src, dst, d, n, room=5, seed=1):
+            for layer, (i, page) in itertools.product(range(dst.num_layers), enumerate(dst_pages)):
+                at = off + (layer * n + i) * g.nheads * hb
+                to = layer * dst.layer_stride + page * dst.page_bytes + g.dst_head * hb
+                got[(d, b)][to:to + g.nheads * hb] = staging[d][at:at + g.nheads * hb]
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_packed_plans_refuse_what_they_cannot_move():
+    src, dst = layout("gqa", 2, 8, 4), layout("gqa", 1, 8, 4)
+    with pytest.raises(LayoutError, match="src_pages: pages"):
+        plan_packed_writes(src, dst, [1, 2, 3], 2, 4)
+    mla = layout("mla", 2, 1, 4)
+    with pytest.raises(LayoutError, match="kind: packed"):
+        plan_packed_writes(mla, layout("mla", 1, 1, 4), [1], 0, 1)
+    assert not packing_pays(mla, layout("mla", 1, 1, 4), 8, "on")
+    with pytest.raises(LayoutError, match="disaggregation_transfer_pack"):
+        packing_pays(src, dst, 4, "sometimes")

@@ -379,3 +379,35 @@ def test_the_aux_row_carries_the_last_prefilled_hidden_state(pair_factory):
     pair.submit("a", prompt, greedy(4))
     pair.run()
     assert len(sent) == len(landed) == 1 and torch.equal(sent[0].float(), landed[0])
+
+
+@pytest.mark.parametrize("pair_factory", [pytest.param("mooncake", marks=NEEDS_MOONCAKE)], indirect=True)
+def test_packed_transfers_match_a_colocated_engine_and_free_their_staging_on_abort(pair_factory):
+    """Decode with ``--disaggregation-transfer-pack on`` (one TP size each: every GQA room packs,
+    through both staging buffers): tokens equal the colocated engine's over chunked prompts. A
+    room aborted while its writes are on the (slowed) network keeps its staging range in
+    quarantine with its pages; afterwards every range on both sides is back."""
+    pair = pair_factory("tiny-llama", page_size=4, chunked_prefill_size=32,
+                        decode_flags={"disaggregation_transfer_pack": "on"})
+    prompts = _prompts([61, 30, 9])
+    for i, p in enumerate(prompts):
+        pair.submit(f"r{i}", p, greedy(NEW))
+    pair.run()
+    want = _colocated("tiny-llama", prompts, page_size=4, chunked_prefill_size=32)
+    assert [pair.outputs[f"r{i}"]["ids"] for i in range(len(prompts))] == want
+    d, p = pair.decode.stats(), pair.prefill.stats()
+    assert d["kv_rooms_packed"] == len(prompts) and d["fallbacks"] == 0, d
+    assert 0 < p["kv_writes_packed"] == p["kv_writes_sent"], p  # every block found a staging range
+    sender, staging = pair.prefill.mode.sender, pair.decode.mode.staging
+    faulty = FaultInjectingBackend(sender.backend)
+    faulty.delay_posts(1.0)
+    sender.backend = faulty
+    pair.submit("v", _prompts([45], seed=1)[0], greedy(NEW))
+    pair.run(until=lambda: pair.prefill.stats()["rooms_transferring"] == 1)
+    assert pair.decode.abort("v")
+    (entry,) = pair.decode.mode.quarantine.entries.values()
+    assert entry.staging is not None and staging.ranges_in_use == 1  # late bytes may still land there
+    pair.run()
+    assert staging.ranges_in_use == 0 and sender.staging.ranges_in_use == 0
+    assert pair.outputs["v"]["final"].finish_reason["type"] == "abort"
+    pair.assert_idle_and_accounted()

@@ -5,8 +5,10 @@ For the 16 mixed requests of fixtures/parallel_runs.py sent at once (prompts lon
 chunk, one-token prompts, shared prefixes, two asking for logprobs), decode's greedy tokens equal
 the single-rank colocated engine's, for: GQA prefill TP2 -> decode TP1 and TP1 -> TP2, DeepSeek
 prefill TP2 + EP2 -> decode DP2 with DP attention, and a GQA model with one KV head (replicated
-over prefill's two ranks). Every prefill rank that holds a source sends, no request falls back,
-and afterwards every rank's pages add up on both sides. One deployment per configuration.
+over prefill's two ranks). The two llama pairs move their KV packed (one write per forward,
+layer, buffer and head block through staging buffers), the others unpacked. Every prefill rank
+that holds a source sends, no request falls back, and afterwards every rank's pages add up on
+both sides. One deployment per configuration.
 
 Then a prefill rank is killed with transfers in flight: decode (TP2) falls back to local
 prefills on both of its ranks, token-identically, keeps serving, and its quarantine drains.
@@ -37,6 +39,9 @@ CONFIGS = {  # name -> (model, prefill flags, decode flags)
         "tiny-deepseek", (*TP2, "--ep-size", "2"), (*TP2, "--dp-size", "2", "--enable-dp-attention")),
     "qwen2-one-kv-head-prefill-tp2-decode-tp1": ("qwen2-one-kv-head", TP2, ()),
 }
+# Decode's default --disaggregation-transfer-pack auto packs where the TP sizes split heads
+# differently: the llama pairs; MLA and a replicated single head move whole pages unpacked.
+PACKED = {"llama-prefill-tp2-decode-tp1", "llama-prefill-tp1-decode-tp2"}
 MUST_TRANSFER = 9  # of the 16: all but the one-token prompt, the two logprob requests, the four prefix ones
 TIMEOUT_S = 10
 
@@ -99,6 +104,7 @@ def pair(request, checkpoints):
     model, prefill_flags, decode_flags = CONFIGS[request.param]
     with Pair(checkpoints.get(model, model), prefill_flags, decode_flags) as p:
         p.ranks = (_ranks(prefill_flags), _ranks(decode_flags))
+        p.packed = request.param in PACKED
         yield p
 
 
@@ -114,7 +120,11 @@ def test_mixed_requests_match_the_single_rank_colocated_engine(pair):
         assert sum(p["kv_writes_sent_by_rank"]) == p["kv_writes_sent"]
     assert_every_rank_accounted(p, pair.ranks[0])
     assert_every_rank_accounted(d, pair.ranks[1])
-    assert d["quarantined_pages"] == 0
+    assert d["quarantined_pages"] == 0 and d["staging_ranges_in_use"] == 0
+    if pair.packed:  # rooms of 2+ pages packed (one write per forward, layer, buffer, head block); 1-page ones not
+        assert 0 < d["kv_rooms_packed"] <= d["kv_received"] and p["kv_writes_packed"] > 0, (d, p)
+    else:
+        assert d["kv_rooms_packed"] == 0 and p["kv_writes_packed"] == 0, (d, p)
 
 
 # ---------------------------------------------------------------- a rank dies

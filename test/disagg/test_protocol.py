@@ -68,7 +68,7 @@ def envelope(msg) -> dict:
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda e: e.update(v=PROTOCOL_VERSION + 1), "v: unsupported protocol version 3"),
+    (lambda e: e.update(v=PROTOCOL_VERSION + 1), "v: unsupported protocol version 4"),
     (lambda e: e.update(type="KVRead"), "type: unknown message type 'KVRead'"),
     (lambda e: e.pop("body"), "malformed message"),
     (lambda e: e["body"].pop("room"), r"KVCompletion.room: missing field"),
@@ -122,8 +122,8 @@ def test_nested_layout_is_checked():
     (b"\xff\xfe", "not JSON"),
     (b"{not json", "not JSON"),
     (b"[1, 2]", "malformed message"),
-    (b'{"v": 2, "type": 3, "body": {}}', "unknown message type 3"),
-    (b'{"v": 2, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
+    (b'{"v": 3, "type": 3, "body": {}}', "unknown message type 3"),
+    (b'{"v": 3, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
 ])
 def test_garbage_is_refused(data, match):
     with pytest.raises(ProtocolError, match=match):
@@ -190,6 +190,29 @@ def test_a_kv_request_must_match_its_decode_record(change, match):
     rec.check_request(kv_request())  # the published destinations pass
     with pytest.raises(ProtocolError, match=match):
         rec.check_request(kv_request(**change))
+
+
+ROOM_STAGING = LAYOUT.num_layers * 2 * 3 * LAYOUT.page_bytes  # layers x buffers x pages x page bytes
+STAGING = BufferRange(0x7F3000000000, 4 * ROOM_STAGING)
+
+
+def test_a_staging_range_must_lie_in_the_published_staging_buffer():
+    """Packed transfers write into decode's staging: only inside the buffer its record published,
+    and exactly the room's size (so no planned write leaves it); a record without one takes none."""
+    rec = decode_record(staging=[STAGING])
+    assert decode(encode(rec)) == rec
+    rec.check_request(kv_request(staging_addr=STAGING.addr + ROOM_STAGING, staging_bytes=ROOM_STAGING))
+    for addr in (STAGING.addr + 3 * ROOM_STAGING + 1, STAGING.addr - 256, 0x7F0000000000):
+        with pytest.raises(ProtocolError, match="staging_addr: .* is not inside the published staging buffer"):
+            rec.check_request(kv_request(staging_addr=addr, staging_bytes=ROOM_STAGING))
+    with pytest.raises(ProtocolError, match="staging_addr: .* is not inside"):
+        decode_record().check_request(kv_request(staging_addr=STAGING.addr, staging_bytes=ROOM_STAGING))
+    with pytest.raises(ProtocolError, match=f"staging_bytes: {ROOM_STAGING * 2} for 3 pages, the layout needs"):
+        kv_request(staging_addr=STAGING.addr, staging_bytes=ROOM_STAGING * 2)
+    with pytest.raises(ProtocolError, match="staging_addr, staging_bytes: both zero or both set"):
+        kv_request(staging_addr=STAGING.addr)
+    with pytest.raises(ProtocolError, match="staging: 2 ranges"):
+        decode_record(staging=[STAGING, STAGING])
 
 
 def test_decode_record_invariants():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fixtures.paged_batches import PagedRequests
-from pdserve.layers.attention.flashinfer import build_plan, import_flashinfer
+from pdserve.layers.attention.flashinfer import GraphPlanBuffers, build_plan, import_flashinfer
 from pdserve.mem.kv_pool import GQAKVPool
 
 STEPS = [[(0, 11), (2, 16)], [(0, 5), (1, 17), (2, 1)], [(0, 1), (1, 1), (2, 1)]]
@@ -39,6 +39,42 @@ def test_plan_equals_torch_native_metadata(page_size):
             p = torch.arange(done[r])
             slots = plan.kv_indices[lo:hi].long()[p // page_size] * page_size + p % page_size
             assert torch.equal(slots, fb.kv_slots[b, :done[r]])
+
+
+def _padded(fb, bs: int):
+    """``fb`` padded to ``bs`` rows as the CUDA graph runner pads: rows B.. repeat row 0."""
+    import dataclasses
+
+    def pad(t):
+        return torch.cat([t, t[:1].expand(bs - t.shape[0], *t.shape[1:])])
+
+    return dataclasses.replace(fb, input_ids=pad(fb.input_ids), positions=pad(fb.positions),
+                               out_cache_loc=pad(fb.out_cache_loc), prefix_lens=pad(fb.prefix_lens),
+                               extend_lens=pad(fb.extend_lens), seq_lens=pad(fb.seq_lens), kv_slots=pad(fb.kv_slots))
+
+
+def test_graph_plan_buffers_refilled_equal_a_fresh_plan():
+    """Decode graphs read fixed plan buffers: refilled for each step (a bigger batch first, so stale
+    entries sit beyond the smaller ones), their views equal the plan built afresh for that padded
+    batch, and stay views of the same storage; a batch past the buffers is refused."""
+    page_size = 4
+    pool = GQAKVPool(64, page_size, 1, 2, 8, torch.float32)
+    paged = PagedRequests(pool, seed=3)
+    for r, n in enumerate((13, 4, 9, 1)):
+        paged.batch([(r, [0] * n)])
+    bufs = GraphPlanBuffers(max_bs=8, max_pages=8 * 8)
+    addrs = {t.data_ptr() for t in (bufs.qo_indptr, bufs.kv_indptr, bufs.kv_indices, bufs.kv_last_page_len)}
+    for rows, bs in (([0, 1, 2, 3], 8), ([1, 3], 2), ([2], 4), ([0, 2, 3], 4)):
+        fb = _padded(paged.batch([(r, [0]) for r in rows], decode=True), bs)
+        fresh, got = build_plan(fb), bufs.refill(build_plan(fb), bs)
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "kv_lens"):
+            assert torch.equal(getattr(got, name), getattr(fresh, name)), name
+        assert got.graph_bs == bs and got.page_size == page_size
+        assert {t.data_ptr() for t in (got.qo_indptr, got.kv_indptr, got.kv_indices, got.kv_last_page_len)} == addrs
+    with pytest.raises(ValueError, match="cuda graph plan: 2 rows"):
+        bufs.refill(build_plan(paged.batch([(0, [0]), (1, [0])], decode=True)), 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        GraphPlanBuffers(max_bs=8, max_pages=2).refill(fresh, 4)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed")

@@ -26,6 +26,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pdserve.config import PACK_POLICIES
+
 KINDS = ("gqa", "mla")
 BUFFERS = {"gqa": ("k", "v"), "mla": ("latent",)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -292,3 +294,102 @@ def op_addresses(ops: Iterable[WriteOp], src_bases: Mapping[str, int],
         dsts.append(dst_bases[op.buffer] + op.dst_offset)
         lens.append(op.nbytes)
     return srcs, dsts, lens
+
+
+# ------------------------------------------------------------------- packed transfers
+# Between different TP sizes a destination's head block is a part of a source page (or the other
+# way round), so the plan above has one write per page, layer, buffer and head block. The packed
+# path moves each (layer, buffer, head block) of a forward's pages in one write instead: prefill
+# gathers the block's heads of those pages into a contiguous staging buffer, the write lands in a
+# staging region decode lent for the room, and decode scatters it into its pages once the room's
+# writes completed. Decode's staging region for a room is, per head block to it (``segments``
+# order) and buffer, a block ``[L, n, nheads, S, D]``, n the room's pages: a forward's pages
+# ``[i0, i1)`` of one layer are one contiguous range in it.
+
+
+
+@dataclass(frozen=True)
+class PackedWrite:
+    """Heads ``[src_head, src_head + nheads)`` of ``src_pages`` in ``src_rank``'s ``buffer`` at
+    ``layer``, gathered and written as one block to ``dst_offset`` in ``dst_rank``'s staging region."""
+
+    src_rank: int
+    dst_rank: int
+    buffer: str
+    layer: int
+    src_head: int
+    nheads: int
+    src_pages: tuple[int, ...]
+    dst_offset: int
+    nbytes: int
+
+    @property
+    def pages(self) -> int:
+        return len(self.src_pages)
+
+
+def staging_bytes(dst: KVLayout, num_pages: int) -> int:
+    """Bytes of a destination rank's staging region for a room of ``num_pages`` pages (what decode
+    lends and prefill checks): every layer and buffer of those pages, all local heads."""
+    return dst.num_layers * len(dst.buffers) * num_pages * dst.page_bytes
+
+
+def staging_blocks(src: KVLayout, dst: KVLayout, dst_rank: int, num_pages: int, *, room: int = 0, seed: int = 0,
+                   src_dp_rank: int = 0, dst_dp_rank: int = 0) -> list[tuple[Segment, str, int]]:
+    """``(head block, buffer, offset)`` of each ``[L, n, nheads, S, D]`` block in ``dst_rank``'s
+    staging region for a room of ``num_pages`` pages."""
+    out, off = [], 0
+    for g in segments(src, dst, room=room, seed=seed, src_dp_rank=src_dp_rank, dst_dp_rank=dst_dp_rank):
+        if g.dst_rank != dst_rank:
+            continue
+        for b in dst.buffers:
+            out.append((g, b, off))
+            off += dst.num_layers * num_pages * g.nheads * dst.head_bytes
+    return out
+
+
+def packing_pays(src: KVLayout, dst: KVLayout, num_pages: int, policy: str) -> bool:
+    """Whether decode lends a staging region for a room of ``num_pages`` pages. ``auto``: GQA whose
+    head blocks are parts of pages (the TP sizes differ and no side replicates whole pages), over
+    two pages or more, where one write per forward replaces one per page; ``on``: every GQA room."""
+    if policy not in PACK_POLICIES:
+        raise LayoutError(f"disaggregation_transfer_pack: {policy!r} is not one of {PACK_POLICIES}")
+    if policy == "off" or src.kind != "gqa" or num_pages < 1:
+        return False
+    split = src.local_heads != dst.local_heads
+    return policy == "on" or (split and num_pages >= 2)
+
+
+def plan_packed_writes(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], first: int, num_pages: int,
+                       layers: Iterable[int] | None = None, *, room: int = 0, seed: int = 0,
+                       src_dp_rank: int = 0, dst_dp_rank: int = 0) -> list[PackedWrite]:
+    """The packed writes of pages ``[first, first + len(src_pages))`` of a room of ``num_pages``
+    pages, ordered by layer, destination, block: one per (layer, buffer, head block). Page-writes
+    (``count_writes``) equal ``plan_writes``'s for the same pages."""
+    if first < 0 or first + len(src_pages) > num_pages:
+        raise LayoutError(f"src_pages: pages [{first}, {first + len(src_pages)}) outside the room's {num_pages}")
+    if src.kind != "gqa":
+        raise LayoutError("kind: packed transfers move GQA head ranges (HND pages)")
+    _check_pages(src, src_pages, "src_pages")
+    layers = list(range(src.num_layers)) if layers is None else list(layers)
+    _check_layers(src, layers)
+    blocks = [blk for d in dst.group(dst_dp_rank)
+              for blk in staging_blocks(src, dst, d, num_pages, room=room, seed=seed, src_dp_rank=src_dp_rank,
+                                        dst_dp_rank=dst_dp_rank)]
+    hb, n = src.head_bytes, len(src_pages)
+    ops: list[PackedWrite] = []
+    for layer in layers:
+        for g, b, off in blocks:
+            at = off + (layer * num_pages + first) * g.nheads * hb
+            ops.append(PackedWrite(g.src_rank, g.dst_rank, b, layer, g.src_head, g.nheads, tuple(src_pages), at,
+                                   n * g.nheads * hb))
+    return ops
+
+
+def unpacked_writes(src: KVLayout, w: PackedWrite) -> list[WriteOp]:
+    """``w`` as one write per page from the source pages themselves (into the same staging
+    range): what prefill posts when its own staging buffer has no room for the block."""
+    hb = src.head_bytes
+    return [WriteOp(w.src_rank, w.dst_rank, w.buffer, w.layer,
+                    w.layer * src.layer_stride + p * src.page_bytes + w.src_head * hb,
+                    w.dst_offset + i * w.nheads * hb, w.nheads * hb, 1) for i, p in enumerate(w.src_pages)]

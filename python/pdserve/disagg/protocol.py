@@ -26,11 +26,11 @@ import json
 import math
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.disagg.layout import KVLayout
+from pdserve.disagg.layout import KVLayout, staging_bytes
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: packed transfers (DecodeRecord.staging, KVRequest.staging_*)
 SIDES = ("prefill", "decode")
 STATUSES = ("ok", "failed")
 MAX_ROOM = 2**64 - 1
@@ -89,9 +89,12 @@ class DecodeRecord:
     aux: BufferRange  # the rank's aux buffer: rows of aux_row_bytes
     aux_row_bytes: int
     reply_to: str  # decode's control endpoint: where prefill sends completions, aborts and acks
+    # The rank's staging buffer for packed transfers (``disagg/staging.py``); empty: it has none
+    staging: list[BufferRange] = field(default_factory=list)
 
     def __post_init__(self):
         _require(bool(self.decode_id), "decode_id: empty")
+        _require(len(self.staging) <= 1, f"staging: {len(self.staging)} ranges (at most one)")
         _require(0 <= self.decode_rank < self.layout.num_ranks,
                  f"decode_rank: {self.decode_rank} outside [0, {self.layout.num_ranks})")
         _require(len(self.buffers) == len(self.layout.buffers),
@@ -115,6 +118,10 @@ class DecodeRecord:
             _require(kv.aux_bytes == self.aux_row_bytes and self.aux.holds(kv.aux_addr, kv.aux_bytes)
                      and offset % self.aux_row_bytes == 0,
                      f"aux_addr: {kv.aux_addr:#x} (+{kv.aux_bytes}) is not a row of the published aux buffer")
+        if kv.staging_bytes:
+            _require(any(r.holds(kv.staging_addr, kv.staging_bytes) for r in self.staging),
+                     f"staging_addr: {kv.staging_addr:#x} (+{kv.staging_bytes}) is not inside the published "
+                     f"staging buffer")
 
 
 def check_endpoint(endpoint: str, name: str) -> None:
@@ -147,6 +154,10 @@ class KVRequest:
     aux_addr: int  # where prefill writes the aux data (hidden state); 0 with aux_bytes 0: none
     aux_bytes: int
     reply_to: str  # decode's ZMQ endpoint for completions, aborts and acks
+    # Packed transfer (``layout.plan_packed_writes``): where the room's staging region is; 0, 0:
+    # the writes go to the pages themselves
+    staging_addr: int = 0
+    staging_bytes: int = 0
 
     def __post_init__(self):
         _check_room(self.room)
@@ -168,6 +179,13 @@ class KVRequest:
                  f"aux_addr, aux_bytes: both zero or both set, got {self.aux_addr}, {self.aux_bytes}")
         _require(bool(self.session), "session: empty")
         check_endpoint(self.reply_to, "reply_to")
+        _require((self.staging_addr == 0) == (self.staging_bytes == 0),
+                 f"staging_addr, staging_bytes: both zero or both set, got {self.staging_addr}, {self.staging_bytes}")
+        if self.staging_bytes:
+            need = staging_bytes(self.layout, len(self.dst_pages))
+            _require(self.layout.kind == "gqa", "staging_bytes: packed transfers are for GQA (HND) pages")
+            _require(self.staging_addr > 0 and self.staging_bytes == need,
+                     f"staging_bytes: {self.staging_bytes} for {len(self.dst_pages)} pages, the layout needs {need}")
 
     @property
     def dst_dp_rank(self) -> int:
@@ -323,7 +341,8 @@ def from_dict(cls: type, body, path: str):
     kwargs = {}
     for name, f in fields.items():
         if name not in body:
-            _require(f.default is not dataclasses.MISSING, f"{path}.{name}: missing field")
+            _require(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING,
+                     f"{path}.{name}: missing field")
             continue
         kwargs[name] = _value(body[name], hints[name], f"{path}.{name}")
     try:

@@ -339,6 +339,7 @@ class QuarantineEntry:
     aux_slot: int | None
     pending: dict[int, str]  # prefill rank yet to acknowledge or complete -> its transfer session
     until: float  # lease: released then whatever happened
+    staging: int | None = None  # the room's staging range (a packed transfer), freed with the pages
     gone_at: dict[int, float] = field(default_factory=dict)  # pending rank -> when its exit was confirmed
 
     def safe(self, now: float) -> bool:
@@ -356,12 +357,12 @@ class Quarantine:
         self.entries: dict[tuple[int, int], QuarantineEntry] = {}
 
     def add(self, room: int, nonce: int, pages: list[int], aux_slot: int | None, pending: dict[int, str],
-            now: float) -> None:
+            now: float, staging: int | None = None) -> None:
         """``pending``: the prefill ranks that may still write (rank -> transfer session)."""
-        if not pages and aux_slot is None:
+        if not pages and aux_slot is None and staging is None:
             return
         self.entries[(room, nonce)] = QuarantineEntry(room, nonce, list(pages), aux_slot, dict(pending),
-                                                      now + self.lease_s)
+                                                      now + self.lease_s, staging)
 
     @property
     def num_pages(self) -> int:

@@ -18,6 +18,12 @@ since its KV request arrived): past it the sender posts nothing more for the roo
 scheduler asks, because decode may have failed the room over and, once its lease ends, reused the
 pages. A prefill that was paused (GC, VM stall, SIGSTOP) checks this before every post.
 
+Packed transfers: when decode lent a room a staging region (``KVRequest.staging_bytes``), each
+forward's head block of a layer moves in one write (``layout.plan_packed_writes``): the sender
+gathers it into a range of its own staging buffer (``disagg/staging.py``), posts the write, and
+takes the range back once that write settled. With no range free it writes the block page by page
+from the pool into the same staging range, never waiting.
+
 Legend: S page_size, n prompt tokens; the sender moves positions [start_pos, n - 1).
 """
 
@@ -34,13 +40,18 @@ import torch
 from pdserve.disagg.layout import (
     KVLayout,
     LayoutError,
+    PackedWrite,
+    WriteOp,
     check_compatible,
     count_writes,
     op_addresses,
+    plan_packed_writes,
     plan_writes,
     segments,
+    unpacked_writes,
 )
 from pdserve.disagg.protocol import KVRequest
+from pdserve.disagg.staging import StagingPool, pack_block
 from pdserve.disagg.transfer import TransferBackend, WriteHandle, WriteState
 
 logger = logging.getLogger(__name__)
@@ -68,6 +79,7 @@ class OutgoingRoom:
     handles: list[WriteHandle] = field(default_factory=list)
     writes: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # page-writes by decode rank
     staged: dict[int, list] = field(default_factory=dict)  # layer -> this forward's ops
+    ranges: list[tuple[WriteHandle, list[int]]] = field(default_factory=list)  # staging ranges a write reads
     error: str | None = None
     aborted: bool = False
     first_forward: float | None = None
@@ -94,11 +106,17 @@ class KVSender:
     hook runs on it too, inside the forward)."""
 
     def __init__(self, backend: TransferBackend, layout: KVLayout, rank: int, bases: dict[str, int],
-                 aux: torch.Tensor, seed: int = 0):
+                 aux: torch.Tensor, seed: int = 0, pools: dict[str, torch.Tensor] | None = None,
+                 staging: StagingPool | None = None):
         """``rank``: this prefill rank's attention rank (``layout``'s numbering); ``bases``: its KV
         buffer base addresses by name; ``aux`` [slots, hidden] float32 registered staging rows for
-        the aux data, one per room in flight; ``seed``: of the MLA source draw (published)."""
+        the aux data, one per room in flight; ``seed``: of the MLA source draw (published);
+        ``pools``: the KV tensors behind ``bases`` (GQA [N, P, H, S, D]) and ``staging`` a
+        registered buffer, to pack blocks for packed transfers (without them such a transfer goes
+        page by page)."""
         self.backend = backend
+        self.pools = pools or {}
+        self.staging = staging
         self.layout = layout
         self.rank = rank
         self.dp_rank = rank // layout.tp_size
@@ -111,6 +129,7 @@ class KVSender:
         self._active: list[OutgoingRoom] = []  # rooms staged for the forward now running
         self.bytes_posted = 0
         self.writes_posted = 0
+        self.packed_writes = 0  # of writes_posted: blocks packed into staging
 
     @property
     def aux_rows_free(self) -> int:
@@ -126,6 +145,8 @@ class KVSender:
         if kv.aux_bytes not in (0, self.aux.shape[1] * self.aux.element_size()):
             raise LayoutError(f"aux_bytes: decode expects {kv.aux_bytes}, prefill sends "
                               f"{self.aux.shape[1] * self.aux.element_size()}")
+        if kv.staging_bytes and self.layout.kind != "gqa":
+            raise LayoutError("staging_bytes: packed transfers are for GQA (HND) pages")
 
     def open(self, room: int, kvs: dict[int, KVRequest], num_tokens: int, now: float,
              budget_s: float = float("inf")) -> OutgoingRoom:
@@ -170,13 +191,18 @@ class KVSender:
         for d, kv in r.kvs.items():
             if self.rank not in r.sources[d]:
                 continue
-            ops = plan_writes(self.layout, kv.layout, src, kv.dst_pages[first_dst:first_dst + len(src)],
-                              room=room, seed=self.seed, src_dp_rank=self.dp_rank, dst_dp_rank=kv.dst_dp_rank)
-            for op in ops:
+            for op in self._plan(room, kv, src, first_dst):
                 if op.src_rank == self.rank and op.dst_rank == d:
                     r.staged[op.layer].append(op)
         r.next_page = end_page
         self._active.append(r)
+
+    def _plan(self, room: int, kv: KVRequest, src: list[int], first_dst: int) -> list[WriteOp] | list[PackedWrite]:
+        if kv.staging_bytes:
+            return plan_packed_writes(self.layout, kv.layout, src, first_dst, len(kv.dst_pages), room=room,
+                                      seed=self.seed, src_dp_rank=self.dp_rank, dst_dp_rank=kv.dst_dp_rank)
+        return plan_writes(self.layout, kv.layout, src, kv.dst_pages[first_dst:first_dst + len(src)], room=room,
+                           seed=self.seed, src_dp_rank=self.dp_rank, dst_dp_rank=kv.dst_dp_rank)
 
     def on_layer(self, layer: int) -> None:
         """The model runner's hook: ``layer``'s KV for this forward is in the pool; post its writes."""
@@ -186,19 +212,85 @@ class KVSender:
                 continue
             for d, kv in r.kvs.items():
                 mine = [op for op in ops if op.dst_rank == d]
-                if mine:
+                if mine and kv.staging_bytes:
+                    self._post_packed(r, kv, mine)
+                elif mine:
                     self._post(r, kv, mine)
 
     def _post(self, r: OutgoingRoom, kv: KVRequest, ops: list) -> None:
         dst_bases = dict(zip(kv.layout.buffers, kv.buffers))
         srcs, dsts, lens = op_addresses(ops, self.bases, dst_bases)
-        r.handles.append(self.backend.post_writes(kv.session, srcs, dsts, lens))
+        self._record(r, self.backend.post_writes(kv.session, srcs, dsts, lens), ops, lens)
+
+    def _record(self, r: OutgoingRoom, handle: WriteHandle, ops: list, lens: list[int]) -> None:
+        r.handles.append(handle)
         for key, n in count_writes(ops).items():
             r.writes[key[1]] += n
         nbytes = sum(lens)
         r.nbytes += nbytes
         self.bytes_posted += nbytes
-        self.writes_posted += len(ops)
+        self.writes_posted += len(lens)
+
+    def _post_packed(self, r: OutgoingRoom, kv: KVRequest, ops: list[PackedWrite]) -> None:
+        """One batch for the layer's blocks to ``kv``'s rank: each packed into a staging range
+        when one is free, else page by page from the pool; every write lands inside the room's
+        staging region (checked here too, not only by construction)."""
+        self._reclaim()
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lens: list[int] = []
+        taken: list[int] = []
+        staging = self.staging
+        for w in ops:
+            if w.dst_offset < 0 or w.dst_offset + w.nbytes > kv.staging_bytes:
+                r.error, r.aborted = f"staging_bytes: a write past the room's {kv.staging_bytes} bytes", True
+                self._give_back(taken)  # packed, never posted
+                return
+            packed = self._pack(w)
+            if packed is None or staging is None:
+                for op in unpacked_writes(self.layout, w):
+                    srcs.append(self.bases[op.buffer] + op.src_offset)
+                    dsts.append(kv.staging_addr + op.dst_offset)
+                    lens.append(op.nbytes)
+                continue
+            taken.append(packed)
+            srcs.append(staging.addr + packed)
+            dsts.append(kv.staging_addr + w.dst_offset)
+            lens.append(w.nbytes)
+        if taken and staging is not None and staging.buffer.is_cuda:
+            torch.cuda.current_stream(staging.buffer.device).synchronize()  # packed before the NIC reads
+        handle = self.backend.post_writes(kv.session, srcs, dsts, lens)
+        r.ranges.append((handle, taken))
+        self.packed_writes += len(taken)
+        self._record(r, handle, ops, lens)
+
+    def _pack(self, w: PackedWrite) -> int | None:
+        """The staging offset ``w``'s block was packed at; None when it cannot be packed now."""
+        pool = self.pools.get(w.buffer)
+        if self.staging is None or pool is None:
+            return None
+        at = self.staging.alloc(w.nbytes)
+        if at is not None:
+            pack_block(pool, w.layer, w.src_pages, w.src_head, w.nheads, self.staging, at)
+        return at
+
+    def _give_back(self, taken: list[int]) -> None:
+        if self.staging is not None:
+            for at in taken:
+                self.staging.free(at)
+
+    def _reclaim(self, room: OutgoingRoom | None = None) -> None:
+        """Staging ranges whose write settled go back (of ``room``, or of every room)."""
+        if self.staging is None:
+            return
+        for r in [room] if room is not None else self.rooms.values():
+            keep = []
+            for handle, taken in r.ranges:
+                if self.backend.poll(handle) is WriteState.PENDING:
+                    keep.append((handle, taken))
+                else:
+                    self._give_back(taken)
+            r.ranges = keep
 
     def forward_done(self) -> None:
         """The forward ended: staged rooms stamp their last forward."""
@@ -261,7 +353,11 @@ class KVSender:
             r.staged = {}
 
     def close_room(self, room: int) -> OutgoingRoom | None:
-        """Forget a room whose writes have all settled; frees its aux slot."""
+        """Forget a room whose writes have all settled; frees its aux slot and staging ranges."""
+        r = self.rooms.get(room)
+        if r is not None:
+            self._reclaim(r)
+            assert not r.ranges, f"room {room} closed with a write from staging in flight"
         slot = self._aux_slot.pop(room, None)
         if slot is not None:
             self._aux_free.append(slot)

@@ -4,7 +4,9 @@ A decode step of B requests runs the graph of the smallest captured size >= B. I
 fixed buffers the runner refills in place before each replay: row b < B holds request b;
 rows B.. repeat row 0 (same token, position, slot and keys), so the padding computes the same
 values as row 0 and its KV write stores exactly what row 0 stores. kv_slots keeps one fixed
-width (the context length): the backend's plan depends only on that width, never on values.
+width (the context length): the triton backend's plan depends only on that width, never on
+values; flashinfer's kernels read plan buffers it refills from these inputs before each replay
+(``AttentionBackend.before_replay``).
 
 Legend: B requests, Bg captured batch size, Lc context length (kv_slots width), Hd hidden.
 """
@@ -70,6 +72,8 @@ class CudaGraphRunner:
             logger.warning("CUDA graphs: the %s attention backend cannot be captured yet; decode runs eagerly "
                            "(--attention-backend triton captures)", backend.name)
             return
+        S = self.runner.pool.page_size
+        backend.init_cuda_graph(self.sizes[-1], self.sizes[-1] * -(-self.width // S), self.runner.device)
         start = time.monotonic()
         for i, bs in enumerate(reversed(self.sizes)):
             logger.info("Capturing CUDA graphs for decode: batch size %d (%d/%d)", bs, i + 1, len(self.sizes))
@@ -85,7 +89,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_one(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         fb = self._batch(bs)  # every row: a one-token request at slot 0 (the pool is empty at start-up)
-        fb.attn_metadata = self.runner.backend.prepare(fb)
+        fb.attn_metadata = self.runner.backend.graph_metadata(fb, bs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -116,5 +120,6 @@ class CudaGraphRunner:
         self.kv_slots[:B, :L].copy_(fb.kv_slots)
         self.kv_slots[B:bs, :L].copy_(fb.kv_slots[:1].expand(bs - B, L))
         graph, out = self.graphs[bs]
+        self.runner.backend.before_replay(self._batch(bs), bs)
         graph.replay()
         return out[:B]

@@ -19,6 +19,13 @@ With several ranks (TP, DP attention) every rank of the request's attention grou
 pages (lock step) and sends prefill its own KV request (its transfer session, its buffers); the
 completions, bootstrap records and heartbeat verdicts reach every rank as messages rank 0 shares
 (``engine/mode_io.py``), so the group lands, fails over or quarantines a room at the same step.
+
+Packed transfers (``--disaggregation-transfer-pack``; ``layout.packing_pays``): a rank lends a room
+a range of its registered staging buffer (published in its record) for the room's whole KV;
+prefill writes each forward's head blocks there in one write apiece, and once the room's writes
+completed the rank scatters the range into the room's pages before the request runs. A room
+given up on keeps its range in quarantine with its pages. With no range free the room is asked
+for unpacked: the staging buffer bounds memory, never a request.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import DisaggConfig
-from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes
+from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes, packing_pays, staging_blocks, staging_bytes
 from pdserve.disagg.protocol import MAX_NONCE, DecodeRecord, DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
 from pdserve.disagg.receiver import (
     AuxSlots,
@@ -45,6 +52,7 @@ from pdserve.disagg.receiver import (
     PeersGone,
     Quarantine,
 )
+from pdserve.disagg.staging import StagingPool, unpack_room
 from pdserve.disagg.transfer import TransferBackend
 from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
@@ -64,6 +72,9 @@ class WaitingRoom:
     req: Req
     incoming: IncomingRoom
     aux_slot: int
+    staging: int | None = None  # offset of the room's staging range (a packed transfer)
+    blocks: tuple = ()  # ``layout.staging_blocks`` of that range
+    pages: tuple[int, ...] = ()  # the pages the KV request named (where the range unpacks to)
 
 
 class DecodeMode(SchedulerMode):
@@ -71,12 +82,15 @@ class DecodeMode(SchedulerMode):
 
     def __init__(self, config: DisaggConfig, io: ModeIO, backend: TransferBackend, layout: KVLayout,
                  bases: list[int], aux: torch.Tensor, directory: PeerDirectory, server_id: str, rank: int = 0,
-                 record: DecodeRecord | None = None, nonce_salt: bytes = b""):
+                 record: DecodeRecord | None = None, nonce_salt: bytes = b"", staging: StagingPool | None = None,
+                 pools: dict[str, torch.Tensor] | None = None):
         """``rank``: this rank's attention rank in ``layout``; ``bases``: its KV buffer addresses in
         ``layout.buffers`` order; ``aux`` [slots, hidden] float32, registered: where prefill
         writes each request's aux data; ``record``: what this rank publishes to each prefill before
         its first KV request (the only destinations prefill will write); ``nonce_salt``: random,
-        the same on every rank (rooms' nonces derive from it, so the ranks agree on them)."""
+        the same on every rank (rooms' nonces derive from it, so the ranks agree on them);
+        ``staging``, registered and published in ``record``, and ``pools`` (the KV tensors behind
+        ``bases``): for packed transfers (``config.transfer_pack``)."""
         self.config = config
         self.io = io
         self.backend = backend
@@ -93,6 +107,8 @@ class DecodeMode(SchedulerMode):
         self.record = record
         self.introduced: set[tuple[str, int]] = set()  # prefill servers that have this rank's record
         self.nonce_salt = nonce_salt
+        self.staging = staging
+        self.pools = pools or {}
         self._seq = 0
         self.quarantine = Quarantine(lease_s=LEASE_TIMEOUTS * config.timeout_s)
         self.aux_slots = AuxSlots(aux.shape[0])
@@ -101,7 +117,7 @@ class DecodeMode(SchedulerMode):
         self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # recent transfers: True = fell back
         self.counters = {"requests_disaggregated": 0, "kv_received": 0, "local_prefills": 0,
                          "fallbacks": 0, "transfer_failures": 0, "kv_pages_received": 0, "stale_messages": 0,
-                         "duplicate_rooms": 0}
+                         "duplicate_rooms": 0, "kv_rooms_packed": 0}
 
     # ------------------------------------------------------------- intake
     def take(self, req: Req, bootstrap) -> bool:
@@ -232,9 +248,12 @@ class DecodeMode(SchedulerMode):
         expected = expected_writes(src, self.layout, len(pages), room=room, seed=seed, dst_dp_rank=self.dp_rank)
         row = self.aux[aux_slot]
         nonce = self._nonce(room)
+        at = self._lend_staging(src, len(pages))
+        need = staging_bytes(self.layout, len(pages)) if at is not None else 0
+        addr = self.staging.addr + at if self.staging is not None and at is not None else 0
         kv = KVRequest(room, nonce, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
                        pages, req.kv_len, len(req.fill_ids) - 1 - req.kv_len, row.data_ptr(),
-                       row.numel() * row.element_size(), self.io.endpoint)
+                       row.numel() * row.element_size(), self.io.endpoint, addr, need)
         controls = peer.controls({s for s, _ in expected})
         if peer.key not in self.introduced and self.record is not None:
             for control in peer.controls(range(len(info.ranks))):  # before the KV request, on the same pipe
@@ -245,8 +264,19 @@ class DecodeMode(SchedulerMode):
         req.state = ReqState.WAITING_FOR_KV
         req.stage_clock.start_prefill(now)
         inc = IncomingRoom(room, nonce, peer, expected, now + self.config.timeout_s, now)
-        self.rooms[room] = WaitingRoom(req, inc, aux_slot)
+        blocks = tuple(staging_blocks(src, self.layout, self.rank, len(pages), room=room, seed=seed,
+                                      dst_dp_rank=self.dp_rank)) if at is not None else ()
+        self.rooms[room] = WaitingRoom(req, inc, aux_slot, at, blocks, tuple(pages))
         self.counters["requests_disaggregated"] += 1
+        self.counters["kv_rooms_packed"] += at is not None
+
+    def _lend_staging(self, src: KVLayout, num_pages: int) -> int | None:
+        """A staging range for a room of ``num_pages`` pages from ``src``, when packing pays and
+        one is free (else the room goes unpacked)."""
+        if self.staging is None or not self.pools or not packing_pays(src, self.layout, num_pages,
+                                                                      self.config.transfer_pack):
+            return None
+        return self.staging.alloc(staging_bytes(self.layout, num_pages))
 
     def _nonce(self, room: int) -> int:
         """This life of ``room``: unguessable without the salt, the same on every rank (lock step
@@ -305,6 +335,9 @@ class DecodeMode(SchedulerMode):
         w = self.rooms.pop(room)
         req, inc = w.req, w.incoming
         self.aux_slots.free(w.aux_slot)
+        if w.staging is not None and self.staging is not None:  # every write completed: nothing lands there now
+            unpack_room(self.staging, w.staging, w.blocks, self.pools, w.pages)
+            self.staging.free(w.staging)
         req.kv_len = len(req.fill_ids) - 1
         clock = req.stage_clock
         clock.end_prefill(now)
@@ -321,20 +354,20 @@ class DecodeMode(SchedulerMode):
         ``notify`` False: prefill itself ended the room (it acknowledges once its writes settled)."""
         w = self.rooms.pop(room)
         req, inc = w.req, w.incoming
-        self._abandon(req, inc, w.aux_slot, settled, self.io.now())
+        self._abandon(req, inc, w, settled, self.io.now())
         if notify:
             self._send_abort(inc.peer, room, reason, inc.nonce)
         self.counters["transfer_failures"] += 1
         self.outcomes.append(True)
         self._fall_back(req, reason)
 
-    def _abandon(self, req: Req, inc: IncomingRoom, aux_slot: int, settled: AbstractSet[int], now: float) -> None:
-        """The request lets go of its memory; its own pages (and the aux row) wait in quarantine,
-        kept allocated by the KV cache manager, until no late write can land."""
+    def _abandon(self, req: Req, inc: IncomingRoom, w: WaitingRoom, settled: AbstractSet[int], now: float) -> None:
+        """The request lets go of its memory; its own pages (and the aux row, and the staging
+        range) wait in quarantine, kept allocated, until no late write can land."""
         pending = inc.sources - set(settled)  # the prefill ranks that may still write these pages
         sessions = {s: inc.peer.fetched_info.ranks[s].session for s in pending}
         own = self.scheduler.kv_manager.quarantine(req)
-        self.quarantine.add(req.bootstrap_room, inc.nonce, own, aux_slot, sessions, now)
+        self.quarantine.add(req.bootstrap_room, inc.nonce, own, w.aux_slot, sessions, now, staging=w.staging)
 
     def _fall_back(self, req: Req, reason: str) -> None:
         if self.config.fallback == "error":
@@ -366,6 +399,8 @@ class DecodeMode(SchedulerMode):
         for e in self.quarantine.release(now):
             self.scheduler.kv_manager.free_quarantined(e.pages)
             self.aux_slots.free(e.aux_slot)
+            if e.staging is not None and self.staging is not None:
+                self.staging.free(e.staging)
 
     # ------------------------------------------------------------- release
     def abort(self, req: Req, message: str) -> bool:
@@ -381,7 +416,7 @@ class DecodeMode(SchedulerMode):
         if room is None or w is None or w.req is not req:
             return False
         del self.rooms[room]
-        self._abandon(req, w.incoming, w.aux_slot, set(), self.io.now())
+        self._abandon(req, w.incoming, w, set(), self.io.now())
         self._send_abort(w.incoming.peer, room, message, w.incoming.nonce)
         self.scheduler.finish_request(req, finish_abort(message))
         return True
@@ -406,6 +441,10 @@ class DecodeMode(SchedulerMode):
         pending request, quarantine entry or transfer batch left (``SchedulerMode``)."""
         lent = len(self.rooms) + sum(e.aux_slot is not None for e in self.quarantine.entries.values())
         _balance("decode aux slots", self.aux_slots.num_free + lent, self.aux.shape[0])
+        if self.staging is not None:
+            lent_ranges = sum(w.staging is not None for w in self.rooms.values()) + sum(
+                e.staging is not None for e in self.quarantine.entries.values())
+            _balance("decode staging ranges", self.staging.ranges_in_use, lent_ranges)
         if idle:
             _balance("decode rooms waiting for KV", len(self.rooms), 0)
             _balance("decode pending requests", len(self.pending), 0)
@@ -425,6 +464,7 @@ class DecodeMode(SchedulerMode):
                 "fallback_rate": rate, "fallback_window": len(self.outcomes),
                 "control_refused": self.io.refused(), "quarantine_entries": len(self.quarantine.entries),
                 "aux_rows_in_use": self.aux.shape[0] - self.aux_slots.num_free,
+                "staging_ranges_in_use": self.staging.ranges_in_use if self.staging is not None else 0,
                 "transfer_batches_in_flight": self.backend.outstanding().batches, **self.counters}
 
     @classmethod
@@ -432,7 +472,7 @@ class DecodeMode(SchedulerMode):
         counters = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "fallback_window",
                     "requests_disaggregated", "kv_received", "local_prefills", "fallbacks", "transfer_failures",
                     "kv_pages_received", "stale_messages", "duplicate_rooms", "control_refused", "quarantine_entries",
-                    "aux_rows_in_use", "transfer_batches_in_flight")
+                    "aux_rows_in_use", "transfer_batches_in_flight", "kv_rooms_packed", "staging_ranges_in_use")
         out = {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in counters}}
         out["control_endpoints"] = [s["control_endpoint"] for s in per_dp]
         fell_back = sum(s["fallback_rate"] * s["fallback_window"] for s in per_dp)

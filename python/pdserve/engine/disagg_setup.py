@@ -23,6 +23,7 @@ from pdserve.disagg.layout import KVLayout
 from pdserve.disagg.protocol import BufferRange, DecodeRecord
 from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead, PeersGone
 from pdserve.disagg.sender import KVSender
+from pdserve.disagg.staging import StagingPool, pool_tensors
 from pdserve.disagg.topology import transfer_device
 from pdserve.disagg.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
 from pdserve.engine.mode_io import DirectIO, LockStepIO, ModeIO
@@ -99,31 +100,43 @@ def build_mode(args: ServerArgs, model_config: ModelConfig, runner, groups=None)
     hidden = model_config.hf_config.hidden_size
     slots = args.max_running_requests * (2 if cfg.mode == "decode" else 1)
     aux = torch.zeros(slots, hidden, dtype=torch.float32)  # [slots, hidden]: one request's aux row each
+    staging = staging_pool(cfg, model_config, runner.device)
     backend.register([(d.base_addr, d.total_bytes) for d in descriptors]
-                     + [(aux.data_ptr(), aux.numel() * aux.element_size())])
+                     + [(aux.data_ptr(), aux.numel() * aux.element_size())]
+                     + ([(staging.addr, staging.nbytes)] if staging is not None else []))
     par = args.parallel_config()
     layout = kv_layout(model_config, pool, par.attn_tp_size, par.dp_size)
     auth = peer_auth(cfg)
     io = mode_io(args.host, groups, auth)
     server_id = f"{advertised_host(args.host)}:{args.port}"
     if cfg.mode == "prefill":
-        return _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth)
+        return _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth,
+                             staging, pool_tensors(pool))
     from pdserve.engine.decode_mode import DecodeMode
 
     directory = PeerDirectory(compat_record(args, model_config), layout,
                               min(cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post, auth)
-    record = decode_record(server_id, rank, backend.session_id, descriptors, layout, aux, io.endpoint)
+    record = decode_record(server_id, rank, backend.session_id, descriptors, layout, aux, io.endpoint, staging)
     salt = io.from_leader(os.urandom(16))
     return DecodeMode(cfg, io, backend, layout, [d.base_addr for d in descriptors], aux, directory, server_id, rank,
-                      record=record, nonce_salt=salt)
+                      record=record, nonce_salt=salt, staging=staging, pools=pool_tensors(pool))
+
+
+def staging_pool(cfg: DisaggConfig, model_config: ModelConfig, device: str | torch.device) -> StagingPool | None:
+    """The rank's staging buffer for packed transfers (GQA only; none with a size of 0 or with
+    decode's ``--disaggregation-transfer-pack off``), on the pool's device."""
+    if model_config.is_mla or cfg.pack_staging_mb == 0 or (cfg.mode == "decode" and cfg.transfer_pack == "off"):
+        return None
+    return StagingPool(cfg.pack_staging_mb * 2**20, device)
 
 
 def decode_record(server_id: str, rank: int, session: str, descriptors, layout: KVLayout, aux: torch.Tensor,
-                  endpoint: str) -> DecodeRecord:
-    """What a decode rank publishes to prefill: its KV buffers and aux rows, whole."""
+                  endpoint: str, staging: StagingPool | None = None) -> DecodeRecord:
+    """What a decode rank publishes to prefill: its KV buffers, aux rows and staging buffer, whole."""
     row_bytes = aux.shape[1] * aux.element_size()
+    lent = [BufferRange(staging.addr, staging.nbytes)] if staging is not None else []
     return DecodeRecord(server_id, rank, session, [BufferRange(d.base_addr, d.total_bytes) for d in descriptors],
-                        layout, BufferRange(aux.data_ptr(), aux.shape[0] * row_bytes), row_bytes, endpoint)
+                        layout, BufferRange(aux.data_ptr(), aux.shape[0] * row_bytes), row_bytes, endpoint, lent)
 
 
 def registry_host(args: ServerArgs) -> str:
@@ -134,11 +147,12 @@ def registry_host(args: ServerArgs) -> str:
     return "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
 
 
-def _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth):
+def _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth, staging,
+                  pools):
     from pdserve.engine.prefill_mode import PrefillMode
 
     bases = {d.name: d.base_addr for d in descriptors}
-    sender = KVSender(backend, layout, rank, bases, aux, seed=args.random_seed)
+    sender = KVSender(backend, layout, rank, bases, aux, seed=args.random_seed, pools=pools, staging=staging)
     client, here = BootstrapClient(auth=auth), registry_host(args)
     if rank == 0:
         client.register_compat(here, cfg.bootstrap_port, compat_record(args, model_config))

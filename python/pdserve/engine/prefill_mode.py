@@ -54,7 +54,7 @@ MAX_DECODE_RECORDS = 4096  # decode ranks remembered; the oldest is dropped past
 
 class PrefillMode(SchedulerMode):
     name = "prefill"
-    rank_counters = ("kv_bytes_sent", "kv_writes_sent")
+    rank_counters = ("kv_bytes_sent", "kv_writes_sent", "kv_writes_packed")
 
     def __init__(self, config: DisaggConfig, io: ModeIO, sender: KVSender, server_id: str):
         self.config = config
@@ -388,6 +388,8 @@ class PrefillMode(SchedulerMode):
                             ("transfer batches in flight", self.sender.backend.outstanding().batches)):
                 _balance(f"prefill {what}", n, 0)
             _balance("prefill aux rows free", self.sender.aux_rows_free, self.sender.aux.shape[0])
+            if self.sender.staging is not None:
+                _balance("prefill staging ranges in use", self.sender.staging.ranges_in_use, 0)
 
     def sockets(self) -> list:
         return self.io.sockets()
@@ -395,7 +397,8 @@ class PrefillMode(SchedulerMode):
     def stats(self) -> dict:
         return {"disaggregation_mode": self.name, "rooms_waiting": len(self.rooms),
                 "rooms_transferring": len(self.transferring), "kv_bytes_sent": self.sender.bytes_posted,
-                "kv_writes_sent": self.sender.writes_posted, "control_refused": self.io.refused(),
+                "kv_writes_sent": self.sender.writes_posted, "kv_writes_packed": self.sender.packed_writes,
+                "control_refused": self.io.refused(),
                 "rooms_open": len(self.reqs) + len(self.closing),
                 "aux_rows_in_use": self.sender.aux.shape[0] - self.sender.aux_rows_free,
                 "transfer_batches_in_flight": self.sender.backend.outstanding().batches, **self.counters}

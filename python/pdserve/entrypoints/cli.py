@@ -23,6 +23,7 @@ from pdserve.config import (
     FALLBACK_POLICIES,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
+    PACK_POLICIES,
     SCHEDULE_POLICIES,
     TRANSFER_BACKENDS,
     ServerArgs,
@@ -127,6 +128,11 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
           choices=FALLBACK_POLICIES)
     _flag(g, "--disaggregation-min-prefill-tokens", "decode: prefill locally when it would receive fewer "
           "tokens than this (0: always transfer)", type=int)
+    _flag(g, "--disaggregation-transfer-pack", "decode: move a room's KV as one packed write per forward and head "
+          "block instead of one per page (auto: when prefill and decode split heads differently)",
+          choices=PACK_POLICIES)
+    _flag(g, "--disaggregation-pack-staging-mb", "registered staging buffer per rank for packed transfers, in MiB "
+          "(0: none; a room that does not fit moves unpacked)", type=int)
     _flag(g, "--disaggregation-auth-token", "token shared by every prefill and decode server: bootstrap requests "
           "and control messages carry an HMAC under it (prefer the file or PDSERVE_DISAGGREGATION_AUTH_TOKEN: a "
           "flag shows in the process list)")

@@ -30,6 +30,8 @@ STAT_GAUGES = {
 DISAGG_COUNTERS = {
     "kv_bytes_sent": ("kv_transfer_bytes", "Prefill: KV bytes posted to decode servers"),
     "kv_writes_sent": ("kv_transfer_writes", "Prefill: KV write operations posted (after merging page runs)"),
+    "kv_writes_packed": ("kv_transfer_writes_packed", "Prefill: of those, head blocks packed into staging"),
+    "kv_rooms_packed": ("decode_kv_rooms_packed", "Decode: requests whose KV was asked for packed (staging lent)"),
     "rooms_completed": ("prefill_rooms_completed", "Prefill: requests whose KV fully landed on decode"),
     "rooms_failed": ("prefill_rooms_failed", "Prefill: requests whose KV transfer failed"),
     "rooms_dropped": ("prefill_rooms_dropped", "Prefill: rooms decode prefilled itself (conditional)"),

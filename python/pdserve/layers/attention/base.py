@@ -61,6 +61,21 @@ class AttentionBackend(ABC):
     def prepare(self, fb: ForwardBatch) -> AttentionMetadata:
         """The metadata every layer of this forward reads (see the class docstring)."""
 
+    # CUDA graphs (engine/cuda_graph.py). A backend whose plan is fixed by the batch's tensors
+    # keeps these defaults; one whose kernels read plan buffers it fills on the host (flashinfer)
+    # sizes them once, plans a graph's batch into them at capture, and again before each replay.
+    def init_cuda_graph(self, max_bs: int, max_pages: int, device: torch.device) -> None:
+        """Graphs of up to ``max_bs`` rows and ``max_pages`` KV pages in all will be captured."""
+        return None
+
+    def graph_metadata(self, fb: ForwardBatch, bs: int) -> AttentionMetadata:
+        """The metadata a graph of ``bs`` rows is captured with (``fb``: the runner's fixed inputs)."""
+        return self.prepare(fb)
+
+    def before_replay(self, fb: ForwardBatch, bs: int) -> None:
+        """``fb`` (the runner's fixed inputs, refilled for this step) is about to be replayed."""
+        return None
+
     @abstractmethod
     def forward_gqa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                     scale: float, fb: ForwardBatch) -> torch.Tensor:
