@@ -306,6 +306,7 @@ class DecodeMode(SchedulerMode):
         req.kv_len = len(req.fill_ids) - 1
         req.clock.end_prefill(now)
         req.clock.remote_queue, req.clock.remote_prefill = inc.remote_timings()
+        req.cached_tokens_reported = inc.remote_cached_tokens()  # prefill's hit: the compute it saved
         req.clock.transferred = True
         self.scheduler.activate(req)
         self.counters["kv_received"] += 1
