@@ -204,6 +204,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--policy", "how a worker is picked, on both sides", choices=tuple(POLICIES))
     _router_flag(g, "--prefill-policy", "prefill side's policy (default: --policy)", choices=tuple(POLICIES))
     _router_flag(g, "--decode-policy", "decode side's policy (default: --policy)", choices=tuple(POLICIES))
+    _router_flag(g, "--balance-abs-threshold", "cache_aware: the worker with the longest cached prefix is skipped "
+                 "when it has more than this many requests in flight above the least loaded one ...", type=int)
+    _router_flag(g, "--balance-rel-threshold", "... and more than this many times as many", type=float)
+    _router_flag(g, "--tokenizer-path", "cache_aware: local tokenizer directory to hash prompts with (default: the "
+                 "path the prefill workers report, when it exists here)")
+    _router_flag(g, "--kv-events-timeout-secs", "cache_aware: a prefill worker whose KV events (and heartbeats) "
+                 "stop this long is routed as if it cached nothing", type=float)
     _router_flag(g, "--request-timeout-secs", "longest a request (a whole stream) may take", type=float)
     g = parser.add_argument_group("health")
     _router_flag(g, "--health-check-interval-secs", "seconds between GET /health of every worker", type=float)

@@ -2,8 +2,9 @@
 
 Wire format (one ZMQ multipart message per batch, as vLLM's and SGLang's publishers):
 ``[topic, seq as u64 big-endian, payload]`` where ``payload`` is JSON
-``{"seq", "ts", "events": [...], "data_parallel_rank"}`` and each event carries ``type``
-("BlockStored", "BlockRemoved", "AllBlocksCleared") and vLLM/Dynamo's field names.
+``{"seq", "epoch", "ts", "events": [...], "data_parallel_rank"}`` (``epoch``: random per start)
+and each event carries ``type`` ("BlockStored", "BlockRemoved", "AllBlocksCleared") and
+vLLM/Dynamo's field names.
 
 An idle publisher sends an empty batch (``events: []``) with the last number every second.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from urllib.parse import urlsplit
@@ -61,6 +63,7 @@ class KVEventPublisher(EventBuffer):
         self.config = config
         self.data_parallel_rank = data_parallel_rank
         self.seq = 0  # the last batch numbered
+        self.epoch = random.getrandbits(63)  # a restarted server numbers from 1 again under a new epoch
         self.dropped_batches = 0
         self.drop_next = 0
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
@@ -94,7 +97,8 @@ class KVEventPublisher(EventBuffer):
         """Every cached block as of batch ``seq`` (pending events are flushed first, so a subscriber
         that applies this and then batches after ``seq`` misses nothing)."""
         self.flush()
-        return {"seq": self.seq, "block_size": block_size, "data_parallel_rank": self.data_parallel_rank,
+        return {"seq": self.seq, "epoch": self.epoch, "block_size": block_size,
+                "data_parallel_rank": self.data_parallel_rank,
                 "blocks": [{"block_hash": h, "parent_block_hash": p, "medium": MEDIUM_GPU} for h, p in blocks]}
 
     def stats(self) -> dict:
@@ -144,5 +148,5 @@ class KVEventPublisher(EventBuffer):
             return self.seq, time.time(), []
 
     def _payload(self, seq: int, ts: float, events: list[KVEvent]) -> bytes:
-        return orjson.dumps({"seq": seq, "ts": ts, "data_parallel_rank": self.data_parallel_rank,
+        return orjson.dumps({"seq": seq, "epoch": self.epoch, "ts": ts, "data_parallel_rank": self.data_parallel_rank,
                              "events": [event_dict(e) for e in events]})

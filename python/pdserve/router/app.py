@@ -25,9 +25,10 @@ from pdserve import __version__
 from pdserve.entrypoints.api_key import ApiKeyMiddleware
 from pdserve.entrypoints.errors import RequestError, ServerError, error_body, error_response
 from pdserve.entrypoints.listen import bind_socket, configure_logging
+from pdserve.router.cache_view import CacheView
 from pdserve.router.config import RouterArgs
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import make_policy
+from pdserve.router.policy import Policy, make_policy
 from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
 from pdserve.router.workers import HealthChecker, Role, Worker, WorkerSet, make_worker_set
@@ -50,6 +51,7 @@ class RouterContext:
     proxy: PDProxy
     checker: HealthChecker
     state: RouterState
+    cache: CacheView
 
     @property
     def sets(self) -> tuple[WorkerSet, WorkerSet]:
@@ -58,9 +60,10 @@ class RouterContext:
 
 def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterContext:
     rng = rng or random.Random()
-    prefill = make_worker_set(Role.PREFILL, [p.url for p in args.prefill], make_policy(args.prefill_policy_name, rng),
-                              [p.bootstrap_port for p in args.prefill])
-    decode = make_worker_set(Role.DECODE, args.decode, make_policy(args.decode_policy_name, rng))
+    prefill = make_worker_set(Role.PREFILL, [p.url for p in args.prefill], _policy(args, args.prefill_policy_name, rng),
+                              [p.bootstrap_port for p in args.prefill], args.prefill_policy_name)
+    decode = make_worker_set(Role.DECODE, args.decode, _policy(args, args.decode_policy_name, rng),
+                             policy_name=args.decode_policy_name)
     metrics = RouterMetrics()
     state = RouterState(prefill, decode, args.worker_startup_timeout_secs)
     proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
@@ -68,7 +71,16 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs)
     checker.after_check.append(state.update)
     checker.next_interval = lambda: _check_interval(args, state)
-    return RouterContext(args, prefill, decode, metrics, proxy, checker, state)
+    cache = CacheView(prefill, decode, proxy.call, proxy.worker_headers, args.tokenizer_path,
+                      args.kv_events_timeout_secs, args.health_check_timeout_secs,
+                      args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware")
+    proxy.cache = cache
+    checker.after_check.append(cache.schedule_refresh)
+    return RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache)
+
+
+def _policy(args: RouterArgs, name: str, rng: random.Random) -> Policy:
+    return make_policy(name, rng, args.balance_abs_threshold, args.balance_rel_threshold)
 
 
 def _check_interval(args: RouterArgs, state: RouterState) -> float:
@@ -268,6 +280,7 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
         if health_loop is not None:
             health_loop.cancel()
             await asyncio.gather(health_loop, return_exceptions=True)
+        ctx.cache.close()
         await ctx.proxy.close()
         sock.close()
 

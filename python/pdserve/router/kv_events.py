@@ -40,6 +40,7 @@ class KVEventSubscriber:
         self.clock = clock
         self.index = KVIndex()
         self.lock = threading.Lock()
+        self.epoch: int | None = None  # the publisher's; a new one means it restarted and numbers afresh
         self.last_message = -float("inf")
         self.last_resync_try = -float("inf")
         self.batches = 0
@@ -98,6 +99,10 @@ class KVEventSubscriber:
             logger.warning("KV events of %s: malformed message dropped (%s)", self.name, e)
             return
         self.last_message = self.clock()
+        if payload.get("epoch") != self.epoch:
+            with self.lock:
+                self.index.forget()
+                self.epoch = payload.get("epoch")
         if not events:  # a heartbeat: the number of the last batch the worker closed
             self._check_heartbeat(seq)
             return
