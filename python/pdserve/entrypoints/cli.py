@@ -274,7 +274,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     g.add_argument("--bootstrap-port", dest="up_bootstrap_port", type=int, default=8998,
                    help="prefill i's bootstrap registry listens on this + i (default: %(default)s)")
-    g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="least_load",
+    g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="cache_aware",
                    help="the router's policy for both sides (default: %(default)s)")
     g.add_argument("--api-key", dest="up_api_key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' to the router and every server")

@@ -27,6 +27,7 @@ from pdserve.entrypoints.errors import RequestError, ServerError, error_body, er
 from pdserve.entrypoints.listen import bind_socket, configure_logging
 from pdserve.router.cache_view import CacheView
 from pdserve.router.config import RouterArgs
+from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Policy, make_policy
 from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
@@ -164,7 +165,8 @@ async def _server_info(ctx: RouterContext) -> dict:
                                               "decode": ctx.args.decode_policy_name},
            "prefill": [], "decode": [], "internal_states": []}
     for w, info in zip(workers, infos):
-        out[w.role.value].append({**w.info(), "server_info": info})
+        kv = w.kv.status() if isinstance(w.kv, KVEventSubscriber) else None
+        out[w.role.value].append({**w.info(), "kv_events": kv, "load": w.load, "server_info": info})
         if w.role is Role.DECODE and isinstance(info, dict):
             out["internal_states"].extend(info.get("internal_states", []))
     return out

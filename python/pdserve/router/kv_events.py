@@ -72,6 +72,13 @@ class KVEventSubscriber:
         with self.lock:
             return self.index.num_blocks if self.fresh else 0
 
+    def status(self) -> dict:
+        """What ``/get_server_info`` of the router shows for this worker."""
+        with self.lock:
+            seq, blocks = self.index.seq, self.index.num_blocks
+        return {"endpoint": self.endpoint, "seq": seq, "blocks": blocks, "fresh": self.fresh,
+                "batches": self.batches, "gaps": self.gaps, "resyncs": self.resyncs}
+
     # -------------------------------------------------------------- thread
     def _run(self) -> None:
         ctx = zmq.Context()
