@@ -82,10 +82,11 @@ def test_make_policy_names_the_bad_value():
         make_policy("prefix", random.Random(0))
 
 
-def aware(*specs: tuple[int, int], free: tuple[int, ...] = ()) -> list[Candidate]:
-    """(in_flight, cached_blocks) per worker."""
+def aware(*specs: tuple[int, int], free: tuple[int, ...] = (), blocks: int = 10) -> list[Candidate]:
+    """(in_flight, cached_blocks) per worker; ``blocks``: the prompt's."""
     free = free or (0,) * len(specs)
-    return [Candidate(i, f"http://w{i}", load, cached, 0, f) for i, ((load, cached), f) in enumerate(zip(specs, free))]
+    return [Candidate(i, f"http://w{i}", load, cached, 0, f, blocks)
+            for i, ((load, cached), f) in enumerate(zip(specs, free))]
 
 
 def test_cache_aware_takes_the_longest_cached_prefix_ties_by_load():
@@ -102,3 +103,5 @@ def test_cache_aware_balances_past_both_thresholds_and_by_load_without_a_hit():
     assert policy.pick(aware((0, 0), (0, 0), (1, 0), free=(3, 7, 9))) == 1 and policy.reason == "load"
     picks = Counter(policy.pick(aware((0, 0), (1, 0), (0, 0))) for _ in range(200))
     assert set(picks) == {0, 2}  # equal load, pages and cache: at random
+    assert policy.pick(aware((1, 2), (0, 0), blocks=10)) == 1 and policy.reason == "load"  # 20% < cache_threshold
+    assert policy.pick(aware((1, 3), (0, 0), blocks=10)) == 0 and policy.reason == "cache_hit"

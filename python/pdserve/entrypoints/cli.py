@@ -204,6 +204,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--policy", "how a worker is picked, on both sides", choices=tuple(POLICIES))
     _router_flag(g, "--prefill-policy", "prefill side's policy (default: --policy)", choices=tuple(POLICIES))
     _router_flag(g, "--decode-policy", "decode side's policy (default: --policy)", choices=tuple(POLICIES))
+    _router_flag(g, "--cache-threshold", "cache_aware: route by cache only when a worker holds at least this share "
+                 "of the prompt's pages, else by load", type=float)
     _router_flag(g, "--balance-abs-threshold", "cache_aware: the worker with the longest cached prefix is skipped "
                  "when it has more than this many requests in flight above the least loaded one ...", type=int)
     _router_flag(g, "--balance-rel-threshold", "... and more than this many times as many", type=float)

@@ -122,7 +122,7 @@ class KVEventPublisher(EventBuffer):
             sock.setsockopt(zmq.SNDHWM, self.config.hwm)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(self.config.endpoint)
-            self._bound_at = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._bound_at = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._bind_error = str(e)
             sock.close()

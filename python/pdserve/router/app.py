@@ -81,7 +81,7 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
 
 
 def _policy(args: RouterArgs, name: str, rng: random.Random) -> Policy:
-    return make_policy(name, rng, args.balance_abs_threshold, args.balance_rel_threshold)
+    return make_policy(name, rng, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
 
 
 def _check_interval(args: RouterArgs, state: RouterState) -> float:

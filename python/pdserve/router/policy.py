@@ -23,6 +23,7 @@ class Candidate:
     cached_blocks: int = 0  # leading blocks of this request's prompt the worker caches (KV events)
     indexed_blocks: int = 0  # blocks it caches in all (a smaller cache has more room)
     free_pages: int = 0  # free KV pages it last reported
+    prompt_blocks: int = 0  # full pages in this request's prompt (the same for every candidate)
 
 
 class Policy(ABC):
@@ -73,19 +74,22 @@ class CacheAwarePolicy(Policy):
     """The worker caching the longest prefix of the prompt (ties: fewer in flight), unless its load
     is out of balance with the least loaded one (sglang-router's rule: more than ``abs_threshold``
     requests more AND more than ``rel_threshold`` times as many); then, and when no worker caches
-    any of it, the least loaded one (ties: more free KV pages, a smaller cache, then at random).
-    ``reason``: "cache_hit", "balance" or "load"."""
+    at least ``cache_threshold`` of the prompt's pages (a shared template head alone must not pull
+    every new conversation to one worker), the least loaded one (ties: more free KV pages, a
+    smaller cache, then at random). ``reason``: "cache_hit", "balance" or "load"."""
 
-    def __init__(self, rng: random.Random, abs_threshold: int = 64, rel_threshold: float = 1.5):
+    def __init__(self, rng: random.Random, abs_threshold: int = 64, rel_threshold: float = 1.5,
+                 cache_threshold: float = 0.3):
         super().__init__(rng)
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
+        self.cache_threshold = cache_threshold
 
     def pick(self, candidates: Sequence[Candidate]) -> int:
         least = min(c.in_flight for c in candidates)
         best = max(range(len(candidates)), key=lambda i: (candidates[i].cached_blocks, -candidates[i].in_flight))
-        load = candidates[best].in_flight
-        if candidates[best].cached_blocks > 0:
+        load, cached = candidates[best].in_flight, candidates[best].cached_blocks
+        if cached > 0 and cached >= self.cache_threshold * candidates[best].prompt_blocks:
             if not (load - least > self.abs_threshold and load > least * self.rel_threshold):
                 self.reason = "cache_hit"
                 return best
@@ -111,9 +115,9 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(name: str, rng: random.Random, balance_abs_threshold: int = 64,
-                balance_rel_threshold: float = 1.5) -> Policy:
+                balance_rel_threshold: float = 1.5, cache_threshold: float = 0.3) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"policy: {name!r} is not one of {tuple(POLICIES)}")
     if name == "cache_aware":
-        return CacheAwarePolicy(rng, balance_abs_threshold, balance_rel_threshold)
+        return CacheAwarePolicy(rng, balance_abs_threshold, balance_rel_threshold, cache_threshold)
     return POLICIES[name](rng)
