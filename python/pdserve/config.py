@@ -621,7 +621,10 @@ class ServerArgs:
         self.scheduler_config()
         self.parallel_config()
         self.disagg_config()
-        self.kv_events()
+        if self.kv_events().enabled and self.dp_size > 1:
+            # each DP group caches its own requests; one stream and one snapshot per server would mix them
+            raise ValueError(f"kv_events_config: KV events are published by single-group servers (dp_size 1), "
+                             f"got dp_size {self.dp_size}")
         if self.disaggregation_mode == "prefill" and self.dp_size > 1:
             # Decode plans a request's writes from the prefill layout before prefill has assigned the
             # request to a DP group, so it could not know which group's ranks hold the KV.

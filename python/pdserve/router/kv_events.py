@@ -42,7 +42,7 @@ class KVEventSubscriber:
         self.lock = threading.Lock()
         self.epoch: int | None = None  # the publisher's; a new one means it restarted and numbers afresh
         self.last_message = -float("inf")
-        self.last_resync_try = -float("inf")
+        self.last_failure = -float("inf")  # a failed snapshot is not retried for MIN_RESYNC_INTERVAL_S
         self.batches = 0
         self.gaps = 0
         self.resyncs = 0
@@ -136,16 +136,15 @@ class KVEventSubscriber:
         self.resync()
 
     def resync(self) -> bool:
-        now = self.clock()
-        if now - self.last_resync_try < MIN_RESYNC_INTERVAL_S and self.index.seq is None:
+        if self.clock() - self.last_failure < MIN_RESYNC_INTERVAL_S:
             return False
-        self.last_resync_try = now
         try:
             snapshot = self.fetch_snapshot()
             with self.lock:
                 self.index.load_snapshot(snapshot)
         except Exception as e:  # noqa: BLE001 - any failure leaves the worker routed as empty
             self.resync_failures += 1
+            self.last_failure = self.clock()
             with self.lock:
                 self.index.forget()
             logger.warning("KV events of %s: snapshot failed (%s: %s); routed as holding nothing", self.name,

@@ -402,7 +402,8 @@ class _Exchange:
         if self.finished:
             return
         self.finished = True
-        if self.completed and self.prefill is not None and self.cached_tokens is not None:
+        # counted once seen, complete or not: a client that closes on [DONE] cuts the relay short
+        if self.prefill is not None and self.cached_tokens is not None:
             self.metrics.reported_cached.labels(self.prefill.role.value, self.prefill.url).inc(self.cached_tokens)
         if self.resp is not None and self.completed:
             self.resp.release()  # back to the pool
