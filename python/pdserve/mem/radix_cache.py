@@ -258,7 +258,7 @@ class RadixCache:
         """(block hash, parent block hash or None) of every cached block, parents first: the
         tree as a KV-event subscriber rebuilds it from a snapshot."""
         out: list[tuple[int, int | None]] = []
-        level = [(c, None) for c in self._root.children.values()]
+        level: list[tuple[RadixNode, int | None]] = [(c, None) for c in self._root.children.values()]
         while level:
             out.extend((n.hash, parent) for n, parent in level)
             level = [(c, n.hash) for n, _ in level for c in n.children.values()]

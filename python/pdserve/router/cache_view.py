@@ -88,10 +88,16 @@ class CacheView:
     async def _follow_or_drop(self, w: Worker) -> None:
         if not w.healthy:
             self._drop(w)
-        elif w.kv is None:
+        elif w.kv is None or (isinstance(w.kv, KVEventSubscriber) and not w.kv.fresh):
+            # a silent worker may have restarted between health checks on another port
             info = await self._get_json(w, "/get_server_info")
-            if info is not None:
-                await self._follow(w, info)
+            if info is None:
+                return
+            if isinstance(w.kv, KVEventSubscriber):
+                if w.kv.endpoint == _reachable(str(info.get("kv_events_endpoint")), w.url):
+                    return
+                self._drop(w)
+            await self._follow(w, info)
 
     async def _follow(self, w: Worker, info: dict) -> None:
         endpoint, page_size = info.get("kv_events_endpoint"), info.get("page_size")
