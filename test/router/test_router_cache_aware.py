@@ -6,15 +6,12 @@ round_robin they do not; the answers are the same token for token. One deploymen
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from router_utils import Router
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
-from pd_servers import decode_server, prefill_server, start_all  # noqa: E402
+from disagg.pd_servers import decode_server, prefill_server, start_all
 
 MODEL = "tiny-llama"
 EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"})
