@@ -103,5 +103,8 @@ def test_cache_aware_balances_past_both_thresholds_and_by_load_without_a_hit():
     assert policy.pick(aware((0, 0), (0, 0), (1, 0), free=(3, 7, 9))) == 1 and policy.reason == "load"
     picks = Counter(policy.pick(aware((0, 0), (1, 0), (0, 0))) for _ in range(200))
     assert set(picks) == {0, 2}  # equal load, pages and cache: at random
+    decodes = [Candidate(0, "http://d0", 1, running=0, free_pages=9), Candidate(1, "http://d1", 1, running=3),
+               Candidate(2, "http://d2", 1, running=0, free_pages=2)]
+    assert policy.pick(decodes) == 0  # same in flight: fewer running, then more free pages
     assert policy.pick(aware((1, 2), (0, 0), blocks=10)) == 1 and policy.reason == "load"  # 20% < cache_threshold
     assert policy.pick(aware((1, 3), (0, 0), blocks=10)) == 0 and policy.reason == "cache_hit"

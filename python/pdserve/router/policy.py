@@ -24,6 +24,7 @@ class Candidate:
     indexed_blocks: int = 0  # blocks it caches in all (a smaller cache has more room)
     free_pages: int = 0  # free KV pages it last reported
     prompt_blocks: int = 0  # full pages in this request's prompt (the same for every candidate)
+    running: int = 0  # requests it last reported running (from every client, not only this router)
 
 
 class Policy(ABC):
@@ -76,7 +77,8 @@ class CacheAwarePolicy(Policy):
     requests more AND more than ``rel_threshold`` times as many); then, and when no worker caches
     at least ``cache_threshold`` of the prompt's pages (a shared template head alone must not pull
     every new conversation to one worker), the least loaded one (ties: more free KV pages, a
-    smaller cache, then at random). ``reason``: "cache_hit", "balance" or "load"."""
+    smaller cache, then at random; decode workers: fewer in flight, fewer reported running, more free
+    pages). ``reason``: "cache_hit", "balance" or "load"."""
 
     def __init__(self, rng: random.Random, abs_threshold: int = 64, rel_threshold: float = 1.5,
                  cache_threshold: float = 0.3):
@@ -99,8 +101,8 @@ class CacheAwarePolicy(Policy):
         return self._least_loaded(candidates)
 
     def _least_loaded(self, candidates: Sequence[Candidate]) -> int:
-        def key(c: Candidate) -> tuple[int, int, int]:
-            return c.in_flight, -c.free_pages, c.indexed_blocks
+        def key(c: Candidate) -> tuple[int, int, int, int]:
+            return c.in_flight, c.running, -c.free_pages, c.indexed_blocks
 
         lowest = min(key(c) for c in candidates)
         return self.rng.choice([i for i, c in enumerate(candidates) if key(c) == lowest])

@@ -130,9 +130,9 @@ class WorkerSet:
 def _candidate(w: Worker, block_hashes: Sequence[int]) -> Candidate:
     cached = w.kv.matched_blocks(block_hashes) if w.kv is not None and block_hashes else 0
     indexed = w.kv.num_blocks if w.kv is not None else 0
-    free = w.load.get("free_pages", 0)
+    free, running = w.load.get("free_pages", 0), w.load.get("num_running_reqs", 0)
     return Candidate(w.position, w.url, w.in_flight, cached, indexed, free if isinstance(free, int) else 0,
-                     len(block_hashes))
+                     len(block_hashes), running if isinstance(running, int) else 0)
 
 
 def make_worker_set(role: Role, urls: Sequence[str], policy: Policy,
