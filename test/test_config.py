@@ -53,3 +53,25 @@ def test_bucket_for_pads_up_and_leaves_the_rest_eager():
 def test_compile_max_bs_is_validated_naming_the_flag():
     with pytest.raises(ValueError, match="torch_compile_max_bs"):
         ServerArgs(model_path="tiny-llama", enable_torch_compile=True, torch_compile_max_bs=0)
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"publisher": "kafka"}', "publisher 'kafka' is not one of"),
+    ('{"endpont": "tcp://*:5557"}', r"unknown field\(s\) \['endpont'\]"),
+    ('{"publisher": "zmq", "endpoint": "localhost:5557"}', "is not a tcp://"),
+    ('{"max_queue_size": 0}', "max_queue_size must be an integer >= 1"),
+    ("[1]", "must be a JSON object"),
+    ("{bad", "not valid JSON"),
+])
+def test_kv_events_config_names_the_bad_field(config, message):
+    with pytest.raises(ValueError, match=f"kv_events_config: .*{message}"):
+        ServerArgs(model_path="tiny-llama", kv_events_config=config)
+    assert not ServerArgs(model_path="tiny-llama").kv_events().enabled
+
+
+def test_kv_events_publisher_names_an_endpoint_it_cannot_bind():
+    from pdserve.config import KVEventsConfig
+    from pdserve.obs.kv_event_publisher import KVEventPublisher
+
+    with pytest.raises(ValueError, match="kv_events_config: cannot bind endpoint 'tcp://256.0.0.1:1'"):
+        KVEventPublisher(KVEventsConfig("zmq", "tcp://256.0.0.1:1"))

@@ -519,6 +519,53 @@ class DisaggConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """``--kv-events-config``: SGLang's JSON (``{"publisher": "zmq", "endpoint": "tcp://*:5557"}``).
+    ``endpoint`` is where the PUB socket binds (``tcp://127.0.0.1:*``: a free port, reported in
+    ``/get_server_info``); ``max_queue_size`` batches wait for the publisher thread, more are
+    dropped (subscribers see the sequence gap and resync from the snapshot)."""
+
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+    max_queue_size: int = 100_000
+    hwm: int = 100_000
+
+    def __post_init__(self):
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config: publisher {self.publisher!r} is not one of {KV_EVENT_PUBLISHERS}")
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_config: endpoint {self.endpoint!r} is not a tcp://, ipc:// or inproc:// "
+                             f"ZMQ address")
+        for name in ("max_queue_size", "hwm"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config: {name} must be an integer >= 1, got {getattr(self, name)!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.publisher != "null"
+
+    @classmethod
+    def parse(cls, text: str | None) -> KVEventsConfig:
+        if not text:
+            return cls()
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"kv_events_config: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError("kv_events_config: must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
 class ServerArgs:
     """Everything a server (or the offline Engine) is launched with; names follow SGLang's flags."""
 
@@ -567,6 +614,7 @@ class ServerArgs:
     disaggregation_allow_unauthenticated: bool = False
     disaggregation_transfer_pack: str = "auto"
     disaggregation_pack_staging_mb: int = 64
+    kv_events_config: str | None = None  # JSON, KVEventsConfig
     # GPU engine path (DeviceConfig): None resolves by what this host has.
     device: str | None = None
     attention_backend: str | None = None
@@ -587,6 +635,10 @@ class ServerArgs:
         self.scheduler_config()
         self.parallel_config()
         self.disagg_config()
+        if self.kv_events().enabled and self.dp_size > 1:
+            # each DP group caches its own requests; one stream and one snapshot per server would mix them
+            raise ValueError(f"kv_events_config: KV events are published by single-group servers (dp_size 1), "
+                             f"got dp_size {self.dp_size}")
         if self.disaggregation_mode == "prefill" and self.dp_size > 1:
             # Decode plans a request's writes from the prefill layout before prefill has assigned the
             # request to a DP group, so it could not know which group's ranks hold the KV.
@@ -643,6 +695,9 @@ class ServerArgs:
                             resolve_token(self.disaggregation_auth_token, self.disaggregation_auth_token_file),
                             self.disaggregation_allow_unauthenticated, self.disaggregation_transfer_pack,
                             self.disaggregation_pack_staging_mb)
+
+    def kv_events(self) -> KVEventsConfig:
+        return KVEventsConfig.parse(self.kv_events_config)
 
     @property
     def model_name(self) -> str:

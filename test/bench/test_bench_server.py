@@ -274,6 +274,7 @@ def test_multi_turn_rounds_extend_on_the_server(server, tmp_path, proxy):
               "--multi-turn-output-len", "5", "--warmup-requests", "0", "--request-rate", "20")
     assert r["completed"] == 6
     assert sorted(r["details"]["input_lens"]) == [24, 24, 53, 53, 82, 82]  # + 5 answer + 24 question per round
+    assert {t: g["completed"] for t, g in r["groups"].items()} == {"turn1": 2, "later_turns": 4}
     ids = [b["input_ids"] for m, _, b in rec.seen if m == "POST"]
     for longer in (x for x in ids if len(x) > 24):
         shorter = [x for x in ids if len(x) == len(longer) - 29 and longer[:len(x)] == x]

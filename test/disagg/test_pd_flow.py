@@ -73,7 +73,7 @@ def test_outputs_match_a_colocated_engine(pair_factory, model, page_size):
     assert d["kv_received"] == len(prompts) and d["local_prefills"] == 1 and d["fallbacks"] == 0  # +warm-up
     assert p["rooms_completed"] == len(prompts)  # the one-token prompt never paired
     cached = [pair.outputs[f"r{i}"]["final"].cached_tokens for i in (5, 6)]
-    assert all(c == (40 // page_size) * page_size for c in cached), cached  # decode's own prefix hit
+    assert all(c == (40 // page_size) * page_size for c in cached), cached  # prefill's hit, via its KVCompletion
     assert len(rooms) == len(set(rooms))
     pair.assert_idle_and_accounted()
 

@@ -34,7 +34,8 @@ def test_flags_map_to_router_args():
 def test_defaults():
     args = parse("--prefill", "http://p:1", "--decode", "http://d:2")
     assert args == RouterArgs(prefill=(PrefillSpec("http://p:1", 8998),), decode=("http://d:2",))
-    assert args.policy == "least_load" and args.health_check_interval_secs == 5.0
+    assert args.policy == "cache_aware" and args.health_check_interval_secs == 5.0
+    assert (args.balance_abs_threshold, args.balance_rel_threshold) == (64, 1.5)  # sglang-router's
 
 
 P, D = ["--prefill", "http://p:1"], ["--decode", "http://d:2"]
@@ -67,9 +68,11 @@ def test_cli_exits_2_naming_the_field():
     assert "bootstrap_port must be an integer port" in proc.stderr and "Traceback" not in proc.stderr
     proc = _run("router", "--prefill", "http://p:1")  # --decode is required
     assert proc.returncode == 2 and "--decode" in proc.stderr
-    proc = _run("--policy", "cache_aware", "--prefill", "http://p:1", "--decode", "http://d:2",
+    proc = _run("--policy", "prefix", "--prefill", "http://p:1", "--decode", "http://d:2",
                 module="pdserve.router")
-    assert proc.returncode == 2 and "cache_aware" in proc.stderr
+    assert proc.returncode == 2 and "prefix" in proc.stderr
+    proc = _run("router", *P, *D, "--balance-rel-threshold", "0.5")
+    assert proc.returncode == 2 and "balance_rel_threshold: must be >= 1.0" in proc.stderr
 
 
 def test_both_entry_points_show_the_router_flags():

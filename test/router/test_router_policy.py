@@ -7,7 +7,15 @@ from collections import Counter
 
 import pytest
 
-from pdserve.router.policy import POLICIES, Candidate, LeastLoadPolicy, RandomPolicy, RoundRobinPolicy, make_policy
+from pdserve.router.policy import (
+    POLICIES,
+    CacheAwarePolicy,
+    Candidate,
+    LeastLoadPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    make_policy,
+)
 
 
 def cands(*loads: int, positions: list[int] | None = None) -> list[Candidate]:
@@ -66,7 +74,37 @@ def test_least_load_breaks_ties_at_random_among_the_least_only():
 
 
 def test_make_policy_names_the_bad_value():
-    assert set(POLICIES) == {"random", "round_robin", "least_load"}
+    assert set(POLICIES) == {"random", "round_robin", "least_load", "cache_aware"}
     assert isinstance(make_policy("least_load", random.Random(0)), LeastLoadPolicy)
-    with pytest.raises(ValueError, match="policy: 'cache_aware'"):
-        make_policy("cache_aware", random.Random(0))
+    aware = make_policy("cache_aware", random.Random(0), 8, 2.0)
+    assert isinstance(aware, CacheAwarePolicy) and (aware.abs_threshold, aware.rel_threshold) == (8, 2.0)
+    with pytest.raises(ValueError, match="policy: 'prefix'"):
+        make_policy("prefix", random.Random(0))
+
+
+def aware(*specs: tuple[int, int], free: tuple[int, ...] = (), blocks: int = 10) -> list[Candidate]:
+    """(in_flight, cached_blocks) per worker; ``blocks``: the prompt's."""
+    free = free or (0,) * len(specs)
+    return [Candidate(i, f"http://w{i}", load, cached, 0, f, blocks)
+            for i, ((load, cached), f) in enumerate(zip(specs, free))]
+
+
+def test_cache_aware_takes_the_longest_cached_prefix_ties_by_load():
+    policy = CacheAwarePolicy(random.Random(0), abs_threshold=4, rel_threshold=1.5)
+    assert policy.pick(aware((3, 5), (0, 9), (0, 2))) == 1 and policy.reason == "cache_hit"
+    assert policy.pick(aware((3, 9), (1, 9), (0, 2))) == 1  # same prefix: the less loaded
+    assert policy.pick(aware((4, 9), (0, 0))) == 0  # 4 more in flight: not more than abs_threshold
+
+
+def test_cache_aware_balances_past_both_thresholds_and_by_load_without_a_hit():
+    policy = CacheAwarePolicy(random.Random(0), abs_threshold=4, rel_threshold=1.5)
+    assert policy.pick(aware((10, 9), (2, 0), (1, 0))) == 2 and policy.reason == "balance"
+    assert policy.pick(aware((10, 9), (8, 0))) == 0  # 2 more: within abs_threshold
+    assert policy.pick(aware((0, 0), (0, 0), (1, 0), free=(3, 7, 9))) == 1 and policy.reason == "load"
+    picks = Counter(policy.pick(aware((0, 0), (1, 0), (0, 0))) for _ in range(200))
+    assert set(picks) == {0, 2}  # equal load, pages and cache: at random
+    decodes = [Candidate(0, "http://d0", 1, running=0, free_pages=9), Candidate(1, "http://d1", 1, running=3),
+               Candidate(2, "http://d2", 1, running=0, free_pages=2)]
+    assert policy.pick(decodes) == 0  # same in flight: fewer running, then more free pages
+    assert policy.pick(aware((1, 2), (0, 0), blocks=10)) == 1 and policy.reason == "load"  # 20% < cache_threshold
+    assert policy.pick(aware((1, 3), (0, 0), blocks=10)) == 0 and policy.reason == "cache_hit"

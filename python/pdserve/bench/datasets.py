@@ -172,7 +172,7 @@ class MultiTurn(Conversation):
         return len(self.questions)
 
     def first(self) -> BenchRequest:
-        req = self.maker.request(self.questions[0], self.output_len)
+        req = self.maker.request(self.questions[0], self.output_len, tag="turn1")
         return replace(req, messages=({"role": "user", "content": self.questions[0]},))
 
     def next(self, request: BenchRequest, text: str, output_ids: list[int] | None) -> BenchRequest | None:
@@ -190,7 +190,8 @@ class MultiTurn(Conversation):
             ids = (*request.token_ids, *output_ids, *self.maker.encode(q, specials=False))
         else:
             ids = tuple(self.maker.encode(prompt))
-        return BenchRequest(prompt, ids, len(ids), self.output_len, messages, request.tag)
+        # later turns are where a prefix cache (and cache-aware routing) shows: reported apart
+        return BenchRequest(prompt, ids, len(ids), self.output_len, messages, "later_turns")
 
 
 @dataclass

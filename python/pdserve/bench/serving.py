@@ -161,7 +161,7 @@ def build_result(cfg: BenchConfig, dataset: str, model: str, tokenizer: str, out
               "burstiness": _num(load.burstiness), "max_concurrency": load.max_concurrency, "slo": rep.slo or None}
     result.update(summarize(outputs, duration, rep.metric_percentiles, rep.slo))
     result["server_timeline"] = timeline_summary(outputs)
-    result["groups"] = _groups(outputs, duration, rep) if dataset == "mixed" else None
+    result["groups"] = _groups(outputs, duration, rep) if dataset in ("mixed", "multi-turn") else None
     result["args"] = cfg.to_dict()
     result["details"] = details(outputs, rep.output_details)
     return result

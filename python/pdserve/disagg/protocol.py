@@ -210,12 +210,16 @@ class KVCompletion:
     # first forward of the room, and from there to the end of its last forward.
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    # Prompt tokens prefill took from its prefix cache (not computed): what the client's
+    # cached_tokens reports, since prefill is where a cache hit saves compute.
+    cached_tokens: int = 0
 
     def __post_init__(self):
         _check_room(self.room)
         _check_nonce(self.nonce)
         _require(0 <= self.queue_s < math.inf and 0 <= self.prefill_s < math.inf,
                  "queue_s, prefill_s: must be finite and >= 0")
+        _require(self.cached_tokens >= 0, f"cached_tokens: must be >= 0, got {self.cached_tokens}")
         _require(self.status in STATUSES, f"status: {self.status!r} is not one of {STATUSES}")
         _require(self.writes >= 0, f"writes: must be >= 0, got {self.writes}")
         _require(self.status == "ok" or bool(self.error), "error: a failed completion must say why")

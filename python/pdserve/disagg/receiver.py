@@ -329,6 +329,10 @@ class IncomingRoom:
             return 0.0, 0.0
         return max(c.queue_s for c in self.got.values()), max(c.prefill_s for c in self.got.values())
 
+    def remote_cached_tokens(self) -> int:
+        """Prompt tokens prefill served from its prefix cache (every source rank shares one cache)."""
+        return min((c.cached_tokens for c in self.got.values()), default=0)
+
 
 # -------------------------------------------------------------- quarantine
 @dataclass

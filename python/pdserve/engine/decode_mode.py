@@ -342,6 +342,7 @@ class DecodeMode(SchedulerMode):
         clock = req.stage_clock
         clock.end_prefill(now)
         clock.remote_queue, clock.remote_prefill = inc.remote_timings()
+        req.cached_tokens_reported = inc.remote_cached_tokens()  # prefill's hit: the compute it saved
         clock.transferred = True
         self.scheduler.activate(req)
         self.counters["kv_received"] += 1

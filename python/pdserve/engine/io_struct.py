@@ -52,6 +52,16 @@ class GetStatsReq:
 
 
 @dataclass
+class KVEventsSnapshotReq:
+    pass
+
+
+@dataclass
+class KVEventsSnapshotResp:
+    snapshot: dict | None  # None: this server publishes no KV events
+
+
+@dataclass
 class StatsResp:
     stats: dict
 

@@ -281,7 +281,7 @@ class PrefillMode(SchedulerMode):
         for d in self.sender.own_pairs(room):
             kv = r.kvs[d]
             self.io.send(kv.reply_to, KVCompletion(room, kv.nonce, self.sender.rank, d, r.writes.get(d, 0), status,
-                                                   r.error or "", queue_s, prefill_s))
+                                                   r.error or "", queue_s, prefill_s, req.cached_tokens_reported))
         if error is None:
             self.counters["rooms_completed"] += 1
             self._finish(req, finish_length(0))

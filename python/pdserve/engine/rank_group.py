@@ -46,6 +46,8 @@ from pdserve.engine.io_struct import (
     FlushCacheReq,
     FlushCacheResp,
     GetStatsReq,
+    KVEventsSnapshotReq,
+    KVEventsSnapshotResp,
     RejectedReq,
     ShutdownReq,
     StatsResp,
@@ -265,7 +267,8 @@ class RankSchedulerLoop:
         self.dp_loads: list[int] = [0] * self.layout.dp_size
         self.handlers: dict[type, Callable] = {
             TokenizedGenerateReq: self._add, AbortReq: self._abort, GetStatsReq: self._stats,
-            FlushCacheReq: self._flush, CheckMemoryReq: self._check_memory, ShutdownReq: self._stop}
+            FlushCacheReq: self._flush, CheckMemoryReq: self._check_memory, ShutdownReq: self._stop,
+            KVEventsSnapshotReq: self._kv_snapshot}
         self.waking: set[type] = {TokenizedGenerateReq}
 
     def on(self, msg_type: type, handler: Callable, wakes: bool = False) -> None:
@@ -386,6 +389,11 @@ class RankSchedulerLoop:
             merged.update(mode.merge_stats(per_dp))
         merged["rank_pages"] = [{k: s[k] for k in ("total_pages", "free_pages", "cached_pages")} for s in every]
         return merged
+
+    def _kv_snapshot(self, _msg: KVEventsSnapshotReq) -> None:
+        # rank 0 alone publishes KV events (its attention group's cache is the server's)
+        if self.layout.is_leader:
+            self._reply(lambda: KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
 
     def _flush(self, _msg: FlushCacheReq) -> None:
         every = self.control.gather(bool(self.scheduler.flush_cache()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from pdserve.mem.cache_manager import KVCacheManager
 from pdserve.mem.page_table import ReqToTokenTable
 from pdserve.mem.radix_cache import RadixCache
 from pdserve.obs.timeline import StageClock
+
+if TYPE_CHECKING:
+    from pdserve.obs.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +87,20 @@ class Scheduler:
         self.num_retractions = 0
         self.forward_steps = 0
         self.new_token_ratio = policy.NewTokenRatio()  # KV admission keeps free for decode growth
+        self.kv_events: KVEventPublisher | None = None
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
+
+    def attach_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Publish the KV cache's events: one batch per step (and per flush), sent off this thread."""
+        self.kv_events = publisher
+        self.kv_manager.set_event_sink(publisher)
+
+    def kv_events_snapshot(self) -> dict | None:
+        """Every cached block and the event batch it is current to; None when events are off."""
+        if self.kv_events is None:
+            return None
+        return self.kv_events.snapshot(self.kv_manager.cached_blocks(), self.page_size)
 
     # ---------------------------------------------------------- memory views
     # Inspection only (stats, tests, the rank group's memory report): changes go through kv_manager.
@@ -177,6 +193,8 @@ class Scheduler:
         elif self.running:
             self._run_decode()
         out, self._pending = self._pending, []
+        if self.kv_events is not None:
+            self.kv_events.flush()
         return out
 
     # ------------------------------------------------------------- admission
@@ -404,7 +422,10 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
-        return self.kv_manager.flush()
+        flushed = self.kv_manager.flush()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return flushed
 
     def _live_reqs(self) -> list[Req]:
         """Requests holding pages: the scheduler's own, then the mode's."""
@@ -440,5 +461,6 @@ class Scheduler:
             "token_usage": (total - free - self.kv_manager.num_evictable_pages) / total,
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
+            **(self.kv_events.stats() if self.kv_events is not None else {}),
             **self.mode.stats(),
         }

@@ -39,6 +39,8 @@ from pdserve.engine.io_struct import (
     FlushCacheReq,
     FlushCacheResp,
     GetStatsReq,
+    KVEventsSnapshotReq,
+    KVEventsSnapshotResp,
     RejectedReq,
     SchedulerFailed,
     SchedulerReady,
@@ -157,6 +159,8 @@ class SchedulerLoop:
             self.send.send_pyobj(StatsResp(self.scheduler.stats()))
         elif isinstance(msg, FlushCacheReq):
             self.send.send_pyobj(FlushCacheResp(bool(self.scheduler.flush_cache())))
+        elif isinstance(msg, KVEventsSnapshotReq):
+            self.send.send_pyobj(KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
         elif isinstance(msg, ShutdownReq):
             self.stopped = True
         else:
@@ -203,6 +207,7 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
     finally:
         if scheduler is not None:
             scheduler.mode.close()
+            close_kv_events(scheduler)
         recv.close(linger=0)
         send.close(linger=1000)  # let a final SchedulerFailed reach the frontend
         ctx.term()
@@ -226,7 +231,24 @@ def build_scheduler(args: ServerArgs):
     cache_config, config = args.cache_config(), args.scheduler_config()
     runner = build_model_runner(args, model_config)
     mode = build_mode(args, model_config, runner)
-    return Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode)
+    scheduler = Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode)
+    attach_kv_events(args, scheduler)
+    return scheduler
+
+
+def attach_kv_events(args: ServerArgs, scheduler) -> None:
+    """``--kv-events-config``: the scheduler's cache publishes its events (one publisher per server:
+    the caller is its only process, or rank 0)."""
+    config = args.kv_events()
+    if config.enabled:
+        from pdserve.obs.kv_event_publisher import KVEventPublisher
+
+        scheduler.attach_kv_events(KVEventPublisher(config, args.host))
+
+
+def close_kv_events(scheduler) -> None:
+    if getattr(scheduler, "kv_events", None) is not None:
+        scheduler.kv_events.close()
 
 
 def ready_message(scheduler) -> SchedulerReady:
@@ -339,6 +361,7 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
     finally:
         if scheduler is not None:
             scheduler.mode.close()
+            close_kv_events(scheduler)
         _close_rank(ctx, recv, send, groups, clean=code == 0)
     os._exit(code)
 
@@ -365,6 +388,8 @@ def _start_rank(args: ServerArgs, layout, store_dir: str | None):
     groups = init_rank_groups(layout, init_method(store_dir, args.dist_init_addr), backend_for_device(device))
     scheduler = build_rank_scheduler(args, groups, model_config, tokenizer, device,
                                      make_mode=lambda runner: build_mode(args, model_config, runner, groups))
+    if layout.rank == 0:
+        attach_kv_events(args, scheduler)
     ControlPlane(layout, groups.cpu).gather(os.getpid())  # every rank is ready
     return groups, scheduler
 

@@ -69,6 +69,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--port", "port to listen on", type=int)
     _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call")
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
+    _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq", "endpoint": '
+          '"tcp://*:5557"}; the address is reported in /get_server_info, GET /kv_events/snapshot resyncs')
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +210,15 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--policy", "how a worker is picked, on both sides", choices=tuple(POLICIES))
     _router_flag(g, "--prefill-policy", "prefill side's policy (default: --policy)", choices=tuple(POLICIES))
     _router_flag(g, "--decode-policy", "decode side's policy (default: --policy)", choices=tuple(POLICIES))
+    _router_flag(g, "--cache-threshold", "cache_aware: route by cache only when a worker holds at least this share "
+                 "of the prompt's pages, else by load", type=float)
+    _router_flag(g, "--balance-abs-threshold", "cache_aware: the worker with the longest cached prefix is skipped "
+                 "when it has more than this many requests in flight above the least loaded one ...", type=int)
+    _router_flag(g, "--balance-rel-threshold", "... and more than this many times as many", type=float)
+    _router_flag(g, "--tokenizer-path", "cache_aware: local tokenizer directory to hash prompts with (default: the "
+                 "path the prefill workers report, when it exists here)")
+    _router_flag(g, "--kv-events-timeout-secs", "cache_aware: a prefill worker whose KV events (and heartbeats) "
+                 "stop this long is routed as if it cached nothing", type=float)
     _router_flag(g, "--request-timeout-secs", "longest a request (a whole stream) may take", type=float)
     g = parser.add_argument_group("health")
     _router_flag(g, "--health-check-interval-secs", "seconds between GET /health of every worker", type=float)
@@ -271,7 +282,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     g.add_argument("--bootstrap-port", dest="up_bootstrap_port", type=int, default=8998,
                    help="prefill i's bootstrap registry listens on this + i (default: %(default)s)")
-    g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="least_load",
+    g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="cache_aware",
                    help="the router's policy for both sides (default: %(default)s)")
     g.add_argument("--api-key", dest="up_api_key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' to the router and every server")

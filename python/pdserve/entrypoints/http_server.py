@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -171,6 +172,13 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         app.get(path, responses=_errors(401, 503))(server_info)
     for path in ("/model_info", "/get_model_info"):
         app.get(path, responses=_errors(401))(model_info)
+
+    @app.get("/kv_events/snapshot", responses=_errors(400, 401, 503))
+    async def kv_events_snapshot():
+        snapshot = await ctx.tm.kv_events_snapshot()
+        if snapshot is None:
+            raise RequestError("kv_events: this server publishes no KV events (start it with --kv-events-config)")
+        return Response(orjson.dumps(snapshot), media_type="application/json")
 
     @app.get("/metrics", response_class=Response, responses={200: {
         "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})

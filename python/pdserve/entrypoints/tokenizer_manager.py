@@ -43,6 +43,8 @@ from pdserve.engine.io_struct import (
     FlushCacheReq,
     FlushCacheResp,
     GetStatsReq,
+    KVEventsSnapshotReq,
+    KVEventsSnapshotResp,
     RejectedReq,
     SchedulerFailed,
     SchedulerReady,
@@ -150,6 +152,7 @@ class TokenizerManager:
         self._rooms: set[int] = set()  # bootstrap rooms of the requests in flight (each must be unique)
         self._stats_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
+        self._snapshot_waiters: deque[asyncio.Future] = deque()
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._tmpdir: str | None = None
@@ -402,6 +405,11 @@ class TokenizerManager:
         resp: FlushCacheResp = await self._control(FlushCacheReq(), self._flush_waiters)
         return resp.success
 
+    async def kv_events_snapshot(self) -> dict | None:
+        """Every block the KV cache holds and the event batch it is current to (None: no KV events)."""
+        resp: KVEventsSnapshotResp = await self._control(KVEventsSnapshotReq(), self._snapshot_waiters)
+        return resp.snapshot
+
     async def _control(self, msg, waiters: deque, timeout: float = CONTROL_TIMEOUT_S):
         """Send a control message; replies come back in order, so waiters are a FIFO."""
         self._check_healthy()
@@ -458,6 +466,8 @@ class TokenizerManager:
             _resolve(self._stats_waiters, msg)
         elif isinstance(msg, FlushCacheResp):
             _resolve(self._flush_waiters, msg)
+        elif isinstance(msg, KVEventsSnapshotResp):
+            _resolve(self._snapshot_waiters, msg)
         elif isinstance(msg, SchedulerFailed):
             self._fatal(f"scheduler failed: {msg.message}")
         else:
@@ -520,7 +530,7 @@ class TokenizerManager:
         for state in self._reqs.values():
             state.error = err
             state.event.set()
-        for waiters in (self._stats_waiters, self._flush_waiters):
+        for waiters in (self._stats_waiters, self._flush_waiters, self._snapshot_waiters):
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():

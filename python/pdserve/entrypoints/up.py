@@ -11,6 +11,7 @@ which serves without it (a dead prefill: decode prefills alone) and uses it agai
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -37,7 +38,7 @@ class UpArgs:
     port: int = 30000  # the router; servers take the ports above it
     bootstrap_port: int = 8998  # prefill i's registry listens on bootstrap_port + i
     server_flags: tuple[str, ...] = ()
-    router_policy: str = "least_load"
+    router_policy: str = "cache_aware"
     api_key: str | None = field(default=None, repr=False)  # servers require it; the router too
     health_check_interval_secs: float = 5.0  # the router's
     startup_timeout_s: float = 600.0
@@ -101,6 +102,8 @@ def plan(args: UpArgs) -> list[Child]:
         if role == "prefill":
             boot = args.bootstrap_port + i
             cmd += ["--disaggregation-bootstrap-port", str(boot)]
+            if args.router_policy == "cache_aware":  # the router follows each prefill's cache by its KV events
+                cmd += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://{args.host}:*"})]
             prefill_urls.append((url, boot))
         else:
             decode_urls.append(url)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.kv_events import KVEventSink
 from pdserve.mem.page_table import ReqToTokenTable
 from pdserve.mem.radix_cache import RadixCache
 
@@ -144,6 +145,15 @@ class KVCacheManager:
         if short > 0:
             self.cache.evict(short)
         return self.allocator.alloc(n)
+
+    def set_event_sink(self, sink: KVEventSink | None) -> None:
+        """Who hears the cache's KV events (blocks stored, removed, cleared); each tier reports its own
+        ``medium``. None: nobody."""
+        self.cache.sink = sink
+
+    def cached_blocks(self) -> list[tuple[int, int | None]]:
+        """(hash, parent hash) of every cached block, parents first: a KV-event snapshot."""
+        return self.cache.cached_blocks()
 
     def _evicted(self, pages: list[int]) -> None:
         self.num_evicted_pages += len(pages)

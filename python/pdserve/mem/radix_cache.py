@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.kv_events import MEDIUM_GPU, KVEventSink
 
 ROOT_HASH = 0  # hash_{-1}: what the first block chains from
 
@@ -107,14 +108,20 @@ class RadixCache:
 
     So at all times ``allocator.num_free + num_cached_pages + pages held by
     callers == allocator.num_pages``.
+
+    ``sink`` (optional) hears every change of the tree as KV events: blocks stored by
+    ``insert``, removed by ``evict``, all cleared by ``reset``, each under ``medium``.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False,
-                 on_evict: Callable[[list[int]], None] | None = None):
+                 on_evict: Callable[[list[int]], None] | None = None, sink: KVEventSink | None = None,
+                 medium: str = MEDIUM_GPU):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
         self.on_evict = on_evict or allocator.free
+        self.sink = sink
+        self.medium = medium
         self.page_size = page_size
         self.disable = disable
         self._clock = 0
@@ -205,8 +212,14 @@ class RadixCache:
         for n in path:
             n.last_access = now
         node = path[-1] if path else self._root
+        parent_hash = node.hash if path else None
+        added = []
         for key, page in zip(keys[len(path):], pages[len(path):]):
             node = self._add_child(node, key, page, now)
+            added.append(node)
+        if added and self.sink is not None:
+            self.sink.stored(parent_hash, [n.hash for n in added], tokens[len(path) * self.page_size:],
+                             self.page_size, self.medium)
         if duplicates:
             self.allocator.free(duplicates)
         return len(pages) - len(path)
@@ -221,13 +234,17 @@ class RadixCache:
         heap = [(n.last_access, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        hashes: list[int] = []
         while heap and len(freed) < num_pages:
             _, leaf = heapq.heappop(heap)
             parent = leaf.tree_parent
+            hashes.append(leaf.hash)
             freed.append(self._remove_leaf(leaf))
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent))
         if freed:
+            if self.sink is not None:
+                self.sink.removed(hashes, self.medium)
             self.on_evict(freed)
         return len(freed)
 
@@ -248,7 +265,19 @@ class RadixCache:
         self._leaves.clear()
         if pages:
             self.allocator.free(pages)
+        if self.sink is not None:
+            self.sink.cleared(self.medium)
         return True
+
+    def cached_blocks(self) -> list[tuple[int, int | None]]:
+        """(block hash, parent block hash or None) of every cached block, parents first: the
+        tree as a KV-event subscriber rebuilds it from a snapshot."""
+        out: list[tuple[int, int | None]] = []
+        level: list[tuple[RadixNode, int | None]] = [(c, None) for c in self._root.children.values()]
+        while level:
+            out.extend((n.hash, parent) for n, parent in level)
+            level = [(c, n.hash) for n, _ in level for c in n.children.values()]
+        return out
 
     # ---- checks ------------------------------------------------------------------
 

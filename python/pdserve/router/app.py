@@ -23,9 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
+from pdserve.router.cache_view import CacheView
 from pdserve.router.config import RouterArgs
+from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import make_policy
+from pdserve.router.policy import Policy, make_policy
 from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
 from pdserve.router.workers import HealthChecker, Role, Worker, WorkerSet, make_worker_set
@@ -51,6 +53,7 @@ class RouterContext:
     proxy: PDProxy
     checker: HealthChecker
     state: RouterState
+    cache: CacheView
 
     @property
     def sets(self) -> tuple[WorkerSet, WorkerSet]:
@@ -59,9 +62,10 @@ class RouterContext:
 
 def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterContext:
     rng = rng or random.Random()
-    prefill = make_worker_set(Role.PREFILL, [p.url for p in args.prefill], make_policy(args.prefill_policy_name, rng),
-                              [p.bootstrap_port for p in args.prefill])
-    decode = make_worker_set(Role.DECODE, args.decode, make_policy(args.decode_policy_name, rng))
+    prefill = make_worker_set(Role.PREFILL, [p.url for p in args.prefill], _policy(args, args.prefill_policy_name, rng),
+                              [p.bootstrap_port for p in args.prefill], args.prefill_policy_name)
+    decode = make_worker_set(Role.DECODE, args.decode, _policy(args, args.decode_policy_name, rng),
+                             policy_name=args.decode_policy_name)
     metrics = RouterMetrics()
     state = RouterState(prefill, decode, args.worker_startup_timeout_secs)
     proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
@@ -69,7 +73,16 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs)
     checker.after_check.append(state.update)
     checker.next_interval = lambda: _check_interval(args, state)
-    return RouterContext(args, prefill, decode, metrics, proxy, checker, state)
+    cache = CacheView(prefill, decode, proxy.call, proxy.worker_headers, args.tokenizer_path,
+                      args.kv_events_timeout_secs, args.health_check_timeout_secs,
+                      args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware")
+    proxy.cache = cache
+    checker.after_check.append(cache.schedule_refresh)
+    return RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache)
+
+
+def _policy(args: RouterArgs, name: str, rng: random.Random) -> Policy:
+    return make_policy(name, rng, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
 
 
 def _check_interval(args: RouterArgs, state: RouterState) -> float:
@@ -154,7 +167,8 @@ async def _server_info(ctx: RouterContext) -> dict:
                                                               "decode": ctx.args.decode_policy_name},
                            "prefill": [], "decode": [], "internal_states": []}
     for w, info in zip(workers, infos):
-        out[w.role.value].append({**w.info(), "server_info": info})
+        kv = w.kv.status() if isinstance(w.kv, KVEventSubscriber) else None
+        out[w.role.value].append({**w.info(), "kv_events": kv, "load": w.load, "server_info": info})
         if w.role is Role.DECODE and isinstance(info, dict):
             out["internal_states"].extend(info.get("internal_states", []))
     return out
@@ -272,6 +286,7 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
         if health_loop is not None:
             health_loop.cancel()
             await asyncio.gather(health_loop, return_exceptions=True)
+        ctx.cache.close()
         await ctx.proxy.close()
         sock.close()
 

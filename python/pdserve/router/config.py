@@ -42,9 +42,16 @@ class RouterArgs:
     decode: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 30000
-    policy: str = "least_load"
+    policy: str = "cache_aware"
     prefill_policy: str | None = None  # None: --policy
     decode_policy: str | None = None
+    # cache_aware: a worker caching the longest prefix wins unless it has more than abs AND more than
+    # rel times the in-flight requests of the least loaded one (sglang-router's names and defaults)
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.3  # cache_aware: below this cached share of the prompt, route by load
+    tokenizer_path: str | None = None  # None: the path the prefill workers report (if it is local)
+    kv_events_timeout_secs: float = 5.0  # a worker silent this long (no event, no heartbeat) counts as empty
     health_check_interval_secs: float = 5.0
     health_check_timeout_secs: float = 5.0
     worker_startup_timeout_secs: float = 600.0
@@ -69,8 +76,14 @@ class RouterArgs:
             value = getattr(self, name)
             if value is not None and value not in POLICIES:
                 raise ValueError(f"{name}: {value!r} is not one of {tuple(POLICIES)}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold: must be >= 0, got {self.balance_abs_threshold}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold: must be in [0, 1], got {self.cache_threshold}")
+        if not self.balance_rel_threshold >= 1.0:
+            raise ValueError(f"balance_rel_threshold: must be >= 1.0, got {self.balance_rel_threshold}")
         for name in ("health_check_interval_secs", "health_check_timeout_secs", "worker_startup_timeout_secs",
-                     "worker_startup_check_interval", "request_timeout_secs"):
+                     "worker_startup_check_interval", "request_timeout_secs", "kv_events_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("api_key", "worker_api_key"):

@@ -1,6 +1,8 @@
 """Prometheus metrics of the router (its own registry): requests and errors per worker,
 worker health and in-flight counts, requests refused for want of a healthy worker, requests
-served by decode alone (degraded) and streams resumed on another decode."""
+served by decode alone (degraded), streams resumed on another decode, and the policies'
+decisions: why each worker was chosen, the prompt tokens cache_aware expected the chosen
+prefill to hold vs the ``cached_tokens`` the answer reported, and each followed KV-event stream."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.workers import Role, Worker, WorkerSet
 
 PREFIX = "pdserve_router:"
@@ -36,12 +39,31 @@ class RouterMetrics:
         self.healthy = Gauge(PREFIX + "worker_healthy", "1 if the worker passes health checks", LABELS, registry=r)
         self.in_flight = Gauge(PREFIX + "worker_in_flight", "Requests in flight on the worker", LABELS, registry=r)
         self.dead = Gauge(PREFIX + "dead_workers", "Workers marked dead", ["role"], registry=r)
+        self.decisions = Counter(PREFIX + "policy_decisions", "Workers chosen, by policy and reason (cache_hit: "
+                                 "the longest cached prefix; balance: it was overloaded, the least loaded one "
+                                 "instead; load: nothing cached, the least loaded)", LABELS + ["policy", "reason"],
+                                 registry=r)
+        self.predicted_cached = Counter(PREFIX + "predicted_cached_tokens", "Prompt tokens the router expected "
+                                        "the chosen prefill worker to hold (its KV events)", LABELS, registry=r)
+        self.reported_cached = Counter(PREFIX + "reported_cached_tokens", "cached_tokens the answers reported "
+                                       "(meta_info or usage), by the prefill worker chosen", LABELS, registry=r)
+        self.kv_event_batches = Gauge(PREFIX + "kv_event_batches", "KV event batches received from a worker",
+                                      LABELS, registry=r)
+        self.kv_event_gaps = Gauge(PREFIX + "kv_event_gaps", "Gaps in a worker's KV event numbers (lost batches, "
+                                   "restarts, first contact)", LABELS, registry=r)
+        self.kv_event_resyncs = Gauge(PREFIX + "kv_event_resyncs", "Snapshots a worker's KV index was rebuilt "
+                                      "from", LABELS, registry=r)
+        self.kv_blocks = Gauge(PREFIX + "kv_indexed_blocks", "Blocks the router believes a worker caches (0 while "
+                               "its events are stale)", LABELS, registry=r)
 
     def request(self, worker: Worker) -> None:
         self.requests.labels(worker.role.value, worker.url).inc()
 
     def error(self, worker: Worker, kind: str) -> None:
         self.errors.labels(worker.role.value, worker.url, kind).inc()
+
+    def decision(self, worker: Worker, policy: str, reason: str) -> None:
+        self.decisions.labels(worker.role.value, worker.url, policy, reason).inc()
 
     def refused(self, role: Role) -> None:
         self.no_worker.labels(role.value).inc()
@@ -53,6 +75,18 @@ class RouterMetrics:
                 self.healthy.labels(w.role.value, w.url).set(int(w.healthy))
                 self.in_flight.labels(w.role.value, w.url).set(w.in_flight)
             self.dead.labels(s.role.value).set(len(s.workers) - len(s.healthy))
+            for w in s.workers:
+                self._kv_gauges(w)
         prefill = next(s for s in sets if s.role is Role.PREFILL)
         self.degraded.set(int(not prefill.healthy))
         return generate_latest(self.registry)
+
+    def _kv_gauges(self, w: Worker) -> None:
+        kv = w.kv
+        if not isinstance(kv, KVEventSubscriber):
+            return
+        labels = (w.role.value, w.url)
+        self.kv_event_batches.labels(*labels).set(kv.batches)
+        self.kv_event_gaps.labels(*labels).set(kv.gaps)
+        self.kv_event_resyncs.labels(*labels).set(kv.resyncs)
+        self.kv_blocks.labels(*labels).set(kv.num_blocks)

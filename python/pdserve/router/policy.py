@@ -1,8 +1,8 @@
 """Pure worker-choice policies: which of the healthy workers of one side gets a request.
 
-No I/O and no clock: a policy sees the candidates (URL and the router's in-flight
-count for each) and returns an index. Randomness comes from an injected
-``random.Random``, so tests seed it.
+No I/O and no clock: a policy sees the candidates (URL, the router's in-flight count, and
+for cache_aware the blocks of this prompt each one caches and its free KV pages) and
+returns an index. Randomness comes from an injected ``random.Random``, so tests seed it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ class Candidate:
     position: int  # index in the configured worker list (stable while workers die and rejoin)
     url: str
     in_flight: int  # requests this router sent it that have not finished
+    cached_blocks: int = 0  # leading blocks of this request's prompt the worker caches (KV events)
+    indexed_blocks: int = 0  # blocks it caches in all (a smaller cache has more room)
+    free_pages: int = 0  # free KV pages it last reported
+    prompt_blocks: int = 0  # full pages in this request's prompt (the same for every candidate)
+    running: int = 0  # requests it last reported running (from every client, not only this router)
 
 
 class Policy(ABC):
@@ -33,6 +38,7 @@ class Policy(ABC):
 
     def __init__(self, rng: random.Random):
         self.rng = rng
+        self.reason = "load"  # why the last pick went where it did (the router's decision metrics)
 
     @abstractmethod
     def pick(self, candidates: Sequence[Candidate]) -> int: ...
@@ -65,14 +71,55 @@ class LeastLoadPolicy(Policy):
         return self.rng.choice([i for i, c in enumerate(candidates) if c.in_flight == least])
 
 
+class CacheAwarePolicy(Policy):
+    """The worker caching the longest prefix of the prompt (ties: fewer in flight), unless its load
+    is out of balance with the least loaded one (sglang-router's rule: more than ``abs_threshold``
+    requests more AND more than ``rel_threshold`` times as many); then, and when no worker caches
+    at least ``cache_threshold`` of the prompt's pages (a shared template head alone must not pull
+    every new conversation to one worker), the least loaded one (ties: more free KV pages, a
+    smaller cache, then at random; decode workers: fewer in flight, fewer reported running, more free
+    pages). ``reason``: "cache_hit", "balance" or "load"."""
+
+    def __init__(self, rng: random.Random, abs_threshold: int = 64, rel_threshold: float = 1.5,
+                 cache_threshold: float = 0.3):
+        super().__init__(rng)
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self.cache_threshold = cache_threshold
+
+    def pick(self, candidates: Sequence[Candidate]) -> int:
+        least = min(c.in_flight for c in candidates)
+        best = max(range(len(candidates)), key=lambda i: (candidates[i].cached_blocks, -candidates[i].in_flight))
+        load, cached = candidates[best].in_flight, candidates[best].cached_blocks
+        if cached > 0 and cached >= self.cache_threshold * candidates[best].prompt_blocks:
+            if not (load - least > self.abs_threshold and load > least * self.rel_threshold):
+                self.reason = "cache_hit"
+                return best
+            self.reason = "balance"
+        else:
+            self.reason = "load"
+        return self._least_loaded(candidates)
+
+    def _least_loaded(self, candidates: Sequence[Candidate]) -> int:
+        def key(c: Candidate) -> tuple[int, int, int, int]:
+            return c.in_flight, c.running, -c.free_pages, c.indexed_blocks
+
+        lowest = min(key(c) for c in candidates)
+        return self.rng.choice([i for i, c in enumerate(candidates) if key(c) == lowest])
+
+
 POLICIES: dict[str, type[Policy]] = {
     "random": RandomPolicy,
     "round_robin": RoundRobinPolicy,
     "least_load": LeastLoadPolicy,
+    "cache_aware": CacheAwarePolicy,
 }
 
 
-def make_policy(name: str, rng: random.Random) -> Policy:
+def make_policy(name: str, rng: random.Random, balance_abs_threshold: int = 64,
+                balance_rel_threshold: float = 1.5, cache_threshold: float = 0.3) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"policy: {name!r} is not one of {tuple(POLICIES)}")
+    if name == "cache_aware":
+        return CacheAwarePolicy(rng, balance_abs_threshold, balance_rel_threshold, cache_threshold)
     return POLICIES[name](rng)

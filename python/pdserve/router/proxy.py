@@ -22,8 +22,10 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Coroutine
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from fastapi import Request
@@ -37,7 +39,11 @@ from pdserve.router.workers import Lease, NoHealthyWorker, Worker, WorkerSet
 from pdserve.web.errors import RequestError, ServerError, error_body
 from pdserve.web.streaming import SSE_DONE, sse, until_disconnect
 
+if TYPE_CHECKING:
+    from pdserve.router.cache_view import CacheView
+
 logger = logging.getLogger(__name__)
+CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 CONNECT_TIMEOUT_S = 10.0
 FORWARDED_HEADERS = ("authorization",)  # so workers started with --api-key accept the request
@@ -81,6 +87,7 @@ class PDProxy:
                  request_timeout_s: float, health_timeout_s: float, worker_api_key: str | None = None,
                  state: RouterState | None = None):
         self.prefill = prefill
+        self.cache: CacheView | None = None  # cache_aware: the prompt's page hashes for the prefill choice
         self.decode = decode
         self.metrics = metrics
         self.rng = rng
@@ -126,10 +133,11 @@ class PDProxy:
         reached the client yet); each decode is tried at most once."""
         body = parse_json_object(await request.body())
         headers = self.upstream_headers(request)
+        hashes = self.cache.prompt_hashes(path, body) if self.cache is not None else []
         avoid: Worker | None = None
         for _ in range(len(self.decode.workers)):
             try:
-                ex = await until_disconnect(request, self._open_exchange(path, body, headers, avoid))
+                ex = await until_disconnect(request, self._open_exchange(path, body, headers, avoid, hashes))
                 return await self._answer(request, ex, path, body, headers)
             except _BrokeOff as e:
                 avoid = e.worker
@@ -161,37 +169,49 @@ class PDProxy:
                                    status=504, code="upstream_timeout") from None
             ex.completed = True
             self._count_status(ex.decode.worker, ex.response.status)
+            if ex.response.status == 200:
+                ex.note_cached(content)
             return Response(content, status_code=ex.response.status, media_type=ex.response.content_type)
         finally:
             if not ex.streaming:
                 ex.finish()
 
-    async def _open_exchange(self, path: str, body: dict, headers: dict,
-                             avoid: Worker | None = None) -> _Exchange:
+    async def _open_exchange(self, path: str, body: dict, headers: dict, avoid: Worker | None = None,
+                             hashes: Sequence[int] = ()) -> _Exchange:
         """A decode response opened for ``body`` (with a prefill half when one is healthy); a decode
-        refusing the connection is marked dead and another tried. ``avoid``: a decode not to pick."""
+        refusing the connection is marked dead and another tried. ``avoid``: a decode not to pick;
+        ``hashes``: the prompt's page hashes (cache_aware)."""
         for _ in range(len(self.decode.workers) + 1):
-            prefill, decode = self._pick_pair(avoid)
+            prefill, decode = self._pick_pair(avoid, hashes)
             try:
                 return await self._start_exchange(path, body, headers, prefill, decode)
             except WorkerUnreachable:
                 continue  # that decode worker is now dead: try another pair
         raise ServerError(f"decode: every decode worker refused the connection ({self._reasons(self.decode)})")
 
-    def _pick_pair(self, avoid: Worker | None = None) -> tuple[Lease | None, Lease]:
+    def _pick_pair(self, avoid: Worker | None = None, hashes: Sequence[int] = ()) -> tuple[Lease | None, Lease]:
         """A prefill lease (None when no prefill is healthy: degraded) and a decode lease."""
         try:
             decode = self.decode.pick(avoid)
         except NoHealthyWorker as e:
             self.metrics.refused(e.role)
             raise ServerError(str(e)) from None
+        self._count_decision(self.decode, decode)
         try:
-            return self.prefill.pick(), decode
+            prefill = self.prefill.pick(block_hashes=hashes)
+            self._count_decision(self.prefill, prefill)
+            return prefill, decode
         except NoHealthyWorker:
             self.metrics.degraded_requests.inc()
             if self.state is not None:
                 self.state.update()  # logs the move to degraded once, before the first such request
             return None, decode
+
+    def _count_decision(self, ws: WorkerSet, lease: Lease) -> None:
+        self.metrics.decision(lease.worker, ws.policy_name, ws.policy.reason)
+        if lease.cached_blocks and self.cache is not None and self.cache.page_size is not None:
+            self.metrics.predicted_cached.labels(lease.worker.role.value, lease.worker.url).inc(
+                lease.cached_blocks * self.cache.page_size)
 
     async def _start_exchange(self, path: str, body: dict, headers: dict, prefill: Lease | None,
                               decode: Lease) -> _Exchange:
@@ -201,7 +221,7 @@ class PDProxy:
             p = prefill.worker
             payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)).encode()
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
-        ex = _Exchange(decode, task, self.metrics)
+        ex = _Exchange(decode, task, self.metrics, prefill.worker if prefill is not None else None)
         try:
             ex.resp = await self._open_decode(decode.worker, path, payload, headers)
         except BaseException:
@@ -233,6 +253,7 @@ class PDProxy:
             ex = relay.ex
             try:
                 async for chunk in ex.response.content.iter_any():
+                    ex.note_cached(chunk)
                     out = relay.stream.feed(chunk) if relay.stream is not None else chunk
                     if out:
                         yield out
@@ -364,10 +385,13 @@ class PDProxy:
 class _Exchange:
     """One request's two upstream halves: decode's response (relayed) and prefill's task (drained)."""
 
-    def __init__(self, decode: Lease, prefill_task: asyncio.Task | None, metrics: RouterMetrics):
+    def __init__(self, decode: Lease, prefill_task: asyncio.Task | None, metrics: RouterMetrics,
+                 prefill: Worker | None = None):
         self.decode = decode
         self.prefill_task = prefill_task
         self.metrics = metrics
+        self.prefill = prefill
+        self.cached_tokens: int | None = None  # the last cached_tokens the answer carried
         self.resp: aiohttp.ClientResponse | None = None
         self.streaming = False  # a streaming response owns the exchange
         self.completed = False  # decode's whole answer reached the router
@@ -381,12 +405,21 @@ class _Exchange:
             raise RuntimeError(f"decode worker {self.decode.worker.url}: the exchange has no response yet")
         return self.resp
 
+    def note_cached(self, data: bytes) -> None:
+        """Remember the answer's ``cached_tokens`` (SGLang meta_info, OpenAI usage; a stream's last)."""
+        found = CACHED_TOKENS.findall(data)
+        if found:
+            self.cached_tokens = int(found[-1])
+
     def finish(self) -> None:
         """End the exchange once. A complete decode answer leaves prefill to end on its own;
         anything else (client gone, decode broken, shutdown) closes both upstream requests."""
         if self.finished:
             return
         self.finished = True
+        # counted once seen, complete or not: a client that closes on [DONE] cuts the relay short
+        if self.prefill is not None and self.cached_tokens is not None:
+            self.metrics.reported_cached.labels(self.prefill.role.value, self.prefill.url).inc(self.cached_tokens)
         if self.resp is not None and self.completed:
             self.resp.release()  # back to the pool
         elif self.resp is not None:

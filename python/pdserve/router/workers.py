@@ -10,12 +10,22 @@ import asyncio
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdserve.router.bootstrap import bootstrap_host
 from pdserve.router.policy import Candidate, Policy
 
 logger = logging.getLogger(__name__)
+
+
+class PrefixIndex(Protocol):
+    """What a worker's KV-event follower tells the policy (``router.kv_events.KVEventSubscriber``)."""
+
+    def matched_blocks(self, hashes: Sequence[int]) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
 
 
 class Role(str, enum.Enum):
@@ -35,6 +45,8 @@ class Worker:
     ever_healthy: bool = False  # False: the router is still waiting for it to come up
     in_flight: int = 0
     last_error: str | None = None  # why it was last marked dead
+    kv: PrefixIndex | None = None  # its cached blocks, from its KV events (cache_aware)
+    load: dict = field(default_factory=dict)  # its last reported stats (num_running_reqs, free_pages)
 
     @property
     def bootstrap_host(self) -> str:
@@ -65,10 +77,12 @@ class NoHealthyWorker(Exception):
 
 
 class Lease:
-    """One request's claim on a worker: counts toward its in-flight load until released (exactly once)."""
+    """One request's claim on a worker: counts toward its in-flight load until released (exactly once).
+    ``cached_blocks``: the prompt blocks the router expected the worker to hold when it chose it."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, cached_blocks: int = 0):
         self.worker = worker
+        self.cached_blocks = cached_blocks
         self.released = False
         worker.in_flight += 1
 
@@ -82,23 +96,26 @@ class Lease:
 class WorkerSet:
     """The workers of one role and the policy choosing among the healthy ones."""
 
-    def __init__(self, role: Role, workers: Sequence[Worker], policy: Policy):
+    def __init__(self, role: Role, workers: Sequence[Worker], policy: Policy, policy_name: str = ""):
         assert workers and all(w.role is role for w in workers)
         self.role = role
         self.workers = list(workers)
         self.policy = policy
+        self.policy_name = policy_name or type(policy).__name__
 
     @property
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
 
-    def pick(self, avoid: Worker | None = None) -> Lease:
-        """A lease on the worker the policy picks (never ``avoid``); raises NoHealthyWorker when none is alive."""
+    def pick(self, avoid: Worker | None = None, block_hashes: Sequence[int] = ()) -> Lease:
+        """A lease on the worker the policy picks (never ``avoid``); raises NoHealthyWorker when none is alive.
+        ``block_hashes``: the prompt's page hashes, matched against each worker's KV-event index."""
         alive = [w for w in self.healthy if w is not avoid]
         if not alive:
             raise NoHealthyWorker(self.role, self.workers)
-        index = self.policy.pick([Candidate(w.position, w.url, w.in_flight) for w in alive])
-        return Lease(alive[index])
+        candidates = [_candidate(w, block_hashes) for w in alive]
+        index = self.policy.pick(candidates)
+        return Lease(alive[index], candidates[index].cached_blocks)
 
     def mark_dead(self, worker: Worker, reason: str) -> None:
         if worker.healthy:
@@ -117,10 +134,19 @@ class WorkerSet:
         return [w for w in self.workers if not w.ever_healthy]
 
 
+def _candidate(w: Worker, block_hashes: Sequence[int]) -> Candidate:
+    cached = w.kv.matched_blocks(block_hashes) if w.kv is not None and block_hashes else 0
+    indexed = w.kv.num_blocks if w.kv is not None else 0
+    free, running = w.load.get("free_pages", 0), w.load.get("num_running_reqs", 0)
+    return Candidate(w.position, w.url, w.in_flight, cached, indexed, free if isinstance(free, int) else 0,
+                     len(block_hashes), running if isinstance(running, int) else 0)
+
+
 def make_worker_set(role: Role, urls: Sequence[str], policy: Policy,
-                    bootstrap_ports: Sequence[int | None] | None = None) -> WorkerSet:
+                    bootstrap_ports: Sequence[int | None] | None = None, policy_name: str = "") -> WorkerSet:
     ports = bootstrap_ports or [None] * len(urls)
-    return WorkerSet(role, [Worker(u, role, i, p) for i, (u, p) in enumerate(zip(urls, ports))], policy)
+    return WorkerSet(role, [Worker(u, role, i, p) for i, (u, p) in enumerate(zip(urls, ports))], policy,
+                     policy_name)
 
 
 # A probe returns None when the worker is healthy, else why not.

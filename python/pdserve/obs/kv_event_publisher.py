@@ -1,0 +1,152 @@
+"""Publishes the KV cache's events on a ZMQ PUB socket, off the scheduler thread.
+
+Wire format (one ZMQ multipart message per batch, as vLLM's and SGLang's publishers):
+``[topic, seq as u64 big-endian, payload]`` where ``payload`` is JSON
+``{"seq", "epoch", "ts", "events": [...], "data_parallel_rank"}`` (``epoch``: random per start)
+and each event carries ``type`` ("BlockStored", "BlockRemoved", "AllBlocksCleared") and
+vLLM/Dynamo's field names.
+
+An idle publisher sends an empty batch (``events: []``) with the last number every second.
+
+``seq`` numbers batches 1, 2, 3 ... with no hole unless a batch was lost: the scheduler
+thread numbers a batch when it closes it, then hands it to a bounded queue without waiting;
+a full queue drops the batch (its number is still used), so a subscriber sees the gap and
+resyncs from ``snapshot`` (served over HTTP by the server), which says the seq it is current to.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from urllib.parse import urlsplit
+
+import orjson
+import zmq
+
+from pdserve.config import KVEventsConfig
+from pdserve.mem.kv_events import MEDIUM_GPU, EventBuffer, KVEvent, event_dict
+
+logger = logging.getLogger(__name__)
+
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+_STOP = object()
+BIND_TIMEOUT_S = 10.0
+HEARTBEAT_S = 1.0
+
+
+def connectable(bound: str, advertise_host: str) -> str:
+    """``bound`` (a socket's last endpoint) as peers should connect to it: a wildcard host becomes
+    ``advertise_host`` (the server's --host) unless that is a wildcard too; the router then uses
+    the host of the worker's URL."""
+    if not bound.startswith("tcp://"):
+        return bound
+    parts = urlsplit(bound)
+    host = parts.hostname or ""
+    if host in WILDCARD_HOSTS and advertise_host not in WILDCARD_HOSTS:
+        host = advertise_host
+    elif host in WILDCARD_HOSTS:
+        host = "0.0.0.0"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"tcp://{host}:{parts.port}"
+
+
+class KVEventPublisher(EventBuffer):
+    """The sink a scheduler's KV cache manager reports to; ``flush`` once per scheduler step closes
+    a batch. ``drop_next``: a test hook, the next N batches are numbered but never sent."""
+
+    def __init__(self, config: KVEventsConfig, advertise_host: str = "127.0.0.1", data_parallel_rank: int = 0):
+        super().__init__()
+        self.config = config
+        self.data_parallel_rank = data_parallel_rank
+        self.seq = 0  # the last batch numbered
+        self.epoch = random.getrandbits(63)  # a restarted server numbers from 1 again under a new epoch
+        self.dropped_batches = 0
+        self.drop_next = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
+        self._bound = threading.Event()
+        self._bind_error: str | None = None
+        self._bound_at = ""
+        self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
+        self._thread.start()
+        if not self._bound.wait(BIND_TIMEOUT_S) or self._bind_error is not None:
+            raise ValueError(f"kv_events_config: cannot bind endpoint {config.endpoint!r} "
+                             f"({self._bind_error or 'timed out'})")
+        self.endpoint = connectable(self._bound_at, advertise_host)
+
+    # ---------------------------------------------------- scheduler thread
+    def flush(self) -> None:
+        """Close the events since the last flush into the next numbered batch and queue it (never blocks)."""
+        events = self.take()
+        if not events:
+            return
+        self.seq += 1
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            self.dropped_batches += 1
+            return
+        try:
+            self._queue.put_nowait((self.seq, time.time(), events))
+        except queue.Full:
+            self.dropped_batches += 1
+
+    def snapshot(self, blocks: list[tuple[int, int | None]], block_size: int) -> dict:
+        """Every cached block as of batch ``seq`` (pending events are flushed first, so a subscriber
+        that applies this and then batches after ``seq`` misses nothing)."""
+        self.flush()
+        return {"seq": self.seq, "epoch": self.epoch, "block_size": block_size,
+                "data_parallel_rank": self.data_parallel_rank,
+                "blocks": [{"block_hash": h, "parent_block_hash": p, "medium": MEDIUM_GPU} for h, p in blocks]}
+
+    def stats(self) -> dict:
+        return {"kv_events_endpoint": self.endpoint, "kv_events_seq": self.seq,
+                "kv_events_dropped_batches": self.dropped_batches}
+
+    def close(self) -> None:
+        """Send what is queued (bounded), then stop the thread and close the socket."""
+        self.flush()
+        try:
+            self._queue.put(_STOP, timeout=1.0)
+        except queue.Full:
+            pass
+        self._thread.join(2.0)
+
+    # ---------------------------------------------------- publisher thread
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUB)
+        try:
+            sock.setsockopt(zmq.SNDHWM, self.config.hwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(self.config.endpoint)
+            self._bound_at = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self._bind_error = str(e)
+            sock.close()
+            ctx.term()
+            self._bound.set()
+            return
+        self._bound.set()
+        topic = self.config.topic.encode()
+        try:
+            while (item := self._next()) is not _STOP:
+                seq, ts, events = item
+                sock.send_multipart([topic, seq.to_bytes(8, "big"), self._payload(seq, ts, events)])
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _next(self):
+        """The next queued batch, or after HEARTBEAT_S idle an empty one carrying the last number
+        closed: subscribers tell an idle worker from a silent one, and see a drop at the tail."""
+        try:
+            return self._queue.get(timeout=HEARTBEAT_S)
+        except queue.Empty:
+            return self.seq, time.time(), []
+
+    def _payload(self, seq: int, ts: float, events: list[KVEvent]) -> bytes:
+        return orjson.dumps({"seq": seq, "epoch": self.epoch, "ts": ts, "data_parallel_rank": self.data_parallel_rank,
+                             "events": [event_dict(e) for e in events]})
