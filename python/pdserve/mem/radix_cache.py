@@ -38,9 +38,15 @@ def _token_list(token_ids: Sequence[int]) -> list[int]:
 
 
 class RadixNode:
-    """One cached page. ``lock_ref`` counts requests using this node or a descendant."""
+    """One cached page. ``lock_ref`` counts requests using this node or a descendant.
 
-    __slots__ = ("key", "page", "hash", "parent", "children", "lock_ref", "last_access", "id")
+    ``page`` is the device page (None once a hierarchical cache moved it to host memory only),
+    ``host_page`` its host copy (None without one); a node always has at least one of them.
+    ``busy``: a copy to or from this node's pages is in flight. ``hits``: times matched.
+    """
+
+    __slots__ = ("key", "page", "hash", "parent", "children", "lock_ref", "last_access", "id", "host_page",
+                 "busy", "hits")
 
     def __init__(self, key: tuple[int, ...], page: int | None, hash_: int,
                  parent: RadixNode | None, node_id: int):
@@ -52,12 +58,15 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.id = node_id
+        self.host_page: int | None = None
+        self.busy = False
+        self.hits = 0
 
     def __lt__(self, other: RadixNode) -> bool:  # heap tie-break: older node first
         return self.id < other.id
 
     def __repr__(self) -> str:
-        return (f"RadixNode(page={self.page}, lock_ref={self.lock_ref}, "
+        return (f"RadixNode(page={self.page}, host_page={self.host_page}, lock_ref={self.lock_ref}, "
                 f"last_access={self.last_access}, children={len(self.children)})")
 
 
@@ -108,7 +117,7 @@ class RadixCache:
         self._root = RadixNode((), None, ROOT_HASH, None, self._new_id())
         self._page_owner: dict[int, RadixNode] = {}
         self._leaves: set[RadixNode] = set()  # non-root nodes without children
-        self._num_locked = 0  # non-root nodes with lock_ref > 0
+        self._num_locked = 0  # non-root nodes with a device page and lock_ref > 0
 
     # ---- queries -----------------------------------------------------------------
 
@@ -133,15 +142,16 @@ class RadixCache:
         return hashes
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached page-aligned prefix; marks the matched path as just used."""
+        """Longest page-aligned prefix cached on the device; marks the matched path as just used."""
         node, pages = self._root, []
         if not self.disable:
             now = self._tick()
             for key in self._blocks(_token_list(token_ids)):
                 child = node.children.get(key)
-                if child is None:
+                if child is None or child.page is None:
                     break
                 child.last_access = now
+                child.hits += 1
                 pages.append(child.page)
                 node = child
         return MatchResult(pages, len(pages) * self.page_size, node)
@@ -151,7 +161,7 @@ class RadixCache:
     def lock(self, node: RadixNode) -> None:
         """``lock_ref += 1`` on ``node`` and every ancestor; locked nodes are never evicted."""
         for n in self._path_to_root(node):
-            if n.lock_ref == 0 and n is not self._root:
+            if n.lock_ref == 0 and n.page is not None:
                 self._num_locked += 1
             n.lock_ref += 1
 
@@ -162,7 +172,7 @@ class RadixCache:
             raise RuntimeError(f"unlock of a node that is not locked: {node!r}")
         for n in path:
             n.lock_ref -= 1
-            if n.lock_ref == 0 and n is not self._root:
+            if n.lock_ref == 0 and n.page is not None:
                 self._num_locked -= 1
 
     # ---- mutation ----------------------------------------------------------------
@@ -185,10 +195,12 @@ class RadixCache:
         keys = list(self._blocks(tokens))
         path = self._walk(keys)
         self._check_insert_pages(pages, path)
-        duplicates = [p for p, n in zip(pages, path) if p != n.page]
+        duplicates = [p for p, n in zip(pages, path) if p != n.page and n.page is not None]
         now = self._tick()
-        for n in path:
+        for n, p in zip(path, pages):
             n.last_access = now
+            if n.page is None:  # only on host: the fresh device copy makes it device-resident again
+                self._set_device_page(n, p)
         node = path[-1] if path else self._root
         for key, page in zip(keys[len(path):], pages[len(path):]):
             node = self._add_child(node, key, page, now)
@@ -209,7 +221,9 @@ class RadixCache:
         while heap and len(freed) < num_pages:
             _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            freed.append(self._remove_leaf(leaf))
+            page = self._remove_leaf(leaf)
+            assert page is not None, "a cache without host tier holds device pages only"
+            freed.append(page)
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent))
         if freed:
@@ -244,12 +258,15 @@ class RadixCache:
         stack = list(self._root.children.values())
         while stack:
             n = stack.pop()
-            assert n.page not in owners, f"page {n.page} held by two nodes"
-            assert not self.allocator.is_free(n.page), f"cached page {n.page} is free"
-            owners[n.page] = n
+            assert n.page is not None or n.host_page is not None, f"node with no copy: {n!r}"
+            if n.page is not None:
+                assert n.page not in owners, f"page {n.page} held by two nodes"
+                assert not self.allocator.is_free(n.page), f"cached page {n.page} is free"
+                assert n.parent is self._root or n.parent.page is not None, f"device page under host-only: {n!r}"
+                owners[n.page] = n
+                locked += n.lock_ref > 0
             assert n.hash == hash_block(n.parent.hash, n.key)
             assert n.lock_ref >= sum(c.lock_ref for c in n.children.values())
-            locked += n.lock_ref > 0
             if not n.children:
                 leaves.add(n)
             stack.extend(n.children.values())
@@ -304,15 +321,24 @@ class RadixCache:
         self._page_owner[page] = child
         return child
 
-    def _remove_leaf(self, leaf: RadixNode) -> int:
+    def _set_device_page(self, node: RadixNode, page: int) -> None:
+        node.page = page
+        self._page_owner[page] = node
+        if node.lock_ref > 0:
+            self._num_locked += 1
+
+    def _remove_leaf(self, leaf: RadixNode) -> int | None:
+        """Take ``leaf`` out of the tree; returns its device page (None if it had none)."""
         parent = leaf.parent
         del parent.children[leaf.key]
         self._leaves.discard(leaf)
         if parent is not self._root and not parent.children:
             self._leaves.add(parent)
-        del self._page_owner[leaf.page]
+        page = leaf.page
+        if page is not None:
+            del self._page_owner[page]
         leaf.parent = None
-        return leaf.page
+        return page
 
     def _path_to_root(self, node: RadixNode) -> list[RadixNode]:
         """``node`` and its ancestors, root included; raises if ``node`` was evicted."""
