@@ -1,0 +1,160 @@
+import os
+import threading
+
+import pytest
+
+from pdserve.mem.storage import create_page_store
+from pdserve.mem.storage.base import PageStore
+from pdserve.mem.storage.file import FileStore
+from pdserve.mem.storage.keys import chunk_keys, namespace
+from pdserve.mem.storage.page_format import HEADER_BYTES, pack
+
+NS = namespace({"model": "a", "dtype": "bfloat16", "page_size": 4})
+OTHER_NS = namespace({"model": "b", "dtype": "bfloat16", "page_size": 4})  # same KV shape, other weights
+KEYS = chunk_keys(NS, list(range(40)), 4)
+PAGE = 1000
+
+
+def page(i: int) -> bytes:
+    return bytes([i % 251]) * PAGE
+
+
+def open_store(directory, size_gb: float = 1.0, **extra) -> FileStore:
+    store = create_page_store("file", directory=str(directory), size_gb=size_gb, namespace=NS, extra_config=extra)
+    assert isinstance(store, FileStore) and isinstance(store, PageStore)
+    return store
+
+
+def file_of(directory, key: bytes) -> str:
+    return os.path.join(str(directory), key.hex()[:2], key.hex())
+
+
+def test_round_trip_exists_and_counters(tmp_path):
+    store = open_store(tmp_path, bypass_page_cache=True)
+    assert store.exists(KEYS) == 0
+    for i, key in enumerate(KEYS[:3]):
+        assert store.put(key, page(i))
+    assert store.put(KEYS[0], page(0))  # idempotent
+    assert store.exists(KEYS) == 3
+    assert store.exists(KEYS[1:]) == 2
+    assert [store.get(k) for k in KEYS[:3]] == [page(0), page(1), page(2)]
+    assert store.get(KEYS[5]) is None
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["miss_absent"], stats["puts"]) == (3, 1, 1, 3)
+    assert stats["bytes_read"] == 3 * PAGE and stats["bytes_written"] == 3 * (PAGE + HEADER_BYTES)
+    store.close()
+    store.close()
+    assert store.get(KEYS[0]) is None and not store.put(KEYS[4], page(4))
+    assert store.stats()["closed"] == 1
+
+
+def test_damaged_files_are_counted_misses_never_wrong_bytes(tmp_path):
+    store = open_store(tmp_path)
+    for i, key in enumerate(KEYS[:4]):
+        assert store.put(key, page(i))
+    with open(file_of(tmp_path, KEYS[0]), "r+b") as f:  # one flipped payload byte
+        f.seek(HEADER_BYTES + 10)
+        f.write(bytes([page(0)[10] ^ 0xFF]))
+    with open(file_of(tmp_path, KEYS[1]), "r+b") as f:  # truncated
+        f.truncate(HEADER_BYTES + PAGE // 2)
+    with open(file_of(tmp_path, KEYS[2]), "wb") as f:  # another model's page under this key's name
+        f.write(pack(OTHER_NS, KEYS[2], page(2)))
+    os.unlink(file_of(tmp_path, KEYS[3]))  # gone behind the index's back
+    assert store.exists(KEYS) == 4  # the index still lists them: a hint
+    assert [store.get(k) for k in KEYS[:4]] == [None] * 4
+    stats = store.stats()
+    assert (stats["corrupt"], stats["wrong_namespace"], stats["miss_absent"], stats["misses"]) == (2, 1, 1, 4)
+    assert store.exists(KEYS) == 0 and stats["objects"] == 0 and stats["bytes_used"] == 0
+    assert store.put(KEYS[0], page(0)) and store.get(KEYS[0]) == page(0)  # a rewrite heals it
+    store.close()
+
+
+def test_key_evicted_between_exists_and_get_is_a_miss(tmp_path):
+    store = open_store(tmp_path, size_gb=3 * (PAGE + HEADER_BYTES) / 1e9)
+    for i, key in enumerate(KEYS[:3]):
+        assert store.put(key, page(i))
+    assert store.exists(KEYS[:1]) == 1
+    assert store.put(KEYS[3], page(3))  # the bound evicts the least recently used: KEYS[1]
+    assert store.get(KEYS[1]) is None
+    assert store.get(KEYS[0]) == page(0)  # exists() made it recent
+    stats = store.stats()
+    assert stats["evictions"] == 1 and stats["miss_absent"] == 1 and stats["objects"] == 3
+    assert not os.path.exists(file_of(tmp_path, KEYS[1]))
+    store.close()
+
+
+def test_size_bound_holds_under_concurrent_puts_and_refuses_oversize(tmp_path):
+    cap = 5 * (PAGE + HEADER_BYTES)
+    store = open_store(tmp_path, size_gb=cap / 1e9, fsync=False)
+    assert not store.put(KEYS[0], b"x" * cap)  # larger than the whole tier
+    threads = [threading.Thread(target=lambda k=k, i=i: store.put(k, page(i))) for i, k in enumerate(KEYS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = store.stats()
+    on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp_path) for f in fs if f != ".lock")
+    assert stats["bytes_used"] == on_disk <= cap and stats["objects"] == 5
+    assert stats["puts"] == len(KEYS) and stats["put_failures"] == 1
+    for i, key in enumerate(KEYS):
+        assert store.get(key) in (None, page(i))
+    store.close()
+
+
+def test_restart_rebuilds_the_index_and_ignores_temp_and_broken_files(tmp_path):
+    store = open_store(tmp_path)
+    for i, key in enumerate(KEYS[:3]):
+        assert store.put(key, page(i))
+    with pytest.raises(ValueError, match="hicache_storage_dir"):
+        open_store(tmp_path)  # one owner per directory
+    store.close()
+    folder = os.path.dirname(file_of(tmp_path, KEYS[3]))
+    with open(os.path.join(folder, f".{KEYS[3].hex()}.1.0.tmp"), "wb") as f:  # a crashed writer's
+        f.write(pack(NS, KEYS[3], page(3)))
+    with open(file_of(tmp_path, KEYS[4]), "wb") as f:  # shorter than a header
+        f.write(b"PDKV")
+    with open(file_of(tmp_path, KEYS[5]), "wb") as f:  # header says more than the file holds
+        f.write(pack(NS, KEYS[5], page(5))[:-1])
+    store = open_store(tmp_path)
+    stats = store.stats()
+    assert (stats["startup_indexed"], stats["startup_discarded"]) == (3, 3)
+    assert store.exists(KEYS) == 3
+    assert [store.get(k) for k in KEYS[:3]] == [page(0), page(1), page(2)]
+    assert sorted(os.listdir(folder)) == sorted(n for n in os.listdir(folder) if not n.endswith(".tmp"))
+    store.close()
+    smaller = open_store(tmp_path, size_gb=2 * (PAGE + HEADER_BYTES) / 1e9)  # a smaller bound on restart
+    assert smaller.stats()["objects"] == 2 and smaller.stats()["evictions"] == 1
+    smaller.close()
+
+
+def test_failed_write_is_a_put_failure(tmp_path):
+    store = open_store(tmp_path)
+    folder = os.path.dirname(file_of(tmp_path, KEYS[0]))
+    os.rmdir(folder)
+    with open(folder, "wb"):  # a file where the folder was: every write there fails (even as root)
+        pass
+    assert not store.put(KEYS[0], page(0))
+    assert store.stats()["put_failures"] == 1 and store.stats()["bytes_used"] == 0
+    os.unlink(folder)
+    os.mkdir(folder)
+    assert store.put(KEYS[0], page(0)) and store.get(KEYS[0]) == page(0)
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"directory": None}, "hicache_storage_dir"),
+        ({"size_gb": 0}, "hicache_storage_size_gb"),
+        ({"extra_config": {"fsynk": True}}, "extra_config.fsynk"),
+        ({"extra_config": {"fsync": "yes"}}, "extra_config.fsync"),
+        ({"extra_config": {"fsync": False, "bypass_page_cache": True}}, "bypass_page_cache"),
+        ({"backend": "nfs"}, "hicache_storage_backend"),
+    ],
+)
+def test_bad_config_names_the_field(tmp_path, kwargs, field):
+    args = {"backend": "file", "directory": str(tmp_path), "size_gb": 1.0, "namespace": NS, "extra_config": None}
+    args.update(kwargs)
+    backend = args.pop("backend")
+    with pytest.raises(ValueError, match=field):
+        create_page_store(backend, **args)
