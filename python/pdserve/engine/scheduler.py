@@ -69,7 +69,8 @@ class Scheduler:
         self.context_len = model_config.context_length
         self.kv_manager = KVCacheManager(pool.num_pages, self.page_size, config.max_running_requests,
                                          self.context_len, disable_radix_cache=cache_config.disable_radix_cache,
-                                         hicache=cache_config.hicache, pool=pool)
+                                         hicache=cache_config.hicache, pool=pool,
+                                         storage_compat=self._storage_compat(parallel))
         self.sampler = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -86,6 +87,21 @@ class Scheduler:
         self.new_token_ratio = policy.NewTokenRatio()  # KV admission keeps free for decode growth
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
+
+    def _storage_compat(self, parallel: ParallelState) -> dict[str, object]:
+        """What makes stored KV pages interchangeable: another model, dtype, page shape or TP
+        shard must never read them (storage keys are scoped by this record)."""
+        pool = self.runner.pool
+        return {"model": str(self.model_config.path), "dtype": str(pool.dtype), "page_size": self.page_size,
+                "layout": "page_first", "num_layers": pool.num_layers,
+                "buffers": [[name, *buf.shape[2:]] for name, buf in pool.page_buffers()],
+                "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size, "load_format": self.model_config.load_format,
+                # dummy weights differ by seed, so their KV does too
+                "weights_seed": self.config.random_seed if self.model_config.load_format == "dummy" else None}
+
+    def close(self) -> None:
+        """Stop the KV cache's background threads (the process or Engine is ending)."""
+        self.kv_manager.close()
 
     # ---------------------------------------------------------- memory views
     # Inspection only (stats, tests, the rank group's memory report): changes go through kv_manager.

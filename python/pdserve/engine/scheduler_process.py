@@ -203,6 +203,7 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
     finally:
         if scheduler is not None:
             scheduler.mode.close()
+            scheduler.close()
         recv.close(linger=0)
         send.close(linger=1000)  # let a final SchedulerFailed reach the frontend
         ctx.term()
@@ -338,6 +339,7 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
     finally:
         if scheduler is not None:
             scheduler.mode.close()
+            scheduler.close()
         _close_rank(ctx, recv, send, groups, clean=code == 0)
     os._exit(code)
 

@@ -7,10 +7,11 @@ the allocator, the request -> slot table or the radix cache's locks directly, so
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.hicache_storage import StorageLeg
 from pdserve.mem.hiradix_cache import HiRadixCache, LoadHandle
 from pdserve.mem.host_pool import HostKVPool, host_page_bytes
 from pdserve.mem.page_table import ReqToTokenTable
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from pdserve.mem.kv_pool import KVPool
 
 TIERS = ("device", "host", "storage")
+DEFAULT_STORAGE_GB = 4.0  # --hicache-storage-size-gb 0
 
 
 class KVCacheManager:
@@ -58,25 +60,40 @@ class KVCacheManager:
 
     def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_context_len: int,
                  disable_radix_cache: bool = False, hicache: HiCacheConfig | None = None,
-                 pool: KVPool | None = None):
+                 pool: KVPool | None = None, storage_compat: Mapping[str, object] | None = None):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         # Evicted pages come back here, not to the allocator behind the manager's back.
-        self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool)
+        self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool, storage_compat)
         self.table = ReqToTokenTable(max_reqs, max_context_len, page_size)
         self._quarantined: set[int] = set()
         self._loads: dict[int | None, LoadHandle] = {}  # Req.uid -> the load-back it waits for
         self.num_evicted_pages = 0
         self.hit_tokens = dict.fromkeys(TIERS, 0)
 
-    def _make_cache(self, disable: bool, hicache: HiCacheConfig | None, pool: KVPool | None) -> RadixCache:
+    def _make_cache(self, disable: bool, hicache: HiCacheConfig | None, pool: KVPool | None,
+                    compat: Mapping[str, object] | None) -> RadixCache:
         if hicache is None or not hicache.enabled:
             return RadixCache(self.allocator, self.page_size, disable=disable, on_evict=self._evicted)
         if pool is None:
             raise ValueError("enable_hierarchical_cache: the host tier needs the device KV pool")
         host = HostKVPool(pool, hicache.num_host_pages(self.allocator.num_pages, host_page_bytes(pool)),
                           hicache.mem_layout)
-        return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, on_evict=self._evicted)
+        storage = self._make_storage(hicache, compat) if hicache.storage_backend else None
+        return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, on_evict=self._evicted,
+                            storage=storage)
+
+    def _make_storage(self, hicache: HiCacheConfig, compat: Mapping[str, object] | None) -> StorageLeg:
+        from pdserve.mem.storage import create_page_store, namespace
+
+        if not compat:
+            raise ValueError("hicache_storage_backend: the storage tier needs the KV compatibility record")
+        assert hicache.storage_backend is not None
+        ns = namespace(compat)
+        store = create_page_store(hicache.storage_backend, directory=hicache.storage_dir,
+                                  size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
+                                  extra_config=hicache.extra_config())
+        return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size)
 
     @property
     def hicache(self) -> HiRadixCache | None:
@@ -131,18 +148,23 @@ class KVCacheManager:
         match = hi.match_tiers(tokens)
         if match.busy:
             return False  # another request is loading the same pages: wait for them
+        from_storage = hi.fetch_from_storage(tokens, match)
+        if from_storage:
+            match = hi.match_tiers(tokens)
         if not match.host:
             return True
-        return self._start_load(req, hi, match.host)
+        return self._start_load(req, hi, match.host, min(from_storage, len(match.host)))
 
-    def _start_load(self, req: Req, hi: HiRadixCache, nodes: list[RadixNode]) -> bool:
+    def _start_load(self, req: Req, hi: HiRadixCache, nodes: list[RadixNode], from_storage: int) -> bool:
         hi.lock(nodes[-1])  # before reserving: the eviction it may cause must spare this path
         pages = self._reserve(len(nodes))
         if pages is None:
             hi.unlock(nodes[-1])
             return True  # no room to load into: admit on the device prefix, recompute the rest
-        self._loads[req.uid] = hi.start_load(nodes, pages)
-        return self._loads[req.uid].finished
+        handle = hi.start_load(nodes, pages)
+        handle.storage_pages = from_storage
+        self._loads[req.uid] = handle
+        return handle.finished
 
     def forget(self, req: Req) -> None:
         """``req`` will never be admitted (aborted while waiting): give up its load-back. A copy
@@ -156,14 +178,15 @@ class KVCacheManager:
             hi.poll()
         hi.unlock(handle.nodes[-1])
 
-    def _take_load(self, req: Req) -> int:
-        """After ``admit`` locked the prefix: drop the load's own lock; tokens it brought up."""
+    def _take_load(self, req: Req) -> tuple[int, int]:
+        """After ``admit`` locked the prefix: drop the load's own lock; tokens it brought up
+        from host memory and, of those, first from storage."""
         handle = self._loads.pop(req.uid, None)
         if handle is None:
-            return 0
+            return 0, 0
         assert self.hicache is not None and handle.finished
         self.hicache.unlock(handle.nodes[-1])
-        return len(handle.nodes) * self.page_size
+        return len(handle.nodes) * self.page_size, handle.storage_pages * self.page_size
 
     # -------------------------------------------------------------- admission
     def admit(self, req: Req, tokens: Sequence[int]) -> bool:
@@ -181,8 +204,10 @@ class KVCacheManager:
         req.kv_len = req.cached_len = match.num_tokens
         if match.pages:
             self.table.write(row, 0, self.table.slots_for(req.pages, 0, req.kv_len))
-        host = min(self._take_load(req), req.cached_len)
-        req.cached_by_tier = {"device": req.cached_len - host, "host": host, "storage": 0}
+        loaded, stored = self._take_load(req)
+        loaded = min(loaded, req.cached_len)
+        stored = min(stored, loaded)
+        req.cached_by_tier = {"device": req.cached_len - loaded, "host": loaded - stored, "storage": stored}
         return True
 
     def unadmit(self, req: Req) -> None:
@@ -296,8 +321,16 @@ class KVCacheManager:
             out.update(host_total_pages=hi.host.num_pages, host_cached_pages=hi.num_host_cached_pages,
                        host_free_pages=hi.host.allocator.num_free, host_load_bytes=c.host_load_bytes,
                        host_backup_bytes=c.host_backup_bytes, host_evicted_pages=c.host_evicted_pages,
-                       device_demoted_pages=c.device_demoted_pages)
+                       device_demoted_pages=c.device_demoted_pages, storage_hit_pages=c.storage_hit_pages)
+            if hi.storage is not None:
+                out.update(hi.storage.stats())
         return out
+
+    def close(self) -> None:
+        """Stop the storage thread and close the store (the server is ending)."""
+        hi = self.hicache
+        if hi is not None and hi.storage is not None:
+            hi.storage.close()
 
     def _check_held(self, req: Req, what: str) -> None:
         if req.row is None:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.hicache_storage import StorageLeg
 from pdserve.mem.host_pool import CopyOp, HostKVPool
-from pdserve.mem.radix_cache import MatchResult, RadixCache, RadixNode, _token_list
+from pdserve.mem.radix_cache import MatchResult, RadixCache, RadixNode, _token_list, hash_block
 
 # write_through_selective backs a page up once it has been matched this often.
 SELECTIVE_HIT_THRESHOLD = 2
@@ -58,6 +59,7 @@ class LoadHandle:
     device_pages: list[int]
     op: CopyOp
     finished: bool = False
+    storage_pages: int = 0  # how many of ``nodes`` came from the storage tier first
 
 
 @dataclass
@@ -67,7 +69,7 @@ class TierCounters:
     host_backup_bytes: int = 0
     host_evicted_pages: int = 0
     device_demoted_pages: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
+    storage_hit_pages: int = 0
 
 
 class HiRadixCache(RadixCache):
@@ -80,10 +82,11 @@ class HiRadixCache(RadixCache):
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
-                 on_evict: Callable[[list[int]], None] | None = None):
+                 on_evict: Callable[[list[int]], None] | None = None, storage: StorageLeg | None = None):
         super().__init__(allocator, page_size, on_evict=on_evict)
         self.host = host
         self.write_policy = write_policy
+        self.storage = storage
         self._host_owner: dict[int, RadixNode] = {}
         self._backups: list[_Backup] = []
         self._loads: list[LoadHandle] = []
@@ -179,6 +182,77 @@ class HiRadixCache(RadixCache):
             self._host_owner[hp] = n
         self.counters.host_backup_bytes += b.op.num_bytes
         self.unlock(b.lock)
+        self._store_chunks(b.nodes)
+
+    # ---------------------------------------------------------------- storage
+    def _store_chunks(self, nodes: list[RadixNode]) -> None:
+        """Hand every chunk that the new host copies of ``nodes`` complete to the storage tier
+        (so storage holds a copy before host memory evicts it). Write-back demotes deepest
+        first, so a chunk may complete at any of its nodes: look down to the chunk's end."""
+        if self.storage is None:
+            return
+        cp = self.storage.chunk_pages
+        for n in nodes:
+            depth = len(self._path_from_root(n))
+            level, end_depth = [n], -(-depth // cp) * cp
+            for _ in range(end_depth - depth):
+                level = [c for x in level for c in x.children.values() if c.host_page is not None]
+            for end in level:
+                self._store_chunk(end, cp)
+
+    def _store_chunk(self, end: RadixNode, cp: int) -> None:
+        assert self.storage is not None
+        path = self._path_from_root(end)
+        chunk = path[-cp:]
+        if end.stored or any(c.host_page is None for c in chunk):
+            return
+        tokens = [t for c in path for t in c.key]
+        key = self.storage.keys(tokens)[-1]
+        self.storage.put_async(key, self.host.page_payload([c.host_page for c in chunk if c.host_page is not None]))
+        end.stored = True
+
+    def _path_from_root(self, node: RadixNode) -> list[RadixNode]:
+        return [n for n in reversed(self._path_to_root(node)) if n is not self._root]
+
+    def fetch_from_storage(self, token_ids: Sequence[int], match: TierMatch) -> int:
+        """Extend ``match`` with the chunks storage holds right after it: their pages join the
+        tree as host-only nodes (so the usual load-back brings them up). Returns pages added."""
+        if self.storage is None or match.busy:
+            return 0
+        tokens = _token_list(token_ids)
+        cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
+        keys = self.storage.keys(tokens)
+        first = have // cp
+        if first >= len(keys):
+            return 0
+        payloads = self.storage.fetch(keys[first:], self.host.page_bytes)
+        new = (first + len(payloads)) * cp - have
+        if new <= 0:
+            return 0
+        node = match.host[-1] if match.host else match.device.node
+        assert isinstance(node, RadixNode)
+        self.lock(node)  # the host eviction below must not take the path these pages hang from
+        host_pages = self._alloc_host(new)
+        self.unlock(node)
+        if not host_pages:
+            return 0
+        skip = (have - first * cp) * self.host.page_bytes
+        self.host.set_page_payload(host_pages, b"".join(payloads)[skip:])
+        blocks = list(self._blocks(tokens))[have:have + new]
+        for key, hp in zip(blocks, host_pages):
+            node = self._add_host_child(node, key, hp)
+        self.counters.storage_hit_pages += new
+        return new
+
+    def _add_host_child(self, parent: RadixNode, key: tuple[int, ...], host_page: int) -> RadixNode:
+        child = RadixNode(key, None, hash_block(parent.hash, key), parent, self._new_id())
+        child.last_access = self._tick()
+        child.host_page, child.stored = host_page, True
+        parent.children[key] = child
+        self._leaves.discard(parent)
+        self._leaves.add(child)
+        self._host_owner[host_page] = child
+        return child
 
     def _finish_load(self, h: LoadHandle) -> None:
         dup = []
@@ -230,6 +304,7 @@ class HiRadixCache(RadixCache):
                 self._host_owner[host_pages[0]] = node
                 self.counters.host_backup_bytes += op.num_bytes
                 self.counters.device_demoted_pages += 1
+                self._store_chunks([node])
         del self._page_owner[page]
         node.page = None
         if node.host_page is None:

@@ -46,7 +46,7 @@ class RadixNode:
     """
 
     __slots__ = ("key", "page", "hash", "parent", "children", "lock_ref", "last_access", "id", "host_page",
-                 "busy", "hits")
+                 "busy", "hits", "stored")
 
     def __init__(self, key: tuple[int, ...], page: int | None, hash_: int,
                  parent: RadixNode | None, node_id: int):
@@ -61,6 +61,7 @@ class RadixNode:
         self.host_page: int | None = None
         self.busy = False
         self.hits = 0
+        self.stored = False  # its chunk was handed to the storage tier
 
     def __lt__(self, other: RadixNode) -> bool:  # heap tie-break: older node first
         return self.id < other.id
