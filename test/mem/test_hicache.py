@@ -1,0 +1,206 @@
+"""The hierarchical KV cache (device -> host -> storage) inside the engine: same greedy tokens
+with and without it while pages cycle through host memory, hits reported by tier, load-back
+gating admission, aborts while loading, and flag validation.
+
+Engines are shared per module (one per model x layout): the device pool holds 16 pages of 4
+tokens, so three 28-token prompts cannot all stay on the device and their pages move to host.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdserve
+from pdserve.config import ServerArgs
+from pdserve.engine.request import SamplingParams
+from pdserve.mem.hiradix_cache import HiRadixCache
+from pdserve.mem.host_pool import CopyOp
+
+KW = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64)
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+PRESETS = ("tiny-llama", "tiny-deepseek")
+LAYOUTS = ("layer_first", "page_first")
+
+
+def _prompts(n: int, length: int = 28, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 200, (length,), generator=g).tolist() for _ in range(n)]
+
+
+PROMPTS = _prompts(3)
+
+
+def _hi(engine: pdserve.Engine) -> HiRadixCache:
+    cache = engine.scheduler.cache
+    assert isinstance(cache, HiRadixCache)
+    return cache
+
+
+def _balanced(engine: pdserve.Engine) -> None:
+    s = engine.scheduler
+    s.check_memory()  # device pages, host pages (free + cached + in flight == total), rows
+    s.cache.check_invariants()
+    assert not s.has_work()
+    assert s.cache.num_evictable_pages == s.cache.num_cached_pages  # nothing left locked
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[list[int]]]:
+    """Greedy tokens of PROMPTS without the hierarchical cache (one plain engine per model)."""
+    out = {}
+    for preset in PRESETS:
+        with pdserve.Engine(model_path=preset, **KW) as e:
+            out[preset] = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made: dict[tuple[str, str], pdserve.Engine] = {}
+
+    def get(preset: str, layout: str) -> pdserve.Engine:
+        if (preset, layout) not in made:
+            made[preset, layout] = pdserve.Engine(model_path=preset, enable_hierarchical_cache=True,
+                                                  hicache_mem_layout=layout, **KW)
+        return made[preset, layout]
+
+    yield get
+    for e in made.values():
+        e.shutdown()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_tokens_identical_while_pages_cycle_through_host(reference, engines, preset, layout):
+    engine = engines(preset, layout)
+    outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS + PROMPTS]
+    assert [o["output_ids"] for o in outs] == reference[preset] * 2
+    for o in outs:
+        meta = o["meta_info"]
+        assert sum(meta["cached_tokens_by_tier"].values()) == meta["cached_tokens"]
+    # The second round found prompt 0's prefix only in host memory (the device had evicted it).
+    assert outs[3]["meta_info"]["cached_tokens_by_tier"]["host"] > 0
+    assert outs[3]["meta_info"]["cached_tokens"] == 24  # 6 whole pages; the last prompt token always runs
+    stats = engine.get_server_info()
+    assert stats["cache_hit_tokens_host"] > 0 and stats["host_load_bytes"] > 0 and stats["host_backup_bytes"] > 0
+    _balanced(engine)
+
+
+def test_multi_turn_hit_comes_from_host(engines):
+    engine = engines("tiny-llama", "page_first")
+    turn1 = _prompts(1, seed=7)[0]
+    first = engine.generate(input_ids=turn1, sampling_params=GREEDY)
+    for p in _prompts(3, seed=8):  # push every page of turn 1 off the device
+        engine.generate(input_ids=p, sampling_params=GREEDY)
+    turn2 = turn1 + first["output_ids"] + _prompts(1, length=8, seed=9)[0]
+    second = engine.generate(input_ids=turn2, sampling_params=GREEDY)
+    meta = second["meta_info"]
+    assert meta["cached_tokens"] >= len(turn1)
+    assert meta["cached_tokens_by_tier"] == {"device": 0, "host": meta["cached_tokens"], "storage": 0}
+    _balanced(engine)
+
+
+class _Gate:
+    """A copy that has not landed until ``open`` (stands in for a slow device copy)."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def _delay_next_load(cache: HiRadixCache) -> _Gate:
+    """The next load-back lands only once the returned gate opens; later ones run as usual."""
+    real = cache.host.load
+    gate = _Gate()
+
+    def load(host_pages, device_pages) -> CopyOp:
+        cache.host.load = real  # type: ignore[method-assign]
+        op = real(host_pages, device_pages)
+        op.event = gate  # type: ignore[assignment]  # duck-typed event: query / synchronize
+        return op
+
+    cache.host.load = load  # type: ignore[method-assign]
+    return gate
+
+
+def _on_host(engine: pdserve.Engine, seed: int) -> list[int]:
+    """A prompt whose prefix sits in host memory only."""
+    prompt = _prompts(1, seed=seed)[0]
+    engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    for p in _prompts(2, seed=seed + 1):
+        engine.generate(input_ids=p, sampling_params=GREEDY)
+    return prompt
+
+
+def test_request_waits_for_its_load_and_abort_while_loading_gives_everything_back(engines):
+    engine = engines("tiny-llama", "layer_first")
+    sched, cache = engine.scheduler, _hi(engine)
+    prompt = _on_host(engine, seed=20)
+    want = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]  # loads it back
+    prompt = _on_host(engine, seed=20)  # and off the device again
+    # Not runnable until the copy lands: steps run nothing for it.
+    gate = _delay_next_load(cache)
+    sched.add_request("wait", prompt, SamplingParams(**GREEDY))
+    for _ in range(3):
+        assert sched.step() == []
+    assert sched.reqs["wait"].row is None and cache.num_loading_pages > 0
+    sched.check_memory()  # loading pages are accounted while in flight
+    gate.landed = True
+    out: list[int] = []
+    while sched.has_work():
+        out += [t for o in sched.step() for t in o.new_token_ids]
+    assert out == want
+    # Aborted while its load is in flight: the load lands in the cache, nothing leaks.
+    prompt = _on_host(engine, seed=20)
+    gate = _delay_next_load(cache)
+    sched.add_request("gone", prompt, SamplingParams(**GREEDY))
+    sched.step()
+    assert cache.num_loading_pages > 0 and not gate.landed
+    assert sched.abort("gone")
+    while sched.has_work():
+        sched.step()
+    assert cache.num_loading_pages == 0
+    _balanced(engine)
+
+
+def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference, tmp_path):
+    kw = dict(KW, enable_hierarchical_cache=True, hicache_ratio=0.5, hicache_storage_backend="file",
+              hicache_storage_dir=str(tmp_path), hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8)
+    with pdserve.Engine(model_path="tiny-llama", **kw) as engine:
+        first = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        for p in PROMPTS[1:] + _prompts(2, seed=30):  # off the device, then off the 8-page host pool
+            engine.generate(input_ids=p, sampling_params=GREEDY)
+        again = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert first["output_ids"] == again["output_ids"] == reference["tiny-llama"][0]
+        assert again["meta_info"]["cached_tokens_by_tier"]["storage"] > 0
+        assert engine.get_server_info()["storage_put_bytes"] > 0
+        _balanced(engine)
+        _hi(engine).storage.flush()  # type: ignore[union-attr]
+    with pdserve.Engine(model_path="tiny-llama", **kw) as restarted:
+        out = restarted.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert out["output_ids"] == reference["tiny-llama"][0]
+        assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8
+        _balanced(restarted)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("hicache_storage_chunk_tokens", 6, "--hicache-storage-chunk-tokens): must be a multiple of the page size (4)"),
+    ("hicache_ratio", 0.0, "--hicache-ratio): must be > 0"),
+    ("hicache_size", -1.0, "--hicache-size): must be >= 0"),
+    ("hicache_write_policy", "write_around", "--hicache-write-policy): 'write_around' is not one of"),
+    ("hicache_mem_layout", "row", "--hicache-mem-layout): 'row' is not one of"),
+    ("hicache_storage_backend", "s3", "--hicache-storage-backend): 's3' is not one of"),
+    ("hicache_storage_prefetch_policy", "never", "--hicache-storage-prefetch-policy): 'never' is not one of"),
+    ("hicache_storage_backend_extra_config", "{bad", "--hicache-storage-backend-extra-config): not valid JSON"),
+    ("hicache_storage_backend_extra_config", "[1]", "--hicache-storage-backend-extra-config): must be a JSON obj"),
+    ("disable_radix_cache", True, "--enable-hierarchical-cache): needs the radix cache"),
+])
+def test_flag_errors_name_the_flag(field, value, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        ServerArgs(model_path="tiny-llama", page_size=4, enable_hierarchical_cache=True, **{field: value})
