@@ -14,13 +14,18 @@ import torch
 import pdserve
 from pdserve.config import ServerArgs
 from pdserve.engine.request import SamplingParams
+from pdserve.mem.hicache_storage import StorageLeg
 from pdserve.mem.hiradix_cache import HiRadixCache
-from pdserve.mem.host_pool import CopyOp
+from pdserve.mem.host_pool import CopyOp, HostKVPool
+from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool
+from pdserve.mem.storage import PageStore, create_page_store, namespace
 
 KW = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64)
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 PRESETS = ("tiny-llama", "tiny-deepseek")
 LAYOUTS = ("layer_first", "page_first")
+# One engine per layout: each also runs one write policy (demotion on eviction vs copy on insert).
+POLICY = {"layer_first": "write_through", "page_first": "write_back"}
 
 
 def _prompts(n: int, length: int = 28, seed: int = 0) -> list[list[int]]:
@@ -62,7 +67,8 @@ def engines():
     def get(preset: str, layout: str) -> pdserve.Engine:
         if (preset, layout) not in made:
             made[preset, layout] = pdserve.Engine(model_path=preset, enable_hierarchical_cache=True,
-                                                  hicache_mem_layout=layout, **KW)
+                                                  hicache_mem_layout=layout, hicache_write_policy=POLICY[layout],
+                                                  **KW)
         return made[preset, layout]
 
     yield get
@@ -84,6 +90,8 @@ def test_greedy_tokens_identical_while_pages_cycle_through_host(reference, engin
     assert outs[3]["meta_info"]["cached_tokens"] == 24  # 6 whole pages; the last prompt token always runs
     stats = engine.get_server_info()
     assert stats["cache_hit_tokens_host"] > 0 and stats["host_load_bytes"] > 0 and stats["host_backup_bytes"] > 0
+    if POLICY[layout] == "write_back":
+        assert stats["device_demoted_pages"] > 0
     _balanced(engine)
 
 
@@ -204,3 +212,59 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
 def test_flag_errors_name_the_flag(field, value, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         ServerArgs(model_path="tiny-llama", page_size=4, enable_hierarchical_cache=True, **{field: value})
+
+
+# ------------------------------------------------------------------ host pool and storage leg
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_host_pool_round_trips_pages_and_payloads(kind, layout):
+    g = torch.Generator().manual_seed(0)
+    dev: KVPool = (GQAKVPool(6, 4, 3, 2, 8, torch.float32) if kind == "gqa"
+                   else MLAKVPool(6, 4, 3, 16, 8, torch.float32))
+    for _, buf in dev.page_buffers():
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    before = [buf.clone() for _, buf in dev.page_buffers()]
+    host = HostKVPool(dev, 4, layout)
+    assert host.backup([5, 1], [0, 3]).done()
+    # Page bytes against the slow twin: each device page of each buffer, layer by layer.
+    want = b"".join(buf[:, p].contiguous().numpy().tobytes() for p in (5, 1) for _, buf in dev.page_buffers())
+    assert host.page_payload([0, 3]) == want
+    host.set_page_payload([2, 1], want)
+    assert host.load([2, 1], [0, 4]).done()
+    for (_, buf), old in zip(dev.page_buffers(), before):
+        assert torch.equal(buf[:, 0], old[:, 5]) and torch.equal(buf[:, 4], old[:, 1])
+        assert torch.equal(buf[:, 2], old[:, 2])  # untouched
+    with pytest.raises(ValueError, match="payload of"):
+        host.set_page_payload([0], want)
+
+
+class _PutFailsOnce:
+    """A store whose first put raises (a broken backend), then behaves."""
+
+    def __init__(self, store: PageStore) -> None:
+        self.inner, self.name, self.failed = store, store.name, False
+
+    def put(self, key: bytes, payload: bytes) -> bool:
+        if not self.failed:
+            self.failed = True
+            raise OSError("backend fell over")
+        return self.inner.put(key, payload)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_storage_thread_that_raises_is_restarted_and_counted(tmp_path):
+    ns = namespace({"model": "test"})
+    store = create_page_store("file", directory=str(tmp_path), size_gb=0.001, namespace=ns, extra_config=None)
+    leg = StorageLeg(_PutFailsOnce(store), ns, 8, 4)  # type: ignore[arg-type]
+    try:
+        keys = leg.keys(list(range(16)))
+        leg.put_async(keys[0], b"a" * 32)  # lost with the thread
+        leg.put_async(keys[1], b"b" * 32)
+        leg.flush()
+        assert leg.stats()["storage_thread_restarts"] == 1
+        assert store.exists(keys[1:]) == 1 and leg.fetch(keys, 16) == []  # the run starts at a miss
+        assert leg.fetch(keys[1:], 16) == [b"b" * 32]
+    finally:
+        leg.close()

@@ -97,7 +97,7 @@ def add_hicache_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--hicache-storage-backend", "tier below host memory (default: none)",
           choices=HICACHE_STORAGE_BACKENDS)
     _flag(g, "--hicache-storage-dir", "directory of the file storage tier")
-    _flag(g, "--hicache-storage-size-gb", "bound on the storage tier's bytes (0: backend default)", type=float)
+    _flag(g, "--hicache-storage-size-gb", "bound on the storage tier's bytes (0: 4 GB)", type=float)
     _flag(g, "--hicache-storage-prefetch-policy", "how long a storage hit may keep a request waiting",
           choices=HICACHE_PREFETCH_POLICIES)
     _flag(g, "--hicache-storage-chunk-tokens", "tokens per storage object, a multiple of --page-size (0: the "
