@@ -11,7 +11,7 @@ from pdserve.mem.storage.page_format import HEADER_BYTES, pack
 
 NS = namespace({"model": "a", "dtype": "bfloat16", "page_size": 4})
 OTHER_NS = namespace({"model": "b", "dtype": "bfloat16", "page_size": 4})  # same KV shape, other weights
-KEYS = chunk_keys(NS, list(range(40)), 4)
+KEYS = chunk_keys(NS, list(range(120)), 4)
 PAGE = 1000
 
 
@@ -158,3 +158,34 @@ def test_bad_config_names_the_field(tmp_path, kwargs, field):
     backend = args.pop("backend")
     with pytest.raises(ValueError, match=field):
         create_page_store(backend, **args)
+
+
+def test_concurrent_readers_writers_and_evictions_keep_the_accounting(tmp_path):
+    # a bound of 6 pages under 4 threads putting and getting 24 keys: evictions race lookups and loads
+    store = open_store(tmp_path, size_gb=6 * (PAGE + HEADER_BYTES) / 1e9, fsync=False)
+    wrong: list[bytes] = []
+
+    def worker(seed: int) -> None:
+        for step in range(60):
+            i = (seed * 7 + step * 5) % 24
+            if step % 3 == 0:
+                store.put(KEYS[i], page(i))
+            else:
+                n = store.exists(KEYS[i : i + 2])
+                got = store.get(KEYS[i])
+                if got is not None and got != page(i):
+                    wrong.append(KEYS[i])
+                assert 0 <= n <= 2
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = store.stats()
+    on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp_path) for f in fs if f != ".lock")
+    assert not wrong
+    assert stats["bytes_used"] == on_disk <= 6 * (PAGE + HEADER_BYTES)
+    assert stats["objects"] == len([f for _, _, fs in os.walk(tmp_path) for f in fs if f != ".lock"])
+    assert stats["hits"] + stats["misses"] == 4 * 40 and stats["corrupt"] == 0
+    store.close()

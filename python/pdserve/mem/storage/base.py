@@ -110,6 +110,7 @@ class Counters:
 _BACKENDS = {
     "file": ("pdserve.mem.storage.file", "create_file_store"),
     "mooncake": ("pdserve.mem.storage.mooncake_store", "create_mooncake_store"),
+    "memory": ("pdserve.mem.storage.memory", "create_memory_store"),  # in-process, for tests
 }
 BACKEND_NAMES = tuple(_BACKENDS)
 

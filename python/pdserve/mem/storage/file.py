@@ -78,6 +78,8 @@ class FileStore:
 
     def exists(self, keys: Sequence[bytes]) -> int:
         with self._lock:
+            if self._closed:
+                return 0
             for n, key in enumerate(keys):
                 if key not in self._index:
                     return n
@@ -94,14 +96,15 @@ class FileStore:
             if key not in self._index:
                 self._counters.miss("miss_absent")
                 return None
-        blob = self._read(key)
-        if blob is None:
+        read = self._read(key)
+        if read is None:
             return None
+        blob, inode = read
         try:
             payload = page_format.unpack(blob, self.namespace, key)
         except page_format.PageFormatError as err:
             self._counters.miss(err.reason)
-            self._discard(key)
+            self._discard(key, inode)
             return None
         with self._lock:
             if key in self._index:
@@ -170,14 +173,24 @@ class FileStore:
             _unlink(self._path(victim))  # under the lock, so a concurrent re-put of it is not unlinked
             self._counters.add("evictions")
 
-    def _discard(self, key: bytes) -> None:
-        """Drop a file that failed verification, so the next put of its key rewrites it."""
+    def _discard(self, key: bytes, inode: int | None) -> None:
+        """Forget ``key`` after its file failed to read or verify, so the next put rewrites it.
+
+        ``inode``: the file that failed (None: it was missing). A file renamed over it meanwhile
+        is a good one and stays.
+        """
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is None:
+            path = self._path(key)
+            try:
+                current: int | None = os.stat(path).st_ino
+            except OSError:
+                current = None
+            if current != inode:  # replaced (or, for a missing file, recreated) by a put meanwhile
                 return
-            self._used -= size
-            _unlink(self._path(key))
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+            _unlink(path)
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, bytes, int]] = []
@@ -224,30 +237,24 @@ class FileStore:
         hexkey = key.hex()
         return os.path.join(self.config.directory, hexkey[:2], hexkey)
 
-    def _read(self, key: bytes) -> bytes | None:
+    def _read(self, key: bytes) -> tuple[bytes, int] | None:
+        """(the file's bytes, its inode), or None after counting the miss."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except FileNotFoundError:
             self._counters.miss("miss_absent")
-            self._forget(key)
+            self._discard(key, None)
             return None
         except OSError:
             self._counters.miss("read_errors")
             return None
         try:
-            return _read_all(fd, self.config.bypass_page_cache)
+            return _read_all(fd, self.config.bypass_page_cache), os.fstat(fd).st_ino
         except OSError:
             self._counters.miss("read_errors")
             return None
         finally:
             os.close(fd)
-
-    def _forget(self, key: bytes) -> None:
-        """A file gone behind the index's back (deleted by hand): stop counting it."""
-        with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
 
     def _write(self, key: bytes, payload: bytes) -> bool:
         final = self._path(key)
