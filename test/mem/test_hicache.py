@@ -195,6 +195,16 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
         assert out["output_ids"] == reference["tiny-llama"][0]
         assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8
         _balanced(restarted)
+        # Every stored page truncated on disk: a miss (counted), recomputed, never a wrong token.
+        assert restarted.flush_cache()
+        for f in (f for f in tmp_path.rglob("*") if f.is_file() and f.stat().st_size > 64):
+            f.write_bytes(f.read_bytes()[:-16])
+        out = restarted.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert out["output_ids"] == reference["tiny-llama"][0]
+        assert out["meta_info"]["cached_tokens"] == 0
+        stats = restarted.get_server_info()
+        assert stats["storage_misses"] > 0 and stats["storage_hits"] == 3  # the three before the damage
+        _balanced(restarted)
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -268,3 +278,41 @@ def test_storage_thread_that_raises_is_restarted_and_counted(tmp_path):
         assert leg.fetch(keys[1:], 16) == [b"b" * 32]
     finally:
         leg.close()
+
+
+def _tiers(policy: str, device_pages: int = 8, host_pages: int = 8) -> HiRadixCache:
+    from pdserve.mem.allocator import PageAllocator
+
+    dev = GQAKVPool(device_pages, 2, 1, 1, 4, torch.float32)
+    return HiRadixCache(PageAllocator(device_pages), 2, HostKVPool(dev, host_pages), policy)
+
+
+@pytest.mark.parametrize("policy, copies_after_insert, copies_after_two_hits",
+                         [("write_through", 3, 3), ("write_through_selective", 0, 3), ("write_back", 0, 0)])
+def test_write_policies_decide_when_pages_go_down(policy, copies_after_insert, copies_after_two_hits):
+    cache = _tiers(policy)
+    tokens = list(range(6))
+    cache.insert(tokens, cache.allocator.alloc(3))
+    assert cache.num_host_cached_pages == copies_after_insert
+    for _ in range(2):
+        cache.match_prefix(tokens)
+    cache.insert(tokens, cache.allocator.alloc(3))  # the same blocks again: duplicates freed
+    assert cache.num_host_cached_pages == copies_after_two_hits
+    # Evicting every device page keeps every page findable on host (write-back demotes now).
+    assert cache.evict(3) == 3 and cache.allocator.num_free == 8
+    match = cache.match_tiers(tokens)
+    assert match.device.pages == [] and len(match.host) == 3
+    cache.check_invariants()
+    cache.check_host_pages()
+
+
+def test_metrics_render_per_tier_counters(engines):
+    from pdserve.obs.metrics import ServerMetrics
+
+    engine = engines("tiny-llama", "layer_first")
+    metrics = ServerMetrics("m")
+    metrics.set_scheduler_stats(engine.get_server_info())
+    text = metrics.render().decode()
+    for line in ('pdserve:cache_hit_tokens_total{model_name="m",tier="host"}', "pdserve:hicache_host_load_bytes_total",
+                 "pdserve:hicache_host_total_pages"):
+        assert line in text
