@@ -218,6 +218,7 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
     ("hicache_storage_backend_extra_config", "{bad", "--hicache-storage-backend-extra-config): not valid JSON"),
     ("hicache_storage_backend_extra_config", "[1]", "--hicache-storage-backend-extra-config): must be a JSON obj"),
     ("disable_radix_cache", True, "--enable-hierarchical-cache): needs the radix cache"),
+    ("tp_size", 2, "--enable-hierarchical-cache): runs on single-rank servers for now"),
 ])
 def test_flag_errors_name_the_flag(field, value, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
