@@ -317,3 +317,18 @@ def test_metrics_render_per_tier_counters(engines):
     for line in ('pdserve:cache_hit_tokens_total{model_name="m",tier="host"}', "pdserve:hicache_host_load_bytes_total",
                  "pdserve:hicache_host_total_pages"):
         assert line in text
+
+
+def test_pd_prefill_loads_host_hits_and_decode_gets_the_same_tokens(reference):
+    from disagg.pd_pair import PDPair, greedy
+
+    pair = PDPair("tiny-llama", prefill_flags=dict(enable_hierarchical_cache=True), backend="memory", **KW)
+    try:
+        for i, p in enumerate(PROMPTS + PROMPTS):
+            pair.submit(f"r{i}", p, greedy(GREEDY["max_new_tokens"]))
+            pair.run()
+        assert [pair.outputs[f"r{i}"]["ids"] for i in range(6)] == reference["tiny-llama"] * 2
+        assert pair.prefill.stats()["cache_hit_tokens_host"] > 0
+        pair.assert_idle_and_accounted()
+    finally:
+        pair.close()
