@@ -187,7 +187,8 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
         again = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
         assert first["output_ids"] == again["output_ids"] == reference["tiny-llama"][0]
         assert again["meta_info"]["cached_tokens_by_tier"]["storage"] > 0
-        assert engine.get_server_info()["storage_put_bytes"] > 0
+        stats = engine.get_server_info()
+        assert stats["storage_put_bytes"] > 0 and stats["storage_hit_pages"] > 0
         _balanced(engine)
         _hi(engine).storage.flush()  # type: ignore[union-attr]
     with pdserve.Engine(model_path="tiny-llama", **kw) as restarted:

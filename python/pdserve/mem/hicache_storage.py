@@ -35,8 +35,8 @@ class StorageLeg:
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.chunk_pages = chunk_tokens // page_size
-        self.counters = {"storage_hit_pages": 0, "storage_get_bytes": 0, "storage_put_bytes": 0,
-                         "storage_puts_dropped": 0, "storage_thread_restarts": 0, "storage_put_failures": 0}
+        self.counters = {"storage_get_bytes": 0, "storage_put_bytes": 0,
+                         "storage_puts_dropped": 0, "storage_thread_restarts": 0}
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(PUT_QUEUE_CHUNKS)
         self._lock = threading.Lock()
         self._closed = False
@@ -71,10 +71,8 @@ class StorageLeg:
                 if item is None:
                     return
                 key, payload = item
-                if self.store.put(key, payload):
+                if self.store.put(key, payload):  # a False is counted by the store (put_failures)
                     self._count("storage_put_bytes", len(payload))
-                else:
-                    self._count("storage_put_failures")
             except Exception:
                 # The put is lost (its pages are still on host); the tier must not stop with it.
                 logger.exception("hicache storage thread failed; restarting it")
