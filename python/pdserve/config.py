@@ -20,6 +20,12 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
+HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# Storage objects smaller than this cost more in per-object overhead than they save.
+HICACHE_MIN_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,88 @@ class ModelConfig:
         return self.num_layers * per_layer * itemsize
 
 
+def _flag_error(field_name: str, why: str) -> ValueError:
+    """A config error naming both the field and the flag an operator typed."""
+    return ValueError(f"{field_name} (--{field_name.replace('_', '-')}): {why}")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """The hierarchical KV cache: device pages demote to a host pool, host pages to storage.
+
+    ``size_gb`` > 0 sizes the host pool in bytes; otherwise it holds ``ratio`` x the device
+    pool's pages. ``storage_chunk_tokens`` 0 picks the smallest multiple of the page size
+    >= HICACHE_MIN_CHUNK_TOKENS (one storage object per token would drown in overhead).
+    """
+
+    enabled: bool = False
+    ratio: float = 2.0
+    size_gb: float = 0.0
+    write_policy: str = "write_through"
+    mem_layout: str = "layer_first"
+    storage_backend: str | None = None
+    storage_dir: str | None = None
+    storage_size_gb: float = 0.0
+    storage_prefetch_policy: str = "best_effort"
+    storage_chunk_tokens: int = 0
+    storage_backend_extra_config: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.ratio > 0:
+            raise _flag_error("hicache_ratio", f"must be > 0, got {self.ratio}")
+        if self.size_gb < 0:
+            raise _flag_error("hicache_size", f"must be >= 0 GB (0: use --hicache-ratio), got {self.size_gb}")
+        self._check_choice("hicache_write_policy", self.write_policy, HICACHE_WRITE_POLICIES)
+        self._check_choice("hicache_mem_layout", self.mem_layout, HICACHE_MEM_LAYOUTS)
+        self._check_choice("hicache_storage_prefetch_policy", self.storage_prefetch_policy,
+                           HICACHE_PREFETCH_POLICIES)
+        if self.storage_backend is not None:
+            self._check_choice("hicache_storage_backend", self.storage_backend, HICACHE_STORAGE_BACKENDS)
+        if self.storage_size_gb < 0:
+            raise _flag_error("hicache_storage_size_gb", f"must be >= 0, got {self.storage_size_gb}")
+        if self.storage_chunk_tokens < 0:
+            raise _flag_error("hicache_storage_chunk_tokens", f"must be >= 0 (0: automatic), got "
+                              f"{self.storage_chunk_tokens}")
+        self.extra_config()
+
+    @staticmethod
+    def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+        if value not in choices:
+            raise _flag_error(name, f"{value!r} is not one of {choices}")
+
+    def extra_config(self) -> dict[str, Any]:
+        """The storage backend's extra settings (a JSON object, Mooncake's key names)."""
+        if not self.storage_backend_extra_config:
+            return {}
+        try:
+            value = json.loads(self.storage_backend_extra_config)
+        except json.JSONDecodeError as e:
+            raise _flag_error("hicache_storage_backend_extra_config", f"not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise _flag_error("hicache_storage_backend_extra_config",
+                              f"must be a JSON object, got {type(value).__name__}")
+        return value
+
+    def check_page_size(self, page_size: int) -> None:
+        if self.storage_chunk_tokens and self.storage_chunk_tokens % page_size:
+            raise _flag_error("hicache_storage_chunk_tokens", f"must be a multiple of the page size "
+                              f"({page_size}), got {self.storage_chunk_tokens}")
+
+    def chunk_tokens(self, page_size: int) -> int:
+        if self.storage_chunk_tokens:
+            return self.storage_chunk_tokens
+        return -(-HICACHE_MIN_CHUNK_TOKENS // page_size) * page_size
+
+    def num_host_pages(self, device_pages: int, page_bytes: int) -> int:
+        """Host pool pages: ``size_gb`` of ``page_bytes`` pages, else ``ratio`` x ``device_pages``."""
+        if self.size_gb > 0:
+            pages = int(self.size_gb * (1 << 30)) // max(1, page_bytes)
+            if pages < 1:
+                raise _flag_error("hicache_size", f"{self.size_gb} GB holds no page of {page_bytes} bytes")
+            return pages
+        return max(1, int(device_pages * self.ratio))
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 1
@@ -203,6 +291,7 @@ class CacheConfig:
     # KV pool budget when max_total_tokens is None. The pool is zero-filled up front
     # (padding reads must never see NaN garbage), so this is resident memory.
     max_memory_bytes: int = 256 << 20
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -211,6 +300,10 @@ class CacheConfig:
             raise ValueError(
                 f"max_total_tokens: must be >= page_size ({self.page_size}), got {self.max_total_tokens}"
             )
+        if self.hicache.enabled:
+            self.hicache.check_page_size(self.page_size)
+            if self.disable_radix_cache:
+                raise _flag_error("enable_hierarchical_cache", "needs the radix cache (drop --disable-radix-cache)")
 
     def num_pages(self, model: ModelConfig) -> int:
         tokens = self.max_total_tokens
@@ -583,6 +676,17 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
+    hicache_mem_layout: str = "layer_first"
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size_gb: float = 0.0
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_chunk_tokens: int = 0
+    hicache_storage_backend_extra_config: str | None = None
     random_seed: int = 0
     api_key: str | None = None
     log_level: str = "info"
@@ -644,6 +748,11 @@ class ServerArgs:
             # request to a DP group, so it could not know which group's ranks hold the KV.
             raise ValueError(f"dp_size: a prefill server runs one attention group (TP/EP), got dp_size "
                              f"{self.dp_size}; start more prefill servers instead")
+        if self.enable_hierarchical_cache and self.parallel_config().world_size > 1:
+            # Each rank would decide alone when a copy has landed and what storage holds, and ranks
+            # that admit differently deadlock: hit lengths must first be agreed over the ranks.
+            raise _flag_error("enable_hierarchical_cache", "runs on single-rank servers for now (tp_size, "
+                              "dp_size and ep_size 1)")
         if self.compile_config().enabled and self.parallel_config().world_size > 1:
             raise ValueError("enable_torch_compile: compiled decode runs on single-rank servers for now "
                              "(tp_size, dp_size and ep_size 1)")
@@ -669,7 +778,15 @@ class ServerArgs:
         return model
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache)
+        return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache,
+                           hicache=self.hicache_config())
+
+    def hicache_config(self) -> HiCacheConfig:
+        return HiCacheConfig(self.enable_hierarchical_cache, self.hicache_ratio, self.hicache_size,
+                             self.hicache_write_policy, self.hicache_mem_layout, self.hicache_storage_backend,
+                             self.hicache_storage_dir, self.hicache_storage_size_gb,
+                             self.hicache_storage_prefetch_policy, self.hicache_storage_chunk_tokens,
+                             self.hicache_storage_backend_extra_config)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_running_requests, self.chunked_prefill_size,

@@ -94,6 +94,8 @@ class TokenOutput:
     # Once, with the first output token: where the scheduler-side time to it went, in seconds
     # (obs.timeline.STAGES: queue, prefill, transfer, decode_scheduling).
     timeline: dict[str, float] | None = None
+    # cached_tokens split by tier: {"device": n, "host": n, "storage": n}
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass

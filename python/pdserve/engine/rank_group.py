@@ -91,6 +91,9 @@ def merge_stats(per_dp: list[dict]) -> dict:
     out["page_size"] = per_dp[0]["page_size"]
     out["forward_steps"] = max(s["forward_steps"] for s in per_dp)
     out["token_usage"] = sum(s["token_usage"] * s["total_pages"] for s in per_dp) / out["total_pages"]
+    # The KV cache's per-tier counters (cache_hit_tokens_*, host_*, storage_*) add up too.
+    tiers = ("cache_hit_tokens_", "host_", "storage_", "device_demoted_")
+    out.update({k: sum(s.get(k, 0) for s in per_dp) for k in per_dp[0] if k.startswith(tiers)})
     out["dp_ranks"] = per_dp
     return out
 

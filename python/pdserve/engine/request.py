@@ -213,6 +213,10 @@ class Req:
         self.kv_len = 0
         self.cached_len = 0  # prefix tokens served from the radix cache at admission
         self.cached_tokens_reported = 0  # first admission's hit, reported in meta_info
+        # cached_len split by the tier each token's KV came from (set with cached_len), and the
+        # first admission's split, reported in meta_info beside cached_tokens
+        self.cached_by_tier: dict[str, int] = {}
+        self.cached_by_tier_reported: dict[str, int] | None = None
         self.num_retractions = 0
         self.generator: torch.Generator | None = None  # torch.Generator for seeded sampling, created by the scheduler
         self.logprob: ReqLogprobs | None = None  # input logprob state, set by the scheduler if asked

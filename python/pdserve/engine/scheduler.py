@@ -72,7 +72,9 @@ class Scheduler:
         pool = self.runner.pool
         self.context_len = model_config.context_length
         self.kv_manager = KVCacheManager(pool.num_pages, self.page_size, config.max_running_requests,
-                                         self.context_len, disable_radix_cache=cache_config.disable_radix_cache)
+                                         self.context_len, disable_radix_cache=cache_config.disable_radix_cache,
+                                         hicache=cache_config.hicache, pool=pool,
+                                         storage_compat=self._storage_compat(parallel))
         self.sampler: SampleFn = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -101,6 +103,21 @@ class Scheduler:
         if self.kv_events is None:
             return None
         return self.kv_events.snapshot(self.kv_manager.cached_blocks(), self.page_size)
+
+    def _storage_compat(self, parallel: ParallelState) -> dict[str, object]:
+        """What makes stored KV pages interchangeable: another model, dtype, page shape or TP
+        shard must never read them (storage keys are scoped by this record)."""
+        pool = self.runner.pool
+        return {"model": str(self.model_config.path), "dtype": str(pool.dtype), "page_size": self.page_size,
+                "layout": "page_first", "num_layers": pool.num_layers,
+                "buffers": [[name, *buf.shape[2:]] for name, buf in pool.page_buffers()],
+                "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size, "load_format": self.model_config.load_format,
+                # dummy weights differ by seed, so their KV does too
+                "weights_seed": self.config.random_seed if self.model_config.load_format == "dummy" else None}
+
+    def close(self) -> None:
+        """Stop the KV cache's background threads (the process or Engine is ending)."""
+        self.kv_manager.close()
 
     # ---------------------------------------------------------- memory views
     # Inspection only (stats, tests, the rank group's memory report): changes go through kv_manager.
@@ -216,6 +233,8 @@ class Scheduler:
             return False
         if req.num_retractions == 0:
             req.cached_tokens_reported = req.cached_len
+            req.cached_by_tier_reported = dict(req.cached_by_tier)
+            self.kv_manager.count_hit(req.cached_by_tier)
         return True
 
     def _schedule_extend(self):
@@ -229,6 +248,8 @@ class Scheduler:
         running_growth = [self._growth(r) for r in self.running]  # the same for every candidate
         for req in candidates:
             fresh = req.state is ReqState.WAITING
+            if fresh and not self.kv_manager.prepare(req, self._matchable(req)):
+                continue  # its cached prefix is still being loaded back from host memory
             if fresh and not self._admit(req, len(reqs)):
                 break
             remaining = len(req.fill_ids) - req.kv_len
@@ -394,6 +415,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict, emit: bool = True) -> None:
         self.mode.on_finish(req)
+        self.kv_manager.forget(req)  # a load-back it waited for, if any
         if req.state in (ReqState.RUNNING, ReqState.PREFILLING, ReqState.TRANSFERRING):
             if req in self.running:
                 self.running.remove(req)
@@ -411,8 +433,10 @@ class Scheduler:
         self.kv_manager.release(req, req.kv_len)
 
     def _output(self, req: Req, new_ids: list[int], logprobs, top_logprobs=None) -> TokenOutput:
+        by_tier = req.cached_by_tier_reported or {"device": req.cached_tokens_reported, "host": 0, "storage": 0}
         out = TokenOutput(req.rid, new_ids, logprobs, req.finished, req.finish_reason, req.prompt_len,
-                          len(req.output_ids), req.cached_tokens_reported, top_logprobs)
+                          len(req.output_ids), req.cached_tokens_reported, top_logprobs,
+                          cached_tokens_by_tier=by_tier)
         taken = req.logprob.take_input() if req.logprob is not None else None
         if taken is not None:
             out.input_token_logprobs, out.input_top_logprobs = taken
@@ -462,5 +486,6 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
             **(self.kv_events.stats() if self.kv_events is not None else {}),
+            **self.kv_manager.stats(),
             **self.mode.stats(),
         }

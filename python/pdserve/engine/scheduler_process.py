@@ -208,6 +208,7 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
         if scheduler is not None:
             scheduler.mode.close()
             close_kv_events(scheduler)
+            scheduler.close()
         recv.close(linger=0)
         send.close(linger=1000)  # let a final SchedulerFailed reach the frontend
         ctx.term()
@@ -362,6 +363,7 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
         if scheduler is not None:
             scheduler.mode.close()
             close_kv_events(scheduler)
+            scheduler.close()
         _close_rank(ctx, recv, send, groups, clean=code == 0)
     os._exit(code)
 

@@ -21,6 +21,10 @@ from pdserve.config import (
     DISAGG_MODES,
     DTYPES,
     FALLBACK_POLICIES,
+    HICACHE_MEM_LAYOUTS,
+    HICACHE_PREFETCH_POLICIES,
+    HICACHE_STORAGE_BACKENDS,
+    HICACHE_WRITE_POLICIES,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     PACK_POLICIES,
@@ -82,6 +86,26 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--max-prefill-tokens", "most prompt tokens in one prefill batch", type=int)
     _flag(g, "--schedule-policy", "order in which waiting requests are admitted", choices=SCHEDULE_POLICIES)
     _flag(g, "--disable-radix-cache", "do not reuse KV of shared prefixes", action="store_true")
+
+
+def add_hicache_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("hierarchical KV cache (docs/hicache.md)")
+    _flag(g, "--enable-hierarchical-cache", "keep evicted prefix KV in host memory (and storage) and load it "
+          "back on a hit", action="store_true")
+    _flag(g, "--hicache-ratio", "host pool pages per device pool page", type=float)
+    _flag(g, "--hicache-size", "host pool size in GB; > 0 overrides --hicache-ratio", type=float)
+    _flag(g, "--hicache-write-policy", "when device pages are copied to host", choices=HICACHE_WRITE_POLICIES)
+    _flag(g, "--hicache-mem-layout", "host pool layout (page_first: one page contiguous, for storage)",
+          choices=HICACHE_MEM_LAYOUTS)
+    _flag(g, "--hicache-storage-backend", "tier below host memory (default: none)",
+          choices=HICACHE_STORAGE_BACKENDS)
+    _flag(g, "--hicache-storage-dir", "directory of the file storage tier")
+    _flag(g, "--hicache-storage-size-gb", "bound on the storage tier's bytes (0: 4 GB)", type=float)
+    _flag(g, "--hicache-storage-prefetch-policy", "how long a storage hit may keep a request waiting",
+          choices=HICACHE_PREFETCH_POLICIES)
+    _flag(g, "--hicache-storage-chunk-tokens", "tokens per storage object, a multiple of --page-size (0: the "
+          "smallest multiple >= 64)", type=int)
+    _flag(g, "--hicache-storage-backend-extra-config", "JSON object of backend settings (Mooncake's key names)")
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -155,8 +179,8 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
           "or auto (by step)", choices=DEEPEP_MODES)
 
 
-SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_parallel_args, add_runtime_args,
-                     add_disagg_args, add_device_args)
+SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_hicache_args, add_parallel_args,
+                     add_runtime_args, add_disagg_args, add_device_args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -269,7 +293,7 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # --------------------------------------------------------------------- up
-UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_runtime_args, add_device_args)
+UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_hicache_args, add_runtime_args, add_device_args)
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:

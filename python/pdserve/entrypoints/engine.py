@@ -187,6 +187,7 @@ class Engine:
             "prompt_tokens": final.prompt_tokens,
             "completion_tokens": final.completion_tokens,
             "cached_tokens": final.cached_tokens,
+            "cached_tokens_by_tier": final.cached_tokens_by_tier,
             "finish_reason": final.finish_reason,
         }
         if acc.timeline is not None:

@@ -85,6 +85,8 @@ def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: Token
     """SGLang's response body; ``data`` accumulates a stream's logprobs (None: ``c`` holds them all)."""
     meta = {"id": c.rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "cached_tokens": c.cached_tokens, "finish_reason": c.finish_reason}
+    if c.cached_tokens_by_tier is not None:
+        meta["cached_tokens_by_tier"] = c.cached_tokens_by_tier
     if c.timeline is not None:
         meta["timeline"] = c.timeline
     if item.job.return_logprob:

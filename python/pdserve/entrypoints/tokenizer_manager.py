@@ -107,6 +107,7 @@ class GenerateChunk:
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
     timeline: dict | None = None  # TTFT breakdown (obs.timeline.STAGES), once the first token is out
+    cached_tokens_by_tier: dict | None = None  # cached_tokens split by tier (device, host, storage)
 
 
 @dataclass(eq=False)
@@ -378,12 +379,14 @@ class TokenizerManager:
         stages = state.timeline.stages
         if len(outs) == 1 and not state.return_logprob:  # the common streaming case, kept cheap
             return GenerateChunk(state.rid, "", last.new_token_ids, None, last.finished, last.finish_reason,
-                                 last.prompt_tokens, last.completion_tokens, last.cached_tokens, timeline=stages)
+                                 last.prompt_tokens, last.completion_tokens, last.cached_tokens, timeline=stages,
+                                 cached_tokens_by_tier=last.cached_tokens_by_tier)
         ids: list[int] = []
         for o in outs:
             ids += o.new_token_ids
         chunk = GenerateChunk(state.rid, "", ids, None, last.finished, last.finish_reason, last.prompt_tokens,
-                              last.completion_tokens, last.cached_tokens, timeline=stages)
+                              last.completion_tokens, last.cached_tokens, timeline=stages,
+                              cached_tokens_by_tier=last.cached_tokens_by_tier)
         if state.return_logprob:
             _add_logprobs(chunk, outs)
         return chunk

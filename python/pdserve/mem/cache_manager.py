@@ -7,18 +7,26 @@ the allocator, the request -> slot table or the radix cache's locks directly, so
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.hicache_storage import StorageLeg
+from pdserve.mem.hiradix_cache import HiRadixCache, LoadHandle
+from pdserve.mem.host_pool import HostKVPool, host_page_bytes
 from pdserve.mem.kv_events import KVEventSink
 from pdserve.mem.page_table import ReqToTokenTable
-from pdserve.mem.radix_cache import RadixCache
+from pdserve.mem.radix_cache import RadixCache, RadixNode
 
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.config import HiCacheConfig
     from pdserve.engine.request import Req
+    from pdserve.mem.kv_pool import KVPool
+
+TIERS = ("device", "host", "storage")
+DEFAULT_STORAGE_GB = 4.0  # --hicache-storage-size-gb 0
 
 
 class KVCacheManager:
@@ -41,20 +49,56 @@ class KVCacheManager:
       Each unlocks the prefix and frees the row. Ending a request that holds no row (never
       admitted, or already ended) raises: a double release means two owners.
 
-    ``check(live)``: ``free + cached + own pages of live requests + quarantined == total`` and
-    every row held by a live request; a leak or double count raises.
+    With a hierarchical cache (``hicache`` enabled, ``pool`` given) evicted pages move to a host
+    pool, and a waiting request whose prefix continues there must pass ``prepare`` before
+    ``admit``: it loads that continuation back into fresh device pages and answers False until
+    the copy has landed. ``forget(req)`` gives up a waiting request's load (abort).
+
+    ``check(live)``: ``free + cached + own pages of live requests + quarantined + loading ==
+    total``, the same over host pages (``free + cached + in flight == total``), and every row
+    held by a live request; a leak or double count raises.
     """
 
     def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_context_len: int,
-                 disable_radix_cache: bool = False):
+                 disable_radix_cache: bool = False, hicache: HiCacheConfig | None = None,
+                 pool: KVPool | None = None, storage_compat: Mapping[str, object] | None = None):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        # Evicted pages come back here, not to the allocator behind the manager's back: a lower
-        # cache tier will demote them instead of freeing.
-        self.cache = RadixCache(self.allocator, page_size, disable=disable_radix_cache, on_evict=self._evicted)
+        # Evicted pages come back here, not to the allocator behind the manager's back.
+        self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool, storage_compat)
         self.table = ReqToTokenTable(max_reqs, max_context_len, page_size)
         self._quarantined: set[int] = set()
+        self._loads: dict[int | None, LoadHandle] = {}  # Req.uid -> the load-back it waits for
         self.num_evicted_pages = 0
+        self.hit_tokens = dict.fromkeys(TIERS, 0)
+
+    def _make_cache(self, disable: bool, hicache: HiCacheConfig | None, pool: KVPool | None,
+                    compat: Mapping[str, object] | None) -> RadixCache:
+        if hicache is None or not hicache.enabled:
+            return RadixCache(self.allocator, self.page_size, disable=disable, on_evict=self._evicted)
+        if pool is None:
+            raise ValueError("enable_hierarchical_cache: the host tier needs the device KV pool")
+        host = HostKVPool(pool, hicache.num_host_pages(self.allocator.num_pages, host_page_bytes(pool)),
+                          hicache.mem_layout)
+        storage = self._make_storage(hicache, compat) if hicache.storage_backend else None
+        return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, on_evict=self._evicted,
+                            storage=storage)
+
+    def _make_storage(self, hicache: HiCacheConfig, compat: Mapping[str, object] | None) -> StorageLeg:
+        from pdserve.mem.storage import create_page_store, namespace
+
+        if not compat:
+            raise ValueError("hicache_storage_backend: the storage tier needs the KV compatibility record")
+        assert hicache.storage_backend is not None
+        ns = namespace(compat)
+        store = create_page_store(hicache.storage_backend, directory=hicache.storage_dir,
+                                  size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
+                                  extra_config=hicache.extra_config())
+        return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size)
+
+    @property
+    def hicache(self) -> HiRadixCache | None:
+        return self.cache if isinstance(self.cache, HiRadixCache) else None
 
     # ---------------------------------------------------------------- queries
     @property
@@ -90,6 +134,61 @@ class KVCacheManager:
         """``n`` pages are free or evictable now."""
         return n <= self.allocator.num_free + self.cache.num_evictable_pages
 
+    # -------------------------------------------------------------- load-back
+    def prepare(self, req: Req, tokens: Sequence[int]) -> bool:
+        """Before ``admit``: True when ``req`` may be admitted now. When the cached prefix of
+        ``tokens`` continues in host memory, loads it into fresh device pages and answers False
+        until the copy has landed (no layer may read KV that has not arrived)."""
+        hi = self.hicache
+        if hi is None:
+            return True
+        hi.poll()
+        handle = self._loads.get(req.uid)
+        if handle is not None:
+            return handle.finished
+        match = hi.match_tiers(tokens)
+        if match.busy:
+            return False  # another request is loading the same pages: wait for them
+        from_storage = hi.fetch_from_storage(tokens, match)
+        if from_storage:
+            match = hi.match_tiers(tokens)
+        if not match.host:
+            return True
+        return self._start_load(req, hi, match.host, min(from_storage, len(match.host)))
+
+    def _start_load(self, req: Req, hi: HiRadixCache, nodes: list[RadixNode], from_storage: int) -> bool:
+        hi.lock(nodes[-1])  # before reserving: the eviction it may cause must spare this path
+        pages = self._reserve(len(nodes))
+        if pages is None:
+            hi.unlock(nodes[-1])
+            return True  # no room to load into: admit on the device prefix, recompute the rest
+        handle = hi.start_load(nodes, pages)
+        handle.storage_pages = from_storage
+        self._loads[req.uid] = handle
+        return handle.finished
+
+    def forget(self, req: Req) -> None:
+        """``req`` will never be admitted (aborted while waiting): give up its load-back. A copy
+        in flight is waited for, so its pages land in the cache instead of leaking."""
+        handle = self._loads.pop(req.uid, None)
+        hi = self.hicache
+        if handle is None or hi is None:
+            return
+        if not handle.finished:
+            handle.op.wait()
+            hi.poll()
+        hi.unlock(handle.nodes[-1])
+
+    def _take_load(self, req: Req) -> tuple[int, int]:
+        """After ``admit`` locked the prefix: drop the load's own lock; tokens it brought up
+        from host memory and, of those, first from storage."""
+        handle = self._loads.pop(req.uid, None)
+        if handle is None:
+            return 0, 0
+        assert self.hicache is not None and handle.finished
+        self.hicache.unlock(handle.nodes[-1])
+        return len(handle.nodes) * self.page_size, handle.storage_pages * self.page_size
+
     # -------------------------------------------------------------- admission
     def admit(self, req: Req, tokens: Sequence[int]) -> bool:
         """A table row and the cached prefix of ``tokens`` (locked); False (nothing taken) when
@@ -106,6 +205,10 @@ class KVCacheManager:
         req.kv_len = req.cached_len = match.num_tokens
         if match.pages:
             self.table.write(row, 0, self.table.slots_for(req.pages, 0, req.kv_len))
+        loaded, stored = self._take_load(req)
+        loaded = min(loaded, req.cached_len)
+        stored = min(stored, loaded)
+        req.cached_by_tier = {"device": req.cached_len - loaded, "host": loaded - stored, "storage": stored}
         return True
 
     def unadmit(self, req: Req) -> None:
@@ -210,8 +313,34 @@ class KVCacheManager:
         self.allocator.free(pages)
 
     def flush(self) -> bool:
-        """Empty the prefix cache; refused (False) while a request locks part of it."""
+        """Empty the prefix cache (every tier); refused (False) while a request locks part of it."""
+        if self._loads:
+            return False
         return self.cache.reset()
+
+    def count_hit(self, by_tier: dict[str, int]) -> None:
+        """A request's first admission hit ``by_tier`` tokens (the server's per-tier counters)."""
+        for tier, n in by_tier.items():
+            self.hit_tokens[tier] += n
+
+    def stats(self) -> dict[str, int]:
+        out = {f"cache_hit_tokens_{t}": n for t, n in self.hit_tokens.items()}
+        hi = self.hicache
+        if hi is not None:
+            c = hi.counters
+            out.update(host_total_pages=hi.host.num_pages, host_cached_pages=hi.num_host_cached_pages,
+                       host_free_pages=hi.host.allocator.num_free, host_load_bytes=c.host_load_bytes,
+                       host_backup_bytes=c.host_backup_bytes, host_evicted_pages=c.host_evicted_pages,
+                       device_demoted_pages=c.device_demoted_pages, storage_hit_pages=c.storage_hit_pages)
+            if hi.storage is not None:
+                out.update(hi.storage.stats())
+        return out
+
+    def close(self) -> None:
+        """Stop the storage thread and close the store (the server is ending)."""
+        hi = self.hicache
+        if hi is not None and hi.storage is not None:
+            hi.storage.close()
 
     def _check_held(self, req: Req, what: str) -> None:
         if req.row is None:
@@ -229,8 +358,10 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- checks
     def pages_held(self, live: Sequence[Req]) -> int:
-        """Pages owned outside the allocator and the cache: ``live`` requests' own, quarantined."""
-        return sum(len(r.pages) - r.num_cached_pages for r in live) + len(self._quarantined)
+        """Pages owned outside the allocator and the cache: ``live`` requests' own, quarantined,
+        and those a load-back is filling."""
+        loading = self.hicache.num_loading_pages if self.hicache is not None else 0
+        return sum(len(r.pages) - r.num_cached_pages for r in live) + len(self._quarantined) + loading
 
     def check(self, live: Sequence[Req]) -> None:
         """Raise on a leak or double count; ``live``: every request that holds memory."""
@@ -239,6 +370,8 @@ class KVCacheManager:
             raise RuntimeError(f"page accounting broken: free {self.allocator.num_free} + cached "
                                f"{self.cache.num_cached_pages} + held {held} (quarantined "
                                f"{len(self._quarantined)}) != total {self.allocator.num_pages}")
+        if self.hicache is not None:
+            self.hicache.check_host_pages()
         rows = sum(r.row is not None for r in live)
         if self.table.num_free_rows + rows != self.table.max_reqs:
             raise RuntimeError(f"table rows broken: free {self.table.num_free_rows} + held by live requests {rows} "

@@ -59,6 +59,11 @@ class KVPool(ABC):
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         """Buffers to register with a transfer engine, in a fixed order."""
 
+    @abstractmethod
+    def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The KV tensors, each ``[N, P, ...]`` (layer, page, then one page's shape), in the
+        order of ``buffer_descriptors``: what a host copy of a page must hold."""
+
     def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size
 
@@ -97,6 +102,9 @@ class GQAKVPool(KVPool):
             out.append(g.transpose(1, 2).reshape(B, self.num_kv_heads, Lp * self.page_size, self.head_dim))
         return out[0], out[1]
 
+    def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [("k", self.k), ("v", self.v)]
+
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         out = []
         for name, buf in (("k", self.k), ("v", self.v)):
@@ -127,6 +135,9 @@ class MLAKVPool(KVPool):
         """pages [B, Lp]; returns [B, Lp * S, C + R], token j of row b at column j."""
         B, Lp = pages.shape
         return self.latent[layer][pages].view(B, Lp * self.page_size, -1)
+
+    def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [("latent", self.latent)]
 
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         buf = self.latent

@@ -39,9 +39,15 @@ def _token_list(token_ids: Sequence[int]) -> list[int]:
 
 
 class RadixNode:
-    """One cached page. ``lock_ref`` counts requests using this node or a descendant."""
+    """One cached page. ``lock_ref`` counts requests using this node or a descendant.
 
-    __slots__ = ("key", "page", "hash", "parent", "children", "lock_ref", "last_access", "id")
+    ``page`` is the device page (None once a hierarchical cache moved it to host memory only),
+    ``host_page`` its host copy (None without one); a node always has at least one of them.
+    ``busy``: a copy to or from this node's pages is in flight. ``hits``: times matched.
+    """
+
+    __slots__ = ("key", "page", "hash", "parent", "children", "lock_ref", "last_access", "id", "host_page",
+                 "busy", "hits", "stored")
 
     def __init__(self, key: tuple[int, ...], page: int | None, hash_: int,
                  parent: RadixNode | None, node_id: int):
@@ -53,12 +59,16 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.id = node_id
+        self.host_page: int | None = None
+        self.busy = False
+        self.hits = 0
+        self.stored = False  # its chunk was handed to the storage tier
 
     @property
     def cached_page(self) -> int:
-        """The page this node caches; only the root has none."""
+        """The device page this node caches (the root and host-only nodes have none)."""
         if self.page is None:
-            raise RuntimeError(f"the radix root caches no page: {self!r}")
+            raise RuntimeError(f"node caches no device page (the root, or host-only): {self!r}")
         return self.page
 
     @property
@@ -72,7 +82,7 @@ class RadixNode:
         return self.id < other.id
 
     def __repr__(self) -> str:
-        return (f"RadixNode(page={self.page}, lock_ref={self.lock_ref}, "
+        return (f"RadixNode(page={self.page}, host_page={self.host_page}, lock_ref={self.lock_ref}, "
                 f"last_access={self.last_access}, children={len(self.children)})")
 
 
@@ -129,7 +139,7 @@ class RadixCache:
         self._root = RadixNode((), None, ROOT_HASH, None, self._new_id())
         self._page_owner: dict[int, RadixNode] = {}
         self._leaves: set[RadixNode] = set()  # non-root nodes without children
-        self._num_locked = 0  # non-root nodes with lock_ref > 0
+        self._num_locked = 0  # non-root nodes with a device page and lock_ref > 0
 
     # ---- queries -----------------------------------------------------------------
 
@@ -154,16 +164,17 @@ class RadixCache:
         return hashes
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached page-aligned prefix; marks the matched path as just used."""
+        """Longest page-aligned prefix cached on the device; marks the matched path as just used."""
         node = self._root
         pages: list[int] = []
         if not self.disable:
             now = self._tick()
             for key in self._blocks(_token_list(token_ids)):
                 child = node.children.get(key)
-                if child is None:
+                if child is None or child.page is None:
                     break
                 child.last_access = now
+                child.hits += 1
                 pages.append(child.cached_page)
                 node = child
         return MatchResult(pages, len(pages) * self.page_size, node)
@@ -173,7 +184,7 @@ class RadixCache:
     def lock(self, node: RadixNode) -> None:
         """``lock_ref += 1`` on ``node`` and every ancestor; locked nodes are never evicted."""
         for n in self._path_to_root(node):
-            if n.lock_ref == 0 and n is not self._root:
+            if n.lock_ref == 0 and n.page is not None:
                 self._num_locked += 1
             n.lock_ref += 1
 
@@ -184,7 +195,7 @@ class RadixCache:
             raise RuntimeError(f"unlock of a node that is not locked: {node!r}")
         for n in path:
             n.lock_ref -= 1
-            if n.lock_ref == 0 and n is not self._root:
+            if n.lock_ref == 0 and n.page is not None:
                 self._num_locked -= 1
 
     # ---- mutation ----------------------------------------------------------------
@@ -207,10 +218,15 @@ class RadixCache:
         keys = list(self._blocks(tokens))
         path = self._walk(keys)
         self._check_insert_pages(pages, path)
-        duplicates = [p for p, n in zip(pages, path) if p != n.page]
+        duplicates = [p for p, n in zip(pages, path) if p != n.page and n.page is not None]
         now = self._tick()
-        for n in path:
+        back_on_device = []
+        for n, p in zip(path, pages):
             n.last_access = now
+            if n.page is None:  # only on host: the fresh device copy makes it device-resident again
+                self._set_device_page(n, p)
+                back_on_device.append(n)
+        self._announce_stored(back_on_device)
         node = path[-1] if path else self._root
         parent_hash = node.hash if path else None
         added = []
@@ -239,7 +255,9 @@ class RadixCache:
             _, leaf = heapq.heappop(heap)
             parent = leaf.tree_parent
             hashes.append(leaf.hash)
-            freed.append(self._remove_leaf(leaf))
+            page = self._remove_leaf(leaf)
+            assert page is not None, "a cache without host tier holds device pages only"
+            freed.append(page)
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent))
         if freed:
@@ -269,14 +287,26 @@ class RadixCache:
             self.sink.cleared(self.medium)
         return True
 
+    def _announce_stored(self, nodes: Sequence[RadixNode]) -> None:
+        """KV events for blocks already in the tree that (again) hold a page in this cache's medium."""
+        if self.sink is None:
+            return
+        for n in nodes:
+            parent = n.tree_parent
+            self.sink.stored(None if parent is self._root else parent.hash, [n.hash], list(n.key),
+                             self.page_size, self.medium)
+
     def cached_blocks(self) -> list[tuple[int, int | None]]:
         """(block hash, parent block hash or None) of every cached block, parents first: the
         tree as a KV-event subscriber rebuilds it from a snapshot."""
         out: list[tuple[int, int | None]] = []
-        level: list[tuple[RadixNode, int | None]] = [(c, None) for c in self._root.children.values()]
+        level: list[tuple[RadixNode, int | None]] = [(c, None) for c in self._root.children.values()
+                                                     if c.page is not None]
         while level:
             out.extend((n.hash, parent) for n, parent in level)
-            level = [(c, n.hash) for n, _ in level for c in n.children.values()]
+            # only device-resident blocks (a hierarchical cache's host-only nodes are not in this medium);
+            # they form a subtree from the root
+            level = [(c, n.hash) for n, _ in level for c in n.children.values() if c.page is not None]
         return out
 
     # ---- checks ------------------------------------------------------------------
@@ -289,12 +319,15 @@ class RadixCache:
         stack = list(self._root.children.values())
         while stack:
             n = stack.pop()
-            assert n.cached_page not in owners, f"page {n.page} held by two nodes"
-            assert not self.allocator.is_free(n.cached_page), f"cached page {n.page} is free"
-            owners[n.cached_page] = n
+            assert n.page is not None or n.host_page is not None, f"node with no copy: {n!r}"
+            if n.page is not None:
+                assert n.page not in owners, f"page {n.page} held by two nodes"
+                assert not self.allocator.is_free(n.page), f"cached page {n.page} is free"
+                assert n.parent is self._root or n.tree_parent.page is not None, f"device page under host-only: {n!r}"
+                owners[n.page] = n
+                locked += n.lock_ref > 0
             assert n.hash == hash_block(n.tree_parent.hash, n.key)
             assert n.lock_ref >= sum(c.lock_ref for c in n.children.values())
-            locked += n.lock_ref > 0
             if not n.children:
                 leaves.add(n)
             stack.extend(n.children.values())
@@ -351,15 +384,24 @@ class RadixCache:
         self._page_owner[page] = child
         return child
 
-    def _remove_leaf(self, leaf: RadixNode) -> int:
+    def _set_device_page(self, node: RadixNode, page: int) -> None:
+        node.page = page
+        self._page_owner[page] = node
+        if node.lock_ref > 0:
+            self._num_locked += 1
+
+    def _remove_leaf(self, leaf: RadixNode) -> int | None:
+        """Take ``leaf`` out of the tree; returns its device page (None if it had none)."""
         parent = leaf.tree_parent
         del parent.children[leaf.key]
         self._leaves.discard(leaf)
         if parent is not self._root and not parent.children:
             self._leaves.add(parent)
-        del self._page_owner[leaf.cached_page]
+        page = leaf.page
+        if page is not None:
+            del self._page_owner[page]
         leaf.parent = None
-        return leaf.cached_page
+        return page
 
     def _path_to_root(self, node: RadixNode) -> list[RadixNode]:
         """``node`` and its ancestors, root included; raises if ``node`` was evicted."""

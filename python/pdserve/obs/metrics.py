@@ -59,6 +59,27 @@ DISAGG_GAUGES = {
     "fallback_rate": ("decode_fallback_rate", "Decode: share of recent disaggregated requests that fell back"),
 }
 
+# Hierarchical KV cache: scheduler stats() key -> (metric name, help).
+HICACHE_COUNTERS = {
+    "host_load_bytes": ("hicache_host_load_bytes", "KV bytes loaded back from host memory to the device"),
+    "host_backup_bytes": ("hicache_host_backup_bytes", "KV bytes copied from the device to host memory"),
+    "host_evicted_pages": ("hicache_host_evicted_pages", "Host KV pages evicted"),
+    "device_demoted_pages": ("hicache_device_demoted_pages", "Device KV pages demoted to host on eviction"),
+    "storage_hit_pages": ("hicache_storage_hit_pages", "KV pages read from the storage tier"),
+    "storage_get_bytes": ("hicache_storage_get_bytes", "KV bytes read from the storage tier"),
+    "storage_put_bytes": ("hicache_storage_put_bytes", "KV bytes written to the storage tier"),
+    "storage_put_failures": ("hicache_storage_put_failures", "Storage puts that failed (the page stays on host)"),
+    "storage_puts_dropped": ("hicache_storage_puts_dropped", "Storage puts dropped because the queue was full"),
+    "storage_thread_restarts": ("hicache_storage_thread_restarts", "Storage threads that failed and were restarted"),
+    "storage_corrupt": ("hicache_storage_corrupt", "Stored pages refused on load (bad checksum, key or length)"),
+}
+HICACHE_GAUGES = {
+    "host_total_pages": ("hicache_host_total_pages", "KV pages in the host pool"),
+    "host_cached_pages": ("hicache_host_cached_pages", "Host KV pages held by the prefix cache"),
+    "host_free_pages": ("hicache_host_free_pages", "Free host KV pages"),
+}
+TIERS = ("device", "host", "storage")
+
 
 class _DisaggCollector:
     """Renders the latest scheduler stats' disaggregation numbers (counters stay cumulative)."""
@@ -69,12 +90,20 @@ class _DisaggCollector:
 
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
-        for table, family in ((DISAGG_COUNTERS, CounterMetricFamily), (DISAGG_GAUGES, GaugeMetricFamily)):
+        tables = ((DISAGG_COUNTERS, CounterMetricFamily), (DISAGG_GAUGES, GaugeMetricFamily),
+                  (HICACHE_COUNTERS, CounterMetricFamily), (HICACHE_GAUGES, GaugeMetricFamily))
+        for table, family in tables:
             for key, (name, doc) in table.items():
                 if key in self.stats:
                     m = family(PREFIX + name, doc, labels=names)
                     m.add_metric(values, float(self.stats[key]))
                     yield m
+        if any(f"cache_hit_tokens_{t}" in self.stats for t in TIERS):
+            hits = CounterMetricFamily(PREFIX + "cache_hit_tokens", "Prompt tokens served from the prefix cache, "
+                                       "by the tier their KV came from", labels=names + ["tier"])
+            for t in TIERS:
+                hits.add_metric(values + [t], float(self.stats.get(f"cache_hit_tokens_{t}", 0)))
+            yield hits
 
 
 class ServerMetrics:

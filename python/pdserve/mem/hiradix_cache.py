@@ -1,0 +1,407 @@
+"""The radix prefix cache over two tiers: device pages and their host-memory copies.
+
+A node's page lives on the device (``page``), in host memory (``host_page``), or both. The
+device-resident nodes form a subtree under the root (a device page's parent is on the device
+too), so a match is a device prefix followed by a host-only continuation.
+
+Copies and the invariants they keep:
+
+* down (write-through after ``insert``, or demotion when the device evicts): a node gets its
+  ``host_page`` only once the copy has landed; while it runs the node is locked, so its device
+  page cannot be evicted and reused under the copy;
+* up (``start_load``): the caller reserved fresh device pages and locked the path; the nodes
+  get their device pages only once the copy has landed (never findable half-loaded), and the
+  lock keeps their host pages from being evicted while the copy reads them.
+
+``poll`` completes finished copies. On CPU every copy is synchronous and completes at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.mem.allocator import PageAllocator
+from pdserve.mem.hicache_storage import StorageLeg
+from pdserve.mem.host_pool import CopyOp, HostKVPool
+from pdserve.mem.radix_cache import MatchResult, RadixCache, RadixNode, _token_list, hash_block
+
+# write_through_selective backs a page up once it has been matched this often.
+SELECTIVE_HIT_THRESHOLD = 2
+
+
+@dataclass
+class TierMatch:
+    """``device``: the device-resident prefix (as ``RadixCache.match_prefix``); ``host``: the
+    host-only nodes that continue it; ``busy``: the continuation is being loaded by another
+    request (wait for it rather than load it twice)."""
+
+    device: MatchResult
+    host: list[RadixNode]
+    busy: bool
+
+
+@dataclass
+class _Backup:
+    nodes: list[RadixNode]
+    host_pages: list[int]
+    lock: RadixNode
+    op: CopyOp
+
+
+@dataclass
+class LoadHandle:
+    """A load-back of ``nodes`` into ``device_pages``. The path stays locked (by the caller's
+    lock on ``nodes[-1]``) until the caller unlocks it; ``finished`` once the pages are in."""
+
+    nodes: list[RadixNode]
+    device_pages: list[int]
+    op: CopyOp
+    finished: bool = False
+    storage_pages: int = 0  # how many of ``nodes`` came from the storage tier first
+
+
+@dataclass
+class TierCounters:
+    host_hit_pages: int = 0
+    host_load_bytes: int = 0
+    host_backup_bytes: int = 0
+    host_evicted_pages: int = 0
+    device_demoted_pages: int = 0
+    storage_hit_pages: int = 0
+
+
+class HiRadixCache(RadixCache):
+    """``RadixCache`` whose evicted device pages move to ``host`` instead of vanishing.
+
+    ``write_policy``: ``write_through`` copies every inserted page down at once (eviction is
+    then free), ``write_through_selective`` only pages matched SELECTIVE_HIT_THRESHOLD times,
+    ``write_back`` only when the device evicts them (eviction waits for the copy). A page the
+    host pool has no room for is dropped as in the one-tier cache.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
+                 on_evict: Callable[[list[int]], None] | None = None, storage: StorageLeg | None = None):
+        super().__init__(allocator, page_size, on_evict=on_evict)
+        self.host = host
+        self.write_policy = write_policy
+        self.storage = storage
+        self._host_owner: dict[int, RadixNode] = {}
+        self._backups: list[_Backup] = []
+        self._loads: list[LoadHandle] = []
+        self.counters = TierCounters()
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_host_cached_pages(self) -> int:
+        return len(self._host_owner)
+
+    @property
+    def num_host_in_flight(self) -> int:
+        """Host pages taken for a copy down that has not landed yet."""
+        return sum(len(b.host_pages) for b in self._backups)
+
+    @property
+    def num_loading_pages(self) -> int:
+        """Device pages reserved for a load-back that has not landed yet."""
+        return sum(len(h.device_pages) for h in self._loads)
+
+    def match_tiers(self, token_ids: Sequence[int]) -> TierMatch:
+        """The device prefix (marked used) and the host-only nodes continuing it."""
+        tokens = _token_list(token_ids)
+        device = self.match_prefix(tokens)
+        node, host = device.node, []
+        assert isinstance(node, RadixNode)
+        for key in list(self._blocks(tokens))[len(device.pages):]:
+            child = node.children.get(key)
+            if child is None or child.host_page is None or child.page is not None:
+                break
+            host.append(child)
+            node = child
+        return TierMatch(device, host, any(n.busy for n in host))
+
+    # --------------------------------------------------------------- mutation
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        new = super().insert(token_ids, pages)
+        if self.write_policy != "write_back" and not self.disable:
+            self._write_through(self._walk(list(self._blocks(_token_list(token_ids)))))
+        return new
+
+    def _write_through(self, path: list[RadixNode]) -> None:
+        selective = self.write_policy == "write_through_selective"
+        todo = [n for n in path if n.host_page is None and not n.busy and n.page is not None
+                and (not selective or n.hits >= SELECTIVE_HIT_THRESHOLD)]
+        host_pages = self._alloc_host(len(todo), allow_fewer=True)
+        if not host_pages:
+            return
+        todo = todo[:len(host_pages)]  # the shallowest: a deeper page is useless without them
+        self.lock(todo[-1])
+        for n in todo:
+            n.busy = True
+        op = self.host.backup([n.page for n in todo if n.page is not None], host_pages)
+        self._backups.append(_Backup(todo, host_pages, todo[-1], op))
+        self.poll()
+
+    def start_load(self, nodes: list[RadixNode], device_pages: list[int]) -> LoadHandle:
+        """Copy host-only ``nodes`` up into ``device_pages`` (allocated by the caller, who has
+        locked ``nodes[-1]`` and keeps it locked until it is done with the handle)."""
+        if nodes[-1].lock_ref <= 0:
+            raise RuntimeError("start_load: lock the path before loading it")
+        for n in nodes:
+            if n.busy or n.host_page is None or n.page is not None:
+                raise RuntimeError(f"start_load: {n!r} is not an idle host-only node")
+            n.busy = True
+        op = self.host.load([n.host_page for n in nodes if n.host_page is not None], device_pages)
+        handle = LoadHandle(nodes, list(device_pages), op)
+        self._loads.append(handle)
+        self.counters.host_hit_pages += len(nodes)
+        self.counters.host_load_bytes += op.num_bytes
+        self.poll()
+        return handle
+
+    def poll(self) -> None:
+        """Complete every copy that has landed."""
+        for b in [b for b in self._backups if b.op.done()]:
+            self._backups.remove(b)
+            self._finish_backup(b)
+        for h in [h for h in self._loads if h.op.done()]:
+            self._loads.remove(h)
+            self._finish_load(h)
+
+    def drain(self) -> None:
+        """Wait for every copy in flight, then complete them."""
+        for op in [b.op for b in self._backups] + [h.op for h in self._loads]:
+            op.wait()
+        self.poll()
+
+    def _finish_backup(self, b: _Backup) -> None:
+        for n, hp in zip(b.nodes, b.host_pages):
+            n.busy = False
+            n.host_page = hp
+            self._host_owner[hp] = n
+        self.counters.host_backup_bytes += b.op.num_bytes
+        self.unlock(b.lock)
+        self._store_chunks(b.nodes)
+
+    # ---------------------------------------------------------------- storage
+    def _store_chunks(self, nodes: list[RadixNode]) -> None:
+        """Hand every chunk that the new host copies of ``nodes`` complete to the storage tier
+        (so storage holds a copy before host memory evicts it). Write-back demotes deepest
+        first, so a chunk may complete at any of its nodes: look down to the chunk's end."""
+        if self.storage is None:
+            return
+        cp = self.storage.chunk_pages
+        for n in nodes:
+            depth = len(self._path_from_root(n))
+            level, end_depth = [n], -(-depth // cp) * cp
+            for _ in range(end_depth - depth):
+                level = [c for x in level for c in x.children.values() if c.host_page is not None]
+            for end in level:
+                self._store_chunk(end, cp)
+
+    def _store_chunk(self, end: RadixNode, cp: int) -> None:
+        assert self.storage is not None
+        path = self._path_from_root(end)
+        chunk = path[-cp:]
+        if end.stored or any(c.host_page is None for c in chunk):
+            return
+        tokens = [t for c in path for t in c.key]
+        key = self.storage.keys(tokens)[-1]
+        self.storage.put_async(key, self.host.page_payload([c.host_page for c in chunk if c.host_page is not None]))
+        end.stored = True
+
+    def _path_from_root(self, node: RadixNode) -> list[RadixNode]:
+        return [n for n in reversed(self._path_to_root(node)) if n is not self._root]
+
+    def fetch_from_storage(self, token_ids: Sequence[int], match: TierMatch) -> int:
+        """Extend ``match`` with the chunks storage holds right after it: their pages join the
+        tree as host-only nodes (so the usual load-back brings them up). Returns pages added."""
+        if self.storage is None or match.busy:
+            return 0
+        tokens = _token_list(token_ids)
+        cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
+        keys = self.storage.keys(tokens)
+        first = have // cp
+        if first >= len(keys):
+            return 0
+        payloads = self.storage.fetch(keys[first:], self.host.page_bytes)
+        new = (first + len(payloads)) * cp - have
+        if new <= 0:
+            return 0
+        node = match.host[-1] if match.host else match.device.node
+        assert isinstance(node, RadixNode)
+        self.lock(node)  # the host eviction below must not take the path these pages hang from
+        host_pages = self._alloc_host(new)
+        self.unlock(node)
+        if not host_pages:
+            return 0
+        skip = (have - first * cp) * self.host.page_bytes
+        self.host.set_page_payload(host_pages, b"".join(payloads)[skip:])
+        blocks = list(self._blocks(tokens))[have:have + new]
+        for key, hp in zip(blocks, host_pages):
+            node = self._add_host_child(node, key, hp)
+        self.counters.storage_hit_pages += new
+        return new
+
+    def _add_host_child(self, parent: RadixNode, key: tuple[int, ...], host_page: int) -> RadixNode:
+        child = RadixNode(key, None, hash_block(parent.hash, key), parent, self._new_id())
+        child.last_access = self._tick()
+        child.host_page, child.stored = host_page, True
+        parent.children[key] = child
+        self._leaves.discard(parent)
+        self._leaves.add(child)
+        self._host_owner[host_page] = child
+        return child
+
+    def _finish_load(self, h: LoadHandle) -> None:
+        dup, landed = [], []
+        for n, dp in zip(h.nodes, h.device_pages):
+            n.busy = False
+            if n.page is None:
+                self._set_device_page(n, dp)
+                landed.append(n)
+            else:  # recomputed and inserted meanwhile: the loaded copy is redundant
+                dup.append(dp)
+        if dup:
+            self.allocator.free(dup)
+        self._announce_stored(landed)
+        h.finished = True
+
+    # --------------------------------------------------------------- eviction
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` device pages, least recently used device leaves first; each
+        keeps (or gets) a host copy when the host pool has room, else leaves the tree."""
+        self.poll()
+        heap = [(n.last_access, n) for n in self._page_owner.values() if self._device_leaf(n)]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        hashes: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, node = heapq.heappop(heap)
+            if not self._device_leaf(node):
+                continue
+            parent = node.parent
+            hashes.append(node.hash)
+            freed.append(self._evict_device(node))
+            if parent is not None and parent is not self._root and self._device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent))
+        if freed:
+            if self.sink is not None:  # gone from the device, whether or not a host copy stays
+                self.sink.removed(hashes, self.medium)
+            self.on_evict(freed)
+        return len(freed)
+
+    def _device_leaf(self, n: RadixNode) -> bool:
+        return (n.page is not None and n.lock_ref == 0 and not n.busy
+                and all(c.page is None for c in n.children.values()))
+
+    def _evict_device(self, node: RadixNode) -> int:
+        """Take ``node``'s device page away (returned, to be freed); demote it first if needed."""
+        page = node.page
+        assert page is not None
+        if node.host_page is None:
+            host_pages = self._alloc_host(1)
+            if host_pages:
+                # Write-back: the device page is freed only after this copy has landed.
+                op = self.host.backup([page], host_pages)
+                op.wait()
+                node.host_page = host_pages[0]
+                self._host_owner[host_pages[0]] = node
+                self.counters.host_backup_bytes += op.num_bytes
+                self.counters.device_demoted_pages += 1
+                self._store_chunks([node])
+        del self._page_owner[page]
+        node.page = None
+        if node.host_page is None:
+            self._drop_subtree(node)
+        return page
+
+    def _alloc_host(self, n: int, allow_fewer: bool = False) -> list[int]:
+        """``n`` host pages (evicting unlocked host copies if needed), or fewer with
+        ``allow_fewer``, else none."""
+        alloc = self.host.allocator
+        if alloc.num_free < n:
+            self._evict_host(n - alloc.num_free)
+        take = min(n, alloc.num_free) if allow_fewer else n
+        return alloc.alloc(take) or []
+
+    def _evict_host(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` host pages, least recently used first: a host-only leaf
+        leaves the tree, a page also on the device just loses its host copy."""
+        heap = [(n.last_access, n) for n in self._host_owner.values() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, node = heapq.heappop(heap)
+            if not self._host_evictable(node):
+                continue
+            parent = node.parent
+            self._free_host_page(node)
+            freed += 1
+            if node.page is None:
+                self._detach(node)
+                if parent is not None and parent is not self._root and self._host_evictable(parent):
+                    heapq.heappush(heap, (parent.last_access, parent))
+        self.counters.host_evicted_pages += freed
+        return freed
+
+    def _host_evictable(self, n: RadixNode) -> bool:
+        return (n.host_page is not None and n.lock_ref == 0 and not n.busy
+                and (n.page is not None or not n.children))
+
+    def _free_host_page(self, node: RadixNode) -> None:
+        hp = node.host_page
+        assert hp is not None
+        del self._host_owner[hp]
+        node.host_page = None
+        self.host.allocator.free([hp])
+
+    def _drop_subtree(self, node: RadixNode) -> None:
+        """Remove ``node`` (no device page left) and its host-only descendants from the tree."""
+        stack, order = [node], []
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # leaves first, so each is a leaf when detached
+            if n.host_page is not None:
+                self._free_host_page(n)
+            self._detach(n)
+
+    def _detach(self, node: RadixNode) -> None:
+        page = self._remove_leaf(node)
+        assert page is None, f"detached a node that still holds device page {page}"
+
+    def reset(self) -> bool:
+        self.drain()
+        host_nodes = list(self._host_owner.values())
+        if not super().reset():
+            return False
+        for n in host_nodes:
+            n.parent = None
+        self.host.allocator.free(list(self._host_owner))
+        self._host_owner.clear()
+        return True
+
+    # ----------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        owners: dict[int, RadixNode] = {}
+        stack = list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            if n.host_page is not None:
+                assert n.host_page not in owners, f"host page {n.host_page} held by two nodes"
+                assert not self.host.allocator.is_free(n.host_page), f"cached host page {n.host_page} is free"
+                owners[n.host_page] = n
+            stack.extend(n.children.values())
+        assert owners == self._host_owner
+
+    def check_host_pages(self) -> None:
+        """free + cached + in flight == total over the host pool; raises on a leak."""
+        alloc = self.host.allocator
+        cached, flight = len(self._host_owner), self.num_host_in_flight
+        if alloc.num_free + cached + flight != alloc.num_pages:
+            raise RuntimeError(f"host page accounting broken: free {alloc.num_free} + cached {cached} + in flight "
+                               f"{flight} != total {alloc.num_pages}")

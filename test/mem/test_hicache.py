@@ -1,0 +1,335 @@
+"""The hierarchical KV cache (device -> host -> storage) inside the engine: same greedy tokens
+with and without it while pages cycle through host memory, hits reported by tier, load-back
+gating admission, aborts while loading, and flag validation.
+
+Engines are shared per module (one per model x layout): the device pool holds 16 pages of 4
+tokens, so three 28-token prompts cannot all stay on the device and their pages move to host.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdserve
+from pdserve.config import ServerArgs
+from pdserve.engine.request import SamplingParams
+from pdserve.mem.hicache_storage import StorageLeg
+from pdserve.mem.hiradix_cache import HiRadixCache
+from pdserve.mem.host_pool import CopyOp, HostKVPool
+from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool
+from pdserve.mem.storage import PageStore, create_page_store, namespace
+
+KW = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64)
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+PRESETS = ("tiny-llama", "tiny-deepseek")
+LAYOUTS = ("layer_first", "page_first")
+# One engine per layout: each also runs one write policy (demotion on eviction vs copy on insert).
+POLICY = {"layer_first": "write_through", "page_first": "write_back"}
+
+
+def _prompts(n: int, length: int = 28, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 200, (length,), generator=g).tolist() for _ in range(n)]
+
+
+PROMPTS = _prompts(3)
+
+
+def _hi(engine: pdserve.Engine) -> HiRadixCache:
+    cache = engine.scheduler.cache
+    assert isinstance(cache, HiRadixCache)
+    return cache
+
+
+def _balanced(engine: pdserve.Engine) -> None:
+    s = engine.scheduler
+    s.check_memory()  # device pages, host pages (free + cached + in flight == total), rows
+    s.cache.check_invariants()
+    assert not s.has_work()
+    assert s.cache.num_evictable_pages == s.cache.num_cached_pages  # nothing left locked
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[list[int]]]:
+    """Greedy tokens of PROMPTS without the hierarchical cache (one plain engine per model)."""
+    out = {}
+    for preset in PRESETS:
+        with pdserve.Engine(model_path=preset, **KW) as e:
+            out[preset] = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made: dict[tuple[str, str], pdserve.Engine] = {}
+
+    def get(preset: str, layout: str) -> pdserve.Engine:
+        if (preset, layout) not in made:
+            made[preset, layout] = pdserve.Engine(model_path=preset, enable_hierarchical_cache=True,
+                                                  hicache_mem_layout=layout, hicache_write_policy=POLICY[layout],
+                                                  **KW)
+        return made[preset, layout]
+
+    yield get
+    for e in made.values():
+        e.shutdown()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_tokens_identical_while_pages_cycle_through_host(reference, engines, preset, layout):
+    engine = engines(preset, layout)
+    outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS + PROMPTS]
+    assert [o["output_ids"] for o in outs] == reference[preset] * 2
+    for o in outs:
+        meta = o["meta_info"]
+        assert sum(meta["cached_tokens_by_tier"].values()) == meta["cached_tokens"]
+    # The second round found prompt 0's prefix only in host memory (the device had evicted it).
+    assert outs[3]["meta_info"]["cached_tokens_by_tier"]["host"] > 0
+    assert outs[3]["meta_info"]["cached_tokens"] == 24  # 6 whole pages; the last prompt token always runs
+    stats = engine.get_server_info()
+    assert stats["cache_hit_tokens_host"] > 0 and stats["host_load_bytes"] > 0 and stats["host_backup_bytes"] > 0
+    if POLICY[layout] == "write_back":
+        assert stats["device_demoted_pages"] > 0
+    _balanced(engine)
+
+
+def test_multi_turn_hit_comes_from_host(engines):
+    engine = engines("tiny-llama", "page_first")
+    turn1 = _prompts(1, seed=7)[0]
+    first = engine.generate(input_ids=turn1, sampling_params=GREEDY)
+    for p in _prompts(3, seed=8):  # push every page of turn 1 off the device
+        engine.generate(input_ids=p, sampling_params=GREEDY)
+    turn2 = turn1 + first["output_ids"] + _prompts(1, length=8, seed=9)[0]
+    second = engine.generate(input_ids=turn2, sampling_params=GREEDY)
+    meta = second["meta_info"]
+    assert meta["cached_tokens"] >= len(turn1)
+    assert meta["cached_tokens_by_tier"] == {"device": 0, "host": meta["cached_tokens"], "storage": 0}
+    _balanced(engine)
+
+
+class _Gate:
+    """A copy that has not landed until ``open`` (stands in for a slow device copy)."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def _delay_next_load(cache: HiRadixCache) -> _Gate:
+    """The next load-back lands only once the returned gate opens; later ones run as usual."""
+    real = cache.host.load
+    gate = _Gate()
+
+    def load(host_pages, device_pages) -> CopyOp:
+        cache.host.load = real  # type: ignore[method-assign]
+        op = real(host_pages, device_pages)
+        op.event = gate  # type: ignore[assignment]  # duck-typed event: query / synchronize
+        return op
+
+    cache.host.load = load  # type: ignore[method-assign]
+    return gate
+
+
+def _on_host(engine: pdserve.Engine, seed: int) -> list[int]:
+    """A prompt whose prefix sits in host memory only."""
+    prompt = _prompts(1, seed=seed)[0]
+    engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    for p in _prompts(2, seed=seed + 1):
+        engine.generate(input_ids=p, sampling_params=GREEDY)
+    return prompt
+
+
+def test_request_waits_for_its_load_and_abort_while_loading_gives_everything_back(engines):
+    engine = engines("tiny-llama", "layer_first")
+    sched, cache = engine.scheduler, _hi(engine)
+    prompt = _on_host(engine, seed=20)
+    want = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]  # loads it back
+    prompt = _on_host(engine, seed=20)  # and off the device again
+    # Not runnable until the copy lands: steps run nothing for it.
+    gate = _delay_next_load(cache)
+    sched.add_request("wait", prompt, SamplingParams(**GREEDY))
+    for _ in range(3):
+        assert sched.step() == []
+    assert sched.reqs["wait"].row is None and cache.num_loading_pages > 0
+    sched.check_memory()  # loading pages are accounted while in flight
+    gate.landed = True
+    out: list[int] = []
+    while sched.has_work():
+        out += [t for o in sched.step() for t in o.new_token_ids]
+    assert out == want
+    # Aborted while its load is in flight: the load lands in the cache, nothing leaks.
+    prompt = _on_host(engine, seed=20)
+    gate = _delay_next_load(cache)
+    sched.add_request("gone", prompt, SamplingParams(**GREEDY))
+    sched.step()
+    assert cache.num_loading_pages > 0 and not gate.landed
+    assert sched.abort("gone")
+    while sched.has_work():
+        sched.step()
+    assert cache.num_loading_pages == 0
+    _balanced(engine)
+
+
+def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference, tmp_path):
+    kw = dict(KW, enable_hierarchical_cache=True, hicache_ratio=0.5, hicache_storage_backend="file",
+              hicache_storage_dir=str(tmp_path), hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8)
+    with pdserve.Engine(model_path="tiny-llama", **kw) as engine:
+        first = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        for p in PROMPTS[1:] + _prompts(2, seed=30):  # off the device, then off the 8-page host pool
+            engine.generate(input_ids=p, sampling_params=GREEDY)
+        again = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert first["output_ids"] == again["output_ids"] == reference["tiny-llama"][0]
+        assert again["meta_info"]["cached_tokens_by_tier"]["storage"] > 0
+        stats = engine.get_server_info()
+        assert stats["storage_put_bytes"] > 0 and stats["storage_hit_pages"] > 0
+        _balanced(engine)
+        _hi(engine).storage.flush()  # type: ignore[union-attr]
+    with pdserve.Engine(model_path="tiny-llama", **kw) as restarted:
+        out = restarted.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert out["output_ids"] == reference["tiny-llama"][0]
+        assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8
+        _balanced(restarted)
+        # Every stored page truncated on disk: a miss (counted), recomputed, never a wrong token.
+        assert restarted.flush_cache()
+        for f in (f for f in tmp_path.rglob("*") if f.is_file() and f.stat().st_size > 64):
+            f.write_bytes(f.read_bytes()[:-16])
+        out = restarted.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert out["output_ids"] == reference["tiny-llama"][0]
+        assert out["meta_info"]["cached_tokens"] == 0
+        stats = restarted.get_server_info()
+        assert stats["storage_misses"] > 0 and stats["storage_hits"] == 3  # the three before the damage
+        _balanced(restarted)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("hicache_storage_chunk_tokens", 6, "--hicache-storage-chunk-tokens): must be a multiple of the page size (4)"),
+    ("hicache_ratio", 0.0, "--hicache-ratio): must be > 0"),
+    ("hicache_size", -1.0, "--hicache-size): must be >= 0"),
+    ("hicache_write_policy", "write_around", "--hicache-write-policy): 'write_around' is not one of"),
+    ("hicache_mem_layout", "row", "--hicache-mem-layout): 'row' is not one of"),
+    ("hicache_storage_backend", "s3", "--hicache-storage-backend): 's3' is not one of"),
+    ("hicache_storage_prefetch_policy", "never", "--hicache-storage-prefetch-policy): 'never' is not one of"),
+    ("hicache_storage_backend_extra_config", "{bad", "--hicache-storage-backend-extra-config): not valid JSON"),
+    ("hicache_storage_backend_extra_config", "[1]", "--hicache-storage-backend-extra-config): must be a JSON obj"),
+    ("disable_radix_cache", True, "--enable-hierarchical-cache): needs the radix cache"),
+    ("tp_size", 2, "--enable-hierarchical-cache): runs on single-rank servers for now"),
+])
+def test_flag_errors_name_the_flag(field, value, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        ServerArgs(model_path="tiny-llama", page_size=4, enable_hierarchical_cache=True, **{field: value})
+
+
+# ------------------------------------------------------------------ host pool and storage leg
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_host_pool_round_trips_pages_and_payloads(kind, layout):
+    g = torch.Generator().manual_seed(0)
+    dev: KVPool = (GQAKVPool(6, 4, 3, 2, 8, torch.float32) if kind == "gqa"
+                   else MLAKVPool(6, 4, 3, 16, 8, torch.float32))
+    for _, buf in dev.page_buffers():
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    before = [buf.clone() for _, buf in dev.page_buffers()]
+    host = HostKVPool(dev, 4, layout)
+    assert host.backup([5, 1], [0, 3]).done()
+    # Page bytes against the slow twin: each device page of each buffer, layer by layer.
+    want = b"".join(buf[:, p].contiguous().numpy().tobytes() for p in (5, 1) for _, buf in dev.page_buffers())
+    assert host.page_payload([0, 3]) == want
+    host.set_page_payload([2, 1], want)
+    assert host.load([2, 1], [0, 4]).done()
+    for (_, buf), old in zip(dev.page_buffers(), before):
+        assert torch.equal(buf[:, 0], old[:, 5]) and torch.equal(buf[:, 4], old[:, 1])
+        assert torch.equal(buf[:, 2], old[:, 2])  # untouched
+    with pytest.raises(ValueError, match="payload of"):
+        host.set_page_payload([0], want)
+
+
+class _PutFailsOnce:
+    """A store whose first put raises (a broken backend), then behaves."""
+
+    def __init__(self, store: PageStore) -> None:
+        self.inner, self.name, self.failed = store, store.name, False
+
+    def put(self, key: bytes, payload: bytes) -> bool:
+        if not self.failed:
+            self.failed = True
+            raise OSError("backend fell over")
+        return self.inner.put(key, payload)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_storage_thread_that_raises_is_restarted_and_counted(tmp_path):
+    ns = namespace({"model": "test"})
+    store = create_page_store("file", directory=str(tmp_path), size_gb=0.001, namespace=ns, extra_config=None)
+    leg = StorageLeg(_PutFailsOnce(store), ns, 8, 4)  # type: ignore[arg-type]
+    try:
+        keys = leg.keys(list(range(16)))
+        leg.put_async(keys[0], b"a" * 32)  # lost with the thread
+        leg.put_async(keys[1], b"b" * 32)
+        leg.flush()
+        assert leg.stats()["storage_thread_restarts"] == 1
+        assert store.exists(keys[1:]) == 1 and leg.fetch(keys, 16) == []  # the run starts at a miss
+        assert leg.fetch(keys[1:], 16) == [b"b" * 32]
+    finally:
+        leg.close()
+
+
+def _tiers(policy: str, device_pages: int = 8, host_pages: int = 8) -> HiRadixCache:
+    from pdserve.mem.allocator import PageAllocator
+
+    dev = GQAKVPool(device_pages, 2, 1, 1, 4, torch.float32)
+    return HiRadixCache(PageAllocator(device_pages), 2, HostKVPool(dev, host_pages), policy)
+
+
+@pytest.mark.parametrize("policy, copies_after_insert, copies_after_two_hits",
+                         [("write_through", 3, 3), ("write_through_selective", 0, 3), ("write_back", 0, 0)])
+def test_write_policies_decide_when_pages_go_down(policy, copies_after_insert, copies_after_two_hits):
+    cache = _tiers(policy)
+    tokens = list(range(6))
+    cache.insert(tokens, cache.allocator.alloc(3))
+    assert cache.num_host_cached_pages == copies_after_insert
+    for _ in range(2):
+        cache.match_prefix(tokens)
+    cache.insert(tokens, cache.allocator.alloc(3))  # the same blocks again: duplicates freed
+    assert cache.num_host_cached_pages == copies_after_two_hits
+    # Evicting every device page keeps every page findable on host (write-back demotes now).
+    assert cache.evict(3) == 3 and cache.allocator.num_free == 8
+    match = cache.match_tiers(tokens)
+    assert match.device.pages == [] and len(match.host) == 3
+    cache.check_invariants()
+    cache.check_host_pages()
+
+
+def test_metrics_render_per_tier_counters(engines):
+    from pdserve.obs.metrics import ServerMetrics
+
+    engine = engines("tiny-llama", "layer_first")
+    metrics = ServerMetrics("m")
+    metrics.set_scheduler_stats(engine.get_server_info())
+    text = metrics.render().decode()
+    for line in ('pdserve:cache_hit_tokens_total{model_name="m",tier="host"}', "pdserve:hicache_host_load_bytes_total",
+                 "pdserve:hicache_host_total_pages"):
+        assert line in text
+
+
+def test_pd_prefill_loads_host_hits_and_decode_gets_the_same_tokens(reference):
+    from disagg.pd_pair import PDPair, greedy
+
+    pair = PDPair("tiny-llama", prefill_flags=dict(enable_hierarchical_cache=True), backend="memory", **KW)
+    try:
+        for i, p in enumerate(PROMPTS + PROMPTS):
+            pair.submit(f"r{i}", p, greedy(GREEDY["max_new_tokens"]))
+            pair.run()
+        assert [pair.outputs[f"r{i}"]["ids"] for i in range(6)] == reference["tiny-llama"] * 2
+        assert pair.prefill.stats()["cache_hit_tokens_host"] > 0
+        pair.assert_idle_and_accounted()
+    finally:
+        pair.close()
