@@ -95,7 +95,10 @@ def test_size_bound_holds_under_concurrent_puts_and_refuses_oversize(tmp_path):
     stats = store.stats()
     on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp_path) for f in fs if f != ".lock")
     assert stats["bytes_used"] == on_disk <= cap and stats["objects"] == 5
-    assert stats["puts"] == len(KEYS) and stats["put_failures"] == 1
+    # Every put is counted once: stored, or refused because the bound was reserved by puts still
+    # in flight (how many depends on the threads' interleaving), plus the oversize one.
+    assert stats["puts"] + stats["put_failures"] == len(KEYS) + 1
+    assert stats["puts"] >= 5 and stats["put_failures"] >= 1
     for i, key in enumerate(KEYS):
         assert store.get(key) in (None, page(i))
     store.close()
