@@ -44,6 +44,8 @@ from pdserve.engine.io_struct import (
     FlushCacheResp,
     GetStatsReq,
     RejectedReq,
+    RoleSwitchReq,
+    RoleSwitchResp,
     SchedulerFailed,
     SchedulerReady,
     ShutdownReq,
@@ -150,6 +152,9 @@ class TokenizerManager:
         self._rooms: set[int] = set()  # bootstrap rooms of the requests in flight (each must be unique)
         self._stats_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
+        self._switch_waiters: deque[asyncio.Future] = deque()
+        self.role = args.disaggregation_mode  # the P/D role now (POST /pd_role_switch changes it)
+        self.last_admit = 0.0  # time.monotonic() of the last request admitted (a role switch waits for quiet)
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._tmpdir: str | None = None
@@ -233,7 +238,7 @@ class TokenizerManager:
         """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
         checked against this server's mode: a prefill server needs it; a colocated one ignores it;
         a disaggregated request is one sample (its room pairs exactly one prefill)."""
-        mode = self.args.disaggregation_mode
+        mode = self.role
         if mode == "null":
             return [None] * n
         refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port)
@@ -272,6 +277,7 @@ class TokenizerManager:
         # Without streaming nothing is shown before the end, so only the finish wakes the request.
         state = _ReqState(rid, return_logprob, self.stream_interval if stream else sys.maxsize, len(input_ids))
         self._reqs[rid] = state
+        self.last_admit = time.monotonic()
         if room is not None:
             self._rooms.add(room)
         detok = self._detokenizer(sampling) if stream else None
@@ -383,6 +389,13 @@ class TokenizerManager:
         resp: FlushCacheResp = await self._control(FlushCacheReq(), self._flush_waiters)
         return resp.success
 
+    async def switch_role(self, target: str) -> RoleSwitchResp:
+        """Ask the scheduler to switch to ``target`` now (it refuses while anything is in flight)."""
+        resp: RoleSwitchResp = await self._control(RoleSwitchReq(target), self._switch_waiters)
+        if resp.success:
+            self.role = resp.role
+        return resp
+
     async def _control(self, msg, waiters: deque, timeout: float = CONTROL_TIMEOUT_S):
         """Send a control message; replies come back in order, so waiters are a FIFO."""
         self._check_healthy()
@@ -437,6 +450,8 @@ class TokenizerManager:
             _resolve(self._stats_waiters, msg)
         elif isinstance(msg, FlushCacheResp):
             _resolve(self._flush_waiters, msg)
+        elif isinstance(msg, RoleSwitchResp):
+            _resolve(self._switch_waiters, msg)
         elif isinstance(msg, SchedulerFailed):
             self._fatal(f"scheduler failed: {msg.message}")
         else:

@@ -36,12 +36,23 @@ class RouterMetrics:
         self.healthy = Gauge(PREFIX + "worker_healthy", "1 if the worker passes health checks", LABELS, registry=r)
         self.in_flight = Gauge(PREFIX + "worker_in_flight", "Requests in flight on the worker", LABELS, registry=r)
         self.dead = Gauge(PREFIX + "dead_workers", "Workers marked dead", ["role"], registry=r)
+        self.role_moves = Counter(PREFIX + "worker_role_switches", "Workers seen in another role than before "
+                                  "(POST /pd_role_switch on them), by the role they left and took",
+                                  ["worker", "from_role", "to_role"], registry=r)
 
     def request(self, worker: Worker) -> None:
         self.requests.labels(worker.role.value, worker.url).inc()
 
     def error(self, worker: Worker, kind: str) -> None:
         self.errors.labels(worker.role.value, worker.url, kind).inc()
+
+    def moved(self, worker: Worker, old: Role) -> None:
+        self.role_moves.labels(worker.url, old.value, worker.role.value).inc()
+        for gauge in (self.healthy, self.in_flight):
+            try:
+                gauge.remove(old.value, worker.url)
+            except KeyError:
+                pass  # never rendered under its old role
 
     def refused(self, role: Role) -> None:
         self.no_worker.labels(role.value).inc()

@@ -30,12 +30,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.entrypoints.errors import RequestError, ServerError, error_body
+from pdserve.entrypoints.protocol import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
 from pdserve.entrypoints.streaming import SSE_DONE, sse, until_disconnect
 from pdserve.router.bootstrap import with_bootstrap
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState
-from pdserve.router.workers import Lease, NoHealthyWorker, Worker, WorkerSet
+from pdserve.router.workers import Lease, NoHealthyWorker, Role, Worker, WorkerSet
 
 logger = logging.getLogger(__name__)
 
@@ -346,11 +347,21 @@ class PDProxy:
         try:
             async with self.session.get(worker.url + "/health", headers=self.worker_headers,
                                         timeout=self.health_timeout) as resp:
+                _learn_role(worker, resp.headers)
                 return None if resp.status == 200 else f"GET /health answered {resp.status}"
         except asyncio.TimeoutError:
             return "GET /health timed out"
         except aiohttp.ClientError as e:
             return f"GET /health failed: {type(e).__name__}: {e}"
+
+
+def _learn_role(worker: Worker, headers) -> None:
+    """A P/D server names its role (and its registry's port) in /health's headers."""
+    role = headers.get(ROLE_HEADER)
+    worker.reported_role = Role(role) if role in ("prefill", "decode") else None
+    port = headers.get(BOOTSTRAP_PORT_HEADER, "")
+    if worker.reported_role is Role.PREFILL and port.isdigit():
+        worker.bootstrap_port = int(port)
 
 
 class _Exchange:
