@@ -32,6 +32,7 @@ from pdserve.entrypoints.api_key import ApiKeyMiddleware
 from pdserve.entrypoints.errors import (
     ErrorResponse,
     RequestError,
+    RoleChanged,
     ServerError,
     error_body,
     error_response,
@@ -86,6 +87,7 @@ class ServerContext:
 def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, redoc_url=None)
     app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(RoleChanged, lambda _r, e: _role_changed(ctx, e))
     app.add_exception_handler(Exception, _internal_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
@@ -262,6 +264,10 @@ def _model_info(ctx: ServerContext) -> dict:
     return {"model_path": ctx.args.model_path, "tokenizer_path": ctx.args.tokenizer_path or mc.path,
             "served_model_name": ctx.model_name, "is_generation": True, "architecture": mc.architecture,
             "context_length": ctx.tm.limits.context_len, "vocab_size": mc.vocab_size}
+
+
+def _role_changed(ctx: ServerContext, exc: RequestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=_role_headers(ctx))
 
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:

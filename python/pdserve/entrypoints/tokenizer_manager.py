@@ -62,7 +62,7 @@ from pdserve.engine.scheduler_process import (
     scheduler_processes,
 )
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
-from pdserve.entrypoints.errors import RequestError, ServerError
+from pdserve.entrypoints.errors import RequestError, RoleChanged, ServerError
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.timeline import ReqTimeline
 
@@ -155,6 +155,7 @@ class TokenizerManager:
         self._switch_waiters: deque[asyncio.Future] = deque()
         self.role = args.disaggregation_mode  # the P/D role now (POST /pd_role_switch changes it)
         self.last_admit = 0.0  # time.monotonic() of the last request admitted (a role switch waits for quiet)
+        self._role_gate: asyncio.Event | None = None  # cleared while the scheduler switches roles
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._tmpdir: str | None = None
@@ -268,6 +269,7 @@ class TokenizerManager:
         scheduler dies. Leaving early (client gone, task cancelled) aborts the request,
         which frees its pages in the scheduler.
         """
+        await self._pass_role_gate(bootstrap)
         self._check_healthy()
         rid = self.new_rid(rid)
         room = bootstrap.room if bootstrap is not None else None
@@ -390,11 +392,30 @@ class TokenizerManager:
         return resp.success
 
     async def switch_role(self, target: str) -> RoleSwitchResp:
-        """Ask the scheduler to switch to ``target`` now (it refuses while anything is in flight)."""
-        resp: RoleSwitchResp = await self._control(RoleSwitchReq(target), self._switch_waiters)
-        if resp.success:
-            self.role = resp.role
-        return resp
+        """Ask the scheduler to switch to ``target`` now (it refuses while anything is in flight).
+        Requests arriving meanwhile wait: sent behind the switch, the new mode would get them."""
+        gate = self._role_gate = asyncio.Event()
+        try:
+            resp: RoleSwitchResp = await self._control(RoleSwitchReq(target), self._switch_waiters)
+            if resp.success:
+                self.role = resp.role
+            return resp
+        finally:
+            gate.set()
+            self._role_gate = None
+
+    async def _pass_role_gate(self, bootstrap: BootstrapRef | None) -> None:
+        """Wait out a role switch in progress; refuse (RoleChanged) a request routed for the role
+        this server no longer has: on a prefill server anything but a prefill half naming its own
+        registry, on a decode server such a prefill half."""
+        gate = self._role_gate
+        if gate is None:
+            return
+        await gate.wait()
+        ours = bootstrap is not None and bootstrap.port == self.args.disaggregation_bootstrap_port
+        if (self.role == "prefill") != ours:
+            raise RoleChanged(f"this server switched to {self.role} while the request arrived; send it to another "
+                              "server")
 
     async def _control(self, msg, waiters: deque, timeout: float = CONTROL_TIMEOUT_S):
         """Send a control message; replies come back in order, so waiters are a FIFO."""

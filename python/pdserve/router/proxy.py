@@ -136,6 +136,12 @@ class PDProxy:
 
     async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
         try:
+            if ex.resp.status == 503 and ex.resp.headers.get(ROLE_HEADER) == "prefill":
+                # it switched to prefill as the request arrived (its next health check moves it)
+                worker = ex.decode.worker
+                logger.info("decode worker %s: switched to prefill; sending the request elsewhere", worker.url)
+                worker.reported_role = Role.PREFILL
+                raise _BrokeOff(worker)
             if ex.resp.status == 200 and ex.resp.content_type == "text/event-stream":
                 relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
