@@ -282,8 +282,8 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("elastic P/D (--elastic: servers switch roles as the traffic mix changes)")
     g.add_argument("--elastic", action="store_true", help="run a controller that asks the planner for the P:D split "
                    "meeting --slo at the observed mix and switches one server at a time (POST /pd_role_switch)")
-    g.add_argument("--num-servers", type=int, default=None, help="with --elastic: servers in all, half prefill at "
-                   "the start (default: 2; with 2 the split stays 1P1D, as each role keeps one server)")
+    g.add_argument("--num-servers", type=int, default=None, help="with --elastic: servers in all, --num-prefill of "
+                   "them prefill at the start (default: 2; with 2 the split stays 1P1D, as each role keeps one)")
     g.add_argument("--slo", dest="up_slo", default="ttft:2000,tpot:200",
                    help="with --elastic: per-request SLOs in ms the split should meet (default: %(default)s)")
     g.add_argument("--slo-attainment", dest="up_slo_attainment", type=float, default=0.9,
@@ -326,14 +326,15 @@ def elastic_from_namespace(ns: argparse.Namespace):
 
 
 def up_split(ns: argparse.Namespace) -> tuple[int, int]:
-    """(prefill, decode) servers at the start: --num-prefill/--num-decode, or with --elastic half
-    of --num-servers (rounded down) prefill."""
+    """(prefill, decode) servers at the start: --num-prefill/--num-decode, or with --elastic
+    --num-prefill of --num-servers prefill and the rest decode."""
     if not ns.elastic:
         return ns.num_prefill, ns.num_decode
     total = 2 if ns.num_servers is None else ns.num_servers
-    if total < 2:
-        raise ValueError(f"--num-servers: --elastic needs at least 2 (one of each role), got {total}")
-    return total // 2, total - total // 2
+    if not 1 <= ns.num_prefill < total:
+        raise ValueError(f"--num-servers: --elastic needs --num-prefill ({ns.num_prefill}) prefill servers and at "
+                         f"least one decode, got {total} servers")
+    return ns.num_prefill, total - ns.num_prefill
 
 
 def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
