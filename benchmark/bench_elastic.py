@@ -37,15 +37,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-servers", type=int, default=3)
     p.add_argument("--fixed-prefill", type=int, default=2, help="prefill servers of the fixed split (and of the "
                    "elastic one at the start)")
-    p.add_argument("--phase-prompts", type=int, default=60, help="requests per phase")
-    p.add_argument("--long-input-len", type=int, default=1024)
+    p.add_argument("--long-prompts", type=int, default=30, help="requests of phase A")
+    p.add_argument("--long-input-len", type=int, default=768)
     p.add_argument("--long-output-len", type=int, default=4)
-    p.add_argument("--long-rate", type=float, default=2.0)
+    p.add_argument("--long-rate", type=float, default=1.0)
+    p.add_argument("--chat-prompts", type=int, default=75, help="requests of phase B")
     p.add_argument("--chat-input-len", type=int, default=32)
     p.add_argument("--chat-output-len", type=int, default=96)
-    p.add_argument("--chat-rate", type=float, default=2.0)
+    p.add_argument("--chat-rate", type=float, default=2.5)
     p.add_argument("--slo", default="ttft:1500,tpot:150", help="goodput and controller SLO (ms)")
-    p.add_argument("--elastic-interval", type=float, default=3.0)
+    p.add_argument("--elastic-interval", type=float, default=2.0)
     p.add_argument("--elastic-patience", type=int, default=1)
     p.add_argument("--server-flags", default="--max-total-tokens 16384 --chunked-prefill-size 512",
                    help="extra flags every server gets")
@@ -55,10 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def bench_phase(a: argparse.Namespace, url: str, phase: int, label: str, out: Path) -> dict:
-    isl, osl, rate = ((a.long_input_len, a.long_output_len, a.long_rate) if phase == 0
-                      else (a.chat_input_len, a.chat_output_len, a.chat_rate))
+    n, isl, osl, rate = ((a.long_prompts, a.long_input_len, a.long_output_len, a.long_rate) if phase == 0
+                         else (a.chat_prompts, a.chat_input_len, a.chat_output_len, a.chat_rate))
     cmd = [sys.executable, "-m", "pdserve.bench_serving", "--base-url", url, "--backend", "pdserve",
-           "--dataset-name", "random", "--num-prompts", str(a.phase_prompts), "--random-input-len", str(isl),
+           "--dataset-name", "random", "--num-prompts", str(n), "--random-input-len", str(isl),
            "--random-output-len", str(osl), "--random-range-ratio", "0.8", "--request-rate", str(rate),
            "--slo", a.slo, "--seed", str(a.seed + phase), "--warmup-requests", "0", "--disable-tqdm",
            "--label", f"{label} {PHASES[phase]}", "--output-file", str(out)]
