@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from pdserve.disagg.topology import transfer_device
 from pdserve.disagg.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
 from pdserve.engine.mode_io import DirectIO, LockStepIO, ModeIO
 from pdserve.engine.modes import SchedulerMode
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +147,7 @@ class RoleModes:
             self._register(mode.io.endpoint)
         return self.modes[role]
 
-    def switch(self, scheduler, target: str) -> None:
+    def switch(self, scheduler: Scheduler, target: str) -> None:
         """Make ``target`` the scheduler's mode. Refused (RoleSwitchRefused) unless the scheduler
         is idle: no request, nothing in flight, so no room, transfer or page changes hands."""
         if target not in ROLES:

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -361,7 +361,7 @@ class PDProxy:
             return f"GET /health failed: {type(e).__name__}: {e}"
 
 
-def _learn_role(worker: Worker, headers) -> None:
+def _learn_role(worker: Worker, headers: Mapping[str, str]) -> None:
     """A P/D server names its role (and its registry's port) in /health's headers."""
     role = headers.get(ROLE_HEADER)
     worker.reported_role = Role(role) if role in ("prefill", "decode") else None
