@@ -12,7 +12,8 @@ switches one server at a time (``POST /pd_role_switch``) with hysteresis:
 - the planner must want the same direction for ``patience`` intervals in a row;
 - at most one switch per interval, and the streak starts again after each;
 - never fewer than one server of each role;
-- an interval with fewer than ``min_requests`` finished requests decides nothing.
+- an interval with fewer than ``min_requests`` finished requests decides nothing, and neither does
+  the one a switch happened in (it mixes two splits and the drain).
 
 ``decide`` and ``plan_split`` are pure (tested alone); ``Controller`` does the I/O.
 """
@@ -214,6 +215,7 @@ class Controller:
                     f": switching one {'decode to prefill' if move > 0 else 'prefill to decode'}" if move else "")
         if move:
             self._switch(workers["decode" if move > 0 else "prefill"], "prefill" if move > 0 else "decode")
+            self._scrape = {}  # the next interval starts after the switch: one spanning it mixes two splits
         return move
 
     def _switch(self, candidates: list[dict], target: str) -> None:
