@@ -4,8 +4,8 @@ answers (phase B). One run, side by side.
 
     python benchmark/bench_elastic.py --model-path tiny-llama --out-dir benchmark/results/elastic
 
-1. ``pdserve up`` with a fixed split (``--fixed-prefill`` of ``--num-servers``; default 2P1D,
-   right for phase A, wrong for phase B).
+1. ``pdserve up`` with a fixed split (``--fixed-prefill`` of ``--num-servers``; default 1P2D,
+   wrong for phase A, right for phase B).
 2. ``pdserve up --elastic`` with the same servers starting at the same split; its controller may
    switch roles (``POST /pd_role_switch``) as the mix changes.
 Against each, ``pdserve bench`` runs phase A then phase B (same seeds, so the same prompts and
@@ -35,19 +35,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="tiny-llama")
     p.add_argument("--num-servers", type=int, default=3)
-    p.add_argument("--fixed-prefill", type=int, default=2, help="prefill servers of the fixed split (and of the "
+    p.add_argument("--fixed-prefill", type=int, default=1, help="prefill servers of the fixed split (and of the "
                    "elastic one at the start)")
-    p.add_argument("--long-prompts", type=int, default=30, help="requests of phase A")
+    p.add_argument("--long-prompts", type=int, default=24, help="requests of phase A")
     p.add_argument("--long-input-len", type=int, default=768)
     p.add_argument("--long-output-len", type=int, default=4)
-    p.add_argument("--long-rate", type=float, default=1.0)
-    p.add_argument("--chat-prompts", type=int, default=75, help="requests of phase B")
+    p.add_argument("--long-rate", type=float, default=0.6)
+    p.add_argument("--chat-prompts", type=int, default=60, help="requests of phase B")
     p.add_argument("--chat-input-len", type=int, default=32)
     p.add_argument("--chat-output-len", type=int, default=96)
     p.add_argument("--chat-rate", type=float, default=2.5)
-    p.add_argument("--slo", default="ttft:1500,tpot:150", help="goodput and controller SLO (ms)")
+    p.add_argument("--slo", default="ttft:3000,tpot:150", help="goodput and controller SLO (ms)")
     p.add_argument("--elastic-interval", type=float, default=2.0)
-    p.add_argument("--elastic-patience", type=int, default=1)
+    p.add_argument("--elastic-patience", type=int, default=2)
     p.add_argument("--server-flags", default="--max-total-tokens 16384 --chunked-prefill-size 512",
                    help="extra flags every server gets")
     p.add_argument("--seed", type=int, default=0)
