@@ -63,10 +63,10 @@ def bench_phase(a: argparse.Namespace, url: str, phase: int, label: str, out: Pa
            "--random-output-len", str(osl), "--random-range-ratio", "0.8", "--request-rate", str(rate),
            "--slo", a.slo, "--seed", str(a.seed + phase), "--warmup-requests", "0", "--disable-tqdm",
            "--label", f"{label} {PHASES[phase]}", "--output-file", str(out)]
-    started = time.time()
     servers.subprocess.run(cmd, check=True)
+    ended = time.time()
     result = plot.load_results([str(out)])[-1]
-    result["wall_start"] = started
+    result["wall_start"] = ended - result["duration"]  # the first send (the client's start-up excluded)
     return result
 
 
@@ -105,7 +105,8 @@ def switches(router_url: str) -> list[dict]:
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    return [{"phase": PHASES[i], "request_goodput": r["request_goodput"], "p99_ttft_ms": r["p99_ttft_ms"],
+    return [{"phase": PHASES[i], "wall_start": r["wall_start"], "request_goodput": r["request_goodput"],
+             "p99_ttft_ms": r["p99_ttft_ms"],
              "p99_itl_ms": r["p99_itl_ms"], "completed": r["completed"], "request_throughput":
              r["request_throughput"]} for i, r in enumerate(results)]
 
