@@ -52,6 +52,7 @@ def _metrics(prompt: int, output: int, itls: list[float], e2e: float) -> dict[st
     m = ServerMetrics("m")
     t = ReqTimeline(0.0)
     t.on_tokens(1, 0.5)
+    t.set_stages({"queue": 0.1, "prefill": 0.3, "transfer": 0.05})
     for gap in itls:
         t.on_tokens(1, t.last_token + gap)
     t.on_finish(e2e)
@@ -65,7 +66,7 @@ def test_interval_from_two_scrapes():
     after = {"d": _metrics(100, 20, [0.01, 0.03], 1.0), "p": _metrics(100, 0, [], 0.4)}
     iv = interval_from(before, after, {"d": "decode", "p": "prefill"}, seconds=2.0)
     assert (iv.requests, iv.prompt_tokens, iv.output_tokens) == (1, 100, 20)
-    assert iv.prefill_tokens == 100 and iv.prefill_seconds == pytest.approx(0.4)
+    assert iv.prefill_tokens == 100 and iv.prefill_seconds == pytest.approx(0.3)  # the decode side's breakdown
     assert iv.itl_count == 2 and iv.itl_seconds == pytest.approx(0.04) and iv.decode_batch == 3
     assert iv.workload().rate == pytest.approx(0.5)
     hw = iv.hardware()

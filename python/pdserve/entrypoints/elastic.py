@@ -4,16 +4,17 @@ traffic mix changes.
 Every ``interval_s`` it reads the router's worker lists and each server's ``/metrics``, turns the
 interval's counters into a workload (request rate, mean prompt and output length, measured on the
 decode servers, which see every request whole) and a hardware estimate (unless profiles are
-given: seconds per prompt token on the prefill servers, queueing included, so a queueing prefill
-side looks expensive; the decode step time at the observed batch from the inter-token gaps), asks
+given: seconds of prefill forward passes per prompt token, from the decode servers' TTFT
+breakdown, which the prefill side reports per request; the decode step time at the observed
+batch from the inter-token gaps), asks
 the planner (``bench/planner.py``) which P:D split of the same servers meets ``--slo`` best, and
 switches one server at a time (``POST /pd_role_switch``) with hysteresis:
 
 - the planner must want the same direction for ``patience`` intervals in a row;
 - at most one switch per interval, and the streak starts again after each;
 - never fewer than one server of each role;
-- an interval with fewer than ``min_requests`` finished requests decides nothing, and neither does
-  the one a switch happened in (it mixes two splits and the drain).
+- an interval with fewer than ``min_requests`` finished requests decides nothing (it grows until
+  it has them), and neither does the one a switch happened in (it mixes two splits and the drain).
 
 ``decide`` and ``plan_split`` are pure (tested alone); ``Controller`` does the I/O.
 """
@@ -84,8 +85,8 @@ class Interval:
     requests: float  # finished on decode servers
     prompt_tokens: float
     output_tokens: float
-    prefill_seconds: float = 0.0  # e2e seconds of the prefill halves
-    prefill_tokens: float = 0.0
+    prefill_seconds: float = 0.0  # prefill forward passes (the TTFT breakdown's "prefill" stage)
+    prefill_tokens: float = 0.0  # ... of these prompt tokens
     itl_seconds: float = 0.0
     itl_count: float = 0.0
     decode_batch: float = 1.0  # running requests per decode server, now
@@ -148,14 +149,14 @@ def interval_from(before: dict[str, dict[str, float]], after: dict[str, dict[str
         return max(0.0, after[url].get(name, 0.0) - before.get(url, {}).get(name, 0.0))
 
     dec = [u for u, r in roles.items() if r == "decode" and u in after]
-    pre = [u for u, r in roles.items() if r == "prefill" and u in after]
+    prompt_tokens = sum(delta(u, "pdserve:prompt_tokens_total") for u in dec)
     return Interval(
         seconds=seconds,
         requests=sum(delta(u, "pdserve:num_requests_total") for u in dec),
-        prompt_tokens=sum(delta(u, "pdserve:prompt_tokens_total") for u in dec),
+        prompt_tokens=prompt_tokens,
         output_tokens=sum(delta(u, "pdserve:generation_tokens_total") for u in dec),
-        prefill_seconds=sum(delta(u, "pdserve:e2e_request_latency_seconds_sum") for u in pre),
-        prefill_tokens=sum(delta(u, "pdserve:prompt_tokens_total") for u in pre),
+        prefill_seconds=sum(delta(u, "pdserve:ttft_stage_seconds_sum:prefill") for u in dec),
+        prefill_tokens=prompt_tokens,
         itl_seconds=sum(delta(u, "pdserve:inter_token_latency_seconds_sum") for u in dec),
         itl_count=sum(delta(u, "pdserve:inter_token_latency_seconds_count") for u in dec),
         decode_batch=sum(after[u].get("pdserve:num_running_reqs", 0.0) for u in dec) / max(1, len(dec)))
@@ -198,14 +199,14 @@ class Controller:
         workers = self._workers()
         roles = {w["url"]: role for role, ws in workers.items() for w in ws}
         now, scrape = time.monotonic(), {url: parse_metrics(self._get(url + "/metrics")) for url in roles}
-        before, seconds = self._scrape, now - self._at
-        self._scrape, self._at = scrape, now
-        if not before:
+        if not self._scrape:
+            self._scrape, self._at = scrape, now
             return 0
-        iv = interval_from(before, scrape, roles, seconds)
+        iv = interval_from(self._scrape, scrape, roles, now - self._at)
         hw = self.config.hardware or iv.hardware()
         if iv.requests < self.config.min_requests or hw is None:
-            return 0
+            return 0  # the interval grows until it saw enough
+        self._scrape, self._at = scrape, now
         prefill, total = len(workers["prefill"]), len(roles)
         wanted, _ = plan_split(iv.workload(), hw, self.config.slo, total)
         self.state, move = decide(self.state, prefill, total, wanted, self.config.patience)
