@@ -101,7 +101,12 @@ def build_mode(args: ServerArgs, model_config: ModelConfig, runner, groups=None)
 
 
 class RoleSwitchRefused(ValueError):
-    """A role switch that cannot happen now; the message says why (the frontend answers 4xx with it)."""
+    """A role switch that cannot happen now; the message says why (the frontend answers 4xx with it).
+    ``busy``: only because something is still in flight (asking again later may succeed)."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
 
 
 ROLES = ("prefill", "decode")
@@ -156,7 +161,7 @@ class RoleModes:
             raise RoleSwitchRefused(f"target_role: this server is already {target}")
         if scheduler.reqs or scheduler.has_work():
             raise RoleSwitchRefused(f"busy: {len(scheduler.reqs)} requests and the {self.role} mode's transfers "
-                                    f"are still in flight")
+                                    f"are still in flight", busy=True)
         scheduler.mode.detach()
         new = self.mode(target)
         scheduler.mode = new

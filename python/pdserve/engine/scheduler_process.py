@@ -191,7 +191,7 @@ class SchedulerLoop:
         try:
             self.roles.switch(self.scheduler, target)
         except RoleSwitchRefused as e:
-            return RoleSwitchResp(False, self.roles.role, str(e), busy=str(e).startswith("busy"))
+            return RoleSwitchResp(False, self.roles.role, str(e), busy=e.busy)
         return RoleSwitchResp(True, self.roles.role)
 
     def _parent_gone(self) -> bool:
