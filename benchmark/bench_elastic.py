@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 import urllib.request
@@ -70,10 +71,30 @@ def bench_phase(a: argparse.Namespace, url: str, phase: int, label: str, out: Pa
     return result
 
 
+def free_range(n: int) -> int:
+    """The first of ``n`` consecutive free ports (``up`` takes its servers' ports above its own)."""
+    while True:
+        base = servers.free_port()
+        if base + n < 65536 and all(_free(base + i) for i in range(n)):
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def run(a: argparse.Namespace, elastic: bool, out: Path) -> tuple[list[dict], list[dict]]:
     """Both phases against one deployment; returns the two results and the role switches made."""
-    port = servers.free_port()
-    flags = ["up", "--model-path", a.model_path, "--port", str(port), "--bootstrap-port", str(servers.free_port()),
+    port = free_range(a.num_servers + 1)
+    boot = free_range(a.num_servers)
+    while boot <= port + a.num_servers and port <= boot + a.num_servers:
+        boot = free_range(a.num_servers)
+    flags = ["up", "--model-path", a.model_path, "--port", str(port), "--bootstrap-port", str(boot),
              "--health-check-interval-secs", "1", "--log-level", "warning", *a.server_flags.split()]
     if elastic:
         flags += ["--elastic", "--num-servers", str(a.num_servers), "--num-prefill", str(a.fixed_prefill),
