@@ -261,6 +261,10 @@ def launch_up(args: UpArgs) -> int:
         if args.elastic is not None:
             from pdserve.entrypoints.elastic import Controller
 
+            if args.num_prefill + args.num_decode == 2:
+                logger.warning("elastic: with 2 servers the split stays 1P1D (each role keeps one); give "
+                               "--num-servers 3 or more")
+
             controller = Controller(dep.children[-1].url or "", args.elastic, args.api_key).start()
         code = dep.watch()
     except InterruptedError:
