@@ -50,6 +50,31 @@ def test_plan_gives_the_api_key_to_every_server_and_the_router():
     assert _shown(kids[0].cmd).count("--api-key ***") == 1 and " k " not in _shown(kids[0].cmd) + " "
 
 
+def test_elastic_plan_gives_every_server_a_registry_port():
+    from pdserve.bench.planner import SLO
+    from pdserve.entrypoints.elastic import ElasticConfig
+
+    kids = plan(UpArgs(1, 2, bootstrap_port=9000, server_flags=("--model-path", "m"), cores=(0, 1, 2),
+                       elastic=ElasticConfig(SLO(ttft=1.0))))
+    ports = [k.cmd[k.cmd.index("--disaggregation-bootstrap-port") + 1] for k in kids[:-1]]
+    assert ports == ["9000", "9001", "9002"]  # a decode server that becomes prefill opens its own
+    r = kids[-1].cmd
+    assert " ".join(r).count("--prefill") == 1 and " ".join(r).count("--decode") == 2
+
+
+@pytest.mark.parametrize("argv,field", [(["--num-servers", "3"], "--num-servers: only with --elastic"),
+                                        (["--elastic", "--num-servers", "1"], "--num-servers"),
+                                        (["--elastic", "--num-prefill", "2"], "--num-servers"),
+                                        (["--elastic", "--prefill-profile", "x"], "--prefill-profile")])
+def test_invalid_elastic_flags_are_refused_naming_the_flag(argv, field):
+    from pdserve.entrypoints.cli import build_parser, elastic_from_namespace, up_split
+
+    ns = build_parser().parse_args(["up", "--model-path", "tiny-llama", *argv])
+    with pytest.raises(ValueError, match=field):
+        up_split(ns)
+        elastic_from_namespace(ns)
+
+
 def test_invalid_deployment_is_refused():
     with pytest.raises(ValueError, match="num_decode"):
         UpArgs(1, 0)

@@ -138,6 +138,10 @@ class DecodeMode(SchedulerMode):
     def connect(self, loop) -> None:
         self.io.connect(loop)
 
+    def detach(self) -> None:
+        if self.monitor is not None:
+            self.monitor.watch({})  # no heartbeats to prefill servers while this server prefills
+
     def poll(self) -> None:
         now = self.io.now()
         for msg in self.io.recv_all():

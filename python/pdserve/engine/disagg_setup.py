@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +30,9 @@ from pdserve.disagg.topology import transfer_device
 from pdserve.disagg.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
 from pdserve.engine.mode_io import DirectIO, LockStepIO, ModeIO
 from pdserve.engine.modes import SchedulerMode
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -93,33 +98,124 @@ def build_mode(args: ServerArgs, model_config: ModelConfig, runner, groups=None)
     cfg = args.disagg_config()
     if not cfg.enabled:
         return SchedulerMode()
-    rank = groups.layout.rank if groups is not None else 0
-    backend = transfer_backend(cfg, args.host, local_gpu(runner.device))
-    pool = runner.pool
-    descriptors = pool.buffer_descriptors()
-    hidden = model_config.hf_config.hidden_size
-    slots = args.max_running_requests * (2 if cfg.mode == "decode" else 1)
-    aux = torch.zeros(slots, hidden, dtype=torch.float32)  # [slots, hidden]: one request's aux row each
-    staging = staging_pool(cfg, model_config, runner.device)
-    backend.register([(d.base_addr, d.total_bytes) for d in descriptors]
-                     + [(aux.data_ptr(), aux.numel() * aux.element_size())]
-                     + ([(staging.addr, staging.nbytes)] if staging is not None else []))
-    par = args.parallel_config()
-    layout = kv_layout(model_config, pool, par.attn_tp_size, par.dp_size)
-    auth = peer_auth(cfg)
-    io = mode_io(args.host, groups, auth)
-    server_id = f"{advertised_host(args.host)}:{args.port}"
-    if cfg.mode == "prefill":
-        return _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth,
-                             staging, pool_tensors(pool))
-    from pdserve.engine.decode_mode import DecodeMode
+    return RoleModes(args, model_config, runner, groups).mode(cfg.mode)
 
-    directory = PeerDirectory(compat_record(args, model_config), layout,
-                              min(cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post, auth)
-    record = decode_record(server_id, rank, backend.session_id, descriptors, layout, aux, io.endpoint, staging)
-    salt = io.from_leader(os.urandom(16))
-    return DecodeMode(cfg, io, backend, layout, [d.base_addr for d in descriptors], aux, directory, server_id, rank,
-                      record=record, nonce_salt=salt, staging=staging, pools=pool_tensors(pool))
+
+class RoleSwitchRefused(ValueError):
+    """A role switch that cannot happen now; the message says why (the frontend answers 4xx with it).
+    ``busy``: only because something is still in flight (asking again later may succeed)."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
+
+
+ROLES = ("prefill", "decode")
+
+
+class RoleModes:
+    """A P/D rank's transfer engine, registered pool and aux rows, and the modes built over them
+    (each at most once, when first needed): a runtime role switch (``switch``) replaces the
+    scheduler's mode without reloading weights or registering memory again.
+
+    The aux rows are sized for decode (two per running request) whatever the starting role, so
+    either mode can use them. Each mode keeps its own control channel: a late message for the
+    other role lands in a socket nobody reads instead of confusing the active mode.
+    """
+
+    def __init__(self, args: ServerArgs, model_config: ModelConfig, runner, groups=None):
+        self.args, self.model_config, self.groups = args, model_config, groups
+        self.cfg = args.disagg_config()
+        self.rank = groups.layout.rank if groups is not None else 0
+        self.backend = transfer_backend(self.cfg, args.host, local_gpu(runner.device))
+        self.descriptors = runner.pool.buffer_descriptors()
+        hidden = model_config.hf_config.hidden_size
+        self.aux = torch.zeros(2 * args.max_running_requests, hidden, dtype=torch.float32)  # [slots, hidden]
+        # Packed transfers' staging buffer (either role uses it: prefill packs into it, decode lends
+        # ranges of it), registered with the pool once.
+        self.staging = staging_pool(self.cfg, model_config, runner.device)
+        self.pools = pool_tensors(runner.pool)
+        self.backend.register([(d.base_addr, d.total_bytes) for d in self.descriptors]
+                              + [(self.aux.data_ptr(), self.aux.numel() * self.aux.element_size())]
+                              + ([(self.staging.addr, self.staging.nbytes)] if self.staging is not None else []))
+        par = args.parallel_config()
+        self.layout = kv_layout(model_config, runner.pool, par.attn_tp_size, par.dp_size)
+        self.auth = peer_auth(self.cfg)
+        self.server_id = f"{advertised_host(args.host)}:{args.port}"
+        self.role = self.cfg.mode
+        self.modes: dict[str, SchedulerMode] = {}
+
+    def mode(self, role: str) -> SchedulerMode:
+        """``role``'s mode, built on first use; a prefill mode (re-)registers this rank in the
+        server's bootstrap registry, which must be listening."""
+        if role not in self.modes:
+            self.modes[role] = self._prefill() if role == "prefill" else self._decode()
+        elif role == "prefill":
+            from pdserve.engine.prefill_mode import PrefillMode
+
+            mode = self.modes[role]
+            assert isinstance(mode, PrefillMode)
+            self._register(mode.io.endpoint)
+        return self.modes[role]
+
+    def switch(self, scheduler: Scheduler, target: str) -> None:
+        """Make ``target`` the scheduler's mode. Refused (RoleSwitchRefused) unless the scheduler
+        is idle: no request, nothing in flight, so no room, transfer or page changes hands."""
+        if target not in ROLES:
+            raise RoleSwitchRefused(f"target_role: must be one of {ROLES}, got {target!r}")
+        if target == self.role:
+            raise RoleSwitchRefused(f"target_role: this server is already {target}")
+        if scheduler.reqs or scheduler.has_work():
+            raise RoleSwitchRefused(f"busy: {len(scheduler.reqs)} requests and the {self.role} mode's transfers "
+                                    f"are still in flight", busy=True)
+        scheduler.mode.detach()
+        new = self.mode(target)
+        scheduler.mode = new
+        new.attach(scheduler)
+        self.role = target
+        scheduler.check_memory()  # pages balance across the switch, or the switch fails loudly
+        logger.info("switched to %s (rank %d)", target, self.rank)
+
+    def _io(self) -> ModeIO:
+        return mode_io(self.args.host, self.groups, self.auth)
+
+    def _prefill(self) -> SchedulerMode:
+        from pdserve.engine.prefill_mode import PrefillMode
+
+        io = self._io()
+        bases = {d.name: d.base_addr for d in self.descriptors}
+        sender = KVSender(self.backend, self.layout, self.rank, bases, self.aux, seed=self.args.random_seed,
+                          pools=self.pools, staging=self.staging)
+        self._register(io.endpoint)
+        return PrefillMode(replace(self.cfg, mode="prefill"), io, sender, self.server_id)
+
+    def _register(self, endpoint: str) -> None:
+        client, here = BootstrapClient(auth=self.auth), registry_host(self.args)
+        port = self.args.disaggregation_bootstrap_port
+        if self.rank == 0:
+            client.register_compat(here, port, compat_record(self.args, self.model_config))
+        client.register_rank(here, port, RankRecord(self.rank, self.backend.session_id, self.descriptors, endpoint,
+                                                    self.layout, self.args.random_seed))
+        logger.info("prefill: rank %d registered (transfer %s, control %s)", self.rank, self.backend.session_id,
+                    endpoint)
+
+    def _decode(self) -> SchedulerMode:
+        from pdserve.engine.decode_mode import DecodeMode
+
+        io = self._io()
+        directory = PeerDirectory(compat_record(self.args, self.model_config), self.layout,
+                                  min(self.cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post, self.auth)
+        record = decode_record(self.server_id, self.rank, self.backend.session_id, self.descriptors, self.layout,
+                               self.aux, io.endpoint, self.staging)
+        salt = io.from_leader(os.urandom(16))
+        cfg = replace(self.cfg, mode="decode")
+        return DecodeMode(cfg, io, self.backend, self.layout, [d.base_addr for d in self.descriptors], self.aux,
+                          directory, self.server_id, self.rank, record=record, nonce_salt=salt,
+                          staging=self.staging, pools=self.pools)
+
+    def close(self) -> None:
+        for mode in self.modes.values():
+            mode.close()
 
 
 def staging_pool(cfg: DisaggConfig, model_config: ModelConfig, device: str | torch.device) -> StagingPool | None:
@@ -145,18 +241,3 @@ def registry_host(args: ServerArgs) -> str:
     if args.node_rank > 0:
         return split_host_port(args.dist_init_addr, "dist_init_addr")[0]
     return "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-
-
-def _prefill_mode(args, cfg, model_config, backend, layout, io, aux, server_id, descriptors, rank, auth, staging,
-                  pools):
-    from pdserve.engine.prefill_mode import PrefillMode
-
-    bases = {d.name: d.base_addr for d in descriptors}
-    sender = KVSender(backend, layout, rank, bases, aux, seed=args.random_seed, pools=pools, staging=staging)
-    client, here = BootstrapClient(auth=auth), registry_host(args)
-    if rank == 0:
-        client.register_compat(here, cfg.bootstrap_port, compat_record(args, model_config))
-    client.register_rank(here, cfg.bootstrap_port,
-                         RankRecord(rank, backend.session_id, descriptors, io.endpoint, layout, args.random_seed))
-    logger.info("prefill: rank %d registered (transfer %s, control %s)", rank, backend.session_id, io.endpoint)
-    return PrefillMode(cfg, io, sender, server_id)

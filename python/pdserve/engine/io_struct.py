@@ -128,3 +128,21 @@ class SchedulerFailed:
 @dataclass
 class ShutdownReq:
     """Ask a scheduler process to leave its loop and exit cleanly."""
+
+
+@dataclass
+class RoleSwitchReq:
+    """Switch an idle P/D scheduler to ``target_role`` ("prefill" or "decode")."""
+
+    target_role: str
+
+
+@dataclass
+class RoleSwitchResp:
+    """``success``: the scheduler now runs ``role``; otherwise ``message`` says why not (``busy``:
+    only because something is still in flight, so the frontend may ask again)."""
+
+    success: bool
+    role: str
+    message: str = ""
+    busy: bool = False

@@ -109,6 +109,11 @@ class SchedulerMode:
         """The mode's part of one server's stats, from each attention group's."""
         return {}
 
+    def detach(self) -> None:
+        """A role switch is replacing this mode while the server is idle: undo what ``attach`` hooked
+        into the scheduler and stop background work, keeping the transfer engine and the channel
+        (the mode may be attached again later)."""
+
     def close(self) -> None:
         """Stop threads and release transfer resources (the process is ending)."""
 

@@ -78,6 +78,9 @@ class PrefillMode(SchedulerMode):
     def connect(self, loop) -> None:
         self.io.connect(loop)
 
+    def detach(self) -> None:
+        self.scheduler.runner.layer_hook = None  # a decode server's forwards must not stage KV writes
+
     # ------------------------------------------------------------- intake
     def take(self, req: Req, bootstrap) -> bool:
         if bootstrap is None:

@@ -29,6 +29,7 @@ import os
 import signal
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -42,12 +43,17 @@ from pdserve.engine.io_struct import (
     KVEventsSnapshotReq,
     KVEventsSnapshotResp,
     RejectedReq,
+    RoleSwitchReq,
+    RoleSwitchResp,
     SchedulerFailed,
     SchedulerReady,
     ShutdownReq,
     StatsResp,
     TokenizedGenerateReq,
 )
+
+if TYPE_CHECKING:
+    from pdserve.engine.disagg_setup import RoleModes
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +104,9 @@ class SchedulerLoop:
     """
 
     def __init__(self, scheduler, recv: zmq.Socket, send: zmq.Socket,
-                 parent_pid: int | None = None, idle_poll_ms: int = IDLE_POLL_MS):
+                 parent_pid: int | None = None, idle_poll_ms: int = IDLE_POLL_MS, roles: RoleModes | None = None):
         self.scheduler = scheduler
+        self.roles = roles  # a single-rank P/D server's modes: it can switch roles
         self.recv = recv
         self.send = send
         self.parent_pid = parent_pid
@@ -161,6 +168,8 @@ class SchedulerLoop:
             self.send.send_pyobj(FlushCacheResp(bool(self.scheduler.flush_cache())))
         elif isinstance(msg, KVEventsSnapshotReq):
             self.send.send_pyobj(KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
+        elif isinstance(msg, RoleSwitchReq):
+            self.send.send_pyobj(self._switch(msg.target_role))
         elif isinstance(msg, ShutdownReq):
             self.stopped = True
         else:
@@ -178,6 +187,17 @@ class SchedulerLoop:
         for rid in rids:
             self.scheduler.abort(rid)
 
+    def _switch(self, target: str) -> RoleSwitchResp:
+        from pdserve.engine.disagg_setup import RoleSwitchRefused
+
+        if self.roles is None:
+            return RoleSwitchResp(False, self.scheduler.mode.name, "this scheduler cannot switch roles")
+        try:
+            self.roles.switch(self.scheduler, target)
+        except RoleSwitchRefused as e:
+            return RoleSwitchResp(False, self.roles.role, str(e), busy=e.busy)
+        return RoleSwitchResp(True, self.roles.role)
+
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
 
@@ -192,11 +212,11 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
     recv = _socket(ctx, zmq.PULL, endpoints.to_scheduler)
     send = _socket(ctx, zmq.PUSH, endpoints.to_frontend)
     code = 0
-    scheduler = None
+    scheduler, roles = None, None
     try:
-        scheduler = build_scheduler(args)
+        scheduler, roles = build_server_scheduler(args)
         send.send_pyobj(ready_message(scheduler))
-        SchedulerLoop(scheduler, recv, send, parent_pid).run()
+        SchedulerLoop(scheduler, recv, send, parent_pid, roles=roles).run()
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
         # A ValueError is a user error that names its field (e.g. a tensor missing from the
         # checkpoint): the frontend prints it in one line; a traceback would only bury it.
@@ -205,7 +225,9 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
         send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}"))
         code = 1
     finally:
-        if scheduler is not None:
+        if roles is not None:
+            roles.close()
+        elif scheduler is not None:
             scheduler.mode.close()
             close_kv_events(scheduler)
             scheduler.close()
@@ -217,10 +239,16 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
 
 def build_scheduler(args: ServerArgs):
     """The scheduler this process drives; torch uses every core (the frontend uses one thread)."""
+    return build_server_scheduler(args)[0]
+
+
+def build_server_scheduler(args: ServerArgs):
+    """The scheduler and, on a P/D server, the modes it can switch between (``RoleModes``)."""
     import torch
 
-    from pdserve.engine.disagg_setup import build_mode
+    from pdserve.engine.disagg_setup import RoleModes
     from pdserve.engine.model_runner import build_model_runner
+    from pdserve.engine.modes import SchedulerMode
     from pdserve.engine.scheduler import Scheduler
     from pdserve.engine.tokenizer import load_tokenizer
 
@@ -231,10 +259,11 @@ def build_scheduler(args: ServerArgs):
         tokenizer = load_tokenizer(args.tokenizer_path or model_config.path)
     cache_config, config = args.cache_config(), args.scheduler_config()
     runner = build_model_runner(args, model_config)
-    mode = build_mode(args, model_config, runner)
+    roles = RoleModes(args, model_config, runner) if args.disagg_config().enabled else None
+    mode = roles.mode(roles.role) if roles is not None else SchedulerMode()
     scheduler = Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode)
     attach_kv_events(args, scheduler)
-    return scheduler
+    return scheduler, roles
 
 
 def attach_kv_events(args: ServerArgs, scheduler) -> None:

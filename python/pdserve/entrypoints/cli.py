@@ -313,9 +313,69 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
                    help="the router's health checks: a restarted server is used again within this "
                    "(default: %(default)s)")
+    add_elastic_args(parser)
     for add in UP_SERVER_GROUPS:
         add(parser)
     add_disagg_args(parser, per_server=False)
+
+
+def add_elastic_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("elastic P/D (--elastic: servers switch roles as the traffic mix changes)")
+    g.add_argument("--elastic", action="store_true", help="run a controller that asks the planner for the P:D split "
+                   "meeting --slo at the observed mix and switches one server at a time (POST /pd_role_switch)")
+    g.add_argument("--num-servers", type=int, default=None, help="with --elastic: servers in all, --num-prefill of "
+                   "them prefill at the start (default: 2; with 2 the split stays 1P1D, as each role keeps one)")
+    g.add_argument("--slo", dest="up_slo", default="ttft:2000,tpot:200",
+                   help="with --elastic: per-request SLOs in ms the split should meet (default: %(default)s)")
+    g.add_argument("--slo-attainment", dest="up_slo_attainment", type=float, default=0.9,
+                   help="with --elastic: fraction of requests that must meet --slo (default: %(default)s)")
+    g.add_argument("--elastic-interval", type=float, default=5.0,
+                   help="with --elastic: seconds between the controller's decisions (default: %(default)s)")
+    g.add_argument("--elastic-patience", type=int, default=2, help="with --elastic: intervals in a row the "
+                   "planner must want a switch before one is made (default: %(default)s)")
+    g.add_argument("--prefill-profile", dest="up_prefill_profile", default=None,
+                   help="with --elastic: a prefill profile (pdserve bench --profile prefill); default: "
+                   "estimated from the servers' metrics")
+    g.add_argument("--decode-profile", dest="up_decode_profile", default=None,
+                   help="with --elastic: a decode profile (pdserve bench --profile decode); default: estimated")
+
+
+def elastic_from_namespace(ns: argparse.Namespace):
+    """The controller's config, or None without --elastic."""
+    if not ns.elastic:
+        for flag, value in (("--num-servers", ns.num_servers),):
+            if value is not None:
+                raise ValueError(f"{flag}: only with --elastic")
+        return None
+    from pdserve.bench import planner, profiles
+    from pdserve.bench.config import parse_slo
+    from pdserve.entrypoints.elastic import ElasticConfig
+
+    slo_ms = parse_slo(ns.up_slo)
+    if "e2e" in slo_ms:
+        raise ValueError("--slo: the planner takes ttft and tpot")
+    slo = planner.SLO(ttft=slo_ms.get("ttft", 0) / 1000 or None, tpot=slo_ms.get("tpot", 0) / 1000 or None,
+                      attainment=ns.up_slo_attainment)
+    hw = None
+    if (ns.up_prefill_profile is None) != (ns.up_decode_profile is None):
+        raise ValueError("--prefill-profile/--decode-profile: give both or neither")
+    if ns.up_prefill_profile is not None:
+        hw = planner.Hardware(profiles.load_profile(ns.up_prefill_profile, "prefill"),
+                              profiles.load_profile(ns.up_decode_profile, "decode"))
+    return ElasticConfig(slo, ns.elastic_interval, ns.elastic_patience,
+                         quiet_s=ns.up_health_check_interval_secs + 1.0, hardware=hw)
+
+
+def up_split(ns: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) servers at the start: --num-prefill/--num-decode, or with --elastic
+    --num-prefill of --num-servers prefill and the rest decode."""
+    if not ns.elastic:
+        return ns.num_prefill, ns.num_decode
+    total = 2 if ns.num_servers is None else ns.num_servers
+    if not 1 <= ns.num_prefill < total:
+        raise ValueError(f"--num-servers: --elastic needs --num-prefill ({ns.num_prefill}) prefill servers and at "
+                         f"least one decode, got {total} servers")
+    return ns.num_prefill, total - ns.num_prefill
 
 
 def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
@@ -338,9 +398,10 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         server = server_args_from_namespace(ns)  # every server would refuse these: say so now
         server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
-        args = UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port, ns.up_bootstrap_port,
+        num_prefill, num_decode = up_split(ns)
+        args = UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port,
                       server_flags_from_namespace(ns, parser), ns.up_policy, ns.up_api_key,
-                      ns.up_health_check_interval_secs)
+                      ns.up_health_check_interval_secs, elastic=elastic_from_namespace(ns))
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return launch_up(args)

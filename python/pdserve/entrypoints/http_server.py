@@ -30,19 +30,22 @@ from pdserve.config import ModelConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
-from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, AbortRequest
+from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, AbortRequest, RoleSwitchRequest
+from pdserve.entrypoints.role_switch import RoleSwitcher
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.web.api_key import ApiKeyMiddleware
 from pdserve.web.errors import (
     ErrorResponse,
     RequestError,
+    RoleChanged,
     ServerError,
     error_body,
     error_response,
     parse_body,
     read_body,
 )
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
 from pdserve.web.listen import bind_socket, configure_logging
 from pdserve.web.streaming import collect
 
@@ -69,6 +72,7 @@ class ServerContext:
     model_config: ModelConfig
     tm: TokenizerManager
     metrics: ServerMetrics
+    roles: RoleSwitcher | None = None  # P/D servers: POST /pd_role_switch
 
     @property
     def model_name(self) -> str:
@@ -80,6 +84,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, redoc_url=None)
     # Starlette types every handler as taking Exception; this one is registered for RequestError only.
     app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RoleChanged, lambda _r, e: _role_changed(ctx, e))
     app.add_exception_handler(Exception, _internal_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
@@ -147,11 +152,15 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def health():
         if not (ctx.tm.healthy and ctx.tm.running_scheduler.is_alive()):
             raise ServerError(ctx.tm.fatal_error or "scheduler is not running")
-        if ctx.args.disaggregation_mode == "decode":
+        headers = _role_headers(ctx)
+        if ctx.roles is not None and ctx.roles.draining is not None:
+            return JSONResponse(error_body(f"draining: switching from {ctx.tm.role} to {ctx.roles.draining}", 503),
+                                status_code=503, headers=headers)
+        if ctx.tm.role == "decode":
             detail = await _transfer_health(ctx.tm)
             if detail is not None:
-                return JSONResponse(detail)
-        return Response(status_code=200)
+                return JSONResponse(detail, headers=headers)
+        return Response(status_code=200, headers=headers)
 
     @app.get("/health_generate", response_class=Response, responses={**_EMPTY_200, **_errors(503)})
     async def health_generate():
@@ -190,7 +199,22 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
         return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
 
 
+def _role_headers(ctx: ServerContext) -> dict[str, str]:
+    """What a router's health check learns about the role (it moves a switched server between its
+    prefill and decode workers) and where the registry of a prefill server listens."""
+    if ctx.tm.role == "null":
+        return {}
+    return {ROLE_HEADER: ctx.tm.role, BOOTSTRAP_PORT_HEADER: str(ctx.args.disaggregation_bootstrap_port)}
+
+
 def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/pd_role_switch", include_in_schema=False)
+    async def pd_role_switch(request: Request):
+        req: RoleSwitchRequest = parse_body(RoleSwitchRequest, await read_body(request, ctx.args.max_request_bytes))
+        if ctx.roles is None:
+            raise RequestError("target_role: this server is not in P/D mode", param="target_role")
+        return await ctx.roles.switch(req)
+
     @app.post("/flush_cache", responses=_errors(400, 401, 503))
     async def flush_cache():
         if await ctx.tm.flush_cache():
@@ -235,7 +259,8 @@ async def _server_info(ctx: ServerContext) -> dict:
     return {**args, "args": args, **stats, "internal_states": [stats], "version": __version__,
             "context_length": limits.context_len, "max_total_num_tokens": limits.max_total_tokens,
             "scheduler_pids": ctx.tm.running_scheduler.pids, "num_inflight_requests": ctx.tm.num_inflight,
-            "disaggregation_mode": ctx.args.disaggregation_mode}
+            "disaggregation_mode": ctx.tm.role,
+            "role_switches": list(ctx.roles.history) if ctx.roles is not None else []}
 
 
 def _model_info(ctx: ServerContext) -> dict:
@@ -243,6 +268,10 @@ def _model_info(ctx: ServerContext) -> dict:
     return {"model_path": ctx.args.model_path, "tokenizer_path": ctx.args.tokenizer_path or mc.path,
             "served_model_name": ctx.model_name, "is_generation": True, "architecture": mc.architecture,
             "context_length": ctx.tm.request_limits.context_len, "vocab_size": mc.vocab_size}
+
+
+def _role_changed(ctx: ServerContext, exc: RequestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=_role_headers(ctx))
 
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
@@ -279,12 +308,19 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
         sock.close()
         return 1
     metrics = ServerMetrics(args.served_model_name or args.model_path)
+    metrics.set_role(args.disaggregation_mode)
     tm = TokenizerManager(args, tokenizer, metrics, stream_interval=args.stream_interval)
-    ctx = ServerContext(args, model_config, tm, metrics)
+    roles = None
+    if args.disaggregation_mode != "null":
+        roles = RoleSwitcher(args, tm, metrics, lambda: _open_registry(args).stop,
+                             bootstrap.stop if bootstrap is not None else None)
+    ctx = ServerContext(args, model_config, tm, metrics, roles)
     try:
         return asyncio.run(_serve(ctx, sock, startup_timeout))
     finally:
-        if bootstrap is not None:
+        if roles is not None:
+            roles.close_registry()
+        elif bootstrap is not None:
             bootstrap.stop()
 
 
@@ -293,6 +329,10 @@ def start_bootstrap_server(args: ServerArgs):
     read it), listening before the scheduler starts; None in other modes."""
     if args.disaggregation_mode != "prefill":
         return None
+    return _open_registry(args)
+
+
+def _open_registry(args: ServerArgs):
     from pdserve.disagg.auth import peer_auth
     from pdserve.disagg.bootstrap import BootstrapServer
 

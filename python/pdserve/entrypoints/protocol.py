@@ -180,6 +180,17 @@ class AbortRequest(_Body):
     abort_all: bool = False
 
 
+
+
+class RoleSwitchRequest(_Body):
+    """``POST /pd_role_switch`` (SGLang's route): the role to take, and the bounds of the drain."""
+
+    target_role: Literal["prefill", "decode"]
+    timeout_secs: Annotated[float, Field(gt=0, le=3600)] = 60.0  # draining longer than this: refused (503)
+    quiet_secs: Annotated[float, Field(ge=0, le=60)] = 2.0  # no new request for this long before switching
+    max_inflight: Annotated[int, Field(ge=0)] = 64  # more requests in flight than this: refused at once (409)
+
+
 # The request body each route documents; GenerateSamplingParams is referenced by GenerateRequest.
 OPENAPI_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest, "/v1/completions": CompletionRequest,

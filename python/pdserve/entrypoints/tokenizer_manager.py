@@ -46,6 +46,8 @@ from pdserve.engine.io_struct import (
     KVEventsSnapshotReq,
     KVEventsSnapshotResp,
     RejectedReq,
+    RoleSwitchReq,
+    RoleSwitchResp,
     SchedulerFailed,
     SchedulerReady,
     ShutdownReq,
@@ -64,7 +66,7 @@ from pdserve.engine.scheduler_process import (
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.timeline import ReqTimeline
-from pdserve.web.errors import RequestError, ServerError
+from pdserve.web.errors import RequestError, RoleChanged, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +156,10 @@ class TokenizerManager:
         self._stats_waiters: deque[asyncio.Future] = deque()
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._snapshot_waiters: deque[asyncio.Future] = deque()
+        self._switch_waiters: deque[asyncio.Future] = deque()
+        self.role = args.disaggregation_mode  # the P/D role now (POST /pd_role_switch changes it)
+        self.last_admit = 0.0  # time.monotonic() of the last request admitted (a role switch waits for quiet)
+        self._role_gate: asyncio.Event | None = None  # cleared while the scheduler switches roles
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._tmpdir: str | None = None
@@ -256,7 +262,7 @@ class TokenizerManager:
         """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
         checked against this server's mode: a prefill server needs it; a colocated one ignores it;
         a disaggregated request is one sample (its room pairs exactly one prefill)."""
-        mode = self.args.disaggregation_mode
+        mode = self.role
         if mode == "null":
             return [None] * n
         refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port)
@@ -286,6 +292,7 @@ class TokenizerManager:
         scheduler dies. Leaving early (client gone, task cancelled) aborts the request,
         which frees its pages in the scheduler.
         """
+        await self._pass_role_gate(bootstrap)
         self._check_healthy()
         rid = self.new_rid(rid)
         room = bootstrap.room if bootstrap is not None else None
@@ -295,6 +302,7 @@ class TokenizerManager:
         # Without streaming nothing is shown before the end, so only the finish wakes the request.
         state = _ReqState(rid, return_logprob, self.stream_interval if stream else sys.maxsize, len(input_ids))
         self._reqs[rid] = state
+        self.last_admit = time.monotonic()
         if room is not None:
             self._rooms.add(room)
         detok = self._detokenizer(sampling) if stream else None
@@ -413,6 +421,32 @@ class TokenizerManager:
         resp: KVEventsSnapshotResp = await self._control(KVEventsSnapshotReq(), self._snapshot_waiters)
         return resp.snapshot
 
+    async def switch_role(self, target: str) -> RoleSwitchResp:
+        """Ask the scheduler to switch to ``target`` now (it refuses while anything is in flight).
+        Requests arriving meanwhile wait: sent behind the switch, the new mode would get them."""
+        gate = self._role_gate = asyncio.Event()
+        try:
+            resp: RoleSwitchResp = await self._control(RoleSwitchReq(target), self._switch_waiters)
+            if resp.success:
+                self.role = resp.role
+            return resp
+        finally:
+            gate.set()
+            self._role_gate = None
+
+    async def _pass_role_gate(self, bootstrap: BootstrapRef | None) -> None:
+        """Wait out a role switch in progress; refuse (RoleChanged) a request routed for the role
+        this server no longer has: on a prefill server anything but a prefill half naming its own
+        registry, on a decode server such a prefill half."""
+        gate = self._role_gate
+        if gate is None:
+            return
+        await gate.wait()
+        ours = bootstrap is not None and bootstrap.port == self.args.disaggregation_bootstrap_port
+        if (self.role == "prefill") != ours:
+            raise RoleChanged(f"this server switched to {self.role} while the request arrived; send it to another "
+                              "server")
+
     async def _control(self, msg, waiters: deque, timeout: float = CONTROL_TIMEOUT_S):
         """Send a control message; replies come back in order, so waiters are a FIFO."""
         self._check_healthy()
@@ -471,6 +505,8 @@ class TokenizerManager:
             _resolve(self._flush_waiters, msg)
         elif isinstance(msg, KVEventsSnapshotResp):
             _resolve(self._snapshot_waiters, msg)
+        elif isinstance(msg, RoleSwitchResp):
+            _resolve(self._switch_waiters, msg)
         elif isinstance(msg, SchedulerFailed):
             self._fatal(f"scheduler failed: {msg.message}")
         else:

@@ -21,6 +21,10 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.entrypoints.elastic import ElasticConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class UpArgs:
     health_check_interval_secs: float = 5.0  # the router's
     startup_timeout_s: float = 600.0
     cores: tuple[int, ...] | None = None  # default: the cores this process may use
+    elastic: ElasticConfig | None = None  # --elastic: a controller switches servers' roles (entrypoints/elastic.py)
 
     def __post_init__(self):
         for name in ("num_prefill", "num_decode"):
@@ -99,11 +104,12 @@ def plan(args: UpArgs) -> list[Child]:
                "--disaggregation-mode", role, *(["--api-key", args.api_key] if args.api_key else [])]
         if "--num-threads" not in args.server_flags:
             cmd += ["--num-threads", str(len(shares[i]))]
-        if role == "prefill":
-            boot = args.bootstrap_port + i
+        boot = args.bootstrap_port + i  # elastic: every server's, for when it becomes prefill
+        if role == "prefill" or args.elastic is not None:
             cmd += ["--disaggregation-bootstrap-port", str(boot)]
             if args.router_policy == "cache_aware":  # the router follows each prefill's cache by its KV events
                 cmd += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://{args.host}:*"})]
+        if role == "prefill":
             prefill_urls.append((url, boot))
         else:
             decode_urls.append(url)
@@ -121,7 +127,8 @@ def plan(args: UpArgs) -> list[Child]:
 
 def ports_in_use(args: UpArgs) -> list[int]:
     ports = [args.port + i for i in range(1 + args.num_prefill + args.num_decode)]
-    ports += [args.bootstrap_port + i for i in range(args.num_prefill)]
+    registries = args.num_prefill + (args.num_decode if args.elastic is not None else 0)
+    ports += [args.bootstrap_port + i for i in range(registries)]
     busy = []
     for port in ports:
         with socket.socket() as s:
@@ -256,10 +263,19 @@ def launch_up(args: UpArgs) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     code = 0
+    controller = None
     try:
         dep.start()
         print(f"pdserve is up: {dep.children[-1].url} (router -> {args.num_prefill} prefill, "
-              f"{args.num_decode} decode)", flush=True)
+              f"{args.num_decode} decode{', elastic' if args.elastic else ''})", flush=True)
+        if args.elastic is not None:
+            from pdserve.entrypoints.elastic import Controller
+
+            if args.num_prefill + args.num_decode == 2:
+                logger.warning("elastic: with 2 servers the split stays 1P1D (each role keeps one); give "
+                               "--num-servers 3 or more")
+
+            controller = Controller(dep.children[-1].url or "", args.elastic, args.api_key).start()
         code = dep.watch()
     except InterruptedError:
         pass
@@ -267,6 +283,8 @@ def launch_up(args: UpArgs) -> int:
         logger.error("%s", e)
         code = 1
     finally:
+        if controller is not None:
+            controller.stop()
         dep.stop()
     return code
 

@@ -128,6 +128,11 @@ class ServerMetrics:
         self._stages = Histogram(PREFIX + "ttft_stage_seconds", "Time to first token by stage (queue, prefill, "
                                  "transfer, decode_scheduling); the stages of a request sum to its TTFT",
                                  names + ["stage"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._role_switches = Counter(PREFIX + "role_switches", "P/D role switches (POST /pd_role_switch) by "
+                                      "target role and outcome (done, refused, timeout)",
+                                      names + ["target_role", "outcome"], registry=self.registry)
+        self._role = Gauge(PREFIX + "pd_role", "1 for this server's current P/D role", names + ["role"],
+                           registry=self.registry)
         self._disagg = _DisaggCollector(self.labels)
         self.registry.register(self._disagg)
 
@@ -158,6 +163,13 @@ class ServerMetrics:
         stages = timeline.stages or {}
         for stage in STAGES if stages else ():
             self._stages.labels(stage=stage, **self.labels).observe(stages[stage])
+
+    def set_role(self, role: str) -> None:
+        for r in ("prefill", "decode", "null"):
+            self._role.labels(role=r, **self.labels).set(1.0 if r == role else 0.0)
+
+    def observe_role_switch(self, target_role: str, outcome: str) -> None:
+        self._role_switches.labels(target_role=target_role, outcome=outcome, **self.labels).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

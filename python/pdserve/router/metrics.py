@@ -55,6 +55,9 @@ class RouterMetrics:
                                       "from", LABELS, registry=r)
         self.kv_blocks = Gauge(PREFIX + "kv_indexed_blocks", "Blocks the router believes a worker caches (0 while "
                                "its events are stale)", LABELS, registry=r)
+        self.role_moves = Counter(PREFIX + "worker_role_switches", "Workers seen in another role than before "
+                                  "(POST /pd_role_switch on them), by the role they left and took",
+                                  ["worker", "from_role", "to_role"], registry=r)
 
     def request(self, worker: Worker) -> None:
         self.requests.labels(worker.role.value, worker.url).inc()
@@ -64,6 +67,14 @@ class RouterMetrics:
 
     def decision(self, worker: Worker, policy: str, reason: str) -> None:
         self.decisions.labels(worker.role.value, worker.url, policy, reason).inc()
+
+    def moved(self, worker: Worker, old: Role) -> None:
+        self.role_moves.labels(worker.url, old.value, worker.role.value).inc()
+        for gauge in (self.healthy, self.in_flight):
+            try:
+                gauge.remove(old.value, worker.url)
+            except KeyError:
+                pass  # never rendered under its old role
 
     def refused(self, role: Role) -> None:
         self.no_worker.labels(role.value).inc()

@@ -23,7 +23,7 @@ import json
 import logging
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,8 +35,9 @@ from pdserve.router.bootstrap import with_bootstrap
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState
-from pdserve.router.workers import Lease, NoHealthyWorker, Worker, WorkerSet
+from pdserve.router.workers import Lease, NoHealthyWorker, Role, Worker, WorkerSet
 from pdserve.web.errors import RequestError, ServerError, error_body
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
 from pdserve.web.streaming import SSE_DONE, sse, until_disconnect
 
 if TYPE_CHECKING:
@@ -151,6 +152,12 @@ class PDProxy:
 
     async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
         try:
+            if ex.response.status == 503 and ex.response.headers.get(ROLE_HEADER) == "prefill":
+                # it switched to prefill as the request arrived (its next health check moves it)
+                worker = ex.decode.worker
+                logger.info("decode worker %s: switched to prefill; sending the request elsewhere", worker.url)
+                worker.reported_role = Role.PREFILL
+                raise _BrokeOff(worker)
             if ex.response.status == 200 and ex.response.content_type == "text/event-stream":
                 relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
@@ -375,11 +382,21 @@ class PDProxy:
         try:
             async with self.http.get(worker.url + "/health", headers=self.worker_headers,
                                         timeout=self.health_timeout) as resp:
+                _learn_role(worker, resp.headers)
                 return None if resp.status == 200 else f"GET /health answered {resp.status}"
         except asyncio.TimeoutError:
             return "GET /health timed out"
         except aiohttp.ClientError as e:
             return f"GET /health failed: {type(e).__name__}: {e}"
+
+
+def _learn_role(worker: Worker, headers: Mapping[str, str]) -> None:
+    """A P/D server names its role (and its registry's port) in /health's headers."""
+    role = headers.get(ROLE_HEADER)
+    worker.reported_role = Role(role) if role in ("prefill", "decode") else None
+    port = headers.get(BOOTSTRAP_PORT_HEADER, "")
+    if worker.reported_role is Role.PREFILL and port.isdigit():
+        worker.bootstrap_port = int(port)
 
 
 class _Exchange:

@@ -47,6 +47,7 @@ class Worker:
     last_error: str | None = None  # why it was last marked dead
     kv: PrefixIndex | None = None  # its cached blocks, from its KV events (cache_aware)
     load: dict = field(default_factory=dict)  # its last reported stats (num_running_reqs, free_pages)
+    reported_role: Role | None = None  # what its last /health said it is (P/D servers can switch roles)
 
     @property
     def bootstrap_host(self) -> str:
@@ -97,6 +98,7 @@ class WorkerSet:
     """The workers of one role and the policy choosing among the healthy ones."""
 
     def __init__(self, role: Role, workers: Sequence[Worker], policy: Policy, policy_name: str = ""):
+        """``workers`` may later change sets (``HealthChecker`` moves a server that switched roles)."""
         assert workers and all(w.role is role for w in workers)
         self.role = role
         self.workers = list(workers)
@@ -127,6 +129,14 @@ class WorkerSet:
         if not worker.healthy:
             logger.info("%s worker %s is healthy", self.role.value, worker.url)
         worker.healthy = worker.ever_healthy = True
+
+    def remove(self, worker: Worker) -> None:
+        self.workers.remove(worker)
+
+    def add(self, worker: Worker) -> None:
+        worker.role = self.role
+        worker.position = max((w.position for w in self.workers), default=-1) + 1
+        self.workers.append(worker)
 
     @property
     def waiting_for(self) -> list[Worker]:
@@ -163,6 +173,7 @@ class HealthChecker:
         self.probe = probe
         self.interval_s = interval_s
         self.after_check: list[Callable[[], object]] = []  # results ignored
+        self.on_move: list[Callable[[Worker, Role], None]] = []  # a worker moved from the given role's set
         self.next_interval: Callable[[], float] = lambda: self.interval_s  # the router shortens it at start-up
 
     async def check_all(self) -> None:
@@ -173,8 +184,24 @@ class HealthChecker:
                 s.mark_alive(w)
             else:
                 s.mark_dead(w, reason)
+        self.move_switched()
         for callback in self.after_check:
             callback()
+
+    def move_switched(self) -> None:
+        """A healthy worker that reports the other role (``POST /pd_role_switch`` on it) leaves its
+        set for the set of that role; its leases stay valid (they hold the worker, not the set)."""
+        by_role = {s.role: s for s in self.sets}
+        for s in self.sets:
+            for w in list(s.workers):
+                target = by_role.get(w.reported_role) if w.reported_role is not None else None
+                if target is None or target is s or not w.healthy:
+                    continue
+                s.remove(w)
+                target.add(w)
+                logger.info("worker %s switched role: %s -> %s", w.url, s.role.value, target.role.value)
+                for callback in self.on_move:
+                    callback(w, s.role)
 
     async def run(self) -> None:
         """Check forever, every ``next_interval()`` s (cancel to stop)."""

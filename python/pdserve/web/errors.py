@@ -54,6 +54,12 @@ class ServerError(RequestError):
         super().__init__(message, None, status, None)
 
 
+class RoleChanged(ServerError):
+    """A request admitted for the role this server had just before a role switch (it arrived while
+    the switch committed): 503, with the new role in the X-PD-Role header so a router sends it
+    elsewhere."""
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
