@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import pdserve
-from pdserve.entrypoints.up import UpArgs, _shown, plan, split_cores
+from pdserve.entrypoints.up import Deployment, StorageTier, StoreMaster, UpArgs, _shown, plan, split_cores
 from server_utils import alive, descendants, free_port, port_is_free
 
 
@@ -48,6 +48,43 @@ def test_plan_gives_the_api_key_to_every_server_and_the_router():
     assert kids[-1].cmd[kids[-1].cmd.index("--health-check-interval-secs") + 1] == "0.5"
     assert "secret-key" not in repr(UpArgs(api_key="secret-key"))
     assert _shown(kids[0].cmd).count("--api-key ***") == 1 and " k " not in _shown(kids[0].cmd) + " "
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_plan_shares_one_mooncake_master_and_gives_each_server_its_own_file_directory():
+    tier = StorageTier("mooncake", extra_config=json.dumps({"start_master": True, "local_buffer_size": "16mb"}))
+    with pytest.raises(ValueError, match="mooncake needs a master"):
+        plan(UpArgs(2, 1, cores=(0,), storage=tier))
+    kids = plan(UpArgs(2, 1, cores=(0,), storage=tier), StoreMaster("127.0.0.1:5", "http://127.0.0.1:6/metadata"))
+    for k in kids[:-1]:
+        assert _flag(k.cmd, "--hicache-storage-backend") == "mooncake"
+        extra = json.loads(_flag(k.cmd, "--hicache-storage-backend-extra-config") or "{}")
+        assert extra == {"local_buffer_size": "16mb", "master_server_address": "127.0.0.1:5",
+                         "metadata_server": "http://127.0.0.1:6/metadata"}
+    assert "--hicache-storage-backend" not in kids[-1].cmd  # the router
+    named = StorageTier("mooncake", extra_config=json.dumps({"master_server_address": "10.0.0.1:50051"}))
+    assert not named.needs_master
+    given = _flag(plan(UpArgs(storage=named, cores=(0,)))[0].cmd, "--hicache-storage-backend-extra-config")
+    assert json.loads(given or "{}") == {"master_server_address": "10.0.0.1:50051"}
+    kids = plan(UpArgs(1, 2, cores=(0,), storage=StorageTier("file", "/kv")))
+    assert [_flag(k.cmd, "--hicache-storage-dir") for k in kids] == ["/kv/prefill-0", "/kv/decode-0", "/kv/decode-1",
+                                                                     None]
+    with pytest.raises(ValueError, match="hicache_storage_dir"):
+        StorageTier("file")
+
+
+def test_deployment_starts_the_mooncake_master_and_stops_it_after_the_servers():
+    pytest.importorskip("mooncake.store")
+    dep = Deployment(UpArgs(storage=StorageTier("mooncake")))
+    started = dep._start_master()
+    master = dep.master
+    assert started is not None and master is not None and master.alive()
+    assert started.address == master.address and not port_is_free(master.rpc_port)
+    dep.stop()
+    assert dep.master is None and not master.alive() and port_is_free(master.rpc_port)
 
 
 def test_invalid_deployment_is_refused():
