@@ -98,11 +98,18 @@ def test_invalid_deployment_is_refused():
     assert proc.returncode == 2 and "disaggregation_transfer_backend: 'memory'" in proc.stderr
 
 
+# The deployment runs the hierarchical cache with a Mooncake Store tier up provides the master of.
+HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--hicache-storage-size-gb",
+                 "0.05", "--hicache-storage-chunk-tokens", "8", "--hicache-storage-backend-extra-config",
+                 json.dumps({"local_buffer_size": "16mb"})]
+
+
 def test_up_serves_through_its_router_and_stops_everything():
+    pytest.importorskip("mooncake.store")
     port, boot = free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
-           "--bootstrap-port", str(boot), "--log-level", "warning"]
+           "--bootstrap-port", str(boot), "--log-level", "warning", *HICACHE_FLAGS]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     children: set[int] = set()
     try:
@@ -113,13 +120,21 @@ def test_up_serves_through_its_router_and_stops_everything():
             time.sleep(0.2)
         children |= set(descendants(proc.pid))
         url = f"http://127.0.0.1:{port}"
-        body = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        got = httpx.post(url + "/generate", json=body, timeout=120).json()
-        want = pdserve.Engine(model_path="tiny-llama", num_threads=1).generate(
-            prompt=body["text"], sampling_params=body["sampling_params"])
-        assert got["output_ids"] == want["output_ids"]
+        sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reference = pdserve.Engine(model_path="tiny-llama", num_threads=1)
+        turn1 = list(range(20, 32))
+        got = httpx.post(url + "/generate", json={"input_ids": turn1, "sampling_params": sampling}, timeout=120).json()
+        assert got["output_ids"] == reference.generate(input_ids=turn1, sampling_params=sampling)["output_ids"]
         decode = httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", timeout=30).json()
         assert decode["disaggregation_mode"] == "decode" and decode["kv_received"] == 1  # through prefill
+        # Decode wrote turn 1 back to the shared store: turn 2's prefill loads it from there.
+        _wait(lambda: httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", timeout=30).json()["storage_puts"]
+              >= 2, 30, "decode's write-back")
+        turn2 = turn1 + got["output_ids"] + [40, 41, 42]
+        got = httpx.post(url + "/generate", json={"input_ids": turn2, "sampling_params": sampling}, timeout=120).json()
+        assert got["output_ids"] == reference.generate(input_ids=turn2, sampling_params=sampling)["output_ids"]
+        # Decode stored two chunks (16 of the 19 positions it computed); prefill's device held 11 of them.
+        assert got["meta_info"]["cached_tokens_by_tier"] == {"device": 11, "host": 0, "storage": 5}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert "unexpectedly" not in Path(log.name).read_text(errors="replace")

@@ -342,8 +342,10 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         server = server_args_from_namespace(ns)  # every server would refuse these: say so now
         server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
-        storage = StorageTier(server.hicache_storage_backend, server.hicache_storage_dir,
-                              server.hicache_storage_backend_extra_config)
+        storage = StorageTier()  # the tier's flags mean nothing without the hierarchical cache: no master then
+        if server.enable_hierarchical_cache:
+            storage = StorageTier(server.hicache_storage_backend, server.hicache_storage_dir,
+                                  server.hicache_storage_backend_extra_config)
         flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS)
         args = UpArgs(ns.num_prefill, ns.num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
                       ns.up_api_key, ns.up_health_check_interval_secs, storage=storage)
