@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import pdserve
-from pdserve.entrypoints.up import UpArgs, _shown, plan, split_cores
+from pdserve.entrypoints.up import Deployment, StorageTier, StoreMaster, UpArgs, _shown, plan, split_cores
 from server_utils import alive, descendants, free_port, port_is_free
 
 
@@ -75,6 +75,43 @@ def test_invalid_elastic_flags_are_refused_naming_the_flag(argv, field):
         elastic_from_namespace(ns)
 
 
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_plan_shares_one_mooncake_master_and_gives_each_server_its_own_file_directory():
+    tier = StorageTier("mooncake", extra_config=json.dumps({"start_master": True, "local_buffer_size": "16mb"}))
+    with pytest.raises(ValueError, match="mooncake needs a master"):
+        plan(UpArgs(2, 1, cores=(0,), storage=tier))
+    kids = plan(UpArgs(2, 1, cores=(0,), storage=tier), StoreMaster("127.0.0.1:5", "http://127.0.0.1:6/metadata"))
+    for k in kids[:-1]:
+        assert _flag(k.cmd, "--hicache-storage-backend") == "mooncake"
+        extra = json.loads(_flag(k.cmd, "--hicache-storage-backend-extra-config") or "{}")
+        assert extra == {"local_buffer_size": "16mb", "master_server_address": "127.0.0.1:5",
+                         "metadata_server": "http://127.0.0.1:6/metadata"}
+    assert "--hicache-storage-backend" not in kids[-1].cmd  # the router
+    named = StorageTier("mooncake", extra_config=json.dumps({"master_server_address": "10.0.0.1:50051"}))
+    assert not named.needs_master
+    given = _flag(plan(UpArgs(storage=named, cores=(0,)))[0].cmd, "--hicache-storage-backend-extra-config")
+    assert json.loads(given or "{}") == {"master_server_address": "10.0.0.1:50051"}
+    kids = plan(UpArgs(1, 2, cores=(0,), storage=StorageTier("file", "/kv")))
+    assert [_flag(k.cmd, "--hicache-storage-dir") for k in kids] == ["/kv/prefill-0", "/kv/decode-0", "/kv/decode-1",
+                                                                     None]
+    with pytest.raises(ValueError, match="hicache_storage_dir"):
+        StorageTier("file")
+
+
+def test_deployment_starts_the_mooncake_master_and_stops_it_after_the_servers():
+    pytest.importorskip("mooncake.store")
+    dep = Deployment(UpArgs(storage=StorageTier("mooncake")))
+    started = dep._start_master()
+    master = dep.master
+    assert started is not None and master is not None and master.alive()
+    assert started.address == master.address and not port_is_free(master.rpc_port)
+    dep.stop()
+    assert dep.master is None and not master.alive() and port_is_free(master.rpc_port)
+
+
 def test_invalid_deployment_is_refused():
     with pytest.raises(ValueError, match="num_decode"):
         UpArgs(1, 0)
@@ -86,11 +123,18 @@ def test_invalid_deployment_is_refused():
     assert proc.returncode == 2 and "disaggregation_transfer_backend: 'memory'" in proc.stderr
 
 
+# The deployment runs the hierarchical cache with a Mooncake Store tier up provides the master of.
+HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--hicache-storage-size-gb",
+                 "0.05", "--hicache-storage-chunk-tokens", "8", "--hicache-storage-backend-extra-config",
+                 json.dumps({"local_buffer_size": "16mb"})]
+
+
 def test_up_serves_through_its_router_and_stops_everything():
+    pytest.importorskip("mooncake.store")
     port, boot = free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
-           "--bootstrap-port", str(boot), "--log-level", "warning"]
+           "--bootstrap-port", str(boot), "--log-level", "warning", *HICACHE_FLAGS]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     children: set[int] = set()
     try:
@@ -101,13 +145,21 @@ def test_up_serves_through_its_router_and_stops_everything():
             time.sleep(0.2)
         children |= set(descendants(proc.pid))
         url = f"http://127.0.0.1:{port}"
-        body = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        got = httpx.post(url + "/generate", json=body, timeout=120).json()
-        want = pdserve.Engine(model_path="tiny-llama", num_threads=1).generate(
-            prompt=body["text"], sampling_params=body["sampling_params"])
-        assert got["output_ids"] == want["output_ids"]
+        sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reference = pdserve.Engine(model_path="tiny-llama", num_threads=1)
+        turn1 = list(range(20, 32))
+        got = httpx.post(url + "/generate", json={"input_ids": turn1, "sampling_params": sampling}, timeout=120).json()
+        assert got["output_ids"] == reference.generate(input_ids=turn1, sampling_params=sampling)["output_ids"]
         decode = httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", timeout=30).json()
         assert decode["disaggregation_mode"] == "decode" and decode["kv_received"] == 1  # through prefill
+        # Decode wrote turn 1 back to the shared store: turn 2's prefill loads it from there.
+        _wait(lambda: httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", timeout=30).json()["storage_puts"]
+              >= 2, 30, "decode's write-back")
+        turn2 = turn1 + got["output_ids"] + [40, 41, 42]
+        got = httpx.post(url + "/generate", json={"input_ids": turn2, "sampling_params": sampling}, timeout=120).json()
+        assert got["output_ids"] == reference.generate(input_ids=turn2, sampling_params=sampling)["output_ids"]
+        # Decode stored two chunks (16 of the 19 positions it computed); prefill's device held 11 of them.
+        assert got["meta_info"]["cached_tokens_by_tier"] == {"device": 11, "host": 0, "storage": 5}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert "unexpectedly" not in Path(log.name).read_text(errors="replace")

@@ -213,6 +213,10 @@ class KVCompletion:
     # Prompt tokens prefill took from its prefix cache (not computed): what the client's
     # cached_tokens reports, since prefill is where a cache hit saves compute.
     cached_tokens: int = 0
+    # Of cached_tokens, those loaded from host memory and from the storage tier (the rest were on
+    # the device): decode reports them as meta_info.cached_tokens_by_tier.
+    cached_host_tokens: int = 0
+    cached_storage_tokens: int = 0
 
     def __post_init__(self):
         _check_room(self.room)
@@ -220,6 +224,10 @@ class KVCompletion:
         _require(0 <= self.queue_s < math.inf and 0 <= self.prefill_s < math.inf,
                  "queue_s, prefill_s: must be finite and >= 0")
         _require(self.cached_tokens >= 0, f"cached_tokens: must be >= 0, got {self.cached_tokens}")
+        _require(0 <= self.cached_host_tokens and 0 <= self.cached_storage_tokens
+                 and self.cached_host_tokens + self.cached_storage_tokens <= self.cached_tokens,
+                 f"cached_host_tokens, cached_storage_tokens: must be >= 0 and sum to at most cached_tokens "
+                 f"({self.cached_tokens}), got {self.cached_host_tokens} and {self.cached_storage_tokens}")
         _require(self.status in STATUSES, f"status: {self.status!r} is not one of {STATUSES}")
         _require(self.writes >= 0, f"writes: must be >= 0, got {self.writes}")
         _require(self.status == "ok" or bool(self.error), "error: a failed completion must say why")

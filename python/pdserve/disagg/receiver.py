@@ -333,6 +333,14 @@ class IncomingRoom:
         """Prompt tokens prefill served from its prefix cache (every source rank shares one cache)."""
         return min((c.cached_tokens for c in self.got.values()), default=0)
 
+    def remote_cached_by_tier(self) -> dict[str, int]:
+        """``remote_cached_tokens`` split by the tier prefill found them in (device, host, storage)."""
+        total = self.remote_cached_tokens()
+        host = min((c.cached_host_tokens for c in self.got.values()), default=0)
+        storage = min((c.cached_storage_tokens for c in self.got.values()), default=0)
+        host, storage = min(host, total), min(storage, total - min(host, total))
+        return {"device": total - host - storage, "host": host, "storage": storage}
+
 
 # -------------------------------------------------------------- quarantine
 @dataclass

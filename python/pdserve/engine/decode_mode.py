@@ -347,6 +347,7 @@ class DecodeMode(SchedulerMode):
         clock.end_prefill(now)
         clock.remote_queue, clock.remote_prefill = inc.remote_timings()
         req.cached_tokens_reported = inc.remote_cached_tokens()  # prefill's hit: the compute it saved
+        req.cached_by_tier_reported = inc.remote_cached_by_tier()
         clock.transferred = True
         self.scheduler.activate(req)
         self.counters["kv_received"] += 1

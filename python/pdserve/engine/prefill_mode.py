@@ -281,10 +281,12 @@ class PrefillMode(SchedulerMode):
         r = self.sender.rooms[room]
         queue_s, prefill_s = r.timings()
         status = "failed" if r.state is RoomState.FAILED else "ok"
+        by_tier = req.cached_by_tier_reported or {}
         for d in self.sender.own_pairs(room):
             kv = r.kvs[d]
             self.io.send(kv.reply_to, KVCompletion(room, kv.nonce, self.sender.rank, d, r.writes.get(d, 0), status,
-                                                   r.error or "", queue_s, prefill_s, req.cached_tokens_reported))
+                                                   r.error or "", queue_s, prefill_s, req.cached_tokens_reported,
+                                                   by_tier.get("host", 0), by_tier.get("storage", 0)))
         if error is None:
             self.counters["rooms_completed"] += 1
             self._finish(req, finish_length(0))

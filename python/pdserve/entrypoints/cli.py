@@ -294,6 +294,8 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # --------------------------------------------------------------------- up
 UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_hicache_args, add_runtime_args, add_device_args)
+# Set per server by up (its own file directory, the shared Mooncake master): not passed through as given.
+UP_STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_dir", "hicache_storage_backend_extra_config")
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -378,11 +380,13 @@ def up_split(ns: argparse.Namespace) -> tuple[int, int]:
     return ns.num_prefill, total - ns.num_prefill
 
 
-def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
-    """The server flags given (those different from their defaults), as a command line again."""
+def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser,
+                                exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The server flags given (those different from their defaults), as a command line again;
+    ``exclude``: fields the caller sets per server."""
     out: list[str] = []
     for action in parser._actions:  # noqa: SLF001 - argparse keeps its actions here
-        if action.dest not in _FIELDS or action.dest in ("host", "port") or not action.option_strings:
+        if action.dest not in _FIELDS or action.dest in ("host", "port", *exclude) or not action.option_strings:
             continue
         value = getattr(ns, action.dest)
         if value == action.default:
@@ -393,15 +397,20 @@ def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.Argumen
 
 
 def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pdserve.entrypoints.up import UpArgs, launch_up
+    from pdserve.entrypoints.up import StorageTier, UpArgs, launch_up
 
     try:
         server = server_args_from_namespace(ns)  # every server would refuse these: say so now
         server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
         num_prefill, num_decode = up_split(ns)
-        args = UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port,
-                      server_flags_from_namespace(ns, parser), ns.up_policy, ns.up_api_key,
-                      ns.up_health_check_interval_secs, elastic=elastic_from_namespace(ns))
+        storage = StorageTier()  # the tier's flags mean nothing without the hierarchical cache: no master then
+        if server.enable_hierarchical_cache:
+            storage = StorageTier(server.hicache_storage_backend, server.hicache_storage_dir,
+                                  server.hicache_storage_backend_extra_config)
+        flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS)
+        args = UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
+                      ns.up_api_key, ns.up_health_check_interval_secs, elastic=elastic_from_namespace(ns),
+                      storage=storage)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return launch_up(args)

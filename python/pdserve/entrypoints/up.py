@@ -7,6 +7,12 @@ server answers /health, starts the router, prints its URL, and on Ctrl-C or SIGT
 router dies) stops every process it started. A server that dies is logged and left to the router,
 which serves without it (a dead prefill: decode prefills alone) and uses it again when it is back
 (restarted by the operator on the same ports).
+
+With ``--enable-hierarchical-cache`` every server gets the flag; the storage tier is wired per
+deployment (docs/hicache.md, "Across P/D"): ``mooncake`` is the tier every server shares, so with
+no ``master_server_address`` in the extra config ``up`` starts one ``mooncake_master`` before the
+servers, hands its address to each of them and stops it after them; ``file`` takes one owner per
+directory, so each server gets its own subdirectory (named after it) of ``--hicache-storage-dir``.
 """
 
 from __future__ import annotations
@@ -21,15 +27,76 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.entrypoints.elastic import ElasticConfig
+    from pdserve.mem.storage.mooncake_store import MooncakeMaster
 
 logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.25
 STOP_GRACE_S = 15.0
+
+
+@dataclass(frozen=True)
+class StorageTier:
+    """The storage-tier flags ``up`` rewrites per server (``--hicache-storage-backend``,
+    ``--hicache-storage-dir``, ``--hicache-storage-backend-extra-config``); None: not given."""
+
+    backend: str | None = None
+    directory: str | None = None
+    extra_config: str | None = None  # a JSON object
+
+    def __post_init__(self) -> None:
+        if self.backend == "file" and not self.directory:
+            raise ValueError("hicache_storage_dir (--hicache-storage-dir): needed with the file tier; up gives "
+                             "each server its own subdirectory of it")
+        extra = self.extra()
+        if self.backend == "mooncake" and extra.get("start_master") and _named_master(extra):
+            raise ValueError("hicache_storage_backend_extra_config: give master_server_address or start_master, "
+                             "not both")
+
+    def extra(self) -> dict[str, Any]:
+        value = json.loads(self.extra_config) if self.extra_config else {}
+        if not isinstance(value, dict):
+            raise ValueError("hicache_storage_backend_extra_config (--hicache-storage-backend-extra-config): must "
+                             "be a JSON object")
+        return value
+
+    @property
+    def needs_master(self) -> bool:
+        """Mooncake with no master named: up starts the one every server shares."""
+        return self.backend == "mooncake" and not _named_master(self.extra())
+
+
+def _named_master(extra: dict[str, Any]) -> bool:
+    return bool(extra.get("master_server_address") or extra.get("master_server_addr"))
+
+
+@dataclass(frozen=True)
+class StoreMaster:
+    """Where the servers find the ``mooncake_master`` up started."""
+
+    address: str  # master_server_address
+    metadata_server: str
+
+
+def storage_flags(tier: StorageTier, server: str, master: StoreMaster | None) -> list[str]:
+    """``server``'s storage-tier flags: its own file directory, or the shared master's address."""
+    out: list[str] = []
+    if tier.backend is not None:
+        out += ["--hicache-storage-backend", tier.backend]
+    if tier.directory:
+        own = tier.backend == "file"  # one owner per directory: the file index is not shared
+        out += ["--hicache-storage-dir", os.path.join(tier.directory, server) if own else tier.directory]
+    extra = tier.extra()
+    if master is not None:
+        extra.pop("start_master", None)  # one master for the deployment, not one per server
+        extra.update(master_server_address=master.address, metadata_server=master.metadata_server)
+    if extra:
+        out += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -48,6 +115,7 @@ class UpArgs:
     startup_timeout_s: float = 600.0
     cores: tuple[int, ...] | None = None  # default: the cores this process may use
     elastic: ElasticConfig | None = None  # --elastic: a controller switches servers' roles (entrypoints/elastic.py)
+    storage: StorageTier = field(default_factory=StorageTier)
 
     def __post_init__(self):
         for name in ("num_prefill", "num_decode"):
@@ -90,8 +158,11 @@ def split_cores(cores: tuple[int, ...], num_prefill: int, num_decode: int) -> li
     return out
 
 
-def plan(args: UpArgs) -> list[Child]:
-    """The servers then the router, with their command lines (pure: no process is started)."""
+def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
+    """The servers then the router, with their command lines (pure: no process is started).
+    ``master``: the shared store's master, which ``args.storage.needs_master`` says up starts."""
+    if args.storage.needs_master and master is None:
+        raise ValueError("hicache_storage_backend: mooncake needs a master; start it before planning the servers")
     cores = args.cores or tuple(sorted(os.sched_getaffinity(0)))
     shares = split_cores(cores, args.num_prefill, args.num_decode)
     py = [sys.executable, "-m", "pdserve"]
@@ -113,7 +184,9 @@ def plan(args: UpArgs) -> list[Child]:
             prefill_urls.append((url, boot))
         else:
             decode_urls.append(url)
-        children.append(Child(f"{role}-{i if role == 'prefill' else i - args.num_prefill}", cmd, url, shares[i]))
+        name = f"{role}-{i if role == 'prefill' else i - args.num_prefill}"
+        cmd += storage_flags(args.storage, name, master)
+        children.append(Child(name, cmd, url, shares[i]))
     router = [*py, "router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
               "--health-check-interval-secs", f"{args.health_check_interval_secs:g}",
               *(["--api-key", args.api_key] if args.api_key else [])]
@@ -145,17 +218,30 @@ class Deployment:
 
     def __init__(self, args: UpArgs):
         self.args = args
-        self.children = plan(args)
+        self.children: list[Child] = []  # planned by start, once the store's master (if any) is up
+        self.master: MooncakeMaster | None = None  # the shared store's master, when up started one
         self.stopping = False
 
     def start(self) -> None:
-        """Servers first (all at once), then the router once every server is healthy."""
+        """The store's master (when up owns one), the servers (all at once), then the router once
+        every server is healthy."""
+        self.children = plan(self.args, self._start_master())
         servers, router = self.children[:-1], self.children[-1]
         for child in servers:
             self._spawn(child)
         self._wait_healthy(servers)
         self._spawn(router)
         self._wait_healthy([router])
+
+    def _start_master(self) -> StoreMaster | None:
+        if not self.args.storage.needs_master:
+            return None
+        from pdserve.mem.storage.mooncake_store import MooncakeMaster
+
+        master = self.master = MooncakeMaster(self.args.host)  # kept before start: stop() cleans up either way
+        master.start()
+        logger.info("started mooncake_master at %s (log: %s)", master.address, master.log_path)
+        return StoreMaster(master.address, master.metadata_server)
 
     def _spawn(self, child: Child) -> None:
         cores = child.cores
@@ -195,6 +281,10 @@ class Deployment:
             if router.process.poll() is not None:
                 logger.error("router exited with code %s; stopping the deployment", router.process.returncode)
                 return 1
+            if self.master is not None and not self.master.alive() and "master" not in reported:
+                reported.add("master")
+                logger.error("mooncake_master exited; the servers serve without the shared store (its hits are "
+                             "misses) until the deployment is restarted")
             for c in self.children[:-1]:
                 if c.process.poll() is not None and c.name not in reported:
                     reported.add(c.name)
@@ -220,6 +310,9 @@ class Deployment:
         for _, proc in started:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
+        if self.master is not None:  # last: the servers' store clients leave it while it still answers
+            self.master.stop()
+            self.master = None
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
