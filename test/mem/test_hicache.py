@@ -208,6 +208,50 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
         _balanced(restarted)
 
 
+def _rank_files(root, tp_rank: int) -> set:
+    """Every stored page object of one TP rank's shard of the file tier."""
+    return {f for f in (root / f"tp{tp_rank}-of-2").rglob("*") if f.is_file() and f.name != ".lock"}
+
+
+def test_tp2_ranks_load_the_minimum_hit_and_match_one_rank(reference, tmp_path):
+    """TP=2 with every tier: each rank's storage shard holds what it holds; the ranks agree on
+    the shortest hit, load that much, recompute the rest, and give the one-rank plain engine's
+    tokens, never a hang. Storage keys chain over the whole prefix, so the files a generate adds
+    are the chunks it completed: deleting rank 1's newest ones leaves it a shorter hit."""
+    kw = dict(KW, enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8, tp_size=2)
+    prompt, want = PROMPTS[0], reference["tiny-llama"][0]
+
+    def run(ids: list[int]) -> dict:
+        assert engine.flush_cache()  # device and host emptied; storage puts landed on every rank
+        return engine.generate(input_ids=ids, sampling_params=GREEDY)
+
+    with pdserve.Engine(model_path="tiny-llama", **kw) as engine:
+        run(prompt[:9])  # 12 tokens cached: chunk 0 stored on both ranks
+        assert engine.flush_cache()
+        chunk0 = _rank_files(tmp_path, 1)
+        assert len(chunk0) == 1
+        out = run(prompt)  # both ranks hold chunk 0: an 8-token hit; chunks 1 and 2 stored
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens_by_tier"] == {"device": 0, "host": 0, "storage": 8}
+        assert engine.flush_cache()
+        for f in _rank_files(tmp_path, 1) - chunk0:  # rank 1 loses chunks 1 and 2, rank 0 keeps all three
+            f.unlink()
+        out = run(prompt)
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens_by_tier"] == {"device": 0, "host": 0, "storage": 8}
+        for f in _rank_files(tmp_path, 1):  # rank 1 holds nothing: nobody loads
+            f.unlink()
+        out = run(prompt)
+        assert out["output_ids"] == want and out["meta_info"]["cached_tokens"] == 0
+        # Pages cycling device -> host (-> storage) on both ranks.
+        outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS + PROMPTS]
+        assert [o["output_ids"] for o in outs] == reference["tiny-llama"] * 2
+        assert outs[3]["meta_info"]["cached_tokens"] == 24 and outs[3]["meta_info"]["cached_tokens_by_tier"]["host"]
+        for m in engine.scheduler.check_memory().ranks:  # raises if any rank's books are off
+            assert not m.has_work and m.free_pages + m.cached_pages == m.total_pages, m
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("hicache_storage_chunk_tokens", 6, "--hicache-storage-chunk-tokens): must be a multiple of the page size (4)"),
     ("hicache_ratio", 0.0, "--hicache-ratio): must be > 0"),
@@ -219,7 +263,7 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
     ("hicache_storage_backend_extra_config", "{bad", "--hicache-storage-backend-extra-config): not valid JSON"),
     ("hicache_storage_backend_extra_config", "[1]", "--hicache-storage-backend-extra-config): must be a JSON obj"),
     ("disable_radix_cache", True, "--enable-hierarchical-cache): needs the radix cache"),
-    ("tp_size", 2, "--enable-hierarchical-cache): runs on single-rank servers for now"),
+    ("dp_size", 2, "--enable-hierarchical-cache): runs with one attention group for now (dp_size 1"),
 ])
 def test_flag_errors_name_the_flag(field, value, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
