@@ -13,7 +13,7 @@ import torch
 
 import pdserve
 from pdserve.config import ServerArgs
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import Req, SamplingParams
 from pdserve.mem.hicache_storage import StorageLeg
 from pdserve.mem.hiradix_cache import HiRadixCache
 from pdserve.mem.host_pool import CopyOp, HostKVPool
@@ -331,6 +331,38 @@ def _tiers(policy: str, device_pages: int = 8, host_pages: int = 8) -> HiRadixCa
 
     dev = GQAKVPool(device_pages, 2, 1, 1, 4, torch.float32)
     return HiRadixCache(PageAllocator(device_pages), 2, HostKVPool(dev, host_pages), policy)
+
+
+def test_prepare_loads_what_every_rank_holds_waits_while_one_is_busy_and_refuses_diverged_devices():
+    """One rank's arbitration, its peer's row ([device pages, host/storage pages, busy]) given."""
+    from pdserve.config import HiCacheConfig
+    from pdserve.mem.cache_manager import HitDivergedError, KVCacheManager
+
+    kv = KVCacheManager(8, 2, 4, 64, hicache=HiCacheConfig(enabled=True), pool=GQAKVPool(8, 2, 1, 1, 4, torch.float32))
+    peer = [0, 0, 0]
+    kv.agree_hits_with(lambda row: [row, peer])
+    tokens = list(range(3, 15))  # 6 pages of 2
+
+    def new(rid: str) -> Req:
+        return Req(rid, list(tokens), SamplingParams(max_new_tokens=4), uid=("first", "second", "third").index(rid))
+
+    first = new("first")
+    assert kv.prepare(first, tokens) and kv.admit(first, tokens) and kv.grow(first, len(tokens))
+    first.kv_len = len(tokens)
+    kv.release(first, len(tokens))
+    assert kv.cache.evict(6) == 6  # every page now only in host memory
+    second = new("second")
+    peer[:] = [0, 6, 1]  # the peer is still loading these pages for another request: wait, load nothing
+    assert not kv.prepare(second, tokens) and kv.hicache is not None and kv.hicache.num_loading_pages == 0
+    peer[:] = [0, 2, 0]  # the peer holds 2 of the 6 pages below the device
+    assert kv.prepare(second, tokens) and kv.admit(second, tokens)
+    assert second.cached_len == 4 and second.cached_by_tier == {"device": 0, "host": 4, "storage": 0}
+    third = new("third")
+    peer[:] = [3, 0, 0]  # the peer's device holds a page ours does not: diverged, never a different batch
+    with pytest.raises(HitDivergedError, match="third: ranks hold different device prefixes"):
+        kv.prepare(third, tokens)
+    kv.drop(second)
+    kv.check([])
 
 
 @pytest.mark.parametrize("policy, copies_after_insert, copies_after_two_hits",

@@ -17,6 +17,9 @@ decisions are replayed, not sent. Each loop iteration:
    equal its attention group leader's, so a rank that diverged fails loudly instead of
    deadlocking). A rank without a forward agrees with 0 tokens and, under DP attention,
    runs an idle forward so the shared layers' collectives line up.
+   With the hierarchical cache, ranks also agree on each waiting request's cache hit before
+   any of them loads it from host memory or storage (``agree_hits``): every rank loads the
+   minimum over ranks and computes the rest.
 3. **Sampling**: the attention group's leader samples and broadcasts the tokens
    (``BroadcastSampler``); floating-point equality across ranks is never trusted.
 4. **Outputs**: only each attention group's leader sends its outputs to the frontend;
