@@ -8,6 +8,8 @@ tokens, so three 28-token prompts cannot all stay on the device and their pages 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -209,39 +211,46 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
 
 
 def _rank_files(root, tp_rank: int) -> set:
-    """Every stored page object of one TP rank's shard of the file tier."""
-    return {f for f in (root / f"tp{tp_rank}-of-2").rglob("*") if f.is_file() and f.name != ".lock"}
+    """Every stored page object of one TP rank's shard of the file tier (not a write in flight)."""
+    return {f for f in (root / f"tp{tp_rank}-of-2").rglob("*") if f.is_file() and not f.name.startswith(".")}
+
+
+def _wait_stored(root, num_files: int) -> None:
+    """Until both ranks' storage threads have written ``num_files`` page objects each."""
+    deadline = time.monotonic() + 30
+    while any(len(_rank_files(root, r)) < num_files for r in (0, 1)):
+        assert time.monotonic() < deadline, f"storage never reached {num_files} objects per rank"
+        time.sleep(0.01)
 
 
 def test_tp2_ranks_load_the_minimum_hit_and_match_one_rank(reference, tmp_path):
     """TP=2 with every tier: each rank's storage shard holds what it holds; the ranks agree on
     the shortest hit, load that much, recompute the rest, and give the one-rank plain engine's
-    tokens, never a hang. Storage keys chain over the whole prefix, so the files a generate adds
+    tokens, never a hang. Storage keys chain over the whole prefix, so the files a request adds
     are the chunks it completed: deleting rank 1's newest ones leaves it a shorter hit."""
     kw = dict(KW, enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
               hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8, tp_size=2)
     prompt, want = PROMPTS[0], reference["tiny-llama"][0]
 
     def run(ids: list[int]) -> dict:
-        assert engine.flush_cache()  # device and host emptied; storage puts landed on every rank
+        assert engine.flush_cache()  # device and host emptied: hits can only come from storage
         return engine.generate(input_ids=ids, sampling_params=GREEDY)
 
     with pdserve.Engine(model_path="tiny-llama", **kw) as engine:
         run(prompt[:9])  # 12 tokens cached: chunk 0 stored on both ranks
-        assert engine.flush_cache()
+        _wait_stored(tmp_path, 1)
         chunk0 = _rank_files(tmp_path, 1)
-        assert len(chunk0) == 1
         out = run(prompt)  # both ranks hold chunk 0: an 8-token hit; chunks 1 and 2 stored
         assert out["output_ids"] == want
         assert out["meta_info"]["cached_tokens_by_tier"] == {"device": 0, "host": 0, "storage": 8}
-        assert engine.flush_cache()
+        _wait_stored(tmp_path, 3)
         for f in _rank_files(tmp_path, 1) - chunk0:  # rank 1 loses chunks 1 and 2, rank 0 keeps all three
             f.unlink()
         out = run(prompt)
         assert out["output_ids"] == want
         assert out["meta_info"]["cached_tokens_by_tier"] == {"device": 0, "host": 0, "storage": 8}
         for f in _rank_files(tmp_path, 1):  # rank 1 holds nothing: nobody loads
-            f.unlink()
+            f.unlink(missing_ok=True)
         out = run(prompt)
         assert out["output_ids"] == want and out["meta_info"]["cached_tokens"] == 0
         # Pages cycling device -> host (-> storage) on both ranks.

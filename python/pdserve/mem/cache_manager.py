@@ -363,13 +363,9 @@ class KVCacheManager:
         self.allocator.free(pages)
 
     def flush(self) -> bool:
-        """Empty the prefix cache (device and host; storage keeps its pages, every queued put
-        landed first); refused (False) while a request locks part of it."""
+        """Empty the prefix cache (every tier); refused (False) while a request locks part of it."""
         if self._loads:
             return False
-        hi = self.hicache
-        if hi is not None and hi.storage is not None:
-            hi.storage.flush()
         return self.cache.reset()
 
     def count_hit(self, by_tier: dict[str, int]) -> None:
