@@ -748,11 +748,11 @@ class ServerArgs:
             # request to a DP group, so it could not know which group's ranks hold the KV.
             raise ValueError(f"dp_size: a prefill server runs one attention group (TP/EP), got dp_size "
                              f"{self.dp_size}; start more prefill servers instead")
-        if self.enable_hierarchical_cache and self.parallel_config().world_size > 1:
-            # Each rank would decide alone when a copy has landed and what storage holds, and ranks
-            # that admit differently deadlock: hit lengths must first be agreed over the ranks.
-            raise _flag_error("enable_hierarchical_cache", "runs on single-rank servers for now (tp_size, "
-                              "dp_size and ep_size 1)")
+        if self.enable_hierarchical_cache and self.dp_size > 1:
+            # TP ranks agree on every hit length before loading (docs/hicache.md); that round spans
+            # every rank, and the DP groups of a server schedule different requests.
+            raise _flag_error("enable_hierarchical_cache", f"runs with one attention group for now (dp_size 1, "
+                              f"any tp_size/ep_size), got dp_size {self.dp_size}")
         if self.compile_config().enabled and self.parallel_config().world_size > 1:
             raise ValueError("enable_torch_compile: compiled decode runs on single-rank servers for now "
                              "(tp_size, dp_size and ep_size 1)")

@@ -8,12 +8,14 @@ tokens, so three 28-token prompts cannot all stay on the device and their pages 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 import pdserve
 from pdserve.config import ServerArgs
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import Req, SamplingParams
 from pdserve.mem.hicache_storage import StorageLeg
 from pdserve.mem.hiradix_cache import HiRadixCache
 from pdserve.mem.host_pool import CopyOp, HostKVPool
@@ -208,6 +210,57 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
         _balanced(restarted)
 
 
+def _rank_files(root, tp_rank: int) -> set:
+    """Every stored page object of one TP rank's shard of the file tier (not a write in flight)."""
+    return {f for f in (root / f"tp{tp_rank}-of-2").rglob("*") if f.is_file() and not f.name.startswith(".")}
+
+
+def _wait_stored(root, num_files: int) -> None:
+    """Until both ranks' storage threads have written ``num_files`` page objects each."""
+    deadline = time.monotonic() + 30
+    while any(len(_rank_files(root, r)) < num_files for r in (0, 1)):
+        assert time.monotonic() < deadline, f"storage never reached {num_files} objects per rank"
+        time.sleep(0.01)
+
+
+def test_tp2_ranks_load_the_minimum_hit_and_match_one_rank(reference, tmp_path):
+    """TP=2 with every tier: each rank's storage shard holds what it holds; the ranks agree on
+    the shortest hit, load that much, recompute the rest, and give the one-rank plain engine's
+    tokens, never a hang. Storage keys chain over the whole prefix, so the files a request adds
+    are the chunks it completed: deleting rank 1's newest ones leaves it a shorter hit."""
+    kw = dict(KW, enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8, tp_size=2)
+    prompt, want = PROMPTS[0], reference["tiny-llama"][0]
+
+    def run(ids: list[int]) -> dict:
+        assert engine.flush_cache()  # device and host emptied: hits can only come from storage
+        return engine.generate(input_ids=ids, sampling_params=GREEDY)
+
+    with pdserve.Engine(model_path="tiny-llama", **kw) as engine:
+        run(prompt[:9])  # 12 tokens cached: chunk 0 stored on both ranks
+        _wait_stored(tmp_path, 1)
+        chunk0 = _rank_files(tmp_path, 1)
+        out = run(prompt)  # both ranks hold chunk 0: an 8-token hit; chunks 1 and 2 stored
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens_by_tier"] == {"device": 0, "host": 0, "storage": 8}
+        _wait_stored(tmp_path, 3)
+        for f in _rank_files(tmp_path, 1) - chunk0:  # rank 1 loses chunks 1 and 2, rank 0 keeps all three
+            f.unlink()
+        out = run(prompt)
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens_by_tier"] == {"device": 0, "host": 0, "storage": 8}
+        for f in _rank_files(tmp_path, 1):  # rank 1 holds nothing: nobody loads
+            f.unlink(missing_ok=True)
+        out = run(prompt)
+        assert out["output_ids"] == want and out["meta_info"]["cached_tokens"] == 0
+        # Pages cycling device -> host (-> storage) on both ranks.
+        outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS + PROMPTS]
+        assert [o["output_ids"] for o in outs] == reference["tiny-llama"] * 2
+        assert outs[3]["meta_info"]["cached_tokens"] == 24 and outs[3]["meta_info"]["cached_tokens_by_tier"]["host"]
+        for m in engine.scheduler.check_memory().ranks:  # raises if any rank's books are off
+            assert not m.has_work and m.free_pages + m.cached_pages == m.total_pages, m
+
+
 @pytest.mark.parametrize("field, value, words", [
     ("hicache_storage_chunk_tokens", 6, "--hicache-storage-chunk-tokens): must be a multiple of the page size (4)"),
     ("hicache_ratio", 0.0, "--hicache-ratio): must be > 0"),
@@ -219,7 +272,7 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
     ("hicache_storage_backend_extra_config", "{bad", "--hicache-storage-backend-extra-config): not valid JSON"),
     ("hicache_storage_backend_extra_config", "[1]", "--hicache-storage-backend-extra-config): must be a JSON obj"),
     ("disable_radix_cache", True, "--enable-hierarchical-cache): needs the radix cache"),
-    ("tp_size", 2, "--enable-hierarchical-cache): runs on single-rank servers for now"),
+    ("dp_size", 2, "--enable-hierarchical-cache): runs with one attention group for now (dp_size 1"),
 ])
 def test_flag_errors_name_the_flag(field, value, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -287,6 +340,38 @@ def _tiers(policy: str, device_pages: int = 8, host_pages: int = 8) -> HiRadixCa
 
     dev = GQAKVPool(device_pages, 2, 1, 1, 4, torch.float32)
     return HiRadixCache(PageAllocator(device_pages), 2, HostKVPool(dev, host_pages), policy)
+
+
+def test_prepare_loads_what_every_rank_holds_waits_while_one_is_busy_and_refuses_diverged_devices():
+    """One rank's arbitration, its peer's row ([device pages, host/storage pages, busy]) given."""
+    from pdserve.config import HiCacheConfig
+    from pdserve.mem.cache_manager import HitDivergedError, KVCacheManager
+
+    kv = KVCacheManager(8, 2, 4, 64, hicache=HiCacheConfig(enabled=True), pool=GQAKVPool(8, 2, 1, 1, 4, torch.float32))
+    peer = [0, 0, 0]
+    kv.agree_hits_with(lambda row: [row, peer])
+    tokens = list(range(3, 15))  # 6 pages of 2
+
+    def new(rid: str) -> Req:
+        return Req(rid, list(tokens), SamplingParams(max_new_tokens=4), uid=("first", "second", "third").index(rid))
+
+    first = new("first")
+    assert kv.prepare(first, tokens) and kv.admit(first, tokens) and kv.grow(first, len(tokens))
+    first.kv_len = len(tokens)
+    kv.release(first, len(tokens))
+    assert kv.cache.evict(6) == 6  # every page now only in host memory
+    second = new("second")
+    peer[:] = [0, 6, 1]  # the peer is still loading these pages for another request: wait, load nothing
+    assert not kv.prepare(second, tokens) and kv.hicache is not None and kv.hicache.num_loading_pages == 0
+    peer[:] = [0, 2, 0]  # the peer holds 2 of the 6 pages below the device
+    assert kv.prepare(second, tokens) and kv.admit(second, tokens)
+    assert second.cached_len == 4 and second.cached_by_tier == {"device": 0, "host": 4, "storage": 0}
+    third = new("third")
+    peer[:] = [3, 0, 0]  # the peer's device holds a page ours does not: diverged, never a different batch
+    with pytest.raises(HitDivergedError, match="third: ranks hold different device prefixes"):
+        kv.prepare(third, tokens)
+    kv.drop(second)
+    kv.check([])
 
 
 @pytest.mark.parametrize("policy, copies_after_insert, copies_after_two_hits",

@@ -17,6 +17,9 @@ decisions are replayed, not sent. Each loop iteration:
    equal its attention group leader's, so a rank that diverged fails loudly instead of
    deadlocking). A rank without a forward agrees with 0 tokens and, under DP attention,
    runs an idle forward so the shared layers' collectives line up.
+   With the hierarchical cache, ranks also agree on each waiting request's cache hit before
+   any of them loads it from host memory or storage (``agree_hits``): every rank loads the
+   minimum over ranks and computes the rest.
 3. **Sampling**: the attention group's leader samples and broadcasts the tokens
    (``BroadcastSampler``); floating-point equality across ranks is never trusted.
 4. **Outputs**: only each attention group's leader sends its outputs to the frontend;
@@ -33,6 +36,7 @@ import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,6 +61,9 @@ from pdserve.engine.model_runner import ModelRunner, ScheduledBatch, build_model
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp, RankMemory
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from pdserve.mem.cache_manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -423,6 +430,21 @@ class RankSchedulerLoop:
 
 
 # ----------------------------------------------------------------- builder
+def agree_hits(kv_manager: KVCacheManager, control: ControlPlane) -> None:
+    """Ranks agree on each request's cache hit before any of them loads from host memory or
+    storage (``KVCacheManager.prepare``): each rank's lower tiers hold what they hold, and a rank
+    that admitted a longer prefix than the others would run a different batch. The round spans
+    every rank, so it needs one attention group (config refuses the cache with dp_size > 1)."""
+    if control.layout.dp_size > 1 and kv_manager.hicache is not None:
+        raise ValueError("enable_hierarchical_cache: ranks agree on hit lengths within one attention group; "
+                         f"got dp_size {control.layout.dp_size}")
+
+    def gather(row: list[int]) -> list[list[int]]:
+        return control.all_gather_row(torch.tensor(row, dtype=torch.int64)).tolist()
+
+    kv_manager.agree_hits_with(gather)
+
+
 def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, device: str = "cpu",
                          make_mode: Callable | None = None, **scheduler_kwargs):
     """This rank's Scheduler: a RankModelRunner over its split of the model and KV pool, and a
@@ -439,6 +461,8 @@ def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, devi
     if make_mode is not None:
         scheduler_kwargs["mode"] = make_mode(runner)
     scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner, **scheduler_kwargs)
+    if lay.world_size > 1:
+        agree_hits(scheduler.kv_manager, control)
     # Attention groups other than the first draw other random streams for unseeded sampling.
     inner = Sampler(sched.random_seed + lay.dp_rank)
     scheduler.sampler = BroadcastSampler(inner, groups.attn_tp, lay.dp_leader_rank(), lay.is_dp_leader)

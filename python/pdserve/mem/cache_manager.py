@@ -7,7 +7,8 @@ the allocator, the request -> slot table or the radix cache's locks directly, so
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.mem.allocator import PageAllocator
@@ -27,6 +28,13 @@ if TYPE_CHECKING:
 
 TIERS = ("device", "host", "storage")
 DEFAULT_STORAGE_GB = 4.0  # --hicache-storage-size-gb 0
+
+# Every rank's row of ints, in rank order (a collective: every rank of the group calls it alike).
+AgreeFn = Callable[[list[int]], list[list[int]]]
+
+
+class HitDivergedError(RuntimeError):
+    """Ranks in lock step found different device prefixes for one request: their states diverged."""
 
 
 class KVCacheManager:
@@ -54,6 +62,11 @@ class KVCacheManager:
     ``admit``: it loads that continuation back into fresh device pages and answers False until
     the copy has landed. ``forget(req)`` gives up a waiting request's load (abort).
 
+    With several scheduler ranks (``agree_hits_with``) each rank's host pool and storage shard
+    hold what they hold, so ``prepare`` first gathers every rank's hit (device pages, pages
+    continuing them in host memory or storage) and every rank loads up to the minimum: all of
+    them admit the request with the same cached prefix and compute the rest (docs/hicache.md).
+
     ``check(live)``: ``free + cached + own pages of live requests + quarantined + loading ==
     total``, the same over host pages (``free + cached + in flight == total``), and every row
     held by a live request; a leak or double count raises.
@@ -69,6 +82,7 @@ class KVCacheManager:
         self.table = ReqToTokenTable(max_reqs, max_context_len, page_size)
         self._quarantined: set[int] = set()
         self._loads: dict[int | None, LoadHandle] = {}  # Req.uid -> the load-back it waits for
+        self._agree: AgreeFn | None = None  # None: one rank, its hits need no agreement
         self.num_evicted_pages = 0
         self.hit_tokens = dict.fromkeys(TIERS, 0)
 
@@ -91,10 +105,26 @@ class KVCacheManager:
             raise ValueError("hicache_storage_backend: the storage tier needs the KV compatibility record")
         assert hicache.storage_backend is not None
         ns = namespace(compat)
-        store = create_page_store(hicache.storage_backend, directory=hicache.storage_dir,
+        store = create_page_store(hicache.storage_backend, directory=self._rank_dir(hicache.storage_dir, compat),
                                   size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
                                   extra_config=hicache.extra_config())
         return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size)
+
+    @staticmethod
+    def _rank_dir(directory: str | None, compat: Mapping[str, object]) -> str | None:
+        """Each TP rank's shard of the file tier in its own folder (a folder has one owner)."""
+        tp_size, tp_rank = compat.get("tp_size", 1), compat.get("tp_rank", 0)
+        if not directory or tp_size == 1:
+            return directory
+        return os.path.join(directory, f"tp{tp_rank}-of-{tp_size}")
+
+    def agree_hits_with(self, agree: AgreeFn) -> None:
+        """This manager is one rank of several in lock step (one attention group): ``prepare``
+        agrees on hit lengths through ``agree``, and copies between tiers complete at the same
+        loop point on every rank, so their device trees stay identical."""
+        self._agree = agree
+        if self.hicache is not None:
+            self.hicache.sync_copies = True
 
     @property
     def hicache(self) -> HiRadixCache | None:
@@ -137,24 +167,44 @@ class KVCacheManager:
     # -------------------------------------------------------------- load-back
     def prepare(self, req: Req, tokens: Sequence[int]) -> bool:
         """Before ``admit``: True when ``req`` may be admitted now. When the cached prefix of
-        ``tokens`` continues in host memory, loads it into fresh device pages and answers False
-        until the copy has landed (no layer may read KV that has not arrived)."""
+        ``tokens`` continues in host memory (or storage), loads it into fresh device pages and
+        answers False until the copy has landed (no layer may read KV that has not arrived).
+        With several ranks, every rank loads only as far as every rank can (``_agreed_hit``)."""
         hi = self.hicache
         if hi is None:
             return True
         hi.poll()
         handle = self._loads.get(req.uid)
         if handle is not None:
-            return handle.finished
+            return handle.finished  # the same on every rank: their copies complete in lock step
         match = hi.match_tiers(tokens)
-        if match.busy:
-            return False  # another request is loading the same pages: wait for them
-        from_storage = hi.fetch_from_storage(tokens, match)
-        if from_storage:
-            match = hi.match_tiers(tokens)
-        if not match.host:
+        from_storage = 0
+        if not match.busy:
+            from_storage = hi.fetch_from_storage(tokens, match)
+            if from_storage:
+                match = hi.match_tiers(tokens)
+        device, host = len(match.device.pages), len(match.host)
+        agreed = self._agreed_hit(req, device, host, match.busy)
+        if agreed is None:
+            return False  # another request is loading the same pages (on some rank): wait for them
+        take = agreed - device
+        if take <= 0:
             return True
-        return self._start_load(req, hi, match.host, min(from_storage, len(match.host)))
+        # Storage pages continue the host ones: those of the first ``take`` that came from storage.
+        return self._start_load(req, hi, match.host[:take], max(0, take - (host - from_storage)))
+
+    def _agreed_hit(self, req: Req, device: int, host: int, busy: bool) -> int | None:
+        """Pages of ``req``'s prefix every rank holds (device, then host/storage), None while any
+        rank must wait for a load in flight. One rank: its own."""
+        if self._agree is None:
+            return None if busy else device + host
+        rows = self._agree([device, host, int(busy)])
+        if any(b for _, _, b in rows):
+            return None
+        if len({d for d, _, _ in rows}) != 1:
+            raise HitDivergedError(f"{req.rid}: ranks hold different device prefixes "
+                                   f"{[d for d, _, _ in rows]} pages: their KV caches diverged")
+        return min(d + h for d, h, _ in rows)
 
     def _start_load(self, req: Req, hi: HiRadixCache, nodes: list[RadixNode], from_storage: int) -> bool:
         hi.lock(nodes[-1])  # before reserving: the eviction it may cause must spare this path

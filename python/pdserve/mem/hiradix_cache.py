@@ -14,6 +14,9 @@ Copies and the invariants they keep:
   lock keeps their host pages from being evicted while the copy reads them.
 
 ``poll`` completes finished copies. On CPU every copy is synchronous and completes at once.
+With ``sync_copies`` (several scheduler ranks) ``poll`` waits for every copy in flight first, so
+a copy completes at the same point of the loop on every rank, never when one rank's side stream
+happens to finish: ranks in lock step must keep identical device trees (evictability, locks).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class HiRadixCache(RadixCache):
         self._backups: list[_Backup] = []
         self._loads: list[LoadHandle] = []
         self.counters = TierCounters()
+        self.sync_copies = False
 
     # ---------------------------------------------------------------- queries
     @property
@@ -161,7 +165,10 @@ class HiRadixCache(RadixCache):
         return handle
 
     def poll(self) -> None:
-        """Complete every copy that has landed."""
+        """Complete every copy that has landed (with ``sync_copies``: every copy, waited for)."""
+        if self.sync_copies:
+            for op in [b.op for b in self._backups] + [h.op for h in self._loads]:
+                op.wait()
         for b in [b for b in self._backups if b.op.done()]:
             self._backups.remove(b)
             self._finish_backup(b)
@@ -256,9 +263,13 @@ class HiRadixCache(RadixCache):
 
     def _finish_load(self, h: LoadHandle) -> None:
         dup, landed = [], []
+        # Just used, whatever its host history (a storage fetch, a demotion): ranks whose host
+        # tiers differ still order their device pages alike for eviction.
+        now = self._tick()
         for n, dp in zip(h.nodes, h.device_pages):
             n.busy = False
             if n.page is None:
+                n.last_access = now
                 self._set_device_page(n, dp)
                 landed.append(n)
             else:  # recomputed and inserted meanwhile: the loaded copy is redundant
