@@ -179,7 +179,8 @@ def test_request_waits_for_its_load_and_abort_while_loading_gives_everything_bac
 
 def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference, tmp_path):
     kw = dict(KW, enable_hierarchical_cache=True, hicache_ratio=0.5, hicache_storage_backend="file",
-              hicache_storage_dir=str(tmp_path), hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8)
+              hicache_storage_dir=str(tmp_path), hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8,
+              hicache_storage_prefetch_policy="wait_complete")
     with pdserve.Engine(model_path="tiny-llama", **kw) as engine:
         first = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
         for p in PROMPTS[1:] + _prompts(2, seed=30):  # off the device, then off the 8-page host pool

@@ -82,7 +82,7 @@ class KVCacheManager:
                           hicache.mem_layout)
         storage = self._make_storage(hicache, compat) if hicache.storage_backend else None
         return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, on_evict=self._evicted,
-                            storage=storage)
+                            storage=storage, prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s())
 
     def _make_storage(self, hicache: HiCacheConfig, compat: Mapping[str, object] | None) -> StorageLeg:
         from pdserve.mem.storage import create_page_store, namespace
@@ -93,8 +93,9 @@ class KVCacheManager:
         ns = namespace(compat)
         store = create_page_store(hicache.storage_backend, directory=hicache.storage_dir,
                                   size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
-                                  extra_config=hicache.extra_config())
-        return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size)
+                                  extra_config=hicache.store_extra_config())
+        return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size,
+                          policy=hicache.prefetch_policy())
 
     @property
     def hicache(self) -> HiRadixCache | None:
@@ -149,11 +150,16 @@ class KVCacheManager:
         match = hi.match_tiers(tokens)
         if match.busy:
             return False  # another request is loading the same pages: wait for them
-        from_storage = hi.fetch_from_storage(tokens, match)
+        from_storage = hi.prefetch(req.uid, tokens, match)
+        if from_storage is None:
+            return False  # its storage read runs on the storage thread; the prefetch policy says wait
         if from_storage:
             match = hi.match_tiers(tokens)
         if not match.host:
             return True
+        if not from_storage and not hi.costs.worth_loading("host", len(match.host) * self.page_size):
+            hi.counters.host_loads_skipped += 1
+            return True  # recomputing this short a hit is faster than copying it up
         return self._start_load(req, hi, match.host, min(from_storage, len(match.host)))
 
     def _start_load(self, req: Req, hi: HiRadixCache, nodes: list[RadixNode], from_storage: int) -> bool:
@@ -172,6 +178,8 @@ class KVCacheManager:
         in flight is waited for, so its pages land in the cache instead of leaking."""
         handle = self._loads.pop(req.uid, None)
         hi = self.hicache
+        if hi is not None:
+            hi.cancel_prefetch(req.uid)
         if handle is None or hi is None:
             return
         if not handle.finished:
@@ -323,15 +331,18 @@ class KVCacheManager:
         for tier, n in by_tier.items():
             self.hit_tokens[tier] += n
 
-    def stats(self) -> dict[str, int]:
-        out = {f"cache_hit_tokens_{t}": n for t, n in self.hit_tokens.items()}
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {f"cache_hit_tokens_{t}": n for t, n in self.hit_tokens.items()}
         hi = self.hicache
         if hi is not None:
             c = hi.counters
             out.update(host_total_pages=hi.host.num_pages, host_cached_pages=hi.num_host_cached_pages,
                        host_free_pages=hi.host.allocator.num_free, host_load_bytes=c.host_load_bytes,
                        host_backup_bytes=c.host_backup_bytes, host_evicted_pages=c.host_evicted_pages,
-                       device_demoted_pages=c.device_demoted_pages, storage_hit_pages=c.storage_hit_pages)
+                       device_demoted_pages=c.device_demoted_pages, storage_hit_pages=c.storage_hit_pages,
+                       host_loads_skipped=c.host_loads_skipped, storage_prefetch_skipped=c.storage_prefetch_skipped,
+                       storage_prefetching=hi.num_prefetching)
+            out.update(hi.costs.info())
             if hi.storage is not None:
                 out.update(hi.storage.stats())
         return out
