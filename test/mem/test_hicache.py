@@ -219,6 +219,8 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
     ("hicache_storage_prefetch_policy", "never", "--hicache-storage-prefetch-policy): 'never' is not one of"),
     ("hicache_storage_backend_extra_config", "{bad", "--hicache-storage-backend-extra-config): not valid JSON"),
     ("hicache_storage_backend_extra_config", "[1]", "--hicache-storage-backend-extra-config): must be a JSON obj"),
+    ("hicache_storage_backend_extra_config", '{"prefetch_timeout_base": 0}',
+     "extra-config): prefetch_timeout_base must be a number > 0, got 0"),
     ("disable_radix_cache", True, "--enable-hierarchical-cache): needs the radix cache"),
     ("tp_size", 2, "--enable-hierarchical-cache): runs on single-rank servers for now"),
 ])
