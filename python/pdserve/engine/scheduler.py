@@ -176,6 +176,15 @@ class Scheduler:
             self.waiting.insert(0, req)
         else:
             self.waiting.append(req)
+        self._start_prefetch(req)
+
+    def _start_prefetch(self, req: Req) -> None:
+        """Start reading ``req``'s stored prefix now (on the storage thread), so it lands while
+        the request queues; admission (``prepare``) takes what the prefetch policy allows."""
+        hi = self.kv_manager.hicache
+        if hi is not None and hi.storage is not None:
+            tokens = self._matchable(req)
+            hi.start_prefetch(req.uid, tokens, hi.match_tiers(tokens))
 
     def activate(self, req: Req) -> None:
         """``req``'s KV for ``fill_ids[:-1]`` is in its pages: it joins the decode batch."""

@@ -267,20 +267,16 @@ class HiRadixCache(RadixCache):
         return [n for n in reversed(self._path_to_root(node)) if n is not self._root]
 
     def prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch) -> int | None:
-        """Storage pages continuing ``match`` for ``owner`` (a waiting request). The first call
-        starts the read on the storage thread and answers None (wait at least until the next
-        scheduling pass); later calls answer None while the prefetch policy says wait, then add
-        the chunks that landed as host-only nodes and answer how many pages they hold."""
+        """Storage pages continuing ``match`` for ``owner`` (a waiting request). Starts the read
+        on the storage thread if ``start_prefetch`` did not (then answers None: wait at least
+        until the next scheduling pass); answers None while the prefetch policy says wait, then
+        adds the chunks that landed as host-only nodes and answers how many pages they hold."""
         if self.storage is None or match.busy:
             return 0
         tokens = _token_list(token_ids)
         pf = self._prefetches.get(owner)
         if pf is None:
-            pf = self._start_prefetch(tokens, match)
-            if pf is None:
-                return 0
-            self._prefetches[owner] = pf
-            return None
+            return None if self.start_prefetch(owner, tokens, match) else 0
         done = pf.done.is_set()
         if not prefetch_can_stop(self.storage.policy, done, time.monotonic() - pf.started,
                                  len(pf.keys) * self.storage.chunk_tokens):
@@ -290,6 +286,18 @@ class HiRadixCache(RadixCache):
         if not done:
             self.storage.count_stopped_early()
         return self._take_prefetch(tokens, pf)
+
+    def start_prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch) -> bool:
+        """Start ``owner``'s storage read (when it arrives) unless one runs; False when there is
+        nothing worth reading after ``match``."""
+        if owner in self._prefetches:
+            return True
+        if self.storage is None or match.busy:
+            return False
+        pf = self._start_prefetch(_token_list(token_ids), match)
+        if pf is not None:
+            self._prefetches[owner] = pf
+        return pf is not None
 
     def cancel_prefetch(self, owner: object) -> None:
         """``owner`` stops waiting (aborted): its read stops; nothing of it entered the cache."""
