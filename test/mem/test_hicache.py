@@ -319,7 +319,8 @@ def test_metrics_render_per_tier_counters(engines):
     metrics.set_scheduler_stats(engine.get_server_info())
     text = metrics.render().decode()
     for line in ('pdserve:cache_hit_tokens_total{model_name="m",tier="host"}', "pdserve:hicache_host_load_bytes_total",
-                 "pdserve:hicache_host_total_pages"):
+                 "pdserve:hicache_host_total_pages", "pdserve:hicache_host_load_bandwidth",
+                 "pdserve:hicache_host_loads_skipped_total"):
         assert line in text
 
 
