@@ -10,9 +10,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.assets import PRESET_NAMES, preset_dir
+
+if TYPE_CHECKING:
+    from pdserve.mem.hicache_storage import PrefetchPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
@@ -24,6 +27,8 @@ HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selectiv
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# Extra config keys the engine reads itself (SGLang's names for the first two); never passed to a store.
+HICACHE_ENGINE_EXTRA_KEYS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefill_tokens_per_s")
 # Storage objects smaller than this cost more in per-object overhead than they save.
 HICACHE_MIN_CHUNK_TOKENS = 64
 
@@ -243,7 +248,8 @@ class HiCacheConfig:
         if self.storage_chunk_tokens < 0:
             raise _flag_error("hicache_storage_chunk_tokens", f"must be >= 0 (0: automatic), got "
                               f"{self.storage_chunk_tokens}")
-        self.extra_config()
+        self.prefetch_policy()
+        self.pinned_prefill_tokens_per_s()
 
     @staticmethod
     def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -262,6 +268,31 @@ class HiCacheConfig:
             raise _flag_error("hicache_storage_backend_extra_config",
                               f"must be a JSON object, got {type(value).__name__}")
         return value
+
+    def store_extra_config(self) -> dict[str, Any]:
+        """The extra config minus the engine's own keys (the prefetch timeout, the prefill-speed
+        pin), which no storage backend takes."""
+        return {k: v for k, v in self.extra_config().items() if k not in HICACHE_ENGINE_EXTRA_KEYS}
+
+    def prefetch_policy(self) -> PrefetchPolicy:
+        from pdserve.mem.hicache_storage import PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S, PrefetchPolicy
+
+        extra = self.extra_config()
+        return PrefetchPolicy(self.storage_prefetch_policy,
+                              self._positive(extra, "prefetch_timeout_base", PREFETCH_TIMEOUT_BASE_S),
+                              self._positive(extra, "prefetch_timeout_per_ki_token", PREFETCH_TIMEOUT_PER_KI_TOKEN_S))
+
+    def pinned_prefill_tokens_per_s(self) -> float | None:
+        extra = self.extra_config()
+        return self._positive(extra, "prefill_tokens_per_s", None) if "prefill_tokens_per_s" in extra else None
+
+    @staticmethod
+    def _positive(extra: dict[str, Any], key: str, default: float | None) -> float:
+        """``extra[key]`` (or ``default``) as a number > 0, else an error naming the flag and key."""
+        value = extra.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise _flag_error("hicache_storage_backend_extra_config", f"{key} must be a number > 0, got {value!r}")
+        return float(value)
 
     def check_page_size(self, page_size: int) -> None:
         if self.storage_chunk_tokens and self.storage_chunk_tokens % page_size:

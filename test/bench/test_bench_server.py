@@ -275,6 +275,10 @@ def test_multi_turn_rounds_extend_on_the_server(server, tmp_path, proxy):
     assert r["completed"] == 6
     assert sorted(r["details"]["input_lens"]) == [24, 24, 53, 53, 82, 82]  # + 5 answer + 24 question per round
     assert {t: g["completed"] for t, g in r["groups"].items()} == {"turn1": 2, "later_turns": 4}
+    rounds = r["rounds"]  # per round: TTFT and the share of prompt tokens each cache tier served
+    assert {k: g["completed"] for k, g in rounds.items()} == {"1": 2, "2": 2, "3": 2}
+    assert set(rounds["2"]["tier_hit_rate"]) == {"device", "host", "storage"}
+    assert rounds["2"]["tier_hit_rate"]["device"] == rounds["2"]["cached_rate"]  # no hierarchical cache here
     ids = [b["input_ids"] for m, _, b in rec.seen if m == "POST"]
     for longer in (x for x in ids if len(x) > 24):
         shorter = [x for x in ids if len(x) == len(longer) - 29 and longer[:len(x)] == x]

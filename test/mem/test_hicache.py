@@ -181,7 +181,8 @@ def test_request_waits_for_its_load_and_abort_while_loading_gives_everything_bac
 
 def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference, tmp_path):
     kw = dict(KW, enable_hierarchical_cache=True, hicache_ratio=0.5, hicache_storage_backend="file",
-              hicache_storage_dir=str(tmp_path), hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8)
+              hicache_storage_dir=str(tmp_path), hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8,
+              hicache_storage_prefetch_policy="wait_complete")
     with pdserve.Engine(model_path="tiny-llama", **kw) as engine:
         first = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
         for p in PROMPTS[1:] + _prompts(2, seed=30):  # off the device, then off the 8-page host pool
@@ -271,6 +272,8 @@ def test_tp2_ranks_load_the_minimum_hit_and_match_one_rank(reference, tmp_path):
     ("hicache_storage_prefetch_policy", "never", "--hicache-storage-prefetch-policy): 'never' is not one of"),
     ("hicache_storage_backend_extra_config", "{bad", "--hicache-storage-backend-extra-config): not valid JSON"),
     ("hicache_storage_backend_extra_config", "[1]", "--hicache-storage-backend-extra-config): must be a JSON obj"),
+    ("hicache_storage_backend_extra_config", '{"prefetch_timeout_base": 0}',
+     "extra-config): prefetch_timeout_base must be a number > 0, got 0"),
     ("disable_radix_cache", True, "--enable-hierarchical-cache): needs the radix cache"),
     ("dp_size", 2, "--enable-hierarchical-cache): runs with one attention group for now (dp_size 1"),
 ])
@@ -401,7 +404,8 @@ def test_metrics_render_per_tier_counters(engines):
     metrics.set_scheduler_stats(engine.get_server_info())
     text = metrics.render().decode()
     for line in ('pdserve:cache_hit_tokens_total{model_name="m",tier="host"}', "pdserve:hicache_host_load_bytes_total",
-                 "pdserve:hicache_host_total_pages"):
+                 "pdserve:hicache_host_total_pages", "pdserve:hicache_host_load_bandwidth",
+                 "pdserve:hicache_host_loads_skipped_total"):
         assert line in text
 
 

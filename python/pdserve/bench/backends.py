@@ -54,6 +54,8 @@ class RequestOutput:
     timeline: dict | None = None  # the server's per-stage durations (seconds), when it sends them
     tag: str = ""
     cached_tokens: int | None = None  # prompt tokens the server reused from its prefix cache, when it says
+    cached_by_tier: dict[str, int] | None = None  # the same split by tier (device/host/storage), when it says
+    round: int = 0  # multi-turn: the request's round (1-based)
     # raw event clock, for other ITL definitions: offsets from start of output-carrying events and their
     # token counts (None where the stream does not say)
     event_times: list[float] = field(default_factory=list)
@@ -128,6 +130,9 @@ class NativeParser(StreamParser):
             self.out.prompt_len = meta["prompt_tokens"]
         if isinstance(meta.get("cached_tokens"), int):
             self.out.cached_tokens = meta["cached_tokens"]
+        tiers = meta.get("cached_tokens_by_tier")
+        if isinstance(tiers, dict):
+            self.out.cached_by_tier = {k: v for k, v in tiers.items() if isinstance(v, int)}
         if isinstance(meta.get("timeline"), dict):
             self.out.timeline = meta["timeline"]
 
@@ -168,7 +173,7 @@ def make_parser(backend: str, out: RequestOutput) -> StreamParser:
 # --------------------------------------------------------------------- send
 async def send(session: aiohttp.ClientSession, ep: EndpointConfig, req: BenchRequest, model: str) -> RequestOutput:
     """Stream ``req`` and time it; never raises (a failure is ``success=False`` with ``error``)."""
-    out = RequestOutput(prompt_len=req.prompt_len, tag=req.tag)
+    out = RequestOutput(prompt_len=req.prompt_len, tag=req.tag, round=req.round)
     parser = make_parser(ep.backend, out)
     body = request_body(ep, req, model)
     out.start = time.perf_counter()

@@ -47,6 +47,7 @@ class BenchRequest:
     output_len: int
     messages: tuple[dict, ...] | None = None  # chat history (multi-turn); None: one user message
     tag: str = ""  # the stream a request belongs to (mixed: "interactive" / "background")
+    round: int = 0  # multi-turn: which round of its conversation (1-based); 0 elsewhere
 
     def __post_init__(self):
         assert self.prompt_len >= 1 and self.output_len >= 1, (self.prompt_len, self.output_len)
@@ -173,7 +174,7 @@ class MultiTurn(Conversation):
 
     def first(self) -> BenchRequest:
         req = self.maker.request(self.questions[0], self.output_len, tag="turn1")
-        return replace(req, messages=({"role": "user", "content": self.questions[0]},))
+        return replace(req, messages=({"role": "user", "content": self.questions[0]},), round=1)
 
     def next(self, request: BenchRequest, text: str, output_ids: list[int] | None) -> BenchRequest | None:
         self.round += 1
@@ -191,7 +192,7 @@ class MultiTurn(Conversation):
         else:
             ids = tuple(self.maker.encode(prompt))
         # later turns are where a prefix cache (and cache-aware routing) shows: reported apart
-        return BenchRequest(prompt, ids, len(ids), self.output_len, messages, "later_turns")
+        return BenchRequest(prompt, ids, len(ids), self.output_len, messages, "later_turns", self.round + 1)
 
 
 @dataclass

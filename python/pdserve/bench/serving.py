@@ -162,6 +162,7 @@ def build_result(cfg: BenchConfig, dataset: str, model: str, tokenizer: str, out
     result.update(summarize(outputs, duration, rep.metric_percentiles, rep.slo))
     result["server_timeline"] = timeline_summary(outputs)
     result["groups"] = _groups(outputs, duration, rep) if dataset in ("mixed", "multi-turn") else None
+    result["rounds"] = rounds_summary(outputs) if dataset == "multi-turn" else None
     result["args"] = cfg.to_dict()
     result["details"] = details(outputs, rep.output_details)
     return result
@@ -171,6 +172,23 @@ def _groups(outputs: list[RequestOutput], duration: float, rep) -> dict:
     tags = sorted({o.tag for o in outputs})
     return {t: summarize([o for o in outputs if o.tag == t], duration, rep.metric_percentiles, rep.slo)
             for t in tags}
+
+
+def rounds_summary(outputs: list[RequestOutput]) -> dict[str, dict]:
+    """Per multi-turn round: TTFT and the share of prompt tokens each cache tier served (None
+    where the server reports no split by tier)."""
+    out: dict[str, dict] = {}
+    for r in sorted({o.round for o in outputs if o.round}):
+        ok = [o for o in outputs if o.round == r and o.success]
+        ttft = [o.ttft * 1e3 for o in ok]
+        prompt = sum(o.prompt_len for o in ok) or 1
+        split = [o.cached_by_tier for o in ok if o.cached_by_tier is not None]
+        tiers = sorted({t for s in split for t in s})
+        out[str(r)] = {"completed": len(ok), "mean_ttft_ms": float(np.mean(ttft)) if ttft else float("nan"),
+                       "median_ttft_ms": float(np.median(ttft)) if ttft else float("nan"),
+                       "cached_rate": sum(o.cached_tokens or 0 for o in ok) / prompt,
+                       "tier_hit_rate": {t: sum(s.get(t, 0) for s in split) / prompt for t in tiers} if split else None}
+    return out
 
 
 def details(outputs: list[RequestOutput], keep_text: bool = False) -> dict:
@@ -234,8 +252,20 @@ def format_table(r: dict) -> str:
         lines += [f"{'[' + tag + '] ' + str(g['completed']) + ' requests':-^50}",
                   *_rows([("Mean / P99 TTFT (ms):", f"{g['mean_ttft_ms']:.2f} / {_p99(g, 'ttft'):.2f}"),
                           ("Mean / P99 ITL (ms):", f"{g['mean_itl_ms']:.2f} / {_p99(g, 'itl'):.2f}")])]
+    lines += _round_lines(r.get("rounds"))
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def _round_lines(rounds: dict | None) -> list[str]:
+    if not rounds:
+        return []
+    lines = [f"{' Per round ':-^50}", f"{'round':<6}{'n':>4}{'TTFT mean/med ms':>20}  hit rate by tier"]
+    for r, g in rounds.items():
+        tiers = g["tier_hit_rate"]
+        split = " ".join(f"{t}={v:.2f}" for t, v in tiers.items()) if tiers else f"all={g['cached_rate']:.2f}"
+        lines.append(f"{r:<6}{g['completed']:>4}{g['mean_ttft_ms']:>10.1f}/{g['median_ttft_ms']:<9.1f}  {split}")
+    return lines
 
 
 def _p99(m: dict, name: str) -> float:

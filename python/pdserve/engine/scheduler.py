@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -175,6 +176,15 @@ class Scheduler:
             self.waiting.insert(0, req)
         else:
             self.waiting.append(req)
+        self._start_prefetch(req)
+
+    def _start_prefetch(self, req: Req) -> None:
+        """Start reading ``req``'s stored prefix now (on the storage thread), so it lands while
+        the request queues; admission (``prepare``) takes what the prefetch policy allows."""
+        hi = self.kv_manager.hicache
+        if hi is not None and hi.storage is not None:
+            tokens = self._matchable(req)
+            hi.start_prefetch(req.uid, tokens, hi.match_tiers(tokens))
 
     def activate(self, req: Req) -> None:
         """``req``'s KV for ``fill_ids[:-1]`` is in its pages: it joins the decode batch."""
@@ -294,6 +304,12 @@ class Scheduler:
         return policy.Growth(len(req.fill_ids), pages, req.sampling.max_new_tokens - len(req.output_ids) - 1)
 
     # ------------------------------------------------------------------ runs
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The hierarchical cache compares load time with this (recompute) speed."""
+        hi = self.kv_manager.hicache
+        if hi is not None:
+            hi.costs.observe_prefill(tokens, seconds)
+
     def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
         ids: list[int] = []
         pos: list[int] = []
@@ -308,6 +324,7 @@ class Scheduler:
         plan = PromptLogitPlan.build(reqs, lens)
         batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], lens,
                                [r.table_row for r in reqs], prompt_logit_index=plan.index)
+        t0 = time.perf_counter()
         logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         plan.record(reqs, logits[len(reqs):])
@@ -324,6 +341,8 @@ class Scheduler:
             for req in finished_prefill:
                 self.activate(req)
             self._sample_and_append(finished_prefill, logits[torch.tensor(done)])
+            # Sampling read the tokens back, so the forward has really finished by now.
+            self._observe_prefill(sum(lens), time.perf_counter() - t0)
 
     def _finish_prefill_only(self, reqs: list[Req], done: list[int]) -> list[int]:
         """Finish the requests that asked for no new tokens; the rest of ``done`` samples."""

@@ -96,7 +96,7 @@ class KVCacheManager:
                           hicache.mem_layout)
         storage = self._make_storage(hicache, compat) if hicache.storage_backend else None
         return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, on_evict=self._evicted,
-                            storage=storage)
+                            storage=storage, prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s())
 
     def _make_storage(self, hicache: HiCacheConfig, compat: Mapping[str, object] | None) -> StorageLeg:
         from pdserve.mem.storage import create_page_store, namespace
@@ -107,8 +107,9 @@ class KVCacheManager:
         ns = namespace(compat)
         store = create_page_store(hicache.storage_backend, directory=self._rank_dir(hicache.storage_dir, compat),
                                   size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
-                                  extra_config=hicache.extra_config())
-        return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size)
+                                  extra_config=hicache.store_extra_config())
+        return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size,
+                          policy=hicache.prefetch_policy())
 
     @staticmethod
     def _rank_dir(directory: str | None, compat: Mapping[str, object]) -> str | None:
@@ -178,15 +179,23 @@ class KVCacheManager:
         if handle is not None:
             return handle.finished  # the same on every rank: their copies complete in lock step
         match = hi.match_tiers(tokens)
-        from_storage = 0
+        from_storage: int | None = 0
         if not match.busy:
-            from_storage = hi.fetch_from_storage(tokens, match)
+            # its storage read runs on the storage thread; None: the prefetch policy says wait
+            from_storage = hi.prefetch(req.uid, tokens, match)
             if from_storage:
                 match = hi.match_tiers(tokens)
+        waiting = match.busy or from_storage is None  # busy: another request loads the same pages
+        from_storage = from_storage or 0
         device, host = len(match.device.pages), len(match.host)
-        agreed = self._agreed_hit(req, device, host, match.busy)
+        # A host hit too short to beat recomputation is recomputed (stored chunks, already read, are
+        # always taken). Each rank judges by its own measured costs; the agreement takes the minimum.
+        worth = host == 0 or from_storage > 0 or hi.costs.worth_loading("host", host * self.page_size)
+        if not worth:
+            hi.counters.host_loads_skipped += 1
+        agreed = self._agreed_hit(req, device, host if worth else 0, waiting)
         if agreed is None:
-            return False  # another request is loading the same pages (on some rank): wait for them
+            return False  # a load or storage read in flight (on some rank): wait for it
         take = agreed - device
         if take <= 0:
             return True
@@ -222,6 +231,8 @@ class KVCacheManager:
         in flight is waited for, so its pages land in the cache instead of leaking."""
         handle = self._loads.pop(req.uid, None)
         hi = self.hicache
+        if hi is not None:
+            hi.cancel_prefetch(req.uid)
         if handle is None or hi is None:
             return
         if not handle.finished:
@@ -373,15 +384,18 @@ class KVCacheManager:
         for tier, n in by_tier.items():
             self.hit_tokens[tier] += n
 
-    def stats(self) -> dict[str, int]:
-        out = {f"cache_hit_tokens_{t}": n for t, n in self.hit_tokens.items()}
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {f"cache_hit_tokens_{t}": n for t, n in self.hit_tokens.items()}
         hi = self.hicache
         if hi is not None:
             c = hi.counters
             out.update(host_total_pages=hi.host.num_pages, host_cached_pages=hi.num_host_cached_pages,
                        host_free_pages=hi.host.allocator.num_free, host_load_bytes=c.host_load_bytes,
                        host_backup_bytes=c.host_backup_bytes, host_evicted_pages=c.host_evicted_pages,
-                       device_demoted_pages=c.device_demoted_pages, storage_hit_pages=c.storage_hit_pages)
+                       device_demoted_pages=c.device_demoted_pages, storage_hit_pages=c.storage_hit_pages,
+                       host_loads_skipped=c.host_loads_skipped, storage_prefetch_skipped=c.storage_prefetch_skipped,
+                       storage_prefetching=hi.num_prefetching)
+            out.update(hi.costs.info())
             if hi.storage is not None:
                 out.update(hi.storage.stats())
         return out

@@ -17,21 +17,34 @@ Copies and the invariants they keep:
 With ``sync_copies`` (several scheduler ranks) ``poll`` waits for every copy in flight first, so
 a copy completes at the same point of the loop on every rank, never when one rank's side stream
 happens to finish: ranks in lock step must keep identical device trees (evictability, locks).
+
+Storage reads (``prefetch``) run on the storage thread while the request waits; the chunks
+that landed join the tree (as host-only nodes) only when the request stops waiting, so a
+prefetch given up (``cancel_prefetch``) leaves nothing behind. ``costs`` (measured at start-up)
+decides whether a hit is long enough to be worth loading rather than recomputing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import logging
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.mem.allocator import PageAllocator
-from pdserve.mem.hicache_storage import StorageLeg
+from pdserve.mem.hicache_storage import Prefetch, StorageLeg, prefetch_can_stop
 from pdserve.mem.host_pool import CopyOp, HostKVPool
 from pdserve.mem.radix_cache import MatchResult, RadixCache, RadixNode, _token_list, hash_block
+from pdserve.mem.tier_costs import LegSpeed, TierCosts, measure_copy
+
+logger = logging.getLogger(__name__)
 
 # write_through_selective backs a page up once it has been matched this often.
 SELECTIVE_HIT_THRESHOLD = 2
+PROBE_PAGES = 8  # pages per timed copy when measuring the host leg at start-up
 
 
 @dataclass
@@ -73,6 +86,8 @@ class TierCounters:
     host_evicted_pages: int = 0
     device_demoted_pages: int = 0
     storage_hit_pages: int = 0
+    host_loads_skipped: int = 0  # host hits shorter than the break-even length, recomputed
+    storage_prefetch_skipped: int = 0  # storage reads not started: loading never beats recomputing
 
 
 class HiRadixCache(RadixCache):
@@ -85,7 +100,8 @@ class HiRadixCache(RadixCache):
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
-                 on_evict: Callable[[list[int]], None] | None = None, storage: StorageLeg | None = None):
+                 on_evict: Callable[[list[int]], None] | None = None, storage: StorageLeg | None = None,
+                 prefill_tokens_per_s: float | None = None):
         super().__init__(allocator, page_size, on_evict=on_evict)
         self.host = host
         self.write_policy = write_policy
@@ -93,8 +109,44 @@ class HiRadixCache(RadixCache):
         self._host_owner: dict[int, RadixNode] = {}
         self._backups: list[_Backup] = []
         self._loads: list[LoadHandle] = []
+        self._prefetches: dict[object, Prefetch] = {}
         self.counters = TierCounters()
         self.sync_copies = False
+        self.costs = self._measure_costs(prefill_tokens_per_s)
+
+    # ------------------------------------------------------------ start-up
+    def _measure_costs(self, prefill_tokens_per_s: float | None) -> TierCosts:
+        """Time the host -> device copy and a storage get once, so hits too short to beat
+        recomputation are recomputed; logged once."""
+        costs = TierCosts(self.host.page_bytes / self.page_size, self._measure_host(), self._measure_storage(),
+                          prefill_tokens_per_s)
+        for name, leg in (("host->device", costs.host), ("storage get", costs.storage)):
+            if leg is not None:
+                logger.info("hicache %s: %.3g GB/s, %.3g ms per load", name, leg.bytes_per_s / 1e9,
+                            leg.latency_s * 1e3)
+        return costs
+
+    def _measure_host(self) -> LegSpeed | None:
+        n = min(PROBE_PAGES, self.allocator.num_free, self.host.allocator.num_free)
+        if n < 2:
+            return None
+        device, host = self.allocator.alloc(n), self.host.allocator.alloc(n)
+        assert device is not None and host is not None
+        try:
+            return measure_copy(lambda k: self.host.load(host[:k], device[:k]).wait(), 1, n, self.host.page_bytes)
+        finally:
+            self.allocator.free(device)
+            self.host.allocator.free(host)
+
+    def _measure_storage(self) -> LegSpeed | None:
+        if self.storage is None:
+            return None
+        leg = self.storage
+        key = hashlib.sha256(leg.namespace + b"pdserve tier probe").digest()  # no token chain hashes to it
+        chunk_bytes = leg.chunk_pages * self.host.page_bytes
+        if not leg.store.put(key, bytes(chunk_bytes)):
+            return None
+        return measure_copy(lambda k: leg.probe_get(key, k), 1, 2, chunk_bytes)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -221,20 +273,77 @@ class HiRadixCache(RadixCache):
     def _path_from_root(self, node: RadixNode) -> list[RadixNode]:
         return [n for n in reversed(self._path_to_root(node)) if n is not self._root]
 
-    def fetch_from_storage(self, token_ids: Sequence[int], match: TierMatch) -> int:
-        """Extend ``match`` with the chunks storage holds right after it: their pages join the
-        tree as host-only nodes (so the usual load-back brings them up). Returns pages added."""
+    def prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch) -> int | None:
+        """Storage pages continuing ``match`` for ``owner`` (a waiting request). Starts the read
+        on the storage thread if ``start_prefetch`` did not (then answers None: wait at least
+        until the next scheduling pass); answers None while the prefetch policy says wait, then
+        adds the chunks that landed as host-only nodes and answers how many pages they hold."""
         if self.storage is None or match.busy:
             return 0
         tokens = _token_list(token_ids)
+        pf = self._prefetches.get(owner)
+        if pf is None:
+            return None if self.start_prefetch(owner, tokens, match) else 0
+        done = pf.done.is_set()
+        if not prefetch_can_stop(self.storage.policy, done, time.monotonic() - pf.started,
+                                 len(pf.keys) * self.storage.chunk_tokens):
+            return None
+        del self._prefetches[owner]
+        pf.cancel()
+        if not done:
+            self.storage.count_stopped_early()
+        return self._take_prefetch(tokens, pf)
+
+    def start_prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch) -> bool:
+        """Start ``owner``'s storage read (when it arrives) unless one runs; False when there is
+        nothing worth reading after ``match``."""
+        if owner in self._prefetches:
+            return True
+        if self.storage is None or match.busy:
+            return False
+        pf = self._start_prefetch(_token_list(token_ids), match)
+        if pf is not None:
+            self._prefetches[owner] = pf
+        return pf is not None
+
+    def cancel_prefetch(self, owner: object) -> None:
+        """``owner`` stops waiting (aborted): its read stops; nothing of it entered the cache."""
+        pf = self._prefetches.pop(owner, None)
+        if pf is not None:
+            pf.cancel()
+
+    @property
+    def num_prefetching(self) -> int:
+        return len(self._prefetches)
+
+    def _start_prefetch(self, tokens: list[int], match: TierMatch) -> Prefetch | None:
+        assert self.storage is not None
         cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
         keys = self.storage.keys(tokens)
         first = have // cp
         if first >= len(keys):
-            return 0
-        payloads = self.storage.fetch(keys[first:], self.host.page_bytes)
-        new = (first + len(payloads)) * cp - have
-        if new <= 0:
+            return None
+        break_even = self.costs.break_even("storage")
+        if math.isinf(break_even):
+            self.counters.storage_prefetch_skipped += 1
+            return None
+        # The hit must reach have + break_even tokens (whole chunks from ``first``) to be worth it.
+        need = -(-(have * self.page_size + math.ceil(break_even)) // self.storage.chunk_tokens) - first
+        if first + need > len(keys):
+            self.counters.storage_prefetch_skipped += 1
+            return None
+        return self.storage.prefetch(first, keys[first:], self.host.page_bytes, min_chunks=need)
+
+    def _take_prefetch(self, tokens: list[int], pf: Prefetch) -> int:
+        """Hang the landed chunks of ``pf`` under the current match. The tree may have changed
+        while they were read: a match now shorter than ``pf``'s first chunk leaves them
+        unattached (dropped), a longer one skips the pages it already has."""
+        assert self.storage is not None
+        payloads = pf.landed()
+        match = self.match_tiers(tokens)
+        cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
+        new = (pf.first + len(payloads)) * cp - have
+        if match.busy or have < pf.first * cp or new <= 0:
             return 0
         node = match.host[-1] if match.host else match.device.node
         assert isinstance(node, RadixNode)
@@ -243,7 +352,7 @@ class HiRadixCache(RadixCache):
         self.unlock(node)
         if not host_pages:
             return 0
-        skip = (have - first * cp) * self.host.page_bytes
+        skip = (have - pf.first * cp) * self.host.page_bytes
         self.host.set_page_payload(host_pages, b"".join(payloads)[skip:])
         blocks = list(self._blocks(tokens))[have:have + new]
         for key, hp in zip(blocks, host_pages):

@@ -72,11 +72,22 @@ HICACHE_COUNTERS = {
     "storage_puts_dropped": ("hicache_storage_puts_dropped", "Storage puts dropped because the queue was full"),
     "storage_thread_restarts": ("hicache_storage_thread_restarts", "Storage threads that failed and were restarted"),
     "storage_corrupt": ("hicache_storage_corrupt", "Stored pages refused on load (bad checksum, key or length)"),
+    "storage_prefetches": ("hicache_storage_prefetches", "Storage reads started for waiting requests"),
+    "storage_prefetch_stopped_early": ("hicache_storage_prefetch_stopped_early",
+                                       "Storage reads cut short by the prefetch policy (best_effort, timeout)"),
+    "host_loads_skipped": ("hicache_host_loads_skipped", "Host hits recomputed: shorter than the break-even length"),
+    "storage_prefetch_skipped": ("hicache_storage_prefetch_skipped",
+                                 "Storage reads not started: loading would not beat recomputing"),
 }
 HICACHE_GAUGES = {
     "host_total_pages": ("hicache_host_total_pages", "KV pages in the host pool"),
     "host_cached_pages": ("hicache_host_cached_pages", "Host KV pages held by the prefix cache"),
     "host_free_pages": ("hicache_host_free_pages", "Free host KV pages"),
+    "storage_prefetching": ("hicache_storage_prefetching", "Storage reads in flight for waiting requests"),
+    "tier_host_bytes_per_s": ("hicache_host_load_bandwidth", "Host -> device copy bytes/s measured at start-up"),
+    "tier_storage_bytes_per_s": ("hicache_storage_get_bandwidth", "Storage get bytes/s measured at start-up"),
+    "tier_prefill_tokens_per_s": ("hicache_prefill_tokens_per_s", "Prefill tokens/s the skip rule compares loads "
+                                  "with (-1: not observed yet)"),
 }
 TIERS = ("device", "host", "storage")
 
