@@ -228,7 +228,7 @@ class HiCacheConfig:
     storage_backend: str | None = None
     storage_dir: str | None = None
     storage_size_gb: float = 0.0
-    storage_prefetch_policy: str = "best_effort"
+    storage_prefetch_policy: str = "timeout"
     storage_chunk_tokens: int = 0
     storage_backend_extra_config: str | None = None
 
@@ -715,7 +715,7 @@ class ServerArgs:
     hicache_storage_backend: str | None = None
     hicache_storage_dir: str | None = None
     hicache_storage_size_gb: float = 0.0
-    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_policy: str = "timeout"
     hicache_storage_chunk_tokens: int = 0
     hicache_storage_backend_extra_config: str | None = None
     random_seed: int = 0

@@ -106,7 +106,8 @@ def trio(master) -> Iterator[PDTrio]:
     extra = {"master_server_address": master.address, "metadata_server": master.metadata_server,
              "global_segment_size": "32mb", "local_buffer_size": "16mb"}
     t = PDTrio("tiny-llama", enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
-               hicache_storage_chunk_tokens=CHUNK, hicache_storage_backend_extra_config=json.dumps(extra), **KW)
+               hicache_storage_chunk_tokens=CHUNK, hicache_storage_prefetch_policy="wait_complete",
+               hicache_storage_backend_extra_config=json.dumps(extra), **KW)
     try:
         yield t
     finally:

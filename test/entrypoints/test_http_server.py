@@ -16,7 +16,7 @@ import openai
 import pytest
 
 import pdserve
-from pdserve.entrypoints.openai_api import chat_prompt_ids
+from pdserve.web.chat import chat_prompt_ids
 from server_utils import PRESET, Server
 
 API_KEY = "test-key"

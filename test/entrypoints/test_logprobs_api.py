@@ -184,7 +184,7 @@ def test_chat_logprobs_top_logprobs_n_and_stream(client, model):
     hf, path = model
     from transformers import AutoTokenizer
 
-    from pdserve.entrypoints.openai_api import chat_prompt_ids
+    from pdserve.web.chat import chat_prompt_ids
 
     messages = [{"role": "user", "content": "Count with me: one two"}]
     ids = chat_prompt_ids(AutoTokenizer.from_pretrained(path), messages)

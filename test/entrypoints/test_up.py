@@ -125,7 +125,8 @@ def test_invalid_deployment_is_refused():
 
 # The deployment runs the hierarchical cache with a Mooncake Store tier up provides the master of.
 HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake", "--hicache-storage-size-gb",
-                 "0.05", "--hicache-storage-chunk-tokens", "8", "--hicache-storage-backend-extra-config",
+                 "0.05", "--hicache-storage-chunk-tokens", "8", "--hicache-storage-prefetch-policy", "wait_complete",
+                 "--hicache-storage-backend-extra-config",
                  json.dumps({"local_buffer_size": "16mb"})]
 
 

@@ -230,7 +230,8 @@ def test_tp2_ranks_load_the_minimum_hit_and_match_one_rank(reference, tmp_path):
     tokens, never a hang. Storage keys chain over the whole prefix, so the files a request adds
     are the chunks it completed: deleting rank 1's newest ones leaves it a shorter hit."""
     kw = dict(KW, enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
-              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8, tp_size=2)
+              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8, tp_size=2,
+              hicache_storage_prefetch_policy="wait_complete")
     prompt, want = PROMPTS[0], reference["tiny-llama"][0]
 
     def run(ids: list[int]) -> dict:

@@ -29,6 +29,7 @@ from pdserve.entrypoints.logprobs import TokenTexts, chat_logprobs, completion_l
 from pdserve.entrypoints.parallel_sampling import PromptJob, attach_prompt_logprobs, run_job
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+from pdserve.web.chat import chat_prompt_text
 from pdserve.web.errors import RequestError, parse_body, read_body
 from pdserve.web.streaming import (
     gather_or_cancel,
@@ -42,11 +43,6 @@ from pdserve.web.streaming import (
     until_disconnect,
 )
 
-# Used only when the tokenizer ships no chat template.
-FALLBACK_CHAT_TEMPLATE = (
-    "{{ bos_token or '' }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 MAX_LOGPROBS = 20  # top-k alternatives per token (OpenAI's chat limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
                     "presence_penalty", "stop_token_ids", "n")
@@ -110,31 +106,12 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
 
 
 # ------------------------------------------------------------------- chat
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text the tokenizer's chat template makes of ``messages`` (generation prompt added)."""
-    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=True)
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    return tokenizer.encode(chat_prompt_text(tokenizer, messages), add_special_tokens=False)
-
-
 async def _chat_ids(tm: TokenizerManager, messages: list[dict]) -> list[int]:
     """``chat_prompt_ids``, tokenized off the event loop when long."""
     if tm.tokenizer is None:
         raise RequestError("messages: this server has no tokenizer; use /generate with input_ids",
                            param="messages")
     return await tm.encode(chat_prompt_text(tm.tokenizer, messages), add_special_tokens=False)
-
-
-def chat_prompt_text(tokenizer, messages: list[dict]) -> str:
-    """The rendered chat prompt; raises RequestError naming ``messages`` when there are none."""
-    if not messages:
-        raise RequestError("messages: must hold at least one message", param="messages")
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    return render_chat(tokenizer, messages)
 
 
 def _chat_top_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -1,7 +1,7 @@
 """The token ids a server will make of a request body, so the router can hash its pages.
 
 Mirrors the servers' own tokenization: ``/generate`` text and completions prompts with special
-tokens, chat messages through the tokenizer's chat template (``openai_api.chat_prompt_text``).
+tokens, chat messages through the tokenizer's chat template (``web/chat.py``, as the server does).
 Batches (several prompts in one body) and anything malformed give None: the router then routes
 that request by load, and the server answers the error itself.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.tokenizer import has_tokenizer, load_tokenizer
+from pdserve.web.chat import chat_prompt_text
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ def _one(tokenizer: Any, ids: Any, text: Any) -> list[int] | None:
 
 
 def _chat(tokenizer: Any, messages: Any) -> list[int] | None:
-    from pdserve.entrypoints.openai_api import chat_prompt_text
-
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return None
     plain = [{**m, "content": _text(m.get("content"))} for m in messages]
