@@ -180,6 +180,9 @@ def test_up_serves_through_its_router_and_stops_everything():
 PROMPTS = [f"Request {i}: tell me about the number {i * 7}" for i in range(16)]
 FRESH = "A prompt no server has seen yet, so decode has none of it cached"  # cached: decode would not ask for KV
 SAMPLING = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+# The streams in flight at the kill: long enough that all 8 are still decoding when the test
+# has seen them there (24 tokens of tiny-llama can finish before the 8th reaches decode).
+LONG = {**SAMPLING, "max_new_tokens": 200}
 
 
 def _wait(cond, timeout: float, what: str):
@@ -201,9 +204,9 @@ def _metric(url: str, name: str, **labels) -> float:
     return 0.0
 
 
-def _ask(url: str, prompt: str, stream: bool) -> list[int]:
+def _ask(url: str, prompt: str, stream: bool, sampling: dict = SAMPLING) -> list[int]:
     """One greedy request's output ids; fails on any client-visible error."""
-    body = {"text": prompt, "sampling_params": SAMPLING, "stream": stream}
+    body = {"text": prompt, "sampling_params": sampling, "stream": stream}
     if not stream:
         r = httpx.post(url + "/generate", json=body, timeout=300)
         assert r.status_code == 200, r.text
@@ -245,19 +248,20 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
         _wait(lambda: "pdserve is up" in Path(log.name).read_text(errors="replace") or proc.poll() is not None,
               240, "up")
         assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-        want = [o["output_ids"] for o in pdserve.Engine(model_path="tiny-llama", num_threads=1).generate(
-            prompt=[*PROMPTS, FRESH], sampling_params=SAMPLING)]
+        reference = pdserve.Engine(model_path="tiny-llama", num_threads=1)
+        want = [o["output_ids"] for o in reference.generate(prompt=[*PROMPTS, FRESH], sampling_params=SAMPLING)]
+        want_long = [o["output_ids"] for o in reference.generate(prompt=PROMPTS[:8], sampling_params=LONG)]
         victim = _server_pid(proc.pid, "prefill")
         prefill_cmd = [a.decode() for a in Path(f"/proc/{victim}/cmdline").read_bytes().split(b"\0")[:-1]]
         with ThreadPoolExecutor(16) as pool:
-            first = [pool.submit(_ask, router, p, True) for p in PROMPTS[:8]]
+            first = [pool.submit(_ask, router, p, True, LONG) for p in PROMPTS[:8]]
             _wait(lambda: httpx.get(router + "/get_server_info", timeout=30).json()["decode"][0]["in_flight"] == 8,
                   60, "8 streams in flight")
             os.killpg(victim, signal.SIGKILL)
             _wait(lambda: not alive(victim), 30, "prefill gone")
             after = [pool.submit(_ask, router, p, i % 2 == 0) for i, p in enumerate(PROMPTS[8:])]
             got = [f.result() for f in first + after]
-        assert got == want[:16]
+        assert got == want_long + want[8:16]
         assert _metric(router, "pdserve_router:degraded_requests_total") >= 1
         assert httpx.get(router + "/health", timeout=30).json()["status"] == "degraded"
         assert proc.poll() is None  # up keeps serving without its prefill
