@@ -73,8 +73,8 @@ MUTATIONS = (
     Mutation(
         "stage_ignores_identity", "the staged decode KV compares lengths only, not request identity",
         STAGE,
-        "same = (fb.req_uids == self.req_uids and L <= self.capacity",
-        "same = (L <= self.capacity",
+        "same = (self.seq_lens is not None and fb.req_uids == self.req_uids and L <= self.capacity",
+        "same = (self.seq_lens is not None and L <= self.capacity",
         (f"{T_STAGE}::test_batch_swap_with_aligned_lengths",
          "test/layers/test_attention.py::test_staged_decode_rebuilds_when_the_batch_changes_but_lengths_line_up")),
     Mutation(
@@ -154,7 +154,7 @@ MUTATIONS = (
     Mutation(
         "health_ignores_scheduler", "/health answers 200 after the scheduler died",
         "python/pdserve/entrypoints/http_server.py",
-        "if not (ctx.tm.healthy and ctx.tm.scheduler.is_alive()):",
+        "if not (ctx.tm.healthy and ctx.tm.running_scheduler.is_alive()):",
         "if False:",
         ("test/entrypoints/test_server_lifecycle.py::test_scheduler_crash_fails_health_and_exits_nonzero",)),
     Mutation(
@@ -206,6 +206,25 @@ MUTATIONS = (
         "        self.io.send(reply, KVAbortAck(msg.room, msg.nonce, self.sender.rank))\n",
         "",
         (f"{T_TRUST}::test_decode_abort_of_a_room_prefill_never_saw_is_acknowledged",)),
+    Mutation(
+        "stored_page_crc_unchecked", "a stored page is served whatever its payload checksum says",
+        "python/pdserve/mem/storage/page_format.py",
+        "    if crc32c(payload) != crc:",
+        "    if False:",
+        ("test/mem/storage/test_file_store.py::test_damaged_files_are_counted_misses_never_wrong_bytes",)),
+    Mutation(
+        "kv_event_gap_accepted", "the router's KV index applies a batch after a lost one instead of resyncing",
+        "python/pdserve/router/kv_index.py",
+        "        return self.seq is not None and seq == self.seq + 1",
+        "        return True",
+        ("test/mem/test_kv_events.py::test_index_refuses_a_gap_and_skips_what_a_snapshot_covers",)),
+    Mutation(
+        "ranks_take_the_longest_hit", "TP ranks load the longest tier hit any rank has, not the one all have",
+        KV_MANAGER,
+        "        return min(d + h for d, h, _ in rows)",
+        "        return max(d + h for d, h, _ in rows)",
+        ("test/mem/test_hicache.py::test_prepare_loads_what_every_rank_holds_waits_while_one_is_busy_and_refuses_"
+         "diverged_devices",)),
 )
 
 
