@@ -1,4 +1,5 @@
-"""The P/D protocol of DESIGN §5 between a prefill and a decode scheduler (in one process, over
+"""The P/D protocol (decode reserves, prefill writes layer by layer, decode counts writes)
+between a prefill and a decode scheduler (in one process, over
 real ZMQ and each transfer backend: Mooncake engines, and the in-memory one): token identity with
 a colocated engine, layer-wise streaming, write counting, handshake refusal, aborts and
 quarantine, conditional disaggregation, fallback."""

@@ -1,4 +1,4 @@
-"""The P/D trust boundary and failure behaviour (DESIGN §5), between a prefill and a decode
+"""The P/D trust boundary and failure behaviour, between a prefill and a decode
 scheduler in one process over real Mooncake engines and ZMQ: hostile frames on either control
 port, forged and stale messages, a paused prefill after a death verdict, duplicate rooms, and
 every abort path acknowledged. Each test ends with both sides serving colocated-identical tokens

@@ -83,17 +83,26 @@ def test_key_evicted_between_exists_and_get_is_a_miss(tmp_path):
     store.close()
 
 
+def _run_all(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _bytes_on_disk(folder) -> int:
+    """Bytes of every object file under ``folder`` (the lock file is not an object)."""
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs if f != ".lock")
+
+
 def test_size_bound_holds_under_concurrent_puts_and_refuses_oversize(tmp_path):
     cap = 5 * (PAGE + HEADER_BYTES)
     store = open_store(tmp_path, size_gb=cap / 1e9, fsync=False)
     assert not store.put(KEYS[0], b"x" * cap)  # larger than the whole tier
     threads = [threading.Thread(target=lambda k=k, i=i: store.put(k, page(i))) for i, k in enumerate(KEYS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_all(threads)
     stats = store.stats()
-    on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp_path) for f in fs if f != ".lock")
+    on_disk = _bytes_on_disk(tmp_path)
     assert stats["bytes_used"] == on_disk <= cap and stats["objects"] == 5
     # Every put is counted once: stored, or refused because the bound was reserved by puts still
     # in flight (how many depends on the threads' interleaving), plus the oversize one.
@@ -181,12 +190,9 @@ def test_concurrent_readers_writers_and_evictions_keep_the_accounting(tmp_path):
                 assert 0 <= n <= 2
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_all(threads)
     stats = store.stats()
-    on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp_path) for f in fs if f != ".lock")
+    on_disk = _bytes_on_disk(tmp_path)
     assert not wrong
     assert stats["bytes_used"] == on_disk <= 6 * (PAGE + HEADER_BYTES)
     assert stats["objects"] == len([f for _, _, fs in os.walk(tmp_path) for f in fs if f != ".lock"])
