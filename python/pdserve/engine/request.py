@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 # torch.Generator.manual_seed's range; OpenAI clients send any 64-bit integer.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+INT64_MAX = (1 << 63) - 1  # integer fields travel to the scheduler as 64-bit integers
 MAX_N = 128  # parallel samples of one prompt (n, best_of)
 
 
@@ -71,8 +72,8 @@ class SamplingParams:
             bad("max_new_tokens", "must be an integer >= 0")
         if not is_num(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a number >= 0")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1) or self.top_k > INT64_MAX:
+            bad("top_k", f"must be -1 (disabled) or an integer in [1, {INT64_MAX}] (any k >= the vocabulary: all)")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
