@@ -225,6 +225,33 @@ MUTATIONS = (
         "        return max(d + h for d, h, _ in rows)",
         ("test/mem/test_hicache.py::test_prepare_loads_what_every_rank_holds_waits_while_one_is_busy_and_refuses_"
          "diverged_devices",)),
+    # issue 25, finding 4: the storage tier trusts a path
+    Mutation(
+        "storage_namespace_from_path", "the storage namespace hashes the model path again, not the weights' content",
+        SCHED,
+        '        return {"weights": content_fingerprint(self.model_config, self.config.random_seed),',
+        '        return {"model": str(self.model_config.path),',
+        ("test/mem/test_hicache.py::test_weights_swapped_at_the_same_path_are_not_served_the_old_kv",)),
+    Mutation(
+        "stored_page_mac_unchecked", "under a token a stored page is served without checking its MAC",
+        "python/pdserve/mem/storage/page_format.py",
+        "    if mac_key is not None:\n        _check_mac(blob, mac_key, payload)",
+        "    if False:\n        _check_mac(blob, mac_key, payload)",
+        ("test/mem/storage/test_page_format.py::test_a_page_under_a_token_needs_its_mac",
+         "test/mem/storage/test_file_store.py::test_under_a_token_a_planted_page_is_a_counted_miss",
+         "test/mem/test_hicache.py::test_under_a_token_pages_planted_in_the_file_tier_are_counted_misses")),
+    Mutation(
+        "storage_file_default_mode", "the file tier creates page files with the default mode, left to the umask",
+        "python/pdserve/mem/storage/file.py",
+        "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)",
+        "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)",
+        ("test/mem/storage/test_file_store.py::test_folders_and_files_are_private_whatever_the_umask",)),
+    Mutation(
+        "storage_dir_others_may_write", "a storage dir that other users may write is used as is",
+        "python/pdserve/mem/storage/file.py",
+        "    if st.st_mode & 0o022:",
+        "    if False:",
+        ("test/mem/storage/test_file_store.py::test_a_storage_dir_others_may_write_is_refused",)),
 )
 
 

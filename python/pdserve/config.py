@@ -231,6 +231,8 @@ class HiCacheConfig:
     storage_prefetch_policy: str = "timeout"
     storage_chunk_tokens: int = 0
     storage_backend_extra_config: str | None = None
+    # The deployment's token (resolve_token): storage pages are signed with it, unsigned ones refused
+    auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ratio > 0:
@@ -817,7 +819,9 @@ class ServerArgs:
                              self.hicache_write_policy, self.hicache_mem_layout, self.hicache_storage_backend,
                              self.hicache_storage_dir, self.hicache_storage_size_gb,
                              self.hicache_storage_prefetch_policy, self.hicache_storage_chunk_tokens,
-                             self.hicache_storage_backend_extra_config)
+                             self.hicache_storage_backend_extra_config,
+                             auth_token=resolve_token(self.disaggregation_auth_token,
+                                                      self.disaggregation_auth_token_file))
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_running_requests, self.chunked_prefill_size,

@@ -211,6 +211,78 @@ def test_storage_tier_serves_a_prefix_after_host_eviction_and_restart(reference,
         _balanced(restarted)
 
 
+def _storage_kw(storage_dir) -> dict:
+    return dict(KW, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                hicache_storage_dir=str(storage_dir), hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8,
+                hicache_storage_prefetch_policy="wait_complete")
+
+
+def _serve_once(model_path: str, storage_dir, prompt: list[int], **flags) -> tuple[list[int], dict, dict]:
+    """One engine start on ``storage_dir``: (tokens, meta_info, server info) of ``prompt``, with
+    every page it stored written out before it stops."""
+    with pdserve.Engine(model_path=model_path, **_storage_kw(storage_dir), **flags) as engine:
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        _hi(engine).storage.flush()  # type: ignore[union-attr]
+        info = engine.get_server_info()
+        _balanced(engine)
+    return out["output_ids"], out["meta_info"], info
+
+
+def test_weights_swapped_at_the_same_path_are_not_served_the_old_kv(tmp_path):
+    """The field report: new weights copied over the old ones at the same path, the server
+    restarted on the same --hicache-storage-dir. The namespace comes from the weights' content,
+    so the old model's pages are no hit, and the tokens are the new model's (transformers
+    recomputing the whole prefix is the oracle)."""
+    from fixtures.tiny_models import greedy_continuation, make_hf_model_and_dir
+
+    model_dir, storage = tmp_path / "model", tmp_path / "kv"
+    old, path = make_hf_model_and_dir("LlamaForCausalLM", model_dir, seed=0)
+    prompt = PROMPTS[0]
+    tokens, _, _ = _serve_once(path, storage, prompt)
+    assert tokens == greedy_continuation(old, prompt, GREEDY["max_new_tokens"])
+    tokens, meta, _ = _serve_once(path, storage, prompt)  # a plain restart reuses the stored pages
+    assert meta["cached_tokens_by_tier"]["storage"] == 24
+    new, _ = make_hf_model_and_dir("LlamaForCausalLM", model_dir, seed=1)  # same shapes, same files
+    want = greedy_continuation(new, prompt, GREEDY["max_new_tokens"])
+    assert want != tokens  # the swap changes the answer, so stale KV would show
+    tokens, meta, info = _serve_once(path, storage, prompt)
+    assert meta["cached_tokens"] == 0 and info["storage_hits"] == 0
+    assert tokens == want
+
+
+def test_under_a_token_pages_planted_in_the_file_tier_are_counted_misses(reference, tmp_path):
+    """Someone without the token rewrites every stored page with other KV and a correct CRC:
+    the restarted server counts them as ``storage_bad_mac`` misses and recomputes; a page it
+    then stores itself (signed) is a hit."""
+    from pdserve.mem.storage import page_format
+    from pdserve.obs.metrics import ServerMetrics
+
+    prompt, want, token = PROMPTS[0], reference["tiny-llama"][0], "deployment secret"
+    assert _serve_once("tiny-llama", tmp_path, prompt, disaggregation_auth_token=token)[0] == want
+    pages = [f for f in tmp_path.rglob("*") if f.is_file() and f.name != ".lock"]
+    assert pages
+    for f in pages:
+        blob = f.read_bytes()
+        ns, key, length = page_format.header_view(blob)
+        f.write_bytes(page_format.pack(ns, key, bytes(length)))  # all-zero KV, no MAC
+    with pdserve.Engine(model_path="tiny-llama", disaggregation_auth_token=token, **_storage_kw(tmp_path)) as engine:
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert out["output_ids"] == want and out["meta_info"]["cached_tokens"] == 0
+        info = engine.get_server_info()
+        assert info["storage_bad_mac"] >= 1 and info["storage_hits"] == 0 and info["storage_corrupt"] == 0
+        metrics = ServerMetrics("m")
+        metrics.set_scheduler_stats(info)
+        assert "pdserve:hicache_storage_bad_mac_total" in metrics.render().decode()
+        _hi(engine).storage.flush()  # type: ignore[union-attr]
+        assert engine.flush_cache()
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        # Chunk 0 was rewritten (signed) after its miss; chunk 1 is still a planted page (the
+        # first miss ended the read) and is refused in its turn.
+        assert out["output_ids"] == want and out["meta_info"]["cached_tokens_by_tier"]["storage"] == 8
+        assert engine.get_server_info()["storage_bad_mac"] == info["storage_bad_mac"] + 1
+        _balanced(engine)
+
+
 def _rank_files(root, tp_rank: int) -> set:
     """Every stored page object of one TP rank's shard of the file tier (not a write in flight)."""
     return {f for f in (root / f"tp{tp_rank}-of-2").rglob("*") if f.is_file() and not f.name.startswith(".")}

@@ -148,3 +148,32 @@ def test_sample_is_bounded_and_keeps_first_and_last():
 def test_record_without_a_digest_is_refused_naming_weights():
     with pytest.raises(ValueError, match="^weights: "):
         CompatRecord("m", "LlamaForCausalLM", "float32", 4, "gqa-hnd", 2, 2, 16, "not-a-digest")
+
+
+def _content(path, seed: int = 0, **kw) -> str:
+    return fingerprint.content_fingerprint(ModelConfig.from_path(str(path), **kw), seed)
+
+
+def test_the_content_fingerprint_sees_every_byte_and_ignores_path_and_sharding(tmp_path, checkpoints):
+    """The storage tier's namespace: one changed value in a tensor the sample never reads changes
+    it (the sampled fingerprint does not), and it is the same at another path or re-sharded."""
+    tensors = load_file(str(checkpoints["a"] / "model.safetensors"))
+    names = sorted(tensors)
+    matrix = next(n for n in names if tensors[n].dim() == 2 and tensors[n].shape[0] >= 4)
+    tensors[matrix] = tensors[matrix].clone()
+    tensors[matrix][1, 0] += 1.0  # row 1: the sample reads rows 0, the middle one and the last
+    shutil.copy(checkpoints["a"] / "config.json", tmp_path / "config.json")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert _fp(tmp_path) == _fp(checkpoints["a"])  # why the storage tier does not use the sample
+    base = _content(checkpoints["a"])
+    assert len(base) == 64 and base == _content(checkpoints["copy"])
+    assert _content(tmp_path) != base
+    assert _content(checkpoints["other"]) != base
+    resharded = tmp_path / "resharded"
+    resharded.mkdir()
+    original = load_file(str(checkpoints["a"] / "model.safetensors"))
+    save_file({n: original[n] for n in names[::2]}, str(resharded / "model-00001-of-00002.safetensors"))
+    save_file({n: original[n] for n in names[1::2]}, str(resharded / "model-00002-of-00002.safetensors"))
+    shutil.copy(checkpoints["a"] / "config.json", resharded / "config.json")
+    assert _content(resharded) == base
+    assert _content("tiny-llama", seed=1) != _content("tiny-llama", seed=2)

@@ -75,7 +75,7 @@ class Scheduler:
         self.kv_manager = KVCacheManager(pool.num_pages, self.page_size, config.max_running_requests,
                                          self.context_len, disable_radix_cache=cache_config.disable_radix_cache,
                                          hicache=cache_config.hicache, pool=pool,
-                                         storage_compat=self._storage_compat(parallel))
+                                         storage_compat=self._storage_compat(parallel, cache_config))
         self.sampler: SampleFn = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -105,16 +105,21 @@ class Scheduler:
             return None
         return self.kv_events.snapshot(self.kv_manager.cached_blocks(), self.page_size)
 
-    def _storage_compat(self, parallel: ParallelState) -> dict[str, object]:
-        """What makes stored KV pages interchangeable: another model, dtype, page shape or TP
-        shard must never read them (storage keys are scoped by this record)."""
+    def _storage_compat(self, parallel: ParallelState, cache_config: CacheConfig) -> dict[str, object] | None:
+        """What makes stored KV pages interchangeable: other weights (whatever their path: the
+        content fingerprint reads every byte), dtype, page shape, layout or TP shard must never
+        read them (storage keys are scoped by this record). None without a storage tier, which
+        spares the checkpoint read."""
+        if not cache_config.hicache.storage_backend:
+            return None
+        from pdserve.models.fingerprint import content_fingerprint
+
         pool = self.runner.pool
-        return {"model": str(self.model_config.path), "dtype": str(pool.dtype), "page_size": self.page_size,
-                "layout": "page_first", "num_layers": pool.num_layers,
+        return {"weights": content_fingerprint(self.model_config, self.config.random_seed),
+                "architecture": self.model_config.architecture, "dtype": str(pool.dtype),
+                "page_size": self.page_size, "layout": "page_first", "num_layers": pool.num_layers,
                 "buffers": [[name, *buf.shape[2:]] for name, buf in pool.page_buffers()],
-                "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size, "load_format": self.model_config.load_format,
-                # dummy weights differ by seed, so their KV does too
-                "weights_seed": self.config.random_seed if self.model_config.load_format == "dummy" else None}
+                "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size}
 
     def close(self) -> None:
         """Stop the KV cache's background threads (the process or Engine is ending)."""

@@ -72,6 +72,7 @@ HICACHE_COUNTERS = {
     "storage_puts_dropped": ("hicache_storage_puts_dropped", "Storage puts dropped because the queue was full"),
     "storage_thread_restarts": ("hicache_storage_thread_restarts", "Storage threads that failed and were restarted"),
     "storage_corrupt": ("hicache_storage_corrupt", "Stored pages refused on load (bad checksum, key or length)"),
+    "storage_bad_mac": ("hicache_storage_bad_mac", "Stored pages refused on load under a token: no or a wrong MAC"),
     "storage_prefetches": ("hicache_storage_prefetches", "Storage reads started for waiting requests"),
     "storage_prefetch_stopped_early": ("hicache_storage_prefetch_stopped_early",
                                        "Storage reads cut short by the prefetch policy (best_effort, timeout)"),

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from pdserve.mem.storage import create_page_store
+from pdserve.mem.storage import create_page_store, page_format
 from pdserve.mem.storage.base import PageStore
 from pdserve.mem.storage.file import FileStore
 from pdserve.mem.storage.keys import chunk_keys, namespace
@@ -198,3 +198,81 @@ def test_concurrent_readers_writers_and_evictions_keep_the_accounting(tmp_path):
     assert stats["objects"] == len([f for _, _, fs in os.walk(tmp_path) for f in fs if f != ".lock"])
     assert stats["hits"] + stats["misses"] == 4 * 40 and stats["corrupt"] == 0
     store.close()
+
+
+def _modes(root) -> dict[str, int]:
+    """Permission bits of ``root`` and of every folder and file under it, by path relative to it."""
+    out = {".": os.stat(root).st_mode & 0o777}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            out[os.path.relpath(path, root)] = os.stat(path).st_mode & 0o777
+    return out
+
+
+def test_folders_and_files_are_private_whatever_the_umask(tmp_path):
+    """Stored pages are other users' prompts: 0700 folders and 0600 files, even under umask 000."""
+    root = tmp_path / "kv"
+    old = os.umask(0)
+    try:
+        store = open_store(root)
+        assert store.put(KEYS[0], page(0)) and store.put(KEYS[1], page(1))
+        store.close()
+    finally:
+        os.umask(old)
+    modes = _modes(root)
+    assert len(modes) == 1 + 256 + 1 + 2  # the root, its 256 folders, the lock file, two pages
+    folders = {p for p in modes if os.path.isdir(os.path.join(root, p))}
+    assert {modes[p] for p in folders} == {0o700}
+    assert {modes[p] for p in modes.keys() - folders} == {0o600}
+
+
+def test_an_older_tiers_open_modes_are_made_private_and_its_pages_kept(tmp_path):
+    store = open_store(tmp_path)
+    assert store.put(KEYS[0], page(0))
+    store.close()
+    for path in [tmp_path, *tmp_path.rglob("*")]:  # as an older pdserve under umask 022 left them
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    store = open_store(tmp_path)
+    assert set(_modes(tmp_path).values()) <= {0o700, 0o600}
+    assert store.get(KEYS[0]) == page(0)
+    store.close()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_a_storage_dir_others_may_write_is_refused(tmp_path, mode):
+    """Anyone who can write the folder can plant pages or swap files: refuse, naming the flag."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    with pytest.raises(ValueError, match=r"hicache_storage_dir: .*shared is writable by other users"):
+        open_store(root)
+
+
+def test_a_storage_dir_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(root).st_uid + 1)
+    with pytest.raises(ValueError, match=r"hicache_storage_dir: .*theirs is owned by uid \d+, not this user"):
+        open_store(root)
+
+
+def test_under_a_token_a_planted_page_is_a_counted_miss(tmp_path):
+    """A page that is well-formed (right namespace, key, length and CRC) but was written without
+    the token, or under another one, is a ``bad_mac`` miss and is deleted; signed pages hit."""
+    store = create_page_store("file", directory=str(tmp_path), size_gb=1.0, namespace=NS, extra_config=None,
+                              auth_token="secret")
+    for i, key in enumerate(KEYS[:3]):
+        assert store.put(key, page(i))
+    with open(file_of(tmp_path, KEYS[0]), "wb") as f:
+        f.write(pack(NS, KEYS[0], b"\xee" * PAGE))  # no MAC
+    with open(file_of(tmp_path, KEYS[1]), "wb") as f:
+        f.write(pack(NS, KEYS[1], b"\xee" * PAGE, page_format.mac_key("guessed")))
+    assert [store.get(k) for k in KEYS[:3]] == [None, None, page(2)]
+    stats = store.stats()
+    assert (stats["bad_mac"], stats["misses"], stats["hits"], stats["corrupt"]) == (2, 2, 1, 0)
+    assert not os.path.exists(file_of(tmp_path, KEYS[0])) and store.exists(KEYS) == 0
+    store.close()
+    untokened = open_store(tmp_path)  # without a token the MAC is not needed (CRC only, as before)
+    assert untokened.get(KEYS[2]) == page(2)
+    untokened.close()

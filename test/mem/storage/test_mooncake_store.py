@@ -33,7 +33,7 @@ def master() -> Iterator[MooncakeMaster]:
 def open_store(master) -> Iterator[Callable[..., PageStore]]:
     opened: list[PageStore] = []
 
-    def make(segment: str | int = SEGMENT, ns: bytes = NS, on=None, **extra) -> PageStore:
+    def make(segment: str | int = SEGMENT, ns: bytes = NS, on=None, token: str | None = None, **extra) -> PageStore:
         on = on or master
         config = {
             "master_server_address": on.address,
@@ -42,7 +42,8 @@ def open_store(master) -> Iterator[Callable[..., PageStore]]:
             "local_buffer_size": "16mb",
             **extra,
         }
-        store = create_page_store("mooncake", directory=None, size_gb=1.0, namespace=ns, extra_config=config)
+        store = create_page_store("mooncake", directory=None, size_gb=1.0, namespace=ns, extra_config=config,
+                                  auth_token=token)
         assert isinstance(store, MooncakeStore)
         opened.append(store)
         return store
@@ -73,6 +74,20 @@ def test_another_models_page_is_a_counted_miss_then_replaced(open_store):
     assert theirs.put(key, page(7))  # same key bytes, same shape, other compatibility record
     assert ours.get(key) is None and ours.stats()["wrong_namespace"] == 1
     assert ours.put(key, page(10)) and ours.get(key) == page(10)  # the bad object was removed
+
+
+def test_under_a_token_a_page_put_without_it_is_a_counted_miss_then_replaced(open_store):
+    """Any client of the master may put: a page without the deployment's MAC (or under another
+    token) is a ``bad_mac`` miss, removed so that a signed put can take the key."""
+    ours = open_store(token="deployment")
+    planter = open_store(segment=0)  # same namespace and shape, no token
+    guesser = open_store(segment=0, token="guessed")
+    assert planter.put(KEYS[30], page(99)) and guesser.put(KEYS[31], page(98))
+    assert ours.get(KEYS[30]) is None and ours.get(KEYS[31]) is None
+    stats = ours.stats()
+    assert (stats["bad_mac"], stats["misses"], stats["hits"]) == (2, 2, 0)
+    assert ours.put(KEYS[30], page(30)) and ours.get(KEYS[30]) == page(30)
+    assert planter.get(KEYS[30]) == page(30)  # a reader without a token checks the CRC only
 
 
 def test_full_pool_is_a_put_failure_and_never_wrong_bytes(open_store):

@@ -25,7 +25,7 @@ def test_round_trip_and_every_mismatch_is_a_typed_error():
     flipped_payload = bytearray(blob)
     flipped_payload[-1] ^= 1
     flipped_header = bytearray(blob)
-    flipped_header[HEADER_BYTES - 12] ^= 1  # inside the length field: the header CRC catches it
+    flipped_header[76] ^= 1  # inside the length field (bytes 72..80): the header CRC catches it
     for name, bad in [("payload", flipped_payload), ("header", flipped_header)]:
         cases[f"corrupt-{name}"] = (bytes(bad), NS, KEY)
     cases["corrupt-truncated"] = (blob[:-1], NS, KEY)
@@ -36,3 +36,30 @@ def test_round_trip_and_every_mismatch_is_a_typed_error():
             unpack(data, ns, key)
         assert err.value.reason == name.split("-")[0], name
     assert page_format.header_view(blob) == (NS, KEY, len(payload))
+
+
+MAC_KEY = page_format.mac_key("the deployment's token")
+
+
+def test_a_page_under_a_token_needs_its_mac():
+    """With a key every page must carry a valid HMAC over header and payload: a page written
+    without the token (a correct CRC, no MAC) or under another token is refused as ``bad_mac``."""
+    payload = bytes(range(200))
+    signed = pack(NS, KEY, payload, MAC_KEY)
+    assert len(signed) == HEADER_BYTES + len(payload)
+    assert unpack(signed, NS, KEY, MAC_KEY) == payload
+    assert unpack(signed, NS, KEY) == payload  # no token configured: CRC only, as before
+    planted = {
+        "unsigned": pack(NS, KEY, payload),
+        "other token": pack(NS, KEY, payload, page_format.mac_key("another token")),
+    }
+    forged = bytearray(pack(NS, KEY, bytes(200), MAC_KEY))  # a signed page's MAC on other bytes
+    forged[HEADER_BYTES - 36 : HEADER_BYTES - 4] = signed[HEADER_BYTES - 36 : HEADER_BYTES - 4]
+    forged[HEADER_BYTES - 4 : HEADER_BYTES] = crc32c(bytes(forged[: HEADER_BYTES - 4])).to_bytes(4, "little")
+    planted["mac moved onto other bytes"] = bytes(forged)
+    for what, blob in planted.items():
+        page_format.header_view(blob)  # well-formed: only the MAC tells it apart
+        with pytest.raises(PageFormatError) as err:
+            unpack(blob, NS, KEY, MAC_KEY)
+        assert err.value.reason == "bad_mac", what
+    assert page_format.mac_key("t") != page_format.mac_key("u") and len(MAC_KEY) == 32

@@ -8,9 +8,10 @@ caller chose. Tiers store ``page_format.pack``-ed objects and check them on ever
   client, eviction or a lease expiry can remove it in between. Callers must treat ``get``'s
   answer as the truth and recompute what it misses.
 * **A miss is never an exception and never wrong bytes.** ``get`` returns the payload only when
-  the object's magic, version, namespace, full key, length and CRC32C all match; anything else
-  (absent, evicted, truncated, corrupted, another model's page, an I/O error, a dead server) is
-  ``None`` and one counter in ``stats()`` says which.
+  the object's magic, version, namespace, full key, length and CRC32C all match (and, under a
+  token, its MAC); anything else (absent, evicted, truncated, corrupted, another model's page, a
+  page planted without the token, an I/O error, a dead server) is ``None`` and one counter in
+  ``stats()`` says which.
 * **A failed put is ``False``**, never an exception (store full, disk full, server gone): the
   data is still in the tier above, so losing a write-back only costs a later recompute.
 * Programming errors (a key of the wrong length) do raise. After ``close`` every ``get`` misses
@@ -35,6 +36,7 @@ STAT_NAMES = (
     "miss_absent",  # no such object (never stored, evicted, expired)
     "corrupt",  # bad magic/version/length/CRC, truncated or a different key inside
     "wrong_namespace",  # a well-formed page of another compatibility record
+    "bad_mac",  # under a token: a well-formed page not signed with it (planted, or another deployment's)
     "read_errors",  # I/O or server errors while reading
     "closed",  # asked after close()
     "puts",
@@ -122,13 +124,16 @@ def create_page_store(
     size_gb: float,
     namespace: bytes,
     extra_config: Mapping[str, object] | None,
+    auth_token: str | None = None,
 ) -> PageStore:
     """The tier named by ``--hicache-storage-backend``.
 
     ``directory``: ``--hicache-storage-dir`` (the file tier needs it); ``size_gb``:
     ``--hicache-storage-size-gb`` (the file tier's bound; Mooncake's segment size unless the
     extra config names ``global_segment_size``); ``extra_config``:
-    ``--hicache-storage-backend-extra-config``, checked by the backend, unknown keys refused.
+    ``--hicache-storage-backend-extra-config``, checked by the backend, unknown keys refused;
+    ``auth_token``: the deployment's token (``config.resolve_token``), under which pages are
+    signed and unsigned ones refused (``page_format``); None: CRC checks only.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"hicache_storage_backend: {backend!r} is not one of {sorted(_BACKENDS)}")
@@ -136,7 +141,10 @@ def create_page_store(
         raise ValueError(f"hicache_storage_size_gb: must be > 0, got {size_gb!r}")
     check_key(namespace, "namespace")
     module, factory = _BACKENDS[backend]
+    from pdserve.mem.storage import page_format
+
     store: PageStore = getattr(importlib.import_module(module), factory)(
-        directory=directory, size_gb=size_gb, namespace=namespace, extra_config=dict(extra_config or {})
+        directory=directory, size_gb=size_gb, namespace=namespace, extra_config=dict(extra_config or {}),
+        mac_key=page_format.mac_key(auth_token) if auth_token else None,
     )
     return store

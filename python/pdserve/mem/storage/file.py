@@ -14,6 +14,15 @@ whole tier). A restarted server therefore reuses every page its predecessor comp
 One process owns a directory at a time (an ``flock`` on ``<dir>/.lock``): two servers sharing a
 folder would evict each other's files behind their indexes' backs.
 
+Pages are prompts' KV, so the tier is private to the server's user whatever its umask: folders
+are 0700 and files 0600 from the moment they are created (``os.mkdir``/``os.open`` with the
+mode; umask can only remove bits, and a folder made narrower by it is widened back to 0700).
+A directory that already exists must belong to this user and be writable by nobody else
+(anyone who could write it could plant or swap pages): otherwise start-up refuses, naming the
+flag. Group/world-readable folders and files an older pdserve left are made private at start-up.
+Under a token pages are signed (``page_format``), so even a page planted by someone who can write
+the folder is a ``bad_mac`` miss.
+
 ``bypass_page_cache`` (extra config, for benchmarks): ``posix_fadvise(DONTNEED)`` after every
 write (once fsynced, so the pages are clean and really dropped) and after every read, so loads
 measure the disk instead of the OS page cache. It needs ``fsync`` (dirty pages are not dropped).
@@ -24,6 +33,7 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -35,6 +45,8 @@ from pdserve.mem.storage.base import Counters, check_key
 GB = 10**9  # --hicache-storage-size-gb counts decimal gigabytes, like SGLang's --hicache-size
 _TMP_SUFFIX = ".tmp"
 _HEX = frozenset("0123456789abcdef")
+DIR_MODE = 0o700  # folders and files of the tier: this user's only
+FILE_MODE = 0o600
 
 
 @dataclass(frozen=True)
@@ -58,9 +70,11 @@ class FileStore:
 
     name = "file"
 
-    def __init__(self, config: FileStoreConfig, namespace: bytes) -> None:
+    def __init__(self, config: FileStoreConfig, namespace: bytes, mac_key: bytes | None = None) -> None:
+        """``mac_key``: pages are signed with it and unsigned ones refused (``page_format``)."""
         self.config = config
         self.namespace = check_key(namespace, "namespace")
+        self._mac_key = mac_key
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # oldest use first
         self._writing: dict[bytes, int] = {}  # reserved by puts in flight
@@ -68,10 +82,10 @@ class FileStore:
         self._tmp_seq = itertools.count()
         self._closed = False
         self._counters = Counters()
-        os.makedirs(config.directory, exist_ok=True)
+        private_directory(config.directory, parents=True)
         self._lock_fd = _lock_directory(config.directory)
         for sub in range(256):
-            os.makedirs(os.path.join(config.directory, f"{sub:02x}"), exist_ok=True)
+            private_directory(os.path.join(config.directory, f"{sub:02x}"))
         self._rebuild_index()
 
     # -- the contract ---------------------------------------------------------------------------
@@ -101,7 +115,7 @@ class FileStore:
             return None
         blob, inode = read
         try:
-            payload = page_format.unpack(blob, self.namespace, key)
+            payload = page_format.unpack(blob, self.namespace, key, self._mac_key)
         except page_format.PageFormatError as err:
             self._counters.miss(err.reason)
             self._discard(key, inode)
@@ -222,6 +236,8 @@ class FileStore:
             return None  # temporary files, strays
         try:
             st = entry.stat(follow_symlinks=False)
+            if st.st_mode & 0o077:  # an older pdserve's 0644
+                os.chmod(entry.path, FILE_MODE)
             with open(entry.path, "rb", buffering=0) as f:
                 head = f.read(page_format.HEADER_BYTES)
             _ns, key, length = page_format.header_view(head)
@@ -260,9 +276,9 @@ class FileStore:
         final = self._path(key)
         folder = os.path.dirname(final)
         tmp = os.path.join(folder, f".{key.hex()}.{os.getpid()}.{next(self._tmp_seq)}{_TMP_SUFFIX}")
-        head = page_format.header(self.namespace, key, payload)
+        head = page_format.header(self.namespace, key, payload, self._mac_key)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             try:
                 _write_all(fd, [head, memoryview(payload)])
                 if self.config.fsync:
@@ -322,8 +338,36 @@ def _unlink(path: str) -> None:
         pass
 
 
+def private_directory(directory: str, parents: bool = False) -> None:
+    """Make ``directory`` (mode 0700), or check that the one there is this user's and nobody
+    else's to write, and make it 0700. ValueError naming the flag when it cannot be trusted."""
+    if parents:
+        os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+    try:
+        os.mkdir(directory, DIR_MODE)
+    except FileExistsError:
+        pass
+    st = os.stat(directory)
+    link = os.lstat(directory)
+    me = os.geteuid()
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (me, 0):
+        raise ValueError(f"hicache_storage_dir: {directory} is a symlink owned by uid {link.st_uid}, not this user")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"hicache_storage_dir: {directory} is not a directory")
+    if st.st_uid != me:
+        raise ValueError(f"hicache_storage_dir: {directory} is owned by uid {st.st_uid}, not this user (uid {me});"
+                         " the storage tier must be private to the server's user")
+    if st.st_mode & 0o022:
+        raise ValueError(f"hicache_storage_dir: {directory} is writable by other users (mode "
+                         f"{stat.S_IMODE(st.st_mode):o}), who could plant pages; give a private folder, or check "
+                         "its contents and chmod 700 it")
+    if stat.S_IMODE(st.st_mode) != DIR_MODE:  # readable by others (an older pdserve), or narrowed by the umask
+        os.chmod(directory, DIR_MODE)
+
+
 def _lock_directory(directory: str) -> int:
-    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # an older pdserve's lock file was 0644
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -336,7 +380,12 @@ _EXTRA_KEYS = {"fsync": bool, "bypass_page_cache": bool}
 
 
 def create_file_store(
-    *, directory: str | None, size_gb: float, namespace: bytes, extra_config: Mapping[str, object]
+    *,
+    directory: str | None,
+    size_gb: float,
+    namespace: bytes,
+    extra_config: Mapping[str, object],
+    mac_key: bytes | None = None,
 ) -> FileStore:
     """``create_page_store("file", ...)``: extra config keys ``fsync`` and ``bypass_page_cache`` (booleans)."""
     options: dict[str, bool] = {}
@@ -349,4 +398,4 @@ def create_file_store(
             raise ValueError(f"hicache_storage_backend_extra_config.{field}: must be a boolean, got {value!r}")
         options[field] = value
     config = FileStoreConfig(directory=directory or "", capacity_bytes=int(size_gb * GB), **options)
-    return FileStore(config, namespace)
+    return FileStore(config, namespace, mac_key)

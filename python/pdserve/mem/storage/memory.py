@@ -26,11 +26,12 @@ class MemoryStore:
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int, namespace: bytes) -> None:
+    def __init__(self, capacity_bytes: int, namespace: bytes, mac_key: bytes | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"hicache_storage_size_gb: must be > 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.namespace = check_key(namespace, "namespace")
+        self._mac_key = mac_key
         self._lock = threading.Lock()
         self._objects: OrderedDict[bytes, bytes] = OrderedDict()
         self._used = 0
@@ -55,7 +56,7 @@ class MemoryStore:
             self._counters.miss("closed" if self._closed else "miss_absent")
             return None
         try:
-            payload = page_format.unpack(blob, self.namespace, key)
+            payload = page_format.unpack(blob, self.namespace, key, self._mac_key)
         except page_format.PageFormatError as err:
             self._counters.miss(err.reason)
             self.remove(key)
@@ -65,7 +66,7 @@ class MemoryStore:
 
     def put(self, key: bytes, payload: bytes) -> bool:
         check_key(key)
-        blob = page_format.pack(self.namespace, key, payload)
+        blob = page_format.pack(self.namespace, key, payload, self._mac_key)
         with self._lock:
             if self._closed or len(blob) > self.capacity_bytes:
                 self._counters.add("put_failures")
@@ -171,7 +172,12 @@ class FaultyStore:
 
 
 def create_memory_store(
-    *, directory: str | None, size_gb: float, namespace: bytes, extra_config: Mapping[str, object]
+    *,
+    directory: str | None,
+    size_gb: float,
+    namespace: bytes,
+    extra_config: Mapping[str, object],
+    mac_key: bytes | None = None,
 ) -> MemoryStore:
     """``create_page_store("memory", ...)``: tests only; ``directory`` and extra config are refused."""
     if extra_config:
@@ -179,4 +185,4 @@ def create_memory_store(
             f"hicache_storage_backend_extra_config: the memory backend takes none, got {sorted(extra_config)}"
         )
     del directory
-    return MemoryStore(int(size_gb * GB), namespace)
+    return MemoryStore(int(size_gb * GB), namespace, mac_key)

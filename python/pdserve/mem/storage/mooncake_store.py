@@ -20,7 +20,8 @@ cannot join its configured store at start-up should say so.
 
 Objects are ``page_format`` blobs under ``pdkv/<key hex>``; Mooncake may return an older
 complete version of a key or none at all, and the header check turns anything but the page asked
-for into a counted miss.
+for into a counted miss. Any client of the master may put any key, so under a token pages are
+signed and one without a valid MAC is a ``bad_mac`` miss, removed like any bad object.
 
 SSD offload: the wheel's ``setup`` takes ``enable_ssd_offload`` and ``ssd_offload_path`` and
 the master ``-enable_offload``; both are passed through (extra config keys of the same names,
@@ -246,10 +247,19 @@ class MooncakeStore:
 
     name = "mooncake"
 
-    def __init__(self, config: MooncakeStoreConfig, namespace: bytes, *, master: MooncakeMaster | None = None) -> None:
-        """``master``: a master this store owns and stops on ``close`` (None: someone else's)."""
+    def __init__(
+        self,
+        config: MooncakeStoreConfig,
+        namespace: bytes,
+        *,
+        master: MooncakeMaster | None = None,
+        mac_key: bytes | None = None,
+    ) -> None:
+        """``master``: a master this store owns and stops on ``close`` (None: someone else's);
+        ``mac_key``: pages are signed with it and unsigned ones refused (``page_format``)."""
         self.config = config
         self.namespace = check_key(namespace, "namespace")
+        self._mac_key = mac_key
         self._master = master
         self._counters = Counters()
         self._lock = threading.Lock()
@@ -297,7 +307,7 @@ class MooncakeStore:
             self._counters.miss("miss_absent")
             return None
         try:
-            payload = page_format.unpack(blob, self.namespace, key)
+            payload = page_format.unpack(blob, self.namespace, key, self._mac_key)
         except page_format.PageFormatError as err:
             self._counters.miss(err.reason)
             # Mooncake keeps the first value of a key (a later put returns 0 and changes nothing),
@@ -314,7 +324,7 @@ class MooncakeStore:
             self._counters.add("put_failures")
             self._counters.add("closed" if self._closed else "master_down")
             return False
-        head = page_format.header(self.namespace, key, payload)
+        head = page_format.header(self.namespace, key, payload, self._mac_key)
         try:
             rc = self._store.put_parts(store_key, head, payload)
         except Exception:  # the binding raises its own types: a failed call, not a caller bug
@@ -411,7 +421,12 @@ def _parse_extra(extra: Mapping[str, object]) -> dict[str, Any]:
 
 
 def create_mooncake_store(
-    *, directory: str | None, size_gb: float, namespace: bytes, extra_config: Mapping[str, object]
+    *,
+    directory: str | None,
+    size_gb: float,
+    namespace: bytes,
+    extra_config: Mapping[str, object],
+    mac_key: bytes | None = None,
 ) -> MooncakeStore:
     """``create_page_store("mooncake", ...)``.
 
@@ -436,7 +451,7 @@ def create_mooncake_store(
         options.setdefault("metadata_server", master.metadata_server)
     try:
         config = MooncakeStoreConfig(**options)
-        return MooncakeStore(config, namespace, master=master)
+        return MooncakeStore(config, namespace, master=master, mac_key=mac_key)
     except BaseException:
         if master is not None:
             master.stop()
