@@ -252,6 +252,27 @@ MUTATIONS = (
         "    if st.st_mode & 0o022:",
         "    if False:",
         ("test/mem/storage/test_file_store.py::test_a_storage_dir_others_may_write_is_refused",)),
+    # Issue 25, unbounded requests: the request caps and fair admission between API calls.
+    Mutation(
+        "max_logprobs_unchecked", "a request may ask for top logprobs up to the vocabulary at every position",
+        "python/pdserve/entrypoints/logprobs.py",
+        "    if 0 <= max_logprobs < k:",
+        "    if 0 <= max_logprobs < k and False:",
+        ("test/entrypoints/test_logprobs_api.py::test_top_logprobs_over_max_logprobs_is_400_naming_the_flag",)),
+    Mutation(
+        "max_seqs_per_request_unchecked", "one request may run any number of prompts x n sequences",
+        "python/pdserve/entrypoints/parallel_sampling.py",
+        "    if total <= cap:",
+        "    if True:",
+        ("test/entrypoints/test_http_server.py::test_sequences_over_max_seqs_per_request_is_400_naming_the_flag",)),
+    Mutation(
+        "admission_fcfs_across_groups", "a big request's sequences are all admitted before a later request's",
+        "python/pdserve/engine/policy.py",
+        "    turns = group_turns(waiting, admitted or {})",
+        "    turns = {r: 0 for r in waiting}",
+        ("test/engine/test_policy.py::test_a_later_call_takes_turns_with_a_big_one_instead_of_waiting_behind_it",
+         "test/engine/test_policy.py::test_a_group_with_sequences_admitted_already_yields_its_turn",
+         f"{T_SCHED}::test_a_small_call_is_admitted_between_the_sequences_of_a_big_one")),
 )
 
 

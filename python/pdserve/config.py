@@ -738,6 +738,8 @@ class ServerArgs:
     torch_compile_max_bs: int = 32
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
     max_request_bytes: int = 32 << 20  # larger HTTP request bodies are refused (413) before parsing
+    max_logprobs: int = 20  # top-k logprobs per token a request may ask for (vLLM's flag); -1: up to the vocabulary
+    max_seqs_per_request: int = 256  # sequences (prompts x n, or x best_of) one API request may run
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -765,6 +767,10 @@ class ServerArgs:
             raise ValueError(f"stream_interval: must be >= 1, got {self.stream_interval}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs: must be >= 0, or -1 (no cap but the vocabulary), got {self.max_logprobs}")
+        if self.max_seqs_per_request < 1:
+            raise ValueError(f"max_seqs_per_request: must be >= 1, got {self.max_seqs_per_request}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
         # Building the parts validates every field they own.

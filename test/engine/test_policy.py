@@ -70,3 +70,46 @@ def test_new_token_ratio_decays_to_floor_jumps_on_retraction_and_resets_when_idl
 def test_new_token_ratio_refuses_inconsistent_bounds():
     with pytest.raises(ValueError, match="new token ratio"):
         policy.NewTokenRatio(init=0.05, floor=0.1)
+
+
+# ------------------------------------------------------------ fair admission between API calls
+def _seq(rid, arrival, group, retracted=0):
+    r = _req(rid, arrival, retracted)
+    r.group = group
+    return r
+
+
+def test_a_later_call_takes_turns_with_a_big_one_instead_of_waiting_behind_it():
+    """One call's sequences (a batch of prompts, n samples) share a group; the k-th waiting one of a
+    group ranks as if k of its own went first, so a later call of one sequence is not queued behind
+    all of them."""
+    big = [_seq(f"big{i}", i, "big") for i in range(5)]
+    small = _seq("small", 5, "small")
+    order = policy.order_waiting(big + [small], "fcfs", lambda r: 0)
+    assert [r.rid for r in order] == ["big0", "small", "big1", "big2", "big3", "big4"]
+
+
+def test_a_group_with_sequences_admitted_already_yields_its_turn():
+    big = [_seq(f"big{i}", i, "big") for i in range(3)]
+    small = _seq("small", 3, "small")
+    order = policy.order_waiting(big + [small], "fcfs", lambda r: 0, admitted={"big": 4})
+    assert [r.rid for r in order] == ["small", "big0", "big1", "big2"]
+    # the same under lpm, where turns come before the cached prefix
+    order = policy.order_waiting(big + [small], "lpm", lambda r: 10 if r.rid.startswith("big") else 0,
+                                 admitted={"big": 4})
+    assert [r.rid for r in order] == ["small", "big0", "big1", "big2"]
+
+
+def test_calls_of_one_sequence_keep_arrival_order():
+    """One sequence per call (or no group: the offline Engine): the order is FCFS (or LPM) as before."""
+    seqs = [_seq("a", 0, "g0"), _seq("b", 1, "g1"), _seq("c", 2, None), _seq("d", 3, "g3", retracted=1)]
+    assert [r.rid for r in policy.order_waiting(seqs, "fcfs", lambda r: 0)] == ["d", "a", "b", "c"]
+    match = {"a": 0, "b": 4, "c": 2, "d": 0}
+    assert [r.rid for r in policy.order_waiting(seqs, "lpm", lambda r: match[r.rid])] == ["b", "c", "a", "d"]
+
+
+def test_group_turns_count_admitted_then_arrival_within_the_group():
+    a0, a1, b0 = _seq("a0", 0, "a"), _seq("a1", 1, "a"), _seq("b0", 2, "b")
+    loner = _seq("x", 3, None)
+    turns = policy.group_turns([a1, b0, a0, loner], {"a": 2, "b": 0})
+    assert [turns[r] for r in (a0, a1, b0, loner)] == [2, 3, 0, 0]

@@ -305,3 +305,30 @@ def test_parallel_settings_that_cannot_shard_the_model_are_refused(llama_dir, kw
     """Refused before any rank starts (the model has 4 heads, no experts and GQA attention)."""
     with pytest.raises(ValueError, match=f"^{field}"):
         pdserve.Engine(model_path=llama_dir, **kw)
+
+
+def test_a_small_call_is_admitted_between_the_sequences_of_a_big_one(llama_dir):
+    """Fair admission: the sequences of one big call (group "big") wait for free slots, and a call of
+    one sequence that arrives after all of them gets its first token in the next wave, not after the
+    big call's last sequence; greedy tokens are the same as without groups."""
+    sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    prompts = _prompts(9)
+    engine = pdserve.Engine(model_path=llama_dir, max_running_requests=2)
+    sched = engine.scheduler
+    for i, p in enumerate(prompts[:8]):
+        sched.add_request(f"big{i}", p, pdserve_sp(sp), group="big")
+    sched.add_request("small", prompts[8], pdserve_sp(sp), group="small")
+    first_step: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while sched.has_work():
+        for o in sched.step():
+            first_step.setdefault(o.rid, step)
+            outputs.setdefault(o.rid, []).extend(o.new_token_ids)
+        step += 1
+    big_steps = sorted(first_step[f"big{i}"] for i in range(8))
+    assert first_step["small"] <= big_steps[2], first_step  # in the second wave, beside big2
+    assert first_step["small"] < big_steps[-1], first_step
+    alone = pdserve.Engine(model_path=llama_dir).generate(input_ids=prompts, sampling_params=sp)
+    assert [outputs[f"big{i}"] for i in range(8)] + [outputs["small"]] == [o["output_ids"] for o in alone]
+    _assert_no_leak(engine)

@@ -304,3 +304,60 @@ def test_metrics(server):
         assert f"pdserve:{name}" in text, name
     count = re.search(r'pdserve:e2e_request_latency_seconds_count\{[^}]*\} (\S+)', text)
     assert float(count.group(1)) >= 1
+
+
+# ------------------------------------------------- sequences per request, fair admission
+MAX_SEQS = 256  # --max-seqs-per-request's default, which the module's server runs with
+ONE = {"max_new_tokens": 1}  # should a cap let them through, they end soon
+OVER_MAX_SEQS = [
+    ("/generate", {"input_ids": [[5, 6]] * 3, "sampling_params": {**ONE, "n": 128}}, "sampling_params.n"),
+    ("/generate", {"input_ids": [[5, 6]] * 3, "sampling_params": [ONE, *[{**ONE, "n": 128}] * 2]},
+     "sampling_params.n"),  # 1 + 128 + 128
+    ("/generate", {"input_ids": [[5, 6]] * (MAX_SEQS + 1), "sampling_params": ONE}, "input_ids"),
+    ("/generate", {"text": ["x"] * (MAX_SEQS + 1), "sampling_params": ONE}, "text"),
+    ("/v1/completions", {"prompt": [[5, 6]] * 3, "n": 100, "max_tokens": 1}, "n"),
+    ("/v1/completions", {"prompt": [[5, 6]] * 3, "n": 2, "best_of": 100, "max_tokens": 1}, "best_of"),
+    ("/v1/completions", {"prompt": ["x"] * (MAX_SEQS + 1), "max_tokens": 1}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", OVER_MAX_SEQS, ids=[f"{p}-{f}-{i}" for i, (p, _, f) in
+                                                                enumerate(OVER_MAX_SEQS)])
+def test_sequences_over_max_seqs_per_request_is_400_naming_the_flag(server, path, body, field):
+    """500 prompts x n 128 in one request held another client's 16 tokens for 25 s: prompts x n
+    (x best_of) over --max-seqs-per-request is refused before anything runs."""
+    steps = server.info()["forward_steps"]
+    r = server.post(path, json=body)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["message"].startswith(field + ":") and err["param"] == field, err
+    assert f"--max-seqs-per-request ({MAX_SEQS})" in err["message"], err
+    assert server.info()["forward_steps"] == steps  # refused before any of it ran
+
+
+def test_a_small_request_is_served_while_a_big_one_still_waits(server):
+    """Fair admission between requests: one request of 4 prompts x n 64 fills every running slot
+    and queues the rest; a one-token request sent after it is admitted in the next wave, so when
+    it returns the big one still has sequences waiting (in arrival order it would come last, when
+    none are left waiting)."""
+    server.wait_idle()
+    big = {"input_ids": [[7, 8, 9, 10 + i] for i in range(4)],
+           "sampling_params": {"n": 64, "max_new_tokens": 64, "ignore_eos": True}}
+    small = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 1}}
+
+    async def main() -> tuple[httpx.Response, dict]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as c:
+            task = asyncio.create_task(c.post("/generate", json=big))
+            try:
+                while (await c.get("/get_server_info")).json()["num_waiting_reqs"] == 0:
+                    assert not task.done(), task.result().text[:300]
+                    await asyncio.sleep(0.05)
+                answer = await c.post("/generate", json=small)
+                return answer, (await c.get("/get_server_info")).json()
+            finally:
+                task.cancel()  # closes its connection: the server aborts the rest of the big request
+
+    answer, info = asyncio.run(main())
+    assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 1, answer.text
+    assert info["num_waiting_reqs"] > 0, info
+    assert server.wait_idle(timeout=120)["num_inflight_requests"] == 0

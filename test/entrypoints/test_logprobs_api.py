@@ -235,6 +235,9 @@ BAD = [
     ("/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
     ("/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
     ("/generate", {"input_ids": [1, 2], "stream": True, "sampling_params": {"n": 2}}, "stream"),
+    ("/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ("/generate", {"input_ids": [[1, 2], [1, 3]], "return_logprob": True, "top_logprobs_num": [2, 21]},
+     "top_logprobs_num"),
 ]
 
 
@@ -244,3 +247,40 @@ def test_bad_logprob_fields_name_the_field(server, path, body, field):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith(field + ":"), r.json()
     assert r.json()["error"]["param"] == field
+
+
+# ------------------------------------------------------------- --max-logprobs
+MAX_LOGPROBS = 20  # the flag's default, which the module's server runs with
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/generate", {"return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1}},
+     "top_logprobs_num"),
+    ("/v1/completions", {"echo": True, "max_tokens": 0}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "max_tokens": 1}, "top_logprobs"),
+], ids=["generate", "completions", "chat"])
+def test_top_logprobs_over_max_logprobs_is_400_naming_the_flag(server, model, path, body, field):
+    """Top-k up to the vocabulary, at every prompt position (logprob_start_len 0), made a 5 KB
+    request answer with 63 MB; over --max-logprobs the request is refused before it runs."""
+    vocab = model[0].config.vocab_size
+    prompt = {"/generate": {"input_ids": _prompt(200, 7)}, "/v1/completions": {"prompt": _prompt(200, 7)},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}[path]
+    r = server.post(path, json={**prompt, **body, field: vocab})
+    assert r.status_code == 400, r.text[:200]
+    err = r.json()["error"]
+    assert err["message"].startswith(field + ":") and err["param"] == field, err
+    assert f"--max-logprobs ({MAX_LOGPROBS})" in err["message"], err
+
+
+def test_prompt_logprobs_at_the_cap_are_bounded_by_it(server):
+    """The response grows with prompt length x top-k: at the cap every position carries exactly
+    --max-logprobs alternatives, prompt and output alike."""
+    prompt = _prompt(200, 7)
+    r = server.post("/generate", json={"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                       "top_logprobs_num": MAX_LOGPROBS,
+                                       "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    assert r.status_code == 200, r.text[:200]
+    meta = r.json()["meta_info"]
+    assert len(meta["input_top_logprobs"]) == len(prompt) and meta["input_top_logprobs"][0] is None
+    tops = meta["input_top_logprobs"][1:] + meta["output_top_logprobs"]
+    assert {len(t) for t in tops} == {MAX_LOGPROBS}

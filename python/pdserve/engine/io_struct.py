@@ -26,6 +26,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1  # first prompt position with an input logprob (-1: the last)
     top_logprobs_num: int = 0
     bootstrap: BootstrapRef | None = None  # set when a P/D router sent the request
+    group: str | None = None  # the API call it belongs to (its other prompts and samples share it)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Req
@@ -12,15 +12,40 @@ from pdserve.engine.request import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting(waiting: list[Req], policy: str, match_len: Callable[[Req], int]) -> list[Req]:
+def order_waiting(waiting: list[Req], policy: str, match_len: Callable[[Req], int],
+                  admitted: Mapping[str, int] | None = None) -> list[Req]:
     """Order in which waiting requests are considered for admission.
 
     ``fcfs``: retracted requests first (they already waited), then arrival.
     ``lpm``: longest cached prefix first, ties by arrival; falls back to fcfs on long queues.
+
+    Before either, groups take turns (``group_turns``): the sequences of one API call (a batch of
+    prompts, n samples) would otherwise all go before a call that arrived after them, and one
+    request of thousands of sequences would hold every later client for its whole run. With one
+    sequence per group (or none) every turn is 0 and the order is the policy's alone.
+    ``admitted``: sequences per group already admitted (running, prefilling, handed to a mode).
     """
+    turns = group_turns(waiting, admitted or {})
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
-        return sorted(waiting, key=lambda r: (-match_len(r), r.arrival))
-    return sorted(waiting, key=lambda r: (r.num_retractions == 0, r.arrival))
+        return sorted(waiting, key=lambda r: (turns[r], -match_len(r), r.arrival))
+    return sorted(waiting, key=lambda r: (r.num_retractions == 0, turns[r], r.arrival))
+
+
+def group_turns(waiting: list[Req], admitted: Mapping[str, int]) -> dict[Req, int]:
+    """Each waiting request's turn: how many of its group go before it, counting those admitted
+    and those waiting that arrived earlier (retracted ones first). Ordering by turn interleaves the
+    groups round-robin, and a group already holding slots lets the others through first. A request
+    without a group is a group of its own (turn 0)."""
+    turns: dict[Req, int] = {}
+    seen: dict[str, int] = {}
+    for r in sorted(waiting, key=lambda r: (r.num_retractions == 0, r.arrival)):
+        if r.group is None:
+            turns[r] = 0
+            continue
+        k = seen.get(r.group, 0)
+        turns[r] = admitted.get(r.group, 0) + k
+        seen[r.group] = k + 1
+    return turns
 
 
 def chunk_len(remaining: int, budget: int, kv_len: int, page_size: int) -> int:

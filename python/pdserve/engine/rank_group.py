@@ -369,7 +369,8 @@ class RankSchedulerLoop:
             return
         try:
             self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob,
-                                       msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap)
+                                       msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap,
+                                       group=msg.group)
         except ValueError as e:
             if self.layout.is_dp_leader:
                 self.outbox.send_pyobj(RejectedReq(msg.rid, str(e)))

@@ -188,13 +188,16 @@ class Req:
     """
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                 return_logprob: bool = False, arrival: int = 0, uid: int | None = None):
+                 return_logprob: bool = False, arrival: int = 0, uid: int | None = None, group: str | None = None):
         if not input_ids:
             raise ValueError("input_ids: the prompt is empty")
         self.rid = rid  # chosen by the client: may be reused once this request has finished
         # Identity unique for the life of the scheduler that assigned it (Scheduler.add_request);
         # what the engine keys per-request state on, since a client can reuse a ``rid``.
         self.uid = uid
+        # The API call this sequence belongs to (its other prompts and samples share it): admission
+        # lets groups take turns (policy.order_waiting). None: a group of its own.
+        self.group = group
         self.origin_input_ids = list(input_ids)
         self.sampling = sampling
         self.return_logprob = return_logprob

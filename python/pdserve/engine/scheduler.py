@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,14 +152,16 @@ class Scheduler:
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
                     return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                    bootstrap: BootstrapRef | None = None) -> Req:
+                    bootstrap: BootstrapRef | None = None, group: str | None = None) -> Req:
         """Queue a request. ``max_new_tokens`` 0 still prefills the prompt (its KV lands in the
         radix cache, its input logprobs are computed) and finishes without sampling.
-        ``bootstrap`` (an ``io_struct.BootstrapRef``): the request's disaggregated other half."""
+        ``bootstrap`` (an ``io_struct.BootstrapRef``): the request's disaggregated other half.
+        ``group``: the API call it belongs to; admission lets groups take turns."""
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
-        req = Req(rid, input_ids, sampling, return_logprob, arrival=next(self._arrivals), uid=next(self._uids))
+        req = Req(rid, input_ids, sampling, return_logprob, arrival=next(self._arrivals), uid=next(self._uids),
+                  group=group)
         if return_logprob:
             check_logprob_params(len(input_ids), logprob_start_len, top_logprobs_num, self.model_config.vocab_size)
             req.logprob = ReqLogprobs.create(len(input_ids), logprob_start_len, top_logprobs_num)
@@ -240,6 +243,12 @@ class Scheduler:
         limit = req.logprob.max_prefix_len() if req.logprob is not None else None
         return req.fill_ids[:-1] if limit is None else req.fill_ids[:min(limit, len(req.fill_ids) - 1)]
 
+    def _admitted_per_group(self) -> Counter[str]:
+        """Sequences of each group past admission (running, prefilling or held by the mode)."""
+        if not self.waiting:
+            return Counter()
+        return Counter(r.group for r in self.reqs.values() if r.group is not None and r.state is not ReqState.WAITING)
+
     def _admit(self, req: Req, admitted_now: int) -> bool:
         """Give a waiting request a table row and its cached prefix (locked)."""
         if len(self.running) + admitted_now >= self.config.max_running_requests:
@@ -256,7 +265,8 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         budget = min(budget if budget > 0 else self.config.max_prefill_tokens, self.config.max_prefill_tokens)
         candidates = [self.chunked] if self.chunked else []
-        candidates += policy.order_waiting(self.waiting, self.config.schedule_policy, self._match_len)
+        candidates += policy.order_waiting(self.waiting, self.config.schedule_policy, self._match_len,
+                                           self._admitted_per_group())
         reqs: list[Req] = []
         lens: list[int] = []
         self.chunked = None

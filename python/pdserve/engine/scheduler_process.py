@@ -178,7 +178,8 @@ class SchedulerLoop:
     def _add(self, msg: TokenizedGenerateReq) -> None:
         try:
             self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob,
-                                       msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap)
+                                       msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap,
+                                       group=msg.group)
         except ValueError as e:
             self.send.send_pyobj(RejectedReq(msg.rid, str(e)))
 

@@ -86,6 +86,10 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--max-prefill-tokens", "most prompt tokens in one prefill batch", type=int)
     _flag(g, "--schedule-policy", "order in which waiting requests are admitted", choices=SCHEDULE_POLICIES)
     _flag(g, "--disable-radix-cache", "do not reuse KV of shared prefixes", action="store_true")
+    _flag(g, "--max-seqs-per-request", "most sequences one API request may run (prompts x n, or x best_of); "
+          "more get a 400. Requests take turns at admission, so a big one does not hold up the others", type=int)
+    _flag(g, "--max-logprobs", "most top logprobs per token a request may ask for (top_logprobs_num, logprobs, "
+          "top_logprobs), prompt tokens included; more get a 400. -1: up to the vocabulary", type=int)
 
 
 def add_hicache_args(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,20 @@ from dataclasses import dataclass, field
 TopLogprobs = list[tuple[float, int]]  # (logprob, token id), most likely first
 
 
+def check_top_logprobs(k: int, name: str, max_logprobs: int, vocab_size: int) -> None:
+    """Raise ValueError naming ``name`` for a top-k over ``--max-logprobs`` (-1: no cap but the vocabulary).
+
+    A response carries k alternatives at every position asked for, prompt positions included
+    (``logprob_start_len`` 0, ``echo``): with k up to the vocabulary a 5 KB request answered with
+    63 MB. Capping k caps the response at (prompt + output tokens) x k, both bounded already."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"{name}: must be an integer >= 0, got {k!r}")
+    if 0 <= max_logprobs < k:
+        raise ValueError(f"{name}: must be at most --max-logprobs ({max_logprobs}), got {k}")
+    if k > vocab_size:
+        raise ValueError(f"{name}: must be at most the vocabulary size ({vocab_size}), got {k}")
+
+
 class TokenTexts:
     """Token id -> its text (the tokenizer's decode of that one token), memoised.
 

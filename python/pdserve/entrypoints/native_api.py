@@ -19,8 +19,8 @@ from pdserve.engine.logprobs import check_logprob_params, resolve_start
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs is 3.13+
 from pdserve.engine.request import SamplingParams
-from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, sglang_meta
-from pdserve.entrypoints.parallel_sampling import PromptJob, run_job
+from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, check_top_logprobs, sglang_meta
+from pdserve.entrypoints.parallel_sampling import PromptJob, check_sequences, new_group, run_job
 from pdserve.entrypoints.protocol import GenerateRequest
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
 from pdserve.web.errors import RequestError, parse_body, read_body
@@ -108,23 +108,27 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
     tops = _per_prompt(req.top_logprobs_num, n, "top_logprobs_num", int)
     rids = _per_prompt(req.rid, n, "rid", str)
     samplings = [_sampling(sp, tm.request_limits.vocab_size) for sp in sps]
+    check_sequences([s.n for s in samplings], tm.args.max_seqs_per_request, field_name, "sampling_params.n")
     _check_sample_rids(tm, rids, [s.n for s in samplings])
     boots = tm.bootstraps(req, n, max(s.n for s in samplings))
+    group = new_group()
     items = []
     for ids, sampling, lp, start, top, rid, boot in zip(ids_list, samplings, lps, starts, tops, rids, boots):
         tm.check_input(ids, sampling.max_new_tokens, field_name, "sampling_params.max_new_tokens")
         start, top = -1 if start is None else start, top or 0
         if lp:
-            _check_logprobs(ids, start, top, tm.request_limits.vocab_size)
+            _check_logprobs(ids, start, top, tm)
         job = PromptJob(ids, sampling.for_copy(0), sampling.n, bool(lp), resolve_start(start, len(ids)) if lp else None,
-                        top if lp else 0, rid, boot)
+                        top if lp else 0, rid, boot, group)
         items.append(_Item(job, top if lp else 0))
     return items, single
 
 
-def _check_logprobs(ids: list[int], start, top, vocab_size: int) -> None:
+def _check_logprobs(ids: list[int], start, top, tm: TokenizerManager) -> None:
+    vocab_size = tm.request_limits.vocab_size
     try:
         check_logprob_params(len(ids), start, top, vocab_size)
+        check_top_logprobs(top, "top_logprobs_num", tm.args.max_logprobs, vocab_size)
     except ValueError as e:
         raise RequestError.from_value_error(e) from None
 

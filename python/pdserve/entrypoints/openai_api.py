@@ -7,7 +7,7 @@ template owns them, as in HF's ``apply_chat_template(tokenize=True)``).
 Streams end with ``data: [DONE]``; ``stream_options.include_usage`` adds a
 final usage-only chunk.
 
-Logprobs: completions ``logprobs`` (top-k, 0..20) with ``echo`` (the prompt's tokens
+Logprobs: completions ``logprobs`` (top-k, 0..``--max-logprobs``) with ``echo`` (the prompt's tokens
 and logprobs first, the first one null; ``max_tokens`` 0 scores a prompt, as
 lm-evaluation-harness does); chat ``logprobs`` / ``top_logprobs``. ``n`` samples per
 prompt (``best_of`` >= n: keep the n with the highest cumulative logprob) share the
@@ -25,8 +25,20 @@ from typing import Any
 from fastapi import Request
 
 from pdserve.engine.request import MAX_N, SamplingParams
-from pdserve.entrypoints.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_end
-from pdserve.entrypoints.parallel_sampling import PromptJob, attach_prompt_logprobs, run_job
+from pdserve.entrypoints.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    check_top_logprobs,
+    completion_logprobs,
+    text_end,
+)
+from pdserve.entrypoints.parallel_sampling import (
+    PromptJob,
+    attach_prompt_logprobs,
+    check_sequences,
+    new_group,
+    run_job,
+)
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
 from pdserve.web.chat import chat_prompt_text
@@ -43,7 +55,6 @@ from pdserve.web.streaming import (
     until_disconnect,
 )
 
-MAX_LOGPROBS = 20  # top-k alternatives per token (OpenAI's chat limit)
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty",
                     "presence_penalty", "stop_token_ids", "n")
 
@@ -79,14 +90,18 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
     req: CompletionRequest = parse_body(CompletionRequest, await read_body(request, tm.args.max_request_bytes))
     if req.suffix:
         raise RequestError("suffix: not supported by this server", param="suffix")
-    _check_top_k(req.logprobs, "logprobs")
+    _check_top_k(tm, req.logprobs, "logprobs")
     prompts, texts = await _completion_prompts(tm, req.prompt)
     samplings = [_sampling(tm, req, p, req.max_tokens, "max_tokens", "prompt") for p in prompts]
     best_of = _best_of(req, samplings[0].n)
+    check_sequences([best_of] * len(prompts), tm.args.max_seqs_per_request, "prompt",
+                    "best_of" if best_of > samplings[0].n else "n")
     echo_lp = req.echo and req.logprobs is not None
     boots = tm.bootstraps(req, len(prompts), best_of)
+    group = new_group()
     jobs = [PromptJob(ids, sp, best_of, req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
-                      req.logprobs or 0, bootstrap=boot) for ids, sp, boot in zip(prompts, samplings, boots)]
+                      req.logprobs or 0, bootstrap=boot, group=group)
+            for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
     call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
     return await _run(tm, request, call)
@@ -94,13 +109,14 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
 
 async def chat_completions(tm: TokenizerManager, request: Request, model_name: str):
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_body(request, tm.args.max_request_bytes))
-    top = _chat_top_logprobs(req)
+    top = _chat_top_logprobs(tm, req)
     ids = await _chat_ids(tm, [m.model_dump() | {"content": m.text()} for m in req.messages])
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(tm, req, ids, max_tokens, name, "messages")
+    check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
     (boot,) = tm.bootstraps(req, 1, sampling.n)
-    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot)
+    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group())
     call = _call("chat", model_name, req, [job], top, None, tm)
     return await _run(tm, request, call)
 
@@ -114,19 +130,23 @@ async def _chat_ids(tm: TokenizerManager, messages: list[dict]) -> list[int]:
     return await tm.encode(chat_prompt_text(tm.tokenizer, messages), add_special_tokens=False)
 
 
-def _chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
+def _chat_top_logprobs(tm: TokenizerManager, req: ChatCompletionRequest) -> int | None:
     """Top-k per token when chat logprobs are asked for, else None."""
     if req.top_logprobs is not None:
-        _check_top_k(req.top_logprobs, "top_logprobs")
+        _check_top_k(tm, req.top_logprobs, "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise RequestError("top_logprobs: needs logprobs: true", param="top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
 # -------------------------------------------------------------- requests
-def _check_top_k(k: int | None, name: str) -> None:
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise RequestError(f"{name}: must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
+def _check_top_k(tm: TokenizerManager, k: int | None, name: str) -> None:
+    if k is None:
+        return
+    try:
+        check_top_logprobs(k, name, tm.args.max_logprobs, tm.request_limits.vocab_size)
+    except ValueError as e:
+        raise RequestError.from_value_error(e) from None
 
 
 def _best_of(req: CompletionRequest, n: int) -> int:

@@ -4,17 +4,23 @@ The prompt runs once first, as a request with no new tokens: its full pages land
 the radix cache (and it computes the prompt's logprobs, if asked), so each sample's
 prefill is a cache hit, reported in its ``cached_tokens``, as SGLang does for
 parallel sampling. One sample needs no such step.
+
+Every sequence of one API call (each prompt's samples and shared prefill) carries the
+call's ``group``, so the scheduler lets calls take turns at admission; the call's
+sequences in all are capped by ``--max-seqs-per-request`` (``check_sequences``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import SamplingParams
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+from pdserve.web.errors import RequestError
 from pdserve.web.streaming import collect, gather_or_cancel
 
 
@@ -30,6 +36,7 @@ class PromptJob:
     top_logprobs_num: int = 0
     rid: str | None = None
     bootstrap: BootstrapRef | None = None  # a disaggregated request (then count is 1)
+    group: str | None = None  # the API call this prompt belongs to (new_group): admission takes turns by it
 
     @property
     def shares_prefill(self) -> bool:
@@ -40,7 +47,8 @@ class PromptJob:
         sampling = dataclasses.replace(self.sampling.for_copy(0), max_new_tokens=0)
         rid = None if self.rid is None else f"{self.rid}-prefill"
         gen = tm.generate(self.input_ids, sampling, self.input_start is not None, rid, stream=False,
-                          logprob_start_len=self._start(True), top_logprobs_num=self.top_logprobs_num)
+                          logprob_start_len=self._start(True), top_logprobs_num=self.top_logprobs_num,
+                          group=self.group)
         return await final_chunk(gen)
 
     def generators(self, tm: TokenizerManager, stream: bool) -> list[AsyncGenerator[GenerateChunk, None]]:
@@ -49,7 +57,7 @@ class PromptJob:
         want = self.return_logprob or (with_input and self.input_start is not None)
         return [tm.generate(self.input_ids, self.sampling.for_copy(j), want, self._rid(j), stream,
                             logprob_start_len=self._start(with_input), top_logprobs_num=self.top_logprobs_num,
-                            bootstrap=self.bootstrap)
+                            bootstrap=self.bootstrap, group=self.group)
                 for j in range(self.count)]
 
     def _start(self, with_input: bool) -> int:
@@ -59,6 +67,26 @@ class PromptJob:
         if self.rid is None or self.count == 1:
             return self.rid
         return f"{self.rid}-{j}"
+
+
+def new_group() -> str:
+    """A fresh admission group: one per API call, shared by all of its jobs."""
+    return uuid.uuid4().hex
+
+
+def check_sequences(counts: list[int], cap: int, prompt_field: str, count_field: str) -> None:
+    """Refuse (400) a call of more sequences than ``--max-seqs-per-request`` (``cap``): ``counts``
+    is each prompt's samples (n, or best_of). Admission takes turns between calls, but within one
+    call every sequence still holds a slot, its KV and a share of each step, so a single call of
+    500 prompts x n 128 could fill the server for minutes. The error names the prompts when there
+    are more of them than the cap alone, else the per-prompt count."""
+    total = sum(counts)
+    if total <= cap:
+        return
+    name = prompt_field if len(counts) > cap else count_field
+    raise RequestError(f"{name}: the request asks for {total} sequences ({len(counts)} prompt(s), up to "
+                       f"{max(counts)} samples each), more than --max-seqs-per-request ({cap}); split it into "
+                       f"smaller requests", param=name)
 
 
 async def final_chunk(gen: AsyncGenerator[GenerateChunk, None]) -> GenerateChunk:

@@ -284,9 +284,10 @@ class TokenizerManager:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                        rid: str | None = None, stream: bool = True, logprob_start_len: int = -1,
-                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None
+                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None, group: str | None = None
                        ) -> AsyncGenerator[GenerateChunk, None]:
-        """Submit one request and yield its chunks until it finishes.
+        """Submit one request and yield its chunks until it finishes; ``group``: the API call it is
+        one sequence of (the scheduler's admission lets groups take turns).
 
         Raises RequestError (400) if the scheduler rejects it, ServerError (503) if the
         scheduler dies. Leaving early (client gone, task cancelled) aborts the request,
@@ -310,7 +311,7 @@ class TokenizerManager:
         finished = False
         try:
             self._send_or_fail(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
-                                                    top_logprobs_num, bootstrap))
+                                                    top_logprobs_num, bootstrap, group))
             while not finished:
                 await state.event.wait()
                 state.event.clear()
