@@ -325,6 +325,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                    help="the router's policy for both sides (default: %(default)s)")
     g.add_argument("--api-key", dest="up_api_key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' to the router and every server")
+    g.add_argument("--admin-api-key", dest="up_admin_api_key", default=os.environ.get(ADMIN_KEY_ENV) or None,
+                   help="admin routes of the router and every server need it (passed to them by the environment; "
+                   f"default: ${ADMIN_KEY_ENV})")
     g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
                    help="the router's health checks: a restarted server is used again within this "
                    "(default: %(default)s)")
@@ -423,7 +426,7 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS)
         args = UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
                       ns.up_api_key, ns.up_health_check_interval_secs, elastic=elastic_from_namespace(ns),
-                      storage=storage)
+                      storage=storage, admin_api_key=ns.up_admin_api_key)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return launch_up(args)
