@@ -225,6 +225,27 @@ MUTATIONS = (
         "        return max(d + h for d, h, _ in rows)",
         ("test/mem/test_hicache.py::test_prepare_loads_what_every_rank_holds_waits_while_one_is_busy_and_refuses_"
          "diverged_devices",)),
+    # issue 25, finding 6: admin routes apart (web/api_key.py)
+    Mutation(
+        "admin_route_takes_the_inference_key", "with --admin-api-key set, the inference key still opens admin routes",
+        "python/pdserve/web/api_key.py",
+        "        administer = is_admin if self.admin is not None else inference_ok",
+        "        administer = is_admin or inference_ok",
+        ("test/web/test_api_key.py::test_which_key_opens_which_route",
+         "test/entrypoints/test_http_server.py::test_admin_routes_refuse_the_inference_key")),
+    Mutation(
+        "abort_of_a_foreign_rid_allowed", "a client aborts by rid a request another client started",
+        "python/pdserve/entrypoints/http_server.py",
+        "    elif owner is not None and owner != owner_of_scope(scope):",
+        "    elif False:",
+        ("test/entrypoints/test_http_server.py::test_a_client_cannot_abort_another_clients_request",)),
+    Mutation(
+        "router_aborts_for_a_client_with_the_admin_key", "the router sends a client's rid abort with its admin key, "
+        "so the workers no longer check whose request it is",
+        "python/pdserve/router/app.py",
+        '        admin = holds_admin_key(request.scope) or body.get("abort_all")',
+        "        admin = True",
+        ("test/router/test_router_echo.py::test_admin_routes_need_the_admin_key_and_it_is_what_the_workers_get",)),
 )
 
 
