@@ -246,6 +246,13 @@ MUTATIONS = (
         '        admin = holds_admin_key(request.scope) or body.get("abort_all")',
         "        admin = True",
         ("test/router/test_router_echo.py::test_admin_routes_need_the_admin_key_and_it_is_what_the_workers_get",)),
+    Mutation(
+        "unauthenticated_bind_silent", "a server or router open beyond loopback with no key starts without a warning",
+        "python/pdserve/web/api_key.py",
+        "    if api_key or admin_api_key or is_loopback(host):",
+        "    if True:",
+        ("test/web/test_api_key.py::test_unauthenticated_beyond_loopback_warns",
+         "test/router/test_router_echo.py::test_a_router_beyond_loopback_without_a_key_warns_once")),
 )
 
 

@@ -449,6 +449,16 @@ def test_admin_routes_need_the_admin_key_and_it_is_what_the_workers_get(echo, ma
     assert "admin-secret" not in router.output()
 
 
+def test_a_router_beyond_loopback_without_a_key_warns_once(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    open_router = make_router([p1.url], [d1.url], "--host", "0.0.0.0")  # reached through 127.0.0.1 only
+    keyed = make_router([p1.url], [d1.url], "--host", "0.0.0.0", "--api-key", "k")
+    assert open_router.get("/health").status_code == 200
+    warned = [line for line in open_router.output().splitlines() if "no --api-key and no --admin-api-key" in line]
+    assert len(warned) == 1 and "0.0.0.0" in warned[0]
+    assert "no --api-key" not in keyed.output()
+
+
 # ----------------------------------------------------------- resumption
 def test_a_stream_whose_decode_dies_resumes_on_another(echo, make_router):
     p1, d1, d2 = echo["p1"], echo["d1"], echo["d2"]
