@@ -122,7 +122,7 @@ class AccessMiddleware:
         is_admin = self.admin is not None and hmac.compare_digest(got, self.admin)
         inference_ok = self.inference is None or hmac.compare_digest(got, self.inference)
         administer = is_admin if self.admin is not None else inference_ok
-        err = self._refusal(access, inference_ok, administer, is_admin)
+        err = self._refusal(scope["path"], access, inference_ok, administer, is_admin)
         if err is not None:
             return await error_response(err)(scope, receive, send)
         scope.setdefault("state", {}).update(pdserve_admin=is_admin, pdserve_may_administer=administer)
@@ -132,10 +132,11 @@ class AccessMiddleware:
         finally:
             _OWNER.reset(token)
 
-    def _refusal(self, access: Access, inference_ok: bool, administer: bool, is_admin: bool) -> RequestError | None:
+    def _refusal(self, path: str, access: Access, inference_ok: bool, administer: bool,
+                 is_admin: bool) -> RequestError | None:
         if access is Access.ADMIN and not administer:
             if self.admin is not None and inference_ok and self.inference is not None:
-                return admin_refusal("this route")
+                return admin_refusal(path.lstrip("/"))
             return _missing_key("the admin key (--admin-api-key)" if self.admin is not None else "the API key")
         admin_abort = access is Access.OWNED and is_admin  # the admin may abort without the inference key
         if access in (Access.INFERENCE, Access.OWNED) and not inference_ok and not admin_abort:
