@@ -273,6 +273,34 @@ MUTATIONS = (
         ("test/engine/test_policy.py::test_a_later_call_takes_turns_with_a_big_one_instead_of_waiting_behind_it",
          "test/engine/test_policy.py::test_a_group_with_sequences_admitted_already_yields_its_turn",
          f"{T_SCHED}::test_a_small_call_is_admitted_between_the_sequences_of_a_big_one")),
+    # issue 25, finding 6: admin routes apart (web/api_key.py)
+    Mutation(
+        "admin_route_takes_the_inference_key", "with --admin-api-key set, the inference key still opens admin routes",
+        "python/pdserve/web/api_key.py",
+        "        administer = is_admin if self.admin is not None else inference_ok",
+        "        administer = is_admin or inference_ok",
+        ("test/web/test_api_key.py::test_which_key_opens_which_route",
+         "test/entrypoints/test_http_server.py::test_admin_routes_refuse_the_inference_key")),
+    Mutation(
+        "abort_of_a_foreign_rid_allowed", "a client aborts by rid a request another client started",
+        "python/pdserve/entrypoints/http_server.py",
+        "    elif owner is not None and owner != owner_of_scope(scope):",
+        "    elif False:",
+        ("test/entrypoints/test_http_server.py::test_a_client_cannot_abort_another_clients_request",)),
+    Mutation(
+        "router_aborts_for_a_client_with_the_admin_key", "the router sends a client's rid abort with its admin key, "
+        "so the workers no longer check whose request it is",
+        "python/pdserve/router/app.py",
+        '        admin = holds_admin_key(request.scope) or body.get("abort_all")',
+        "        admin = True",
+        ("test/router/test_router_echo.py::test_admin_routes_need_the_admin_key_and_it_is_what_the_workers_get",)),
+    Mutation(
+        "unauthenticated_bind_silent", "a server or router open beyond loopback with no key starts without a warning",
+        "python/pdserve/web/api_key.py",
+        "    if api_key or admin_api_key or is_loopback(host):",
+        "    if True:",
+        ("test/web/test_api_key.py::test_unauthenticated_beyond_loopback_warns",
+         "test/router/test_router_echo.py::test_a_router_beyond_loopback_without_a_key_warns_once")),
 )
 
 

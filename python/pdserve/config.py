@@ -722,6 +722,7 @@ class ServerArgs:
     hicache_storage_backend_extra_config: str | None = None
     random_seed: int = 0
     api_key: str | None = None
+    admin_api_key: str | None = field(default=None, repr=False)  # admin routes (web/api_key.py)
     log_level: str = "info"
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
@@ -866,7 +867,7 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for secret in ("api_key", "disaggregation_auth_token"):
+        for secret in ("api_key", "admin_api_key", "disaggregation_auth_token"):
             if d.get(secret):
                 d[secret] = "***"
         return d

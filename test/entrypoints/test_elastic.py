@@ -3,11 +3,24 @@ a prefill-heavy and a decode-heavy mix, and intervals read from real /metrics te
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
+
 import pytest
 
 from pdserve.bench import planner
 from pdserve.bench.profiles import Curve, DecodeProfile, PrefillProfile
-from pdserve.entrypoints.elastic import Hysteresis, Interval, decide, interval_from, parse_metrics, plan_split
+from pdserve.entrypoints.elastic import (
+    Controller,
+    ElasticConfig,
+    Hysteresis,
+    Interval,
+    decide,
+    interval_from,
+    parse_metrics,
+    plan_split,
+)
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.timeline import ReqTimeline
 
@@ -72,3 +85,34 @@ def test_interval_from_two_scrapes():
     hw = iv.hardware()
     assert hw is not None and hw.decode.step(3) == pytest.approx(0.02)
     assert Interval(1.0, 5, 10, 10).hardware() is None  # nothing measured on one side: no estimate
+
+
+def test_the_role_switch_goes_with_the_admin_key():
+    """The servers take POST /pd_role_switch only with --admin-api-key when they have one: the
+    controller sends it there (and the inference key for its reads)."""
+    seen: list[tuple[str, str | None]] = []
+
+    class Worker(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"seconds": 0.1}).encode())
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Worker)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        controller = Controller("http://127.0.0.1:1", ElasticConfig(SLO), api_key="inf", admin_api_key="adm")
+        controller._switch([{"url": url, "in_flight": 0}], "decode")  # noqa: SLF001 - the one HTTP call
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert seen == [("/pd_role_switch", "Bearer adm")]
+    assert controller.switches[0]["role"] == "decode"

@@ -1,6 +1,7 @@
 """Acceptance tests of the HTTP server against a real ``pdserve serve --model-path tiny-deepseek``.
 
-One server (with ``--api-key``) serves the whole module; the offline Engine on
+One server (with ``--api-key``, and ``--admin-api-key`` from the environment as ``pdserve up``
+passes it) serves the whole module; the offline Engine on
 the same preset is the oracle for greedy text.
 """
 
@@ -20,6 +21,8 @@ from pdserve.web.chat import chat_prompt_ids
 from server_utils import PRESET, Server
 
 API_KEY = "test-key"
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 MAX_TOTAL_TOKENS = "8192"
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
@@ -27,7 +30,7 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-total-tokens", MAX_TOTAL_TOKENS, api_key=API_KEY)
+    s = Server("--max-total-tokens", MAX_TOTAL_TOKENS, api_key=API_KEY, env={"PDSERVE_ADMIN_API_KEY": ADMIN_KEY})
     try:
         yield s.start()
     finally:
@@ -289,10 +292,64 @@ def test_server_info_and_aliases(server):
 def test_health_generate_and_flush_cache(server):
     assert server.get("/health_generate").status_code == 200
     server.wait_idle()
-    r = server.post("/flush_cache")
+    r = server.post("/flush_cache", headers=ADMIN)
     assert r.status_code == 200 and r.json()["success"] is True
     info = server.info()
     assert info["cached_pages"] == 0 and info["free_pages"] == info["total_pages"]
+
+
+# ------------------------------------------------------------ admin key
+def test_admin_routes_refuse_the_inference_key(server):
+    """--admin-api-key set: the inference key opens no admin route (403 saying so), no key a 401."""
+    calls = [("/flush_cache", None), ("/pd_role_switch", {"target_role": "decode"}), ("/abort_request",
+                                                                                      {"abort_all": True})]
+    for path, body in calls:
+        r = server.post(path, json=body)
+        assert r.status_code == 403, (path, r.text)
+        assert "admin key" in r.json()["error"]["message"] and r.json()["error"]["param"] == "Authorization"
+        assert httpx.post(server.url + path, json=body).status_code == 401
+    server.wait_idle()
+    assert server.post("/flush_cache", headers=ADMIN).json()["success"] is True
+    r = server.post("/pd_role_switch", json={"target_role": "decode"}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "target_role"  # past the key: not P/D
+    assert server.post("/abort_request", json={"abort_all": True}, headers=ADMIN).json()["success"] is True
+    assert server.info()["args"]["admin_api_key"] == "***"
+
+
+def _stream_while(server: Server, rid: str, token: str, max_new_tokens: int, meanwhile) -> list[dict]:
+    """Streams ``rid`` as the client holding ``token``; ``meanwhile()`` runs after its second event."""
+    body = {"text": "mine", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    headers = {**server.headers, "X-Client-Token": token}
+    with httpx.stream("POST", server.url + "/generate", json=body, headers=headers, timeout=60) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    meanwhile()
+    return events
+
+
+def test_a_client_cannot_abort_another_clients_request(server):
+    """Same inference key, another X-Client-Token (or none): the abort is refused, the stream runs to its end;
+    the admin key may abort it."""
+    def foreign_aborts():
+        for headers in ({"X-Client-Token": "mallory"}, {}):
+            r = server.post("/abort_request", json={"rid": "alice-1"}, headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["param"] == "rid", r.text
+            assert "another client" in r.json()["error"]["message"]
+
+    events = _stream_while(server, "alice-1", "alice", 200, foreign_aborts)
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(events[-1]["output_ids"]) == 200
+
+    def admin_aborts():
+        assert server.post("/abort_request", json={"rid": "alice-2"}, headers=ADMIN).status_code == 200
+
+    events = _stream_while(server, "alice-2", "alice", 2000, admin_aborts)
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    server.wait_idle()
 
 
 def test_metrics(server):

@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 import pdserve
+from pdserve.entrypoints.cli import build_parser, router_args_from_namespace, server_args_from_namespace
 from pdserve.entrypoints.up import Deployment, StorageTier, StoreMaster, UpArgs, _shown, plan, split_cores
+from pdserve.web.api_key import ADMIN_KEY_ENV
 from server_utils import alive, descendants, free_port, port_is_free
 
 
@@ -38,6 +40,22 @@ def test_plan_wires_prefills_decodes_and_the_router():
     assert r[r.index("--port") + 1] == "40000"
     assert " ".join(r).count("--prefill") == 2 and "http://127.0.0.1:40003" in r
     assert "--api-key" not in r and r[r.index("--health-check-interval-secs") + 1] == "5"
+
+
+def test_the_admin_key_reaches_the_children_by_the_environment_only(monkeypatch):
+    """pdserve up --admin-api-key: on no child's command line; servers, router and up itself take
+    $PDSERVE_ADMIN_API_KEY as --admin-api-key's default."""
+    kids = plan(UpArgs(1, 1, server_flags=("--model-path", "m"), admin_api_key="adm-secret", cores=(0, 1)))
+    assert not [k.name for k in kids if "adm-secret" in " ".join(k.cmd)]
+    assert "adm-secret" not in repr(UpArgs(admin_api_key="adm-secret"))
+    monkeypatch.setenv(ADMIN_KEY_ENV, "adm-secret")
+    parser = build_parser()
+    assert parser.parse_args(["up", "--model-path", "m"]).up_admin_api_key == "adm-secret"
+    assert server_args_from_namespace(parser.parse_args(["serve", "--model-path", "tiny-deepseek"])
+                                      ).admin_api_key == "adm-secret"
+    ns = parser.parse_args(["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"])
+    assert router_args_from_namespace(ns).admin_api_key == "adm-secret"
+    assert "adm-secret" not in parser.parse_args(["serve", "--model-path", "m"]).subparser.format_help()
 
 
 def test_plan_gives_the_api_key_to_every_server_and_the_router():

@@ -420,6 +420,45 @@ def test_api_key_is_required_and_forwarded(echo, make_router, worker_key):
     assert "router-secret" not in router.output()
 
 
+def test_admin_routes_need_the_admin_key_and_it_is_what_the_workers_get(echo, make_router):
+    """--admin-api-key: the inference key opens no admin route (nothing reaches a worker); the admin
+    key does, and the workers get the admin key for it. A client's own abort reaches the workers
+    with the worker key and its X-Client-Token (so they check that it started the rid), never the admin key."""
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url], "--api-key", "router-secret", "--admin-api-key", "admin-secret")
+    admin = {"Authorization": "Bearer admin-secret"}
+    for path, body in (("/flush_cache", None), ("/abort_request", {"abort_all": True})):
+        r = router.post(path, json=body)
+        assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], r.text
+    control = ("/flush_cache", "/abort_request")
+    assert [x.path for x in p1.received + d1.received if x.path in control] == []
+    assert router.post("/flush_cache", headers=admin).status_code == 200
+    assert router.post("/abort_request", json={"abort_all": True}, headers=admin).status_code == 200
+    sent = [x.headers.get("Authorization") for x in p1.received + d1.received if x.path in control]
+    assert sent == ["Bearer admin-secret"] * 4
+    for w in (p1, d1):
+        w.reset()
+    mine = {**router.headers, "X-Client-Token": "alice"}
+    assert router.post("/generate", json={"text": "x"}, headers=mine).status_code == 200
+    assert router.post("/abort_request", json={"rid": "r-1"}, headers=mine).status_code == 200
+    bodies(p1, 1)
+    for x in p1.received + d1.received:
+        if x.path in ("/generate", "/abort_request"):
+            assert (x.headers.get("Authorization"), x.headers.get("X-Client-Token")) == ("Bearer router-secret",
+                                                                                        "alice"), x.path
+    assert "admin-secret" not in router.output()
+
+
+def test_a_router_beyond_loopback_without_a_key_warns_once(echo, make_router):
+    p1, d1 = echo["p1"], echo["d1"]
+    open_router = make_router([p1.url], [d1.url], "--host", "0.0.0.0")  # reached through 127.0.0.1 only
+    keyed = make_router([p1.url], [d1.url], "--host", "0.0.0.0", "--api-key", "k")
+    assert open_router.get("/health").status_code == 200
+    warned = [line for line in open_router.output().splitlines() if "no --api-key and no --admin-api-key" in line]
+    assert len(warned) == 1 and "0.0.0.0" in warned[0]
+    assert "no --api-key" not in keyed.output()
+
+
 # ----------------------------------------------------------- resumption
 def test_a_stream_whose_decode_dies_resumes_on_another(echo, make_router):
     p1, d1, d2 = echo["p1"], echo["d1"], echo["d2"]

@@ -1,5 +1,6 @@
 """``pdserve router`` in front of 1 prefill + 2 decode real servers (tiny-llama, real Mooncake), all
-started with ``--api-key``: the router's own key and the key it sends the workers; then kill -9 of
+started with ``--api-key`` and ``--admin-api-key``: the router's own keys and the keys it sends the
+workers, and a client's request that another client cannot abort through the router; then kill -9 of
 the decode serving a stream mid-stream, and the client's one stream carries the same greedy tokens
 and text as an undisturbed run (the router resumes it on the other decode)."""
 
@@ -18,8 +19,10 @@ from pd_servers import decode_server, kill9, prefill_server, start_all  # noqa: 
 
 MODEL = "tiny-llama"
 KEY = "worker-secret"
-FLAGS = ("--max-total-tokens", "8192", "--num-threads", "1", "--api-key", KEY)
+ADMIN_KEY = "admin-secret"
+FLAGS = ("--max-total-tokens", "8192", "--num-threads", "1", "--api-key", KEY, "--admin-api-key", ADMIN_KEY)
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 GREEDY = {"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}
 KILL_AFTER_EVENTS = 20
 
@@ -32,7 +35,7 @@ def pd():
     try:
         start_all([prefill, *decodes])
         router = Router([(prefill.url, boot)], [d.url for d in decodes], "--policy", "round_robin",
-                        "--api-key", KEY).start()
+                        "--api-key", KEY, "--admin-api-key", ADMIN_KEY).start()
         yield prefill, decodes, router
     finally:
         if router is not None:
@@ -41,10 +44,10 @@ def pd():
             s.stop()
 
 
-def stream(url: str, body: dict, on_event=None) -> list[dict]:
+def stream(url: str, body: dict, on_event=None, headers: dict = AUTH) -> list[dict]:
     """The events of one streamed /generate; ``on_event(i)`` after event i arrives."""
     out = []
-    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, headers=AUTH, timeout=300) as r:
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, headers=headers, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -62,7 +65,8 @@ def test_api_keys_with_servers_that_require_one(pd):
     assert router.post("/generate", json=body, headers={}).status_code == 401
     ok = router.post("/generate", json=body, headers=AUTH)
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
-    assert router.post("/flush_cache", headers=AUTH).json()["success"] is True  # the key reached every worker
+    assert router.post("/flush_cache", headers=AUTH).status_code == 403  # the inference key is not the admin's
+    assert router.post("/flush_cache", headers=ADMIN).json()["success"] is True  # the key reached every worker
     assert router.post("/abort_request", json={"rid": "nobody"}, headers=AUTH).json()["success"] is True
     health = router.get("/health_generate", headers={})  # open, like /health
     assert health.status_code == 200 and [w["status"] for w in health.json()["workers"]] == [200] * 3
@@ -76,6 +80,34 @@ def test_api_keys_with_servers_that_require_one(pd):
             "decode"][0]["server_info"]["disaggregation_mode"] == "decode"
     finally:
         assert own.stop() == 0, own.output()
+
+
+def test_a_client_cannot_abort_another_clients_request_through_the_router(pd):
+    """Both hold the one inference key; only the X-Client-Token differs. The router forwards the
+    token on the request and on the abort, and the workers refuse the other client's abort."""
+    _, _, router = pd
+    body = {"text": "Mine", "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+
+    def foreign_abort(rid: str):
+        def on_event(i: int):
+            if i == 2:
+                r = router.post("/abort_request", json={"rid": rid}, headers={**AUTH, "X-Client-Token": "mallory"})
+                assert r.status_code == 403 and "another client" in r.text, r.text
+        return on_event
+
+    alice = {**AUTH, "X-Client-Token": "alice"}
+    events = stream(router.url, {**body, "rid": "alice-1"}, foreign_abort("alice-1"), headers=alice)
+    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(events[-2]["output_ids"]) == 64
+
+    def admin_abort(i: int):
+        if i == 2:
+            assert router.post("/abort_request", json={"rid": "alice-2"}, headers=ADMIN).status_code == 200
+
+    events = stream(router.url, {**body, "rid": "alice-2", "sampling_params": {**body["sampling_params"],
+                                                                               "max_new_tokens": 2000}},
+                    admin_abort, headers=alice)
+    assert [e for e in events if e != "[DONE]"][-1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def pd_boot(prefill) -> int:

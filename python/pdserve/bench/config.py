@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from pdserve.web.api_key import ADMIN_KEY_ENV
+
 BACKENDS = ("pdserve", "sglang", "openai", "openai-chat")
 NATIVE_BACKENDS = ("pdserve", "sglang")
 DATASETS = ("random", "sharegpt", "generated-shared-prefix", "multi-turn", "mixed")
@@ -73,6 +75,11 @@ class EndpointConfig:
     def headers(self) -> dict:
         key = self.api_key or os.environ.get("OPENAI_API_KEY")
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def admin_headers(self) -> dict:
+        """For admin routes (POST /flush_cache): $PDSERVE_ADMIN_API_KEY when set, else ``headers()``."""
+        key = os.environ.get(ADMIN_KEY_ENV)
+        return {"Authorization": f"Bearer {key}"} if key else self.headers()
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,7 @@ async def server_context_len(session: aiohttp.ClientSession, ep: EndpointConfig)
 async def flush_prefix_cache(session: aiohttp.ClientSession, ep: EndpointConfig) -> bool:
     """POST /flush_cache; whether the server did it (an OpenAI-only server has no such route)."""
     try:
-        async with session.post(ep.url + "/flush_cache", headers=ep.headers()) as r:
+        async with session.post(ep.url + "/flush_cache", headers=ep.admin_headers()) as r:
             return r.status == 200
     except aiohttp.ClientError:
         return False

@@ -108,7 +108,7 @@ async def warmup(session: aiohttp.ClientSession, cfg: BenchConfig, req: BenchReq
 
 
 async def flush_cache(session: aiohttp.ClientSession, ep: EndpointConfig) -> None:
-    async with session.post(ep.url + "/flush_cache", headers=ep.headers()) as r:
+    async with session.post(ep.url + "/flush_cache", headers=ep.admin_headers()) as r:
         if r.status != 200:
             raise RuntimeError(f"--flush-cache: {ep.url}/flush_cache answered {r.status}: {await r.text()}")
 

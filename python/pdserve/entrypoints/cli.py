@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from pdserve import __version__
@@ -34,6 +35,7 @@ from pdserve.config import (
 )
 from pdserve.router.config import PrefillSpec, RouterArgs, normalize_url
 from pdserve.router.policy import POLICIES
+from pdserve.web.api_key import ADMIN_KEY_ENV
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
@@ -51,6 +53,15 @@ def _flag(group, name: str, help: str, **kw) -> None:
         if kw["default"] is not None:
             help += " (default: %(default)s)"
     group.add_argument(name, dest=dest, help=help, **kw)
+
+
+def _admin_key_flag(group, more: str = "") -> None:
+    """``--admin-api-key``, defaulting to $PDSERVE_ADMIN_API_KEY (how pdserve up passes it: not on argv,
+    where ps shows it); the help never prints the default."""
+    group.add_argument("--admin-api-key", dest="admin_api_key", default=os.environ.get(ADMIN_KEY_ENV) or None,
+                       help="admin routes (/flush_cache, /pd_role_switch, abort_all, aborting other clients' "
+                       f"requests) need 'Authorization: Bearer KEY'; the --api-key is not enough{more} "
+                       f"(default: ${ADMIN_KEY_ENV})")
 
 
 # ----------------------------------------------------------- flag groups
@@ -72,6 +83,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--host", "interface to listen on")
     _flag(g, "--port", "port to listen on", type=int)
     _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call")
+    _admin_key_flag(g)
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
     _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq", "endpoint": '
           '"tcp://*:5557"}; the address is reported in /get_server_info, GET /kv_events/snapshot resyncs')
@@ -259,6 +271,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("authentication")
     _router_flag(g, "--api-key", "clients must send 'Authorization: Bearer KEY' (401 otherwise); also sent to "
                  "the workers unless --worker-api-key is given")
+    _admin_key_flag(g, "; also sent to the workers for admin calls (give them the same key)")
     _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
                  "--api-key, or else the client's own Authorization header")
 
@@ -316,6 +329,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
                    help="the router's policy for both sides (default: %(default)s)")
     g.add_argument("--api-key", dest="up_api_key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' to the router and every server")
+    g.add_argument("--admin-api-key", dest="up_admin_api_key", default=os.environ.get(ADMIN_KEY_ENV) or None,
+                   help="admin routes of the router and every server need it (passed to them by the environment; "
+                   f"default: ${ADMIN_KEY_ENV})")
     g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
                    help="the router's health checks: a restarted server is used again within this "
                    "(default: %(default)s)")
@@ -414,7 +430,7 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS)
         args = UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
                       ns.up_api_key, ns.up_health_check_interval_secs, elastic=elastic_from_namespace(ns),
-                      storage=storage)
+                      storage=storage, admin_api_key=ns.up_admin_api_key)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return launch_up(args)

@@ -170,6 +170,7 @@ class Controller:
     router_url: str
     config: ElasticConfig
     api_key: str | None = None
+    admin_api_key: str | None = None  # POST /pd_role_switch needs it when the servers have one
     switches: list[dict] = field(default_factory=list)
     state: Hysteresis = field(default_factory=Hysteresis)
     _scrape: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -236,8 +237,9 @@ class Controller:
         info = json.loads(self._get(self.router_url + "/get_server_info"))
         return {"prefill": info["prefill"], "decode": info["decode"]}
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def _headers(self, admin: bool = False) -> dict[str, str]:
+        key = self.admin_api_key if admin and self.admin_api_key else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _get(self, url: str) -> str:
         req = urllib.request.Request(url, headers=self._headers())
@@ -246,6 +248,6 @@ class Controller:
 
     def _post(self, url: str, body: dict) -> dict:
         req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={**self._headers(), "Content-Type": "application/json"})
+                                     headers={**self._headers(admin=True), "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=SWITCH_TIMEOUT_S + 10) as resp:
             return json.loads(resp.read())

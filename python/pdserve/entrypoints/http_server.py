@@ -34,7 +34,15 @@ from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, A
 from pdserve.entrypoints.role_switch import RoleSwitcher
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
 from pdserve.obs.metrics import ServerMetrics
-from pdserve.web.api_key import ApiKeyMiddleware
+from pdserve.web.api_key import (
+    AccessMiddleware,
+    admin_refusal,
+    check_classified,
+    holds_admin_key,
+    may_administer,
+    owner_of_scope,
+    warn_if_unauthenticated,
+)
 from pdserve.web.errors import (
     ErrorResponse,
     RequestError,
@@ -89,8 +97,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
-    if ctx.args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
+    check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]  # every route has one
+    app.add_middleware(AccessMiddleware, api_key=ctx.args.api_key, admin_api_key=ctx.args.admin_api_key)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
     return app
 
@@ -99,6 +107,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 # The routes parse their bodies themselves (errors.read_body, errors.parse_body); these declare
 # the same models in the schema without letting FastAPI validate (its 422 is not OpenAI's shape).
 _ERRORS = {400: "a field is wrong (the message names it)", 401: "missing or wrong API key (--api-key)",
+           403: "needs the admin key (--admin-api-key), or the rid is another client's",
            413: "body larger than --max-request-bytes", 503: "the scheduler is gone, busy or stopping"}
 _EMPTY_200: dict[int | str, dict[str, Any]] = {200: {"description": "OK (no body)", "content": {}}}
 
@@ -107,12 +116,12 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
 
 
-def _documented(path: str, streams: bool = False) -> dict:
+def _documented(path: str, streams: bool = False, also: tuple[int, ...] = ()) -> dict:
     """``app.post`` keyword arguments declaring ``path``'s request body and its responses."""
     model = OPENAPI_BODIES[path]
     body = {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-    responses = _errors(400, 401, 413, 503)
+    responses = _errors(400, 401, 413, 503, *also)
     if streams:
         event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
         responses[200] = {"content": {"text/event-stream": {"schema": event}},
@@ -215,22 +224,37 @@ def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise RequestError("target_role: this server is not in P/D mode", param="target_role")
         return await ctx.roles.switch(req)
 
-    @app.post("/flush_cache", responses=_errors(400, 401, 503))
+    @app.post("/flush_cache", responses=_errors(400, 401, 403, 503))
     async def flush_cache():
         if await ctx.tm.flush_cache():
             return {"success": True, "message": "Cache flushed."}
         raise RequestError("flush_cache: requests are still running; retry when the server is idle")
 
-    @app.post("/abort_request", **_documented("/abort_request"))
+    @app.post("/abort_request", **_documented("/abort_request", also=(403,)))
     async def abort_request(request: Request):
         req: AbortRequest = parse_body(AbortRequest, await read_body(request, ctx.args.max_request_bytes))
         if req.abort_all:
+            if not may_administer(request.scope):
+                raise admin_refusal("abort_all")
             ctx.tm.abort_all()
         elif req.rid:
-            ctx.tm.abort(req.rid)
+            _abort_own(ctx.tm, req.rid, request.scope)
         else:
             raise RequestError("rid: give the rid to abort (or abort_all: true)", param="rid")
         return {"success": True}
+
+
+def _abort_own(tm: TokenizerManager, rid: str, scope) -> None:
+    """Aborts ``rid`` if the caller started it (same key, same X-Client-Token) or holds the admin key.
+    A rid not in flight here is nothing to abort (the router sends every abort to every worker)."""
+    owner = tm.owner_of(rid)
+    if holds_admin_key(scope):
+        tm.abort(rid)
+    elif owner is not None and owner != owner_of_scope(scope):
+        raise RequestError(f"rid: {rid!r} was started by another client (its key and X-Client-Token differ); only "
+                           "it, or the admin key, may abort it", param="rid", status=403, code="not_owner")
+    elif owner is not None:
+        tm.abort(rid)
 
 
 async def _transfer_health(tm: TokenizerManager) -> dict | None:
@@ -307,6 +331,7 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
                      args.disaggregation_bootstrap_port, e.strerror or e)
         sock.close()
         return 1
+    warn_if_unauthenticated(args.host, args.api_key, args.admin_api_key, "the server")
     metrics = ServerMetrics(args.served_model_name or args.model_path)
     metrics.set_role(args.disaggregation_mode)
     tm = TokenizerManager(args, tokenizer, metrics, stream_interval=args.stream_interval)

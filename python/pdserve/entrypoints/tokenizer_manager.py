@@ -66,6 +66,7 @@ from pdserve.engine.scheduler_process import (
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.timeline import ReqTimeline
+from pdserve.web.api_key import request_owner
 from pdserve.web.errors import RequestError, RoleChanged, ServerError
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class _ReqState:
     last: TokenOutput | None = None  # the latest output routed to this request
     timeline: ReqTimeline = field(default_factory=ReqTimeline)
     error: RequestError | None = None
+    owner: str = field(default_factory=request_owner)  # who may abort it by rid (the HTTP request's client)
 
     @property
     def streaming(self) -> bool:
@@ -339,6 +341,11 @@ class TokenizerManager:
 
     def abort(self, rid: str) -> None:
         self._try_send(AbortReq(rid))
+
+    def owner_of(self, rid: str) -> str | None:
+        """Who started the request ``rid`` now in flight (web.api_key.request_owner); None if none is."""
+        state = self._reqs.get(rid)
+        return None if state is None else state.owner
 
     def abort_all(self) -> None:
         self._try_send(AbortReq("", abort_all=True))

@@ -29,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.web.api_key import ADMIN_KEY_ENV
+
 if TYPE_CHECKING:
     from pdserve.entrypoints.elastic import ElasticConfig
     from pdserve.mem.storage.mooncake_store import MooncakeMaster
@@ -116,6 +118,7 @@ class UpArgs:
     cores: tuple[int, ...] | None = None  # default: the cores this process may use
     elastic: ElasticConfig | None = None  # --elastic: a controller switches servers' roles (entrypoints/elastic.py)
     storage: StorageTier = field(default_factory=StorageTier)
+    admin_api_key: str | None = field(default=None, repr=False)  # every child's, by the environment
 
     def __post_init__(self):
         for name in ("num_prefill", "num_decode"):
@@ -348,6 +351,8 @@ def launch_up(args: UpArgs) -> int:
         logger.error("port: %s already in use (pick another --port / --disaggregation-bootstrap-port)",
                      ", ".join(map(str, busy)))
         return 1
+    if args.admin_api_key:  # the children take it as --admin-api-key's default: it is on no command line
+        os.environ[ADMIN_KEY_ENV] = args.admin_api_key
     dep = Deployment(args)
 
     def on_signal(_sig, _frame):
@@ -368,7 +373,8 @@ def launch_up(args: UpArgs) -> int:
                 logger.warning("elastic: with 2 servers the split stays 1P1D (each role keeps one); give "
                                "--num-servers 3 or more")
 
-            controller = Controller(dep.children[-1].url or "", args.elastic, args.api_key).start()
+            controller = Controller(dep.children[-1].url or "", args.elastic, args.api_key,
+                                    args.admin_api_key).start()
         code = dep.watch()
     except InterruptedError:
         pass

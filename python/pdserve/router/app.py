@@ -31,7 +31,14 @@ from pdserve.router.policy import Policy, make_policy
 from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
 from pdserve.router.workers import HealthChecker, Role, Worker, WorkerSet, make_worker_set
-from pdserve.web.api_key import ApiKeyMiddleware
+from pdserve.web.api_key import (
+    AccessMiddleware,
+    admin_refusal,
+    check_classified,
+    holds_admin_key,
+    may_administer,
+    warn_if_unauthenticated,
+)
 from pdserve.web.errors import RequestError, ServerError, error_body, error_response
 from pdserve.web.listen import bind_socket, configure_logging
 
@@ -103,8 +110,8 @@ def create_app(ctx: RouterContext) -> FastAPI:
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
-    if ctx.args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
+    check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]  # every route has one
+    app.add_middleware(AccessMiddleware, api_key=ctx.args.api_key, admin_api_key=ctx.args.admin_api_key)
     return app
 
 
@@ -186,19 +193,32 @@ async def _worker_server_info(ctx: RouterContext, worker: Worker) -> dict | None
 def _add_control_routes(app: FastAPI, ctx: RouterContext) -> None:
     @app.post("/flush_cache")
     async def flush_cache():
-        return await _broadcast(ctx, "/flush_cache", None, "Cache flushed")
+        return await _broadcast(ctx, "/flush_cache", None, "Cache flushed", _admin_headers(ctx))
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
         # the rid reached both halves of a request in its body, so every worker may hold it
         body = parse_json_object(await request.body())
-        return await _broadcast(ctx, "/abort_request", body, "Abort sent")
+        if body.get("abort_all") and not may_administer(request.scope):
+            raise admin_refusal("abort_all")
+        # a client's own abort goes with its token and the worker key, so the workers check that it
+        # started the rid; the admin's goes with the admin key
+        admin = holds_admin_key(request.scope) or body.get("abort_all")
+        headers = _admin_headers(ctx) if admin else ctx.proxy.upstream_headers(request)
+        return await _broadcast(ctx, "/abort_request", body, "Abort sent", headers)
 
 
-async def _broadcast(ctx: RouterContext, path: str, body: dict | None, done: str) -> JSONResponse:
+def _admin_headers(ctx: RouterContext) -> dict:
+    """What the router sends the workers for an admin call: its admin key, else the worker key."""
+    if ctx.args.admin_api_key:
+        return {"Authorization": f"Bearer {ctx.args.admin_api_key}"}
+    return dict(ctx.proxy.worker_headers)
+
+
+async def _broadcast(ctx: RouterContext, path: str, body: dict | None, done: str, headers: dict) -> JSONResponse:
     """``POST path`` on every worker; 200 only if every one answered 200, else the first failure's status."""
     workers = [w for s in ctx.sets for w in s.workers]
-    results = await asyncio.gather(*(_post_one(ctx, w, path, body) for w in workers))
+    results = await asyncio.gather(*(_post_one(ctx, w, path, body, headers) for w in workers))
     failed = [r for r in results if r["status"] != 200]
     if not failed:
         return JSONResponse({"success": True, "message": f"{done} on {len(results)} workers.", "workers": results})
@@ -208,10 +228,11 @@ async def _broadcast(ctx: RouterContext, path: str, body: dict | None, done: str
     return JSONResponse({**error_body(message, status), "success": False, "workers": results}, status_code=status)
 
 
-async def _post_one(ctx: RouterContext, worker: Worker, path: str, body: dict | None) -> dict:
+async def _post_one(ctx: RouterContext, worker: Worker, path: str, body: dict | None, headers: dict) -> dict:
     out = {"url": worker.url, "role": worker.role.value}
     try:
-        reply = await ctx.proxy.call(worker, "POST", path, timeout=ctx.proxy.health_timeout, json_body=body)
+        reply = await ctx.proxy.call(worker, "POST", path, timeout=ctx.proxy.health_timeout, json_body=body,
+                                     headers=headers)
     except (WorkerUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as e:
         return {**out, "status": 503, "message": f"unreachable: {type(e).__name__}"}
     answer = reply.json()
@@ -259,6 +280,7 @@ def launch_router(args: RouterArgs) -> int:
     except OSError as e:
         logger.error("port: cannot bind %s:%d (%s)", args.host, args.port, e.strerror or e)
         return 1
+    warn_if_unauthenticated(args.host, args.api_key, args.admin_api_key, "the router")
     return asyncio.run(_serve(build_context(args), sock))
 
 

@@ -61,6 +61,8 @@ class RouterArgs:
     # repr=False: keys stay out of logs and tracebacks
     api_key: str | None = field(default=None, repr=False)  # clients must send it; the workers get it too
     worker_api_key: str | None = field(default=None, repr=False)  # sent to the workers instead of api_key
+    # admin routes need it from clients (web/api_key.py); sent to the workers for admin calls
+    admin_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.prefill:
@@ -86,7 +88,7 @@ class RouterArgs:
                      "worker_startup_check_interval", "request_timeout_secs", "kv_events_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("api_key", "worker_api_key"):
+        for name in ("api_key", "worker_api_key", "admin_api_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty")
         if self.log_level not in LOG_LEVELS:

@@ -36,6 +36,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState
 from pdserve.router.workers import Lease, NoHealthyWorker, Role, Worker, WorkerSet
+from pdserve.web.api_key import CLIENT_TOKEN_HEADER
 from pdserve.web.errors import RequestError, ServerError, error_body
 from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
 from pdserve.web.streaming import SSE_DONE, sse, until_disconnect
@@ -120,9 +121,13 @@ class PDProxy:
             await self.session.close()
 
     def upstream_headers(self, request: Request) -> dict:
+        """The worker key (else the client's own), and the client's token: the workers tie a request to
+        its client by both, so only that client (or the admin key) aborts it by rid (web/api_key.py)."""
+        token = request.headers.get(CLIENT_TOKEN_HEADER)
+        own = {CLIENT_TOKEN_HEADER: token} if token is not None else {}
         if self.worker_headers:
-            return dict(self.worker_headers)
-        return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+            return {**self.worker_headers, **own}
+        return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS} | own
 
     def set_of(self, worker: Worker) -> WorkerSet:
         return self.prefill if worker in self.prefill.workers else self.decode
