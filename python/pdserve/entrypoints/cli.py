@@ -75,8 +75,9 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--port", "port to listen on", type=int)
     _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call")
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
-    _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq", "endpoint": '
-          '"tcp://*:5557"}; the address is reported in /get_server_info, GET /kv_events/snapshot resyncs')
+    _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
+          'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
+          'resyncs; token ids only on a loopback bind (docs/security.md)')
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
