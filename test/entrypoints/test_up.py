@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,6 +187,7 @@ TRANSFER_ENGINE_PORTS = range(15000, 17001)
 
 def listeners(pids: set[int]) -> list[tuple[int, str, int]]:
     """(pid, address, port) of every TCP socket ``pids`` listen on, from ``ss -ltnp``."""
+    assert shutil.which("ss"), "this check needs ss (iproute2)"
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     found = []
     for line in out.splitlines():

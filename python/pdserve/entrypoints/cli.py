@@ -73,7 +73,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("HTTP server")
     _flag(g, "--host", "interface to listen on")
     _flag(g, "--port", "port to listen on", type=int)
-    _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call")
+    _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call (default: $PDSERVE_API_KEY, "
+          "which ps does not show)")
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
     _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
           'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
@@ -263,7 +264,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--log-level", "logging level", choices=LOG_LEVELS)
     g = parser.add_argument_group("authentication")
     _router_flag(g, "--api-key", "clients must send 'Authorization: Bearer KEY' (401 otherwise); also sent to "
-                 "the workers unless --worker-api-key is given")
+                 "the workers unless --worker-api-key is given (default: $PDSERVE_API_KEY)")
     _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
                  "--api-key, or else the client's own Authorization header")
 
@@ -322,7 +323,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="cache_aware",
                    help="the router's policy for both sides (default: %(default)s)")
     g.add_argument("--api-key", dest="up_api_key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' to the router and every server")
+                   help="clients must send 'Authorization: Bearer KEY' to the router and every server (default: "
+                   "$PDSERVE_API_KEY); up hands it and the P/D token to them by environment, never on a command line")
     g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
                    help="the router's health checks: a restarted server is used again within this "
                    "(default: %(default)s)")
