@@ -78,6 +78,27 @@ def test_up_takes_secrets_off_the_servers_flags():
     assert not any("token-456" in f or "key-123" in f for f in args.server_flags)
 
 
+def test_a_probe_answered_by_something_else_than_http_is_not_healthy():
+    import socket
+    import threading
+
+    from pdserve.entrypoints.up import _healthy
+
+    with socket.socket() as srv:  # echoes the request, as a probe connected to itself reads it
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def echo():
+            conn, _ = srv.accept()
+            with conn:
+                conn.sendall(conn.recv(4096))
+
+        t = threading.Thread(target=echo)
+        t.start()
+        assert _healthy(f"http://127.0.0.1:{srv.getsockname()[1]}") is False
+        t.join(10)
+
+
 def test_logged_command_lines_hide_every_secret():
     shown = _shown(["pdserve", "serve", "--api-key", "a1", "--disaggregation-auth-token", "t1", "--api-key=a2",
                     "--worker-api-key", "w1", "--disaggregation-auth-token=t2", "--port", "1"])

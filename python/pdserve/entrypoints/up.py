@@ -21,6 +21,7 @@ in ``ps``; the command lines up logs hide any secret flag all the same.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -364,10 +365,13 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _healthy(url: str) -> bool:
+    """False until ``url`` answers /health with 200. Before the server listens, a probe from an
+    ephemeral port equal to the server's may connect to itself and read its own request back
+    (not HTTP): that too is "not yet", not a reason to stop the deployment."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
             return resp.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 
