@@ -118,8 +118,8 @@ class MooncakeMaster:
         self.host = host
         self.enable_offload = enable_offload
         self.extra_args = tuple(extra_args)
-        self._log_dir = None if log_path else tempfile.mkdtemp(prefix="pdserve-mooncake-master-")  # mode 0700
-        self.log_path = log_path or os.path.join(self._log_dir or "", "master.log")
+        self._log_dir: str | None = None  # the private folder start makes when no log_path is given
+        self.log_path = log_path or ""
         self.start_timeout_s = start_timeout_s
         self.rpc_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -148,7 +148,10 @@ class MooncakeMaster:
             f"-enable_offload={'true' if self.enable_offload else 'false'}",
             *self.extra_args,
         ]
-        # The default folder is ours alone; O_NOFOLLOW for a log_path the caller named.
+        if not self.log_path or self._log_dir is not None:
+            self._log_dir = tempfile.mkdtemp(prefix="pdserve-mooncake-master-")  # mode 0700: ours alone
+            self.log_path = os.path.join(self._log_dir, "master.log")
+        # O_NOFOLLOW as well, for a log_path the caller named.
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with open(fd, "wb") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
