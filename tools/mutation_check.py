@@ -301,6 +301,37 @@ MUTATIONS = (
         "    if True:",
         ("test/web/test_api_key.py::test_unauthenticated_beyond_loopback_warns",
          "test/router/test_router_echo.py::test_a_router_beyond_loopback_without_a_key_warns_once")),
+    # issue 25, listeners and secrets (nothing beyond --host, secrets off command lines)
+    Mutation(
+        "kv_events_default_wildcard", "KV events bind every interface by default again (tcp://*:5557)",
+        "python/pdserve/config.py",
+        "        return f\"tcp://{f'[{host}]' if ':' in host else host}:{KV_EVENTS_DEFAULT_PORT}\"",
+        "        return f\"tcp://*:{KV_EVENTS_DEFAULT_PORT}\"",
+        ("test/obs/test_kv_event_publisher.py::test_the_default_endpoint_is_the_servers_host_not_every_interface",)),
+    Mutation(
+        "kv_events_token_ids_to_anyone", "prompt token ids published on a non-loopback, unauthenticated bind",
+        "python/pdserve/obs/kv_event_publisher.py",
+        "        self.token_ids = local_only(self._bound_at)",
+        "        self.token_ids = True",
+        ("test/obs/test_kv_event_publisher.py::test_token_ids_are_published_only_to_this_machine",)),
+    Mutation(
+        "up_secret_on_command_line", "pdserve up puts the API key back on its children's command lines",
+        "python/pdserve/entrypoints/up.py",
+        "               \"--disaggregation-mode\", role]",
+        "               \"--disaggregation-mode\", role, *([\"--api-key\", args.api_key] if args.api_key else [])]",
+        ("test/entrypoints/test_up.py::test_plan_gives_the_secrets_to_every_child_by_environment_not_command_line",)),
+    Mutation(
+        "up_log_shows_the_token", "the command lines up logs show the P/D token",
+        "python/pdserve/entrypoints/up.py",
+        "SECRET_FLAGS = (\"--api-key\", \"--worker-api-key\", \"--disaggregation-auth-token\")",
+        "SECRET_FLAGS = (\"--api-key\", \"--worker-api-key\")",
+        ("test/entrypoints/test_up.py::test_logged_command_lines_hide_every_secret",)),
+    Mutation(
+        "master_metadata_server_on_every_interface", "mooncake_master's HTTP metadata server (0.0.0.0, any PUT) is on",
+        "python/pdserve/mem/storage/mooncake_store.py",
+        "            \"-enable_http_metadata_server=false\",",
+        "            \"-enable_http_metadata_server=true\", f\"-http_metadata_server_host={self.host}\",",
+        ("test/mem/storage/test_mooncake_master.py::test_every_listener_of_the_master_is_on_its_host",)),
 )
 
 

@@ -566,6 +566,7 @@ class DeviceConfig:
 
 DISAGG_MODES = ("null", "prefill", "decode")
 AUTH_TOKEN_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
+API_KEY_ENV = "PDSERVE_API_KEY"  # --api-key of serve, router and up when the flag is not given (kept out of ps)
 TRANSFER_BACKENDS = ("mooncake", "memory")  # disagg.transfer's backends, by name
 # What a server may use: its scheduler runs in its own process, and "memory" moves KV only
 # between schedulers built in one process (test/disagg/pd_pair.py).
@@ -644,15 +645,20 @@ class DisaggConfig:
         return self.mode != "null"
 
 
+KV_EVENTS_DEFAULT_PORT = 5557  # SGLang's and vLLM's
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """``--kv-events-config``: SGLang's JSON (``{"publisher": "zmq", "endpoint": "tcp://*:5557"}``).
+    """``--kv-events-config``: SGLang's JSON (``{"publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}``).
     ``endpoint`` is where the PUB socket binds (``tcp://127.0.0.1:*``: a free port, reported in
-    ``/get_server_info``); ``max_queue_size`` batches wait for the publisher thread, more are
-    dropped (subscribers see the sequence gap and resync from the snapshot)."""
+    ``/get_server_info``); empty: the server's ``--host`` on port 5557, never every interface
+    (SGLang's ``tcp://*:5557`` would hand the events to anyone who can reach the machine).
+    ``max_queue_size`` batches wait for the publisher thread, more are dropped (subscribers see
+    the sequence gap and resync from the snapshot)."""
 
     publisher: str = "null"
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = ""  # "": endpoint_for(--host)
     topic: str = ""
     max_queue_size: int = 100_000
     hwm: int = 100_000
@@ -660,7 +666,7 @@ class KVEventsConfig:
     def __post_init__(self):
         if self.publisher not in KV_EVENT_PUBLISHERS:
             raise ValueError(f"kv_events_config: publisher {self.publisher!r} is not one of {KV_EVENT_PUBLISHERS}")
-        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        if self.endpoint and not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"kv_events_config: endpoint {self.endpoint!r} is not a tcp://, ipc:// or inproc:// "
                              f"ZMQ address")
         for name in ("max_queue_size", "hwm"):
@@ -670,6 +676,12 @@ class KVEventsConfig:
     @property
     def enabled(self) -> bool:
         return self.publisher != "null"
+
+    def endpoint_for(self, host: str) -> str:
+        """Where to bind on a server whose ``--host`` is ``host``: ``endpoint`` if given, else that host."""
+        if self.endpoint:
+            return self.endpoint
+        return f"tcp://{f'[{host}]' if ':' in host else host}:{KV_EVENTS_DEFAULT_PORT}"
 
     @classmethod
     def parse(cls, text: str | None) -> KVEventsConfig:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +19,18 @@ import httpx
 import pytest
 
 import pdserve
+from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV
 from pdserve.entrypoints.cli import build_parser, router_args_from_namespace, server_args_from_namespace
-from pdserve.entrypoints.up import Deployment, StorageTier, StoreMaster, UpArgs, _shown, plan, split_cores
+from pdserve.entrypoints.up import (
+    TRANSFER_ENGINE_WARNING,
+    Deployment,
+    StorageTier,
+    StoreMaster,
+    UpArgs,
+    _shown,
+    plan,
+    split_cores,
+)
 from pdserve.web.api_key import ADMIN_KEY_ENV
 from server_utils import alive, descendants, free_port, port_is_free
 
@@ -47,6 +59,7 @@ def test_the_admin_key_reaches_the_children_by_the_environment_only(monkeypatch)
     $PDSERVE_ADMIN_API_KEY as --admin-api-key's default."""
     kids = plan(UpArgs(1, 1, server_flags=("--model-path", "m"), admin_api_key="adm-secret", cores=(0, 1)))
     assert not [k.name for k in kids if "adm-secret" in " ".join(k.cmd)]
+    assert [k.env[ADMIN_KEY_ENV] for k in kids] == ["adm-secret"] * len(kids)
     assert "adm-secret" not in repr(UpArgs(admin_api_key="adm-secret"))
     monkeypatch.setenv(ADMIN_KEY_ENV, "adm-secret")
     parser = build_parser()
@@ -58,14 +71,70 @@ def test_the_admin_key_reaches_the_children_by_the_environment_only(monkeypatch)
     assert "adm-secret" not in parser.parse_args(["serve", "--model-path", "m"]).subparser.format_help()
 
 
-def test_plan_gives_the_api_key_to_every_server_and_the_router():
-    kids = plan(UpArgs(1, 1, server_flags=("--model-path", "m"), api_key="k", health_check_interval_secs=0.5,
-                       cores=(0, 1)))
+def test_plan_gives_the_secrets_to_every_child_by_environment_not_command_line():
+    # A command line is world-readable (ps, /proc/<pid>/cmdline); a process's environment is its user's.
+    kids = plan(UpArgs(1, 1, server_flags=("--model-path", "m"), api_key="key-123", auth_token="token-456",
+                       health_check_interval_secs=0.5, cores=(0, 1)))
     for k in kids:
-        assert k.cmd[k.cmd.index("--api-key") + 1] == "k"
+        assert "key-123" not in " ".join(k.cmd) and "token-456" not in " ".join(k.cmd) and "--api-key" not in k.cmd
+        assert k.env[API_KEY_ENV] == "key-123"
+    assert [k.env.get(AUTH_TOKEN_ENV) for k in kids] == ["token-456", "token-456", None]  # the router needs none
     assert kids[-1].cmd[kids[-1].cmd.index("--health-check-interval-secs") + 1] == "0.5"
-    assert "secret-key" not in repr(UpArgs(api_key="secret-key"))
-    assert _shown(kids[0].cmd).count("--api-key ***") == 1 and " k " not in _shown(kids[0].cmd) + " "
+    assert "secret-key" not in repr(UpArgs(api_key="secret-key", auth_token="secret-key")) + repr(kids)
+
+
+def test_up_takes_secrets_off_the_servers_flags():
+    import argparse
+
+    from pdserve.entrypoints.cli import add_up_args, up_args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    ns = parser.parse_args(["--model-path", "tiny-llama", "--api-key", "key-123",
+                            "--disaggregation-auth-token", "token-456"])
+    args = up_args_from_namespace(ns, parser)
+    assert (args.api_key, args.auth_token) == ("key-123", "token-456")
+    assert not any("token-456" in f or "key-123" in f for f in args.server_flags)
+
+
+def test_a_probe_answered_by_something_else_than_http_is_not_healthy():
+    import socket
+    import threading
+
+    from pdserve.entrypoints.up import _healthy
+
+    with socket.socket() as srv:  # echoes the request, as a probe connected to itself reads it
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def echo():
+            conn, _ = srv.accept()
+            with conn:
+                conn.sendall(conn.recv(4096))
+
+        t = threading.Thread(target=echo)
+        t.start()
+        assert _healthy(f"http://127.0.0.1:{srv.getsockname()[1]}") is False
+        t.join(10)
+
+
+def test_logged_command_lines_hide_every_secret():
+    shown = _shown(["pdserve", "serve", "--api-key", "a1", "--disaggregation-auth-token", "t1", "--api-key=a2",
+                    "--worker-api-key", "w1", "--disaggregation-auth-token=t2", "--port", "1"])
+    assert not {"a1", "a2", "t1", "t2", "w1"} & set(re.split(r"[ =]", shown)) and shown.endswith("--port 1")
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_servers_and_the_router_read_the_api_key_from_the_environment(command, monkeypatch):
+    from pdserve.entrypoints.cli import build_parser, router_args_from_namespace, server_args_from_namespace
+
+    monkeypatch.setenv(API_KEY_ENV, "key-from-env")
+    if command == "serve":
+        args = server_args_from_namespace(build_parser().parse_args(["serve", "--model-path", "tiny-llama"]))
+    else:
+        argv = ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+        args = router_args_from_namespace(build_parser().parse_args(argv))
+    assert args.api_key == "key-from-env"
 
 
 def test_elastic_plan_gives_every_server_a_registry_port():
@@ -148,12 +217,75 @@ HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mo
                  json.dumps({"local_buffer_size": "16mb"})]
 
 
+# Given on up's own command line, as an operator would: none of its children may show them.
+API_KEY, TOKEN = "up-test-api-key-5f1c", "up-test-pd-token-9a7e"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# Mooncake 0.3.13's transfer engines listen on every interface in this range whatever --host says
+# (docs/security.md): the one documented exception to "nothing of ours beyond --host".
+TRANSFER_ENGINE_PORTS = range(15000, 17001)
+
+
+def listeners(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket ``pids`` listen on, from ``ss -ltnp``."""
+    assert shutil.which("ss"), "this check needs ss (iproute2)"
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        host, port = line.split()[3].rsplit(":", 1)
+        found += [(int(pid), host, int(port)) for pid in re.findall(r"pid=(\d+),", line) if int(pid) in pids]
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def assert_listening_on_loopback_only(up_pid: int, router_pid: int) -> None:
+    """Every socket of up's tree is on 127.0.0.1, but the transfer engines' documented ports: held by
+    the servers (not up, the router or mooncake_master), in the range, one wildcard pair per engine."""
+    tree = {up_pid, *descendants(up_pid)}
+    found = listeners(tree)
+    assert found and {h for _, h, _ in found} <= {"127.0.0.1", "0.0.0.0", "*"}, found
+    beyond = [(pid, h, p) for pid, h, p in found if h != "127.0.0.1"]
+    assert beyond, "no transfer engine seen: the exception this checks is not exercised"
+    for pid, host, port in beyond:
+        assert port in TRANSFER_ENGINE_PORTS, (pid, host, port)
+        assert pid not in {up_pid, router_pid, *descendants(router_pid)} and _comm(pid) != "mooncake_master", pid
+    for pid in {pid for pid, _, _ in beyond}:  # per engine: the RPC port (0.0.0.0) and the handshake port (*)
+        hosts = [h for p, h, _ in beyond if p == pid]
+        assert hosts.count("0.0.0.0") == hosts.count("*") >= 1, (pid, hosts)
+
+
+def assert_no_secret_on_a_command_line(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        assert API_KEY not in cmdline and TOKEN not in cmdline, cmdline.replace("\0", " ")
+
+
+def _router_pid(pids: set[int]) -> int:
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"router" in argv[:4]:
+            return pid
+    raise AssertionError("no router among up's children")
+
+
 def test_up_serves_through_its_router_and_stops_everything():
     pytest.importorskip("mooncake.store")
     port, boot = free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
-           "--bootstrap-port", str(boot), "--log-level", "warning", *HICACHE_FLAGS]
+           "--bootstrap-port", str(boot), "--log-level", "warning", "--api-key", API_KEY,
+           "--disaggregation-auth-token", TOKEN, *HICACHE_FLAGS]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     children: set[int] = set()
     try:
@@ -167,21 +299,29 @@ def test_up_serves_through_its_router_and_stops_everything():
         sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
         reference = pdserve.Engine(model_path="tiny-llama", num_threads=1)
         turn1 = list(range(20, 32))
-        got = httpx.post(url + "/generate", json={"input_ids": turn1, "sampling_params": sampling}, timeout=120).json()
+        got = httpx.post(url + "/generate", json={"input_ids": turn1, "sampling_params": sampling}, headers=AUTH,
+                         timeout=120).json()
         assert got["output_ids"] == reference.generate(input_ids=turn1, sampling_params=sampling)["output_ids"]
-        decode = httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", timeout=30).json()
+        decode = httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", headers=AUTH, timeout=30).json()
         assert decode["disaggregation_mode"] == "decode" and decode["kv_received"] == 1  # through prefill
+        # `ss` over the whole tree, once the transfer engines are up: nothing of ours beyond loopback but them.
+        assert_listening_on_loopback_only(proc.pid, _router_pid(children))
+        assert_no_secret_on_a_command_line(set(descendants(proc.pid)))
         # Decode wrote turn 1 back to the shared store: turn 2's prefill loads it from there.
-        _wait(lambda: httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", timeout=30).json()["storage_puts"]
-              >= 2, 30, "decode's write-back")
+        _wait(lambda: httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", headers=AUTH, timeout=30)
+              .json()["storage_puts"] >= 2, 30, "decode's write-back")
         turn2 = turn1 + got["output_ids"] + [40, 41, 42]
-        got = httpx.post(url + "/generate", json={"input_ids": turn2, "sampling_params": sampling}, timeout=120).json()
+        got = httpx.post(url + "/generate", json={"input_ids": turn2, "sampling_params": sampling}, headers=AUTH,
+                         timeout=120).json()
         assert got["output_ids"] == reference.generate(input_ids=turn2, sampling_params=sampling)["output_ids"]
         # Decode stored two chunks (16 of the 19 positions it computed); prefill's device held 11 of them.
         assert got["meta_info"]["cached_tokens_by_tier"] == {"device": 11, "host": 0, "storage": 5}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert "unexpectedly" not in Path(log.name).read_text(errors="replace")
+        output = Path(log.name).read_text(errors="replace")
+        assert "unexpectedly" not in output
+        assert API_KEY not in output and TOKEN not in output  # up's log and every child's
+        assert output.count(TRANSFER_ENGINE_WARNING) == 1  # said once, the documented exception
         wait_until = time.monotonic() + 30
         while any(alive(c) for c in children) and time.monotonic() < wait_until:
             time.sleep(0.2)
@@ -297,7 +437,10 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
         assert httpx.get(decode + "/get_server_info", timeout=30).json()["kv_received"] == kv_before + 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert "unexpectedly" not in Path(log.name).read_text(errors="replace")
+        output = Path(log.name).read_text(errors="replace")
+        assert "unexpectedly" not in output
+        assert API_KEY not in output and TOKEN not in output  # up's log and every child's
+        assert output.count(TRANSFER_ENGINE_WARNING) == 1  # said once, the documented exception
     finally:
         for p in (proc, restarted):
             if p is not None and p.poll() is None:

@@ -11,9 +11,10 @@ import orjson
 import pytest
 import zmq
 
-from pdserve.config import ServerArgs
+from pdserve.config import KVEventsConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler_process import build_scheduler, close_kv_events
+from pdserve.obs.kv_event_publisher import KVEventPublisher
 from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.kv_index import prompt_block_hashes
 
@@ -94,3 +95,61 @@ def test_a_dropped_batch_is_a_gap_repaired_from_the_snapshot(scheduler):
         assert sub.num_blocks == 0
     finally:
         sub.stop()
+
+
+# ------------------------------------------------- who may read the events
+def test_the_default_endpoint_is_the_servers_host_not_every_interface():
+    default = KVEventsConfig("zmq")
+    assert default.endpoint_for("127.0.0.1") == "tcp://127.0.0.1:5557"
+    assert default.endpoint_for("10.1.2.3") == "tcp://10.1.2.3:5557"
+    assert default.endpoint_for("::1") == "tcp://[::1]:5557"
+    assert KVEventsConfig("zmq", "tcp://127.0.0.1:*").endpoint_for("10.1.2.3") == "tcp://127.0.0.1:*"  # as given
+    assert ServerArgs(model_path="tiny-llama", host="10.1.2.3",
+                      kv_events_config='{"publisher": "zmq"}').kv_events().endpoint_for("10.1.2.3").startswith(
+                          "tcp://10.1.2.3:")
+
+
+def _published_stored(pub: KVEventPublisher, port: int) -> dict:
+    """The first BlockStored event a subscriber on 127.0.0.1:``port`` receives from ``pub``."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        wait_for(lambda: sub.poll(100), "a heartbeat (the subscription is live)")
+        pub.stored(None, [11, 12], [1, 2, 3, 4, 5, 6, 7, 8], 4, "GPU")
+        pub.flush()
+        while not (events := orjson.loads(sub.recv_multipart()[2])["events"]):
+            pass
+        return events[0]
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("bind, token_ids", [("tcp://127.0.0.1:*", True), ("tcp://0.0.0.0:*", False)])
+def test_token_ids_are_published_only_to_this_machine(bind, token_ids):
+    # A wildcard bind is reachable from other machines, with no authentication: the events go out
+    # with their block hashes (what routing needs) and without the prompts' tokens. The subscriber
+    # itself connects over loopback only.
+    pub = KVEventPublisher(KVEventsConfig("zmq", bind), advertise_host="127.0.0.1")
+    try:
+        port = int(pub.endpoint.rsplit(":", 1)[1])
+        stored = _published_stored(pub, port)
+        assert stored["block_hashes"] == [11, 12] and stored["type"] == "BlockStored"
+        assert ("token_ids" in stored) is token_ids and pub.stats()["kv_events_token_ids"] is token_ids
+        if token_ids:
+            assert stored["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    finally:
+        pub.close()
+
+
+def test_hash_only_events_still_drive_the_routers_index():
+    from pdserve.router.kv_index import KVIndex
+
+    index = KVIndex()
+    index.load_snapshot({"seq": 0, "blocks": []})
+    hashes = prompt_block_hashes(list(range(1, 14)), PAGE)
+    assert index.apply(1, [{"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                            "block_size": PAGE, "medium": "GPU"}])
+    assert index.matched_blocks(prompt_block_hashes(list(range(1, 14)), PAGE)) == 3

@@ -16,6 +16,7 @@ import sys
 from pdserve import __version__
 from pdserve.bench import config as bench_config
 from pdserve.config import (
+    API_KEY_ENV,
     ATTENTION_BACKENDS,
     DEEPEP_MODES,
     DEVICES,
@@ -82,11 +83,13 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("HTTP server")
     _flag(g, "--host", "interface to listen on")
     _flag(g, "--port", "port to listen on", type=int)
-    _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call")
+    _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call (default: $PDSERVE_API_KEY, "
+          "which ps does not show)")
     _admin_key_flag(g)
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
-    _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq", "endpoint": '
-          '"tcp://*:5557"}; the address is reported in /get_server_info, GET /kv_events/snapshot resyncs')
+    _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
+          'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
+          'resyncs; token ids only on a loopback bind (docs/security.md)')
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
@@ -215,6 +218,7 @@ def _checked_args(ns: argparse.Namespace):
     from pdserve.layers.moe.dispatch import require_backend  # imports torch: only for serve
 
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELDS}
+    kwargs["api_key"] = _api_key(kwargs.get("api_key"))
     args = ServerArgs(**kwargs)
     args.disagg_config().check_servable()
     model_config = args.model_config()
@@ -223,6 +227,11 @@ def _checked_args(ns: argparse.Namespace):
 
     require_device(args.device_config())  # --device / --attention-backend on this host
     return args, model_config
+
+
+def _api_key(flag: str | None) -> str | None:
+    """``--api-key``, else ``PDSERVE_API_KEY`` (a flag shows in ps; ``pdserve up`` uses the variable)."""
+    return flag or os.environ.get(API_KEY_ENV, "").strip() or None
 
 
 # ------------------------------------------------------------- router
@@ -270,7 +279,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--log-level", "logging level", choices=LOG_LEVELS)
     g = parser.add_argument_group("authentication")
     _router_flag(g, "--api-key", "clients must send 'Authorization: Bearer KEY' (401 otherwise); also sent to "
-                 "the workers unless --worker-api-key is given")
+                 "the workers unless --worker-api-key is given (default: $PDSERVE_API_KEY)")
     _admin_key_flag(g, "; also sent to the workers for admin calls (give them the same key)")
     _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
                  "--api-key, or else the client's own Authorization header")
@@ -279,6 +288,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
     """RouterArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
     kwargs = {k: v for k, v in vars(ns).items() if k in _ROUTER_FIELDS}
+    kwargs["api_key"] = _api_key(kwargs.get("api_key"))
     kwargs["prefill"] = tuple(PrefillSpec.parse(values) for values in ns.prefill)
     kwargs["decode"] = tuple(normalize_url(url) for url in ns.decode)
     return RouterArgs(**kwargs)
@@ -313,6 +323,7 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_hicache_args, add_runtime_args, add_device_args)
 # Set per server by up (its own file directory, the shared Mooncake master): not passed through as given.
 UP_STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_dir", "hicache_storage_backend_extra_config")
+UP_SECRET_FIELDS = ("disaggregation_auth_token",)  # to the servers by environment, never a command line
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -328,7 +339,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", dest="up_policy", choices=POLICIES, default="cache_aware",
                    help="the router's policy for both sides (default: %(default)s)")
     g.add_argument("--api-key", dest="up_api_key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' to the router and every server")
+                   help="clients must send 'Authorization: Bearer KEY' to the router and every server (default: "
+                   "$PDSERVE_API_KEY); up hands it and the P/D token to them by environment, never on a command line")
     g.add_argument("--admin-api-key", dest="up_admin_api_key", default=os.environ.get(ADMIN_KEY_ENV) or None,
                    help="admin routes of the router and every server need it (passed to them by the environment; "
                    f"default: ${ADMIN_KEY_ENV})")
@@ -416,21 +428,28 @@ def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.Argumen
     return tuple(out)
 
 
+def up_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The deployment (an ``up.UpArgs``); raises ValueError (naming the flag) if it is invalid."""
+    from pdserve.entrypoints.up import StorageTier, UpArgs
+
+    server = server_args_from_namespace(ns)  # every server would refuse these: say so now
+    server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
+    num_prefill, num_decode = up_split(ns)
+    storage = StorageTier()  # the tier's flags mean nothing without the hierarchical cache: no master then
+    if server.enable_hierarchical_cache:
+        storage = StorageTier(server.hicache_storage_backend, server.hicache_storage_dir,
+                              server.hicache_storage_backend_extra_config)
+    flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS + UP_SECRET_FIELDS)
+    return UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
+                  _api_key(ns.up_api_key), ns.up_health_check_interval_secs, auth_token=ns.disaggregation_auth_token,
+                  elastic=elastic_from_namespace(ns), storage=storage, admin_api_key=ns.up_admin_api_key)
+
+
 def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pdserve.entrypoints.up import StorageTier, UpArgs, launch_up
+    from pdserve.entrypoints.up import launch_up
 
     try:
-        server = server_args_from_namespace(ns)  # every server would refuse these: say so now
-        server.replace(disaggregation_mode="prefill").disagg_config().check_servable()  # up runs P/D servers
-        num_prefill, num_decode = up_split(ns)
-        storage = StorageTier()  # the tier's flags mean nothing without the hierarchical cache: no master then
-        if server.enable_hierarchical_cache:
-            storage = StorageTier(server.hicache_storage_backend, server.hicache_storage_dir,
-                                  server.hicache_storage_backend_extra_config)
-        flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS)
-        args = UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
-                      ns.up_api_key, ns.up_health_check_interval_secs, elastic=elastic_from_namespace(ns),
-                      storage=storage, admin_api_key=ns.up_admin_api_key)
+        args = up_args_from_namespace(ns, parser)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     return launch_up(args)

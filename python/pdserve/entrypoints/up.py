@@ -13,10 +13,15 @@ deployment (docs/hicache.md, "Across P/D"): ``mooncake`` is the tier every serve
 no ``master_server_address`` in the extra config ``up`` starts one ``mooncake_master`` before the
 servers, hands its address to each of them and stops it after them; ``file`` takes one owner per
 directory, so each server gets its own subdirectory (named after it) of ``--hicache-storage-dir``.
+
+Secrets (the API key, the P/D token) reach the children by environment (``PDSERVE_API_KEY``,
+``PDSERVE_DISAGGREGATION_AUTH_TOKEN``), never on a command line, which every local user can read
+in ``ps``; the command lines up logs hide any secret flag all the same.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -29,6 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV
 from pdserve.web.api_key import ADMIN_KEY_ENV
 
 if TYPE_CHECKING:
@@ -39,6 +45,12 @@ logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.25
 STOP_GRACE_S = 15.0
+SECRET_FLAGS = ("--api-key", "--worker-api-key", "--disaggregation-auth-token")
+# The one listener up cannot keep on --host: said once at start-up, documented in docs/security.md.
+TRANSFER_ENGINE_WARNING = ("Mooncake's transfer engines listen on every interface whatever --host says (ports in "
+                           "15000-17000, an RPC and a handshake port per engine; mooncake-transfer-engine 0.3.13 has "
+                           "no bind setting): whoever reaches them can read the registered KV memory. Allow them "
+                           "only from the P/D hosts (firewall recipe: docs/security.md)")
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,7 @@ class UpArgs:
     cores: tuple[int, ...] | None = None  # default: the cores this process may use
     elastic: ElasticConfig | None = None  # --elastic: a controller switches servers' roles (entrypoints/elastic.py)
     storage: StorageTier = field(default_factory=StorageTier)
+    auth_token: str | None = field(default=None, repr=False)  # the P/D token, for the servers
     admin_api_key: str | None = field(default=None, repr=False)  # every child's, by the environment
 
     def __post_init__(self):
@@ -137,6 +150,7 @@ class Child:
     url: str  # polled for /health before the next stage starts
     cores: tuple[int, ...] | None
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # secrets, added to up's own environment
 
     @property
     def process(self) -> subprocess.Popen:
@@ -175,7 +189,7 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
         port = args.port + 1 + i
         url = f"http://{args.host}:{port}"
         cmd = [*py, "serve", *args.server_flags, "--host", args.host, "--port", str(port),
-               "--disaggregation-mode", role, *(["--api-key", args.api_key] if args.api_key else [])]
+               "--disaggregation-mode", role]
         if "--num-threads" not in args.server_flags:
             cmd += ["--num-threads", str(len(shares[i]))]
         boot = args.bootstrap_port + i  # elastic: every server's, for when it becomes prefill
@@ -189,16 +203,27 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
             decode_urls.append(url)
         name = f"{role}-{i if role == 'prefill' else i - args.num_prefill}"
         cmd += storage_flags(args.storage, name, master)
-        children.append(Child(name, cmd, url, shares[i]))
+        children.append(Child(name, cmd, url, shares[i], env=secrets_env(args, server=True)))
     router = [*py, "router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
-              "--health-check-interval-secs", f"{args.health_check_interval_secs:g}",
-              *(["--api-key", args.api_key] if args.api_key else [])]
+              "--health-check-interval-secs", f"{args.health_check_interval_secs:g}"]
     for url, boot in prefill_urls:
         router += ["--prefill", url, str(boot)]
     for url in decode_urls:
         router += ["--decode", url]
-    children.append(Child("router", router, f"http://{args.host}:{args.port}", None))
+    children.append(Child("router", router, f"http://{args.host}:{args.port}", None,
+                          env=secrets_env(args, server=False)))
     return children
+
+
+def secrets_env(args: UpArgs, server: bool) -> dict[str, str]:
+    """A child's secrets, as environment variables: the API and admin keys for all, the P/D token for
+    servers."""
+    env = {API_KEY_ENV: args.api_key} if args.api_key else {}
+    if args.admin_api_key:  # the children take it as --admin-api-key's default
+        env[ADMIN_KEY_ENV] = args.admin_api_key
+    if server and args.auth_token:
+        env[AUTH_TOKEN_ENV] = args.auth_token
+    return env
 
 
 def ports_in_use(args: UpArgs) -> list[int]:
@@ -255,7 +280,8 @@ class Deployment:
 
         logger.info("starting %s%s: %s", child.name, f" on cores {list(cores)}" if cores else "",
                     _shown(child.cmd))
-        child.proc = subprocess.Popen(child.cmd, start_new_session=True, preexec_fn=pin)
+        child.proc = subprocess.Popen(child.cmd, start_new_session=True, preexec_fn=pin,
+                                      env={**os.environ, **child.env})
 
     def _wait_healthy(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.args.startup_timeout_s
@@ -326,8 +352,16 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _shown(cmd: list[str]) -> str:
-    """A command line for the log, the API key hidden."""
-    return " ".join("***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd))
+    """A command line for the log, the value of every secret flag hidden (``--flag value`` or ``--flag=value``)."""
+    shown = []
+    for i, a in enumerate(cmd):
+        name = a.split("=", 1)[0]
+        if i and cmd[i - 1] in SECRET_FLAGS:
+            a = "***"
+        elif name in SECRET_FLAGS and "=" in a:
+            a = f"{name}=***"
+        shown.append(a)
+    return " ".join(shown)
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
@@ -336,10 +370,13 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _healthy(url: str) -> bool:
+    """False until ``url`` answers /health with 200. Before the server listens, a probe from an
+    ephemeral port equal to the server's may connect to itself and read its own request back
+    (not HTTP): that too is "not yet", not a reason to stop the deployment."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as resp:
             return resp.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 
@@ -351,9 +388,8 @@ def launch_up(args: UpArgs) -> int:
         logger.error("port: %s already in use (pick another --port / --disaggregation-bootstrap-port)",
                      ", ".join(map(str, busy)))
         return 1
-    if args.admin_api_key:  # the children take it as --admin-api-key's default: it is on no command line
-        os.environ[ADMIN_KEY_ENV] = args.admin_api_key
     dep = Deployment(args)
+    logger.warning("%s", TRANSFER_ENGINE_WARNING)  # every server runs Mooncake (SERVER_TRANSFER_BACKENDS)
 
     def on_signal(_sig, _frame):
         dep.stopping = True

@@ -6,6 +6,14 @@ Wire format (one ZMQ multipart message per batch, as vLLM's and SGLang's publish
 and each event carries ``type`` ("BlockStored", "BlockRemoved", "AllBlocksCleared") and
 vLLM/Dynamo's field names.
 
+Who may read them: a ``BlockStored`` event's ``token_ids`` are the cached prompts' tokens. They
+are published only when the socket is reachable from this machine alone (a loopback address,
+``ipc://``, ``inproc://``); a socket bound to any other address, wildcards included, publishes
+the events without ``token_ids`` (logged once, and ``kv_events_token_ids`` false in
+``/get_server_info``). Routing needs only the block hashes: the router hashes the prompts it sees
+itself (``router/kv_index.py``). The endpoint defaults to the server's ``--host``
+(``KVEventsConfig.endpoint_for``), never every interface.
+
 An idle publisher sends an empty batch (``events: []``) with the last number every second.
 
 ``seq`` numbers batches 1, 2, 3 ... with no hole unless a batch was lost: the scheduler
@@ -16,6 +24,7 @@ resyncs from ``snapshot`` (served over HTTP by the server), which says the seq i
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import random
@@ -54,6 +63,16 @@ def connectable(bound: str, advertise_host: str) -> str:
     return f"tcp://{host}:{parts.port}"
 
 
+def local_only(bound: str) -> bool:
+    """Whether ``bound`` (a socket's last endpoint) can be reached from this machine alone."""
+    if not bound.startswith("tcp://"):
+        return bound.startswith(("ipc://", "inproc://"))
+    try:
+        return ipaddress.ip_address(urlsplit(bound).hostname or "").is_loopback
+    except ValueError:  # a wildcard or an interface name: reachable from elsewhere
+        return False
+
+
 class KVEventPublisher(EventBuffer):
     """The sink a scheduler's KV cache manager reports to; ``flush`` once per scheduler step closes
     a batch. ``drop_next``: a test hook, the next N batches are numbered but never sent."""
@@ -70,12 +89,18 @@ class KVEventPublisher(EventBuffer):
         self._bound = threading.Event()
         self._bind_error: str | None = None
         self._bound_at = ""
+        self._endpoint = config.endpoint_for(advertise_host)
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
         if not self._bound.wait(BIND_TIMEOUT_S) or self._bind_error is not None:
-            raise ValueError(f"kv_events_config: cannot bind endpoint {config.endpoint!r} "
+            raise ValueError(f"kv_events_config: cannot bind endpoint {self._endpoint!r} "
                              f"({self._bind_error or 'timed out'})")
         self.endpoint = connectable(self._bound_at, advertise_host)
+        self.token_ids = local_only(self._bound_at)  # prompts' tokens only to this machine's own readers
+        if not self.token_ids:
+            logger.warning("KV events at %s can be read from other machines without authentication: they are "
+                           "published without token ids (block hashes only, all cache-aware routing needs)",
+                           self._bound_at)
 
     # ---------------------------------------------------- scheduler thread
     def flush(self) -> None:
@@ -103,7 +128,7 @@ class KVEventPublisher(EventBuffer):
 
     def stats(self) -> dict:
         return {"kv_events_endpoint": self.endpoint, "kv_events_seq": self.seq,
-                "kv_events_dropped_batches": self.dropped_batches}
+                "kv_events_dropped_batches": self.dropped_batches, "kv_events_token_ids": self.token_ids}
 
     def close(self) -> None:
         """Send what is queued (bounded), then stop the thread and close the socket."""
@@ -121,7 +146,7 @@ class KVEventPublisher(EventBuffer):
         try:
             sock.setsockopt(zmq.SNDHWM, self.config.hwm)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(self.config.endpoint)
+            sock.bind(self._endpoint)
             self._bound_at = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             self._bind_error = str(e)
@@ -149,4 +174,10 @@ class KVEventPublisher(EventBuffer):
 
     def _payload(self, seq: int, ts: float, events: list[KVEvent]) -> bytes:
         return orjson.dumps({"seq": seq, "epoch": self.epoch, "ts": ts, "data_parallel_rank": self.data_parallel_rank,
-                             "events": [event_dict(e) for e in events]})
+                             "events": [self._event(e) for e in events]})
+
+    def _event(self, event: KVEvent) -> dict:
+        d = event_dict(event)
+        if not self.token_ids:
+            d.pop("token_ids", None)
+        return d

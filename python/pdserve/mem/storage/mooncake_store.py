@@ -95,10 +95,16 @@ def _free_port(host: str) -> int:
 
 
 class MooncakeMaster:
-    """A ``mooncake_master`` on loopback ports (metadata served over its own HTTP server, no etcd).
+    """A ``mooncake_master`` whose every listener (RPC, metrics) is on ``host``.
 
-    ``start`` returns once the RPC and metadata ports accept connections; ``stop`` terminates
-    it (SIGKILL after ``stop_timeout_s``). Its log goes to ``log_path`` (a temp file by default).
+    Its HTTP metadata server is off: the 0.3.13 binary binds it to 0.0.0.0 whatever
+    ``-http_metadata_server_host`` says, and it takes a ``PUT`` from anyone. Clients find each
+    other's segments by P2P handshake instead (``metadata_server``), as the transfer engines do.
+
+    ``start`` returns once the RPC port accepts connections; ``stop`` terminates it (SIGKILL after
+    ``stop_timeout_s``). Its log goes to ``log_path``: by default a file in a fresh 0700 folder, as
+    a predictable name in /tmp could be a link another local user planted; ``stop`` removes that
+    folder, unless the master died on its own (its log says why).
     """
 
     def __init__(
@@ -113,10 +119,10 @@ class MooncakeMaster:
         self.host = host
         self.enable_offload = enable_offload
         self.extra_args = tuple(extra_args)
-        self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"pdserve-mooncake-master-{os.getpid()}.log")
+        self._log_dir: str | None = None  # the private folder start makes when no log_path is given
+        self.log_path = log_path or ""
         self.start_timeout_s = start_timeout_s
         self.rpc_port = 0
-        self.http_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -126,26 +132,29 @@ class MooncakeMaster:
 
     @property
     def metadata_server(self) -> str:
-        """``metadata_server`` for clients: the master's HTTP metadata endpoint."""
-        return f"http://{self.host}:{self.http_port}/metadata"
+        """``metadata_server`` for clients: none on the master (see the class), segments by P2P handshake."""
+        return "P2PHANDSHAKE"
 
     def start(self) -> MooncakeMaster:
         if self._proc is not None:
             raise MooncakeStoreError("mooncake_master: already started")
-        self.rpc_port, self.http_port, metrics_port = (_free_port(self.host) for _ in range(3))
+        self.rpc_port, metrics_port = (_free_port(self.host) for _ in range(2))
         args = [
             master_binary(),
             f"-rpc_address={self.host}",
             f"-rpc_port={self.rpc_port}",
-            "-enable_http_metadata_server=true",
-            f"-http_metadata_server_host={self.host}",
-            f"-http_metadata_server_port={self.http_port}",
+            "-enable_http_metadata_server=false",
             f"-metrics_host={self.host}",
             f"-metrics_port={metrics_port}",
             f"-enable_offload={'true' if self.enable_offload else 'false'}",
             *self.extra_args,
         ]
-        with open(self.log_path, "wb") as log:
+        if not self.log_path or self._log_dir is not None:
+            self._log_dir = tempfile.mkdtemp(prefix="pdserve-mooncake-master-")  # mode 0700: ours alone
+            self.log_path = os.path.join(self._log_dir, "master.log")
+        # O_NOFOLLOW as well, for a log_path the caller named.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with open(fd, "wb") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready()
@@ -156,7 +165,7 @@ class MooncakeMaster:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        pending = [self.rpc_port, self.http_port]
+        pending = [self.rpc_port]
         while pending:
             if self._proc is None or self._proc.poll() is not None:
                 raise MooncakeStoreError(f"mooncake_master exited at start-up; see {self.log_path}")
@@ -175,12 +184,15 @@ class MooncakeMaster:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        died = proc.poll() is not None
         proc.terminate()
         try:
             proc.wait(stop_timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if not died and self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (tests of a dead master)."""
@@ -188,6 +200,8 @@ class MooncakeMaster:
             self._proc.kill()
             self._proc.wait()
             self._proc = None
+            if self._log_dir is not None:  # its owner killed it: nothing to diagnose
+                shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def __enter__(self) -> MooncakeMaster:
         return self.start()
