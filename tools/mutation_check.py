@@ -252,6 +252,12 @@ MUTATIONS = (
         ("test/engine/test_node_sockets.py::test_tcp_binds_move_to_the_node_address_and_ipc_stays",
          "test/engine/test_node_sockets.py::test_without_a_token_the_sockets_bind_the_node_address_in_clear")),
     Mutation(
+        "multinode_frames_unbounded", "a multi-node frontend socket buffers a frame of any size from any peer",
+        "python/pdserve/engine/node_sockets.py",
+        "        sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)\n",
+        "",
+        ("test/engine/test_node_sockets.py::test_a_frame_over_the_bound_never_reaches_the_frontend",)),
+    Mutation(
         "zap_admits_any_client_key", "under the token the frontend admits any CURVE client key",
         "python/pdserve/engine/node_sockets.py",
         "        return hmac.compare_digest(key, self.allowed)",

@@ -170,3 +170,18 @@ def test_several_nodes_under_the_token_use_curve_and_warn_without_it(caplog):
     (record,) = caplog.records
     assert "anyone who can reach 127.0.0.1 ports 5001 and 5002 can read prompts" in record.getMessage()
     assert "--disaggregation-auth-token" in record.getMessage()
+
+
+def test_a_frame_over_the_bound_never_reaches_the_frontend(ctx):
+    frontend = FrontendSockets(None, "127.0.0.1", max_bytes=1024)
+    pull = frontend.bind(ctx, zmq.PULL, "tcp://127.0.0.1:0")
+    endpoint = pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+    stranger = connect_socket(ctx, zmq.PUSH, endpoint)
+    stranger.send(b"x" * 2048)  # ZMQ drops the connection instead of buffering the frame
+    rank = connect_socket(ctx, zmq.PUSH, endpoint)
+    rank.send(b"output")
+    assert pull.recv() == b"output"
+    assert not pull.poll(200)
+    for s in (stranger, rank, pull):
+        s.close(linger=0)
+    frontend.close()

@@ -30,6 +30,7 @@ import zmq.auth.thread
 from zmq.utils import z85
 
 from pdserve.config import ServerArgs, split_host_port
+from pdserve.engine.codec import MAX_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +125,13 @@ def tcp_endpoint(host: str, port: int) -> str:
 # ------------------------------------------------------------------ sockets
 class FrontendSockets:
     """The frontend's side: binds ``kind`` sockets, as CURVE server under ``keys`` (a ZAP handler
-    per ZMQ context admits the ranks' key only). ``close()`` stops the handlers."""
+    per ZMQ context admits the ranks' key only). A TCP socket takes frames of ``max_bytes`` at most:
+    ZMQ drops the connection of a peer sending more before buffering it. ``close()`` stops the handlers."""
 
-    def __init__(self, keys: CurveKeys | None, bind_host: str | None = None):
+    def __init__(self, keys: CurveKeys | None, bind_host: str | None = None, max_bytes: int = MAX_FRAME_BYTES):
         self.keys = keys
         self.bind_host = bind_host  # multi-node: the node's address (node_bind_host)
+        self.max_bytes = max_bytes
         self._auths: list[zmq.auth.thread.ThreadAuthenticator] = []
 
     def bind(self, ctx: zmq.Context[_Socket], kind: int, endpoint: str) -> _Socket:
@@ -149,6 +152,7 @@ class FrontendSockets:
         return tcp_endpoint(self.bind_host, int(endpoint.rpartition(":")[2]))
 
     def _secure(self, ctx: zmq.Context[Any], sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         if self.bind_host is not None and ":" in self.bind_host:
             sock.setsockopt(zmq.IPV6, 1)
         if self.keys is None:
@@ -183,11 +187,13 @@ def connect_socket(ctx: zmq.Context, kind: int, endpoint: str, keys: CurveKeys |
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     if keys is not None and endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
-    if endpoint.startswith("tcp://[") :
+    if endpoint.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
     sock.connect(endpoint)
     return sock
