@@ -80,7 +80,8 @@ def local_address(host: str) -> str | None:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         return None
-    for family, _, _, _, sockaddr in infos:
+    # IPv4 first: the other nodes' ZMQ resolves the same name to IPv4 (ZMQ_IPV6 is off)
+    for family, _, _, _, sockaddr in sorted(infos, key=lambda info: info[0] != socket.AF_INET):
         ip = str(sockaddr[0])
         if _is_wildcard(ip):
             continue
@@ -157,14 +158,20 @@ class FrontendSockets:
             sock.setsockopt(zmq.IPV6, 1)
         if self.keys is None:
             return
-        if not self._auths or not any(a.context.underlying == ctx.underlying for a in self._auths):
-            auth = zmq.auth.thread.ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=logger)
-            auth.start()
-            auth.configure_curve_callback("*", _OneKey(self.keys.client_public))
-            self._auths.append(auth)
+        self._authenticate(ctx, self.keys)
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.server_secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.server_public)
+
+    def _authenticate(self, ctx: zmq.Context[Any], keys: CurveKeys) -> None:
+        """ZAP runs per ZMQ context: one handler thread for each context a socket binds in (the
+        frontend has a plain one and an asyncio one), admitting the ranks' client key only."""
+        if any(a.context.underlying == ctx.underlying for a in self._auths):
+            return
+        auth = zmq.auth.thread.ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=logger)
+        auth.start()
+        auth.configure_curve_callback("*", _OneKey(keys.client_public))
+        self._auths.append(auth)
 
     def close(self) -> None:
         for auth in self._auths:
@@ -189,12 +196,11 @@ def connect_socket(ctx: zmq.Context, kind: int, endpoint: str, keys: CurveKeys |
     sock.setsockopt(zmq.RCVHWM, 0)
     if endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    if keys is not None and endpoint.startswith("tcp://"):
-        sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
-    if endpoint.startswith("tcp://["):
-        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.IPV6, int(endpoint.startswith("tcp://[")))
+        if keys is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
     sock.connect(endpoint)
     return sock
 
