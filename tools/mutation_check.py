@@ -332,6 +332,51 @@ MUTATIONS = (
         "            \"-enable_http_metadata_server=false\",",
         "            \"-enable_http_metadata_server=true\", f\"-http_metadata_server_host={self.host}\",",
         ("test/mem/storage/test_mooncake_master.py::test_every_listener_of_the_master_is_on_its_host",)),
+    # issue 25, no pickle on any socket (engine/codec.py, engine/node_sockets.py)
+    Mutation(
+        "codec_accepts_unregistered_type", "the codec decodes a frame whose type name it does not carry",
+        "python/pdserve/engine/codec.py",
+        "        decoder = self._decoders.get(name)\n",
+        "        decoder = self._decoders.get(name, msgspec.msgpack.Decoder())\n",
+        ("test/engine/test_codec.py::test_anything_else_is_a_codec_error_that_says_why",)),
+    Mutation(
+        "codec_frame_unbounded", "a frame over the size bound is decoded anyway",
+        "python/pdserve/engine/codec.py",
+        "        if len(frame) > self.max_bytes:",
+        "        if False:",
+        ("test/engine/test_codec.py::test_a_frame_over_the_bound_is_refused_before_decoding",)),
+    Mutation(
+        "junk_frame_stops_the_loop", "a frame that is none of our messages raises out of the receiving loop",
+        "python/pdserve/engine/scheduler_process.py",
+        "        drops.record(e)\n        return None\n",
+        "        raise\n",
+        ("test/engine/test_codec.py::test_a_scheduler_loop_drops_junk_and_goes_on",)),
+    Mutation(
+        "multinode_binds_every_interface", "a multi-node frontend binds its scheduler sockets on tcp://*",
+        "python/pdserve/engine/node_sockets.py",
+        "        return tcp_endpoint(self.bind_host, int(endpoint.rpartition(\":\")[2]))",
+        "        return \"tcp://*:\" + endpoint.rpartition(\":\")[2]",
+        ("test/engine/test_node_sockets.py::test_tcp_binds_move_to_the_node_address_and_ipc_stays",
+         "test/engine/test_node_sockets.py::test_without_a_token_the_sockets_bind_the_node_address_in_clear")),
+    Mutation(
+        "multinode_frames_unbounded", "a multi-node frontend socket buffers a frame of any size from any peer",
+        "python/pdserve/engine/node_sockets.py",
+        "        sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)\n",
+        "",
+        ("test/engine/test_node_sockets.py::test_a_frame_over_the_bound_never_reaches_the_frontend",)),
+    Mutation(
+        "zap_admits_any_client_key", "under the token the frontend admits any CURVE client key",
+        "python/pdserve/engine/node_sockets.py",
+        "        return hmac.compare_digest(key, self.allowed)",
+        "        return True",
+        ("test/engine/test_node_sockets.py::test_under_the_token_only_a_rank_holding_it_gets_requests",
+         "test/engine/test_node_sockets.py::test_under_the_token_a_stranger_cannot_push_outputs")),
+    Mutation(
+        "multinode_in_clear_under_token", "several nodes under the cluster token still talk without CURVE",
+        "python/pdserve/engine/node_sockets.py",
+        "    return CurveKeys.from_token(token) if token else None",
+        "    return None",
+        ("test/engine/test_node_sockets.py::test_several_nodes_under_the_token_use_curve_and_warn_without_it",)),
 )
 
 

@@ -19,10 +19,12 @@ from pdserve.engine.io_struct import AbortReq, ShutdownReq
 from pdserve.engine.rank_group import BroadcastSampler, ControlPlane, LockStepError, StepSync
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler_process import FRONTEND_CODEC
 
 
 def _exchange(control: ControlPlane, rank: int) -> dict:
-    frames = [pickle.dumps(AbortReq("r1")), pickle.dumps(ShutdownReq())] if rank == 0 else [b"ignored"]
+    leader = [FRONTEND_CODEC.encode(AbortReq("r1")), FRONTEND_CODEC.encode(ShutdownReq())]
+    frames = leader if rank == 0 else [b"ignored"]
     before = time.monotonic()
     busy = control.exchange(frames, has_work=rank == 1, load=3 + 2 * rank, runnable=rank == 0,
                             poll_ms=20 if rank else None, agreement=rank == 1)

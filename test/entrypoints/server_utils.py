@@ -118,8 +118,17 @@ class Server:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> Server:
+        """Start the process without waiting for it (``wait_healthy`` does)."""
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=self.env)
+        return self
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> Server:
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

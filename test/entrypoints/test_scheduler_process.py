@@ -25,7 +25,7 @@ from pdserve.engine.io_struct import (
     TokenizedGenerateReq,
 )
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.scheduler_process import SchedulerLoop, build_scheduler
+from pdserve.engine.scheduler_process import FRONTEND_CODEC, SchedulerLoop, build_scheduler
 
 PRESET = "tiny-llama"
 
@@ -74,7 +74,7 @@ def _req(rid, ids=(5, 17, 99, 3), max_new_tokens=3):
 def _recv_all(sock, timeout_ms=200):
     out = []
     while sock.poll(timeout_ms):
-        out.append(sock.recv_pyobj())
+        out.append(FRONTEND_CODEC.decode(sock.recv()))
     return out
 
 
@@ -83,8 +83,8 @@ def test_one_message_per_step_and_all_queued_requests_join_the_first_step(socket
     prompts = [[5 + i, 17, 99, 3] for i in range(4)]
     rids = [f"r{i}" for i in range(4)]
     for rid, p in zip(rids, prompts):
-        push.send_pyobj(_req(rid, p))
-    push.send_pyobj(ShutdownReq())  # handled in the same drain, after the requests
+        push.send(FRONTEND_CODEC.encode(_req(rid, p)))
+    push.send(FRONTEND_CODEC.encode(ShutdownReq()))  # handled in the same drain, after the requests
     loop = SchedulerLoop(scheduler, pull, out_push)
     steps_before = scheduler.stats()["forward_steps"]
     loop.drain(block=True)
@@ -109,7 +109,7 @@ def test_idle_loop_blocks_on_the_socket_instead_of_spinning(sockets, scheduler):
     thread = threading.Thread(target=loop.run)
     thread.start()
     threading.Event().wait(0.3)
-    push.send_pyobj(ShutdownReq())
+    push.send(FRONTEND_CODEC.encode(ShutdownReq()))
     thread.join(5)
     assert not thread.is_alive()
     assert scheduler.stats()["forward_steps"] == steps_before
@@ -123,7 +123,7 @@ def test_rejection_control_messages_and_abort(sockets, scheduler):
     for msg in (_req("empty", ids=()), _req("oov", ids=(1, vocab)), _req("long", max_new_tokens=10 ** 6),
                 _req("a"), _req("b"), GetStatsReq(), FlushCacheReq(), AbortReq("a"),
                 AbortReq("", abort_all=True)):
-        push.send_pyobj(msg)
+        push.send(FRONTEND_CODEC.encode(msg))
     loop.drain(block=True)
     msgs = _recv_all(out_pull)
     assert [type(m) for m in msgs] == [RejectedReq] * 3 + [StatsResp, FlushCacheResp]
@@ -151,7 +151,7 @@ def test_parent_exit_ends_the_loop(sockets, scheduler):
     thread.join(10)
     still_running = thread.is_alive()
     if still_running:
-        push.send_pyobj(ShutdownReq())
+        push.send(FRONTEND_CODEC.encode(ShutdownReq()))
         thread.join(5)
     assert not still_running, "the loop kept running after its parent was gone"
     assert not loop.stopped  # it left because the parent was gone, not because it was told to
@@ -165,6 +165,6 @@ def test_loop_with_a_live_parent_runs_until_shutdown(sockets, scheduler):
     while loop.idle_polls < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert thread.is_alive() and loop.idle_polls >= 5  # idled (and checked its parent) several times
-    push.send_pyobj(ShutdownReq())
+    push.send(FRONTEND_CODEC.encode(ShutdownReq()))
     thread.join(5)
     assert not thread.is_alive() and loop.stopped

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pickle
+import queue
 import socket
 import threading
 import time
@@ -189,8 +189,11 @@ class ControlChannel:
 
 
 class Mailbox:
-    """Messages from helper threads to the scheduler thread: ``post`` from any thread, ``recv_all``
-    (or the rank loop, reading ``socket``: frames are pickled objects) on the scheduler thread."""
+    """Messages from helper threads to the scheduler thread, within this process: ``post`` (any
+    thread) queues the message and sends an empty frame on an inproc socket, so a poller on
+    ``socket`` wakes; ``recv_all``, or the rank loop taking one message per frame it reads from
+    ``socket`` (``take``), on the scheduler thread. Nothing is serialized: the objects never leave
+    the process (a rank loop shares them with its other ranks through its typed codec)."""
 
     _ids = itertools.count()
 
@@ -203,21 +206,33 @@ class Mailbox:
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(address)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # a ZMQ socket is used by one thread at a time
         self._closed = False
 
     def post(self, msg) -> None:
         with self._lock:
             if not self._closed:
-                self._push.send(pickle.dumps(msg))
+                self._queue.put(msg)  # before its frame: a frame read always finds its message
+                self._push.send(b"")
+
+    def take(self, _frame=None):
+        """The message behind one frame read from ``socket`` (first posted, first taken)."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
 
     def recv_all(self) -> list:
-        out = []
+        out: list = []
         while True:
             try:
-                out.append(pickle.loads(self.socket.recv(zmq.NOBLOCK)))
+                self.socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            msg = self.take()
+            if msg is not None:
+                out.append(msg)
 
     def close(self) -> None:
         with self._lock:

@@ -1,4 +1,6 @@
-"""Typed messages between the frontend and the scheduler (pickled over ZMQ)."""
+"""Typed messages between the frontend and the scheduler, over ZMQ through ``engine/codec.py``
+(msgpack of the type's name and its fields, decoded strictly into one of ``MESSAGES``; never
+pickled). A new message type joins ``MESSAGES``, or no codec will carry it."""
 
 from __future__ import annotations
 
@@ -147,3 +149,10 @@ class RoleSwitchResp:
     role: str
     message: str = ""
     busy: bool = False
+
+
+# Every message above; the frontend and scheduler codecs carry these (scheduler_process.FRONTEND_CODEC).
+MESSAGES: tuple[type, ...] = (
+    TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheResp, GetStatsReq, KVEventsSnapshotReq,
+    KVEventsSnapshotResp, StatsResp, RejectedReq, BatchTokenOutput, SchedulerReady, SchedulerFailed, ShutdownReq,
+    RoleSwitchReq, RoleSwitchResp)

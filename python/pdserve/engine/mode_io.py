@@ -144,7 +144,7 @@ class LockStepIO(ModeIO):
             if self.channel.socket is None:
                 raise RuntimeError("LockStepIO: rank 0's control channel must listen")
             loop.add_inbox(self.channel.socket, decode=self.channel.gate.accept)
-            loop.add_inbox(self.own_mailbox.socket)
+            loop.add_inbox(self.own_mailbox.socket, decode=self.own_mailbox.take)
         for t in self.message_types:
             loop.on(t, self._deliver, wakes=True)
 

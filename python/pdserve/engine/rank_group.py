@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ import zmq
 
 from pdserve.distributed.groups import RankGroups
 from pdserve.distributed.rank_layout import RankLayout
+from pdserve.engine.codec import Codec, CodecError, DropCounter, Values
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
@@ -60,6 +60,7 @@ from pdserve.engine.io_struct import (
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch, build_model_runner
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp, RankMemory
 from pdserve.engine.sampler import Sampler, SampleResult
+from pdserve.engine.scheduler_process import FRONTEND_CODEC, send_message
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -120,17 +121,21 @@ class Inbound:
 
 
 class ControlPlane:
-    """Collectives over the gloo group spanning every rank (Python objects, CPU)."""
+    """Collectives over the gloo group spanning every rank (CPU tensors; values and messages as
+    ``engine/codec.py`` bytes, never pickle). ``codec``: the messages ``exchange`` carries."""
 
-    def __init__(self, layout: RankLayout, group):
+    def __init__(self, layout: RankLayout, group, codec: Codec = FRONTEND_CODEC):
         self.layout = layout
         self.group = group
+        self.codec = codec
+        self.values = Values()
+        self.drops = DropCounter(f"scheduler rank {layout.rank}")
 
     def exchange(self, frames: list[bytes], has_work: bool, load: int, runnable: bool = True,
                  poll_ms: int | None = None, agreement: bool = False) -> Inbound:
-        """Every rank calls this once per iteration; ``frames`` (pickled messages) count only on
+        """Every rank calls this once per iteration; ``frames`` (``codec`` messages) count only on
         rank 0. One all-gather, plus a broadcast when rank 0 has messages."""
-        payload = pickle.dumps(frames) if frames else b""
+        payload = self.values.encode(frames) if frames else b""
         now_us = int(time.monotonic() * 1e6)
         mine = torch.tensor([int(has_work), load, len(payload), int(runnable), -1 if poll_ms is None else poll_ms,
                              int(agreement), now_us], dtype=torch.int64)
@@ -140,17 +145,33 @@ class ControlPlane:
             buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.layout.is_leader
                    else torch.empty(n, dtype=torch.uint8))
             dist.broadcast(buf, src=0, group=self.group)
-            frames = pickle.loads(buf.numpy().tobytes())
-        messages = [pickle.loads(f) for f in frames] if n else []
+            frames = self.values.decode(buf.numpy().tobytes(), list[bytes])
+        messages = self._decode(frames) if n else []
         polls = [None if p < 0 else p for p in table[:, 4].tolist()]
         return Inbound(messages, table[:, 0].bool().tolist(), table[:, 1].tolist(), table[:, 3].bool().tolist(),
                        polls, bool(table[:, 5].any()), int(table[0, 6]) / 1e6)
 
-    def gather(self, obj) -> list:
-        """Every rank's ``obj``, in rank order (all ranks call it)."""
-        out = [None] * self.layout.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+    def _decode(self, frames: list[bytes]) -> list:
+        """Every rank decodes the same frames with the same codec, so a refused one is dropped
+        everywhere alike (rank 0 already dropped what it could not decode: see ``_drain``)."""
+        out = []
+        for frame in frames:
+            try:
+                out.append(self.codec.decode(frame))
+            except CodecError as e:
+                self.drops.record(e)
         return out
+
+    def gather(self, obj, as_type: Any = Any) -> list:
+        """Every rank's ``obj``, in rank order (all ranks call it), decoded as ``as_type`` (Any:
+        plain values: tuples come back as lists). Lengths first, then the bytes, padded."""
+        data = self.values.encode(obj)
+        sizes = self.all_gather_row(torch.tensor([len(data)], dtype=torch.int64))[:, 0].tolist()  # [W]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [self.values.decode(t[:n].numpy().tobytes(), as_type) for t, n in zip(every, sizes)]
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's ``row`` [N] stacked in rank order: [W, N]."""
@@ -221,6 +242,7 @@ class BroadcastSampler:
         self.group = group
         self.leader_rank = leader_rank
         self.is_leader = is_leader
+        self.values = Values()
 
     def __call__(self, logits: torch.Tensor, params, generators, outputs, want_logprobs: bool = False,
                  top_logprobs_nums: list[int] | None = None) -> SampleResult:
@@ -231,16 +253,29 @@ class BroadcastSampler:
             if res is None:
                 raise RuntimeError("BroadcastSampler: a rank without a group must be its leader")
             return res
-        if want_logprobs:  # logprobs too: one pickled object
-            box = [res]
-            dist.broadcast_object_list(box, src=self.leader_rank, group=self.group)
-            if box[0] is None:
-                raise RuntimeError(f"BroadcastSampler: leader rank {self.leader_rank} broadcast no result")
-            return box[0]
+        if want_logprobs:  # logprobs too: the whole result as codec bytes
+            return self._broadcast_result(res)
         toks = torch.tensor(res.tokens, dtype=torch.int64) if res is not None else torch.empty(len(params),
                                                                                                dtype=torch.int64)
         dist.broadcast(toks, src=self.leader_rank, group=self.group)
         return SampleResult(toks.tolist(), None)
+
+    def _broadcast_result(self, res: SampleResult | None) -> SampleResult:
+        """The leader's ``res`` on every rank of the group: its length, then its bytes (on the
+        device the group's backend needs: NCCL takes CUDA tensors only)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else None
+        data = self.values.encode(res) if res is not None else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        dist.broadcast(size, src=self.leader_rank, group=self.group)
+        if res is not None:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), src=self.leader_rank,
+                           group=self.group)
+            return res
+        if not int(size):
+            raise RuntimeError(f"BroadcastSampler: leader rank {self.leader_rank} broadcast no result")
+        buf = torch.empty(int(size), dtype=torch.uint8, device=device)
+        dist.broadcast(buf, src=self.leader_rank, group=self.group)
+        return self.values.decode(buf.cpu().numpy().tobytes(), SampleResult)
 
 
 # -------------------------------------------------------------------- loop
@@ -262,7 +297,7 @@ class RankSchedulerLoop:
                  parent_pid: int | None = None, idle_poll_ms: int = IDLE_POLL_MS):
         self.scheduler = scheduler
         self.layout = groups.layout
-        self.control = ControlPlane(groups.layout, groups.cpu)
+        self.control = ControlPlane(groups.layout, groups.cpu, FRONTEND_CODEC)
         self.inboxes: list[tuple[zmq.Socket, Callable | None]] = []
         self.poller = zmq.Poller()
         if inbox is not None:
@@ -284,12 +319,15 @@ class RankSchedulerLoop:
     def on(self, msg_type: type, handler: Callable, wakes: bool = False) -> None:
         """``wakes``: a message of this type makes every rank step in the iteration it arrives."""
         self.handlers[msg_type] = handler
+        if msg_type.__name__ not in self.control.codec.types:  # every rank shares it through the exchange
+            self.control.codec = self.control.codec.with_types([msg_type])
         if wakes:
             self.waking.add(msg_type)
 
     def add_inbox(self, sock: zmq.Socket, decode: Callable | None = None) -> None:
-        """Rank 0: also read ``sock``. Its frames are pickled typed messages, or, with ``decode``,
-        whatever ``decode(frame)`` makes of each ``zmq.Frame`` (None: a frame to drop)."""
+        """Rank 0: also read ``sock``. Its frames are ``FRONTEND_CODEC`` messages, or, with ``decode``,
+        whatever ``decode(frame)`` makes of each ``zmq.Frame`` (None: a frame to drop; a message
+        type registered with ``on``)."""
         self.inboxes.append((sock, decode))
         self.poller.register(sock, zmq.POLLIN)
 
@@ -313,7 +351,7 @@ class RankSchedulerLoop:
         outputs = self.scheduler.step()
         self.scheduler.runner.end_step()
         if outputs and self.layout.is_dp_leader:
-            self.outbox.send_pyobj(BatchTokenOutput(outputs))
+            send_message(self.outbox, BatchTokenOutput(outputs))
 
     def handle(self, msg) -> None:
         handler = self.handlers.get(type(msg))
@@ -329,19 +367,29 @@ class RankSchedulerLoop:
             return []
         wait = self._wait_ms()
         if wait and not self.poller.poll(wait):
-            return [pickle.dumps(ShutdownReq())] if self._parent_gone() else []
+            return [self.control.codec.encode(ShutdownReq())] if self._parent_gone() else []
         frames = []
         for sock, decode in self.inboxes:
             while True:
                 try:  # a decoded inbox gets the zmq.Frame: its peer address is part of the input
-                    raw = sock.recv(zmq.NOBLOCK, copy=decode is None)
+                    raw = sock.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 if decode is None:
-                    frames.append(raw if isinstance(raw, bytes) else raw.bytes)  # copy=True: bytes
+                    if self._valid(data := raw.bytes):
+                        frames.append(data)
                 elif (msg := decode(raw)) is not None:
-                    frames.append(pickle.dumps(msg))
+                    frames.append(self.control.codec.encode(msg))
         return frames
+
+    def _valid(self, frame: bytes) -> bool:
+        """Rank 0 drops a frame that is none of our messages before any rank sees it."""
+        try:
+            self.control.codec.decode(frame)
+        except CodecError as e:
+            self.control.drops.record(e)
+            return False
+        return True
 
     def _wait_ms(self) -> int:
         """How long rank 0 waits for a message before the next exchange: the idle poll when no
@@ -373,7 +421,7 @@ class RankSchedulerLoop:
                                        group=msg.group)
         except ValueError as e:
             if self.layout.is_dp_leader:
-                self.outbox.send_pyobj(RejectedReq(msg.rid, str(e)))
+                send_message(self.outbox, RejectedReq(msg.rid, str(e)))
 
     def _abort(self, msg: AbortReq) -> None:
         for rid in list(self.scheduler.reqs) if msg.abort_all else [msg.rid]:
@@ -419,7 +467,7 @@ class RankSchedulerLoop:
             error = f"{type(e).__name__}: {e}"
         mine = RankMemory(self.layout.rank, self.layout.dp_rank, s.allocator.num_pages, s.allocator.num_free,
                           s.cache.num_cached_pages, s.has_work(), error)
-        every = self.control.gather(mine)
+        every = self.control.gather(mine, RankMemory)
         self._reply(lambda: CheckMemoryResp(every))
 
     def _stop(self, _msg: ShutdownReq) -> None:
@@ -427,7 +475,7 @@ class RankSchedulerLoop:
 
     def _reply(self, make) -> None:
         if self.layout.is_leader:
-            self.outbox.send_pyobj(make())
+            send_message(self.outbox, make())
 
 
 # ----------------------------------------------------------------- builder

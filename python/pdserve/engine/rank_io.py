@@ -1,4 +1,4 @@
-"""Typed messages only a multi-rank engine answers (pickled over ZMQ like ``io_struct``)."""
+"""Typed messages only a multi-rank engine answers (through ``engine/codec.py`` like ``io_struct``)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,6 @@ class RankMemory:
 @dataclass
 class CheckMemoryResp:
     ranks: list[RankMemory] = field(default_factory=list)
+
+
+MESSAGES: tuple[type, ...] = (CheckMemoryReq, CheckMemoryResp)

@@ -4,7 +4,9 @@ Child side: ``run_scheduler_process`` (the ``spawn`` target) builds the
 scheduler, reports ``SchedulerReady`` (or ``SchedulerFailed``) and runs
 ``SchedulerLoop``. Parent side: ``SchedulerProcess`` starts, watches and stops
 the child. The frontend binds both sockets; the child connects, so a restarted
-child finds the same endpoints.
+child finds the same endpoints. Every message goes through ``FRONTEND_CODEC`` (typed msgpack,
+never pickle); a frame that is not one of its messages is counted and dropped. With
+``--nnodes`` > 1 the sockets are TCP on node 0's own address (``engine/node_sockets.py``).
 
 With more than one rank (``--tp-size`` / ``--dp-size`` ...) there is one process per
 rank instead (``run_rank_process``, ``RankProcesses``), in lock step through
@@ -34,6 +36,8 @@ from typing import TYPE_CHECKING
 import zmq
 
 from pdserve.config import ServerArgs, default_num_threads, split_host_port
+from pdserve.engine import io_struct, rank_io
+from pdserve.engine.codec import Codec, CodecError, DropCounter
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
@@ -51,6 +55,7 @@ from pdserve.engine.io_struct import (
     StatsResp,
     TokenizedGenerateReq,
 )
+from pdserve.engine.node_sockets import connect_socket, node_keys
 
 if TYPE_CHECKING:
     from pdserve.engine.disagg_setup import RoleModes
@@ -59,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 200  # how long an idle loop sleeps on the socket before re-checking its parent
 _PR_SET_PDEATHSIG = 1
+# What travels between the frontend (or the offline Engine's RankClient) and the scheduler.
+FRONTEND_CODEC = Codec((*io_struct.MESSAGES, *rank_io.MESSAGES))
 
 
 @dataclass(frozen=True)
@@ -85,12 +92,23 @@ class SchedulerEndpoints:
         return cls.in_dir(directory)
 
 
-def bind_address(endpoint: str) -> str:
-    """Where the frontend binds ``endpoint``: a TCP one on every interface (``host`` is how the
-    other nodes reach it, not necessarily a local interface name)."""
-    if endpoint.startswith("tcp://"):
-        return "tcp://*:" + endpoint.rpartition(":")[2]
-    return endpoint
+def send_message(sock: zmq.Socket, msg, flags: int = 0) -> None:
+    """``msg`` (one of ``FRONTEND_CODEC``'s types) on ``sock``."""
+    sock.send(FRONTEND_CODEC.encode(msg), flags, copy=False)
+
+
+def recv_message(sock: zmq.Socket, drops: DropCounter, flags: int = 0):
+    """The next message on ``sock``, or None for a frame that is none of ours (counted in ``drops``);
+    zmq.Again as ``sock.recv``."""
+    return decode_frame(sock.recv(flags, copy=False), drops)
+
+
+def decode_frame(frame: zmq.Frame, drops: DropCounter):
+    try:
+        return FRONTEND_CODEC.decode(frame.buffer)
+    except CodecError as e:
+        drops.record(e)
+        return None
 
 
 # --------------------------------------------------------------------- loop
@@ -113,6 +131,7 @@ class SchedulerLoop:
         self.idle_poll_ms = idle_poll_ms
         self.stopped = False
         self.idle_polls = 0  # blocking polls that timed out (observable in tests)
+        self.drops = DropCounter("scheduler")
 
     def run(self) -> None:
         while not self.stopped:
@@ -128,7 +147,7 @@ class SchedulerLoop:
     def run_step(self) -> None:
         outputs = self.scheduler.step()
         if outputs:
-            self.send.send_pyobj(BatchTokenOutput(outputs))
+            send_message(self.send, BatchTokenOutput(outputs))
 
     def drain(self, block: bool) -> bool:
         """Handle every queued frontend message; if ``block``, first wait up to the idle poll
@@ -139,10 +158,11 @@ class SchedulerLoop:
             return False
         while not self.stopped:
             try:
-                msg = self.recv.recv_pyobj(zmq.NOBLOCK)
+                msg = recv_message(self.recv, self.drops, zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            self.handle(msg)
+            if msg is not None:
+                self.handle(msg)
         return True
 
     def _wait(self) -> bool:
@@ -163,13 +183,13 @@ class SchedulerLoop:
         elif isinstance(msg, AbortReq):
             self._abort(msg)
         elif isinstance(msg, GetStatsReq):
-            self.send.send_pyobj(StatsResp(self.scheduler.stats()))
+            send_message(self.send, StatsResp(self.scheduler.stats()))
         elif isinstance(msg, FlushCacheReq):
-            self.send.send_pyobj(FlushCacheResp(bool(self.scheduler.flush_cache())))
+            send_message(self.send, FlushCacheResp(bool(self.scheduler.flush_cache())))
         elif isinstance(msg, KVEventsSnapshotReq):
-            self.send.send_pyobj(KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
+            send_message(self.send, KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
         elif isinstance(msg, RoleSwitchReq):
-            self.send.send_pyobj(self._switch(msg.target_role))
+            send_message(self.send, self._switch(msg.target_role))
         elif isinstance(msg, ShutdownReq):
             self.stopped = True
         else:
@@ -181,7 +201,7 @@ class SchedulerLoop:
                                        msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap,
                                        group=msg.group)
         except ValueError as e:
-            self.send.send_pyobj(RejectedReq(msg.rid, str(e)))
+            send_message(self.send, RejectedReq(msg.rid, str(e)))
 
     def _abort(self, msg: AbortReq) -> None:
         rids = list(self.scheduler.reqs) if msg.abort_all else [msg.rid]
@@ -210,20 +230,20 @@ def run_scheduler_process(args: ServerArgs, endpoints: SchedulerEndpoints, paren
     _die_with_parent()
     _configure_child_logging(args.log_level)
     ctx = zmq.Context()
-    recv = _socket(ctx, zmq.PULL, endpoints.to_scheduler)
-    send = _socket(ctx, zmq.PUSH, endpoints.to_frontend)
+    recv = connect_socket(ctx, zmq.PULL, endpoints.to_scheduler)
+    send = connect_socket(ctx, zmq.PUSH, endpoints.to_frontend)
     code = 0
     scheduler, roles = None, None
     try:
         scheduler, roles = build_server_scheduler(args)
-        send.send_pyobj(ready_message(scheduler))
+        send_message(send, ready_message(scheduler))
         SchedulerLoop(scheduler, recv, send, parent_pid, roles=roles).run()
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
         # A ValueError is a user error that names its field (e.g. a tensor missing from the
         # checkpoint): the frontend prints it in one line; a traceback would only bury it.
         level = logging.DEBUG if isinstance(e, ValueError) else logging.ERROR
         logger.log(level, "scheduler failed:\n%s", traceback.format_exc())
-        send.send_pyobj(SchedulerFailed(f"{type(e).__name__}: {e}"))
+        send_message(send, SchedulerFailed(f"{type(e).__name__}: {e}"))
         code = 1
     finally:
         if roles is not None:
@@ -285,14 +305,6 @@ def close_kv_events(scheduler) -> None:
 def ready_message(scheduler) -> SchedulerReady:
     return SchedulerReady(os.getpid(), scheduler.context_len, scheduler.model_config.vocab_size,
                           scheduler.allocator.num_pages, scheduler.page_size)
-
-
-def _socket(ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(endpoint)
-    return sock
 
 
 def _die_with_parent() -> None:
@@ -371,8 +383,9 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
                         format=f"[%(asctime)s scheduler rank {rank}] %(levelname)s %(name)s: %(message)s")
     layout = RankLayout(args.parallel_config(), rank)
     ctx = zmq.Context()
-    recv = _socket(ctx, zmq.PULL, endpoints.to_scheduler) if layout.is_leader else None
-    send = _socket(ctx, zmq.PUSH, endpoints.to_frontend)
+    keys = node_keys(args)  # several nodes under the cluster token: CURVE
+    recv = connect_socket(ctx, zmq.PULL, endpoints.to_scheduler, keys) if layout.is_leader else None
+    send = connect_socket(ctx, zmq.PUSH, endpoints.to_frontend, keys)
     code, groups, scheduler = 0, None, None
     try:
         groups, scheduler = _start_rank(args, layout, store_dir)
@@ -381,13 +394,13 @@ def run_rank_process(args: ServerArgs, endpoints: SchedulerEndpoints, rank: int,
         loop = RankSchedulerLoop(scheduler, groups, recv, send, parent_pid)
         scheduler.mode.connect(loop)  # a disaggregation mode's messages go through rank 0 too
         if layout.is_leader:
-            send.send_pyobj(ready_message(scheduler))
+            send_message(send, ready_message(scheduler))
         loop.run()
     except BaseException as e:  # noqa: BLE001 - report anything, then exit non-zero
         # A ValueError names its field: the frontend prints it in one line (as run_scheduler_process).
         level = logging.DEBUG if isinstance(e, ValueError) else logging.ERROR
         logger.log(level, "scheduler rank %d failed:\n%s", rank, traceback.format_exc())
-        send.send_pyobj(SchedulerFailed(f"rank {rank}: {type(e).__name__}: {e}"))
+        send_message(send, SchedulerFailed(f"rank {rank}: {type(e).__name__}: {e}"))
         code = 1
     finally:
         if scheduler is not None:

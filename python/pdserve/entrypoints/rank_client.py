@@ -17,6 +17,7 @@ import weakref
 import zmq
 
 from pdserve.config import ModelConfig, ServerArgs
+from pdserve.engine.codec import DropCounter
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
@@ -31,9 +32,10 @@ from pdserve.engine.io_struct import (
     TokenizedGenerateReq,
     TokenOutput,
 )
+from pdserve.engine.node_sockets import frontend_sockets
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp
 from pdserve.engine.request import RequestLimits, SamplingParams, check_scheduler_request
-from pdserve.engine.scheduler_process import RankProcesses, SchedulerEndpoints, bind_address
+from pdserve.engine.scheduler_process import RankProcesses, SchedulerEndpoints, recv_message, send_message
 
 STARTUP_TIMEOUT_S = 600.0
 STEP_POLL_MS = 50
@@ -54,8 +56,10 @@ class RankClient:
         self._tmpdir = tempfile.mkdtemp(prefix="pdserve-engine-")
         endpoints = SchedulerEndpoints.for_args(args, self._tmpdir)
         self._ctx = zmq.Context()
-        self._send = self._bound(zmq.PUSH, endpoints.to_scheduler)
-        self._recv = self._bound(zmq.PULL, endpoints.to_frontend)
+        self._binder = frontend_sockets(args)  # several nodes: the node's address, CURVE under the token
+        self._send = self._binder.bind(self._ctx, zmq.PUSH, endpoints.to_scheduler)
+        self._recv = self._binder.bind(self._ctx, zmq.PULL, endpoints.to_frontend)
+        self.drops = DropCounter("engine")
         self._replies: list = []  # control replies not yet taken
         self._outputs: list[TokenOutput] = []  # outputs not yet returned by step()
         self._rejected: list[tuple[str, str]] = []
@@ -80,14 +84,14 @@ class RankClient:
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
-        self._send.send_pyobj(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
-                                                   top_logprobs_num))
+        send_message(self._send, TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
+                                                      top_logprobs_num))
         self.reqs[rid] = None
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
         if rid not in self.reqs:
             return False
-        self._send.send_pyobj(AbortReq(rid))
+        send_message(self._send, AbortReq(rid))
         return True
 
     def has_work(self) -> bool:
@@ -127,25 +131,19 @@ class RankClient:
         if self._closed:
             return
         self._closed = True
-        self.ranks.stop(send_shutdown=lambda: self._send.send_pyobj(ShutdownReq(), zmq.NOBLOCK))
+        self.ranks.stop(send_shutdown=lambda: send_message(self._send, ShutdownReq(), zmq.NOBLOCK))
         for sock in (self._send, self._recv):
             sock.close(linger=0)
+        self._binder.close()
         self._ctx.term()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # -------------------------------------------------------------------- helpers
-    def _bound(self, kind: int, endpoint: str) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.bind(bind_address(endpoint))
-        return sock
-
     def _wait_ready(self, timeout: float) -> SchedulerReady:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._recv.poll(250):
-                msg = self._recv.recv_pyobj()
+                msg = recv_message(self._recv, self.drops)
                 if isinstance(msg, SchedulerReady):
                     return msg
                 if isinstance(msg, SchedulerFailed):
@@ -160,9 +158,11 @@ class RankClient:
             return
         while True:
             try:
-                msg = self._recv.recv_pyobj(zmq.NOBLOCK)
+                msg = recv_message(self._recv, self.drops, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if msg is None:
+                continue
             if isinstance(msg, BatchTokenOutput):
                 self._outputs += msg.outputs
             elif isinstance(msg, RejectedReq):
@@ -174,7 +174,7 @@ class RankClient:
 
     def _control(self, msg, reply_type: type):
         """Send a control request and wait for its reply (outputs arriving meanwhile are kept)."""
-        self._send.send_pyobj(msg)
+        send_message(self._send, msg)
         deadline = time.monotonic() + CONTROL_TIMEOUT_S
         while time.monotonic() < deadline:
             for i, got in enumerate(self._replies):

@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import ServerArgs
+from pdserve.engine.codec import DropCounter
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
@@ -55,13 +56,15 @@ from pdserve.engine.io_struct import (
     TokenizedGenerateReq,
     TokenOutput,
 )
+from pdserve.engine.node_sockets import FrontendSockets, frontend_sockets
 from pdserve.engine.request import RequestLimits, SamplingParams, check_request, finish_abort
 from pdserve.engine.scheduler_process import (
     RankProcesses,
     SchedulerEndpoints,
     SchedulerProcess,
-    bind_address,
+    decode_frame,
     scheduler_processes,
+    send_message,
 )
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.obs.metrics import ServerMetrics
@@ -169,6 +172,8 @@ class TokenizerManager:
         self._actx: zmq.asyncio.Context | None = None
         self._send: zmq.Socket | None = None
         self._recv: zmq.asyncio.Socket | None = None
+        self._binder: FrontendSockets | None = None
+        self.drops = DropCounter("frontend")  # frames from the scheduler side that were none of our messages
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
 
     # Set by ``start``; the HTTP server serves only after it returned.
@@ -208,19 +213,19 @@ class TokenizerManager:
 
     def _open_sockets(self, endpoints: SchedulerEndpoints) -> None:
         self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
-        self._send = self._ctx.socket(zmq.PUSH)
-        self._recv = self._actx.socket(zmq.PULL)
-        for sock in (self._send, self._recv):
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        self._send.bind(bind_address(endpoints.to_scheduler))
-        self._recv.bind(bind_address(endpoints.to_frontend))
+        self._binder = frontend_sockets(self.args)  # several nodes: the node's address, CURVE under the token
+        self._send = self._binder.bind(self._ctx, zmq.PUSH, endpoints.to_scheduler)
+        self._recv = self._binder.bind(self._actx, zmq.PULL, endpoints.to_frontend)
+
+    async def _recv_message(self):
+        """The next message from the scheduler side; None for a frame that is none of ours (counted)."""
+        return decode_frame(await self._receiver.recv(copy=False), self.drops)
 
     async def _wait_ready(self, timeout: float, should_stop: Callable[[], bool]) -> SchedulerReady:
         deadline = time.monotonic() + timeout
         while True:
             if await self._receiver.poll(250):
-                msg = await self._receiver.recv_pyobj()
+                msg = await self._recv_message()
                 if isinstance(msg, SchedulerReady):
                     return msg
                 if isinstance(msg, SchedulerFailed):
@@ -245,6 +250,8 @@ class TokenizerManager:
         for sock in (self._send, self._recv):
             if sock is not None:
                 sock.close(linger=0)
+        if self._binder is not None:
+            self._binder.close()
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
                 ctx.term()
@@ -481,7 +488,7 @@ class TokenizerManager:
         if self._send is None:
             return False  # not started
         try:
-            self._send.send_pyobj(msg, zmq.NOBLOCK)
+            send_message(self._send, msg, zmq.NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError, AttributeError):
             return False  # no scheduler connected (gone or not started)
@@ -493,10 +500,12 @@ class TokenizerManager:
     async def _dispatch_loop(self) -> None:
         while True:
             try:
-                msg = await self._receiver.recv_pyobj()
+                msg = await self._recv_message()
             except Exception as e:  # noqa: BLE001 - without this loop no request can finish
                 self._fatal(f"frontend lost the scheduler's output socket: {type(e).__name__}: {e}")
                 return
+            if msg is None:
+                continue
             try:
                 self._on_message(msg)
             except Exception:  # noqa: BLE001 - one bad message must not stop routing
