@@ -19,6 +19,7 @@ from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.protocol import KVCompletion, KVRequest
 from pdserve.disagg.receiver import PeersDead
 from pdserve.disagg.transfer import FaultInjectingBackend
+from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import ReqState
 
 pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
@@ -297,3 +298,127 @@ def test_decode_abort_of_a_room_prefill_never_saw_is_acknowledged(pair_factory):
     pair.run(timeout_s=20)  # idle includes an empty quarantine: the ack, well before the 60 s lease
     assert pair.decode.stats()["quarantined_pages"] == 0
     pair.assert_idle_and_accounted()
+
+
+# --- issue 25, finding 2: an API client changes another user's output --------------------------------------
+
+
+class FakeRegistry:
+    """The attacker's bootstrap registry (it holds no token): it replays decode's signed GET to the
+    real registry and answers with the real records, every control endpoint replaced by its own
+    PULL socket, where it collects decode's sealed frames. ``known``: a snapshot of the real
+    registry it learned otherwise (records are no secret), answered when the replay is refused."""
+
+    def __init__(self, real_port: int, known: dict):
+        import http.server
+        import threading
+        import urllib.request
+
+        from pdserve.disagg.auth import SIGNATURE_HEADER
+
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.control = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        self.replays: list[int] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                headers = {k: v for k, v in self.headers.items() if k.lower().startswith("x-pdserve")}
+                req = urllib.request.Request(f"http://127.0.0.1:{real_port}/bootstrap", headers=headers)
+                snap, answer_headers = known, {}
+                try:
+                    with urllib.request.urlopen(req, timeout=5) as resp:
+                        snap = json.loads(resp.read())
+                        answer_headers = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-pdserve")}
+                        fake.replays.append(200)
+                except urllib.error.HTTPError as e:
+                    fake.replays.append(e.code)
+                snap = {**snap, "ranks": [{**r, "control": fake.control} for r in snap["ranks"]]}
+                data = json.dumps(snap).encode()
+                self.send_response(200)
+                for k, v in {**answer_headers, "Content-Type": "application/json",
+                             "Content-Length": str(len(data))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        self.thread = threading.Thread(target=self.http.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def frames(self) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(self.pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return out
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def _snapshot(pair: PDPair, token: str) -> dict:
+    from pdserve.disagg.bootstrap import BootstrapClient
+
+    info = BootstrapClient(auth=PeerAuth(token)).fetch("127.0.0.1", pair.bootstrap.port, timeout_s=10)
+    import dataclasses
+
+    return {"compat": dataclasses.asdict(info.compat), "ranks": [dataclasses.asdict(r) for r in info.ranks],
+            "complete": True, "missing": []}
+
+
+def test_an_api_client_cannot_write_its_kv_into_another_users_cached_prefix(pair_factory):
+    """Issue 25, finding 2, as reproduced: a client with the API key only names its own registry
+    in a request to decode; it replays decode's signed GET to the real registry, answers with
+    records whose control endpoint is its own, collects decode's DecodeRecord and KVRequest, and
+    once decode's lease on those pages has lapsed (and a victim's prefix is cached in them)
+    replays both frames into prefill together with its own prompt for that room. The victim's
+    prompt must still return the colocated tokens, and prefill must write nothing."""
+    token = "s3cret"
+    pair = pair_factory(page_size=4, disaggregation_auth_token=token, disaggregation_timeout_s=2.0)
+    fake = FakeRegistry(pair.bootstrap.port, _snapshot(pair, token))
+    peer = RawPeer()
+    try:
+        atk, victim, evil = _prompts([40, 40, 40], seed=11)
+        room = 4242
+        pair.outputs["atk"] = {"ids": [], "final": None}
+        pair.decode.add_request("atk", atk, greedy(NEW), bootstrap=BootstrapRef("127.0.0.1", fake.port, room))
+        pair.run(until=lambda: pair.outputs["atk"]["final"] is not None)
+        pair.run()  # the attacker's pages leave quarantine: the lease lapsed
+        # Frames travel in clear: the attacker keeps decode's record and KV request, not its abort.
+        captured = [f for f in fake.frames() if b'"type":"KVAbort"' not in f]
+        pair.submit_local("victim1", victim, greedy(NEW))  # the victim's prefix, cached in the freed pages
+        pair.run()
+        pair.prefill.add_request("evil", evil, greedy(NEW), bootstrap=pair.ref(room))
+        for frame in captured:
+            peer.send(pair.prefill.mode.io.endpoint, frame)
+        if captured:
+            _wait_refused_or_written(pair, len(captured))
+        pair.run()
+        pair.submit_local("victim2", victim, greedy(NEW))
+        pair.run()
+        expected = _colocated(MODEL, [victim], n=NEW, page_size=4)[0]
+        assert pair.outputs["victim1"]["ids"] == expected
+        assert pair.outputs["victim2"]["ids"] == expected, "the attacker's KV reached the victim's cached prefix"
+        assert pair.prefill.stats()["kv_writes_sent"] == 0
+        assert 200 not in fake.replays  # decode's signed GET is bound to the registry it meant
+        assert pair.decode.stats()["kv_received"] == 0
+        pair.assert_idle_and_accounted()
+    finally:
+        peer.close()
+        fake.close()
+
+
+def _wait_refused_or_written(pair: PDPair, n: int) -> None:
+    pair.run(until=lambda: pair.prefill.stats()["control_refused"] >= n
+             or pair.prefill.stats()["kv_writes_sent"] > 0, timeout_s=30)
