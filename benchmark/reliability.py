@@ -614,7 +614,7 @@ class Drills:
         return row
 
     def _control_endpoints(self) -> list[str]:
-        signed = Forger(self.cluster.token).auth.sign("GET", "/bootstrap", b"")
+        signed = Forger(self.cluster.token).auth.sign("GET", "/bootstrap", b"", f"127.0.0.1:{self.cluster.boot}")
         snap = httpx.get(f"http://127.0.0.1:{self.cluster.boot}/bootstrap", headers=signed, timeout=10).json()
         return [r["control"] for r in snap["ranks"]] + [d.info()["control_endpoint"] for d in self.cluster.decodes]
 
@@ -716,11 +716,21 @@ class Forger:
         self.wrong = PeerAuth("not-the-token")
         self.ctx = zmq.Context()
         self.socks: dict[str, zmq.Socket] = {}
+        self.seq = 0
+
+    def binding(self, endpoint: str):
+        """A frame's binding as a peer holding the token gives it (a sequence of its own, now)."""
+        from pdserve.disagg.auth import FrameBinding
+
+        self.seq += 1
+        return FrameBinding(f"forger#{id(self)}", endpoint, self.seq, int(time.time() * 1000))
 
     def hostile(self, endpoint: str) -> tuple[int, int]:
         """Sends the frames; (how many, how many the server must refuse)."""
-        refused = [*_malformed(), *[self.wrong.seal(f) for f in _forged()], *[self.auth.seal(f) for f in _malformed()]]
-        stale = [self.auth.seal(f) for f in _forged()]  # well-formed, signed, for rooms nobody holds: ignored
+        refused = [*_malformed(), *[self.wrong.seal(f, self.binding(endpoint)) for f in _forged()],
+                   *[self.auth.seal(f, self.binding(endpoint)) for f in _malformed()]]
+        # well-formed, signed, for rooms nobody holds: ignored
+        stale = [self.auth.seal(f, self.binding(endpoint)) for f in _forged()]
         for f in refused + stale:
             self._send(endpoint, f)
         return len(refused) + len(stale), len(refused)
@@ -767,20 +777,21 @@ def forged_bootstrap(cluster: Cluster) -> dict[str, int]:
 
     base = f"http://127.0.0.1:{cluster.boot}"
     real = PeerAuth(cluster.token)
-    snap = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b""), timeout=10).json()
+    target = f"127.0.0.1:{cluster.boot}"
+    snap = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b"", target), timeout=10).json()
     rec = dict(snap["ranks"][0], control="tcp://127.0.0.1:1")
     body = json.dumps(rec).encode()
     out = {"unsigned PUT /bootstrap/rank": httpx.put(base + "/bootstrap/rank", content=body, timeout=10).status_code,
            "PUT /bootstrap/rank under a wrong key": httpx.put(
                base + "/bootstrap/rank", content=body, timeout=10,
-               headers=PeerAuth("not-the-token").sign("PUT", "/bootstrap/rank", body)).status_code,
+               headers=PeerAuth("not-the-token").sign("PUT", "/bootstrap/rank", body, target)).status_code,
            "unsigned GET /bootstrap": httpx.get(base + "/bootstrap", timeout=10).status_code}
     huge = b"{" + b" " * (2 << 20) + b"}"
     try:
         out["2 MiB PUT /bootstrap/rank"] = httpx.put(base + "/bootstrap/rank", content=huge, timeout=10).status_code
     except httpx.HTTPError as e:  # the server may close before reading the body
         out["2 MiB PUT /bootstrap/rank"] = f"connection closed ({type(e).__name__})"
-    after = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b""), timeout=10).json()
+    after = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b"", target), timeout=10).json()
     out["rank 0 control unchanged"] = after["ranks"][0]["control"] == snap["ranks"][0]["control"]
     return out
 

@@ -6,8 +6,13 @@ and every page accounted for."""
 
 from __future__ import annotations
 
+import dataclasses
+import http.server
 import json
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import zmq
@@ -15,7 +20,8 @@ from pd_pair import PDPair, greedy
 from test_pd_flow import _colocated, _prompts
 
 from pdserve.disagg import protocol
-from pdserve.disagg.auth import PeerAuth
+from pdserve.disagg.auth import FrameBinding, PeerAuth
+from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.protocol import KVCompletion, KVRequest
 from pdserve.disagg.receiver import PeersDead
 from pdserve.disagg.transfer import FaultInjectingBackend
@@ -109,8 +115,9 @@ def test_with_a_token_unauthenticated_and_wrongly_keyed_frames_are_refused(pair_
     peer = RawPeer()
     try:
         plain = protocol.encode(protocol.DropRoom(5))
-        forged = PeerAuth("wrong").seal(plain)
-        tampered = bytearray(PeerAuth("s3cret").seal(plain))
+        to = FrameBinding("tcp://127.0.0.1:1#forger", pair.prefill.mode.io.endpoint, 1, int(time.time() * 1000))
+        forged = PeerAuth("wrong").seal(plain, to)
+        tampered = bytearray(PeerAuth("s3cret").seal(plain, to))
         tampered[-2] ^= 1
         for frame in (plain, forged, bytes(tampered)):
             peer.send(pair.prefill.mode.io.endpoint, frame)
@@ -310,12 +317,6 @@ class FakeRegistry:
     registry it learned otherwise (records are no secret), answered when the replay is refused."""
 
     def __init__(self, real_port: int, known: dict):
-        import http.server
-        import threading
-        import urllib.request
-
-        from pdserve.disagg.auth import SIGNATURE_HEADER
-
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -368,11 +369,7 @@ class FakeRegistry:
 
 
 def _snapshot(pair: PDPair, token: str) -> dict:
-    from pdserve.disagg.bootstrap import BootstrapClient
-
     info = BootstrapClient(auth=PeerAuth(token)).fetch("127.0.0.1", pair.bootstrap.port, timeout_s=10)
-    import dataclasses
-
     return {"compat": dataclasses.asdict(info.compat), "ranks": [dataclasses.asdict(r) for r in info.ranks],
             "complete": True, "missing": []}
 
