@@ -409,6 +409,8 @@ def test_an_api_client_cannot_write_its_kv_into_another_users_cached_prefix(pair
         assert pair.outputs["victim2"]["ids"] == expected, "the attacker's KV reached the victim's cached prefix"
         assert pair.prefill.stats()["kv_writes_sent"] == 0
         assert 200 not in fake.replays  # decode's signed GET is bound to the registry it meant
+        assert pair.bootstrap.refused["wrong_target"] == len(fake.replays) >= 1
+        assert not captured  # decode took no record from a registry that cannot prove the token
         assert pair.decode.stats()["kv_received"] == 0
         pair.assert_idle_and_accounted()
     finally:
@@ -419,3 +421,52 @@ def test_an_api_client_cannot_write_its_kv_into_another_users_cached_prefix(pair
 def _wait_refused_or_written(pair: PDPair, n: int) -> None:
     pair.run(until=lambda: pair.prefill.stats()["control_refused"] >= n
              or pair.prefill.stats()["kv_writes_sent"] > 0, timeout_s=30)
+
+
+def _capture_sealed(channel) -> list[bytes]:
+    """Every frame ``channel`` seals from now on, as it leaves (what a sniffer on the wire sees)."""
+    frames: list[bytes] = []
+    seal = channel.auth.seal
+
+    class Capturing:
+        token = channel.auth.token
+
+        def seal(self, *args):
+            frames.append(seal(*args))
+            return frames[-1]
+
+    channel.auth = Capturing()
+    return frames
+
+
+def test_a_control_frame_replayed_after_the_lease_is_refused_and_nothing_is_written(pair_factory):
+    """A KV request read off the wire (it travels in clear) and replayed into prefill once the room's
+    tombstone and decode's lease are gone, together with an HTTP half for that room carrying
+    someone else's prompt: refused as a replay and counted; prefill writes nothing, and the pages
+    the original request left in decode's cache still hold its prompt's KV."""
+    pair = pair_factory(page_size=4, disaggregation_auth_token="s3cret", disaggregation_timeout_s=1.0)
+    sniffed = _capture_sealed(pair.decode.mode.io.channel)
+    prompt, evil = _prompts([40, 40], seed=12)
+    room = pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    writes = pair.prefill.stats()["kv_writes_sent"]
+    assert writes > 0 and sniffed
+    lapsed = time.monotonic() + 2 * 1.0 + 0.5  # past the room's tombstone and decode's lease (twice the timeout)
+    pair.run(until=lambda: time.monotonic() > lapsed)
+    peer = RawPeer()
+    try:
+        pair.prefill.add_request("evil", evil, greedy(NEW), bootstrap=pair.ref(room))
+        for frame in sniffed:
+            if b'"type":"KVAbort"' not in frame:
+                peer.send(pair.prefill.mode.io.endpoint, frame)
+        _wait_refused_or_written(pair, 2)  # the record and the KV request
+        pair.run()
+        assert pair.prefill.stats()["kv_writes_sent"] == writes, "a replayed KV request was served"
+        assert pair.prefill.stats()["control_refused_by_reason"] == {"replay": 2}
+        pair.submit_local("again", prompt, greedy(NEW))  # served from decode's cache: the pages the replay aimed at
+        pair.run()
+        expected = _colocated(MODEL, [prompt], n=NEW, page_size=4)[0]
+        assert pair.outputs["a"]["ids"] == pair.outputs["again"]["ids"] == expected
+        pair.assert_idle_and_accounted()
+    finally:
+        peer.close()
