@@ -634,11 +634,12 @@ class Drills:
                 row.outcomes += [f.result() for f in futures + attacks]
             row.hit = list(row.outcomes)
             again = [_get_status(self.cluster.boot, h) for h in evil.captured]  # the same GETs replayed once more
+            frames = evil.frames()
         finally:
             evil.close()
         row.notes.append(f"decode's signed GETs replayed to the real registry: {len(evil.replays)}, answered "
                          f"{sorted(set(evil.replays))}; replayed again: {sorted(set(again))}")
-        row.notes.append(f"control frames decode sent to the attacker's endpoint: {evil.frames()}")
+        row.notes.append(f"control frames decode sent to the attacker's endpoint: {frames}")
         row.extra["bootstrap"] = {"replays": evil.replays, "again": again}
         with ThreadPoolExecutor(n) as pool:
             row.outcomes += [f.result() for f in self._burst(pool, n)]
