@@ -457,7 +457,7 @@ class BootstrapClient:
     def _check_answer(self, signed: dict, status: int, data: bytes, header: str | None, host: str, port: int) -> None:
         if self.auth.token is None:
             return
-        nonce = signed[SIGNATURE_HEADER].split(",")[1].removeprefix("n=")
+        nonce = dict(p.partition("=")[::2] for p in signed[SIGNATURE_HEADER].split(","))["n"]
         try:
             self.auth.verify_answer(nonce, status, data, header)
         except AuthError as e:
