@@ -15,6 +15,7 @@ import pytest
 from pdserve.config import ModelConfig
 from pdserve.disagg.auth import ANSWER_HEADER, AuthError, FrameBinding, NonceCache, PeerAuth
 from pdserve.disagg.bootstrap import (
+    DISCARD_IDLE_S,
     MAX_BODY_BYTES,
     MAX_DISCARD_BYTES,
     BootstrapClient,
@@ -384,7 +385,9 @@ def test_an_oversized_body_gets_its_413_even_while_the_client_is_still_sending(s
     assert len(body) < MAX_DISCARD_BYTES
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(f"PUT /bootstrap/rank HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode())
-        select.select([s], [], [], 1.0)  # an answer before the body (the old registry's) is readable by now
+        # An answer before the body (the old registry's) is readable by now; the registry waits longer than this
+        # for a body that stops coming.
+        select.select([s], [], [], DISCARD_IDLE_S / 10)
         s.sendall(body)
         answer = b""
         while chunk := s.recv(65536):

@@ -51,7 +51,7 @@ MAX_BODY_BYTES = 1 << 20  # a rank record with its buffers is a few hundred byte
 # An oversized body is read and dropped up to this much before the 413, so the client reads the answer instead
 # of a reset; past it the connection is closed unread.
 MAX_DISCARD_BYTES = 8 << 20
-DISCARD_IDLE_S = 1.0  # a client that stops sending what it declared gets its 413 after this much silence
+DISCARD_IDLE_S = 5.0  # a client that stops sending what it declared gets its 413 after this much silence
 REFUSED_GRACE_S = 1.0  # how long a refused connection is retried (a registry restarting its listener)
 MAX_SNAPSHOT_BYTES = 64 << 20  # a snapshot holds at most layout.MAX_RANKS records
 KV_LAYOUTS = ("gqa-hnd", "mla")
