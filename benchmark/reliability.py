@@ -61,7 +61,7 @@ LOSSY = "fail_rate=0.05,delay_rate=0.05,delay_s=2,seed=7"
 IDLE_ZERO = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "quarantine_entries", "aux_rows_in_use",
              "transfer_batches_in_flight", "rooms_waiting", "rooms_transferring", "rooms_open")
 SCENARIOS = ("prefill_kill9", "prefill_sigstop", "decode_sigstop", "decode_kill9", "malformed", "duplicate_rooms",
-             "lossy_writes", "soak")
+             "lossy_writes", "soak", "replayed_bootstrap", "replayed_control_frame")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -613,8 +613,79 @@ class Drills:
         self._after(row)
         return row
 
+    def replayed_bootstrap(self) -> Row:
+        row = Row("replayed_bootstrap", "an API client names its own registry in requests to decode; it replays "
+                                        "decode's signed GETs to the real registry and answers with its own records")
+        evil = EvilRegistry(self.cluster.boot)
+        # Records are no secret: the attacker may know them from elsewhere and answer with them.
+        from pdserve.disagg.auth import PeerAuth
+
+        target = f"127.0.0.1:{self.cluster.boot}"
+        evil.known = httpx.get(f"http://{target}/bootstrap", timeout=10,
+                               headers=PeerAuth(self.cluster.token).sign("GET", "/bootstrap", b"", target)).json()
+        n = self.a.requests
+        try:
+            with ThreadPoolExecutor(n + 1) as pool:
+                futures = self._burst(pool, n)
+                room = random.getrandbits(63)
+                pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": evil.port, "bootstrap_room": room}
+                attacks = [pool.submit(self.client.generate, d.url, self.rng.choice(self.prompts), NEW,
+                                       {**pd, "bootstrap_room": room + i}) for i, d in enumerate(self.cluster.decodes)]
+                row.outcomes += [f.result() for f in futures + attacks]
+            row.hit = list(row.outcomes)
+            again = [_get_status(self.cluster.boot, h) for h in evil.captured]  # the same GETs replayed once more
+            frames = evil.frames()
+        finally:
+            evil.close()
+        row.notes.append(f"decode's signed GETs replayed to the real registry: {len(evil.replays)}, answered "
+                         f"{sorted(set(evil.replays))}; replayed again: {sorted(set(again))}")
+        row.notes.append(f"control frames decode sent to the attacker's endpoint: {frames}")
+        row.extra["bootstrap"] = {"replays": evil.replays, "again": again}
+        with ThreadPoolExecutor(n) as pool:
+            row.outcomes += [f.result() for f in self._burst(pool, n)]
+        self._after(row)
+        return row
+
+    def replayed_control_frame(self) -> Row:
+        row = Row("replayed_control_frame", "signed control frames replayed to their endpoint, pushed at another "
+                                            "endpoint, and sent late, while requests run")
+        endpoints = self._control_endpoints()
+        before = self._refused_by_reason()
+        peer = Forger(self.cluster.token)
+        n = self.a.requests
+        try:
+            with ThreadPoolExecutor(n) as pool:
+                futures = self._burst(pool, n)
+                for i, ep in enumerate(endpoints):
+                    peer.replays(ep, endpoints[(i + 1) % len(endpoints)])
+                row.outcomes += [f.result() for f in futures]
+        finally:
+            peer.close()
+        want = {"replay": 3 * len(endpoints), "wrong_destination": len(endpoints), "stale": len(endpoints)}
+        try:
+            wait_until(lambda: all(self._refused_by_reason().get(k, 0) - before.get(k, 0) >= v
+                                   for k, v in want.items()), 30, "replayed frames counted")
+        except RuntimeError:
+            pass  # reported below
+        after = self._refused_by_reason()
+        got = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(set(after) | set(before))}
+        row.notes.append(f"{len(endpoints)} control endpoints, each sent one signed frame for a room nobody holds "
+                         f"(read once, ignored as stale) and then its replays, a copy meant for another endpoint and "
+                         f"a 10-minute-old one; must be refused: {want}; refused by reason: {got}")
+        row.extra["refused"] = got
+        row.hit = list(row.outcomes)
+        self._after(row)
+        return row
+
+    def _refused_by_reason(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for s in self.cluster.servers:
+            for k, v in s.info().get("control_refused_by_reason", {}).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
     def _control_endpoints(self) -> list[str]:
-        signed = Forger(self.cluster.token).auth.sign("GET", "/bootstrap", b"")
+        signed = Forger(self.cluster.token).auth.sign("GET", "/bootstrap", b"", f"127.0.0.1:{self.cluster.boot}")
         snap = httpx.get(f"http://127.0.0.1:{self.cluster.boot}/bootstrap", headers=signed, timeout=10).json()
         return [r["control"] for r in snap["ranks"]] + [d.info()["control_endpoint"] for d in self.cluster.decodes]
 
@@ -716,11 +787,31 @@ class Forger:
         self.wrong = PeerAuth("not-the-token")
         self.ctx = zmq.Context()
         self.socks: dict[str, zmq.Socket] = {}
+        self.seq = 0
+
+    def binding(self, endpoint: str):
+        """A frame's binding as a peer holding the token gives it (a sequence of its own, now)."""
+        from pdserve.disagg.auth import FrameBinding
+
+        self.seq += 1
+        return FrameBinding(f"forger#{id(self)}", endpoint, self.seq, int(time.time() * 1000))
+
+    def replays(self, endpoint: str, other: str) -> None:
+        """A signed frame read once at ``endpoint``, then three replays of it, a copy meant for
+        ``other`` pushed at ``endpoint``, and one sent ten minutes ago."""
+        frame = _forged()[2]  # a DropRoom of a room nobody holds: read and ignored
+        first = self.auth.seal(frame, self.binding(endpoint))
+        for f in (first, first, first, first, self.auth.seal(frame, self.binding(other))):
+            self._send(endpoint, f)
+        old = self.binding(endpoint)
+        self._send(endpoint, self.auth.seal(frame, type(old)(old.sender, endpoint, old.seq, old.t_ms - 600_000)))
 
     def hostile(self, endpoint: str) -> tuple[int, int]:
         """Sends the frames; (how many, how many the server must refuse)."""
-        refused = [*_malformed(), *[self.wrong.seal(f) for f in _forged()], *[self.auth.seal(f) for f in _malformed()]]
-        stale = [self.auth.seal(f) for f in _forged()]  # well-formed, signed, for rooms nobody holds: ignored
+        refused = [*_malformed(), *[self.wrong.seal(f, self.binding(endpoint)) for f in _forged()],
+                   *[self.auth.seal(f, self.binding(endpoint)) for f in _malformed()]]
+        # well-formed, signed, for rooms nobody holds: ignored
+        stale = [self.auth.seal(f, self.binding(endpoint)) for f in _forged()]
         for f in refused + stale:
             self._send(endpoint, f)
         return len(refused) + len(stale), len(refused)
@@ -738,6 +829,67 @@ class Forger:
         for s in self.socks.values():
             s.close(linger=0)
         self.ctx.term()
+
+
+class EvilRegistry:
+    """An API client's own bootstrap registry (no token): replays each signed GET it receives to the
+    real registry (``captured`` keeps the headers), answers with the real records, or the records
+    it learned before, every control endpoint replaced by its own PULL socket."""
+
+    def __init__(self, real_port: int):
+        import http.server
+
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.control = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        self.captured: list[dict] = []
+        self.replays: list[int] = []
+        self.known: dict | None = None
+        evil = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                headers = {k: v for k, v in self.headers.items() if k.lower().startswith("x-pdserve")}
+                evil.captured.append(headers)
+                r = httpx.get(f"http://127.0.0.1:{real_port}/bootstrap", headers=headers, timeout=10)
+                evil.replays.append(r.status_code)
+                snap = r.json() if r.status_code == 200 else evil.known
+                if snap is None:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                evil.known = snap
+                data = json.dumps({**snap, "ranks": [{**rk, "control": evil.control} for rk in snap["ranks"]]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        threading.Thread(target=self.http.serve_forever, args=(0.05,), daemon=True).start()
+
+    def frames(self) -> int:
+        n = 0
+        while self.pull.poll(0):
+            self.pull.recv()
+            n += 1
+        return n
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def _get_status(boot: int, headers: dict) -> int:
+    return httpx.get(f"http://127.0.0.1:{boot}/bootstrap", headers=headers, timeout=10).status_code
 
 
 def _malformed() -> list[bytes]:
@@ -767,20 +919,21 @@ def forged_bootstrap(cluster: Cluster) -> dict[str, int]:
 
     base = f"http://127.0.0.1:{cluster.boot}"
     real = PeerAuth(cluster.token)
-    snap = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b""), timeout=10).json()
+    target = f"127.0.0.1:{cluster.boot}"
+    snap = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b"", target), timeout=10).json()
     rec = dict(snap["ranks"][0], control="tcp://127.0.0.1:1")
     body = json.dumps(rec).encode()
     out = {"unsigned PUT /bootstrap/rank": httpx.put(base + "/bootstrap/rank", content=body, timeout=10).status_code,
            "PUT /bootstrap/rank under a wrong key": httpx.put(
                base + "/bootstrap/rank", content=body, timeout=10,
-               headers=PeerAuth("not-the-token").sign("PUT", "/bootstrap/rank", body)).status_code,
+               headers=PeerAuth("not-the-token").sign("PUT", "/bootstrap/rank", body, target)).status_code,
            "unsigned GET /bootstrap": httpx.get(base + "/bootstrap", timeout=10).status_code}
     huge = b"{" + b" " * (2 << 20) + b"}"
     try:
         out["2 MiB PUT /bootstrap/rank"] = httpx.put(base + "/bootstrap/rank", content=huge, timeout=10).status_code
     except httpx.HTTPError as e:  # the server may close before reading the body
         out["2 MiB PUT /bootstrap/rank"] = f"connection closed ({type(e).__name__})"
-    after = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b""), timeout=10).json()
+    after = httpx.get(base + "/bootstrap", headers=real.sign("GET", "/bootstrap", b"", target), timeout=10).json()
     out["rank 0 control unchanged"] = after["ranks"][0]["control"] == snap["ranks"][0]["control"]
     return out
 

@@ -197,7 +197,7 @@ MUTATIONS = (
     Mutation(
         "mac_unchecked", "a control frame is accepted whatever its MAC",
         "python/pdserve/disagg/auth.py",
-        "if not hmac.compare_digest(mac, hmac.new(self._key, payload, hashlib.sha256).digest()):",
+        "if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):",
         "if False:",
         (f"{T_TRUST}::test_with_a_token_unauthenticated_and_wrongly_keyed_frames_are_refused",)),
     Mutation(
@@ -377,6 +377,48 @@ MUTATIONS = (
         "    return CurveKeys.from_token(token) if token else None",
         "    return None",
         ("test/engine/test_node_sockets.py::test_several_nodes_under_the_token_use_curve_and_warn_without_it",)),
+    # issue 25, MACs bound to who, where and when (registry target, nonces, signed answers, control frames)
+    Mutation(
+        "target_binding_skipped", "a registry accepts a request signed for another registry",
+        "python/pdserve/disagg/bootstrap.py",
+        "if not self.server.answers_to(signed.target, self.connection.getsockname()[0]):",
+        "if False:",
+        ("test/disagg/test_bootstrap.py::test_a_request_signed_for_one_registry_is_refused_by_another",
+         f"{T_TRUST}::test_an_api_client_cannot_write_its_kv_into_another_users_cached_prefix")),
+    Mutation(
+        "replay_cache_not_consulted", "a registry accepts a captured signed request again",
+        "python/pdserve/disagg/bootstrap.py",
+        "if not self.server.nonces.add(signed.nonce, signed.t):",
+        "if False:",
+        ("test/disagg/test_bootstrap.py::test_a_captured_signed_request_replayed_is_refused",)),
+    Mutation(
+        "answer_signature_not_verified", "decode takes records from a registry that cannot prove the token",
+        "python/pdserve/disagg/bootstrap.py",
+        "            self.auth.verify_answer(nonce, status, data, header)\n",
+        "            pass\n",
+        ("test/disagg/test_bootstrap.py::test_answers_are_signed_and_a_client_under_a_token_refuses_a_registry_that_"
+         "cannot_sign",
+         f"{T_TRUST}::test_an_api_client_cannot_write_its_kv_into_another_users_cached_prefix")),
+    Mutation(
+        "control_destination_unchecked", "a control frame sent to another endpoint is accepted",
+        "python/pdserve/disagg/channel.py",
+        "if b.destination != self.endpoint:",
+        "if False:",
+        ("test/disagg/test_channel.py::test_a_frame_for_another_endpoint_is_refused_and_counted",
+         "test/disagg/test_channel.py::test_channels_bind_their_frames_and_a_captured_frame_replays_nowhere")),
+    Mutation(
+        "control_sequence_unchecked", "a control frame read before is accepted again (a replay)",
+        "python/pdserve/disagg/channel.py",
+        "elif not self._seen.add(b):",
+        "elif False:",
+        ("test/disagg/test_channel.py::test_a_replayed_or_stale_frame_is_refused_and_counted",
+         f"{T_TRUST}::test_a_control_frame_replayed_after_the_lease_is_refused_and_nothing_is_written")),
+    Mutation(
+        "peer_budget_skipped", "every frame is MAC'd whatever its peer already sent",
+        "python/pdserve/disagg/channel.py",
+        "if size > MAX_FRAME_BYTES or not self._spend(peer, size):",
+        "if size > MAX_FRAME_BYTES:",
+        ("test/disagg/test_channel.py::test_over_budget_and_oversized_frames_are_refused_before_any_mac_work",)),
 )
 
 

@@ -10,6 +10,7 @@ import socket
 import time
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.bootstrap import BootstrapServer
 from pdserve.disagg.transfer import Outstanding
 from pdserve.engine.io_struct import BootstrapRef
@@ -35,7 +36,9 @@ class PDPair:
 
     def __init__(self, model: str, prefill_flags: dict | None = None, decode_flags: dict | None = None,
                  backend: str = "mooncake", **flags):
-        self.bootstrap = BootstrapServer("127.0.0.1", free_port()).start()
+        # The registry holds the deployment's token, as a prefill server's frontend would.
+        token = {**flags, **(prefill_flags or {})}.get("disaggregation_auth_token")
+        self.bootstrap = BootstrapServer("127.0.0.1", free_port(), PeerAuth(token)).start()
         base = {"model_path": model, "disaggregation_bootstrap_port": self.bootstrap.port, "num_threads": 1,
                 "disaggregation_transfer_backend": backend, **flags}
         # a side's own flags win over the shared ones (model_path too: two copies of one model)

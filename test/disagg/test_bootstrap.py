@@ -13,9 +13,11 @@ import urllib.request
 import pytest
 
 from pdserve.config import ModelConfig
-from pdserve.disagg.auth import AuthError, PeerAuth
+from pdserve.disagg.auth import ANSWER_HEADER, AuthError, FrameBinding, NonceCache, PeerAuth
 from pdserve.disagg.bootstrap import (
+    DISCARD_IDLE_S,
     MAX_BODY_BYTES,
+    MAX_DISCARD_BYTES,
     BootstrapClient,
     BootstrapError,
     BootstrapServer,
@@ -43,6 +45,7 @@ def rank_record(rank: int, layout: KVLayout = LAYOUT, seed: int = 0) -> RankReco
     return RankRecord(rank, f"127.0.0.1:{15000 + rank}", bufs, f"tcp://127.0.0.1:{6000 + rank}", layout, seed)
 
 
+BINDING = FrameBinding("tcp://127.0.0.1:1#ab", "tcp://127.0.0.1:2", 1, 0)
 CLIENT = BootstrapClient(request_timeout_s=2.0, interval_s=0.05)
 
 
@@ -260,9 +263,11 @@ def test_with_a_token_every_unsigned_or_wrongly_signed_request_is_refused():
             with pytest.raises(BootstrapError, match="refused: HTTP 401"):
                 client.fetch("127.0.0.1", server.port, timeout_s=5)
         body = json.dumps(dataclasses.asdict(forged)).encode()
-        stale = auth.sign("PUT", "/bootstrap/rank", body, now=time.time() - 3600)
+        target = f"127.0.0.1:{server.port}"
+        stale = auth.sign("PUT", "/bootstrap/rank", body, target, now=time.time() - 3600)
         assert _raw(server.port, "PUT", "/bootstrap/rank", body, stale) == 401  # an old signature
-        altered = auth.sign("PUT", "/bootstrap/rank", json.dumps(dataclasses.asdict(rank_record(0))).encode())
+        altered = auth.sign("PUT", "/bootstrap/rank", json.dumps(dataclasses.asdict(rank_record(0))).encode(),
+                            target)
         assert _raw(server.port, "PUT", "/bootstrap/rank", body, altered) == 401  # signed another body
         assert _raw(server.port, "GET", "/health") == 200  # liveness stays open, it tells nothing
         assert signed.fetch("127.0.0.1", server.port, timeout_s=5).ranks[0].control == "tcp://127.0.0.1:6000"
@@ -278,7 +283,7 @@ def test_without_a_token_only_loopback_peers_are_accepted():
             strict.verify("GET", "/bootstrap", b"", None, peer)
         open_auth.verify("GET", "/bootstrap", b"", None, peer)
     with pytest.raises(AuthError, match="has no --disaggregation-auth-token"):
-        strict.open(PeerAuth("t").seal(b"{}"), "127.0.0.1")  # a misconfigured pair is named, not guessed
+        strict.open(PeerAuth("t").seal(b"{}", BINDING), "127.0.0.1")  # a misconfigured pair is named, not guessed
 
 
 def test_a_record_with_an_absurd_layout_is_refused_not_stored(server):
@@ -290,3 +295,101 @@ def test_a_record_with_an_absurd_layout_is_refused_not_stored(server):
     assert _raw(server.port, "PUT", "/bootstrap/rank", b"{}", {"Content-Length": "-1"}) == 400
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/bootstrap", timeout=5) as resp:
         assert len(resp.read()) < 200  # nothing was stored: the snapshot stays small
+
+
+# --- issue 25: signatures bound to a registry, a nonce and a time; answers signed -----------------------------
+
+
+def _registered(server: BootstrapServer, auth: PeerAuth) -> BootstrapClient:
+    client = BootstrapClient(request_timeout_s=2.0, interval_s=0.05, auth=auth)
+    client.register_compat("127.0.0.1", server.port, COMPAT)
+    for r in (0, 1):
+        client.register_rank("127.0.0.1", server.port, rank_record(r))
+    return client
+
+
+def _get(port: int, headers: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/bootstrap", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers)
+
+
+def test_a_captured_signed_request_replayed_is_refused():
+    auth = PeerAuth("s3cret")
+    with BootstrapServer("127.0.0.1", 0, auth) as server:
+        _registered(server, auth)
+        captured = auth.sign("GET", "/bootstrap", b"", f"127.0.0.1:{server.port}")
+        assert _get(server.port, captured)[0] == 200
+        assert _get(server.port, captured)[0] == 401  # within the skew window, but seen before
+        assert server.refused["replay"] == 1
+        assert _get(server.port, auth.sign("GET", "/bootstrap", b"", f"127.0.0.1:{server.port}"))[0] == 200
+
+
+def test_a_request_signed_for_one_registry_is_refused_by_another():
+    """The signed GET decode sends a registry an attacker named (registry A) is worth nothing at
+    the deployment's real registry (B)."""
+    auth = PeerAuth("s3cret")
+    with BootstrapServer("127.0.0.1", 0, auth) as a, BootstrapServer("127.0.0.1", 0, auth) as b:
+        _registered(b, auth)
+        for_a = auth.sign("GET", "/bootstrap", b"", f"127.0.0.1:{a.port}")
+        assert _get(b.port, for_a)[0] == 401
+        assert b.refused["wrong_target"] == 1
+        for_other_host = auth.sign("GET", "/bootstrap", b"", f"192.0.2.7:{b.port}")
+        assert _get(b.port, for_other_host)[0] == 401
+        assert b.refused["wrong_target"] == 2
+        for name in ("127.0.0.1", "localhost"):  # the names a loopback registry is known by
+            assert _get(b.port, auth.sign("GET", "/bootstrap", b"", f"{name}:{b.port}"))[0] == 200
+
+
+def test_answers_are_signed_and_a_client_under_a_token_refuses_a_registry_that_cannot_sign():
+    auth = PeerAuth("s3cret")
+    with BootstrapServer("127.0.0.1", 0, auth) as real, BootstrapServer("127.0.0.1", 0) as impostor:
+        _registered(real, auth)
+        _registered(impostor, PeerAuth())  # a registry without the token (loopback: it takes anyone)
+        status, headers = _get(real.port, auth.sign("GET", "/bootstrap", b"", f"127.0.0.1:{real.port}"))
+        assert status == 200 and ANSWER_HEADER in headers
+        client = BootstrapClient(request_timeout_s=2.0, interval_s=0.05, auth=auth)
+        assert client.fetch("127.0.0.1", real.port, timeout_s=5).compat == COMPAT
+        with pytest.raises(BootstrapError, match="does not hold this deployment's --disaggregation-auth-token"):
+            client.fetch("127.0.0.1", impostor.port, timeout_s=5)
+    # A signed answer covers its request's nonce: copied onto the answer of another request, it fails.
+    answer = auth.sign_answer("a" * 32, 200, b"{}")[ANSWER_HEADER]
+    auth.verify_answer("a" * 32, 200, b"{}", answer)
+    for nonce, status, body in (("b" * 32, 200, b"{}"), ("a" * 32, 404, b"{}"), ("a" * 32, 200, b"[]")):
+        with pytest.raises(AuthError):
+            auth.verify_answer(nonce, status, body, answer)
+
+
+def test_the_nonce_cache_is_bounded_and_refuses_what_it_may_have_forgotten():
+    cache = NonceCache(capacity=3, window_s=300.0)
+    now = 1000.0
+    assert all(cache.add(n, now - 10 + i, now) for i, n in enumerate("abc"))
+    assert not cache.add("a", now, now)  # a replay
+    assert cache.add("d", now, now) and len(cache) == 3  # "a" forgotten, its time now a floor
+    assert not cache.add("a", now - 10, now)  # so its replay is still refused
+    assert cache.add("e", now - 5, now + 400)  # the window moved on: old entries expired
+    assert len(cache) == 1
+
+
+def test_an_oversized_body_gets_its_413_even_while_the_client_is_still_sending(server):
+    """The flake: the registry answered 413 and closed before the client had sent its 1 MiB body,
+    so the client saw a broken pipe. Now the body is read (and dropped) up to a bound first. The
+    client here waits for an early answer before sending the body: with the old registry that
+    answer came at once and the send below failed every time."""
+    import select
+
+    body = b"x" * (MAX_BODY_BYTES + 1)
+    assert len(body) < MAX_DISCARD_BYTES
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"PUT /bootstrap/rank HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        # An answer before the body (the old registry's) is readable by now; the registry waits longer than this
+        # for a body that stops coming.
+        select.select([s], [], [], DISCARD_IDLE_S / 10)
+        s.sendall(body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.0 413")

@@ -6,8 +6,13 @@ and every page accounted for."""
 
 from __future__ import annotations
 
+import dataclasses
+import http.server
 import json
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import zmq
@@ -15,10 +20,12 @@ from pd_pair import PDPair, greedy
 from test_pd_flow import _colocated, _prompts
 
 from pdserve.disagg import protocol
-from pdserve.disagg.auth import PeerAuth
+from pdserve.disagg.auth import FrameBinding, PeerAuth
+from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.protocol import KVCompletion, KVRequest
 from pdserve.disagg.receiver import PeersDead
 from pdserve.disagg.transfer import FaultInjectingBackend
+from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import ReqState
 
 pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
@@ -108,8 +115,9 @@ def test_with_a_token_unauthenticated_and_wrongly_keyed_frames_are_refused(pair_
     peer = RawPeer()
     try:
         plain = protocol.encode(protocol.DropRoom(5))
-        forged = PeerAuth("wrong").seal(plain)
-        tampered = bytearray(PeerAuth("s3cret").seal(plain))
+        to = FrameBinding("tcp://127.0.0.1:1#forger", pair.prefill.mode.io.endpoint, 1, int(time.time() * 1000))
+        forged = PeerAuth("wrong").seal(plain, to)
+        tampered = bytearray(PeerAuth("s3cret").seal(plain, to))
         tampered[-2] ^= 1
         for frame in (plain, forged, bytes(tampered)):
             peer.send(pair.prefill.mode.io.endpoint, frame)
@@ -297,3 +305,168 @@ def test_decode_abort_of_a_room_prefill_never_saw_is_acknowledged(pair_factory):
     pair.run(timeout_s=20)  # idle includes an empty quarantine: the ack, well before the 60 s lease
     assert pair.decode.stats()["quarantined_pages"] == 0
     pair.assert_idle_and_accounted()
+
+
+# --- issue 25, finding 2: an API client changes another user's output --------------------------------------
+
+
+class FakeRegistry:
+    """The attacker's bootstrap registry (it holds no token): it replays decode's signed GET to the
+    real registry and answers with the real records, every control endpoint replaced by its own
+    PULL socket, where it collects decode's sealed frames. ``known``: a snapshot of the real
+    registry it learned otherwise (records are no secret), answered when the replay is refused."""
+
+    def __init__(self, real_port: int, known: dict):
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.control = f"tcp://127.0.0.1:{self.pull.bind_to_random_port('tcp://127.0.0.1')}"
+        self.replays: list[int] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                headers = {k: v for k, v in self.headers.items() if k.lower().startswith("x-pdserve")}
+                req = urllib.request.Request(f"http://127.0.0.1:{real_port}/bootstrap", headers=headers)
+                snap, answer_headers = known, {}
+                try:
+                    with urllib.request.urlopen(req, timeout=5) as resp:
+                        snap = json.loads(resp.read())
+                        answer_headers = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-pdserve")}
+                        fake.replays.append(200)
+                except urllib.error.HTTPError as e:
+                    fake.replays.append(e.code)
+                snap = {**snap, "ranks": [{**r, "control": fake.control} for r in snap["ranks"]]}
+                data = json.dumps(snap).encode()
+                self.send_response(200)
+                for k, v in {**answer_headers, "Content-Type": "application/json",
+                             "Content-Length": str(len(data))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        self.thread = threading.Thread(target=self.http.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def frames(self) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(self.pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return out
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def _snapshot(pair: PDPair, token: str) -> dict:
+    info = BootstrapClient(auth=PeerAuth(token)).fetch("127.0.0.1", pair.bootstrap.port, timeout_s=10)
+    return {"compat": dataclasses.asdict(info.compat), "ranks": [dataclasses.asdict(r) for r in info.ranks],
+            "complete": True, "missing": []}
+
+
+def test_an_api_client_cannot_write_its_kv_into_another_users_cached_prefix(pair_factory):
+    """Issue 25, finding 2, as reproduced: a client with the API key only names its own registry
+    in a request to decode; it replays decode's signed GET to the real registry, answers with
+    records whose control endpoint is its own, collects decode's DecodeRecord and KVRequest, and
+    once decode's lease on those pages has lapsed (and a victim's prefix is cached in them)
+    replays both frames into prefill together with its own prompt for that room. The victim's
+    prompt must still return the colocated tokens, and prefill must write nothing."""
+    token = "s3cret"
+    pair = pair_factory(page_size=4, disaggregation_auth_token=token, disaggregation_timeout_s=2.0)
+    fake = FakeRegistry(pair.bootstrap.port, _snapshot(pair, token))
+    peer = RawPeer()
+    try:
+        atk, victim, evil = _prompts([40, 40, 40], seed=11)
+        room = 4242
+        pair.outputs["atk"] = {"ids": [], "final": None}
+        pair.decode.add_request("atk", atk, greedy(NEW), bootstrap=BootstrapRef("127.0.0.1", fake.port, room))
+        pair.run(until=lambda: pair.outputs["atk"]["final"] is not None)
+        pair.run()  # the attacker's pages leave quarantine: the lease lapsed
+        # Frames travel in clear: the attacker keeps decode's record and KV request, not its abort.
+        captured = [f for f in fake.frames() if b'"type":"KVAbort"' not in f]
+        pair.submit_local("victim1", victim, greedy(NEW))  # the victim's prefix, cached in the freed pages
+        pair.run()
+        pair.prefill.add_request("evil", evil, greedy(NEW), bootstrap=pair.ref(room))
+        for frame in captured:
+            peer.send(pair.prefill.mode.io.endpoint, frame)
+        if captured:
+            _wait_refused_or_written(pair, len(captured))
+        pair.run()
+        pair.submit_local("victim2", victim, greedy(NEW))
+        pair.run()
+        expected = _colocated(MODEL, [victim], n=NEW, page_size=4)[0]
+        assert pair.outputs["victim1"]["ids"] == expected
+        assert pair.outputs["victim2"]["ids"] == expected, "the attacker's KV reached the victim's cached prefix"
+        assert pair.prefill.stats()["kv_writes_sent"] == 0
+        assert 200 not in fake.replays  # decode's signed GET is bound to the registry it meant
+        assert pair.bootstrap.refused["wrong_target"] == len(fake.replays) >= 1
+        assert not captured  # decode took no record from a registry that cannot prove the token
+        assert pair.decode.stats()["kv_received"] == 0
+        pair.assert_idle_and_accounted()
+    finally:
+        peer.close()
+        fake.close()
+
+
+def _wait_refused_or_written(pair: PDPair, n: int) -> None:
+    pair.run(until=lambda: pair.prefill.stats()["control_refused"] >= n
+             or pair.prefill.stats()["kv_writes_sent"] > 0, timeout_s=30)
+
+
+def _capture_sealed(channel) -> list[bytes]:
+    """Every frame ``channel`` seals from now on, as it leaves (what a sniffer on the wire sees)."""
+    frames: list[bytes] = []
+    seal = channel.auth.seal
+
+    class Capturing:
+        token = channel.auth.token
+
+        def seal(self, *args):
+            frames.append(seal(*args))
+            return frames[-1]
+
+    channel.auth = Capturing()
+    return frames
+
+
+def test_a_control_frame_replayed_after_the_lease_is_refused_and_nothing_is_written(pair_factory):
+    """A KV request read off the wire (it travels in clear) and replayed into prefill once the room's
+    tombstone and decode's lease are gone, together with an HTTP half for that room carrying
+    someone else's prompt: refused as a replay and counted; prefill writes nothing, and the pages
+    the original request left in decode's cache still hold its prompt's KV."""
+    pair = pair_factory(page_size=4, disaggregation_auth_token="s3cret", disaggregation_timeout_s=1.0)
+    sniffed = _capture_sealed(pair.decode.mode.io.channel)
+    prompt, evil = _prompts([40, 40], seed=12)
+    room = pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    writes = pair.prefill.stats()["kv_writes_sent"]
+    assert writes > 0 and sniffed
+    lapsed = time.monotonic() + 2 * 1.0 + 0.5  # past the room's tombstone and decode's lease (twice the timeout)
+    pair.run(until=lambda: time.monotonic() > lapsed)
+    peer = RawPeer()
+    try:
+        pair.prefill.add_request("evil", evil, greedy(NEW), bootstrap=pair.ref(room))
+        for frame in sniffed:
+            if b'"type":"KVAbort"' not in frame:
+                peer.send(pair.prefill.mode.io.endpoint, frame)
+        _wait_refused_or_written(pair, 2)  # the record and the KV request
+        pair.run()
+        assert pair.prefill.stats()["kv_writes_sent"] == writes, "a replayed KV request was served"
+        assert pair.prefill.stats()["control_refused_by_reason"] == {"replay": 2}
+        pair.submit_local("again", prompt, greedy(NEW))  # served from decode's cache: the pages the replay aimed at
+        pair.run()
+        expected = _colocated(MODEL, [prompt], n=NEW, page_size=4)[0]
+        assert pair.outputs["a"]["ids"] == pair.outputs["again"]["ids"] == expected
+        pair.assert_idle_and_accounted()
+    finally:
+        peer.close()

@@ -14,8 +14,13 @@ HTTP API (JSON bodies in the ``protocol.from_dict`` form of the records):
 
 Every request but ``/health`` is checked by the server's ``PeerAuth`` (``disagg/auth.py``):
 signed with the shared token, else from a loopback peer; refused with 401 (403 for a
-non-loopback peer without a token) and counted in ``refused``. Bodies over ``MAX_BODY_BYTES``
-get a 413 before they are read.
+non-loopback peer without a token) and counted in ``refused`` by reason. Under a token a
+signature is good for one request to this registry: its target must be one of the names this
+registry answers to (``wrong_target`` otherwise) and its nonce unseen (``replay`` otherwise); and
+every answer to a signed request is signed in turn (over the request's nonce), so a client under
+a token takes records only from a registry that holds the token. Bodies over ``MAX_BODY_BYTES``
+get a 413 without being parsed (read and discarded up to ``MAX_DISCARD_BYTES``, so the client
+sees the answer rather than a broken pipe).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.error
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Generic, TypeVar
 
-from pdserve.disagg.auth import SIGNATURE_HEADER, AuthError, PeerAuth
+from pdserve.disagg.auth import ANSWER_HEADER, SIGNATURE_HEADER, AuthError, NonceCache, PeerAuth, is_loopback
 from pdserve.disagg.layout import KVLayout
 from pdserve.disagg.protocol import ProtocolError, check_endpoint, from_dict, parse_json
 from pdserve.mem.kv_pool import BufferDescriptor
@@ -42,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 MAX_BODY_BYTES = 1 << 20  # a rank record with its buffers is a few hundred bytes
+# An oversized body is read and dropped up to this much before the 413, so the client reads the answer instead
+# of a reset; past it the connection is closed unread.
+MAX_DISCARD_BYTES = 8 << 20
+DISCARD_IDLE_S = 5.0  # a client that stops sending what it declared gets its 413 after this much silence
 REFUSED_GRACE_S = 1.0  # how long a refused connection is retried (a registry restarting its listener)
 MAX_SNAPSHOT_BYTES = 64 << 20  # a snapshot holds at most layout.MAX_RANKS records
 KV_LAYOUTS = ("gqa-hnd", "mla")
@@ -184,8 +194,10 @@ class BootstrapRegistry:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = 10.0  # a peer that stops sending mid-request (or lies about Content-Length) is dropped
+    nonce: str | None = None  # the verified request's nonce, which its answer's signature covers
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
+        self.nonce = None
         if self.path == "/health":
             return self._reply(200, "ok")
         if not self._allowed(b""):
@@ -198,6 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
         routes: dict[str, tuple[type, Callable[[Any], None]]] = {
                   "/bootstrap/compat": (CompatRecord, self.server.registry.put_compat),
                   "/bootstrap/rank": (RankRecord, self.server.registry.put_rank)}
+        self.nonce = None
         body = self._body()
         if body is None or not self._allowed(body):
             return None
@@ -221,20 +234,46 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": "Content-Length: not a number", "kind": "malformed"})
             return None
         if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True  # the unread body must not be parsed as a request
+            self.close_connection = True  # the rest of an unread body must not be parsed as a request
+            self._discard(int(length))
             self._reply(413, {"error": f"body of {length} bytes (at most {MAX_BODY_BYTES})", "kind": "malformed"})
             return None
         return self.rfile.read(int(length))
 
-    def _allowed(self, body: bytes) -> bool:
+    def _discard(self, length: int) -> None:
+        """Read and drop a body too large to take, up to ``MAX_DISCARD_BYTES``: a client still sending
+        when the answer comes and the connection closes would see a broken pipe, not the 413. A body
+        declared beyond the bound is not waited for at all."""
+        left = length if length <= MAX_DISCARD_BYTES else 0
         try:
-            self.server.auth.verify(self.command, self.path, body, self.headers.get(SIGNATURE_HEADER),
-                                    self.client_address[0])
+            self.connection.settimeout(DISCARD_IDLE_S)
+            while left > 0:
+                chunk = self.rfile.read(min(left, 1 << 16))
+                if not chunk:
+                    return
+                left -= len(chunk)
+        except OSError:  # the client stopped sending (or gave up): answer anyway
+            return
+
+    def _allowed(self, body: bytes) -> bool:
+        reason = "auth"
+        try:
+            signed = self.server.auth.verify(self.command, self.path, body, self.headers.get(SIGNATURE_HEADER),
+                                             self.client_address[0])
+            if signed is not None:
+                if not self.server.answers_to(signed.target, self.connection.getsockname()[0]):
+                    reason = "wrong_target"
+                    raise AuthError(f"signed for the registry at {signed.target[:100]}, not this one "
+                                    f"(port {self.server.server_address[1]})")
+                if not self.server.nonces.add(signed.nonce, signed.t):
+                    reason = "replay"
+                    raise AuthError("this signed request was accepted before (a replay)")
+                self.nonce = signed.nonce
             return True
         except AuthError as e:
-            self.server.refused["auth"] += 1
-            logger.warning("bootstrap: refused %s %s from %s: %s", self.command, self.path[:100],
-                           self.client_address[0], e)
+            self.server.refused[reason] += 1
+            logger.warning("bootstrap: refused %s %s from %s (%s): %s", self.command, self.path[:100],
+                           self.client_address[0], reason, e)
             self.close_connection = True
             code = 403 if self.server.auth.token is None else 401
             self._reply(code, {"error": str(e), "kind": "unauthorized"})
@@ -245,6 +284,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.nonce is not None:  # answers to a verified request prove the token (and which request)
+            for k, v in self.server.auth.sign_answer(self.nonce, code, data).items():
+                self.send_header(k, v)
         self.end_headers()
         self.wfile.write(data)
 
@@ -256,24 +298,54 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr, registry: BootstrapRegistry, auth: PeerAuth):
+    def __init__(self, addr, registry: BootstrapRegistry, auth: PeerAuth, names: tuple[str, ...] = ()):
         super().__init__(addr, _Handler)
         self.registry = registry
         self.auth = auth
-        self.refused: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # "auth" | "wrong_target" | "replay" -> requests
+        self.nonces = NonceCache()
+        self.names = own_names(str(self.server_address[0]), names)
+
+    def answers_to(self, target: str, local_address: str) -> bool:
+        """Whether a request signed for ``target`` ("host:port") was meant for this registry: the
+        port it listens on, and a host it is known by (its own names, or the address this very
+        connection reached: a registry on all interfaces is known by each of them)."""
+        host, _, port = target.rpartition(":")
+        host = host.strip("[]").lower()
+        return port == str(self.server_address[1]) and (host in self.names or host == local_address.lower())
+
+
+def own_names(bound: str, extra: tuple[str, ...] = ()) -> frozenset[str]:
+    """The hosts a registry bound to ``bound`` is known by: that address, and for a wildcard or
+    loopback bind the loopback names and this machine's own name and addresses; ``extra``: names
+    an operator gave it (a DNS name peers use)."""
+    names = {bound.lower(), *(n.strip("[]").lower() for n in extra)}
+    wildcard = bound in ("0.0.0.0", "::", "")
+    if wildcard or is_loopback(bound):
+        names |= {"localhost", "127.0.0.1", "::1"}
+    if wildcard:
+        hostname = socket.gethostname()
+        names |= {hostname.lower(), socket.getfqdn().lower()}
+        try:
+            names |= {str(a[4][0]).lower() for a in socket.getaddrinfo(hostname, None)}
+        except OSError:  # a host whose own name does not resolve: the connection's address still counts
+            pass
+    return frozenset(names)
 
 
 class BootstrapServer:
     """The registry served over HTTP from a background thread. ``port=0`` picks a free port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_BOOTSTRAP_PORT, auth: PeerAuth | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_BOOTSTRAP_PORT, auth: PeerAuth | None = None,
+                 names: tuple[str, ...] = ()):
+        """``names``: hosts peers reach this registry by beyond its own (``own_names``)."""
         self.registry = BootstrapRegistry()
-        self._server = _Server((host, port), self.registry, auth or PeerAuth())
+        self._server = _Server((host, port), self.registry, auth or PeerAuth(), names)
         self._thread: threading.Thread | None = None
 
     @property
     def refused(self) -> Counter[str]:
-        """Requests refused by reason ("auth")."""
+        """Requests refused by reason ("auth", "wrong_target", "replay")."""
         return self._server.refused
 
     @property
@@ -361,12 +433,17 @@ class BootstrapClient:
             self._wait_or_fail(deadline, host, port, timeout_s, why)
 
     def _call(self, method: str, host: str, port: int, path: str, body: bytes | None = None):
-        """(status, payload) from the server, or (None, reason) when it did not answer."""
-        headers = {"Content-Type": "application/json", **self.auth.sign(method, path, body or b"")}
+        """(status, payload) from the server, or (None, reason) when it did not answer. Under a
+        token, an answer that does not prove the token raises BootstrapError: whoever listens
+        there is not this deployment's registry, and nothing it says is used."""
+        signed = self.auth.sign(method, path, body or b"", target=f"{host}:{port}")
+        headers = {"Content-Type": "application/json", **signed}
         req = urllib.request.Request(f"http://{host}:{port}{path}", data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
-                return resp.status, parse_json(resp.read(), MAX_SNAPSHOT_BYTES)
+                data = resp.read(MAX_SNAPSHOT_BYTES + 1)
+                self._check_answer(signed, resp.status, data, resp.headers.get(ANSWER_HEADER), host, port)
+                return resp.status, parse_json(data, MAX_SNAPSHOT_BYTES)
         except urllib.error.HTTPError as e:
             try:
                 return e.code, parse_json(e.read(MAX_BODY_BYTES))
@@ -376,6 +453,15 @@ class BootstrapClient:
             return None, f"no answer ({getattr(e, 'reason', e)})"
         except ProtocolError as e:  # the server answered, but not with a registry snapshot
             return 502, {"error": f"malformed answer: {e}"}
+
+    def _check_answer(self, signed: dict, status: int, data: bytes, header: str | None, host: str, port: int) -> None:
+        if self.auth.token is None:
+            return
+        nonce = dict(p.partition("=")[::2] for p in signed[SIGNATURE_HEADER].split(","))["n"]
+        try:
+            self.auth.verify_answer(nonce, status, data, header)
+        except AuthError as e:
+            raise BootstrapError(f"bootstrap {host}:{port}: {e}") from None
 
     def _wait_or_fail(self, deadline: float, host: str, port: int, timeout_s: float, why) -> None:
         if time.monotonic() + self.interval_s > deadline:

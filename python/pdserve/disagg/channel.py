@@ -6,10 +6,12 @@ use. Sends never block the scheduler loop: a peer that is gone or not reading lo
 the high-water mark, and the protocol's timeouts and aborts cover that loss.
 
 Every frame read is input from whoever can reach the port (docs/disaggregation.md, "The trust boundary"): it is
-authenticated (``disagg/auth.py``: an HMAC with the shared token, else loopback peers only),
-bounded (``zmq.MAXMSGSIZE``, then ``protocol.decode``'s limits) and decoded; whatever fails is
-counted by reason (``refused``) and logged once per peer per minute, and nothing a frame holds
-can raise past the channel. Peer sockets are bounded: one idle for ``IDLE_PEER_S`` is closed, and
+bounded (``zmq.MAXMSGSIZE``) and held to a per-peer budget (``PeerBudget``: bytes and frames per second) before
+any MAC work, so junk cannot make the scheduler hash gigabytes; then authenticated (``disagg/auth.py``: an HMAC
+with the shared token, else loopback peers only) and, under a token, bound: a frame meant for another endpoint,
+an old one, or a replay of one already read is refused; then decoded (``protocol.decode``'s limits). Whatever
+fails is counted by reason (``refused``) and logged once per peer per minute, and nothing a frame holds can raise
+past the channel. Peer sockets are bounded: one idle for ``IDLE_PEER_S`` is closed, and
 past ``MAX_PEERS`` the least recently used goes.
 
 ``Mailbox``: how the messenger's helper threads (bootstrap fetches, the heartbeat) hand their
@@ -21,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -29,7 +32,7 @@ from collections import Counter, OrderedDict
 import zmq
 
 from pdserve.disagg import protocol
-from pdserve.disagg.auth import FRAME_MAGIC, MAC_BYTES, AuthError, PeerAuth
+from pdserve.disagg.auth import FRAME_OVERHEAD, MAX_CLOCK_SKEW_S, AuthError, FrameBinding, PeerAuth, SequenceGuard
 from pdserve.disagg.protocol import Message, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,14 @@ SEND_HWM = 10_000  # messages queued to one peer before sends to it are dropped
 MAX_PEERS = 256  # open PUSH sockets; the least recently used one is closed past this
 IDLE_PEER_S = 600.0  # a peer socket unused this long is closed (reopened on the next send)
 LOG_EVERY_S = 60.0  # a refused peer is logged at most once a minute
+MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES + FRAME_OVERHEAD  # a sealed frame of the largest message
+# What one peer address may make the gate authenticate: a burst of two of the largest frames, then 16 MiB a
+# second (a decode's KV requests are kilobytes each; one for a million-token prompt is about 8 MiB).
+PEER_BURST_BYTES = 2 * MAX_FRAME_BYTES
+PEER_BYTES_PER_S = 16 * 2**20
+PEER_BURST_FRAMES = 20_000
+PEER_FRAMES_PER_S = 10_000
+REASONS = ("auth", "malformed", "oversize", "over_budget", "wrong_destination", "stale", "replay")
 
 
 def advertised_host(host: str) -> str:
@@ -47,22 +58,59 @@ def advertised_host(host: str) -> str:
     return host
 
 
-class FrameGate:
-    """Turns received frames into messages: authentication, bounds, decoding. Counts what it
-    refuses by reason and rate-limits the log per peer. Any thread may hold one, one at a time."""
+class PeerBudget:
+    """A token bucket in bytes and in frames: what one peer may spend of the gate's MAC work."""
 
-    def __init__(self, auth: PeerAuth | None = None, clock=time.monotonic):
+    def __init__(self, now: float, burst_bytes: float, bytes_per_s: float, burst_frames: float, frames_per_s: float):
+        self.rates = (bytes_per_s, frames_per_s)
+        self.caps = (burst_bytes, burst_frames)
+        self.left = [burst_bytes, burst_frames]
+        self.at = now
+
+    def take(self, nbytes: int, now: float) -> bool:
+        """Spend a frame of ``nbytes``; False (nothing spent) when the peer is over its budget."""
+        dt, self.at = max(0.0, now - self.at), now
+        self.left = [min(cap, left + dt * rate) for cap, left, rate in zip(self.caps, self.left, self.rates)]
+        if self.left[0] < nbytes or self.left[1] < 1:
+            return False
+        self.left[0] -= nbytes
+        self.left[1] -= 1
+        return True
+
+
+class FrameGate:
+    """Turns received frames into messages: size and per-peer budget (before any MAC work),
+    authentication, the frame's binding (under a token: meant for ``endpoint``, fresh, not seen
+    before from its sender), bounds, decoding. Counts what it refuses by reason and rate-limits
+    the log per peer. Any thread may hold one, one at a time.
+
+    ``endpoint``: where this gate's socket is reached (what senders bind their frames to)."""
+
+    def __init__(self, auth: PeerAuth | None = None, clock=time.monotonic, endpoint: str | None = None,
+                 wall=time.time, budget: tuple[float, float, float, float] | None = None):
         self.auth = auth or PeerAuth()
-        self.clock = clock
-        self.refused: Counter[str] = Counter()  # "auth" | "malformed" -> frames
+        self.clock, self.wall = clock, wall
+        self.endpoint = endpoint
+        self.budget = budget or (PEER_BURST_BYTES, PEER_BYTES_PER_S, PEER_BURST_FRAMES, PEER_FRAMES_PER_S)
+        self.refused: Counter[str] = Counter()  # REASONS -> frames
+        self.refused_by_peer: Counter[str] = Counter()  # oversize or over budget, by peer address (bounded)
         self._logged: dict[tuple[str, str], float] = {}  # (peer, reason) -> last logged
+        self._budgets: OrderedDict[str, PeerBudget] = OrderedDict()  # peer address -> its budget, least recent first
+        self._seen = SequenceGuard()
 
     def accept(self, frame) -> Message | None:
         """A ``zmq.Frame`` (or bytes) -> its message, or None when refused."""
         peer = _peer_address(frame)
+        size = len(frame.buffer) if isinstance(frame, zmq.Frame) else len(frame)
+        if size > MAX_FRAME_BYTES or not self._spend(peer, size):
+            self._refuse_unread(peer, "oversize" if size > MAX_FRAME_BYTES else "over_budget", size)
+            return None
         data = frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
         try:
-            return protocol.decode(self.auth.open(data, peer))
+            binding, payload = self.auth.open(data, peer)
+            if binding is not None and not self._bound_here(binding, peer):
+                return None
+            return protocol.decode(payload)
         except AuthError as e:
             self._refuse("auth", peer, str(e))
         except ProtocolError as e:
@@ -70,6 +118,35 @@ class FrameGate:
         except Exception as e:  # noqa: BLE001 - a frame must never take the scheduler down
             self._refuse("malformed", peer, f"{type(e).__name__}: {e}")
         return None
+
+    def _spend(self, peer: str | None, size: int) -> bool:
+        key, now = peer or "?", self.clock()
+        budget = self._budgets.pop(key, None) or PeerBudget(now, *self.budget)
+        self._budgets[key] = budget
+        while len(self._budgets) > MAX_PEERS:  # bounded: the least recently heard peer starts afresh
+            self._budgets.popitem(last=False)
+        return budget.take(size, now)
+
+    def _bound_here(self, b: FrameBinding, peer: str | None) -> bool:
+        """Under a token: the frame was sent to this endpoint, lately, and not read before."""
+        if b.destination != self.endpoint:
+            self._refuse("wrong_destination", peer, f"frame from {b.sender[:100]} meant for {b.destination[:100]}, "
+                                                    f"not this endpoint ({self.endpoint})")
+        elif abs(self.wall() - b.t_ms / 1000) > MAX_CLOCK_SKEW_S:
+            self._refuse("stale", peer, f"frame from {b.sender[:100]} sent {self.wall() - b.t_ms / 1000:.0f} s ago "
+                                        f"(at most {MAX_CLOCK_SKEW_S:.0f} s of age or clock skew)")
+        elif not self._seen.add(b):
+            self._refuse("replay", peer, f"frame {b.seq} from {b.sender[:100]} was read before (a replay)")
+        else:
+            return True
+        return False
+
+    def _refuse_unread(self, peer: str | None, reason: str, size: int) -> None:
+        key = peer or "?"
+        if key in self.refused_by_peer or len(self.refused_by_peer) < MAX_PEERS:
+            self.refused_by_peer[key] += 1
+        self._refuse(reason, peer, f"{size} bytes (frames of at most {MAX_FRAME_BYTES} bytes; per peer "
+                                   f"{PEER_BYTES_PER_S >> 20} MiB and {PEER_FRAMES_PER_S} frames a second)")
 
     def _refuse(self, reason: str, peer: str | None, why: str) -> None:
         self.refused[reason] += 1
@@ -100,16 +177,20 @@ class ControlChannel:
     def __init__(self, host: str = "127.0.0.1", listen: bool = True, auth: PeerAuth | None = None):
         self._ctx = zmq.Context()
         self.auth = auth or PeerAuth()
-        self.gate = FrameGate(self.auth)
         self.socket: zmq.Socket | None = None
         self.endpoint: str | None = None
         if listen:
             self.socket = self._ctx.socket(zmq.PULL)
             self.socket.setsockopt(zmq.LINGER, 0)
             # ZMQ drops a larger frame (and the connection) before it is buffered.
-            self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + len(FRAME_MAGIC) + MAC_BYTES)
+            self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
             port = self.socket.bind_to_random_port(f"tcp://{host if host not in ('', '::') else '0.0.0.0'}")
             self.endpoint = f"tcp://{advertised_host(host)}:{port}"
+        self.gate = FrameGate(self.auth, endpoint=self.endpoint)
+        # This channel's frames: a session of its own (a restarted process starts a new one) and a sequence
+        # its receivers check for replays.
+        self.session = f"{self.endpoint or 'send-only'}#{secrets.token_hex(8)}"
+        self._seq = itertools.count(1)
         self._peers: OrderedDict[str, tuple[zmq.Socket, float]] = OrderedDict()  # endpoint -> (socket, last use)
         self.send_failures = 0
 
@@ -119,7 +200,8 @@ class ControlChannel:
         self._close_idle(now)
         try:
             sock = self._socket(endpoint, now)
-            sock.send(self.auth.seal(protocol.encode(msg)), zmq.NOBLOCK)
+            binding = FrameBinding(self.session, endpoint, next(self._seq), int(time.time() * 1000))
+            sock.send(self.auth.seal(protocol.encode(msg), binding), zmq.NOBLOCK)
             return True
         except zmq.Again:
             logger.warning("control channel: %s is not reading; dropped %s", endpoint, type(msg).__name__)

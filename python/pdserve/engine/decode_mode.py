@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -469,6 +469,7 @@ class DecodeMode(SchedulerMode):
                 "num_pending_kv": len(self.pending), "quarantined_pages": self.quarantine.num_pages,
                 "fallback_rate": rate, "fallback_window": len(self.outcomes),
                 "control_refused": self.io.refused(), "quarantine_entries": len(self.quarantine.entries),
+                "control_refused_by_reason": dict(self.io.channel.gate.refused),
                 "aux_rows_in_use": self.aux.shape[0] - self.aux_slots.num_free,
                 "staging_ranges_in_use": self.staging.ranges_in_use if self.staging is not None else 0,
                 "transfer_batches_in_flight": self.backend.outstanding().batches, **self.counters}
@@ -481,6 +482,10 @@ class DecodeMode(SchedulerMode):
                     "aux_rows_in_use", "transfer_batches_in_flight", "kv_rooms_packed", "staging_ranges_in_use")
         out = {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in counters}}
         out["control_endpoints"] = [s["control_endpoint"] for s in per_dp]
+        by_reason: Counter[str] = Counter()
+        for s in per_dp:
+            by_reason.update(s.get("control_refused_by_reason", {}))
+        out["control_refused_by_reason"] = dict(by_reason)
         fell_back = sum(s["fallback_rate"] * s["fallback_window"] for s in per_dp)
         out["fallback_rate"] = fell_back / out["fallback_window"] if out["fallback_window"] else 0.0
         return out

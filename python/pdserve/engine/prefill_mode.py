@@ -404,6 +404,7 @@ class PrefillMode(SchedulerMode):
                 "rooms_transferring": len(self.transferring), "kv_bytes_sent": self.sender.bytes_posted,
                 "kv_writes_sent": self.sender.writes_posted, "kv_writes_packed": self.sender.packed_writes,
                 "control_refused": self.io.refused(),
+                "control_refused_by_reason": dict(self.io.channel.gate.refused),
                 "rooms_open": len(self.reqs) + len(self.closing),
                 "aux_rows_in_use": self.sender.aux.shape[0] - self.sender.aux_rows_free,
                 "transfer_batches_in_flight": self.sender.backend.outstanding().batches, **self.counters}

@@ -116,6 +116,13 @@ class _DisaggCollector:
             for t in TIERS:
                 hits.add_metric(values + [t], float(self.stats.get(f"cache_hit_tokens_{t}", 0)))
             yield hits
+        if isinstance(self.stats.get("control_refused_by_reason"), dict):
+            refused = CounterMetricFamily(PREFIX + "control_frames_refused_by_reason", "P/D control frames refused, "
+                                          "by reason (auth, malformed, oversize, over_budget, wrong_destination, "
+                                          "stale, replay)", labels=names + ["reason"])
+            for reason, n in sorted(self.stats["control_refused_by_reason"].items()):
+                refused.add_metric(values + [str(reason)], float(n))
+            yield refused
 
 
 class ServerMetrics:
