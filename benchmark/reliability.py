@@ -51,6 +51,9 @@ import servers  # noqa: E402  (benchmark/servers.py, beside this script)
 MODEL = "tiny-llama"
 NEW = 12  # tokens per request
 STREAM_NEW = 64  # per streamed request (long enough to be mid-stream when a decode dies)
+VICTIM_NEW = 256  # api_abuse's victim stream: still running when another client tries to abort it
+BIG_PROMPTS, BIG_N = 8, 4  # api_abuse's call of many sequences (within --max-seqs-per-request)
+CLIENT_TOKEN = "X-Client-Token"  # a client's own secret: only its owner may abort a request (docs/security.md)
 FLAGS = ("--page-size", "4", "--max-total-tokens", "8192", "--num-threads", "1", "--log-level", "warning")
 PD_TIMEOUT_S = 10  # --disaggregation-timeout-s of both sides (decode's quarantine lease is twice this)
 HEARTBEAT_S = 0.5
@@ -61,7 +64,7 @@ LOSSY = "fail_rate=0.05,delay_rate=0.05,delay_s=2,seed=7"
 IDLE_ZERO = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "quarantine_entries", "aux_rows_in_use",
              "transfer_batches_in_flight", "rooms_waiting", "rooms_transferring", "rooms_open")
 SCENARIOS = ("prefill_kill9", "prefill_sigstop", "decode_sigstop", "decode_kill9", "malformed", "duplicate_rooms",
-             "lossy_writes", "soak", "replayed_bootstrap", "replayed_control_frame")
+             "lossy_writes", "soak", "replayed_bootstrap", "replayed_control_frame", "api_abuse")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -387,6 +390,7 @@ class Row:
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     crashed: str = ""  # the drill itself failed (an expected state never came): flagged
+    unrefused: list[str] = field(default_factory=list)  # requests the servers had to refuse and did not: flagged
 
     def count(self, kind: str, among: list[Outcome] | None = None) -> int:
         return sum(o.kind == kind for o in (self.outcomes if among is None else among))
@@ -416,6 +420,8 @@ class Row:
         bad = [f"{k}={s[k]}" for k in ("hung", "wrong_tokens", "leaked", "unclear") if s[k]]
         if self.crashed:
             bad.append(f"drill crashed: {self.crashed[:300]}")
+        if self.unrefused:
+            bad.append(f"not refused: {'; '.join(self.unrefused)[:300]}")
         if s["failover_rate"] is not None and s["failover_rate"] < 0.99:
             bad.append(f"failover_rate={s['failover_rate']:.0%} < 99%")
         return bad
@@ -676,6 +682,78 @@ class Drills:
         row.hit = list(row.outcomes)
         self._after(row)
         return row
+
+    def api_abuse(self) -> Row:
+        row = Row("api_abuse", "API clients past the request caps, one aborting another's stream, and one call of "
+                               f"{BIG_PROMPTS} prompts x n={BIG_N}, while other clients' requests run")
+        router, n = self.cluster.router.url, self.a.requests
+        victim = self.streams[0]
+        rid = f"victim-{random.getrandbits(48):x}"
+        with ThreadPoolExecutor(n + 4) as pool:
+            futures = self._burst(pool, n)
+            started = threading.Event()
+            stream = pool.submit(self._owned_stream, router, victim, rid, started)
+            big = pool.submit(self._big_call, router)
+            wait_until(started.is_set, 60, "the victim's stream running")
+            abort = httpx.post(router + "/abort_request", json={"rid": rid}, headers={CLIENT_TOKEN: "mallory"},
+                               timeout=30)
+            if abort.status_code != 403:
+                row.unrefused.append(f"abort of another client's rid: HTTP {abort.status_code}")
+            for what, body in self._over_caps().items():
+                r = httpx.post(router + "/generate", json=body, timeout=30)
+                if r.status_code != 400 or not _error_message(r):
+                    row.unrefused.append(f"{what}: HTTP {r.status_code}")
+                row.notes.append(f"{what}: HTTP {r.status_code} {_error_message(r)[:120]}")
+            row.outcomes += [f.result() for f in futures]
+            row.outcomes += [stream.result(), big.result()]
+        row.notes.append(f"another client's abort of the running stream: HTTP {abort.status_code} "
+                         f"{_error_message(abort)[:120]}; the stream then ran to its end")
+        row.hit = list(row.outcomes)
+        self._after(row)
+        return row
+
+    def _over_caps(self) -> dict[str, dict]:
+        prompt = self.rng.choice(self.prompts)
+        return {"top_logprobs_num 5000 (past --max-logprobs) from position 0": {
+                    "input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5000,
+                    "sampling_params": _greedy(2)},
+                "500 prompts x n=128 (past --max-seqs-per-request)": {
+                    "input_ids": [prompt] * 500, "sampling_params": {**_greedy(2), "n": 128}}}
+
+    def _owned_stream(self, url: str, prompt: list[int], rid: str, started: threading.Event) -> Outcome:
+        """A stream started by client "alice" (X-Client-Token), classified like any other; ``started``
+        is set at its first token."""
+        body = {"input_ids": prompt, "sampling_params": _greedy(VICTIM_NEW), "stream": True, "rid": rid}
+        start, last = time.monotonic(), None
+        try:
+            with httpx.stream("POST", url + "/generate", json=body, headers={CLIENT_TOKEN: "alice"},
+                              timeout=self.client.hung_s) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        last = json.loads(line[len("data: "):])
+                        started.set()
+        except httpx.HTTPError as e:
+            return Outcome("unclear", f"stream broke: {type(e).__name__}: {e}", start=start, end=time.monotonic())
+        out = self.client._classify_final(last, prompt, VICTIM_NEW)
+        out.start, out.end = start, time.monotonic()
+        return out
+
+    def _big_call(self, url: str) -> Outcome:
+        """One call of many sequences (within the caps): every sequence's greedy tokens must be right."""
+        prompts = self.rng.sample(self.prompts, BIG_PROMPTS)
+        body = {"input_ids": prompts, "sampling_params": {**_greedy(NEW), "n": BIG_N}}
+        start = time.monotonic()
+        try:
+            r = httpx.post(url + "/generate", json=body, timeout=self.client.hung_s)
+        except httpx.HTTPError as e:
+            return Outcome("unclear", f"{type(e).__name__}: {e}", start=start, end=time.monotonic())
+        if r.status_code != 200:
+            return Outcome("failed" if _error_message(r) else "unclear", f"HTTP {r.status_code}: "
+                           f"{_error_message(r)[:200]}", start=start, end=time.monotonic())
+        got = sorted(o.get("output_ids") or [] for o in r.json())
+        want = sorted(self.client.refs[(tuple(p), NEW)] for p in prompts for _ in range(BIG_N))
+        return Outcome("completed", wrong=got != want, detail="" if got == want else "a sequence's tokens differ",
+                       start=start, end=time.monotonic())
 
     def _refused_by_reason(self) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -956,7 +1034,7 @@ def references(prompts, streams) -> dict[tuple, list[int]]:
     eng = pdserve.Engine(model_path=MODEL, page_size=4, num_threads=1)
     try:
         refs = {}
-        for batch, n in ((prompts, NEW), (streams, STREAM_NEW)):
+        for batch, n in ((prompts, NEW), (streams, STREAM_NEW), (streams[:1], VICTIM_NEW)):
             outs = eng.generate(input_ids=batch, sampling_params=_greedy(n))
             refs.update({(tuple(p), n): o["output_ids"] for p, o in zip(batch, outs)})
         return refs
