@@ -22,6 +22,7 @@ import httpx
 from aiohttp import web
 
 from entrypoints.server_utils import free_port
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
 
 ROUTER_STARTUP_TIMEOUT_S = 60.0
 
@@ -148,6 +149,9 @@ class EchoWorker:
     port: int = field(default_factory=free_port)
     health_status: int = 200
     fail_status: int | None = None  # answer generation requests with this error status
+    role: str | None = None  # the P/D role its /health reports (X-PD-Role), as a server that can switch does
+    bootstrap_port: int | None = None  # and, as prefill, its registry's port (X-PD-Bootstrap-Port)
+    switched_to_prefill: bool = False  # answer generation requests as a server that just became prefill
     received: list[Received] = field(default_factory=list)
     disconnects: list[dict] = field(default_factory=list)  # bodies of streams whose client left
     open_holds: int = 0
@@ -158,6 +162,7 @@ class EchoWorker:
 
     def reset(self) -> None:
         self.health_status, self.fail_status = 200, None
+        self.role, self.bootstrap_port, self.switched_to_prefill = None, None, False
         self.received.clear()
         self.disconnects.clear()
 
@@ -209,7 +214,10 @@ class EchoWorker:
 
     async def _health(self, request: web.Request) -> web.Response:
         self._record(request, None)
-        return web.Response(status=self.health_status)
+        headers = {ROLE_HEADER: self.role} if self.role else {}
+        if self.bootstrap_port is not None:
+            headers[BOOTSTRAP_PORT_HEADER] = str(self.bootstrap_port)
+        return web.Response(status=self.health_status, headers=headers)
 
     async def _info(self, request: web.Request) -> web.Response:
         self._record(request, None)
@@ -228,6 +236,9 @@ class EchoWorker:
         if self.fail_status:
             return web.json_response({"error": {"message": f"{self.name} failed", "worker": self.name}},
                                      status=self.fail_status)
+        if self.switched_to_prefill:
+            return web.json_response({"error": {"message": f"{self.name} is prefill now"}}, status=503,
+                                     headers={ROLE_HEADER: "prefill"})
         if body.get("echo_die_on") == self.name and not body.get("stream"):
             request.transport.close()  # dies before answering: the client sees the connection drop
             return web.Response()

@@ -502,3 +502,20 @@ def test_a_json_answer_that_breaks_off_is_asked_of_another_decode(echo, make_rou
     r = alone.post("/generate", json={"text": "x", "echo_die_on": "d1"})
     assert r.status_code == 502 and r.json()["error"]["message"] == (
         f"decode worker {d1.url}: answer broke off and no other decode could take it")
+
+
+def test_a_decode_that_became_prefill_sends_the_request_to_the_server_that_became_decode(echo, make_router):
+    """The roles swapped (POST /pd_role_switch on both) between two health checks: the request
+    reaches the old decode, which answers that it is prefill now. The router re-checks the roles
+    at once and serves it on the old prefill, instead of a 502 because its decode set looked
+    empty until the next check (a flake of test_role_switch's load test before)."""
+    p1, d1 = echo["p1"], echo["d1"]
+    p1.role, d1.role = "prefill", "decode"
+    router = make_router([p1.url], [d1.url], "--health-check-interval-secs", "3600")
+    assert router.post("/generate", json={"text": "hi"}).json()["worker"] == "d1"
+    p1.role, d1.role, d1.switched_to_prefill, d1.bootstrap_port = "decode", "prefill", True, free_port()
+    r = router.post("/generate", json={"text": "hi"})
+    assert r.status_code == 200, r.text
+    assert r.json()["worker"] == "p1"
+    roles = router.get("/get_server_info").json()
+    assert ([w["url"] for w in roles["prefill"]], [w["url"] for w in roles["decode"]]) == ([d1.url], [p1.url])

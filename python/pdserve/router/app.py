@@ -78,6 +78,7 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
                     args.worker_key, state)
     checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs)
+    proxy.refresh_roles = checker.check_all
     checker.on_move.append(metrics.moved)
     checker.after_check.append(state.update)
     checker.next_interval = lambda: _check_interval(args, state)

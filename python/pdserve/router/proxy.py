@@ -23,7 +23,7 @@ import json
 import logging
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,9 +60,10 @@ class WorkerUnreachable(Exception):
 class _BrokeOff(Exception):
     """A decode's whole-JSON answer broke off before it was read: the client has nothing yet."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, switched: bool = False):
         super().__init__(worker.url)
         self.worker = worker
+        self.switched = switched  # it answered that it had become prefill
 
 
 @dataclass
@@ -101,6 +102,8 @@ class PDProxy:
         self.health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self.session: aiohttp.ClientSession | None = None
         self.background: set[asyncio.Task] = set()
+        # One round of health checks now (set by the app): a decode answered that it switched roles.
+        self.refresh_roles: Callable[[], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(timeout=self.request_timeout, connector=aiohttp.TCPConnector(limit=0))
@@ -136,22 +139,26 @@ class PDProxy:
     async def generate(self, request: Request, path: str) -> Response:
         """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions).
         A decode that breaks off before a whole JSON answer is sent again to another decode (nothing
-        reached the client yet); each decode is tried at most once."""
+        reached the client yet); each decode is tried at most once. A decode that answers it became
+        prefill has the roles re-checked first: the server that took its place may have become decode
+        since the request arrived, and the next health check could still be an interval away."""
         body = parse_json_object(await request.body())
         headers = self.upstream_headers(request)
         hashes = self.cache.prompt_hashes(path, body) if self.cache is not None else []
-        avoid: Worker | None = None
-        for _ in range(len(self.decode.workers)):
+        tried: list[Worker] = []
+        while not tried or [w for w in self.decode.healthy if w not in tried]:
             try:
-                ex = await until_disconnect(request, self._open_exchange(path, body, headers, avoid, hashes))
+                ex = await until_disconnect(request, self._open_exchange(path, body, headers, tried, hashes))
                 return await self._answer(request, ex, path, body, headers)
             except _BrokeOff as e:
-                avoid = e.worker
+                tried.append(e.worker)
+                if e.switched and self.refresh_roles is not None:
+                    await self.refresh_roles()
             except RequestError as e:
                 if e.status == 499:
                     self.metrics.client_disconnects.inc()
                 raise
-        where = f"decode worker {avoid.url}" if avoid is not None else "no decode worker"
+        where = f"decode worker {tried[-1].url}"
         raise RequestError(f"{where}: answer broke off and no other decode could take it",
                            status=502, code="upstream_error")
 
@@ -162,7 +169,7 @@ class PDProxy:
                 worker = ex.decode.worker
                 logger.info("decode worker %s: switched to prefill; sending the request elsewhere", worker.url)
                 worker.reported_role = Role.PREFILL
-                raise _BrokeOff(worker)
+                raise _BrokeOff(worker, switched=True)
             if ex.response.status == 200 and ex.response.content_type == "text/event-stream":
                 relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
@@ -188,10 +195,10 @@ class PDProxy:
             if not ex.streaming:
                 ex.finish()
 
-    async def _open_exchange(self, path: str, body: dict, headers: dict, avoid: Worker | None = None,
+    async def _open_exchange(self, path: str, body: dict, headers: dict, avoid: Collection[Worker] = (),
                              hashes: Sequence[int] = ()) -> _Exchange:
         """A decode response opened for ``body`` (with a prefill half when one is healthy); a decode
-        refusing the connection is marked dead and another tried. ``avoid``: a decode not to pick;
+        refusing the connection is marked dead and another tried. ``avoid``: decodes not to pick;
         ``hashes``: the prompt's page hashes (cache_aware)."""
         for _ in range(len(self.decode.workers) + 1):
             prefill, decode = self._pick_pair(avoid, hashes)
@@ -201,10 +208,10 @@ class PDProxy:
                 continue  # that decode worker is now dead: try another pair
         raise ServerError(f"decode: every decode worker refused the connection ({self._reasons(self.decode)})")
 
-    def _pick_pair(self, avoid: Worker | None = None, hashes: Sequence[int] = ()) -> tuple[Lease | None, Lease]:
+    def _pick_pair(self, avoid: Collection[Worker] = (), hashes: Sequence[int] = ()) -> tuple[Lease | None, Lease]:
         """A prefill lease (None when no prefill is healthy: degraded) and a decode lease."""
         try:
-            decode = self.decode.pick(avoid)
+            decode = self.decode.pick(exclude=avoid)
         except NoHealthyWorker as e:
             self.metrics.refused(e.role)
             raise ServerError(str(e)) from None
@@ -293,7 +300,7 @@ class PDProxy:
         for _ in range(len(self.decode.workers)):
             try:
                 prompt = stream.known_prompt_ids() or await self._prompt_ids(stream.body, headers, failed)
-                ex = await self._open_exchange(path, stream.resume_body(prompt), headers, avoid=failed)
+                ex = await self._open_exchange(path, stream.resume_body(prompt), headers, avoid=(failed,))
             except _BrokeOff as e:
                 failed = e.worker
                 continue

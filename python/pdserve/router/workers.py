@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,10 +109,12 @@ class WorkerSet:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
 
-    def pick(self, avoid: Worker | None = None, block_hashes: Sequence[int] = ()) -> Lease:
-        """A lease on the worker the policy picks (never ``avoid``); raises NoHealthyWorker when none is alive.
-        ``block_hashes``: the prompt's page hashes, matched against each worker's KV-event index."""
-        alive = [w for w in self.healthy if w is not avoid]
+    def pick(self, avoid: Worker | None = None, block_hashes: Sequence[int] = (),
+             exclude: Collection[Worker] = ()) -> Lease:
+        """A lease on the worker the policy picks (never ``avoid`` nor one of ``exclude``); raises
+        NoHealthyWorker when none is alive. ``block_hashes``: the prompt's page hashes, matched against
+        each worker's KV-event index."""
+        alive = [w for w in self.healthy if w is not avoid and w not in exclude]
         if not alive:
             raise NoHealthyWorker(self.role, self.workers)
         candidates = [_candidate(w, block_hashes) for w in alive]
