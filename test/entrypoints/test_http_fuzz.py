@@ -93,7 +93,8 @@ def test_api_conforms(api_schema):
 
 def _fuzz(operation, mode: GenerationMode) -> None:
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=True)  # the same cases every run: CI never meets a new one by chance
     def run(case):
         _clamp(case.operation.path, case.body)
         try:
