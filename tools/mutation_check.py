@@ -419,6 +419,21 @@ MUTATIONS = (
         "if size > MAX_FRAME_BYTES or not self._spend(peer, size):",
         "if size > MAX_FRAME_BYTES:",
         ("test/disagg/test_channel.py::test_over_budget_and_oversized_frames_are_refused_before_any_mac_work",)),
+    # the router's view of roles after a switch (test_role_switch's flake)
+    Mutation(
+        "roles_not_rechecked_after_a_switch", "a decode that answers it became prefill leaves the router's sets as "
+        "they were until the next health check: the request gets a 502 while the new decode is unseen",
+        "python/pdserve/router/proxy.py",
+        "                if e.switched and self.refresh_roles is not None:",
+        "                if False:",
+        ("test/router/test_router_echo.py::"
+         "test_a_decode_that_became_prefill_sends_the_request_to_the_server_that_became_decode",)),
+    Mutation(
+        "top_k_past_int64_accepted", "a top_k past int64 passes validation and overflows the sampler's tensor",
+        "python/pdserve/engine/request.py",
+        "(self.top_k < 1 and self.top_k != -1) or self.top_k > INT64_MAX:",
+        "(self.top_k < 1 and self.top_k != -1):",
+        ("test/entrypoints/test_http_fuzz.py::test_a_top_k_past_the_vocabulary_samples_from_all_of_it",)),
 )
 
 
