@@ -6,9 +6,11 @@ prompts, sequentially (concurrency 1: with two streams, whether their prefills
 share a batch is itself random and moves TTFT by 2x). On a shared 2-core machine
 other processes come and go within seconds and move a single run by far more
 than 15%, so the comparison is paired: PAIRS short runs of each side, adjacent
-and in alternating order (AB BA AB ...), and the median over pairs of
-bench/independent must be within 15%. A systematic disagreement shifts every
-pair and fails; a load burst that hits one run moves one ratio, not the median.
+and in alternating order (AB BA AB ...), and each side's best run (lowest mean
+TTFT, highest throughput) must agree within 15%. A systematic disagreement shifts
+every run of one side and fails; load only slows runs, so it moves the best run
+least (a median of per-pair ratios still failed when a neighbour test's servers
+hammered the cores for half the pairs).
 The prefix cache is flushed before every run so neither side reuses the other's
 prompts.
 """
@@ -121,12 +123,13 @@ async def simple_client(url: str, prompts: list[str], concurrency: int) -> tuple
 
 def assert_bench_agrees(url: str, prompts: list[str], out, pairs: int) -> None:
     """``pairs`` adjacent runs of ``pdserve bench`` and of the independent client, in alternating
-    order, each after a cache flush: the median ratios of mean TTFT and output throughput are
-    within 15% of 1."""
+    order, each after a cache flush: the best mean TTFT and the best output throughput of each side
+    agree within 15%."""
     flags = ["--num-prompts", str(N), "--random-input-len", str(IN), "--random-output-len", str(OUT),
              "--random-range-ratio", "1", "--max-concurrency", str(CONC), "--seed", "1", "--flush-cache"]
     bench(url, out, *flags, "--warmup-requests", "2")  # a first run warms the server up
-    ttft_ratios, tput_ratios = [], []
+    run_ttfts: dict[str, list[float]] = {"bench": [], "simple": []}  # each run's mean TTFT, per side
+    run_tputs: dict[str, list[float]] = {"bench": [], "simple": []}
     for i in range(pairs):
         sides = {}
         for side in ("bench", "simple") if i % 2 == 0 else ("simple", "bench"):
@@ -139,10 +142,13 @@ def assert_bench_agrees(url: str, prompts: list[str], out, pairs: int) -> None:
                 ttfts, tokens, wall = asyncio.run(simple_client(url, prompts, CONC))
                 assert tokens == N * OUT
                 sides[side] = (1000 * statistics.mean(ttfts), tokens / wall)
-        ttft_ratios.append(sides["bench"][0] / sides["simple"][0])
-        tput_ratios.append(sides["bench"][1] / sides["simple"][1])
-    assert statistics.median(ttft_ratios) == pytest.approx(1.0, abs=0.15), ttft_ratios
-    assert statistics.median(tput_ratios) == pytest.approx(1.0, abs=0.15), tput_ratios
+        for side, (ttft, tput) in sides.items():
+            run_ttfts[side].append(ttft)
+            run_tputs[side].append(tput)
+    # Load from other processes only ever slows a run: each side's fastest run is its least disturbed
+    # estimate (timeit's rule), and a systematic disagreement moves it as it moves every run.
+    assert min(run_ttfts["bench"]) / min(run_ttfts["simple"]) == pytest.approx(1.0, abs=0.15), run_ttfts
+    assert max(run_tputs["bench"]) / max(run_tputs["simple"]) == pytest.approx(1.0, abs=0.15), run_tputs
 
 
 def test_bench_agrees_with_an_independent_client(server, prompts, tmp_path):
