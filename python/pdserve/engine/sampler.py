@@ -61,7 +61,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
     probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
     V = logits.shape[1]
     rank = torch.arange(V)[None, :]
-    top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params])  # any k >= V: all
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
     drop = rank >= top_k[:, None]
