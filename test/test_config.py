@@ -75,3 +75,100 @@ def test_kv_events_publisher_names_an_endpoint_it_cannot_bind():
 
     with pytest.raises(ValueError, match="kv_events_config: cannot bind endpoint 'tcp://256.0.0.1:1'"):
         KVEventPublisher(KVEventsConfig("zmq", "tcp://256.0.0.1:1"))
+
+
+# ------------------------------------------------------- built once, read once
+# Every component config ServerArgs hands out (ServerArgs.<name>()).
+SUB_CONFIGS = ("cache_config", "hicache_config", "scheduler_config", "parallel_config", "compile_config",
+               "device_config", "disagg_config", "kv_events")
+
+
+@pytest.fixture
+def token_file(tmp_path, monkeypatch):
+    """(path of a P/D token file, list that gets one entry per open() of that file in this process)."""
+    import builtins
+
+    path = tmp_path / "pd-token"
+    path.write_text("file-token\n")
+    opens: list[str] = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == str(path):
+            opens.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    return path, opens
+
+
+def _args_with_token_file(path) -> ServerArgs:
+    return ServerArgs(model_path="tiny-llama", enable_hierarchical_cache=True, page_size=4,
+                      disaggregation_auth_token_file=str(path))
+
+
+def test_sub_configs_are_built_once_and_handed_out_as_they_are():
+    args = ServerArgs(model_path="tiny-llama", enable_hierarchical_cache=True, page_size=4)
+    for name in SUB_CONFIGS:
+        assert getattr(args, name)() is getattr(args, name)(), name
+    assert args.cache_config().hicache is args.hicache_config()  # one HiCache config, composed into the cache's
+
+
+def test_the_token_file_is_read_once_however_often_its_configs_are_asked_for(token_file):
+    path, opens = token_file
+    args = _args_with_token_file(path)
+    for _ in range(50):
+        for name in SUB_CONFIGS:
+            getattr(args, name)()
+    assert opens == [str(path)]
+    assert args.disagg_config().auth_token == args.hicache_config().auth_token == "file-token"
+
+
+def test_a_pickled_args_carries_its_configs_and_reads_no_secret_again(token_file):
+    import pickle
+
+    path, opens = token_file
+    args = pickle.loads(pickle.dumps(_args_with_token_file(path)))  # how a scheduler process receives it
+    assert args.disagg_config().auth_token == "file-token" and args.hicache_config().auth_token == "file-token"
+    assert opens == [str(path)]
+
+
+def test_replace_builds_the_configs_of_the_new_args():
+    args = ServerArgs(model_path="tiny-llama")
+    other = args.replace(page_size=8, disaggregation_mode="decode")
+    assert other.cache_config().page_size == 8 and other.disagg_config().mode == "decode"
+    assert args.cache_config().page_size == 1 and args.disagg_config().mode == "null"
+    assert not [k for k in args.to_dict() if k.startswith("_")]  # built configs are no fields: not in /server_info
+
+
+def test_an_unreadable_token_file_still_fails_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="disaggregation_auth_token_file: cannot read"):
+        ServerArgs(model_path="tiny-llama", disaggregation_auth_token_file=str(tmp_path / "missing"))
+
+
+def _recording(post_init, built: list[str]):
+    """``post_init``, also noting the class of each config it validates (one built) in ``built``."""
+    def wrapper(self):
+        built.append(type(self).__name__)
+        post_init(self)
+    return wrapper
+
+
+def test_the_engine_request_path_reads_no_secret_and_builds_no_config(token_file, monkeypatch):
+    """Requests through the offline Engine neither re-read the token file nor build a component config."""
+    import pdserve
+    from pdserve import config
+
+    path, opens = token_file
+    with pdserve.Engine(model_path="tiny-llama", max_total_tokens=1024, disaggregation_auth_token_file=str(path),
+                        num_threads=1) as engine:
+        built: list[str] = []
+        for cls in (config.CacheConfig, config.HiCacheConfig, config.SchedulerConfig, config.ParallelConfig,
+                    config.CompileConfig, config.DeviceConfig, config.DisaggConfig, config.KVEventsConfig):
+            monkeypatch.setattr(cls, "__post_init__", _recording(cls.__post_init__, built))
+        outs = engine.generate(input_ids=[[5, 6, 7, 8 + i] for i in range(8)],
+                               sampling_params={"max_new_tokens": 4, "temperature": 0})
+        for name in SUB_CONFIGS:
+            getattr(engine.args, name)()
+        assert all(o["meta_info"]["completion_tokens"] == 4 for o in outs)
+    assert built == [] and opens == [str(path)]

@@ -6,11 +6,13 @@ argparse lives in ``entrypoints/``; everything below it receives these objects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdserve.assets import PRESET_NAMES, preset_dir
 
@@ -206,6 +208,16 @@ class ModelConfig:
         return self.num_layers * per_layer * itemsize
 
 
+def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{field_name}: {value!r} is not one of {choices}")
+
+
+def _check_at_least(field_name: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise ValueError(f"{field_name}: must be >= {minimum}, got {value}")
+
+
 def _flag_error(field_name: str, why: str) -> ValueError:
     """A config error naming both the field and the flag an operator typed."""
     return ValueError(f"{field_name} (--{field_name.replace('_', '-')}): {why}")
@@ -355,12 +367,9 @@ class SchedulerConfig:
     random_seed: int = 0
 
     def __post_init__(self):
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests: must be >= 1, got {self.max_running_requests}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of {SCHEDULE_POLICIES}")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens: must be >= 1, got {self.max_prefill_tokens}")
+        _check_at_least("max_running_requests", self.max_running_requests, 1)
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_at_least("max_prefill_tokens", self.max_prefill_tokens, 1)
 
 
 MOE_A2A_BACKENDS = ("none", "deepep")
@@ -613,24 +622,17 @@ class DisaggConfig:
     pack_staging_mb: int = 64
 
     def __post_init__(self):
-        if self.mode not in DISAGG_MODES:
-            raise ValueError(f"disaggregation_mode: {self.mode!r} is not one of {DISAGG_MODES}")
-        if self.transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"disaggregation_transfer_backend: {self.transfer_backend!r} is not one of "
-                             f"{TRANSFER_BACKENDS}")
+        _check_choice("disaggregation_mode", self.mode, DISAGG_MODES)
+        _check_choice("disaggregation_transfer_backend", self.transfer_backend, TRANSFER_BACKENDS)
         if not 0 < self.bootstrap_port < 65536:
             raise ValueError(f"disaggregation_bootstrap_port: must be in 1..65535, got {self.bootstrap_port}")
         for name in ("timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"disaggregation_{name}: must be > 0, got {getattr(self, name)}")
-        if self.fallback not in FALLBACK_POLICIES:
-            raise ValueError(f"disaggregation_fallback: {self.fallback!r} is not one of {FALLBACK_POLICIES}")
-        if self.min_prefill_tokens < 0:
-            raise ValueError(f"disaggregation_min_prefill_tokens: must be >= 0, got {self.min_prefill_tokens}")
-        if self.transfer_pack not in PACK_POLICIES:
-            raise ValueError(f"disaggregation_transfer_pack: {self.transfer_pack!r} is not one of {PACK_POLICIES}")
-        if self.pack_staging_mb < 0:
-            raise ValueError(f"disaggregation_pack_staging_mb: must be >= 0, got {self.pack_staging_mb}")
+        _check_choice("disaggregation_fallback", self.fallback, FALLBACK_POLICIES)
+        _check_at_least("disaggregation_min_prefill_tokens", self.min_prefill_tokens, 0)
+        _check_choice("disaggregation_transfer_pack", self.transfer_pack, PACK_POLICIES)
+        _check_at_least("disaggregation_pack_staging_mb", self.pack_staging_mb, 0)
 
     def check_servable(self) -> None:
         """Raise ValueError when a server (prefill and decode in separate processes) cannot use
@@ -703,6 +705,32 @@ class KVEventsConfig:
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 
 
+_HICACHE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HiCacheConfig)}
+
+
+def _hicache_flag(name: str) -> Any:
+    """A ServerArgs field that sets ``HiCacheConfig.<name>``, with that field's default (declared there)."""
+    return field(default=_HICACHE_DEFAULTS[name], metadata={"hicache": name})
+
+
+_Built = TypeVar("_Built")
+
+
+def _built_once(method: Callable[[ServerArgs], _Built]) -> Callable[[ServerArgs], _Built]:
+    """A ServerArgs method whose result is built on the first call (``__post_init__`` makes it)
+    and then returned as it is: kept in the instance's ``__dict__`` (no dataclass field, so not in
+    ``to_dict``, equality or ``replace``, which builds anew) and pickled with it."""
+    key = f"_built_{method.__name__}"
+
+    @functools.wraps(method)
+    def once(self: ServerArgs) -> _Built:
+        if key not in self.__dict__:
+            self.__dict__[key] = method(self)  # a frozen dataclass refuses setattr, not its __dict__
+        return self.__dict__[key]
+
+    return once
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Everything a server (or the offline Engine) is launched with; names follow SGLang's flags."""
@@ -721,17 +749,18 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
-    enable_hierarchical_cache: bool = False
-    hicache_ratio: float = 2.0
-    hicache_size: float = 0.0
-    hicache_write_policy: str = "write_through"
-    hicache_mem_layout: str = "layer_first"
-    hicache_storage_backend: str | None = None
-    hicache_storage_dir: str | None = None
-    hicache_storage_size_gb: float = 0.0
-    hicache_storage_prefetch_policy: str = "timeout"
-    hicache_storage_chunk_tokens: int = 0
-    hicache_storage_backend_extra_config: str | None = None
+    # SGLang's --hicache-* flags: each sets the HiCacheConfig field it names, with that field's default
+    enable_hierarchical_cache: bool = _hicache_flag("enabled")
+    hicache_ratio: float = _hicache_flag("ratio")
+    hicache_size: float = _hicache_flag("size_gb")
+    hicache_write_policy: str = _hicache_flag("write_policy")
+    hicache_mem_layout: str = _hicache_flag("mem_layout")
+    hicache_storage_backend: str | None = _hicache_flag("storage_backend")
+    hicache_storage_dir: str | None = _hicache_flag("storage_dir")
+    hicache_storage_size_gb: float = _hicache_flag("storage_size_gb")
+    hicache_storage_prefetch_policy: str = _hicache_flag("storage_prefetch_policy")
+    hicache_storage_chunk_tokens: int = _hicache_flag("storage_chunk_tokens")
+    hicache_storage_backend_extra_config: str | None = _hicache_flag("storage_backend_extra_config")
     random_seed: int = 0
     api_key: str | None = None
     admin_api_key: str | None = field(default=None, repr=False)  # admin routes (web/api_key.py)
@@ -786,7 +815,8 @@ class ServerArgs:
             raise ValueError(f"max_seqs_per_request: must be >= 1, got {self.max_seqs_per_request}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
-        # Building the parts validates every field they own.
+        # Building the parts validates every field they own. Each is built here, once (the secret
+        # read once), and kept on this object: a pickled copy carries them to the scheduler processes.
         self.cache_config()
         self.scheduler_config()
         self.parallel_config()
@@ -811,6 +841,7 @@ class ServerArgs:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype: {self.dtype!r} is not one of {('auto', *DTYPES)}")
         self.device_config()
+        self.kv_events()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         # A chunk must hold at least one page, or a long prompt could never advance.
@@ -829,44 +860,51 @@ class ServerArgs:
         self.parallel_config().check_model(model)
         return model
 
+    @_built_once
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache,
                            hicache=self.hicache_config())
 
+    @_built_once
     def hicache_config(self) -> HiCacheConfig:
-        return HiCacheConfig(self.enable_hierarchical_cache, self.hicache_ratio, self.hicache_size,
-                             self.hicache_write_policy, self.hicache_mem_layout, self.hicache_storage_backend,
-                             self.hicache_storage_dir, self.hicache_storage_size_gb,
-                             self.hicache_storage_prefetch_policy, self.hicache_storage_chunk_tokens,
-                             self.hicache_storage_backend_extra_config,
-                             auth_token=resolve_token(self.disaggregation_auth_token,
-                                                      self.disaggregation_auth_token_file))
+        flags = {f.metadata["hicache"]: getattr(self, f.name) for f in _HICACHE_FLAGS}
+        return HiCacheConfig(**flags, auth_token=self.auth_token())
 
+    @_built_once
+    def auth_token(self) -> str | None:
+        """The P/D shared token (resolve_token), read once."""
+        return resolve_token(self.disaggregation_auth_token, self.disaggregation_auth_token_file)
+
+    @_built_once
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_running_requests, self.chunked_prefill_size,
                                self.max_prefill_tokens, self.schedule_policy, self.random_seed)
 
+    @_built_once
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tp_size, self.dp_size, self.ep_size, self.enable_dp_attention,
                               self.moe_a2a_backend, self.dist_init_addr, self.nnodes, self.node_rank,
                               deepep_mode=self.deepep_mode)
 
+    @_built_once
     def compile_config(self) -> CompileConfig:
         return CompileConfig(self.enable_torch_compile, self.torch_compile_max_bs)
 
+    @_built_once
     def device_config(self) -> DeviceConfig:
         return DeviceConfig.resolve(self.device, self.attention_backend, self.dtype, self.cuda_graph_max_bs,
                                     self.disable_cuda_graph)
 
+    @_built_once
     def disagg_config(self) -> DisaggConfig:
         return DisaggConfig(self.disaggregation_mode, self.disaggregation_transfer_backend,
                             self.disaggregation_bootstrap_port, self.disaggregation_ib_device,
                             self.disaggregation_timeout_s, self.disaggregation_heartbeat_s,
                             self.disaggregation_fallback, self.disaggregation_min_prefill_tokens,
-                            resolve_token(self.disaggregation_auth_token, self.disaggregation_auth_token_file),
-                            self.disaggregation_allow_unauthenticated, self.disaggregation_transfer_pack,
-                            self.disaggregation_pack_staging_mb)
+                            self.auth_token(), self.disaggregation_allow_unauthenticated,
+                            self.disaggregation_transfer_pack, self.disaggregation_pack_staging_mb)
 
+    @_built_once
     def kv_events(self) -> KVEventsConfig:
         return KVEventsConfig.parse(self.kv_events_config)
 
@@ -883,6 +921,9 @@ class ServerArgs:
             if d.get(secret):
                 d[secret] = "***"
         return d
+
+
+_HICACHE_FLAGS = tuple(f for f in dataclasses.fields(ServerArgs) if "hicache" in f.metadata)
 
 
 def usable_cores() -> int:
