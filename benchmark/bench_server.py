@@ -4,8 +4,9 @@
         --prompt-len 32 --output-len 64 --repeats 8
 
 Both sides run the same preset greedy, ``ignore_eos`` so every request makes
-exactly ``--output-len`` tokens. The HTTP side is N concurrent streaming
-``/v1/completions`` clients (token-id prompts, so lengths are exact). By default
+exactly ``--output-len`` tokens. The HTTP side is N concurrent streaming clients
+of ``--endpoint`` (``/generate``, SGLang's native API, by default; or
+``/v1/completions``), with token-id prompts, so lengths are exact. By default
 each side runs at its own default flags (the server's scheduler leaves a core to
 its frontend, the in-process Engine uses every core): the question is what an
 operator gets from ``pdserve serve`` as launched, against the best the engine
@@ -13,6 +14,10 @@ does alone. ``--num-threads N`` pins both sides to N torch threads instead.
 Rounds alternate Engine, HTTP, Engine, ... so load from other processes hits
 both alike; the ratio is reported per pair of adjacent rounds (mean, spread)
 and shows what the frontend and IPC cost (target >= 0.8).
+
+``--profile-frontend FILE`` runs the server's frontend process under cProfile and
+writes its stats to FILE when the server stops (read them with ``pstats``; the
+table in docs/benchmarking.md was made so).
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per side (alternating)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
+    p.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="/generate",
+                   help="the HTTP side's streaming API (default: %(default)s)")
+    p.add_argument("--profile-frontend", metavar="FILE", default=None,
+                   help="run the server's frontend under cProfile and write its stats to FILE")
     return p.parse_args(argv)
 
 
@@ -83,11 +92,13 @@ class EngineSide:
 
         self.engine = pdserve.Engine(model_path=a.model_path, **engine_kwargs(a))
         self.sp = {"max_new_tokens": a.output_len, "temperature": 0, "ignore_eos": True}
+        self.cpu: list[float] = []  # CPU seconds of this process (all its threads) per round
 
     def round(self, prompts: list[list[int]]) -> float:
         self.engine.flush_cache()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         outs = self.engine.generate(input_ids=prompts, sampling_params=self.sp)
+        self.cpu.append(time.process_time() - cpu0)
         return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -102,7 +113,10 @@ def free_port() -> int:
 
 
 def start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve", "serve", *server_flags(a), "--port", str(port), "--log-level", "warning"]
+    # cProfile writes FILE when the server returns from its SIGTERM shutdown (stop_server)
+    profile = [] if a.profile_frontend is None else ["-m", "cProfile", "-o", a.profile_frontend]
+    cmd = [sys.executable, *profile, "-m", "pdserve", "serve", *server_flags(a), "--port", str(port),
+           "--log-level", "warning"]
     return subprocess.Popen(cmd, start_new_session=True)
 
 
@@ -131,14 +145,30 @@ async def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -
     raise RuntimeError("server not healthy in time")
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                     output_len: int) -> tuple[int, float, float]:
-    """(completion tokens, TTFT, end time); parses JSON only for the final usage event."""
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+def generate_body(prompt: list[int], output_len: int) -> dict:
+    return {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}}
+
+
+def completions_body(prompt: list[int], output_len: int) -> dict:
+    return {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+
+
+# endpoint -> (request body, completion tokens of the last event before [DONE])
+ENDPOINTS = {
+    "/generate": (generate_body, lambda event: event["meta_info"]["completion_tokens"]),
+    "/v1/completions": (completions_body, lambda event: event["usage"]["completion_tokens"]),
+}
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, endpoint: str, prompt: list[int],
+                     output_len: int) -> tuple[int, float, float]:
+    """(completion tokens, TTFT, end time); parses JSON only for the last event."""
+    make_body, completion_tokens = ENDPOINTS[endpoint]
     t0 = time.perf_counter()
     ttft, last = None, b""
-    async with session.post(url + "/v1/completions", json=body) as r:
+    async with session.post(url + endpoint, json=make_body(prompt, output_len)) as r:
         r.raise_for_status()
         async for line in r.content:
             if not line.startswith(b"data: "):
@@ -148,24 +178,63 @@ async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
             if line.startswith(b"data: [DONE]"):
                 break
             last = line
-    usage = json.loads(last[6:])["usage"]
-    return usage["completion_tokens"], ttft, time.perf_counter()
+    return completion_tokens(json.loads(last[6:])), ttft, time.perf_counter()
 
 
-async def http_round(url: str, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+async def http_round(url: str, endpoint: str, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
     """(output tok/s over the round, median TTFT) for all prompts streamed concurrently."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as s:
         async with s.post(url + "/flush_cache") as r:
             await r.read()
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(s, url, p, output_len) for p in prompts))
+        results = await asyncio.gather(*(one_stream(s, url, endpoint, p, output_len) for p in prompts))
     wall = max(end for _, _, end in results) - t0
     return sum(n for n, _, _ in results) / wall, statistics.median(t for _, t, _ in results)
 
 
 # ------------------------------------------------------------------ main
-def run(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[float], list[float], list[float]]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux /proc; 0.0 where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+class ServerCpu:
+    """CPU seconds the server's frontend (the ``pdserve serve`` process) and its scheduler (the
+    children: the scheduler process, and multiprocessing's resource tracker) use per HTTP round."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.frontend: list[float] = []
+        self.scheduler: list[float] = []
+
+    def _now(self) -> tuple[float, float]:
+        return cpu_seconds(self.pid), sum(cpu_seconds(c) for c in child_pids(self.pid))
+
+    def measure(self, round_fn):
+        (f0, s0) = self._now()
+        result = round_fn()
+        f1, s1 = self._now()
+        self.frontend.append(f1 - f0)
+        self.scheduler.append(s1 - s0)
+        return result
+
+
+def run(a: argparse.Namespace, prompts: list[list[int]]
+        ) -> tuple[list[float], list[float], list[float], ServerCpu, list[float]]:
     """Alternate Engine and HTTP rounds, so load from anything else on the host hits both alike."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -175,14 +244,15 @@ def run(a: argparse.Namespace, prompts: list[list[int]]) -> tuple[list[float], l
         engine = EngineSide(a)
         asyncio.run(wait_healthy(url, proc))
         engine.round(prompts)  # warm-up: first-touch of the KV pool and torch's kernels
-        asyncio.run(http_round(url, prompts, a.output_len))
+        asyncio.run(http_round(url, a.endpoint, prompts, a.output_len))
         engine_rates, http_rates, ttfts = [], [], []
+        cpu = ServerCpu(proc.pid)
         for _ in range(a.repeats):
             engine_rates.append(engine.round(prompts))
-            rate, ttft = asyncio.run(http_round(url, prompts, a.output_len))
+            rate, ttft = cpu.measure(lambda: asyncio.run(http_round(url, a.endpoint, prompts, a.output_len)))
             http_rates.append(rate)
             ttfts.append(ttft)
-        return engine_rates, http_rates, ttfts
+        return engine_rates, http_rates, ttfts, cpu, engine.cpu[1:]
     finally:
         if engine is not None:
             engine.close()
@@ -207,9 +277,10 @@ def main(argv=None) -> int:
     prompts = make_prompts(a.num_requests, a.prompt_len, vocab, a.seed)
     server_threads, engine_threads = thread_counts(a)
     print(f"model {a.model_path}: {a.num_requests} requests x (prompt {a.prompt_len}, output {a.output_len}), "
-          f"greedy, ignore_eos, {a.repeats} alternating rounds per side; torch threads: server scheduler "
+          f"greedy, ignore_eos, {a.repeats} alternating rounds per side, HTTP {a.endpoint}; "
+          f"torch threads: server scheduler "
           f"{server_threads}, Engine {engine_threads} ({os.cpu_count()} cores); load average {load_average()}")
-    engine_rates, http_rates, ttfts = run(a, prompts)
+    engine_rates, http_rates, ttfts, cpu, engine_cpu = run(a, prompts)
     fmt = lambda rates: ", ".join(f"{r:.0f}" for r in rates)  # noqa: E731
     print(f"Engine.generate : {spread(engine_rates)} output tok/s  (rounds {fmt(engine_rates)})")
     print(f"HTTP streaming  : {spread(http_rates)} output tok/s  (rounds {fmt(http_rates)}; "
@@ -217,6 +288,10 @@ def main(argv=None) -> int:
     pairs = [h / e for h, e in zip(http_rates, engine_rates)]
     print(f"ratio HTTP/Engine per round pair: {spread(pairs, '.2f')}; mean/mean "
           f"{statistics.mean(http_rates) / statistics.mean(engine_rates):.2f}  (target >= 0.8)")
+    tokens = a.num_requests * a.output_len
+    print(f"server CPU per output token: frontend {statistics.median(cpu.frontend) / tokens * 1e6:.0f} us, "
+          f"scheduler {statistics.median(cpu.scheduler) / tokens * 1e6:.0f} us (median over the HTTP rounds); "
+          f"Engine {statistics.median(engine_cpu) / tokens * 1e6:.0f} us")
     print(f"load average after: {load_average()}")
     return 0
 
