@@ -172,3 +172,4 @@ def test_the_engine_request_path_reads_no_secret_and_builds_no_config(token_file
             getattr(engine.args, name)()
         assert all(o["meta_info"]["completion_tokens"] == 4 for o in outs)
     assert built == [] and opens == [str(path)]
+

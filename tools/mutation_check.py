@@ -434,6 +434,33 @@ MUTATIONS = (
         "(self.top_k < 1 and self.top_k != -1) or self.top_k > INT64_MAX:",
         "(self.top_k < 1 and self.top_k != -1):",
         ("test/entrypoints/test_http_fuzz.py::test_a_top_k_past_the_vocabulary_samples_from_all_of_it",)),
+    # issue 24, front slice: config built once, secrets read once, per-server token-text memo
+    Mutation(
+        "disagg_config_rebuilt", "ServerArgs.disagg_config builds a new DisaggConfig (reading the token file) per call",
+        "python/pdserve/config.py",
+        "    @_built_once\n    def disagg_config(self) -> DisaggConfig:",
+        "    def disagg_config(self) -> DisaggConfig:",
+        ("test/test_config.py::test_sub_configs_are_built_once_and_handed_out_as_they_are",
+         "test/test_config.py::test_the_token_file_is_read_once_however_often_its_configs_are_asked_for")),
+    Mutation(
+        "hicache_token_reread", "the HiCache config reads the token file itself instead of taking the one read",
+        "python/pdserve/config.py",
+        "return HiCacheConfig(**flags, auth_token=self.auth_token())",
+        "return HiCacheConfig(**flags, auth_token=resolve_token(self.disaggregation_auth_token,\n"
+        "                                                               self.disaggregation_auth_token_file))",
+        ("test/test_config.py::test_the_token_file_is_read_once_however_often_its_configs_are_asked_for",)),
+    Mutation(
+        "token_texts_per_request", "each OpenAI call decodes its logprob token texts into a fresh memo",
+        "python/pdserve/entrypoints/openai_api.py",
+        "include_usage, jobs[0].rid, tm.token_texts)",
+        "include_usage, jobs[0].rid, TokenTexts(tm.tokenizer))",
+        ("test/entrypoints/test_tokenizer_manager.py::test_token_texts_are_one_memo_per_server",)),
+    Mutation(
+        "engine_token_texts_per_request", "each Engine.generate decodes its logprob token texts into a fresh memo",
+        "python/pdserve/entrypoints/engine.py",
+        "texts = self.token_texts if return_text_in_logprobs else None",
+        "texts = TokenTexts(self.tokenizer) if return_text_in_logprobs else None",
+        ("test/entrypoints/test_engine.py::test_engine_logprob_texts_are_decoded_once_per_engine",)),
 )
 
 

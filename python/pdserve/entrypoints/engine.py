@@ -47,6 +47,7 @@ class Engine:
         model_config = self.args.model_config()  # the one read of config.json in this process
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
+        self.token_texts = TokenTexts(self.tokenizer)  # one memo for the engine's life (TokenizerManager's)
         from pdserve.engine.device import require_device
 
         require_device(self.args.device_config())  # before any rank starts: one clear line
@@ -80,7 +81,7 @@ class Engine:
         items, single = self._prepare(prompt, input_ids, sampling_params,
                                       {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
                                        "top_logprobs_num": top_logprobs_num})
-        texts = TokenTexts(self.tokenizer) if return_text_in_logprobs else None
+        texts = self.token_texts if return_text_in_logprobs else None
         prefills = self._run([it.prefill() for it in items if it.sampling.n > 1])
         seqs = [seq for it in items for seq in it.sequences()]
         results = self._run(seqs)

@@ -46,7 +46,7 @@ class _Item:
 async def generate(tm: TokenizerManager, request: Request):
     req = parse_body(GenerateRequest, await read_body(request, tm.args.max_request_bytes))
     items, single = await _items(tm, req)
-    texts = TokenTexts(tm.tokenizer) if req.return_text_in_logprobs else None
+    texts = tm.token_texts if req.return_text_in_logprobs else None
     if req.stream:
         if not single or items[0].job.count > 1:
             raise RequestError("stream: only one prompt with n = 1 can stream; send one request per sample",

@@ -213,7 +213,7 @@ def _call(kind: str, model_name: str, req, jobs: list[PromptJob], logprobs: int 
     if len(jobs) == 1:
         jobs[0].rid = tm.new_rid(req.rid)
     return _Call(kind, req.model or model_name, jobs, jobs[0].sampling.n, logprobs, echo_texts, req.stream,
-                 include_usage, jobs[0].rid, TokenTexts(tm.tokenizer))
+                 include_usage, jobs[0].rid, tm.token_texts)
 
 
 async def _run(tm: TokenizerManager, request: Request, call: _Call):

@@ -67,6 +67,7 @@ from pdserve.engine.scheduler_process import (
     send_message,
 )
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
+from pdserve.entrypoints.logprobs import TokenTexts
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.timeline import ReqTimeline
 from pdserve.web.api_key import request_owner
@@ -148,6 +149,9 @@ class TokenizerManager:
         self.args = args
         self.stream_interval = max(1, stream_interval)
         self.tokenizer = tokenizer
+        # Token id -> text for logprobs, one memo for the server's life (at most a vocabulary of
+        # strings): a top-k request shows k alternatives per token, each decoded once, not per request.
+        self.token_texts = TokenTexts(tokenizer)
         self.metrics = metrics
         self.limits: RequestLimits | None = None
         self.healthy = False
