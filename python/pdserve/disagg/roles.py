@@ -29,7 +29,7 @@ from pdserve.disagg.sender import KVSender
 from pdserve.disagg.staging import StagingPool, pool_tensors
 from pdserve.engine.modes import RoleSwitchRefused, SchedulerMode
 from pdserve.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
-from pdserve.transfer.topology import transfer_device
+from pdserve.transfer.topology import local_gpu, transfer_device
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
@@ -52,19 +52,6 @@ def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 
     kind = "mla" if model_config.is_mla else "gqa"
     return KVLayout.from_descriptors(kind, tp_size, model_config.num_kv_heads, pool.page_size, model_config.dtype,
                                      pool.buffer_descriptors(), dp_size)
-
-
-def local_gpu(device: str | torch.device) -> int | None:
-    """The PCI-ordered index of the GPU ``device`` runs on (through CUDA_VISIBLE_DEVICES); None
-    on CPU. topology.py reads GPUs in PCI bus order, as CUDA does under CUDA_DEVICE_ORDER=PCI_BUS_ID."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    index = device.index or 0
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if index < len(visible) and visible[index].isdigit():
-        return int(visible[index])
-    return index
 
 
 def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> TransferBackend:
