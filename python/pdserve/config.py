@@ -10,12 +10,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.assets import PRESET_NAMES, preset_dir
-
-if TYPE_CHECKING:
-    from pdserve.mem.hicache_storage import PrefetchPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
@@ -211,6 +208,25 @@ def _flag_error(field_name: str, why: str) -> ValueError:
     return ValueError(f"{field_name} (--{field_name.replace('_', '-')}): {why}")
 
 
+# SGLang's defaults for the timeout policy (extra config keys of the same names).
+PREFETCH_TIMEOUT_BASE_S = 1.0
+PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """``--hicache-storage-prefetch-policy``: ``best_effort`` stops waiting as soon as the request
+    could be scheduled, ``wait_complete`` only once every chunk is read, ``timeout`` then or
+    after ``base_s + per_ki_token_s * tokens / 1024``, whichever comes first."""
+
+    name: str = "best_effort"
+    timeout_base_s: float = PREFETCH_TIMEOUT_BASE_S
+    timeout_per_ki_token_s: float = PREFETCH_TIMEOUT_PER_KI_TOKEN_S
+
+    def bound_s(self, tokens: int) -> float:
+        return self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024
+
+
 @dataclass(frozen=True)
 class HiCacheConfig:
     """The hierarchical KV cache: device pages demote to a host pool, host pages to storage.
@@ -277,8 +293,6 @@ class HiCacheConfig:
         return {k: v for k, v in self.extra_config().items() if k not in HICACHE_ENGINE_EXTRA_KEYS}
 
     def prefetch_policy(self) -> PrefetchPolicy:
-        from pdserve.mem.hicache_storage import PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S, PrefetchPolicy
-
         extra = self.extra_config()
         return PrefetchPolicy(self.storage_prefetch_policy,
                               self._positive(extra, "prefetch_timeout_base", PREFETCH_TIMEOUT_BASE_S),

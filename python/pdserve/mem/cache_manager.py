@@ -15,9 +15,9 @@ from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.hicache_storage import StorageLeg
 from pdserve.mem.hiradix_cache import HiRadixCache, LoadHandle
 from pdserve.mem.host_pool import HostKVPool, host_page_bytes
-from pdserve.mem.kv_events import KVEventSink
 from pdserve.mem.page_table import ReqToTokenTable
 from pdserve.mem.radix_cache import RadixCache, RadixNode
+from pdserve.obs.kv_events import KVEventSink
 
 if TYPE_CHECKING:
     import torch

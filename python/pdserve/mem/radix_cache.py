@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.mem.allocator import PageAllocator
-from pdserve.mem.kv_events import MEDIUM_GPU, KVEventSink
+from pdserve.obs.kv_events import MEDIUM_GPU, KVEventSink
 
 ROOT_HASH = 0  # hash_{-1}: what the first block chains from
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.mem.allocator import PageAllocator
-from pdserve.mem.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBuffer, event_dict
 from pdserve.mem.radix_cache import RadixCache
+from pdserve.obs.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBuffer, event_dict
 from pdserve.router.kv_index import KVIndex, prompt_block_hashes
 
 PAGE = 4
