@@ -28,6 +28,7 @@ from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead, Peers
 from pdserve.disagg.sender import KVSender
 from pdserve.disagg.staging import StagingPool, pool_tensors
 from pdserve.engine.modes import RoleSwitchRefused, SchedulerMode
+from pdserve.obs.role import LiveRole
 from pdserve.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
 from pdserve.transfer.topology import local_gpu, transfer_device
 
@@ -120,8 +121,12 @@ class RoleModes:
         self.layout = kv_layout(model_config, runner.pool, par.attn_tp_size, par.dp_size)
         self.auth = peer_auth(self.cfg)
         self.server_id = f"{advertised_host(args.host)}:{args.port}"
-        self.role = self.cfg.mode
+        self.live_role = LiveRole(self.cfg.mode)  # the scheduler side's one record of its role
         self.modes: dict[str, SchedulerMode] = {}
+
+    @property
+    def role(self) -> str:
+        return self.live_role.value
 
     def mode(self, role: str) -> SchedulerMode:
         """``role``'s mode, built on first use; a prefill mode (re-)registers this rank in the
@@ -150,7 +155,7 @@ class RoleModes:
         new = self.mode(target)
         scheduler.mode = new
         new.attach(scheduler)
-        self.role = target
+        self.live_role.set(target)
         scheduler.check_memory()  # pages balance across the switch, or the switch fails loudly
         logger.info("switched to %s (rank %d)", target, self.rank)
 

@@ -333,8 +333,8 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
         return 1
     warn_if_unauthenticated(args.host, args.api_key, args.admin_api_key, "the server")
     metrics = ServerMetrics(args.served_model_name or args.model_path)
-    metrics.set_role(args.disaggregation_mode)
     tm = TokenizerManager(args, tokenizer, metrics, stream_interval=args.stream_interval)
+    tm.live_role.watch(metrics.set_role)  # the pd_role gauge follows every switch
     roles = None
     if args.disaggregation_mode != "null":
         roles = RoleSwitcher(args, tm, metrics, lambda: _open_registry(args).stop,

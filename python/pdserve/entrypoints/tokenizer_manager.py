@@ -62,6 +62,7 @@ from pdserve.engine.scheduler_loop import SchedulerEndpoints, decode_frame, send
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.entrypoints.scheduler_process import RankProcesses, SchedulerProcess, scheduler_processes
 from pdserve.obs.metrics import ServerMetrics
+from pdserve.obs.role import LiveRole
 from pdserve.obs.timeline import ReqTimeline
 from pdserve.web.api_key import request_owner
 from pdserve.web.errors import RequestError, RoleChanged, ServerError
@@ -156,7 +157,7 @@ class TokenizerManager:
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._snapshot_waiters: deque[asyncio.Future] = deque()
         self._switch_waiters: deque[asyncio.Future] = deque()
-        self.role = args.disaggregation_mode  # the P/D role now (POST /pd_role_switch changes it)
+        self.live_role = LiveRole(args.disaggregation_mode)  # POST /pd_role_switch changes it
         self.last_admit = 0.0  # time.monotonic() of the last request admitted (a role switch waits for quiet)
         self._role_gate: asyncio.Event | None = None  # cleared while the scheduler switches roles
         self._ids = itertools.count()
@@ -169,6 +170,11 @@ class TokenizerManager:
         self._binder: FrontendSockets | None = None
         self.drops = DropCounter("frontend")  # frames from the scheduler side that were none of our messages
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
+
+    @property
+    def role(self) -> str:
+        """The P/D role now (``live_role``'s value)."""
+        return self.live_role.value
 
     # Set by ``start``; the HTTP server serves only after it returned.
     @property
@@ -437,7 +443,7 @@ class TokenizerManager:
         try:
             resp: RoleSwitchResp = await self._control(RoleSwitchReq(target), self._switch_waiters)
             if resp.success:
-                self.role = resp.role
+                self.live_role.set(resp.role)
             return resp
         finally:
             gate.set()
