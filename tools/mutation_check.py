@@ -217,7 +217,7 @@ MUTATIONS = (
         "python/pdserve/router/kv_index.py",
         "        return self.seq is not None and seq == self.seq + 1",
         "        return True",
-        ("test/mem/test_kv_events.py::test_index_refuses_a_gap_and_skips_what_a_snapshot_covers",)),
+        ("test/obs/test_kv_events.py::test_index_refuses_a_gap_and_skips_what_a_snapshot_covers",)),
     Mutation(
         "ranks_take_the_longest_hit", "TP ranks load the longest tier hit any rank has, not the one all have",
         KV_MANAGER,

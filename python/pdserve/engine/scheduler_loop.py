@@ -24,21 +24,6 @@ import zmq
 from pdserve.config import ServerArgs, split_host_port
 from pdserve.engine import io_struct, rank_io
 from pdserve.engine.codec import Codec, CodecError, DropCounter
-from pdserve.engine.io_struct import (
-    AbortReq,
-    BatchTokenOutput,
-    FlushCacheReq,
-    FlushCacheResp,
-    GetStatsReq,
-    KVEventsSnapshotReq,
-    KVEventsSnapshotResp,
-    RejectedReq,
-    RoleSwitchReq,
-    RoleSwitchResp,
-    ShutdownReq,
-    StatsResp,
-    TokenizedGenerateReq,
-)
 from pdserve.engine.modes import RoleSwitcher, RoleSwitchRefused
 
 logger = logging.getLogger(__name__)
@@ -127,7 +112,7 @@ class SchedulerLoop:
     def run_step(self) -> None:
         outputs = self.scheduler.step()
         if outputs:
-            send_message(self.send, BatchTokenOutput(outputs))
+            send_message(self.send, io_struct.BatchTokenOutput(outputs))
 
     def drain(self, block: bool) -> bool:
         """Handle every queued frontend message; if ``block``, first wait up to the idle poll
@@ -158,44 +143,44 @@ class SchedulerLoop:
         return bool(poller.poll(timeout)) or interval is not None
 
     def handle(self, msg) -> None:
-        if isinstance(msg, TokenizedGenerateReq):
+        if isinstance(msg, io_struct.TokenizedGenerateReq):
             self._add(msg)
-        elif isinstance(msg, AbortReq):
+        elif isinstance(msg, io_struct.AbortReq):
             self._abort(msg)
-        elif isinstance(msg, GetStatsReq):
-            send_message(self.send, StatsResp(self.scheduler.stats()))
-        elif isinstance(msg, FlushCacheReq):
-            send_message(self.send, FlushCacheResp(bool(self.scheduler.flush_cache())))
-        elif isinstance(msg, KVEventsSnapshotReq):
-            send_message(self.send, KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
-        elif isinstance(msg, RoleSwitchReq):
+        elif isinstance(msg, io_struct.GetStatsReq):
+            send_message(self.send, io_struct.StatsResp(self.scheduler.stats()))
+        elif isinstance(msg, io_struct.FlushCacheReq):
+            send_message(self.send, io_struct.FlushCacheResp(bool(self.scheduler.flush_cache())))
+        elif isinstance(msg, io_struct.KVEventsSnapshotReq):
+            send_message(self.send, io_struct.KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
+        elif isinstance(msg, io_struct.RoleSwitchReq):
             send_message(self.send, self._switch(msg.target_role))
-        elif isinstance(msg, ShutdownReq):
+        elif isinstance(msg, io_struct.ShutdownReq):
             self.stopped = True
         else:
             logger.error("scheduler: ignoring unknown message %r", type(msg).__name__)
 
-    def _add(self, msg: TokenizedGenerateReq) -> None:
+    def _add(self, msg: io_struct.TokenizedGenerateReq) -> None:
         try:
             self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob,
                                        msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap,
                                        group=msg.group)
         except ValueError as e:
-            send_message(self.send, RejectedReq(msg.rid, str(e)))
+            send_message(self.send, io_struct.RejectedReq(msg.rid, str(e)))
 
-    def _abort(self, msg: AbortReq) -> None:
+    def _abort(self, msg: io_struct.AbortReq) -> None:
         rids = list(self.scheduler.reqs) if msg.abort_all else [msg.rid]
         for rid in rids:
             self.scheduler.abort(rid)
 
-    def _switch(self, target: str) -> RoleSwitchResp:
+    def _switch(self, target: str) -> io_struct.RoleSwitchResp:
         if self.roles is None:
-            return RoleSwitchResp(False, self.scheduler.mode.name, "this scheduler cannot switch roles")
+            return io_struct.RoleSwitchResp(False, self.scheduler.mode.name, "this scheduler cannot switch roles")
         try:
             self.roles.switch(self.scheduler, target)
         except RoleSwitchRefused as e:
-            return RoleSwitchResp(False, self.roles.role, str(e), busy=e.busy)
-        return RoleSwitchResp(True, self.roles.role)
+            return io_struct.RoleSwitchResp(False, self.roles.role, str(e), busy=e.busy)
+        return io_struct.RoleSwitchResp(True, self.roles.role)
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
