@@ -434,6 +434,37 @@ MUTATIONS = (
         "(self.top_k < 1 and self.top_k != -1) or self.top_k > INT64_MAX:",
         "(self.top_k < 1 and self.top_k != -1):",
         ("test/entrypoints/test_http_fuzz.py::test_a_top_k_past_the_vocabulary_samples_from_all_of_it",)),
+    # issue 24, mem/: KVCacheManager is the only code that frees device pages
+    Mutation(
+        "manager_drops_evicted_pages", "the manager counts the pages eviction returns but never frees them",
+        KV_MANAGER,
+        "        self.num_evicted_pages += len(pages)\n        self.allocator.free(pages)\n",
+        "        self.num_evicted_pages += len(pages)\n",
+        ("test/mem/test_cache_manager.py::test_evicted_pages_come_back_through_the_manager",
+         "test/mem/test_cache_manager.py::test_eviction_goes_through_the_owner")),
+    Mutation(
+        "radix_frees_its_duplicates", "the radix cache frees duplicate pages itself behind the manager's back "
+        "(the same pages end free; only the owner changed)",
+        "python/pdserve/mem/radix_cache.py",
+        "        return InsertResult(len(pages) - len(path), duplicates)",
+        "        self.allocator.free(duplicates)\n        return InsertResult(len(pages) - len(path), [])",
+        ("test/mem/test_cache_manager.py::test_only_the_manager_frees_device_pages_in_mem",
+         "test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_radix_workload]")),
+    Mutation(
+        "hiradix_frees_redundant_load", "a load-back whose blocks were recomputed meanwhile frees its copies "
+        "from the hierarchical cache instead of handing them to the manager",
+        "python/pdserve/mem/hiradix_cache.py",
+        "                h.redundant.append(dp)",
+        "                self.allocator.free([dp])",
+        ("test/mem/test_cache_manager.py::test_only_the_manager_frees_device_pages_in_mem",
+         "test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_hicache_workload]")),
+    Mutation(
+        "redundant_load_pages_unaccounted", "a finished load's redundant copies, held until the manager frees "
+        "them, are counted nowhere: check() calls them a leak",
+        KV_MANAGER,
+        "        loading += sum(len(h.redundant) for h in self._loads.values())\n",
+        "",
+        ("test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_hicache_workload]",)),
 )
 
 
