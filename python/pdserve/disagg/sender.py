@@ -52,7 +52,7 @@ from pdserve.disagg.layout import (
 )
 from pdserve.disagg.protocol import KVRequest
 from pdserve.disagg.staging import StagingPool, pack_block
-from pdserve.disagg.transfer import TransferBackend, WriteHandle, WriteState
+from pdserve.transfer import TransferBackend, WriteHandle, WriteState
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.disagg.topology import discover, nic_for_gpus, transfer_device
-from pdserve.engine.disagg_setup import local_gpu
+from pdserve.disagg.roles import local_gpu
+from pdserve.transfer.topology import discover, nic_for_gpus, transfer_device
 
 MELLANOX, IB_CLASS = "0x15b3", "0x020700"
 

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from pdserve.config import DisaggConfig
 from pdserve.disagg.bootstrap import Dropped, Expired, Paired, RoomError, RoomTable
 from pdserve.disagg.layout import LayoutError
+from pdserve.disagg.mode_io import ModeIO
 from pdserve.disagg.protocol import (
     DecodeRecord,
     DropRoom,
@@ -42,7 +43,6 @@ from pdserve.disagg.protocol import (
     ProtocolError,
 )
 from pdserve.disagg.sender import KVSender, RoomState
-from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort, finish_length

@@ -4,7 +4,7 @@ in the bootstrap registry.
 
 With several ranks every rank has its own transfer engine over its own pool (GQA: its head
 range; MLA: the whole latent), and its own RankRecord; every peer sends its control messages to
-rank 0's channel, which all records name (``engine/mode_io.py``).
+rank 0's channel, which all records name (``disagg/mode_io.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from pdserve.disagg.auth import PeerAuth, peer_auth
 from pdserve.disagg.bootstrap import BootstrapClient, CompatRecord, RankRecord
 from pdserve.disagg.channel import ControlChannel, Mailbox, advertised_host
 from pdserve.disagg.layout import KVLayout
+from pdserve.disagg.mode_io import DirectIO, LockStepIO, ModeIO
 from pdserve.disagg.protocol import BufferRange, DecodeRecord
 from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead, PeersGone
 from pdserve.disagg.sender import KVSender
 from pdserve.disagg.staging import StagingPool, pool_tensors
-from pdserve.disagg.topology import transfer_device
-from pdserve.disagg.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
-from pdserve.engine.mode_io import DirectIO, LockStepIO, ModeIO
-from pdserve.engine.modes import SchedulerMode
+from pdserve.engine.modes import RoleSwitchRefused, SchedulerMode
+from pdserve.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
+from pdserve.transfer.topology import transfer_device
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
@@ -101,15 +101,6 @@ def build_mode(args: ServerArgs, model_config: ModelConfig, runner, groups=None)
     return RoleModes(args, model_config, runner, groups).mode(cfg.mode)
 
 
-class RoleSwitchRefused(ValueError):
-    """A role switch that cannot happen now; the message says why (the frontend answers 4xx with it).
-    ``busy``: only because something is still in flight (asking again later may succeed)."""
-
-    def __init__(self, message: str, busy: bool = False):
-        super().__init__(message)
-        self.busy = busy
-
-
 ROLES = ("prefill", "decode")
 
 
@@ -151,7 +142,7 @@ class RoleModes:
         if role not in self.modes:
             self.modes[role] = self._prefill() if role == "prefill" else self._decode()
         elif role == "prefill":
-            from pdserve.engine.prefill_mode import PrefillMode
+            from pdserve.disagg.prefill import PrefillMode
 
             mode = self.modes[role]
             assert isinstance(mode, PrefillMode)
@@ -180,7 +171,7 @@ class RoleModes:
         return mode_io(self.args.host, self.groups, self.auth)
 
     def _prefill(self) -> SchedulerMode:
-        from pdserve.engine.prefill_mode import PrefillMode
+        from pdserve.disagg.prefill import PrefillMode
 
         io = self._io()
         bases = {d.name: d.base_addr for d in self.descriptors}
@@ -200,7 +191,7 @@ class RoleModes:
                     endpoint)
 
     def _decode(self) -> SchedulerMode:
-        from pdserve.engine.decode_mode import DecodeMode
+        from pdserve.disagg.decode import DecodeMode
 
         io = self._io()
         directory = PeerDirectory(compat_record(self.args, self.model_config), self.layout,
