@@ -465,6 +465,26 @@ MUTATIONS = (
         "        loading += sum(len(h.redundant) for h in self._loads.values())\n",
         "",
         ("test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_hicache_workload]",)),
+    # issue 24: decode's own prefix cache across P/D (partial hits, pages asked for, bytes moved)
+    Mutation(
+        "decode_ignores_own_cache", "decode matches nothing of its own cache when it asks prefill for KV, so a "
+        "turn 2 whose turn 1 decode still holds moves every page again",
+        "python/pdserve/disagg/decode.py",
+        "        if not kv.admit(req, req.fill_ids[:-1]):",
+        "        if not kv.admit(req, req.fill_ids[:0]):",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
+    Mutation(
+        "decode_asks_for_every_page", "decode asks prefill for every page of prompt[:-1], its cached ones included",
+        "python/pdserve/disagg/decode.py",
+        "self._send_kv_request(req, peer, req.pages[req.num_cached_pages:], aux_slot, now)",
+        "self._send_kv_request(req, peer, req.pages, aux_slot, now)",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
+    Mutation(
+        "decode_local_hit_unreported", "a request decode prefills itself reports no decode_cached_tokens",
+        "python/pdserve/disagg/decode.py",
+        "            if r.decode_cached_tokens is None:\n",
+        "            if False:\n",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
 )
 
 
