@@ -37,10 +37,7 @@ FLOOR = {package: i for i, floor in enumerate(FLOORS) for package in floor}
 # the package's own __init__ only names the version and a lazy Engine.
 PROGRAMS = {"__main__.py", "__init__.py", "launch_server.py", "bench_serving.py"}
 # Type-only imports that may point up: a leaf may name the config object it is handed.
-TYPE_ONLY_UP = {
-    ("obs", "pdserve.config"),
-    ("mem", "pdserve.engine.request"),
-}
+TYPE_ONLY_UP = {("obs", "pdserve.config")}
 
 
 def imported_modules(source: str, package: str) -> list[tuple[str, bool]]:

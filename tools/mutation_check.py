@@ -434,6 +434,57 @@ MUTATIONS = (
         "(self.top_k < 1 and self.top_k != -1) or self.top_k > INT64_MAX:",
         "(self.top_k < 1 and self.top_k != -1):",
         ("test/entrypoints/test_http_fuzz.py::test_a_top_k_past_the_vocabulary_samples_from_all_of_it",)),
+    # issue 24, mem/: KVCacheManager is the only code that frees device pages
+    Mutation(
+        "manager_drops_evicted_pages", "the manager counts the pages eviction returns but never frees them",
+        KV_MANAGER,
+        "        self.num_evicted_pages += len(pages)\n        self.allocator.free(pages)\n",
+        "        self.num_evicted_pages += len(pages)\n",
+        ("test/mem/test_cache_manager.py::test_evicted_pages_come_back_through_the_manager",
+         "test/mem/test_cache_manager.py::test_eviction_goes_through_the_owner")),
+    Mutation(
+        "radix_frees_its_duplicates", "the radix cache frees duplicate pages itself behind the manager's back "
+        "(the same pages end free; only the owner changed)",
+        "python/pdserve/mem/radix_cache.py",
+        "        return InsertResult(len(pages) - len(path), duplicates)",
+        "        self.allocator.free(duplicates)\n        return InsertResult(len(pages) - len(path), [])",
+        ("test/mem/test_cache_manager.py::test_only_the_manager_frees_device_pages_in_mem",
+         "test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_radix_workload]")),
+    Mutation(
+        "hiradix_frees_redundant_load", "a load-back whose blocks were recomputed meanwhile frees its copies "
+        "from the hierarchical cache instead of handing them to the manager",
+        "python/pdserve/mem/hiradix_cache.py",
+        "                h.redundant.append(dp)",
+        "                self.allocator.free([dp])",
+        ("test/mem/test_cache_manager.py::test_only_the_manager_frees_device_pages_in_mem",
+         "test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_hicache_workload]")),
+    Mutation(
+        "redundant_load_pages_unaccounted", "a finished load's redundant copies, held until the manager frees "
+        "them, are counted nowhere: check() calls them a leak",
+        KV_MANAGER,
+        "        loading += sum(len(h.redundant) for h in self._loads.values())\n",
+        "",
+        ("test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_hicache_workload]",)),
+    # issue 24: decode's own prefix cache across P/D (partial hits, pages asked for, bytes moved)
+    Mutation(
+        "decode_ignores_own_cache", "decode matches nothing of its own cache when it asks prefill for KV, so a "
+        "turn 2 whose turn 1 decode still holds moves every page again",
+        "python/pdserve/disagg/decode.py",
+        "        if not kv.admit(req, req.fill_ids[:-1]):",
+        "        if not kv.admit(req, req.fill_ids[:0]):",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
+    Mutation(
+        "decode_asks_for_every_page", "decode asks prefill for every page of prompt[:-1], its cached ones included",
+        "python/pdserve/disagg/decode.py",
+        "self._send_kv_request(req, peer, req.pages[req.num_cached_pages:], aux_slot, now)",
+        "self._send_kv_request(req, peer, req.pages, aux_slot, now)",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
+    Mutation(
+        "decode_local_hit_unreported", "a request decode prefills itself reports no decode_cached_tokens",
+        "python/pdserve/disagg/decode.py",
+        "            if r.decode_cached_tokens is None:\n",
+        "            if False:\n",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
 )
 
 

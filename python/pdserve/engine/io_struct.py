@@ -99,6 +99,8 @@ class TokenOutput:
     timeline: dict[str, float] | None = None
     # cached_tokens split by tier: {"device": n, "host": n, "storage": n}
     cached_tokens_by_tier: dict[str, int] | None = None
+    # A decode server's own prefix-cache hit (Req.decode_cached_tokens); None elsewhere
+    decode_cached_tokens: int | None = None
 
 
 @dataclass

@@ -109,6 +109,7 @@ class GenerateChunk:
     input_top_logprobs: list | None = None
     timeline: dict | None = None  # TTFT breakdown (obs.timeline.STAGES), once the first token is out
     cached_tokens_by_tier: dict | None = None  # cached_tokens split by tier (device, host, storage)
+    decode_cached_tokens: int | None = None  # a decode server's own prefix-cache hit
 
 
 @dataclass(eq=False)
@@ -403,13 +404,15 @@ class TokenizerManager:
         if len(outs) == 1 and not state.return_logprob:  # the common streaming case, kept cheap
             return GenerateChunk(state.rid, "", last.new_token_ids, None, last.finished, last.finish_reason,
                                  last.prompt_tokens, last.completion_tokens, last.cached_tokens, timeline=stages,
-                                 cached_tokens_by_tier=last.cached_tokens_by_tier)
+                                 cached_tokens_by_tier=last.cached_tokens_by_tier,
+                                 decode_cached_tokens=last.decode_cached_tokens)
         ids: list[int] = []
         for o in outs:
             ids += o.new_token_ids
         chunk = GenerateChunk(state.rid, "", ids, None, last.finished, last.finish_reason, last.prompt_tokens,
                               last.completion_tokens, last.cached_tokens, timeline=stages,
-                              cached_tokens_by_tier=last.cached_tokens_by_tier)
+                              cached_tokens_by_tier=last.cached_tokens_by_tier,
+                              decode_cached_tokens=last.decode_cached_tokens)
         if state.return_logprob:
             _add_logprobs(chunk, outs)
         return chunk
