@@ -1,6 +1,8 @@
 """cache_aware vs round_robin behind ``pdserve router``: 2 prefill (publishing KV events) + 1 decode,
 ``pdserve bench --dataset-name multi-turn`` through the router once per policy on the same servers
-(caches flushed between runs). Prints turn-1 and later-turn TTFT side by side and the ratio.
+(caches flushed between runs). Prints turn-1 and later-turn TTFT side by side and the ratio, and
+the prefix hits: prefill's (predicted by the router, reported in ``cached_tokens``) and decode's own
+(``decode_cached_tokens``: prompt tokens it did not ask prefill for).
 
     python benchmark/bench_cache_aware.py --model-path tiny-llama --clients 4 --rounds 4 \\
         --question-len 384 --output-len 16
@@ -68,6 +70,7 @@ def run_policy(policy: str, prefills: list[tuple[str, int]], decode: str, args) 
         cmd += ["--prefill", url, str(boot)]
     router = start(cmd)
     url = f"http://127.0.0.1:{port}"
+    decode_before = decode_counters(decode)
     try:
         wait_healthy(url, router)
         if policy == "cache_aware":
@@ -81,6 +84,8 @@ def run_policy(policy: str, prefills: list[tuple[str, int]], decode: str, args) 
                             "--disable-tqdm", "--output-file", out.name, "--label", policy], check=True)
             result = json.loads(Path(out.name).read_text().splitlines()[-1])
         result["router_metrics"] = fetch(url + "/metrics").decode()
+        after = decode_counters(decode)
+        result["decode"] = {k: after[k] - decode_before[k] for k in after}
         return result
     finally:
         stop(router)
@@ -101,6 +106,12 @@ def fetch(url: str) -> bytes:
         return r.read()
 
 
+def decode_counters(decode: str) -> dict[str, int]:
+    """Decode's own prefix hit and the pages it asked prefill for, so far."""
+    info = json.loads(fetch(decode + "/get_server_info"))
+    return {k: int(info.get(k, 0)) for k in ("decode_cached_tokens", "kv_pages_requested")}
+
+
 def cached_tokens(metrics: str, kind: str) -> float:
     name = f"pdserve_router:{kind}_cached_tokens_total"
     return sum(float(line.rpartition(" ")[2]) for line in metrics.splitlines() if line.startswith(name + "{"))
@@ -110,13 +121,14 @@ def report(results: dict, args) -> None:
     print(f"\n2 prefill + 1 decode, {args.model_path}, multi-turn {args.clients} clients x {args.rounds} rounds, "
           f"question {args.question_len} tokens, output {args.output_len}")
     print(f"{'policy':<14}{'turn-1 TTFT ms':>16}{'later TTFT ms':>16}{'later P99 ms':>14}{'predicted':>11}"
-          f"{'reported':>10}")
+          f"{'reported':>10}{'decode hit':>12}{'pages asked':>13}")
     for policy, r in results.items():
         g = r["groups"]
         print(f"{policy:<14}{g['turn1']['mean_ttft_ms']:>16.1f}{g['later_turns']['mean_ttft_ms']:>16.1f}"
               f"{g['later_turns'].get('p99_ttft_ms', float('nan')):>14.1f}"
               f"{cached_tokens(r['router_metrics'], 'predicted'):>11.0f}"
-              f"{cached_tokens(r['router_metrics'], 'reported'):>10.0f}")
+              f"{cached_tokens(r['router_metrics'], 'reported'):>10.0f}"
+              f"{r['decode']['decode_cached_tokens']:>12}{r['decode']['kv_pages_requested']:>13}")
     ratio = (results["cache_aware"]["groups"]["later_turns"]["mean_ttft_ms"]
              / results["round_robin"]["groups"]["later_turns"]["mean_ttft_ms"])
     print(f"later-turn mean TTFT, cache_aware / round_robin: {ratio:.2f}x (target <= 0.7x)")

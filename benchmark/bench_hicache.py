@@ -129,8 +129,8 @@ def _ttft_once(engine: Any, prompt: list[int]) -> tuple[float, dict[str, int]]:
 
 
 def _evict_device(engine: Any) -> None:
-    cache = engine.scheduler.cache
-    cache.evict(cache.num_evictable_pages)  # write-through already left host copies
+    kv = engine.scheduler.kv_manager
+    kv.evict(kv.num_evictable_pages)  # write-through already left host copies
 
 
 def _flush_to_storage(engine: Any) -> None:

@@ -147,7 +147,7 @@ MUTATIONS = (
         ("test/entrypoints/test_http_server.py::test_generate_stream_logprobs_and_batch",)),
     Mutation(
         "parent_never_gone", "the scheduler loop never notices that its parent process died",
-        "python/pdserve/engine/scheduler_process.py",
+        "python/pdserve/engine/scheduler_loop.py",
         "return self.parent_pid is not None and os.getppid() != self.parent_pid",
         "return False",
         ("test/entrypoints/test_scheduler_process.py::test_parent_exit_ends_the_loop",)),
@@ -159,7 +159,7 @@ MUTATIONS = (
         ("test/entrypoints/test_server_lifecycle.py::test_scheduler_crash_fails_health_and_exits_nonzero",)),
     Mutation(
         "quarantine_released_at_once", "decode reuses abandoned pages before prefill's late writes settled",
-        "python/pdserve/engine/decode_mode.py",
+        "python/pdserve/disagg/decode.py",
         "        pending = inc.sources - set(settled)",
         "        pending = set()",
         (f"{T_PD}::test_an_abort_during_a_slow_transfer_keeps_its_pages_out_of_reach",)),
@@ -171,7 +171,7 @@ MUTATIONS = (
         (f"{T_PD}::test_a_completion_short_of_writes_is_not_trusted",)),
     Mutation(
         "prefill_sends_last_token", "prefill computes (and sends) the prompt's last token too",
-        "python/pdserve/engine/prefill_mode.py",
+        "python/pdserve/disagg/prefill.py",
         "        req.hold_back_last_token()\n",
         "",
         (f"{T_PD}::test_outputs_match_a_colocated_engine",)),
@@ -184,13 +184,13 @@ MUTATIONS = (
         (f"{T_TRUST}::test_a_paused_prefill_never_writes_pages_decode_gave_to_another_request",)),
     Mutation(
         "kv_request_unchecked", "prefill writes wherever a KV request says, not where decode published",
-        "python/pdserve/engine/prefill_mode.py",
+        "python/pdserve/disagg/prefill.py",
         "            rec.check_request(kv)\n",
         "",
         (f"{T_TRUST}::test_a_kv_request_outside_the_published_record_is_refused_before_any_write",)),
     Mutation(
         "nonce_unchecked", "decode lands a room on a completion of another life of the room",
-        "python/pdserve/engine/decode_mode.py",
+        "python/pdserve/disagg/decode.py",
         "if w is not None and w.incoming.nonce == nonce:",
         "if w is not None:",
         (f"{T_TRUST}::test_a_completion_with_another_nonce_does_not_land_the_room",)),
@@ -202,7 +202,7 @@ MUTATIONS = (
         (f"{T_TRUST}::test_with_a_token_unauthenticated_and_wrongly_keyed_frames_are_refused",)),
     Mutation(
         "unknown_abort_unacknowledged", "prefill ignores an abort of a room it holds nothing of (pages wait a lease)",
-        "python/pdserve/engine/prefill_mode.py",
+        "python/pdserve/disagg/prefill.py",
         "        self.io.send(reply, KVAbortAck(msg.room, msg.nonce, self.sender.rank))\n",
         "",
         (f"{T_TRUST}::test_decode_abort_of_a_room_prefill_never_saw_is_acknowledged",)),
@@ -217,7 +217,7 @@ MUTATIONS = (
         "python/pdserve/router/kv_index.py",
         "        return self.seq is not None and seq == self.seq + 1",
         "        return True",
-        ("test/mem/test_kv_events.py::test_index_refuses_a_gap_and_skips_what_a_snapshot_covers",)),
+        ("test/obs/test_kv_events.py::test_index_refuses_a_gap_and_skips_what_a_snapshot_covers",)),
     Mutation(
         "ranks_take_the_longest_hit", "TP ranks load the longest tier hit any rank has, not the one all have",
         KV_MANAGER,
@@ -347,7 +347,7 @@ MUTATIONS = (
         ("test/engine/test_codec.py::test_a_frame_over_the_bound_is_refused_before_decoding",)),
     Mutation(
         "junk_frame_stops_the_loop", "a frame that is none of our messages raises out of the receiving loop",
-        "python/pdserve/engine/scheduler_process.py",
+        "python/pdserve/engine/scheduler_loop.py",
         "        drops.record(e)\n        return None\n",
         "        raise\n",
         ("test/engine/test_codec.py::test_a_scheduler_loop_drops_junk_and_goes_on",)),
@@ -434,6 +434,57 @@ MUTATIONS = (
         "(self.top_k < 1 and self.top_k != -1) or self.top_k > INT64_MAX:",
         "(self.top_k < 1 and self.top_k != -1):",
         ("test/entrypoints/test_http_fuzz.py::test_a_top_k_past_the_vocabulary_samples_from_all_of_it",)),
+    # issue 24, mem/: KVCacheManager is the only code that frees device pages
+    Mutation(
+        "manager_drops_evicted_pages", "the manager counts the pages eviction returns but never frees them",
+        KV_MANAGER,
+        "        self.num_evicted_pages += len(pages)\n        self.allocator.free(pages)\n",
+        "        self.num_evicted_pages += len(pages)\n",
+        ("test/mem/test_cache_manager.py::test_evicted_pages_come_back_through_the_manager",
+         "test/mem/test_cache_manager.py::test_eviction_goes_through_the_owner")),
+    Mutation(
+        "radix_frees_its_duplicates", "the radix cache frees duplicate pages itself behind the manager's back "
+        "(the same pages end free; only the owner changed)",
+        "python/pdserve/mem/radix_cache.py",
+        "        return InsertResult(len(pages) - len(path), duplicates)",
+        "        self.allocator.free(duplicates)\n        return InsertResult(len(pages) - len(path), [])",
+        ("test/mem/test_cache_manager.py::test_only_the_manager_frees_device_pages_in_mem",
+         "test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_radix_workload]")),
+    Mutation(
+        "hiradix_frees_redundant_load", "a load-back whose blocks were recomputed meanwhile frees its copies "
+        "from the hierarchical cache instead of handing them to the manager",
+        "python/pdserve/mem/hiradix_cache.py",
+        "                h.redundant.append(dp)",
+        "                self.allocator.free([dp])",
+        ("test/mem/test_cache_manager.py::test_only_the_manager_frees_device_pages_in_mem",
+         "test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_hicache_workload]")),
+    Mutation(
+        "redundant_load_pages_unaccounted", "a finished load's redundant copies, held until the manager frees "
+        "them, are counted nowhere: check() calls them a leak",
+        KV_MANAGER,
+        "        loading += sum(len(h.redundant) for h in self._loads.values())\n",
+        "",
+        ("test/mem/test_cache_manager.py::test_every_device_page_is_freed_by_the_manager[_hicache_workload]",)),
+    # issue 24: decode's own prefix cache across P/D (partial hits, pages asked for, bytes moved)
+    Mutation(
+        "decode_ignores_own_cache", "decode matches nothing of its own cache when it asks prefill for KV, so a "
+        "turn 2 whose turn 1 decode still holds moves every page again",
+        "python/pdserve/disagg/decode.py",
+        "        if not kv.admit(req, req.fill_ids[:-1]):",
+        "        if not kv.admit(req, req.fill_ids[:0]):",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
+    Mutation(
+        "decode_asks_for_every_page", "decode asks prefill for every page of prompt[:-1], its cached ones included",
+        "python/pdserve/disagg/decode.py",
+        "self._send_kv_request(req, peer, req.pages[req.num_cached_pages:], aux_slot, now)",
+        "self._send_kv_request(req, peer, req.pages, aux_slot, now)",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
+    Mutation(
+        "decode_local_hit_unreported", "a request decode prefills itself reports no decode_cached_tokens",
+        "python/pdserve/disagg/decode.py",
+        "            if r.decode_cached_tokens is None:\n",
+        "            if False:\n",
+        ("test/disagg/test_pd_decode_cache.py::test_turn_two_asks_prefill_only_for_the_pages_decode_lacks[mooncake]",)),
     # issue 24, front slice: config built once, secrets read once, per-server token-text memo
     Mutation(
         "disagg_config_rebuilt", "ServerArgs.disagg_config builds a new DisaggConfig (reading the token file) per call",

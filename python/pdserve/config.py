@@ -12,12 +12,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from pdserve.assets import PRESET_NAMES, preset_dir
-
-if TYPE_CHECKING:
-    from pdserve.mem.hicache_storage import PrefetchPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
@@ -223,6 +220,25 @@ def _flag_error(field_name: str, why: str) -> ValueError:
     return ValueError(f"{field_name} (--{field_name.replace('_', '-')}): {why}")
 
 
+# SGLang's defaults for the timeout policy (extra config keys of the same names).
+PREFETCH_TIMEOUT_BASE_S = 1.0
+PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """``--hicache-storage-prefetch-policy``: ``best_effort`` stops waiting as soon as the request
+    could be scheduled, ``wait_complete`` only once every chunk is read, ``timeout`` then or
+    after ``base_s + per_ki_token_s * tokens / 1024``, whichever comes first."""
+
+    name: str = "best_effort"
+    timeout_base_s: float = PREFETCH_TIMEOUT_BASE_S
+    timeout_per_ki_token_s: float = PREFETCH_TIMEOUT_PER_KI_TOKEN_S
+
+    def bound_s(self, tokens: int) -> float:
+        return self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024
+
+
 @dataclass(frozen=True)
 class HiCacheConfig:
     """The hierarchical KV cache: device pages demote to a host pool, host pages to storage.
@@ -289,8 +305,6 @@ class HiCacheConfig:
         return {k: v for k, v in self.extra_config().items() if k not in HICACHE_ENGINE_EXTRA_KEYS}
 
     def prefetch_policy(self) -> PrefetchPolicy:
-        from pdserve.mem.hicache_storage import PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S, PrefetchPolicy
-
         extra = self.extra_config()
         return PrefetchPolicy(self.storage_prefetch_policy,
                               self._positive(extra, "prefetch_timeout_base", PREFETCH_TIMEOUT_BASE_S),
@@ -576,7 +590,7 @@ class DeviceConfig:
 DISAGG_MODES = ("null", "prefill", "decode")
 AUTH_TOKEN_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
 API_KEY_ENV = "PDSERVE_API_KEY"  # --api-key of serve, router and up when the flag is not given (kept out of ps)
-TRANSFER_BACKENDS = ("mooncake", "memory")  # disagg.transfer's backends, by name
+TRANSFER_BACKENDS = ("mooncake", "memory")  # pdserve.transfer's backends, by name
 # What a server may use: its scheduler runs in its own process, and "memory" moves KV only
 # between schedulers built in one process (test/disagg/pd_pair.py).
 SERVER_TRANSFER_BACKENDS = ("mooncake",)

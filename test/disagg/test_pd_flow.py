@@ -16,9 +16,9 @@ import pdserve
 from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig
 from pdserve.disagg.layout import page_runs
-from pdserve.disagg.transfer import FaultInjectingBackend, TransferBackend, merge_contiguous, mooncake_available
 from pdserve.engine.request import ReqState
 from pdserve.models.fingerprint import weights_fingerprint
+from pdserve.transfer import FaultInjectingBackend, TransferBackend, merge_contiguous, mooncake_available
 
 NEEDS_MOONCAKE = pytest.mark.skipif(not mooncake_available(), reason="needs mooncake")
 BACKENDS = [pytest.param("mooncake", marks=NEEDS_MOONCAKE), "memory"]

@@ -1,7 +1,22 @@
-import pytest
+import ast
+import sys
+from pathlib import Path
 
+import pytest
+import torch
+
+from pdserve.config import HiCacheConfig
 from pdserve.engine.request import Req, SamplingParams
+from pdserve.mem import cache_manager
+from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.cache_manager import KVCacheManager
+from pdserve.mem.kv_pool import GQAKVPool
+
+MEM = Path(cache_manager.__file__).parent
+# The only modules that may free device pages: the allocator and its one owner.
+FREES_DEVICE_PAGES = {"allocator.py", "cache_manager.py"}
+# The host pool's pages belong to the hierarchical cache, its only user: it frees them itself.
+HOST_ALLOCATOR = "self.host.allocator"
 
 PS = 4  # page size
 
@@ -138,7 +153,8 @@ def test_eviction_goes_through_the_owner():
     kv.release(old, 12)
     assert kv.num_cached_pages == 3 and kv.num_free_pages == 1
     seen = []
-    kv.cache.on_evict = lambda pages: (seen.append(list(pages)), kv._evicted(pages))
+    evict = kv.cache.evict
+    kv.cache.evict = lambda n: seen.append(evict(n)) or seen[-1]  # type: ignore[method-assign]
     r = req([7] * 12)
     assert kv.admit(r, r.fill_ids) and kv.grow(r, 12)  # one free page, two evicted (LRU leaves first)
     assert len(seen) == 1 and len(seen[0]) == 2 and kv.num_evicted_pages == 2
@@ -189,3 +205,136 @@ def test_check_catches_a_leak_and_a_lost_row():
     kv.table.alloc_row()
     with pytest.raises(RuntimeError, match="table rows broken"):
         kv.check([a])
+
+
+def test_evicted_pages_come_back_through_the_manager():
+    kv = make(num_pages=4)
+    old = prefill(kv, req(range(12), "old"))
+    pages = list(old.pages)
+    kv.release(old, 12)
+    assert kv.evict(2) == 2 and kv.num_evicted_pages == 2  # the two deepest blocks, LRU leaves first
+    assert kv.allocator.is_free(pages[2]) and kv.allocator.is_free(pages[1]) and kv.num_cached_pages == 1
+    kv.check([])
+    # The cache alone takes the page out of the tree but frees nothing: were the manager to drop
+    # what eviction returns, the page would be lost, and the accounting says so.
+    assert kv.cache.evict(1) == [pages[0]] and not kv.allocator.is_free(pages[0])
+    with pytest.raises(RuntimeError, match="page accounting broken"):
+        kv.check([])
+
+
+def _device_allocator_frees(path: Path) -> list[str]:
+    """``<...>allocator.free`` in ``path``, called or passed on (a bound method handed to a cache
+    frees as surely as a call); the host pool's allocator is not the device's."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "free":
+            owner = ast.unparse(node.value)
+            if owner.endswith("allocator") and owner != HOST_ALLOCATOR:
+                found.append(f"{path.relative_to(MEM)}:{node.lineno} {owner}.free")
+    return found
+
+
+def test_only_the_manager_frees_device_pages_in_mem():
+    found = [hit for path in sorted(MEM.rglob("*.py")) if path.name not in FREES_DEVICE_PAGES
+             for hit in _device_allocator_frees(path)]
+    assert found == [], "the caches return pages for KVCacheManager to free; these free them directly"
+    assert _device_allocator_frees(MEM / "cache_manager.py")  # the check sees the frees that must be there
+
+
+class _RecordingAllocator(PageAllocator):
+    """Notes the module of every ``free`` caller."""
+
+    def __init__(self, num_pages: int) -> None:
+        super().__init__(num_pages)
+        self.callers: list[str] = []
+
+    def free(self, pages) -> None:
+        self.callers.append(Path(sys._getframe(1).f_code.co_filename).name)
+        super().free(pages)
+
+
+def _hicache_manager(num_pages: int = 16) -> KVCacheManager:
+    pool = GQAKVPool(num_pages, 2, 1, 1, 4, torch.float32)
+    return KVCacheManager(num_pages, 2, 4, 64, hicache=HiCacheConfig(enabled=True), pool=pool)
+
+
+def _served(kv, tokens, rid):
+    r = Req(rid, list(tokens), SamplingParams(max_new_tokens=4), uid=hash(rid) % 1000)
+    assert kv.prepare(r, tokens) and kv.admit(r, tokens) and kv.grow(r, len(tokens))
+    r.kv_len = len(tokens)
+    return r
+
+
+def _radix_workload():
+    kv = make(num_pages=5)
+    a, b = prefill(kv, req(range(8), "a")), prefill(kv, req(range(8), "b"))  # the same blocks, twice
+    kv.release(a, 8)
+    kv.release(b, 8)  # b's pages duplicate a's: returned by insert, freed by the manager
+    c = prefill(kv, req([9] * 16, "c"))  # four pages: three free, one evicted
+    kv.free_quarantined(kv.quarantine(c))
+    d = prefill(kv, req([5] * 8, "d"))
+    kv.drop(d)
+    assert kv.num_evicted_pages == 1 and kv.flush()
+    kv.check([])
+    return kv
+
+
+def _hicache_workload():
+    kv = _hicache_manager()
+    tokens = list(range(3, 15))  # 6 pages of 2
+    first = _served(kv, tokens, "first")
+    kv.release(first, len(tokens))
+    assert kv.evict(6) == 6  # on host only now
+    hi = kv.hicache
+    assert hi is not None
+    gate = _delay_next_load(hi)
+    waiting = Req("waiting", list(tokens), SamplingParams(max_new_tokens=4), uid=1)
+    assert not kv.prepare(waiting, tokens)  # its load-back is in flight
+    again = Req("again", list(tokens), SamplingParams(max_new_tokens=4), uid=2)
+    assert kv.admit(again, tokens) and kv.grow(again, len(tokens))  # recomputes the same blocks meanwhile
+    again.kv_len = len(tokens)
+    kv.release(again, len(tokens))
+    gate.landed = True
+    hi.poll()  # as an eviction's poll would: the load lands, its copies are redundant
+    assert kv.pages_held([]) == 6  # held by the load until the manager frees them, and counted meanwhile
+    kv.check([])
+    assert kv.prepare(waiting, tokens) and kv.admit(waiting, tokens)
+    assert waiting.cached_len == len(tokens)
+    kv.drop(waiting)
+    assert kv.flush()
+    kv.check([])
+    return kv
+
+
+class _Gate:
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def _delay_next_load(hi):
+    """The next load-back lands only once the returned gate opens (a slow device copy)."""
+    real, gate = hi.host.load, _Gate()
+
+    def load(host_pages, device_pages):
+        hi.host.load = real
+        op = real(host_pages, device_pages)
+        op.event = gate
+        return op
+
+    hi.host.load = load
+    return gate
+
+
+@pytest.mark.parametrize("workload", [_radix_workload, _hicache_workload])
+def test_every_device_page_is_freed_by_the_manager(monkeypatch, workload):
+    monkeypatch.setattr(cache_manager, "PageAllocator", _RecordingAllocator)
+    kv = workload()
+    assert kv.allocator.num_free == kv.num_pages
+    callers = kv.allocator.callers
+    assert len(callers) >= 5 and set(callers) == {"cache_manager.py"}, callers

@@ -435,7 +435,7 @@ def test_prepare_loads_what_every_rank_holds_waits_while_one_is_busy_and_refuses
     assert kv.prepare(first, tokens) and kv.admit(first, tokens) and kv.grow(first, len(tokens))
     first.kv_len = len(tokens)
     kv.release(first, len(tokens))
-    assert kv.cache.evict(6) == 6  # every page now only in host memory
+    assert kv.evict(6) == 6  # every page now only in host memory
     second = new("second")
     peer[:] = [0, 6, 1]  # the peer is still loading these pages for another request: wait, load nothing
     assert not kv.prepare(second, tokens) and kv.hicache is not None and kv.hicache.num_loading_pages == 0
@@ -455,14 +455,18 @@ def test_prepare_loads_what_every_rank_holds_waits_while_one_is_busy_and_refuses
 def test_write_policies_decide_when_pages_go_down(policy, copies_after_insert, copies_after_two_hits):
     cache = _tiers(policy)
     tokens = list(range(6))
-    cache.insert(tokens, cache.allocator.alloc(3))
+    assert cache.insert(tokens, cache.allocator.alloc(3) or []).released == []
     assert cache.num_host_cached_pages == copies_after_insert
     for _ in range(2):
         cache.match_prefix(tokens)
-    cache.insert(tokens, cache.allocator.alloc(3))  # the same blocks again: duplicates freed
+    dup = cache.allocator.alloc(3) or []
+    assert cache.insert(tokens, dup).released == dup  # the same blocks again: duplicates returned
+    cache.allocator.free(dup)
     assert cache.num_host_cached_pages == copies_after_two_hits
     # Evicting every device page keeps every page findable on host (write-back demotes now).
-    assert cache.evict(3) == 3 and cache.allocator.num_free == 8
+    evicted = cache.evict(3)
+    assert len(evicted) == 3 and cache.allocator.num_free == 5
+    cache.allocator.free(evicted)
     match = cache.match_tiers(tokens)
     assert match.device.pages == [] and len(match.host) == 3
     cache.check_invariants()

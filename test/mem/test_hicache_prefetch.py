@@ -137,7 +137,7 @@ def test_abort_mid_prefetch_leaves_nothing_behind(served):
 def test_a_host_hit_shorter_than_break_even_is_recomputed(served):
     engine, hi, _, prompt, want = served
     engine.generate(input_ids=prompt, sampling_params=GREEDY)
-    hi.evict(hi.num_evictable_pages)  # off the device; the host copies (written through) stay
+    engine.scheduler.kv_manager.evict(hi.num_evictable_pages)  # off the device; the host copies stay
     assert hi.match_tiers(prompt[:-1]).host
     skipped = hi.counters.host_loads_skipped
     hi.costs.pinned_prefill = 1e15  # recomputing is "free": no load can beat it

@@ -7,7 +7,8 @@ from pdserve.mem.radix_cache import RadixCache, hash_block
 
 
 class Harness:
-    """Allocator + cache + the pages callers hold, with the page-conservation check."""
+    """Allocator + cache + the pages callers hold, with the page-conservation check. It frees
+    what the cache returns (as ``KVCacheManager`` does): the cache itself never frees a page."""
 
     def __init__(self, num_pages=64, page_size=4, disable=False):
         self.alloc = PageAllocator(num_pages)
@@ -22,10 +23,23 @@ class Harness:
         return pages
 
     def insert(self, tokens, pages):
-        n = self.cache.insert(tokens, pages)
-        self.held.difference_update(pages)  # the cache owns them now, whatever it did
+        result = self.cache.insert(tokens, pages)
+        self.alloc.free(result.released)
+        self.held.difference_update(pages)  # the cache owns them now, or they are free again
         self.check()
-        return n
+        return result.num_new
+
+    def evict(self, n):
+        pages = self.cache.evict(n)
+        self.alloc.free(pages)
+        return len(pages)
+
+    def reset(self):
+        pages = self.cache.reset()
+        if pages is None:
+            return False
+        self.alloc.free(pages)
+        return True
 
     def check(self):
         assert self.alloc.num_free + self.cache.num_cached_pages + len(self.held) == self.alloc.num_pages
@@ -121,13 +135,13 @@ def test_lock_prevents_eviction():
     m = h.cache.match_prefix(seq(3))
     h.cache.lock(m.node)
     assert h.cache.num_evictable_pages == 0
-    assert h.cache.evict(10) == 0
+    assert h.evict(10) == 0
     h.cache.lock(m.node)
     h.cache.unlock(m.node)
-    assert h.cache.evict(10) == 0
+    assert h.evict(10) == 0
     h.cache.unlock(m.node)
     assert h.cache.num_evictable_pages == 3
-    assert h.cache.evict(10) == 3
+    assert h.evict(10) == 3
     h.check()
     assert h.alloc.num_free == 64
 
@@ -138,7 +152,7 @@ def test_lock_on_inner_node_protects_ancestors_only():
     m = h.cache.match_prefix(seq(2))
     h.cache.lock(m.node)
     assert h.cache.num_evictable_pages == 2
-    assert h.cache.evict(10) == 2  # the two blocks below the locked node
+    assert h.evict(10) == 2  # the two blocks below the locked node
     assert h.cache.match_prefix(seq(4)).num_tokens == 2
     h.cache.unlock(m.node)
     h.check()
@@ -155,11 +169,28 @@ def test_unlock_below_zero_raises():
     h.check()
 
 
+def test_the_cache_returns_pages_and_never_frees_them():
+    h = Harness(page_size=2)
+    a = h.take(3)
+    h.insert(seq(6), a)
+    b = h.take(3)  # the same three blocks computed again
+    assert h.cache.insert(seq(6), b).released == b
+    assert not any(h.alloc.is_free(p) for p in b)  # returned, not freed: the caller frees
+    h.alloc.free(b)
+    h.held.difference_update(b)
+    evicted = h.cache.evict(2)
+    assert evicted == a[1:][::-1] and not any(h.alloc.is_free(p) for p in evicted)
+    h.alloc.free(evicted)
+    assert h.cache.reset() == [a[0]] and not h.alloc.is_free(a[0])
+    h.alloc.free([a[0]])
+    h.check()
+
+
 def test_locking_an_evicted_node_raises():
     h = Harness(page_size=1)
     h.insert(seq(2), h.take(2))
     m = h.cache.match_prefix(seq(2))
-    h.cache.evict(1)
+    h.evict(1)
     with pytest.raises(RuntimeError, match="no longer in the cache"):
         h.cache.lock(m.node)
     h.check()
@@ -170,10 +201,10 @@ def test_lru_order():
     for start in (0, 100, 200):  # three disjoint 1-page sequences
         h.insert(seq(2, start), h.take(1))
     h.cache.match_prefix(seq(2, 0))  # 0 is now the most recent, 100 the least
-    assert h.cache.evict(1) == 1
+    assert h.evict(1) == 1
     assert h.cache.match_prefix(seq(2, 100)).num_tokens == 0
     assert h.cache.match_prefix(seq(2, 0)).num_tokens == 2  # touches 0 again
-    assert h.cache.evict(1) == 1
+    assert h.evict(1) == 1
     assert h.cache.match_prefix(seq(2, 200)).num_tokens == 0
     assert h.cache.match_prefix(seq(2, 0)).num_tokens == 2
     h.check()
@@ -183,7 +214,7 @@ def test_evict_cascades_to_parents():
     h = Harness(page_size=1)
     h.insert([1, 2, 3], h.take(3))  # chain 1-2-3, oldest
     h.insert([9], h.take(1))  # newer leaf
-    assert h.cache.evict(3) == 3  # the whole old chain goes before the newer leaf
+    assert h.evict(3) == 3  # the whole old chain goes before the newer leaf
     assert h.cache.match_prefix([1]).num_tokens == 0
     assert h.cache.match_prefix([9]).num_tokens == 1
     h.check()
@@ -194,9 +225,9 @@ def test_evict_shared_prefix_parent_waits_for_all_children():
     h.insert([1, 2], h.take(2))
     h.insert([1, 3], h.take(2))  # block [1] is a duplicate
     assert h.cache.num_cached_pages == 3
-    assert h.cache.evict(2) == 2  # two leaves, parent [1] stays
+    assert h.evict(2) == 2  # two leaves, parent [1] stays
     assert h.cache.match_prefix([1]).num_tokens == 1
-    assert h.cache.evict(5) == 1
+    assert h.evict(5) == 1
     assert h.cache.num_cached_pages == 0
     h.check()
 
@@ -206,10 +237,10 @@ def test_reset_refused_while_locked():
     h.insert(seq(6), h.take(3))
     m = h.cache.match_prefix(seq(4))
     h.cache.lock(m.node)
-    assert h.cache.reset() is False
+    assert h.reset() is False
     assert h.cache.num_cached_pages == 3
     h.cache.unlock(m.node)
-    assert h.cache.reset() is True
+    assert h.reset() is True
     assert h.cache.num_cached_pages == 0
     assert h.alloc.num_free == 64
     with pytest.raises(RuntimeError, match="no longer in the cache"):
@@ -224,7 +255,7 @@ def test_root_lock_survives_reset():
     assert miss.node is h.cache.root
     h.cache.lock(miss.node)
     assert h.cache.num_evictable_pages == 2
-    assert h.cache.reset() is True  # no cached page is locked
+    assert h.reset() is True  # no cached page is locked
     h.cache.unlock(miss.node)
     h.check()
 
@@ -288,11 +319,11 @@ def test_evict_thousands_of_nodes_is_fast():
     for _ in range(1000):
         toks = [rng.randrange(50) for _ in range(8)]
         m = h.cache.match_prefix(toks)
-        h.cache.insert(toks, m.pages + h.alloc.alloc(8 - m.num_tokens))
+        h.alloc.free(h.cache.insert(toks, m.pages + h.alloc.alloc(8 - m.num_tokens)).released)
     assert h.cache.num_cached_pages > 5000
     h.check()
     t = time.perf_counter()
-    while h.cache.evict(7):
+    while h.evict(7):
         pass
     assert time.perf_counter() - t < 2.0
     assert h.cache.num_cached_pages == 0 and h.alloc.num_free == 8192
@@ -314,7 +345,7 @@ def test_randomized_page_conservation(seed, page_size):
             h.cache.lock(m.node)
             need = len(tokens) // page_size - len(m.pages)
             if h.alloc.num_free < need:
-                h.cache.evict(need - h.alloc.num_free)
+                h.evict(need - h.alloc.num_free)
             own = h.alloc.alloc(need)
             if own is None:
                 h.cache.unlock(m.node)
@@ -327,10 +358,10 @@ def test_randomized_page_conservation(seed, page_size):
             h.insert(tokens[:full], m.pages + own)  # borrowed pages come back as "same page"
             h.cache.unlock(m.node)
         elif op < 0.95:
-            h.cache.evict(rng.randrange(1, 8))
+            h.evict(rng.randrange(1, 8))
         else:
             locked = bool(running)
-            assert h.cache.reset() is (not locked or all(r[1].node is h.cache.root for r in running))
+            assert h.reset() is (not locked or all(r[1].node is h.cache.root for r in running))
         h.check()
         assert h.cache.num_evictable_pages <= h.cache.num_cached_pages
     for _tokens, m, own in running:
@@ -338,5 +369,5 @@ def test_randomized_page_conservation(seed, page_size):
         h.held.difference_update(own)
         h.cache.unlock(m.node)
     h.check()
-    assert h.cache.reset()
+    assert h.reset()
     assert h.alloc.num_free == h.alloc.num_pages

@@ -99,6 +99,8 @@ class TokenOutput:
     timeline: dict[str, float] | None = None
     # cached_tokens split by tier: {"device": n, "host": n, "storage": n}
     cached_tokens_by_tier: dict[str, int] | None = None
+    # A decode server's own prefix-cache hit (Req.decode_cached_tokens); None elsewhere
+    decode_cached_tokens: int | None = None
 
 
 @dataclass
@@ -151,7 +153,7 @@ class RoleSwitchResp:
     busy: bool = False
 
 
-# Every message above; the frontend and scheduler codecs carry these (scheduler_process.FRONTEND_CODEC).
+# Every message above; the frontend and scheduler codecs carry these (scheduler_loop.FRONTEND_CODEC).
 MESSAGES: tuple[type, ...] = (
     TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheResp, GetStatsReq, KVEventsSnapshotReq,
     KVEventsSnapshotResp, StatsResp, RejectedReq, BatchTokenOutput, SchedulerReady, SchedulerFailed, ShutdownReq,

@@ -43,24 +43,12 @@ import zmq
 
 from pdserve.distributed.groups import RankGroups
 from pdserve.distributed.rank_layout import RankLayout
+from pdserve.engine import io_struct as io
 from pdserve.engine.codec import Codec, CodecError, DropCounter, Values
-from pdserve.engine.io_struct import (
-    AbortReq,
-    BatchTokenOutput,
-    FlushCacheReq,
-    FlushCacheResp,
-    GetStatsReq,
-    KVEventsSnapshotReq,
-    KVEventsSnapshotResp,
-    RejectedReq,
-    ShutdownReq,
-    StatsResp,
-    TokenizedGenerateReq,
-)
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch, build_model_runner
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp, RankMemory
 from pdserve.engine.sampler import Sampler, SampleResult
-from pdserve.engine.scheduler_process import FRONTEND_CODEC, send_message
+from pdserve.engine.scheduler_loop import FRONTEND_CODEC, send_message
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -285,7 +273,7 @@ class RankSchedulerLoop:
     leaders). ``run`` returns after a ShutdownReq reached every rank, or once rank 0's
     parent is gone; an exception (a peer died mid-collective, a lock-step error) propagates.
 
-    Extension points (a disaggregation mode's I/O uses them, ``engine/mode_io.py``):
+    Extension points (a disaggregation mode's I/O uses them, ``disagg/mode_io.py``):
     ``add_inbox(sock, decode)`` (rank 0) reads another socket the same way;
     ``on(msg_type, handler, wakes)`` registers a handler for another message type. Every rank
     calls the handler with the same message at the same point of its loop, so anything that
@@ -311,10 +299,10 @@ class RankSchedulerLoop:
         self.inbound: Inbound | None = None
         self.dp_loads: list[int] = [0] * self.layout.dp_size
         self.handlers: dict[type, Callable] = {
-            TokenizedGenerateReq: self._add, AbortReq: self._abort, GetStatsReq: self._stats,
-            FlushCacheReq: self._flush, CheckMemoryReq: self._check_memory, ShutdownReq: self._stop,
-            KVEventsSnapshotReq: self._kv_snapshot}
-        self.waking: set[type] = {TokenizedGenerateReq}
+            io.TokenizedGenerateReq: self._add, io.AbortReq: self._abort, io.GetStatsReq: self._stats,
+            io.FlushCacheReq: self._flush, CheckMemoryReq: self._check_memory, io.ShutdownReq: self._stop,
+            io.KVEventsSnapshotReq: self._kv_snapshot}
+        self.waking: set[type] = {io.TokenizedGenerateReq}
 
     def on(self, msg_type: type, handler: Callable, wakes: bool = False) -> None:
         """``wakes``: a message of this type makes every rank step in the iteration it arrives."""
@@ -351,7 +339,7 @@ class RankSchedulerLoop:
         outputs = self.scheduler.step()
         self.scheduler.runner.end_step()
         if outputs and self.layout.is_dp_leader:
-            send_message(self.outbox, BatchTokenOutput(outputs))
+            send_message(self.outbox, io.BatchTokenOutput(outputs))
 
     def handle(self, msg) -> None:
         handler = self.handlers.get(type(msg))
@@ -367,7 +355,7 @@ class RankSchedulerLoop:
             return []
         wait = self._wait_ms()
         if wait and not self.poller.poll(wait):
-            return [self.control.codec.encode(ShutdownReq())] if self._parent_gone() else []
+            return [self.control.codec.encode(io.ShutdownReq())] if self._parent_gone() else []
         frames = []
         for sock, decode in self.inboxes:
             while True:
@@ -410,7 +398,7 @@ class RankSchedulerLoop:
         return gone
 
     # --------------------------------------------------------- handlers
-    def _add(self, msg: TokenizedGenerateReq) -> None:
+    def _add(self, msg: io.TokenizedGenerateReq) -> None:
         owner = pick_dp_rank(self.dp_loads)
         self.dp_loads[owner] += 1
         if owner != self.layout.dp_rank:
@@ -421,15 +409,15 @@ class RankSchedulerLoop:
                                        group=msg.group)
         except ValueError as e:
             if self.layout.is_dp_leader:
-                send_message(self.outbox, RejectedReq(msg.rid, str(e)))
+                send_message(self.outbox, io.RejectedReq(msg.rid, str(e)))
 
-    def _abort(self, msg: AbortReq) -> None:
+    def _abort(self, msg: io.AbortReq) -> None:
         for rid in list(self.scheduler.reqs) if msg.abort_all else [msg.rid]:
             self.scheduler.abort(rid)
 
-    def _stats(self, _msg: GetStatsReq) -> None:
+    def _stats(self, _msg: io.GetStatsReq) -> None:
         every = self.control.gather(self.scheduler.stats())
-        self._reply(lambda: StatsResp(self._merged_stats(every)))
+        self._reply(lambda: io.StatsResp(self._merged_stats(every)))
 
     def _merged_stats(self, every: list[dict]) -> dict:
         """One server's stats: each attention group's leader speaks for its group, except for the
@@ -449,14 +437,14 @@ class RankSchedulerLoop:
         merged["rank_pages"] = [{k: s[k] for k in ("total_pages", "free_pages", "cached_pages")} for s in every]
         return merged
 
-    def _kv_snapshot(self, _msg: KVEventsSnapshotReq) -> None:
+    def _kv_snapshot(self, _msg: io.KVEventsSnapshotReq) -> None:
         # rank 0 alone publishes KV events (its attention group's cache is the server's)
         if self.layout.is_leader:
-            self._reply(lambda: KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
+            self._reply(lambda: io.KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
 
-    def _flush(self, _msg: FlushCacheReq) -> None:
+    def _flush(self, _msg: io.FlushCacheReq) -> None:
         every = self.control.gather(bool(self.scheduler.flush_cache()))
-        self._reply(lambda: FlushCacheResp(all(every)))
+        self._reply(lambda: io.FlushCacheResp(all(every)))
 
     def _check_memory(self, _msg: CheckMemoryReq) -> None:
         s = self.scheduler
@@ -470,7 +458,7 @@ class RankSchedulerLoop:
         every = self.control.gather(mine, RankMemory)
         self._reply(lambda: CheckMemoryResp(every))
 
-    def _stop(self, _msg: ShutdownReq) -> None:
+    def _stop(self, _msg: io.ShutdownReq) -> None:
         self.stopped = True
 
     def _reply(self, make) -> None:

@@ -221,6 +221,9 @@ class Req:
         # first admission's split, reported in meta_info beside cached_tokens
         self.cached_by_tier: dict[str, int] = {}
         self.cached_by_tier_reported: dict[str, int] | None = None
+        # On a decode server: its own prefix-cache hit (prompt tokens it did not ask prefill for),
+        # reported in meta_info beside prefill's cached_tokens; None elsewhere
+        self.decode_cached_tokens: int | None = None
         self.num_retractions = 0
         self.generator: torch.Generator | None = None  # torch.Generator for seeded sampling, created by the scheduler
         self.logprob: ReqLogprobs | None = None  # input logprob state, set by the scheduler if asked

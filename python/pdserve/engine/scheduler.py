@@ -470,7 +470,7 @@ class Scheduler:
         by_tier = req.cached_by_tier_reported or {"device": req.cached_tokens_reported, "host": 0, "storage": 0}
         out = TokenOutput(req.rid, new_ids, logprobs, req.finished, req.finish_reason, req.prompt_len,
                           len(req.output_ids), req.cached_tokens_reported, top_logprobs,
-                          cached_tokens_by_tier=by_tier)
+                          cached_tokens_by_tier=by_tier, decode_cached_tokens=req.decode_cached_tokens)
         taken = req.logprob.take_input() if req.logprob is not None else None
         if taken is not None:
             out.input_token_logprobs, out.input_top_logprobs = taken

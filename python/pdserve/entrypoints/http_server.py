@@ -35,21 +35,19 @@ from pdserve.entrypoints.role_switch import RoleSwitcher
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.web.api_key import (
-    AccessMiddleware,
     admin_refusal,
-    check_classified,
     holds_admin_key,
     may_administer,
     owner_of_scope,
     warn_if_unauthenticated,
 )
+from pdserve.web.app import add_error_handlers, guard_routes
 from pdserve.web.errors import (
     ErrorResponse,
     RequestError,
     RoleChanged,
     ServerError,
     error_body,
-    error_response,
     parse_body,
     read_body,
 )
@@ -90,15 +88,12 @@ class ServerContext:
 # ------------------------------------------------------------------ app
 def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, redoc_url=None)
-    # Starlette types every handler as taking Exception; this one is registered for RequestError only.
-    app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
+    add_error_handlers(app, timeout_message="timed out waiting for the scheduler")
     app.add_exception_handler(RoleChanged, lambda _r, e: _role_changed(ctx, e))
-    app.add_exception_handler(Exception, _internal_error)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
-    check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]  # every route has one
-    app.add_middleware(AccessMiddleware, api_key=ctx.args.api_key, admin_api_key=ctx.args.admin_api_key)
+    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
     return app
 
@@ -298,17 +293,6 @@ def _role_changed(ctx: ServerContext, exc: RequestError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=_role_headers(ctx))
 
 
-async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
-    return error_response(exc)
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, asyncio.TimeoutError):
-        return JSONResponse(error_body("timed out waiting for the scheduler", 503), status_code=503)
-    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
-
-
 # --------------------------------------------------------------- launch
 def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
                   model_config: ModelConfig | None = None) -> int:
@@ -333,8 +317,8 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
         return 1
     warn_if_unauthenticated(args.host, args.api_key, args.admin_api_key, "the server")
     metrics = ServerMetrics(args.served_model_name or args.model_path)
-    metrics.set_role(args.disaggregation_mode)
     tm = TokenizerManager(args, tokenizer, metrics, stream_interval=args.stream_interval)
+    tm.live_role.watch(metrics.set_role)  # the pd_role gauge follows every switch
     roles = None
     if args.disaggregation_mode != "null":
         roles = RoleSwitcher(args, tm, metrics, lambda: _open_registry(args).stop,
@@ -358,13 +342,9 @@ def start_bootstrap_server(args: ServerArgs):
 
 
 def _open_registry(args: ServerArgs):
-    from pdserve.disagg.auth import peer_auth
-    from pdserve.disagg.bootstrap import BootstrapServer
+    from pdserve.disagg.bootstrap import open_registry
 
-    auth = peer_auth(args.disagg_config())
-    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port, auth).start()
-    logger.info("bootstrap registry on %s:%d", args.host, server.port)
-    return server
+    return open_registry(args)
 
 
 async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float) -> int:

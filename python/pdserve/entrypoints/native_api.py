@@ -87,6 +87,8 @@ def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: Token
             "cached_tokens": c.cached_tokens, "finish_reason": c.finish_reason}
     if c.cached_tokens_by_tier is not None:
         meta["cached_tokens_by_tier"] = c.cached_tokens_by_tier
+    if c.decode_cached_tokens is not None:  # a decode server: its own hit, beside prefill's cached_tokens
+        meta["decode_cached_tokens"] = c.decode_cached_tokens
     if c.timeline is not None:
         meta["timeline"] = c.timeline
     if item.job.return_logprob:

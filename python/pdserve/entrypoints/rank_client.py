@@ -17,25 +17,13 @@ import weakref
 import zmq
 
 from pdserve.config import ModelConfig, ServerArgs
+from pdserve.engine import io_struct as io
 from pdserve.engine.codec import DropCounter
-from pdserve.engine.io_struct import (
-    AbortReq,
-    BatchTokenOutput,
-    FlushCacheReq,
-    FlushCacheResp,
-    GetStatsReq,
-    RejectedReq,
-    SchedulerFailed,
-    SchedulerReady,
-    ShutdownReq,
-    StatsResp,
-    TokenizedGenerateReq,
-    TokenOutput,
-)
 from pdserve.engine.node_sockets import frontend_sockets
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp
 from pdserve.engine.request import RequestLimits, SamplingParams, check_scheduler_request
-from pdserve.engine.scheduler_process import RankProcesses, SchedulerEndpoints, recv_message, send_message
+from pdserve.engine.scheduler_loop import SchedulerEndpoints, recv_message, send_message
+from pdserve.entrypoints.scheduler_process import RankProcesses
 
 STARTUP_TIMEOUT_S = 600.0
 STEP_POLL_MS = 50
@@ -61,7 +49,7 @@ class RankClient:
         self._recv = self._binder.bind(self._ctx, zmq.PULL, endpoints.to_frontend)
         self.drops = DropCounter("engine")
         self._replies: list = []  # control replies not yet taken
-        self._outputs: list[TokenOutput] = []  # outputs not yet returned by step()
+        self._outputs: list[io.TokenOutput] = []  # outputs not yet returned by step()
         self._rejected: list[tuple[str, str]] = []
         self.ranks = RankProcesses(args, endpoints, self._tmpdir)
         self._closed = False
@@ -84,20 +72,20 @@ class RankClient:
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
-        send_message(self._send, TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
+        send_message(self._send, io.TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
                                                       top_logprobs_num))
         self.reqs[rid] = None
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
         if rid not in self.reqs:
             return False
-        send_message(self._send, AbortReq(rid))
+        send_message(self._send, io.AbortReq(rid))
         return True
 
     def has_work(self) -> bool:
         return bool(self.reqs)
 
-    def step(self) -> list[TokenOutput]:
+    def step(self) -> list[io.TokenOutput]:
         self._pump(STEP_POLL_MS)
         outputs, self._outputs = self._outputs, []
         for o in outputs:
@@ -112,10 +100,10 @@ class RankClient:
         return outputs
 
     def stats(self) -> dict:
-        return self._control(GetStatsReq(), StatsResp).stats
+        return self._control(io.GetStatsReq(), io.StatsResp).stats
 
     def flush_cache(self) -> bool:
-        return self._control(FlushCacheReq(), FlushCacheResp).success
+        return self._control(io.FlushCacheReq(), io.FlushCacheResp).success
 
     def check_memory(self) -> CheckMemoryResp:
         """Every rank's page accounting; raises RuntimeError naming the ranks whose check failed."""
@@ -131,7 +119,7 @@ class RankClient:
         if self._closed:
             return
         self._closed = True
-        self.ranks.stop(send_shutdown=lambda: send_message(self._send, ShutdownReq(), zmq.NOBLOCK))
+        self.ranks.stop(send_shutdown=lambda: send_message(self._send, io.ShutdownReq(), zmq.NOBLOCK))
         for sock in (self._send, self._recv):
             sock.close(linger=0)
         self._binder.close()
@@ -139,14 +127,14 @@ class RankClient:
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # -------------------------------------------------------------------- helpers
-    def _wait_ready(self, timeout: float) -> SchedulerReady:
+    def _wait_ready(self, timeout: float) -> io.SchedulerReady:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._recv.poll(250):
                 msg = recv_message(self._recv, self.drops)
-                if isinstance(msg, SchedulerReady):
+                if isinstance(msg, io.SchedulerReady):
                     return msg
-                if isinstance(msg, SchedulerFailed):
+                if isinstance(msg, io.SchedulerFailed):
                     raise RuntimeError(f"scheduler failed to start: {msg.message}")
             elif not self.ranks.is_alive():
                 raise RuntimeError(f"{self.ranks.describe_exit()} during startup")
@@ -163,11 +151,11 @@ class RankClient:
                 return
             if msg is None:
                 continue
-            if isinstance(msg, BatchTokenOutput):
+            if isinstance(msg, io.BatchTokenOutput):
                 self._outputs += msg.outputs
-            elif isinstance(msg, RejectedReq):
+            elif isinstance(msg, io.RejectedReq):
                 self._rejected.append((msg.rid, msg.message))
-            elif isinstance(msg, SchedulerFailed):
+            elif isinstance(msg, io.SchedulerFailed):
                 raise RuntimeError(f"scheduler failed: {msg.message}")
             else:
                 self._replies.append(msg)

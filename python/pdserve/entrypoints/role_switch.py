@@ -78,7 +78,6 @@ class RoleSwitcher:
             self.draining = None
         seconds = time.monotonic() - started
         self.metrics.observe_role_switch(req.target_role, "done")
-        self.metrics.set_role(self.tm.role)
         self.history.append({"role": self.tm.role, "from": source, "seconds": seconds, "at": time.time()})
         logger.info("role switch %s -> %s done in %.2f s", source, self.tm.role, seconds)
         return {"success": True, "role": self.tm.role, "previous_role": source, "seconds": round(seconds, 3),

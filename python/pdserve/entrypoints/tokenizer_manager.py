@@ -58,17 +58,12 @@ from pdserve.engine.io_struct import (
 )
 from pdserve.engine.node_sockets import FrontendSockets, frontend_sockets
 from pdserve.engine.request import RequestLimits, SamplingParams, check_request, finish_abort
-from pdserve.engine.scheduler_process import (
-    RankProcesses,
-    SchedulerEndpoints,
-    SchedulerProcess,
-    decode_frame,
-    scheduler_processes,
-    send_message,
-)
+from pdserve.engine.scheduler_loop import SchedulerEndpoints, decode_frame, send_message
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.entrypoints.logprobs import TokenTexts
+from pdserve.entrypoints.scheduler_process import RankProcesses, SchedulerProcess, scheduler_processes
 from pdserve.obs.metrics import ServerMetrics
+from pdserve.obs.role import LiveRole
 from pdserve.obs.timeline import ReqTimeline
 from pdserve.web.api_key import request_owner
 from pdserve.web.errors import RequestError, RoleChanged, ServerError
@@ -115,6 +110,7 @@ class GenerateChunk:
     input_top_logprobs: list | None = None
     timeline: dict | None = None  # TTFT breakdown (obs.timeline.STAGES), once the first token is out
     cached_tokens_by_tier: dict | None = None  # cached_tokens split by tier (device, host, storage)
+    decode_cached_tokens: int | None = None  # a decode server's own prefix-cache hit
 
 
 @dataclass(eq=False)
@@ -166,7 +162,7 @@ class TokenizerManager:
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._snapshot_waiters: deque[asyncio.Future] = deque()
         self._switch_waiters: deque[asyncio.Future] = deque()
-        self.role = args.disaggregation_mode  # the P/D role now (POST /pd_role_switch changes it)
+        self.live_role = LiveRole(args.disaggregation_mode)  # POST /pd_role_switch changes it
         self.last_admit = 0.0  # time.monotonic() of the last request admitted (a role switch waits for quiet)
         self._role_gate: asyncio.Event | None = None  # cleared while the scheduler switches roles
         self._ids = itertools.count()
@@ -179,6 +175,11 @@ class TokenizerManager:
         self._binder: FrontendSockets | None = None
         self.drops = DropCounter("frontend")  # frames from the scheduler side that were none of our messages
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
+
+    @property
+    def role(self) -> str:
+        """The P/D role now (``live_role``'s value)."""
+        return self.live_role.value
 
     # Set by ``start``; the HTTP server serves only after it returned.
     @property
@@ -407,13 +408,15 @@ class TokenizerManager:
         if len(outs) == 1 and not state.return_logprob:  # the common streaming case, kept cheap
             return GenerateChunk(state.rid, "", last.new_token_ids, None, last.finished, last.finish_reason,
                                  last.prompt_tokens, last.completion_tokens, last.cached_tokens, timeline=stages,
-                                 cached_tokens_by_tier=last.cached_tokens_by_tier)
+                                 cached_tokens_by_tier=last.cached_tokens_by_tier,
+                                 decode_cached_tokens=last.decode_cached_tokens)
         ids: list[int] = []
         for o in outs:
             ids += o.new_token_ids
         chunk = GenerateChunk(state.rid, "", ids, None, last.finished, last.finish_reason, last.prompt_tokens,
                               last.completion_tokens, last.cached_tokens, timeline=stages,
-                              cached_tokens_by_tier=last.cached_tokens_by_tier)
+                              cached_tokens_by_tier=last.cached_tokens_by_tier,
+                              decode_cached_tokens=last.decode_cached_tokens)
         if state.return_logprob:
             _add_logprobs(chunk, outs)
         return chunk
@@ -447,7 +450,7 @@ class TokenizerManager:
         try:
             resp: RoleSwitchResp = await self._control(RoleSwitchReq(target), self._switch_waiters)
             if resp.success:
-                self.role = resp.role
+                self.live_role.set(resp.role)
             return resp
         finally:
             gate.set()

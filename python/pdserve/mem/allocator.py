@@ -10,8 +10,8 @@ class PageAllocator:
     """Hands out page ids ``0 .. num_pages - 1``.
 
     Ownership: a page returned by :meth:`alloc` belongs to the caller until the
-    caller passes it to :meth:`free` (directly, or by handing it to an owner that
-    frees it, such as the radix cache). Freeing a page that is already free, or
+    caller passes it to :meth:`free`. Device pages are freed only by
+    ``KVCacheManager`` (the caches return pages to it; see mem/README.md). Freeing a page that is already free, or
     an id outside the pool, raises ``RuntimeError``: a double free means two
     owners believed they held the page, which must never pass silently.
 

@@ -2,28 +2,30 @@
 
 The scheduler and every disaggregation mode go through ``KVCacheManager``; none of them calls
 the allocator, the request -> slot table or the radix cache's locks directly, so a cache tier
-(host memory, storage) can later be added here without touching the loop or the modes.
+(host memory, storage) can later be added here without touching the loop or the modes. The
+caches below it never free a device page either: they return what they let go of, and this
+module (with the allocator itself) is the only code that calls the device allocator's ``free``
+(test/mem/test_cache_manager.py checks both). See mem/README.md.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.hicache_storage import StorageLeg
-from pdserve.mem.hiradix_cache import HiRadixCache, LoadHandle
+from pdserve.mem.hiradix_cache import PROBE_PAGES, HiRadixCache, LoadHandle
 from pdserve.mem.host_pool import HostKVPool, host_page_bytes
-from pdserve.mem.kv_events import KVEventSink
 from pdserve.mem.page_table import ReqToTokenTable
 from pdserve.mem.radix_cache import RadixCache, RadixNode
+from pdserve.obs.kv_events import KVEventSink
 
 if TYPE_CHECKING:
     import torch
 
     from pdserve.config import HiCacheConfig
-    from pdserve.engine.request import Req
     from pdserve.mem.kv_pool import KVPool
 
 TIERS = ("device", "host", "storage")
@@ -33,6 +35,25 @@ DEFAULT_STORAGE_GB = 4.0  # --hicache-storage-size-gb 0
 AgreeFn = Callable[[list[int]], list[list[int]]]
 
 
+class ReqMemory(Protocol):
+    """The memory fields of a request (``engine.request.Req`` has them and documents them),
+    declared here so that mem/ needs nothing from the engine above it."""
+
+    rid: str
+    uid: int | None
+    fill_ids: list[int]
+    row: int | None
+    cache_node: RadixNode | None
+    pages: list[int]
+    num_cached_pages: int
+    kv_len: int
+    cached_len: int
+    cached_by_tier: dict[str, int]
+
+    @property
+    def table_row(self) -> int: ...
+
+
 class HitDivergedError(RuntimeError):
     """Ranks in lock step found different device prefixes for one request: their states diverged."""
 
@@ -40,7 +61,7 @@ class HitDivergedError(RuntimeError):
 class KVCacheManager:
     """Pages move allocator -> request -> radix cache -> allocator, and only through here.
 
-    A request's memory (the fields ``Req`` documents: ``row``, ``cache_node``, ``pages``,
+    A request's memory (the fields ``engine.request.Req`` documents: ``row``, ``cache_node``, ``pages``,
     ``num_cached_pages``, ``kv_len``, ``cached_len``) has one life:
 
     * ``admit(req, tokens)``: a table row and the longest cached prefix of ``tokens``, locked
@@ -77,7 +98,7 @@ class KVCacheManager:
                  pool: KVPool | None = None, storage_compat: Mapping[str, object] | None = None):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        # Evicted pages come back here, not to the allocator behind the manager's back.
+        # The cache returns the pages it lets go of (evicted, duplicates, flushed); freed here only.
         self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool, storage_compat)
         self.table = ReqToTokenTable(max_reqs, max_context_len, page_size)
         self._quarantined: set[int] = set()
@@ -89,14 +110,19 @@ class KVCacheManager:
     def _make_cache(self, disable: bool, hicache: HiCacheConfig | None, pool: KVPool | None,
                     compat: Mapping[str, object] | None) -> RadixCache:
         if hicache is None or not hicache.enabled:
-            return RadixCache(self.allocator, self.page_size, disable=disable, on_evict=self._evicted)
+            return RadixCache(self.allocator, self.page_size, disable=disable)
         if pool is None:
             raise ValueError("enable_hierarchical_cache: the host tier needs the device KV pool")
         host = HostKVPool(pool, hicache.num_host_pages(self.allocator.num_pages, host_page_bytes(pool)),
                           hicache.mem_layout)
         storage = self._make_storage(hicache, compat) if hicache.storage_backend else None
-        return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, on_evict=self._evicted,
-                            storage=storage, prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s())
+        # Lent for the start-up copy timing only: the cache writes into them and keeps none.
+        probe = self.allocator.alloc(min(PROBE_PAGES, self.allocator.num_free)) or []
+        try:
+            return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, storage=storage,
+                                prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s(), probe_pages=probe)
+        finally:
+            self.allocator.free(probe)
 
     def _make_storage(self, hicache: HiCacheConfig, compat: Mapping[str, object] | None) -> StorageLeg:
         from pdserve.mem.storage import create_page_store, namespace
@@ -166,7 +192,7 @@ class KVCacheManager:
         return n <= self.allocator.num_free + self.cache.num_evictable_pages
 
     # -------------------------------------------------------------- load-back
-    def prepare(self, req: Req, tokens: Sequence[int]) -> bool:
+    def prepare(self, req: ReqMemory, tokens: Sequence[int]) -> bool:
         """Before ``admit``: True when ``req`` may be admitted now. When the cached prefix of
         ``tokens`` continues in host memory (or storage), loads it into fresh device pages and
         answers False until the copy has landed (no layer may read KV that has not arrived).
@@ -177,6 +203,7 @@ class KVCacheManager:
         hi.poll()
         handle = self._loads.get(req.uid)
         if handle is not None:
+            self._free_redundant(handle)
             return handle.finished  # the same on every rank: their copies complete in lock step
         match = hi.match_tiers(tokens)
         from_storage: int | None = 0
@@ -202,7 +229,7 @@ class KVCacheManager:
         # Storage pages continue the host ones: those of the first ``take`` that came from storage.
         return self._start_load(req, hi, match.host[:take], max(0, take - (host - from_storage)))
 
-    def _agreed_hit(self, req: Req, device: int, host: int, busy: bool) -> int | None:
+    def _agreed_hit(self, req: ReqMemory, device: int, host: int, busy: bool) -> int | None:
         """Pages of ``req``'s prefix every rank holds (device, then host/storage), None while any
         rank must wait for a load in flight. One rank: its own."""
         if self._agree is None:
@@ -215,7 +242,7 @@ class KVCacheManager:
                                    f"{[d for d, _, _ in rows]} pages: their KV caches diverged")
         return min(d + h for d, h, _ in rows)
 
-    def _start_load(self, req: Req, hi: HiRadixCache, nodes: list[RadixNode], from_storage: int) -> bool:
+    def _start_load(self, req: ReqMemory, hi: HiRadixCache, nodes: list[RadixNode], from_storage: int) -> bool:
         hi.lock(nodes[-1])  # before reserving: the eviction it may cause must spare this path
         pages = self._reserve(len(nodes))
         if pages is None:
@@ -226,7 +253,7 @@ class KVCacheManager:
         self._loads[req.uid] = handle
         return handle.finished
 
-    def forget(self, req: Req) -> None:
+    def forget(self, req: ReqMemory) -> None:
         """``req`` will never be admitted (aborted while waiting): give up its load-back. A copy
         in flight is waited for, so its pages land in the cache instead of leaking."""
         handle = self._loads.pop(req.uid, None)
@@ -238,20 +265,28 @@ class KVCacheManager:
         if not handle.finished:
             handle.op.wait()
             hi.poll()
+        self._free_redundant(handle)
         hi.unlock(handle.nodes[-1])
 
-    def _take_load(self, req: Req) -> tuple[int, int]:
+    def _free_redundant(self, handle: LoadHandle) -> None:
+        """Free the pages of a load whose blocks were recomputed and cached while it ran."""
+        if handle.redundant:
+            self.allocator.free(handle.redundant)
+            handle.redundant = []
+
+    def _take_load(self, req: ReqMemory) -> tuple[int, int]:
         """After ``admit`` locked the prefix: drop the load's own lock; tokens it brought up
         from host memory and, of those, first from storage."""
         handle = self._loads.pop(req.uid, None)
         if handle is None:
             return 0, 0
         assert self.hicache is not None and handle.finished
+        self._free_redundant(handle)
         self.hicache.unlock(handle.nodes[-1])
         return len(handle.nodes) * self.page_size, handle.storage_pages * self.page_size
 
     # -------------------------------------------------------------- admission
-    def admit(self, req: Req, tokens: Sequence[int]) -> bool:
+    def admit(self, req: ReqMemory, tokens: Sequence[int]) -> bool:
         """A table row and the cached prefix of ``tokens`` (locked); False (nothing taken) when
         no row is free. Sets ``kv_len = cached_len`` to the hit and writes its slots."""
         if req.row is not None:
@@ -272,14 +307,14 @@ class KVCacheManager:
         req.cached_by_tier = {"device": req.cached_len - loaded, "host": loaded - stored, "storage": stored}
         return True
 
-    def unadmit(self, req: Req) -> None:
+    def unadmit(self, req: ReqMemory) -> None:
         """Undo ``admit`` of a request that took no pages of its own."""
         if len(req.pages) != req.num_cached_pages:
             raise RuntimeError(f"unadmit: {req.rid} holds {len(req.pages) - req.num_cached_pages} pages of its own")
         self._unpin(req, "unadmit")
 
     # ------------------------------------------------------------------ pages
-    def grow(self, req: Req, num_tokens: int, headroom: int = 0) -> bool:
+    def grow(self, req: ReqMemory, num_tokens: int, headroom: int = 0) -> bool:
         """Own pages so ``req`` can hold ``num_tokens`` positions, provided ``headroom`` more
         pages stay free or evictable; writes the slots of ``[kv_len, num_tokens)``. False (nothing
         taken) when they do not fit."""
@@ -291,7 +326,7 @@ class KVCacheManager:
         self.write_slots(req, req.kv_len, num_tokens)
         return True
 
-    def grow_each(self, reqs: list[Req]) -> bool:
+    def grow_each(self, reqs: Sequence[ReqMemory]) -> bool:
         """One more page for each of ``reqs`` (decode growth), all or nothing."""
         pages = self._reserve(len(reqs))
         if pages is None:
@@ -307,8 +342,16 @@ class KVCacheManager:
             return None
         short = n - self.allocator.num_free
         if short > 0:
-            self.cache.evict(short)
+            self.evict(short)
         return self.allocator.alloc(n)
+
+    def evict(self, num_pages: int) -> int:
+        """Push up to ``num_pages`` unlocked pages out of the device cache (least recently used
+        first; with a host tier they stay findable there) and free them; returns how many."""
+        pages = self.cache.evict(num_pages)
+        self.num_evicted_pages += len(pages)
+        self.allocator.free(pages)
+        return len(pages)
 
     def set_event_sink(self, sink: KVEventSink | None) -> None:
         """Who hears the cache's KV events (blocks stored, removed, cleared); each tier reports its own
@@ -319,20 +362,16 @@ class KVCacheManager:
         """(hash, parent hash) of every cached block, parents first: a KV-event snapshot."""
         return self.cache.cached_blocks()
 
-    def _evicted(self, pages: list[int]) -> None:
-        self.num_evicted_pages += len(pages)
-        self.allocator.free(pages)
-
     # ------------------------------------------------------------------ slots
-    def slots(self, req: Req, start: int, end: int) -> list[int]:
+    def slots(self, req: ReqMemory, start: int, end: int) -> list[int]:
         """Pool slots of ``req``'s positions ``[start, end)``."""
         return self.table.slots_for(req.pages, start, end)
 
-    def write_slots(self, req: Req, start: int, end: int) -> None:
+    def write_slots(self, req: ReqMemory, start: int, end: int) -> None:
         if end > start:
             self.table.write(req.table_row, start, self.slots(req, start, end))
 
-    def write_next_slots(self, reqs: list[Req]) -> list[int]:
+    def write_next_slots(self, reqs: Sequence[ReqMemory]) -> list[int]:
         """Decode: the slot of each request's next position (``kv_len``), written to its row."""
         ps = self.page_size
         loc = [r.pages[r.kv_len // ps] * ps + r.kv_len % ps for r in reqs]
@@ -340,22 +379,23 @@ class KVCacheManager:
         return loc
 
     # ---------------------------------------------------------------- release
-    def release(self, req: Req, cache_len: int) -> None:
+    def release(self, req: ReqMemory, cache_len: int) -> None:
         """End ``req``: the full pages of ``fill_ids[:cache_len]`` (KV computed and trusted) go to
         the radix cache, which frees duplicates; the rest of its own pages are freed."""
         self._check_held(req, "release")
         full = cache_len // self.page_size
-        self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full])
+        inserted = self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full])
+        self.allocator.free(inserted.released)
         self.allocator.free(req.pages[full:])
         self._unpin(req, "release")
 
-    def drop(self, req: Req) -> None:
+    def drop(self, req: ReqMemory) -> None:
         """End ``req`` without caching anything: its own pages are freed."""
         self._check_held(req, "drop")
         self.allocator.free(req.pages[req.num_cached_pages:])
         self._unpin(req, "drop")
 
-    def quarantine(self, req: Req) -> list[int]:
+    def quarantine(self, req: ReqMemory) -> list[int]:
         """End ``req`` but keep its own pages allocated (returned) until ``free_quarantined``:
         a write may still land on them."""
         self._check_held(req, "quarantine")
@@ -377,7 +417,11 @@ class KVCacheManager:
         """Empty the prefix cache (every tier); refused (False) while a request locks part of it."""
         if self._loads:
             return False
-        return self.cache.reset()
+        pages = self.cache.reset()
+        if pages is None:
+            return False
+        self.allocator.free(pages)
+        return True
 
     def count_hit(self, by_tier: dict[str, int]) -> None:
         """A request's first admission hit ``by_tier`` tokens (the server's per-tier counters)."""
@@ -406,11 +450,11 @@ class KVCacheManager:
         if hi is not None and hi.storage is not None:
             hi.storage.close()
 
-    def _check_held(self, req: Req, what: str) -> None:
+    def _check_held(self, req: ReqMemory, what: str) -> None:
         if req.row is None:
             raise RuntimeError(f"{what}: {req.rid} holds no KV memory (released twice, or never admitted)")
 
-    def _unpin(self, req: Req, what: str) -> None:
+    def _unpin(self, req: ReqMemory, what: str) -> None:
         """Let go of the prefix lock and the row; the request holds nothing after."""
         self._check_held(req, what)
         if req.cache_node is None:
@@ -421,13 +465,14 @@ class KVCacheManager:
         req.kv_len = req.cached_len = 0
 
     # ----------------------------------------------------------------- checks
-    def pages_held(self, live: Sequence[Req]) -> int:
+    def pages_held(self, live: Sequence[ReqMemory]) -> int:
         """Pages owned outside the allocator and the cache: ``live`` requests' own, quarantined,
-        and those a load-back is filling."""
+        those a load-back is filling, and a finished load's redundant copies not yet freed."""
         loading = self.hicache.num_loading_pages if self.hicache is not None else 0
+        loading += sum(len(h.redundant) for h in self._loads.values())
         return sum(len(r.pages) - r.num_cached_pages for r in live) + len(self._quarantined) + loading
 
-    def check(self, live: Sequence[Req]) -> None:
+    def check(self, live: Sequence[ReqMemory]) -> None:
         """Raise on a leak or double count; ``live``: every request that holds memory."""
         held = self.pages_held(live)
         if self.allocator.num_free + self.cache.num_cached_pages + held != self.allocator.num_pages:

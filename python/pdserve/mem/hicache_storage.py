@@ -22,29 +22,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.config import PrefetchPolicy
 from pdserve.mem.storage import PageStore, chunk_keys
 
 logger = logging.getLogger(__name__)
 
 PUT_QUEUE_CHUNKS = 256  # puts beyond this many waiting are dropped (and counted), never block the loop
 GET_QUEUE_PREFETCHES = 256  # prefetches beyond this many waiting finish empty (counted), never block the loop
-# SGLang's defaults for the timeout policy (extra config keys of the same names).
-PREFETCH_TIMEOUT_BASE_S = 1.0
-PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
-
-
-@dataclass(frozen=True)
-class PrefetchPolicy:
-    """``--hicache-storage-prefetch-policy``: ``best_effort`` stops waiting as soon as the request
-    could be scheduled, ``wait_complete`` only once every chunk is read, ``timeout`` then or
-    after ``base_s + per_ki_token_s * tokens / 1024``, whichever comes first."""
-
-    name: str = "best_effort"
-    timeout_base_s: float = PREFETCH_TIMEOUT_BASE_S
-    timeout_per_ki_token_s: float = PREFETCH_TIMEOUT_PER_KI_TOKEN_S
-
-    def bound_s(self, tokens: int) -> float:
-        return self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024
 
 
 @dataclass

@@ -13,6 +13,11 @@ Copies and the invariants they keep:
   get their device pages only once the copy has landed (never findable half-loaded), and the
   lock keeps their host pages from being evicted while the copy reads them.
 
+The cache never frees a device page: eviction and ``reset`` return the pages they take, and a
+load-back whose blocks were recomputed meanwhile leaves its copies on the handle
+(``LoadHandle.redundant``); ``KVCacheManager`` frees them all. Host pages are this cache's own
+(it is the host pool's only user) and it frees those itself.
+
 ``poll`` completes finished copies. On CPU every copy is synchronous and completes at once.
 With ``sync_copies`` (several scheduler ranks) ``poll`` waits for every copy in flight first, so
 a copy completes at the same point of the loop on every rank, never when one rank's side stream
@@ -31,13 +36,13 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.hicache_storage import Prefetch, StorageLeg, prefetch_can_stop
 from pdserve.mem.host_pool import CopyOp, HostKVPool
-from pdserve.mem.radix_cache import MatchResult, RadixCache, RadixNode, _token_list, hash_block
+from pdserve.mem.radix_cache import InsertResult, MatchResult, RadixCache, RadixNode, _token_list, hash_block
 from pdserve.mem.tier_costs import LegSpeed, TierCosts, measure_copy
 
 logger = logging.getLogger(__name__)
@@ -69,13 +74,16 @@ class _Backup:
 @dataclass
 class LoadHandle:
     """A load-back of ``nodes`` into ``device_pages``. The path stays locked (by the caller's
-    lock on ``nodes[-1]``) until the caller unlocks it; ``finished`` once the pages are in."""
+    lock on ``nodes[-1]``) until the caller unlocks it; ``finished`` once the pages are in.
+    ``redundant``: device pages the cache did not keep because their blocks were recomputed and
+    cached while the copy ran; they stay the caller's (``KVCacheManager`` frees them)."""
 
     nodes: list[RadixNode]
     device_pages: list[int]
     op: CopyOp
     finished: bool = False
     storage_pages: int = 0  # how many of ``nodes`` came from the storage tier first
+    redundant: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -97,12 +105,15 @@ class HiRadixCache(RadixCache):
     then free), ``write_through_selective`` only pages matched SELECTIVE_HIT_THRESHOLD times,
     ``write_back`` only when the device evicts them (eviction waits for the copy). A page the
     host pool has no room for is dropped as in the one-tier cache.
+
+    ``probe_pages``: free device pages the caller lends for the start-up copy timing (it writes
+    into them and keeps none; the caller frees them after construction). Fewer than 2: not timed.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
-                 on_evict: Callable[[list[int]], None] | None = None, storage: StorageLeg | None = None,
-                 prefill_tokens_per_s: float | None = None):
-        super().__init__(allocator, page_size, on_evict=on_evict)
+                 storage: StorageLeg | None = None, prefill_tokens_per_s: float | None = None,
+                 probe_pages: Sequence[int] = ()):
+        super().__init__(allocator, page_size)
         self.host = host
         self.write_policy = write_policy
         self.storage = storage
@@ -112,30 +123,29 @@ class HiRadixCache(RadixCache):
         self._prefetches: dict[object, Prefetch] = {}
         self.counters = TierCounters()
         self.sync_copies = False
-        self.costs = self._measure_costs(prefill_tokens_per_s)
+        self.costs = self._measure_costs(prefill_tokens_per_s, list(probe_pages[:PROBE_PAGES]))
 
     # ------------------------------------------------------------ start-up
-    def _measure_costs(self, prefill_tokens_per_s: float | None) -> TierCosts:
+    def _measure_costs(self, prefill_tokens_per_s: float | None, probe_pages: list[int]) -> TierCosts:
         """Time the host -> device copy and a storage get once, so hits too short to beat
         recomputation are recomputed; logged once."""
-        costs = TierCosts(self.host.page_bytes / self.page_size, self._measure_host(), self._measure_storage(),
-                          prefill_tokens_per_s)
+        costs = TierCosts(self.host.page_bytes / self.page_size, self._measure_host(probe_pages),
+                          self._measure_storage(), prefill_tokens_per_s)
         for name, leg in (("host->device", costs.host), ("storage get", costs.storage)):
             if leg is not None:
                 logger.info("hicache %s: %.3g GB/s, %.3g ms per load", name, leg.bytes_per_s / 1e9,
                             leg.latency_s * 1e3)
         return costs
 
-    def _measure_host(self) -> LegSpeed | None:
-        n = min(PROBE_PAGES, self.allocator.num_free, self.host.allocator.num_free)
+    def _measure_host(self, device: list[int]) -> LegSpeed | None:
+        n = min(len(device), self.host.allocator.num_free)
         if n < 2:
             return None
-        device, host = self.allocator.alloc(n), self.host.allocator.alloc(n)
-        assert device is not None and host is not None
+        host = self.host.allocator.alloc(n)
+        assert host is not None
         try:
             return measure_copy(lambda k: self.host.load(host[:k], device[:k]).wait(), 1, n, self.host.page_bytes)
         finally:
-            self.allocator.free(device)
             self.host.allocator.free(host)
 
     def _measure_storage(self) -> LegSpeed | None:
@@ -178,11 +188,11 @@ class HiRadixCache(RadixCache):
         return TierMatch(device, host, any(n.busy for n in host))
 
     # --------------------------------------------------------------- mutation
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
-        new = super().insert(token_ids, pages)
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
+        result = super().insert(token_ids, pages)
         if self.write_policy != "write_back" and not self.disable:
             self._write_through(self._walk(list(self._blocks(_token_list(token_ids)))))
-        return new
+        return result
 
     def _write_through(self, path: list[RadixNode]) -> None:
         selective = self.write_policy == "write_through_selective"
@@ -371,7 +381,7 @@ class HiRadixCache(RadixCache):
         return child
 
     def _finish_load(self, h: LoadHandle) -> None:
-        dup, landed = [], []
+        landed = []
         # Just used, whatever its host history (a storage fetch, a demotion): ranks whose host
         # tiers differ still order their device pages alike for eviction.
         now = self._tick()
@@ -382,16 +392,15 @@ class HiRadixCache(RadixCache):
                 self._set_device_page(n, dp)
                 landed.append(n)
             else:  # recomputed and inserted meanwhile: the loaded copy is redundant
-                dup.append(dp)
-        if dup:
-            self.allocator.free(dup)
+                h.redundant.append(dp)
         self._announce_stored(landed)
         h.finished = True
 
     # --------------------------------------------------------------- eviction
-    def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` device pages, least recently used device leaves first; each
-        keeps (or gets) a host copy when the host pool has room, else leaves the tree."""
+    def evict(self, num_pages: int) -> list[int]:
+        """Take up to ``num_pages`` device pages, least recently used device leaves first; each
+        keeps (or gets) a host copy when the host pool has room, else leaves the tree. Returns
+        the device pages taken, which the caller must free."""
         self.poll()
         heap = [(n.last_access, n) for n in self._page_owner.values() if self._device_leaf(n)]
         heapq.heapify(heap)
@@ -406,11 +415,9 @@ class HiRadixCache(RadixCache):
             freed.append(self._evict_device(node))
             if parent is not None and parent is not self._root and self._device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent))
-        if freed:
-            if self.sink is not None:  # gone from the device, whether or not a host copy stays
-                self.sink.removed(hashes, self.medium)
-            self.on_evict(freed)
-        return len(freed)
+        if freed and self.sink is not None:  # gone from the device, whether or not a host copy stays
+            self.sink.removed(hashes, self.medium)
+        return freed
 
     def _device_leaf(self, n: RadixNode) -> bool:
         return (n.page is not None and n.lock_ref == 0 and not n.busy
@@ -493,16 +500,17 @@ class HiRadixCache(RadixCache):
         page = self._remove_leaf(node)
         assert page is None, f"detached a node that still holds device page {page}"
 
-    def reset(self) -> bool:
+    def reset(self) -> list[int] | None:
         self.drain()
         host_nodes = list(self._host_owner.values())
-        if not super().reset():
-            return False
+        pages = super().reset()
+        if pages is None:
+            return None
         for n in host_nodes:
             n.parent = None
         self.host.allocator.free(list(self._host_owner))
         self._host_owner.clear()
-        return True
+        return pages
 
     # ----------------------------------------------------------------- checks
     def check_invariants(self) -> None:

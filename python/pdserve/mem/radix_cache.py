@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.mem.allocator import PageAllocator
-from pdserve.mem.kv_events import MEDIUM_GPU, KVEventSink
+from pdserve.obs.kv_events import MEDIUM_GPU, KVEventSink
 
 ROOT_HASH = 0  # hash_{-1}: what the first block chains from
 
@@ -99,37 +99,44 @@ class MatchResult:
     node: RadixNode
 
 
-class RadixCache:
-    """Prefix cache that owns the pages in its tree.
+@dataclass
+class InsertResult:
+    """What ``RadixCache.insert`` did: ``num_new`` pages joined the tree; ``released`` are pages
+    passed in that the cache did not keep (duplicates of cached blocks, or every page when the
+    cache is disabled): the caller frees them (``KVCacheManager`` does, and is the only one)."""
 
-    Ownership contract:
+    num_new: int
+    released: list[int]
+
+
+class RadixCache:
+    """Prefix cache that owns the pages in its tree, and never frees a page itself.
+
+    Ownership contract (the caller is ``KVCacheManager``, the one code that frees device pages;
+    the cache reads ``allocator`` only to check the pages it is handed):
 
     * Pages in the tree belong to the cache. ``match_prefix`` lends them out;
       the borrower must ``lock(result.node)`` while using them and ``unlock``
       afterwards, and must never free them itself.
-    * ``insert`` takes ownership of every page passed, whatever happens: pages
-      for new blocks join the tree, pages duplicating an already cached block
-      are freed to the allocator. The caller must not free any of them after.
-    * ``evict`` hands the pages it takes out of the tree to ``on_evict`` (the
-      owner of KV memory, ``mem.cache_manager``; by default the allocator's
-      ``free``), which must free them or keep them accounted; ``reset`` frees
-      tree pages to the allocator. Locked nodes (and so their ancestors) are
-      never evicted.
+    * ``insert`` takes every page passed: pages for new blocks join the tree,
+      pages duplicating an already cached block come back in
+      ``InsertResult.released`` and the caller must free those (and only those).
+    * ``evict`` takes pages out of the tree and returns them; ``reset`` empties
+      the tree and returns its pages. The caller must free what they return.
+      Locked nodes (and so their ancestors) are never evicted.
 
     So at all times ``allocator.num_free + num_cached_pages + pages held by
-    callers == allocator.num_pages``.
+    callers == allocator.num_pages`` once the caller has freed what a call returned.
 
     ``sink`` (optional) hears every change of the tree as KV events: blocks stored by
     ``insert``, removed by ``evict``, all cleared by ``reset``, each under ``medium``.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False,
-                 on_evict: Callable[[list[int]], None] | None = None, sink: KVEventSink | None = None,
-                 medium: str = MEDIUM_GPU):
+                 sink: KVEventSink | None = None, medium: str = MEDIUM_GPU):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
-        self.on_evict = on_evict or allocator.free
         self.sink = sink
         self.medium = medium
         self.page_size = page_size
@@ -200,21 +207,21 @@ class RadixCache:
 
     # ---- mutation ----------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
-        """Cache ``token_ids`` (full pages only) backed by ``pages``; returns new pages cached.
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
+        """Cache ``token_ids`` (full pages only) backed by ``pages``.
 
-        Takes ownership of every page in ``pages``: a block already cached with the
-        same page is left as is, one cached with a different page frees the passed
-        page as a duplicate, new blocks become nodes. Validation happens before any
-        change, so a ``ValueError`` leaves both the tree and the pages untouched.
+        Takes every page in ``pages``: a block already cached with the same page is
+        left as is, one cached with a different page returns the passed page as a
+        duplicate (in ``released``, for the caller to free), new blocks become nodes.
+        Validation happens before any change, so a ``ValueError`` leaves both the tree
+        and the pages untouched (the caller still holds them).
         """
         tokens, pages = _token_list(token_ids), [int(p) for p in pages]
         if len(tokens) != len(pages) * self.page_size:
             raise ValueError(f"insert needs full pages: {len(tokens)} tokens for {len(pages)} "
                              f"pages of size {self.page_size}")
         if self.disable:
-            self.allocator.free(pages)
-            return 0
+            return InsertResult(0, pages)
         keys = list(self._blocks(tokens))
         path = self._walk(keys)
         self._check_insert_pages(pages, path)
@@ -236,16 +243,14 @@ class RadixCache:
         if added and self.sink is not None:
             self.sink.stored(parent_hash, [n.hash for n in added], tokens[len(path) * self.page_size:],
                              self.page_size, self.medium)
-        if duplicates:
-            self.allocator.free(duplicates)
-        return len(pages) - len(path)
+        return InsertResult(len(pages) - len(path), duplicates)
 
-    def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages from unlocked leaves, least recently used first.
+    def evict(self, num_pages: int) -> list[int]:
+        """Take up to ``num_pages`` pages from unlocked leaves, least recently used first.
 
         Evicting a leaf can turn its parent into an evictable leaf, which then
-        competes by its own ``last_access``. The pages go to ``on_evict`` in one
-        call. Returns the number of pages evicted.
+        competes by its own ``last_access``. Returns the evicted pages, which the
+        caller must free.
         """
         heap = [(n.last_access, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
@@ -260,32 +265,28 @@ class RadixCache:
             freed.append(page)
             if parent is not self._root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent))
-        if freed:
-            if self.sink is not None:
-                self.sink.removed(hashes, self.medium)
-            self.on_evict(freed)
-        return len(freed)
+        if freed and self.sink is not None:
+            self.sink.removed(hashes, self.medium)
+        return freed
 
-    def reset(self) -> bool:
-        """Flush the cache: free every tree page and empty the tree.
+    def reset(self) -> list[int] | None:
+        """Flush the cache: empty the tree and return every page it held (the caller frees them).
 
-        Refused (returns False, changes nothing) while any cached node is locked.
+        Refused (returns None, changes nothing) while any cached node is locked.
         Locks on the bare root (from empty matches) survive a flush. Node handles
         from before the flush are detached, so locking one raises.
         """
         if self._num_locked > 0:
-            return False
+            return None
         pages = list(self._page_owner)
         for node in self._page_owner.values():
             node.parent = None
         self._root.children = {}
         self._page_owner.clear()
         self._leaves.clear()
-        if pages:
-            self.allocator.free(pages)
         if self.sink is not None:
             self.sink.cleared(self.medium)
-        return True
+        return pages
 
     def _announce_stored(self, nodes: Sequence[RadixNode]) -> None:
         """KV events for blocks already in the tree that (again) hold a page in this cache's medium."""

@@ -30,13 +30,16 @@ import queue
 import random
 import threading
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import orjson
 import zmq
 
-from pdserve.config import KVEventsConfig
-from pdserve.mem.kv_events import MEDIUM_GPU, EventBuffer, KVEvent, event_dict
+from pdserve.obs.kv_events import MEDIUM_GPU, EventBuffer, KVEvent, event_dict
+
+if TYPE_CHECKING:
+    from pdserve.config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,12 @@ DISAGG_COUNTERS = {
     "requests_disaggregated": ("decode_kv_requests", "Decode: requests that asked a prefill server for KV"),
     "kv_received": ("decode_kv_received", "Decode: requests whose KV landed from prefill"),
     "kv_pages_received": ("decode_kv_pages_received", "Decode: KV pages received from prefill"),
+    "kv_pages_requested": ("kv_pages_requested", "KV pages decode asked prefill for (prefill: asked of it, each decode "
+                           "rank's request counted; decode: by it); pages decode's own prefix cache holds are never "
+                           "asked for"),
+    "kv_bytes_received": ("kv_transfer_bytes_received", "Decode: KV bytes landed from prefill"),
+    "decode_cached_tokens": ("decode_cached_tokens", "Decode: prompt tokens its own prefix cache held for requests "
+                             "that asked prefill for the rest (prefill's hit is cache_hit_tokens on prefill)"),
     "local_prefills": ("decode_local_prefills", "Decode: routed requests prefilled locally by choice"),
     "fallbacks": ("decode_fallbacks", "Decode: requests prefilled locally after a failed transfer"),
     "transfer_failures": ("decode_transfer_failures", "Decode: failed KV transfers"),

@@ -32,14 +32,13 @@ from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
 from pdserve.router.workers import HealthChecker, Role, Worker, WorkerSet, make_worker_set
 from pdserve.web.api_key import (
-    AccessMiddleware,
     admin_refusal,
-    check_classified,
     holds_admin_key,
     may_administer,
     warn_if_unauthenticated,
 )
-from pdserve.web.errors import RequestError, ServerError, error_body, error_response
+from pdserve.web.app import add_error_handlers, guard_routes
+from pdserve.web.errors import ServerError, error_body
 from pdserve.web.listen import bind_socket, configure_logging
 
 logger = logging.getLogger(__name__)
@@ -105,14 +104,11 @@ def _check_interval(args: RouterArgs, state: RouterState) -> float:
 # ------------------------------------------------------------------ app
 def create_app(ctx: RouterContext) -> FastAPI:
     app = FastAPI(title="pdserve router", version=__version__, docs_url=None, redoc_url=None)
-    # Starlette types every handler as taking Exception; this one is registered for RequestError only.
-    app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _internal_error)
+    add_error_handlers(app)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
-    check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]  # every route has one
-    app.add_middleware(AccessMiddleware, api_key=ctx.args.api_key, admin_api_key=ctx.args.admin_api_key)
+    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key)
     return app
 
 
@@ -261,15 +257,6 @@ async def _get_one(ctx: RouterContext, worker: Worker, path: str) -> dict:
     except (WorkerUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as e:
         return {**out, "status": 503, "message": f"unreachable: {type(e).__name__}"}
     return {**out, "status": reply.status}
-
-
-async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
-    return error_response(exc)
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
 
 # --------------------------------------------------------------- launch

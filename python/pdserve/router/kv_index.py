@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.mem.kv_events import MEDIUM_GPU
 from pdserve.mem.radix_cache import ROOT_HASH, hash_block
+from pdserve.obs.kv_events import MEDIUM_GPU
 
 
 def prompt_block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.mem.allocator import PageAllocator
-from pdserve.mem.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBuffer, event_dict
 from pdserve.mem.radix_cache import RadixCache
+from pdserve.obs.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBuffer, event_dict
 from pdserve.router.kv_index import KVIndex, prompt_block_hashes
 
 PAGE = 4
@@ -19,7 +19,15 @@ def cache_with_events(num_pages: int = 16) -> tuple[RadixCache, EventBuffer]:
 
 
 def insert(cache: RadixCache, tokens: list[int]) -> None:
-    cache.insert(tokens, cache.allocator.alloc(len(tokens) // PAGE))
+    pages = cache.allocator.alloc(len(tokens) // PAGE)
+    assert pages is not None
+    cache.allocator.free(cache.insert(tokens, pages).released)  # the caller frees what the cache returns
+
+
+def evict(cache: RadixCache, n: int) -> int:
+    pages = cache.evict(n)
+    cache.allocator.free(pages)
+    return len(pages)
 
 
 def test_insert_reports_the_new_blocks_chained_from_the_cached_parent():
@@ -40,10 +48,12 @@ def test_evict_and_reset_report_what_left():
     insert(cache, list(range(12)))
     insert(cache, [7] * 4)
     sink.take()
-    assert cache.evict(2) == 2
+    assert evict(cache, 2) == 2
     (removed,) = sink.take()
     assert isinstance(removed, BlockRemoved) and len(removed.block_hashes) == 2
-    assert cache.reset()
+    pages = cache.reset()
+    assert pages is not None
+    cache.allocator.free(pages)
     assert sink.take() == [AllBlocksCleared("GPU")]
 
 
@@ -56,7 +66,7 @@ def test_router_hashes_match_and_an_index_follows_the_tree():
     prompts = [list(range(13)), list(range(9)) + [50] * 4, [9] * 17, list(range(100, 125))]
     for tokens in prompts:
         if not cache.allocator.num_free >= len(tokens) // PAGE:
-            cache.evict(len(tokens) // PAGE)
+            evict(cache, len(tokens) // PAGE)
         insert(cache, tokens[:len(tokens) // PAGE * PAGE])
         seq += 1
         assert index.apply(seq, [event_dict(e) for e in sink.take()])

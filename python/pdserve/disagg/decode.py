@@ -18,7 +18,7 @@ and the abandoned pages stay in quarantine until no late write can land; with
 With several ranks (TP, DP attention) every rank of the request's attention group pins the same
 pages (lock step) and sends prefill its own KV request (its transfer session, its buffers); the
 completions, bootstrap records and heartbeat verdicts reach every rank as messages rank 0 shares
-(``engine/mode_io.py``), so the group lands, fails over or quarantines a room at the same step.
+(``disagg/mode_io.py``), so the group lands, fails over or quarantines a room at the same step.
 
 Packed transfers (``--disaggregation-transfer-pack``; ``layout.packing_pays``): a rank lends a room
 a range of its registered staging buffer (published in its record) for the room's whole KV;
@@ -40,6 +40,7 @@ import torch
 
 from pdserve.config import DisaggConfig
 from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes, packing_pays, staging_blocks, staging_bytes
+from pdserve.disagg.mode_io import ModeIO
 from pdserve.disagg.protocol import MAX_NONCE, DecodeRecord, DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
 from pdserve.disagg.receiver import (
     AuxSlots,
@@ -53,11 +54,10 @@ from pdserve.disagg.receiver import (
     Quarantine,
 )
 from pdserve.disagg.staging import StagingPool, unpack_room
-from pdserve.disagg.transfer import TransferBackend
-from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort
+from pdserve.transfer import TransferBackend
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class WaitingRoom:
 
 class DecodeMode(SchedulerMode):
     name = "decode"
+    rank_counters = ("kv_bytes_received",)  # each rank receives its own heads' share
 
     def __init__(self, config: DisaggConfig, io: ModeIO, backend: TransferBackend, layout: KVLayout,
                  bases: list[int], aux: torch.Tensor, directory: PeerDirectory, server_id: str, rank: int = 0,
@@ -117,7 +118,8 @@ class DecodeMode(SchedulerMode):
         self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # recent transfers: True = fell back
         self.counters = {"requests_disaggregated": 0, "kv_received": 0, "local_prefills": 0,
                          "fallbacks": 0, "transfer_failures": 0, "kv_pages_received": 0, "stale_messages": 0,
-                         "duplicate_rooms": 0, "kv_rooms_packed": 0}
+                         "duplicate_rooms": 0, "kv_rooms_packed": 0, "kv_pages_requested": 0, "kv_bytes_received": 0,
+                         "decode_cached_tokens": 0}
 
     # ------------------------------------------------------------- intake
     def take(self, req: Req, bootstrap) -> bool:
@@ -235,6 +237,9 @@ class DecodeMode(SchedulerMode):
             return False
         self.pending.remove(req)
         req.cached_tokens_reported = req.cached_len
+        # Decode's own hit: the pages it holds are not asked for (only req.pages[num_cached_pages:] are).
+        req.decode_cached_tokens = req.cached_len
+        self.counters["decode_cached_tokens"] += req.cached_len
         try:
             self._send_kv_request(req, peer, req.pages[req.num_cached_pages:], aux_slot, now)
         except LayoutError as e:  # refused at handshake: name what differs, keep serving
@@ -272,6 +277,7 @@ class DecodeMode(SchedulerMode):
                                       dst_dp_rank=self.dp_rank)) if at is not None else ()
         self.rooms[room] = WaitingRoom(req, inc, aux_slot, at, blocks, tuple(pages))
         self.counters["requests_disaggregated"] += 1
+        self.counters["kv_pages_requested"] += len(pages)
         self.counters["kv_rooms_packed"] += at is not None
 
     def _lend_staging(self, src: KVLayout, num_pages: int) -> int | None:
@@ -353,6 +359,7 @@ class DecodeMode(SchedulerMode):
         self.counters["kv_received"] += 1
         self.outcomes.append(False)
         self.counters["kv_pages_received"] += len(req.pages) - req.num_cached_pages
+        self.counters["kv_bytes_received"] += staging_bytes(self.layout, len(w.pages))  # every layer and buffer
 
     # ------------------------------------------------------------- failures
     def _fail(self, room: int, reason: str, notify: bool = True, settled: AbstractSet[int] = frozenset()) -> None:
@@ -428,6 +435,11 @@ class DecodeMode(SchedulerMode):
         return True
 
     # ------------------------------------------------------------- inspection
+    def before_extend(self, reqs: list[Req], lens: list[int]) -> None:
+        for r in reqs:  # prefilled here (by choice): decode's own hit is what its admission found
+            if r.decode_cached_tokens is None:
+                r.decode_cached_tokens = r.cached_tokens_reported
+
     def has_work(self) -> bool:
         return bool(self.pending or self.rooms or self.quarantine.entries)
 
@@ -479,7 +491,8 @@ class DecodeMode(SchedulerMode):
         counters = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "fallback_window",
                     "requests_disaggregated", "kv_received", "local_prefills", "fallbacks", "transfer_failures",
                     "kv_pages_received", "stale_messages", "duplicate_rooms", "control_refused", "quarantine_entries",
-                    "aux_rows_in_use", "transfer_batches_in_flight", "kv_rooms_packed", "staging_ranges_in_use")
+                    "aux_rows_in_use", "transfer_batches_in_flight", "kv_rooms_packed", "staging_ranges_in_use",
+                    "kv_pages_requested", "kv_bytes_received", "decode_cached_tokens")
         out = {"disaggregation_mode": cls.name, **{k: sum(s[k] for s in per_dp) for k in counters}}
         out["control_endpoints"] = [s["control_endpoint"] for s in per_dp]
         by_reason: Counter[str] = Counter()

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from pdserve.config import DisaggConfig
 from pdserve.disagg.bootstrap import Dropped, Expired, Paired, RoomError, RoomTable
 from pdserve.disagg.layout import LayoutError
+from pdserve.disagg.mode_io import ModeIO
 from pdserve.disagg.protocol import (
     DecodeRecord,
     DropRoom,
@@ -42,7 +43,6 @@ from pdserve.disagg.protocol import (
     ProtocolError,
 )
 from pdserve.disagg.sender import KVSender, RoomState
-from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort, finish_length
@@ -69,7 +69,7 @@ class PrefillMode(SchedulerMode):
         self.decodes: OrderedDict[tuple[str, int], DecodeRecord] = OrderedDict()  # (decode_id, rank) -> record
         self.kv_arrival: dict[int, float] = {}  # room -> when its first KV request arrived (unpaired rooms)
         self.counters = {"rooms_completed": 0, "rooms_failed": 0, "rooms_dropped": 0, "rooms_aborted": 0,
-                         "rooms_expired": 0, "kv_requests_refused": 0, "stale_messages": 0}
+                         "rooms_expired": 0, "kv_requests_refused": 0, "stale_messages": 0, "kv_pages_requested": 0}
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
@@ -201,6 +201,7 @@ class PrefillMode(SchedulerMode):
         self.kv_arrival.setdefault(kv.room, now)  # the room's write deadline counts from here
         try:
             self._on_pairing(self.rooms.add_kv(kv.room, kv.decode_rank % tp, kv, now, parts=tp))
+            self.counters["kv_pages_requested"] += len(kv.dst_pages)  # only what decode lacks
         except RoomError as e:
             if fresh:
                 self.kv_arrival.pop(kv.room, None)
