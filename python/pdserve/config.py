@@ -855,7 +855,6 @@ class ServerArgs:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype: {self.dtype!r} is not one of {('auto', *DTYPES)}")
         self.device_config()
-        self.kv_events()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         # A chunk must hold at least one page, or a long prompt could never advance.
