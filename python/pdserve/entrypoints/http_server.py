@@ -52,7 +52,7 @@ from pdserve.web.errors import (
     read_body,
 )
 from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
-from pdserve.web.listen import bind_socket, configure_logging
+from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
 from pdserve.web.streaming import collect
 
 logger = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
                              bootstrap.stop if bootstrap is not None else None)
     ctx = ServerContext(args, model_config, tm, metrics, roles)
     try:
-        return asyncio.run(_serve(ctx, sock, startup_timeout))
+        return run_event_loop(_serve(ctx, sock, startup_timeout))
     finally:
         if roles is not None:
             roles.close_registry()

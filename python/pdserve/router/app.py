@@ -39,7 +39,7 @@ from pdserve.web.api_key import (
 )
 from pdserve.web.app import add_error_handlers, guard_routes
 from pdserve.web.errors import ServerError, error_body
-from pdserve.web.listen import bind_socket, configure_logging
+from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def launch_router(args: RouterArgs) -> int:
         logger.error("port: cannot bind %s:%d (%s)", args.host, args.port, e.strerror or e)
         return 1
     warn_if_unauthenticated(args.host, args.api_key, args.admin_api_key, "the router")
-    return asyncio.run(_serve(build_context(args), sock))
+    return run_event_loop(_serve(build_context(args), sock))
 
 
 async def _serve(ctx: RouterContext, sock: socket.socket) -> int:

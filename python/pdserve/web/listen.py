@@ -1,9 +1,14 @@
-"""The listening socket and log format shared by the server's frontend and the router."""
+"""The listening socket, event loop and log format shared by the server's frontend and the router."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -38,3 +43,13 @@ def configure_logging(level: str, process: str) -> None:
     """Root logging at ``level``, each line naming the ``process`` kind (frontend, router)."""
     logging.basicConfig(level=level.upper(),
                         format=f"[%(asctime)s {process}] %(levelname)s %(name)s: %(message)s")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run an HTTP program's ``main`` to completion on uvloop when it is installed (a dependency; the
+    frontend's per-token cost is mostly the event loop and HTTP framing), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
