@@ -1,5 +1,5 @@
-"""The TransferBackend contract, on every backend: the real Mooncake engine (TCP, 127.0.0.1,
-receiver in another process) and the in-memory one (receiver on a thread).
+"""The TransferBackend contract, on every backend: the real Mooncake engine and NIXL (TCP,
+127.0.0.1, receiver in another process) and the in-memory one (receiver on a thread).
 
 The two ordering tests are the evidence behind transfer/base.py's docstring: DONE means the
 bytes landed, and a notify never overtakes its data.
@@ -25,8 +25,10 @@ from pdserve.disagg.transfer import (
     check_writes,
     create_transfer_backend,
     import_mooncake,
+    import_nixl,
     merge_contiguous,
     mooncake_available,
+    nixl_available,
 )
 from pdserve.disagg.transfer.faults import _LATE, FAULTS_ENV, with_faults
 
@@ -36,10 +38,11 @@ needs_mooncake = pytest.mark.skipif(
 
 BUF = 8 << 20
 WAIT_S = 60
-BACKENDS = [pytest.param("mooncake", marks=needs_mooncake), "memory"]
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="nixl cannot be imported: pip install -e '.[nixl]'")
+BACKENDS = [pytest.param("mooncake", marks=needs_mooncake), pytest.param("nixl", marks=needs_nixl), "memory"]
 # Rounds of the ordering tests: Mooncake's races show within hundreds; the in-memory backend
 # copies under the receiver's lock before DONE, so a few rounds check the wiring.
-ROUNDS = {"mooncake": 300, "memory": 30}
+ROUNDS = {"mooncake": 300, "nixl": 300, "memory": 30}
 
 
 # --- pure helpers -----------------------------------------------------------------------------
@@ -65,7 +68,7 @@ def test_check_writes_names_the_problem(srcs, dsts, lens, field):
 
 def test_unknown_backend_and_protocol_are_refused():
     with pytest.raises(ValueError, match="disaggregation_transfer_backend"):
-        create_transfer_backend("nixl")
+        create_transfer_backend("nccl")
     with pytest.raises(ValueError, match="protocol"):
         MooncakeTransferBackend(protocol="udp")
 
@@ -74,6 +77,12 @@ def test_missing_mooncake_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake", None)
     with pytest.raises(TransferError, match=r"pdserve\[cpu\].*pdserve\[cuda\].*libibverbs1"):
         import_mooncake()
+
+
+def test_missing_nixl_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)
+    with pytest.raises(TransferError, match=r"pdserve\[nixl\].*nixl-cu12"):
+        import_nixl()
 
 
 # --- one receiver process for the module --------------------------------------------------------
@@ -92,10 +101,11 @@ def peer(backend_name):
 
 
 @pytest.fixture(scope="module")
-def sender(backend_name):
+def sender(backend_name, peer):
     be = create_transfer_backend(backend_name)
     src = alloc(BUF)
     be.register([(src.data_ptr(), BUF)])
+    peer.link(be)
     yield be, src
     be.close()
 
@@ -238,6 +248,7 @@ def test_peer_killed_after_contact(backend_name, sender):
     be, src = sender
     victim = Peer(1 << 20, backend_name)
     try:
+        victim.link(be)
         assert be.probe(victim.session)
         h = be.post_writes(victim.session, [src.data_ptr()], [victim.base], [4096])
         assert be.wait(h, WAIT_S) is WriteState.DONE
@@ -250,7 +261,8 @@ def test_peer_killed_after_contact(backend_name, sender):
 
 
 # How long each backend lets a write wait for a peer that does not answer, set short here.
-IMPATIENT = {"mooncake": {"connect_timeout_s": 1.0}, "memory": {"stall_timeout_s": 1.0}}
+IMPATIENT = {"mooncake": {"connect_timeout_s": 1.0}, "nixl": {"stall_timeout_s": 1.0},
+             "memory": {"stall_timeout_s": 1.0}}
 
 
 def test_first_contact_with_a_hung_peer_blocks_nobody(backend_name, peer):
@@ -261,6 +273,8 @@ def test_first_contact_with_a_hung_peer_blocks_nobody(backend_name, peer):
     be.register([(src.data_ptr(), 4096)])
     hung = Peer(1 << 20, backend_name)
     try:
+        hung.link(be)
+        peer.link(be)
         hung.freeze()
         src[:4096] = 6
         stuck = be.post_writes(hung.session, [src.data_ptr()], [hung.base], [4096])  # returns at once
@@ -285,6 +299,7 @@ def test_close_waits_for_in_flight_writes_and_is_final(backend_name, peer):
     src = alloc(4 << 20)
     src.fill_(7)
     be.register([(src.data_ptr(), src.numel())])
+    peer.link(be)
     h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4 << 20])
     be.close()
     be.close()  # idempotent
@@ -515,4 +530,5 @@ def test_backend_names_match_the_config_and_servers_refuse_memory():
     with pytest.raises(ValueError, match="disaggregation_transfer_backend: 'memory' moves KV only"):
         DisaggConfig("decode", "memory").check_servable()
     DisaggConfig("decode", "mooncake").check_servable()
+    DisaggConfig("decode", "nixl").check_servable()
     DisaggConfig("null", "memory").check_servable()  # a colocated server transfers nothing
