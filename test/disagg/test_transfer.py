@@ -532,3 +532,15 @@ def test_backend_names_match_the_config_and_servers_refuse_memory():
     DisaggConfig("decode", "mooncake").check_servable()
     DisaggConfig("decode", "nixl").check_servable()
     DisaggConfig("null", "memory").check_servable()  # a colocated server transfers nothing
+
+
+def test_host_extras_install_the_tested_nixl():
+    """CI installs ``.[test,cpu]`` and the images ``.[cpu]`` / ``.[cuda]``: each brings the NIXL
+    version this backend was measured on, so the nixl tests run wherever the Mooncake ones do."""
+    from pathlib import Path
+
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    for name in ("nixl", "cpu", "cuda", "gpu"):
+        assert "nixl-cu12==1.5.1" in extras["optional-dependencies"][name], name

@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
 NIXL_INSTALL_HINT = ("install the NIXL extra: pip install 'pdserve[nixl]' (nixl-cu12, UCX included; it installs "
-                     "and moves DRAM on CPU-only hosts too)")
+                     "and moves DRAM on CPU-only hosts too), or 'pdserve[cpu]' / 'pdserve[cuda]', which include it")
 BANNER = b"pdserve-nixl\n"  # what the liveness listener answers
 _WRITE, _ACK = b"W", b"A"  # notification kinds: a batch's marker (with an optional notify), its answer
 _SEQ_BYTES = 8
