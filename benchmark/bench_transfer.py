@@ -42,9 +42,9 @@ from pdserve.disagg.layout import KVLayout, op_addresses, packing_pays, plan_wri
 from pdserve.disagg.protocol import KVRequest
 from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.disagg.staging import StagingPool, pool_tensors, unpack_room
-from pdserve.disagg.transfer import MooncakeTransferBackend, merge_contiguous
 from pdserve.distributed.parallel_state import ParallelState
 from pdserve.engine.model_runner import create_kv_pool
+from pdserve.transfer import MooncakeTransferBackend, merge_contiguous
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import servers  # noqa: E402  (benchmark/servers.py, beside this script)

@@ -147,7 +147,7 @@ MUTATIONS = (
         ("test/entrypoints/test_http_server.py::test_generate_stream_logprobs_and_batch",)),
     Mutation(
         "parent_never_gone", "the scheduler loop never notices that its parent process died",
-        "python/pdserve/engine/scheduler_process.py",
+        "python/pdserve/engine/scheduler_loop.py",
         "return self.parent_pid is not None and os.getppid() != self.parent_pid",
         "return False",
         ("test/entrypoints/test_scheduler_process.py::test_parent_exit_ends_the_loop",)),
@@ -159,7 +159,7 @@ MUTATIONS = (
         ("test/entrypoints/test_server_lifecycle.py::test_scheduler_crash_fails_health_and_exits_nonzero",)),
     Mutation(
         "quarantine_released_at_once", "decode reuses abandoned pages before prefill's late writes settled",
-        "python/pdserve/engine/decode_mode.py",
+        "python/pdserve/disagg/decode.py",
         "        pending = inc.sources - set(settled)",
         "        pending = set()",
         (f"{T_PD}::test_an_abort_during_a_slow_transfer_keeps_its_pages_out_of_reach",)),
@@ -171,7 +171,7 @@ MUTATIONS = (
         (f"{T_PD}::test_a_completion_short_of_writes_is_not_trusted",)),
     Mutation(
         "prefill_sends_last_token", "prefill computes (and sends) the prompt's last token too",
-        "python/pdserve/engine/prefill_mode.py",
+        "python/pdserve/disagg/prefill.py",
         "        req.hold_back_last_token()\n",
         "",
         (f"{T_PD}::test_outputs_match_a_colocated_engine",)),
@@ -184,13 +184,13 @@ MUTATIONS = (
         (f"{T_TRUST}::test_a_paused_prefill_never_writes_pages_decode_gave_to_another_request",)),
     Mutation(
         "kv_request_unchecked", "prefill writes wherever a KV request says, not where decode published",
-        "python/pdserve/engine/prefill_mode.py",
+        "python/pdserve/disagg/prefill.py",
         "            rec.check_request(kv)\n",
         "",
         (f"{T_TRUST}::test_a_kv_request_outside_the_published_record_is_refused_before_any_write",)),
     Mutation(
         "nonce_unchecked", "decode lands a room on a completion of another life of the room",
-        "python/pdserve/engine/decode_mode.py",
+        "python/pdserve/disagg/decode.py",
         "if w is not None and w.incoming.nonce == nonce:",
         "if w is not None:",
         (f"{T_TRUST}::test_a_completion_with_another_nonce_does_not_land_the_room",)),
@@ -202,7 +202,7 @@ MUTATIONS = (
         (f"{T_TRUST}::test_with_a_token_unauthenticated_and_wrongly_keyed_frames_are_refused",)),
     Mutation(
         "unknown_abort_unacknowledged", "prefill ignores an abort of a room it holds nothing of (pages wait a lease)",
-        "python/pdserve/engine/prefill_mode.py",
+        "python/pdserve/disagg/prefill.py",
         "        self.io.send(reply, KVAbortAck(msg.room, msg.nonce, self.sender.rank))\n",
         "",
         (f"{T_TRUST}::test_decode_abort_of_a_room_prefill_never_saw_is_acknowledged",)),
@@ -347,7 +347,7 @@ MUTATIONS = (
         ("test/engine/test_codec.py::test_a_frame_over_the_bound_is_refused_before_decoding",)),
     Mutation(
         "junk_frame_stops_the_loop", "a frame that is none of our messages raises out of the receiving loop",
-        "python/pdserve/engine/scheduler_process.py",
+        "python/pdserve/engine/scheduler_loop.py",
         "        drops.record(e)\n        return None\n",
         "        raise\n",
         ("test/engine/test_codec.py::test_a_scheduler_loop_drops_junk_and_goes_on",)),

@@ -12,10 +12,10 @@ import time
 from pdserve.config import ServerArgs
 from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.bootstrap import BootstrapServer
-from pdserve.disagg.transfer import Outstanding
 from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.scheduler_process import build_scheduler
+from pdserve.entrypoints.scheduler_process import build_scheduler
+from pdserve.transfer import Outstanding
 
 RUN_TIMEOUT_S = 120.0
 

@@ -31,7 +31,7 @@ from pdserve.disagg.bootstrap import (
     RoomTable,
 )
 from pdserve.disagg.layout import KVLayout
-from pdserve.mem.kv_pool import BufferDescriptor
+from pdserve.transfer.base import BufferDescriptor
 
 WEIGHTS = "ab" * 32  # a sha256 hex digest
 COMPAT = CompatRecord("tiny-llama", "LlamaForCausalLM", "bfloat16", 16, "gqa-hnd", 4, 8, 64, WEIGHTS)

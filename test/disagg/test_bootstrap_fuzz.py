@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from pdserve.disagg.bootstrap import BootstrapServer, CompatRecord, RankRecord
 from pdserve.disagg.layout import KVLayout
-from pdserve.mem.kv_pool import BufferDescriptor
+from pdserve.transfer.base import BufferDescriptor
 
 FUZZ = settings(max_examples=30, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

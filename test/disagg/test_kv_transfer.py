@@ -15,8 +15,8 @@ import torch
 from transfer_peer import Peer
 
 from pdserve.disagg.layout import KVLayout, count_writes, expected_writes, op_addresses, plan_writes
-from pdserve.disagg.transfer import MooncakeTransferBackend, WriteState, mooncake_available
 from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
+from pdserve.transfer import MooncakeTransferBackend, WriteState, mooncake_available
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake cannot be imported: pip install -e '.[cpu]'")
 

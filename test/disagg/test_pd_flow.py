@@ -16,15 +16,15 @@ import pdserve
 from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig
 from pdserve.disagg.layout import page_runs
-from pdserve.disagg.transfer import (
+from pdserve.engine.request import ReqState
+from pdserve.models.fingerprint import weights_fingerprint
+from pdserve.transfer import (
     FaultInjectingBackend,
     TransferBackend,
     merge_contiguous,
     mooncake_available,
     nixl_available,
 )
-from pdserve.engine.request import ReqState
-from pdserve.models.fingerprint import weights_fingerprint
 
 NEEDS_MOONCAKE = pytest.mark.skipif(not mooncake_available(), reason="needs mooncake")
 NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="needs nixl")

@@ -21,7 +21,7 @@ from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer
 from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_process import build_scheduler
+from pdserve.entrypoints.scheduler_process import build_scheduler
 from pdserve.mem.hiradix_cache import HiRadixCache
 
 mooncake_store = pytest.importorskip("pdserve.mem.storage.mooncake_store")

@@ -24,9 +24,9 @@ from pdserve.disagg.auth import FrameBinding, PeerAuth
 from pdserve.disagg.bootstrap import BootstrapClient
 from pdserve.disagg.protocol import KVCompletion, KVRequest
 from pdserve.disagg.receiver import PeersDead
-from pdserve.disagg.transfer import FaultInjectingBackend
 from pdserve.engine.io_struct import BootstrapRef
 from pdserve.engine.request import ReqState
+from pdserve.transfer import FaultInjectingBackend
 
 pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
 

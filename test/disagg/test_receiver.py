@@ -27,7 +27,7 @@ from pdserve.disagg.receiver import (
     Quarantine,
     check_peer_layout,
 )
-from pdserve.disagg.transfer import MooncakeTransferBackend, mooncake_available
+from pdserve.transfer import MooncakeTransferBackend, mooncake_available
 
 # Decode TP1 of LAYOUT's model: all 8 heads of 2048 bytes per page on one rank.
 DECODE = KVLayout("gqa", 1, 8, 16, "bfloat16", 4, 50, 8 * 2048, 50 * 8 * 2048)

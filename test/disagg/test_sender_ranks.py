@@ -15,8 +15,8 @@ from pdserve.disagg.layout import KVLayout, expected_writes, staging_blocks, sta
 from pdserve.disagg.protocol import KVRequest
 from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.disagg.staging import StagingPool, pool_tensors, unpack_room
-from pdserve.disagg.transfer import MooncakeTransferBackend, mooncake_available
 from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
+from pdserve.transfer import MooncakeTransferBackend, mooncake_available
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake cannot be imported: pip install -e '.[cpu]'")
 

@@ -19,7 +19,7 @@ from pdserve.engine.io_struct import AbortReq, ShutdownReq
 from pdserve.engine.rank_group import BroadcastSampler, ControlPlane, LockStepError, StepSync
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler_process import FRONTEND_CODEC
+from pdserve.engine.scheduler_loop import FRONTEND_CODEC
 
 
 def _exchange(control: ControlPlane, rank: int) -> dict:

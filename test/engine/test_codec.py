@@ -18,8 +18,8 @@ from disagg.test_bootstrap import COMPAT, rank_record
 from disagg.test_protocol import MESSAGES as PROTOCOL_SAMPLES
 from pdserve.disagg.bootstrap import BootstrapInfo
 from pdserve.disagg.receiver import Peer, PeerFetched, PeersDead, PeersGone
+from pdserve.disagg.roles import MESSAGE_TYPES
 from pdserve.engine.codec import Codec, CodecError, DropCounter, Values
-from pdserve.engine.disagg_setup import MESSAGE_TYPES
 from pdserve.engine.io_struct import (
     AbortReq,
     BatchTokenOutput,
@@ -42,7 +42,7 @@ from pdserve.engine.io_struct import (
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp, RankMemory
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import SampleResult
-from pdserve.engine.scheduler_process import FRONTEND_CODEC, SchedulerLoop
+from pdserve.engine.scheduler_loop import FRONTEND_CODEC, SchedulerLoop
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "pdserve"
 # What a multi-rank scheduler's exchange carries: the frontend's messages and its mode's.

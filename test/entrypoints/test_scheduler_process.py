@@ -25,7 +25,8 @@ from pdserve.engine.io_struct import (
     TokenizedGenerateReq,
 )
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.scheduler_process import FRONTEND_CODEC, SchedulerLoop, build_scheduler
+from pdserve.engine.scheduler_loop import FRONTEND_CODEC, SchedulerLoop
+from pdserve.entrypoints.scheduler_process import build_scheduler
 
 PRESET = "tiny-llama"
 

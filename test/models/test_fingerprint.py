@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig, ServerArgs
 from pdserve.disagg.bootstrap import CompatRecord, IncompatiblePeer
-from pdserve.engine.disagg_setup import compat_record
+from pdserve.disagg.roles import compat_record
 from pdserve.models import fingerprint
 from pdserve.models.loader import load_model
 

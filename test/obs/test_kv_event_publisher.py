@@ -13,7 +13,7 @@ import zmq
 
 from pdserve.config import KVEventsConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.scheduler_process import build_scheduler, close_kv_events
+from pdserve.entrypoints.scheduler_process import build_scheduler, close_kv_events
 from pdserve.obs.kv_event_publisher import KVEventPublisher
 from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.kv_index import prompt_block_hashes

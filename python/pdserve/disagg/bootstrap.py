@@ -1,4 +1,12 @@
-"""Prefill's bootstrap registry (an HTTP server), decode's client of it, and room pairing.
+"""P/D bootstrap, in one place: the fields a router adds to a request, prefill's registry (an
+HTTP server), decode's client of it, and room pairing.
+
+A P/D router picks a prefill and a decode worker per request and adds ``bootstrap_host``,
+``bootstrap_port`` and ``bootstrap_room`` (SGLang's wire format, ``with_bootstrap``) before it sends
+the request to both; the host and port name the prefill's registry, the room pairs the two
+halves. A batch body (several prompts) gets one room per prompt, and host and port repeated per
+prompt, as lists of the batch's length, as sglang-router does. Rooms are random 63-bit integers
+(``0 <= room < 2**63``), so they fit a signed 64-bit field anywhere they travel.
 
 A prefill server runs one ``BootstrapServer`` (in its frontend process, on
 ``--disaggregation-bootstrap-port``). Each of its ranks registers a ``RankRecord`` and the
@@ -26,8 +34,10 @@ sees the answer rather than a broken pipe).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
+import random
 import socket
 import threading
 import time
@@ -37,12 +47,16 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
-from pdserve.disagg.auth import ANSWER_HEADER, SIGNATURE_HEADER, AuthError, NonceCache, PeerAuth, is_loopback
+from pdserve.disagg.auth import ANSWER_HEADER, SIGNATURE_HEADER, AuthError, NonceCache, PeerAuth, is_loopback, peer_auth
 from pdserve.disagg.layout import KVLayout
 from pdserve.disagg.protocol import ProtocolError, check_endpoint, from_dict, parse_json
-from pdserve.mem.kv_pool import BufferDescriptor
+from pdserve.transfer.base import BufferDescriptor
+
+if TYPE_CHECKING:
+    from pdserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +69,8 @@ DISCARD_IDLE_S = 5.0  # a client that stops sending what it declared gets its 41
 REFUSED_GRACE_S = 1.0  # how long a refused connection is retried (a registry restarting its listener)
 MAX_SNAPSHOT_BYTES = 64 << 20  # a snapshot holds at most layout.MAX_RANKS records
 KV_LAYOUTS = ("gqa-hnd", "mla")
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")  # what a router adds to a request
+ROOM_BITS = 63
 
 
 class BootstrapError(RuntimeError):
@@ -71,6 +87,50 @@ class IncompatiblePeer(BootstrapError):
 
 class RoomError(ValueError):
     """A request half that cannot be accepted (duplicate, already paired, dropped)."""
+
+
+# --- the request's bootstrap fields (the router writes them, both workers read them) ---------
+
+
+def bootstrap_host(url: str) -> str:
+    """The host part of a worker URL as a peer would put it in a URL (IPv6 in brackets)."""
+    host = urlsplit(url).hostname
+    if host is None:
+        raise ValueError(f"worker url: no host in {url!r}")
+    try:
+        return f"[{host}]" if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address) else host
+    except ValueError:  # a DNS name
+        return host
+
+
+def batch_size(body: dict) -> int | None:
+    """Number of prompts in a batch body, or None for a single request.
+
+    Batches: ``/generate`` with ``text`` a list or ``input_ids`` a list of lists;
+    ``/v1/completions`` with ``prompt`` a list of strings or of token lists (a flat
+    list of ints is one tokenized prompt). An empty list counts as a single request:
+    the worker rejects it with its own error. ``n`` is not a batch (pdserve takes n=1).
+    """
+    for name in ("text", "input_ids", "prompt"):
+        value = body.get(name)
+        if isinstance(value, list) and value and not isinstance(value[0], int):
+            return len(value)
+    return None
+
+
+def new_room(rng: random.Random) -> int:
+    return rng.getrandbits(ROOM_BITS)
+
+
+def with_bootstrap(body: dict, host: str, port: int, rng: random.Random) -> dict:
+    """A copy of ``body`` with the bootstrap fields of one prefill worker added (replacing any sent)."""
+    n = batch_size(body)
+    if n is None:
+        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room(rng)}
+    else:
+        fields = {"bootstrap_host": [host] * n, "bootstrap_port": [port] * n,
+                  "bootstrap_room": [new_room(rng) for _ in range(n)]}
+    return {**body, **fields}
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -380,6 +440,14 @@ class BootstrapServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def open_registry(args: ServerArgs) -> BootstrapServer:
+    """A prefill server's registry on ``--host`` and ``--disaggregation-bootstrap-port``, listening
+    (its scheduler ranks register there once they start; decode servers read it)."""
+    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port, peer_auth(args.disagg_config())).start()
+    logger.info("bootstrap registry on %s:%d", args.host, server.port)
+    return server
 
 
 # --- the client -----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.bootstrap import BootstrapClient, BootstrapError, BootstrapInfo, CompatRecord, Unreachable
 from pdserve.disagg.layout import KVLayout, LayoutError, check_compatible
 from pdserve.disagg.protocol import KVCompletion
-from pdserve.disagg.transfer import TransferBackend
+from pdserve.transfer import TransferBackend
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ runner's per-layer hook (``on_layer``) posts that layer's writes as soon as the 
 written its KV, without waiting for the forward to end: the transfer overlaps the rest. After the last
 chunk the sender writes the aux data, and ``poll`` reports the room done once every write has
 polled DONE: only then may decode be told, because DONE means the bytes have landed
-(``disagg.transfer``).
+(``pdserve.transfer``).
 
 With several prefill ranks, each rank has its own sender over its own pool and transfer engine:
 it posts only the writes whose source is its rank (``layout.plan_writes`` names one source per
@@ -52,7 +52,7 @@ from pdserve.disagg.layout import (
 )
 from pdserve.disagg.protocol import KVRequest
 from pdserve.disagg.staging import StagingPool, pack_block
-from pdserve.disagg.transfer import TransferBackend, WriteHandle, WriteState
+from pdserve.transfer import TransferBackend, WriteHandle, WriteState
 
 logger = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ class RoleSwitchResp:
     busy: bool = False
 
 
-# Every message above; the frontend and scheduler codecs carry these (scheduler_process.FRONTEND_CODEC).
+# Every message above; the frontend and scheduler codecs carry these (scheduler_loop.FRONTEND_CODEC).
 MESSAGES: tuple[type, ...] = (
     TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheResp, GetStatsReq, KVEventsSnapshotReq,
     KVEventsSnapshotResp, StatsResp, RejectedReq, BatchTokenOutput, SchedulerReady, SchedulerFailed, ShutdownReq,

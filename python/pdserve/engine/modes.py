@@ -13,17 +13,39 @@ The colocated scheduler loop stays the core; a mode sees it only at these fixed 
 The base class is the colocated server: every hook does nothing.
 
 With several scheduler ranks, every rank runs the same mode on the same inputs; a mode's I/O
-(``engine/mode_io.py``) makes its messages, clock and rank-local facts the same on every rank.
+(``disagg/mode_io.py``) makes its messages, clock and rank-local facts the same on every rank.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pdserve.engine.io_struct import BootstrapRef
     from pdserve.engine.request import Req
     from pdserve.engine.scheduler import Scheduler
+
+
+class RoleSwitchRefused(ValueError):
+    """A role switch that cannot happen now; the message says why (the frontend answers 4xx with it).
+    ``busy``: only because something is still in flight (asking again later may succeed)."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
+
+
+class RoleSwitcher(Protocol):
+    """What the scheduler loop asks of a server that can change its P/D role at run time
+    (``disagg/roles.py``'s ``RoleModes``); the loop knows no more of disaggregation than this."""
+
+    @property
+    def role(self) -> str: ...
+
+    def switch(self, scheduler: Scheduler, target: str) -> None:
+        """Make ``target`` the scheduler's mode, or raise ``RoleSwitchRefused``."""
+
+    def close(self) -> None: ...
 
 
 class SchedulerMode:

@@ -60,7 +60,7 @@ from pdserve.engine.io_struct import (
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch, build_model_runner
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp, RankMemory
 from pdserve.engine.sampler import Sampler, SampleResult
-from pdserve.engine.scheduler_process import FRONTEND_CODEC, send_message
+from pdserve.engine.scheduler_loop import FRONTEND_CODEC, send_message
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ class RankSchedulerLoop:
     leaders). ``run`` returns after a ShutdownReq reached every rank, or once rank 0's
     parent is gone; an exception (a peer died mid-collective, a lock-step error) propagates.
 
-    Extension points (a disaggregation mode's I/O uses them, ``engine/mode_io.py``):
+    Extension points (a disaggregation mode's I/O uses them, ``disagg/mode_io.py``):
     ``add_inbox(sock, decode)`` (rank 0) reads another socket the same way;
     ``on(msg_type, handler, wakes)`` registers a handler for another message type. Every rank
     calls the handler with the same message at the same point of its loop, so anything that

@@ -358,13 +358,9 @@ def start_bootstrap_server(args: ServerArgs):
 
 
 def _open_registry(args: ServerArgs):
-    from pdserve.disagg.auth import peer_auth
-    from pdserve.disagg.bootstrap import BootstrapServer
+    from pdserve.disagg.bootstrap import open_registry
 
-    auth = peer_auth(args.disagg_config())
-    server = BootstrapServer(args.host, args.disaggregation_bootstrap_port, auth).start()
-    logger.info("bootstrap registry on %s:%d", args.host, server.port)
-    return server
+    return open_registry(args)
 
 
 async def _serve(ctx: ServerContext, sock: socket.socket, startup_timeout: float) -> int:

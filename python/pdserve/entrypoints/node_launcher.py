@@ -13,7 +13,8 @@ import signal
 import threading
 
 from pdserve.config import ServerArgs, split_host_port
-from pdserve.engine.scheduler_process import RankProcesses, SchedulerEndpoints
+from pdserve.engine.scheduler_loop import SchedulerEndpoints
+from pdserve.entrypoints.scheduler_process import RankProcesses
 
 logger = logging.getLogger(__name__)
 

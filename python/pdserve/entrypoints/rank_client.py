@@ -35,7 +35,8 @@ from pdserve.engine.io_struct import (
 from pdserve.engine.node_sockets import frontend_sockets
 from pdserve.engine.rank_io import CheckMemoryReq, CheckMemoryResp
 from pdserve.engine.request import RequestLimits, SamplingParams, check_scheduler_request
-from pdserve.engine.scheduler_process import RankProcesses, SchedulerEndpoints, recv_message, send_message
+from pdserve.engine.scheduler_loop import SchedulerEndpoints, recv_message, send_message
+from pdserve.entrypoints.scheduler_process import RankProcesses
 
 STARTUP_TIMEOUT_S = 600.0
 STEP_POLL_MS = 50

@@ -58,15 +58,9 @@ from pdserve.engine.io_struct import (
 )
 from pdserve.engine.node_sockets import FrontendSockets, frontend_sockets
 from pdserve.engine.request import RequestLimits, SamplingParams, check_request, finish_abort
-from pdserve.engine.scheduler_process import (
-    RankProcesses,
-    SchedulerEndpoints,
-    SchedulerProcess,
-    decode_frame,
-    scheduler_processes,
-    send_message,
-)
+from pdserve.engine.scheduler_loop import SchedulerEndpoints, decode_frame, send_message
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
+from pdserve.entrypoints.scheduler_process import RankProcesses, SchedulerProcess, scheduler_processes
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.timeline import ReqTimeline
 from pdserve.web.api_key import request_owner

@@ -8,29 +8,10 @@ C kv_lora_rank, R qk_rope_head_dim, N layers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class BufferDescriptor:
-    """One registrable buffer: layer ``l``'s page ``p`` starts at
-    ``base_addr + l * layer_stride + p * page_bytes`` and is ``page_bytes`` long."""
-
-    name: str  # "k", "v" or "latent"
-    base_addr: int
-    page_bytes: int
-    layer_stride: int
-    num_layers: int
-    num_pages: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.layer_stride * self.num_layers
-
-    def page_addr(self, layer: int, page: int) -> int:
-        return self.base_addr + layer * self.layer_stride + page * self.page_bytes
+from pdserve.transfer.base import BufferDescriptor
 
 
 class KVPool(ABC):

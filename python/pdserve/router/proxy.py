@@ -31,7 +31,7 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from pdserve.router.bootstrap import with_bootstrap
+from pdserve.disagg.bootstrap import with_bootstrap
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState

@@ -19,13 +19,12 @@ from __future__ import annotations
 import json
 from typing import TypeGuard
 
-from pdserve.router.bootstrap import batch_size
+from pdserve.disagg.bootstrap import BOOTSTRAP_FIELDS, batch_size
 
 EVENT_END = b"\n\n"
 DATA = b"data: "
 DONE = b"[DONE]"
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's and pdserve's default when the body names none
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 PROMPT_PROBE_SAMPLING = {"max_new_tokens": 0}  # prefill only: the prompt's ids come back as input logprobs
 
 

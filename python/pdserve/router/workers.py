@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.router.bootstrap import bootstrap_host
+from pdserve.disagg.bootstrap import bootstrap_host
 from pdserve.router.policy import Candidate, Policy
 
 logger = logging.getLogger(__name__)

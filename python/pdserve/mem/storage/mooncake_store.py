@@ -65,8 +65,8 @@ class MooncakeStoreError(RuntimeError):
 
 
 def _import_store() -> Any:
-    from pdserve.disagg.transfer import mooncake_log
-    from pdserve.disagg.transfer.mooncake import MOONCAKE_INSTALL_HINT
+    from pdserve.transfer import mooncake_log
+    from pdserve.transfer.mooncake import MOONCAKE_INSTALL_HINT
 
     mooncake_log.set_level()  # read once, when the library loads
     try:

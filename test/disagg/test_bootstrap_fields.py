@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdserve.router.bootstrap import batch_size, bootstrap_host, with_bootstrap
+from pdserve.disagg.bootstrap import batch_size, bootstrap_host, with_bootstrap
 
 
 @pytest.mark.parametrize("body,size", [

@@ -10,9 +10,9 @@ import time
 from pdserve.disagg import protocol
 from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.channel import ControlChannel, FrameGate, Mailbox
+from pdserve.disagg.mode_io import DirectIO
 from pdserve.disagg.protocol import DropRoom, KVAbortAck
 from pdserve.disagg.receiver import PeersDead
-from pdserve.engine.mode_io import DirectIO
 
 
 def _recv(io: DirectIO, n: int, timeout_s: float = 10.0) -> list:

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.disagg.transfer.base import (
+from pdserve.transfer.base import (
     Notify,
     Outstanding,
     Regions,

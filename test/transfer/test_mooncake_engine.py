@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pdserve.disagg.transfer import mooncake_available
+from pdserve.transfer import mooncake_available
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="needs mooncake")
 
@@ -26,7 +26,7 @@ CHILD = """
 import json, logging, os, subprocess, sys, torch
 if sys.argv[1] == "debug":
     logging.basicConfig(level=logging.DEBUG)
-from pdserve.disagg.transfer import MooncakeTransferBackend, WriteState
+from pdserve.transfer import MooncakeTransferBackend, WriteState
 a, b = MooncakeTransferBackend(), MooncakeTransferBackend()
 x, y = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
 a.register([(x.data_ptr(), 4096)])

@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.disagg.transfer.base import (
+from pdserve.transfer.base import (
     Notify,
     Outstanding,
     Regions,

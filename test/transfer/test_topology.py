@@ -1,5 +1,5 @@
 """topology.py on fake sysfs trees built in tmp_path, and on this machine's real /sys; the
-transfer device each scheduler rank opens its engine with (disagg_setup)."""
+transfer device each scheduler rank opens its engine with (disagg/roles.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.disagg.topology import discover, nic_for_gpus, transfer_device
-from pdserve.engine.disagg_setup import local_gpu
+from pdserve.transfer.topology import discover, local_gpu, nic_for_gpus, transfer_device
 
 MELLANOX, IB_CLASS = "0x15b3", "0x020700"
 

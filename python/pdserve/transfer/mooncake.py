@@ -69,8 +69,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.disagg.transfer import mooncake_log
-from pdserve.disagg.transfer.base import (
+from pdserve.transfer import mooncake_log
+from pdserve.transfer.base import (
     Notify,
     Outstanding,
     Regions,

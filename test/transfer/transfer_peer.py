@@ -16,8 +16,8 @@ import threading
 
 import torch
 
-from pdserve.disagg.transfer import TransferBackend, create_transfer_backend
-from pdserve.disagg.transfer.memory import PROCESS_FABRIC
+from pdserve.transfer import TransferBackend, create_transfer_backend
+from pdserve.transfer.memory import PROCESS_FABRIC
 
 
 def alloc(nbytes: int) -> torch.Tensor:

@@ -136,6 +136,26 @@ class Regions:
         return len(self._starts)
 
 
+@dataclass(frozen=True)
+class BufferDescriptor:
+    """One registrable buffer (a KV pool publishes one per tensor): layer ``l``'s page ``p`` starts at
+    ``base_addr + l * layer_stride + p * page_bytes`` and is ``page_bytes`` long."""
+
+    name: str  # "k", "v" or "latent"
+    base_addr: int
+    page_bytes: int
+    layer_stride: int
+    num_layers: int
+    num_pages: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layer_stride * self.num_layers
+
+    def page_addr(self, layer: int, page: int) -> int:
+        return self.base_addr + layer * self.layer_stride + page * self.page_bytes
+
+
 class TransferBackend(ABC):
     """One process's endpoint of the KV transfer fabric.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve.disagg.transfer.base import (
+from pdserve.transfer.base import (
     Notify,
     Outstanding,
     TransferBackend,
@@ -21,22 +21,22 @@ from pdserve.disagg.transfer.base import (
     check_writes,
     merge_contiguous,
 )
-from pdserve.disagg.transfer.faults import FAULTS_ENV, FaultInjectingBackend, with_faults
-from pdserve.disagg.transfer.memory import MemoryFabric, MemoryTransferBackend
-from pdserve.disagg.transfer.mooncake import (
+from pdserve.transfer.faults import FAULTS_ENV, FaultInjectingBackend, with_faults
+from pdserve.transfer.memory import MemoryFabric, MemoryTransferBackend
+from pdserve.transfer.mooncake import (
     MOONCAKE_INSTALL_HINT,
     PROTOCOLS,
     MooncakeTransferBackend,
     import_mooncake,
     mooncake_available,
 )
-from pdserve.disagg.transfer.nixl import NIXL_INSTALL_HINT, NixlTransferBackend, import_nixl, nixl_available
+from pdserve.transfer.nixl import NIXL_INSTALL_HINT, NixlTransferBackend, import_nixl, nixl_available
 
 # name -> (module, class); the module is imported, and its engine library loaded, on first use.
 _BACKENDS = {
-    "mooncake": ("pdserve.disagg.transfer.mooncake", "MooncakeTransferBackend"),
-    "memory": ("pdserve.disagg.transfer.memory", "MemoryTransferBackend"),
-    "nixl": ("pdserve.disagg.transfer.nixl", "NixlTransferBackend"),
+    "mooncake": ("pdserve.transfer.mooncake", "MooncakeTransferBackend"),
+    "memory": ("pdserve.transfer.memory", "MemoryTransferBackend"),
+    "nixl": ("pdserve.transfer.nixl", "NixlTransferBackend"),
 }
 BACKEND_NAMES = tuple(_BACKENDS)
 

@@ -18,7 +18,7 @@ and the abandoned pages stay in quarantine until no late write can land; with
 With several ranks (TP, DP attention) every rank of the request's attention group pins the same
 pages (lock step) and sends prefill its own KV request (its transfer session, its buffers); the
 completions, bootstrap records and heartbeat verdicts reach every rank as messages rank 0 shares
-(``engine/mode_io.py``), so the group lands, fails over or quarantines a room at the same step.
+(``disagg/mode_io.py``), so the group lands, fails over or quarantines a room at the same step.
 
 Packed transfers (``--disaggregation-transfer-pack``; ``layout.packing_pays``): a rank lends a room
 a range of its registered staging buffer (published in its record) for the room's whole KV;
@@ -40,6 +40,7 @@ import torch
 
 from pdserve.config import DisaggConfig
 from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes, packing_pays, staging_blocks, staging_bytes
+from pdserve.disagg.mode_io import ModeIO
 from pdserve.disagg.protocol import MAX_NONCE, DecodeRecord, DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
 from pdserve.disagg.receiver import (
     AuxSlots,
@@ -53,11 +54,10 @@ from pdserve.disagg.receiver import (
     Quarantine,
 )
 from pdserve.disagg.staging import StagingPool, unpack_room
-from pdserve.disagg.transfer import TransferBackend, TransferError
-from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort
+from pdserve.transfer import TransferBackend, TransferError
 
 logger = logging.getLogger(__name__)
 

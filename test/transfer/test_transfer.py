@@ -16,7 +16,7 @@ import pytest
 import torch
 from transfer_peer import Peer, alloc
 
-from pdserve.disagg.transfer import (
+from pdserve.transfer import (
     FaultInjectingBackend,
     MooncakeTransferBackend,
     Outstanding,
@@ -30,7 +30,7 @@ from pdserve.disagg.transfer import (
     mooncake_available,
     nixl_available,
 )
-from pdserve.disagg.transfer.faults import _LATE, FAULTS_ENV, with_faults
+from pdserve.transfer.faults import _LATE, FAULTS_ENV, with_faults
 
 needs_mooncake = pytest.mark.skipif(
     not mooncake_available(),
@@ -523,7 +523,7 @@ def test_a_write_that_gave_up_on_a_frozen_peer_never_lands():
 
 def test_backend_names_match_the_config_and_servers_refuse_memory():
     from pdserve.config import SERVER_TRANSFER_BACKENDS, TRANSFER_BACKENDS, DisaggConfig
-    from pdserve.disagg.transfer import BACKEND_NAMES
+    from pdserve.transfer import BACKEND_NAMES
 
     assert TRANSFER_BACKENDS == BACKEND_NAMES and set(SERVER_TRANSFER_BACKENDS) <= set(BACKEND_NAMES)
     DisaggConfig("decode", "memory")  # an in-process pair may use it

@@ -4,7 +4,7 @@ in the bootstrap registry.
 
 With several ranks every rank has its own transfer engine over its own pool (GQA: its head
 range; MLA: the whole latent), and its own RankRecord; every peer sends its control messages to
-rank 0's channel, which all records name (``engine/mode_io.py``).
+rank 0's channel, which all records name (``disagg/mode_io.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from pdserve.disagg.auth import PeerAuth, peer_auth
 from pdserve.disagg.bootstrap import BootstrapClient, CompatRecord, RankRecord
 from pdserve.disagg.channel import ControlChannel, Mailbox, advertised_host
 from pdserve.disagg.layout import KVLayout
+from pdserve.disagg.mode_io import DirectIO, LockStepIO, ModeIO
 from pdserve.disagg.protocol import BufferRange, DecodeRecord
 from pdserve.disagg.receiver import PeerDirectory, PeerFetched, PeersDead, PeersGone
 from pdserve.disagg.sender import KVSender
 from pdserve.disagg.staging import StagingPool, pool_tensors
-from pdserve.disagg.topology import transfer_device
-from pdserve.disagg.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
-from pdserve.engine.mode_io import DirectIO, LockStepIO, ModeIO
-from pdserve.engine.modes import SchedulerMode
+from pdserve.engine.modes import RoleSwitchRefused, SchedulerMode
+from pdserve.transfer import FAULTS_ENV, TransferBackend, create_transfer_backend, with_faults
+from pdserve.transfer.topology import local_gpu, transfer_device
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
@@ -52,19 +52,6 @@ def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 
     kind = "mla" if model_config.is_mla else "gqa"
     return KVLayout.from_descriptors(kind, tp_size, model_config.num_kv_heads, pool.page_size, model_config.dtype,
                                      pool.buffer_descriptors(), dp_size)
-
-
-def local_gpu(device: str | torch.device) -> int | None:
-    """The PCI-ordered index of the GPU ``device`` runs on (through CUDA_VISIBLE_DEVICES); None
-    on CPU. topology.py reads GPUs in PCI bus order, as CUDA does under CUDA_DEVICE_ORDER=PCI_BUS_ID."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    index = device.index or 0
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if index < len(visible) and visible[index].isdigit():
-        return int(visible[index])
-    return index
 
 
 def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> TransferBackend:
@@ -99,15 +86,6 @@ def build_mode(args: ServerArgs, model_config: ModelConfig, runner, groups=None)
     if not cfg.enabled:
         return SchedulerMode()
     return RoleModes(args, model_config, runner, groups).mode(cfg.mode)
-
-
-class RoleSwitchRefused(ValueError):
-    """A role switch that cannot happen now; the message says why (the frontend answers 4xx with it).
-    ``busy``: only because something is still in flight (asking again later may succeed)."""
-
-    def __init__(self, message: str, busy: bool = False):
-        super().__init__(message)
-        self.busy = busy
 
 
 ROLES = ("prefill", "decode")
@@ -151,7 +129,7 @@ class RoleModes:
         if role not in self.modes:
             self.modes[role] = self._prefill() if role == "prefill" else self._decode()
         elif role == "prefill":
-            from pdserve.engine.prefill_mode import PrefillMode
+            from pdserve.disagg.prefill import PrefillMode
 
             mode = self.modes[role]
             assert isinstance(mode, PrefillMode)
@@ -180,7 +158,7 @@ class RoleModes:
         return mode_io(self.args.host, self.groups, self.auth)
 
     def _prefill(self) -> SchedulerMode:
-        from pdserve.engine.prefill_mode import PrefillMode
+        from pdserve.disagg.prefill import PrefillMode
 
         io = self._io()
         bases = {d.name: d.base_addr for d in self.descriptors}
@@ -200,7 +178,7 @@ class RoleModes:
                     endpoint)
 
     def _decode(self) -> SchedulerMode:
-        from pdserve.engine.decode_mode import DecodeMode
+        from pdserve.disagg.decode import DecodeMode
 
         io = self._io()
         directory = PeerDirectory(compat_record(self.args, self.model_config), self.layout,

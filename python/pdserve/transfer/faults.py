@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pdserve.disagg.transfer.base import (
+from pdserve.transfer.base import (
     Notify,
     Outstanding,
     TransferBackend,

@@ -163,3 +163,17 @@ def transfer_device(ib_device: str | None, gpu: int | None, root: str | os.PathL
     if names:  # sysfs shows fewer GPUs than CUDA does (a container): deal the names out
         return "rdma", names[gpu % len(names)]
     return "tcp", ""
+
+
+def local_gpu(device: object) -> int | None:
+    """The PCI-ordered index of the GPU ``device`` (a torch device or its name, e.g. ``"cuda:1"``) runs
+    on, through CUDA_VISIBLE_DEVICES; None on CPU. ``discover`` reads GPUs in PCI bus order, as CUDA
+    does under CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    kind, _, index_text = str(device).partition(":")
+    if kind != "cuda":
+        return None
+    index = int(index_text or 0)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if index < len(visible) and visible[index].isdigit():
+        return int(visible[index])
+    return index

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from pdserve.config import DisaggConfig
 from pdserve.disagg.bootstrap import Dropped, Expired, Paired, RoomError, RoomTable
 from pdserve.disagg.layout import LayoutError
+from pdserve.disagg.mode_io import ModeIO
 from pdserve.disagg.protocol import (
     DecodeRecord,
     DropRoom,
@@ -42,11 +43,10 @@ from pdserve.disagg.protocol import (
     ProtocolError,
 )
 from pdserve.disagg.sender import KVSender, RoomState
-from pdserve.disagg.transfer import TransferError
-from pdserve.engine.mode_io import ModeIO
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort, finish_length
+from pdserve.transfer import TransferError
 
 logger = logging.getLogger(__name__)
 
