@@ -161,6 +161,22 @@ def test_notify_never_overtakes_its_data(backend_name, peer, sender):
     assert torn == []
 
 
+def test_a_write_to_a_stopped_peer_is_not_done_until_it_runs(peer, sender):
+    """DONE means landed: while the receiver's process is stopped nothing can land, so however
+    long the sender polls the batch stays PENDING (NIXL's own DONE comes at once: the bytes sit
+    in the kernel's socket buffers); once it runs again the batch turns DONE with its bytes."""
+    be, src = sender
+    src[:4096] = 8
+    peer.freeze()
+    try:
+        h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4096])
+        assert be.wait(h, 0.5) is WriteState.PENDING
+    finally:
+        peer.thaw()
+    assert be.wait(h, WAIT_S) is WriteState.DONE, h.error
+    assert peer.call("mismatches", 0, 4096, 8) == 0
+
+
 def test_pieces_land_and_contiguous_runs_merge(peer, sender):
     be, src = sender
     src[:1 << 20] = torch.arange(1 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
@@ -519,6 +535,25 @@ def test_a_write_that_gave_up_on_a_frozen_peer_never_lands():
         a.close()
         b.close()
     assert not create_transfer_backend("memory").probe(b.session_id)  # closed: gone from the fabric
+
+
+@needs_nixl
+def test_nixl_refuses_a_record_whose_metadata_names_another_agent():
+    """A record's transfer_info must describe the session it is published for: NIXL metadata of
+    one agent under another's session is refused (nothing gets connected under either name)."""
+    a, b, c = (create_transfer_backend("nixl") for _ in range(3))
+    try:
+        with pytest.raises(TransferError, match=f"transfer_info of {c.session_id}: it describes agent"):
+            a.connect(c.session_id, b.peer_info)
+        with pytest.raises(TransferError, match="transfer_info of"):
+            a.connect(b.session_id, "not base64!")
+        src = alloc(64)
+        a.register([(src.data_ptr(), 64)])
+        h = a.post_writes(b.session_id, [src.data_ptr()], [4096], [64])
+        assert a.wait(h, WAIT_S) is WriteState.FAILED and "no transfer record" in h.error
+    finally:
+        for be in (a, b, c):
+            be.close()
 
 
 def test_backend_names_match_the_config_and_servers_refuse_memory():

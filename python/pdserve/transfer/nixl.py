@@ -180,7 +180,8 @@ class NixlTransferBackend(TransferBackend):
                 raise TransferError(f"transfer_info of {peer}: NIXL refused it ({e})") from e
             name = name.decode() if isinstance(name, bytes) else str(name)
             if name != peer:
-                self._agent.remove_remote_agent(name)
+                if name not in self._peers:  # never drop a peer another record connected
+                    self._agent.remove_remote_agent(name)
                 raise TransferError(f"transfer_info of {peer}: it describes agent {name[:80]!r}")
             self._peers[peer] = info
 
