@@ -438,10 +438,11 @@ MUTATIONS = (
         ("test/entrypoints/test_http_fuzz.py::test_a_top_k_past_the_vocabulary_samples_from_all_of_it",)),
     # NIXL backend (issue 24, slice nixl)
     Mutation(
-        "nixl_done_before_landed", "a NIXL batch reports DONE when NIXL's local DONE comes, without the "
-        "receiver's answer: the bytes may still sit in socket buffers (a stopped peer 'received' them)",
+        "nixl_done_before_landed", "a NIXL batch reports DONE once posted, before NIXL or the receiver "
+        "says anything (dropping only the receiver's answer survives on TCP here: UCX's DONE already waits "
+        "for the receiver, see nixl.py)",
         NIXL, "if b.xfer is None and (b.error is not None or (b.sent and b.acked)):",
-        "if b.xfer is None and (b.error is not None or b.sent):",
+        "if b.error is not None or True:",
         (f"{T_TRANSFER}::test_a_write_to_a_stopped_peer_is_not_done_until_it_runs[nixl]",)),
     Mutation(
         "nixl_notify_before_data", "write_sync's notify leaves as its own notification before the data",

@@ -163,8 +163,8 @@ def test_notify_never_overtakes_its_data(backend_name, peer, sender):
 
 def test_a_write_to_a_stopped_peer_is_not_done_until_it_runs(peer, sender):
     """DONE means landed: while the receiver's process is stopped nothing can land, so however
-    long the sender polls the batch stays PENDING (NIXL's own DONE comes at once: the bytes sit
-    in the kernel's socket buffers); once it runs again the batch turns DONE with its bytes."""
+    long the sender polls the batch stays PENDING; once it runs again the batch turns DONE with
+    its bytes."""
     be, src = sender
     src[:4096] = 8
     peer.freeze()

@@ -8,14 +8,19 @@ How NIXL keeps the contract (nixl-cu12 1.5.1, UCX over TCP on 127.0.0.1, measure
   (``RankRecord`` on prefill, ``DecodeRecord`` on decode), signed like the rest; ``connect``
   loads it and checks it names the session the record claims. NIXL's own listener (which would
   serve and accept metadata unauthenticated on a port of its own) stays off.
-* **DONE means landed, by acknowledgement.** NIXL's own DONE (``check_xfer_state``) is local:
-  a 1 MiB write to a SIGSTOPped peer reported DONE in 8 ms, the bytes in the kernel's socket
-  buffers. So every batch carries a NIXL notification (``W`` + sequence number), which UCX
-  delivers after the batch's data on the same endpoint; the receiver's pump answers it with an
-  ``A`` notification, and the batch turns DONE only when both NIXL reports DONE and the answer
-  came back. Both sides must therefore have connected each other (P/D does: each side's record
-  reaches the other before the first write); a receiver that does not know the sender cannot
-  answer, and the write fails as "did not answer".
+* **DONE means landed, by acknowledgement.** NIXL does not document whether its DONE
+  (``check_xfer_state``) means the bytes are in the receiver's memory or only that they left.
+  Measured over UCX's TCP transport it waits for the receiver (writes of 4 KiB to 4 MiB to a
+  SIGSTOPped peer stayed in progress for 20 s, until resumed) and DONE-then-pipe never showed a
+  stale byte (300 rounds) even without what follows; an earlier reading of DONE within 8 ms
+  for a stopped peer was a SIGSTOP not yet delivered. So that the guarantee does not hang on
+  how a transport completes (RDMA, shared memory), every batch also carries a NIXL
+  notification (``W`` + sequence number), which UCX delivers after the batch's data on the
+  same endpoint; the receiver's pump answers it with an ``A`` notification, and the batch turns
+  DONE only when NIXL reports DONE and the answer came back (one round trip later). Both sides
+  must therefore have connected each other (P/D does: each side's record reaches the other
+  before the first write); a receiver that does not know the sender cannot answer, and the
+  write fails as "did not answer".
 * **A notify cannot overtake its data**: ``write_sync``'s notify rides in the same ``W``
   notification, which the receiver sees only after the data (the ordering tests check it).
 * **Failures.** A peer whose process died fails at once (NIXL raises
