@@ -12,11 +12,11 @@ import contextlib
 
 import pytest
 import torch
-from transfer_peer import Peer
 
 from pdserve.disagg.layout import KVLayout, count_writes, expected_writes, op_addresses, plan_writes
 from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
 from pdserve.transfer import WriteState, create_transfer_backend, mooncake_available, nixl_available
+from transfer.transfer_peer import Peer
 
 BACKENDS = [pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason="needs mooncake")),
             pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
