@@ -461,6 +461,10 @@ MUTATIONS = (
         NIXL, "            if name != peer:\n", "            if False:\n",
         (f"{T_TRANSFER}::test_nixl_refuses_a_record_whose_metadata_names_another_agent",)),
     Mutation(
+        "nixl_ib_modules_loaded", "UCX loads its InfiniBand modules on TCP too: processes die with SIGSEGV at exit",
+        NIXL, '    env = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}', '    env = {"UCX_TLS": "tcp"}',
+        (f"{T_TRANSFER}::test_a_process_with_nixl_agents_exits_cleanly",)),
+    Mutation(
         "mixed_backends_accepted", "a prefill on NIXL and a decode on Mooncake pass the handshake",
         "python/pdserve/disagg/bootstrap.py", '    transfer_backend: str = "mooncake"\n',
         '    transfer_backend: str = field(default="mooncake", compare=False)\n',

@@ -7,6 +7,7 @@ bytes landed, and a notify never overtakes its data.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -554,6 +555,27 @@ def test_nixl_refuses_a_record_whose_metadata_names_another_agent():
     finally:
         for be in (a, b, c):
             be.close()
+
+
+@needs_nixl
+def test_a_process_with_nixl_agents_exits_cleanly():
+    """Two agents that moved bytes, one closed and one left to the interpreter's exit: the process
+    ends with status 0 (UCX's InfiniBand modules, loaded by default, made every such process die
+    with SIGSEGV in libnl-route's destructor at exit; nixl.py keeps them out on TCP)."""
+    import subprocess
+
+    code = ("from pdserve.transfer import create_transfer_backend, WriteState\n"
+            "import torch\n"
+            "a, b = create_transfer_backend('nixl'), create_transfer_backend('nixl')\n"
+            "src, dst = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)\n"
+            "a.register([(src.data_ptr(), 4096)]); b.register([(dst.data_ptr(), 4096)])\n"
+            "a.connect(b.session_id, b.peer_info); b.connect(a.session_id, a.peer_info)\n"
+            "h = a.post_writes(b.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])\n"
+            "assert a.wait(h, 60) is WriteState.DONE and int(dst.sum()) == 4096, h.error\n"
+            "a.close()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # the backend's defaults only
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
 def test_backend_names_match_the_config_and_servers_refuse_memory():

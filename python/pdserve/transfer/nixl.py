@@ -39,7 +39,10 @@ How NIXL keeps the contract (nixl-cu12 1.5.1, UCX over TCP on 127.0.0.1, measure
   InfiniBand modules unloaded on TCP: with them loaded, every process that created an agent
   died with SIGSEGV at interpreter exit, inside ``rtnl_tc_unregister`` of the libnl-route that
   libibverbs pulls in, run by ``_dl_fini`` after UCX had torn itself down (gdb backtrace; no
-  order of releasing handles, agents or memory avoided it, and ``UCX_MODULES=^ib`` does).
+  order of releasing handles, agents or memory avoided it, and ``UCX_MODULES=^ib`` does). An
+  agent still open when the interpreter tears down aborts the process instead ("terminate called
+  without an active exception"), so every backend closes itself at exit (``atexit``) unless
+  closed before; P/D modes leave their backend to the process's end.
 * **No NIXL progress thread.** NIXL's own (on by default) busy-spins: an idle agent took a
   whole core (0.998 CPU-seconds per second), on servers a core per rank, and with it 1P1D TTFT
   on a 2-core host was 13-20% above Mooncake's. Without it UCX progresses inside the calls the
@@ -52,6 +55,7 @@ How NIXL keeps the contract (nixl-cu12 1.5.1, UCX over TCP on 127.0.0.1, measure
 
 from __future__ import annotations
 
+import atexit
 import base64
 import itertools
 import json
@@ -165,6 +169,7 @@ class NixlTransferBackend(TransferBackend):
         self._seq = itertools.count(1)
         self._closed = False
         self._pump = _Pump(self, poll_interval_s)
+        atexit.register(self.close)  # an agent left to the interpreter's teardown aborts the process
 
     @property
     def session_id(self) -> str:
@@ -258,6 +263,7 @@ class NixlTransferBackend(TransferBackend):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         if not self._pump.stop(timeout_s):
             logger.warning("transfer agent %s: writes still inside NIXL after %.0fs; not freeing it",
                            self._session, timeout_s)
