@@ -1,9 +1,10 @@
 """KV transfer: pdserve's transfer path against a raw Mooncake batch write and memcpy, and 1P1D TTFT
 against colocated TTFT, for one long prompt of each preset, side by side in one run; for prefill
-and decode with the same TP size and with mismatched ones.
+and decode with the same TP size and with mismatched ones; on each transfer backend of
+``--backends`` (Mooncake and NIXL by default), also side by side.
 
     python benchmark/bench_transfer.py --prompt-len 2048 --models tiny-llama tiny-deepseek tiny-qwen3-moe \
-        --tp-pairs 1:1 2:1 1:2
+        --tp-pairs 1:1 2:1 1:2 --backends mooncake nixl
 
 Part 1 (one process, one real Mooncake engine per rank over loopback TCP, as servers have them):
 the KV pages of a ``--prompt-len`` prompt move from the prefill ranks' pools (TP ``P``: each its
@@ -19,7 +20,12 @@ Part 2 (real processes): the same prompt's time to first token through ``pdserve
 front of 1 prefill (TP ``P``) + 1 decode (TP ``D``) server, against one colocated server of
 prefill's TP size; every rank has ``--num-threads`` torch threads. Target: 1P1D / colocated <=
 1.1 (the transfer hides behind the prefill's forward passes). Each repeat uses a fresh prompt,
-so no cache helps either side.
+so no cache helps either side. Per backend, also the TTFT share of the transfer (decode's
+``transfer`` stage of the request timeline over the TTFT).
+
+With several backends, part 1 runs the pdserve path on each (the raw baseline is Mooncake's
+``batch_transfer_sync_write``), and part 2 one prefill/decode/router trio per backend, their
+repeats interleaved with the colocated server's.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.disagg.staging import StagingPool, pool_tensors, unpack_room
 from pdserve.distributed.parallel_state import ParallelState
 from pdserve.engine.model_runner import create_kv_pool
-from pdserve.transfer import MooncakeTransferBackend, merge_contiguous
+from pdserve.transfer import BACKEND_NAMES, create_transfer_backend, merge_contiguous
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import servers  # noqa: E402  (benchmark/servers.py, beside this script)
@@ -63,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of each server rank (part 2)")
     p.add_argument("--skip-ttft", action="store_true", help="part 1 only")
+    p.add_argument("--backends", nargs="+", default=["mooncake", "nixl"],
+                   choices=[b for b in BACKEND_NAMES if b != "memory"], help="transfer backends, side by side")
     p.add_argument("--output-file", help="append the results as one JSON line")
     return p.parse_args(argv)
 
@@ -83,7 +91,8 @@ class Pools:
     registered with its own engine, with an aux staging row per prefill rank and an aux row per
     decode rank."""
 
-    def __init__(self, model: str, page_size: int, tokens: int, src_tp: int = 1, dst_tp: int = 1):
+    def __init__(self, model: str, page_size: int, tokens: int, src_tp: int = 1, dst_tp: int = 1,
+                 backend: str = "mooncake"):
         mc = ModelConfig.from_path(model)
         cache = CacheConfig(page_size, max_total_tokens=tokens + 4 * page_size)
         kind = "mla" if mc.is_mla else "gqa"
@@ -94,7 +103,7 @@ class Pools:
             pools = [create_kv_pool(mc, cache, ParallelState(t, tp)) for t in range(tp)]
             layout = KVLayout.from_descriptors(kind, tp, mc.num_kv_heads, page_size, mc.dtype,
                                                pools[0].buffer_descriptors())
-            engines = [MooncakeTransferBackend() for _ in range(tp)]
+            engines = [create_transfer_backend(backend) for _ in range(tp)]
             aux = [torch.zeros(1, self.hidden) for _ in range(tp)]  # [1, hidden] per rank
             room_bytes = staging_bytes(layout, -(-(tokens - 1) // page_size)) if kind == "gqa" else 0
             staging = [StagingPool(room_bytes) if room_bytes else None for _ in range(tp)]  # a whole room each
@@ -106,6 +115,10 @@ class Pools:
             self.sides.append((pools, layout, engines, aux))
             self.staging.append(staging)
         self.pages = list(range((tokens - 1 + page_size - 1) // page_size))
+        for a in self.src[2]:  # every engine learns its peers, as the bootstrap records teach them
+            for b in self.dst[2]:
+                a.connect(b.session_id, b.peer_info)
+                b.connect(a.session_id, a.peer_info)
 
     @property
     def src(self):
@@ -211,76 +224,113 @@ def time_memcpy(p: Pools, room: int) -> float:
 
 
 def part1(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
-    p = Pools(model, a.page_size, a.prompt_len, src_tp, dst_tp)
-    packs = packing_pays(p.src[1], p.dst[1], len(p.pages), "auto")
+    pools = {b: Pools(model, a.page_size, a.prompt_len, src_tp, dst_tp, b) for b in a.backends}
+    p0 = next(iter(pools.values()))
+    packs = packing_pays(p0.src[1], p0.dst[1], len(p0.pages), "auto")
     try:
         with ThreadPoolExecutor(src_tp * dst_tp) as pool:
-            _, per_page = time_pdserve(p, a.prompt_len, 0)
-            packed_writes = time_pdserve(p, a.prompt_len, 0, packed=True)[1] if packs else 0
-            time_raw(p, 0, pool)  # warm-up: the first write opens the peer's segment
-            kinds = ("pdserve", "raw", "memcpy", *(("packed",) if packs else ()))
+            per_page, packed_writes = {}, {}
+            for b, p in pools.items():  # warm-up: the first write opens the peer's connection
+                per_page[b] = time_pdserve(p, a.prompt_len, 0)[1]
+                packed_writes[b] = time_pdserve(p, a.prompt_len, 0, packed=True)[1] if packs else 0
+            if "mooncake" in pools:
+                time_raw(pools["mooncake"], 0, pool)
+            kinds = [f"{b}_{k}" for b in pools for k in ("pdserve", *(("packed",) if packs else ()))]
+            kinds += [*(("raw",) if "mooncake" in pools else ()), "memcpy"]
             times: dict[str, list[float]] = {k: [] for k in kinds}
             for r in range(a.repeats):  # interleaved, so drift hits them all alike
-                times["pdserve"].append(time_pdserve(p, a.prompt_len, r + 1)[0])
-                if packs:
-                    times["packed"].append(time_pdserve(p, a.prompt_len, r + 1, packed=True)[0])
-                times["raw"].append(time_raw(p, r + 1, pool))
-                times["memcpy"].append(time_memcpy(p, r + 1))
+                for b, p in pools.items():
+                    times[f"{b}_pdserve"].append(time_pdserve(p, a.prompt_len, r + 1)[0])
+                    if packs:
+                        times[f"{b}_packed"].append(time_pdserve(p, a.prompt_len, r + 1, packed=True)[0])
+                if "mooncake" in pools:
+                    times["raw"].append(time_raw(pools["mooncake"], r + 1, pool))
+                times["memcpy"].append(time_memcpy(p0, r + 1))
         med = {k: statistics.median(v) for k, v in times.items()}
-        nbytes = p.nbytes()
-        row = {"model": model, "prefill_tp": src_tp, "decode_tp": dst_tp, "bytes": nbytes,
-               "writes": sum(len(x[0]) for x in p.addresses(0).values()), "pdserve_writes": per_page,
-               **{f"{k}_gib_s": nbytes / v / 2**30 for k, v in med.items()},
-               "pdserve_over_raw": med["raw"] / med["pdserve"], "pdserve_over_memcpy": med["memcpy"] / med["pdserve"]}
-        if packs:
-            row.update(packed_writes=packed_writes, packed_over_per_page=med["pdserve"] / med["packed"])
+        nbytes = p0.nbytes()
+        row = {"model": model, "prefill_tp": src_tp, "decode_tp": dst_tp, "bytes": nbytes, "backends": list(pools),
+               "writes": sum(len(x[0]) for x in p0.addresses(0).values()),
+               **{f"{k}_gib_s": nbytes / v / 2**30 for k, v in med.items()}}
+        for b in pools:
+            row[f"{b}_writes"] = per_page[b]
+            row[f"{b}_over_memcpy"] = med["memcpy"] / med[f"{b}_pdserve"]
+            if "raw" in med:
+                row[f"{b}_over_raw"] = med["raw"] / med[f"{b}_pdserve"]
+            if packs:
+                row.update({f"{b}_packed_writes": packed_writes[b],
+                            f"{b}_packed_over_per_page": med[f"{b}_pdserve"] / med[f"{b}_packed"]})
         return row
     finally:
-        p.close()
+        for p in pools.values():
+            p.close()
 
 
 # ------------------------------------------------------------------ part 2
-def ttft(url: str, ids: list[int]) -> float:
-    """Seconds from sending a streamed /generate to its first token."""
+def ttft(url: str, ids: list[int]) -> tuple[float, float]:
+    """Seconds from sending a streamed /generate to its first token, and the request's
+    ``transfer`` stage (decode's timeline, in the last event; 0 when colocated)."""
     body = json.dumps({"input_ids": ids, "stream": True,
                        "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}).encode()
     req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
+    first, last = None, None
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
-            if line.startswith(b"data: {") and json.loads(line[6:])["output_ids"]:
-                return time.perf_counter() - t0
-    raise RuntimeError("the stream ended without a token")
+            if line.startswith(b"data: {"):
+                last = json.loads(line[6:])
+                if first is None and last["output_ids"]:
+                    first = time.perf_counter() - t0
+    if first is None or last is None:
+        raise RuntimeError("the stream ended without a token")
+    return first, (last["meta_info"].get("timeline") or {}).get("transfer", 0.0)
 
 
 def part2(model: str, a: argparse.Namespace, src_tp: int, dst_tp: int) -> dict:
     common = ["--model-path", model, "--page-size", str(a.page_size), "--num-threads", str(a.num_threads),
               "--log-level", "error"]
-    ports = {k: servers.free_port() for k in ("colo", "prefill", "boot", "decode", "router")}
-    url = {k: f"http://127.0.0.1:{ports[k]}" for k in ports}
-    procs = [servers.start(["serve", *common, "--port", str(ports["colo"]), "--tp-size", str(src_tp)]),
-             servers.start(["serve", *common, "--port", str(ports["prefill"]), "--disaggregation-mode", "prefill",
-                   "--disaggregation-bootstrap-port", str(ports["boot"]), "--tp-size", str(src_tp)]),
-             servers.start(["serve", *common, "--port", str(ports["decode"]), "--disaggregation-mode", "decode",
-                   "--tp-size", str(dst_tp)])]
+    colo_port = servers.free_port()
+    url = {"colo": f"http://127.0.0.1:{colo_port}"}
+    procs = [servers.start(["serve", *common, "--port", str(colo_port), "--tp-size", str(src_tp)])]
     try:
-        for i, k in enumerate(("colo", "prefill", "decode")):
-            servers.wait_healthy(url[k], procs[i])
-        procs.append(servers.start(["router", "--port", str(ports["router"]), "--prefill", url["prefill"],
-                                    str(ports["boot"]), "--decode", url["decode"], "--log-level", "error"]))
-        servers.wait_healthy(url["router"], procs[-1])
+        servers.wait_healthy(url["colo"], procs[0])
+        for b in a.backends:
+            url[b] = _pd_trio(common, b, src_tp, dst_tp, procs)
         rng = random.Random(0)
         prompt = lambda: [rng.randrange(16, 1500) for _ in range(a.prompt_len)]  # noqa: E731
-        ttft(url["colo"], prompt()), ttft(url["router"], prompt())  # warm-up
-        colo, pd = [], []
-        for _ in range(a.repeats):
-            colo.append(ttft(url["colo"], prompt()))
-            pd.append(ttft(url["router"], prompt()))
-        return {"colocated_ttft_s": statistics.median(colo), "pd_ttft_s": statistics.median(pd),
-                "pd_over_colocated_ttft": statistics.median(pd) / statistics.median(colo)}
+        for k in url:  # warm-up
+            ttft(url[k], prompt())
+        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in url}
+        for _ in range(a.repeats):  # interleaved, so drift hits them all alike
+            for k in url:
+                runs[k].append(ttft(url[k], prompt()))
+        colo = statistics.median(t for t, _ in runs["colo"])
+        row = {"colocated_ttft_s": colo}
+        for b in a.backends:
+            pd = statistics.median(t for t, _ in runs[b])
+            row.update({f"{b}_pd_ttft_s": pd, f"{b}_pd_over_colocated_ttft": pd / colo,
+                        f"{b}_transfer_share": statistics.median(x / t for t, x in runs[b])})
+        return row
     finally:
         for p in reversed(procs):
             servers.stop(p)
+
+
+def _pd_trio(common: list[str], backend: str, src_tp: int, dst_tp: int, procs: list) -> str:
+    """A prefill, a decode and a router on ``backend``, started and healthy (``procs`` collects
+    them for the caller to stop); the router's URL."""
+    ports = {k: servers.free_port() for k in ("prefill", "boot", "decode", "router")}
+    url = {k: f"http://127.0.0.1:{ports[k]}" for k in ports}
+    flags = [*common, "--disaggregation-transfer-backend", backend]
+    procs.append(servers.start(["serve", *flags, "--port", str(ports["prefill"]), "--disaggregation-mode", "prefill",
+                                "--disaggregation-bootstrap-port", str(ports["boot"]), "--tp-size", str(src_tp)]))
+    servers.wait_healthy(url["prefill"], procs[-1])
+    procs.append(servers.start(["serve", *flags, "--port", str(ports["decode"]), "--disaggregation-mode", "decode",
+                                "--tp-size", str(dst_tp)]))
+    servers.wait_healthy(url["decode"], procs[-1])
+    procs.append(servers.start(["router", "--port", str(ports["router"]), "--prefill", url["prefill"],
+                                str(ports["boot"]), "--decode", url["decode"], "--log-level", "error"]))
+    servers.wait_healthy(url["router"], procs[-1])
+    return url["router"]
 
 
 def main(argv=None) -> int:
@@ -301,17 +351,20 @@ def main(argv=None) -> int:
 
 def _line(r: dict, a: argparse.Namespace) -> str:
     s = (f"{r['model']} P TP{r['prefill_tp']} -> D TP{r['decode_tp']}: {a.prompt_len}-token prompt, "
-         f"{r['bytes'] / 2**20:.1f} MiB in {r['writes']} writes | "
-         f"pdserve {r['pdserve_gib_s']:.2f} GiB/s, raw Mooncake {r['raw_gib_s']:.2f} GiB/s, memcpy "
-         f"{r['memcpy_gib_s']:.2f} GiB/s | pdserve/raw {r['pdserve_over_raw']:.2f}, "
-         f"pdserve/memcpy {r['pdserve_over_memcpy']:.2f}")
-    if "packed_gib_s" in r:
-        s += (f" | packed {r['packed_gib_s']:.2f} GiB/s in {r['packed_writes']} writes vs per-page "
-              f"{r['pdserve_writes']} writes: packed/per-page {r['packed_over_per_page']:.2f}")
-    if "pd_over_colocated_ttft" in r:
-        s += (f" | TTFT 1P1D {r['pd_ttft_s'] * 1000:.0f} ms vs colocated TP{r['prefill_tp']} "
-              f"{r['colocated_ttft_s'] * 1000:.0f} ms "
-              f"= {r['pd_over_colocated_ttft']:.2f}")
+         f"{r['bytes'] / 2**20:.1f} MiB in {r['writes']} merged writes | memcpy {r['memcpy_gib_s']:.2f} GiB/s")
+    if "raw_gib_s" in r:
+        s += f", raw Mooncake {r['raw_gib_s']:.2f} GiB/s"
+    for b in r["backends"]:
+        s += (f"\n  {b:8s}: pdserve path {r[f'{b}_pdserve_gib_s']:.2f} GiB/s in {r[f'{b}_writes']} writes"
+              f" per request (/memcpy {r[f'{b}_over_memcpy']:.2f}"
+              + (f", /raw Mooncake {r[f'{b}_over_raw']:.2f})" if f"{b}_over_raw" in r else ")"))
+        if f"{b}_packed_gib_s" in r:
+            s += (f" | packed {r[f'{b}_packed_gib_s']:.2f} GiB/s in {r[f'{b}_packed_writes']} writes: "
+                  f"packed/per-page {r[f'{b}_packed_over_per_page']:.2f}")
+        if f"{b}_pd_ttft_s" in r:
+            s += (f" | TTFT 1P1D {r[f'{b}_pd_ttft_s'] * 1000:.0f} ms vs colocated TP{r['prefill_tp']} "
+                  f"{r['colocated_ttft_s'] * 1000:.0f} ms = {r[f'{b}_pd_over_colocated_ttft']:.2f}, "
+                  f"transfer {100 * r[f'{b}_transfer_share']:.0f}% of TTFT")
     return s
 
 

@@ -56,6 +56,8 @@ T_SCHED = "test/engine/test_scheduler.py"
 T_PATHS = "test/engine/test_scheduler_paths.py"
 T_STAGE = "test/engine/test_staged_decode_kv.py"
 T_SAMPLER = "test/engine/test_sampler.py"
+NIXL = "python/pdserve/transfer/nixl.py"
+T_TRANSFER = "test/transfer/test_transfer.py"
 
 MUTATIONS = (
     Mutation(
@@ -512,6 +514,39 @@ MUTATIONS = (
         "texts = self.token_texts if return_text_in_logprobs else None",
         "texts = TokenTexts(self.tokenizer) if return_text_in_logprobs else None",
         ("test/entrypoints/test_engine.py::test_engine_logprob_texts_are_decoded_once_per_engine",)),
+    # NIXL backend (issue 24, slice nixl)
+    Mutation(
+        "nixl_done_before_landed", "a NIXL batch reports DONE once posted, before NIXL or the receiver "
+        "says anything (dropping only the receiver's answer survives on TCP here: UCX's DONE already waits "
+        "for the receiver, see nixl.py)",
+        NIXL, "if b.xfer is None and (b.error is not None or (b.sent and b.acked)):",
+        "if b.error is not None or True:",
+        (f"{T_TRANSFER}::test_a_write_to_a_stopped_peer_is_not_done_until_it_runs[nixl]",)),
+    Mutation(
+        "nixl_notify_before_data", "write_sync's notify leaves as its own notification before the data",
+        NIXL, "        handle = self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=payload)",
+        "        if notify is not None:\n"
+        "            with self._lock:\n"
+        "                self._agent.send_notif(peer, _WRITE + bytes(_SEQ_BYTES) + payload)\n"
+        "        handle = self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=b\"\")",
+        (f"{T_TRANSFER}::test_notify_never_overtakes_its_data[nixl]",)),
+    Mutation(
+        "nixl_stall_never_fails", "a NIXL write to a peer that never answers stays PENDING forever",
+        NIXL, "if b.error is None and not b.acked and now > b.deadline:", "if False:",
+        (f"{T_TRANSFER}::test_first_contact_with_a_hung_peer_blocks_nobody[nixl]",)),
+    Mutation(
+        "nixl_record_names_unchecked", "a record's NIXL metadata of another agent is loaded under its session",
+        NIXL, "            if name != peer:\n", "            if False:\n",
+        (f"{T_TRANSFER}::test_nixl_refuses_a_record_whose_metadata_names_another_agent",)),
+    Mutation(
+        "nixl_ib_modules_loaded", "UCX loads its InfiniBand modules on TCP too: processes die with SIGSEGV at exit",
+        NIXL, '    env = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}', '    env = {"UCX_TLS": "tcp"}',
+        (f"{T_TRANSFER}::test_a_process_with_nixl_agents_exits_cleanly",)),
+    Mutation(
+        "mixed_backends_accepted", "a prefill on NIXL and a decode on Mooncake pass the handshake",
+        "python/pdserve/disagg/bootstrap.py", '    transfer_backend: str = "mooncake"\n',
+        '    transfer_backend: str = field(default="mooncake", compare=False)\n',
+        (f"{T_PD}::test_a_prefill_and_a_decode_on_different_backends_are_refused_naming_both[nixl]",)),
 )
 
 

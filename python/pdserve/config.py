@@ -590,10 +590,10 @@ class DeviceConfig:
 DISAGG_MODES = ("null", "prefill", "decode")
 AUTH_TOKEN_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
 API_KEY_ENV = "PDSERVE_API_KEY"  # --api-key of serve, router and up when the flag is not given (kept out of ps)
-TRANSFER_BACKENDS = ("mooncake", "memory")  # pdserve.transfer's backends, by name
+TRANSFER_BACKENDS = ("mooncake", "memory", "nixl")  # pdserve.transfer's backends, by name
 # What a server may use: its scheduler runs in its own process, and "memory" moves KV only
 # between schedulers built in one process (test/disagg/pd_pair.py).
-SERVER_TRANSFER_BACKENDS = ("mooncake",)
+SERVER_TRANSFER_BACKENDS = ("mooncake", "nixl")
 FALLBACK_POLICIES = ("local", "error")
 PACK_POLICIES = ("auto", "on", "off")  # --disaggregation-transfer-pack (disagg/layout.py, packing_pays)
 

@@ -1,7 +1,7 @@
 """Sharded KV pools moved by the layout plan through the real transfer engine.
 
-Prefill TP2 lives in this process (one Mooncake engine per rank, real ``mem.kv_pool`` pools);
-decode TP1 is another process. After every write polled DONE, decode's bytes must equal a
+Prefill TP2 lives in this process (one Mooncake engine, or NIXL agent, per rank, real
+``mem.kv_pool`` pools); decode TP1 is another process. After every write polled DONE, decode's bytes must equal a
 decode pool filled locally with the same tokens. Writes are posted layer by layer, the way the
 sender will stream them.
 """
@@ -12,28 +12,36 @@ import contextlib
 
 import pytest
 import torch
-from transfer_peer import Peer
 
 from pdserve.disagg.layout import KVLayout, count_writes, expected_writes, op_addresses, plan_writes
 from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
-from pdserve.transfer import MooncakeTransferBackend, WriteState, mooncake_available
+from pdserve.transfer import WriteState, create_transfer_backend, mooncake_available, nixl_available
+from transfer.transfer_peer import Peer
 
-pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake cannot be imported: pip install -e '.[cpu]'")
+BACKENDS = [pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason="needs mooncake")),
+            pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="needs nixl"))]
 
 L, S, T = 3, 16, 40  # layers, page size, tokens (the last page is partial)
 SRC_PAGES, DST_PAGES = [5, 6, 2], [1, 2, 3]
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def decode():
-    p = Peer(1 << 20)
+def decode(backend):
+    p = Peer(1 << 20, backend)
     yield p
     p.stop()
 
 
 @pytest.fixture(scope="module")
-def engines():
-    bes = [MooncakeTransferBackend(), MooncakeTransferBackend()]
+def engines(backend, decode):
+    bes = [create_transfer_backend(backend), create_transfer_backend(backend)]
+    for be in bes:
+        decode.link(be)
     yield bes
     for be in bes:
         be.close()

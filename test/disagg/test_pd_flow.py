@@ -1,6 +1,6 @@
 """The P/D protocol (decode reserves, prefill writes layer by layer, decode counts writes)
 between a prefill and a decode scheduler (in one process, over
-real ZMQ and each transfer backend: Mooncake engines, and the in-memory one): token identity with
+real ZMQ and each transfer backend: Mooncake engines, NIXL agents, and the in-memory one): token identity with
 a colocated engine, layer-wise streaming, write counting, handshake refusal, aborts and
 quarantine, conditional disaggregation, fallback."""
 
@@ -18,10 +18,17 @@ from pdserve.config import ModelConfig
 from pdserve.disagg.layout import page_runs
 from pdserve.engine.request import ReqState
 from pdserve.models.fingerprint import weights_fingerprint
-from pdserve.transfer import FaultInjectingBackend, TransferBackend, merge_contiguous, mooncake_available
+from pdserve.transfer import (
+    FaultInjectingBackend,
+    TransferBackend,
+    merge_contiguous,
+    mooncake_available,
+    nixl_available,
+)
 
 NEEDS_MOONCAKE = pytest.mark.skipif(not mooncake_available(), reason="needs mooncake")
-BACKENDS = [pytest.param("mooncake", marks=NEEDS_MOONCAKE), "memory"]
+NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="needs nixl")
+BACKENDS = [pytest.param("mooncake", marks=NEEDS_MOONCAKE), pytest.param("nixl", marks=NEEDS_NIXL), "memory"]
 
 NEW = 12
 
@@ -51,9 +58,12 @@ def pair_factory(request):
 
 
 # ------------------------------------------------------------------ identity
-# Every layout on Mooncake; the in-memory backend moves bytes the same way for each, so one.
+# Every layout on Mooncake; NIXL and the in-memory backend move bytes the same way for each, so
+# GQA and MLA on NIXL and one on memory.
 @pytest.mark.parametrize("pair_factory, model, page_size", [
     *(pytest.param("mooncake", m, p, marks=NEEDS_MOONCAKE) for m in ("tiny-llama", "tiny-deepseek") for p in (1, 16)),
+    pytest.param("nixl", "tiny-llama", 1, marks=NEEDS_NIXL),
+    pytest.param("nixl", "tiny-deepseek", 16, marks=NEEDS_NIXL),
     ("memory", "tiny-deepseek", 16),
 ], indirect=["pair_factory"])
 def test_outputs_match_a_colocated_engine(pair_factory, model, page_size):
@@ -193,6 +203,19 @@ def test_mismatched_peer_is_refused_naming_the_field(pair_factory, field, prefil
     pair.submit_local("b", other, greedy(NEW))  # decode keeps serving
     pair.run(until=lambda: pair.outputs["b"]["final"] is not None)
     assert pair.outputs["b"]["ids"] == _colocated("tiny-llama", [other], **decode)[0]
+
+
+@pytest.mark.parametrize("pair_factory", [pytest.param("nixl", marks=[NEEDS_NIXL, NEEDS_MOONCAKE])], indirect=True)
+def test_a_prefill_and_a_decode_on_different_backends_are_refused_naming_both(pair_factory):
+    pair = pair_factory("tiny-llama", prefill_flags={"disaggregation_transfer_backend": "nixl"},
+                        decode_flags={"disaggregation_transfer_backend": "mooncake"})
+    (prompt,) = _prompts([30])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: pair.outputs["a"]["final"] is not None)
+    reason = pair.outputs["a"]["final"].finish_reason
+    assert reason["type"] == "abort" and "transfer_backend: decode has mooncake" in reason["message"], reason
+    assert "has nixl" in reason["message"], reason
+    assert pair.prefill.stats()["rooms_completed"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +405,8 @@ def test_the_aux_row_carries_the_last_prefilled_hidden_state(pair_factory):
     assert len(sent) == len(landed) == 1 and torch.equal(sent[0].float(), landed[0])
 
 
-@pytest.mark.parametrize("pair_factory", [pytest.param("mooncake", marks=NEEDS_MOONCAKE)], indirect=True)
+@pytest.mark.parametrize("pair_factory", [pytest.param("mooncake", marks=NEEDS_MOONCAKE),
+                                          pytest.param("nixl", marks=NEEDS_NIXL)], indirect=True)
 def test_packed_transfers_match_a_colocated_engine_and_free_their_staging_on_abort(pair_factory):
     """Decode with ``--disaggregation-transfer-pack on`` (one TP size each: every GQA room packs,
     through both staging buffers): tokens equal the colocated engine's over chunked prompts. A

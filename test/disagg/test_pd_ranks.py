@@ -1,5 +1,5 @@
 """Disaggregation with several scheduler ranks on either side, as real servers (one process per
-rank, gloo on loopback, one Mooncake engine per rank over TCP).
+rank, gloo on loopback, one Mooncake engine, or NIXL agent, per rank over TCP).
 
 For the 16 mixed requests of fixtures/parallel_runs.py sent at once (prompts longer than a
 chunk, one-token prompts, shared prefixes, two asking for logprobs), decode's greedy tokens equal
@@ -31,6 +31,7 @@ from router.router_utils import wait_for
 pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
 
 TP2 = ("--tp-size", "2")
+NIXL = ("--disaggregation-transfer-backend", "nixl")
 FLAGS = (*[x for k, v in ENGINE_ARGS.items() for x in (f"--{k.replace('_', '-')}", str(v))], "--num-threads", "1")
 CONFIGS = {  # name -> (model, prefill flags, decode flags)
     "llama-prefill-tp2-decode-tp1": ("tiny-llama", TP2, ()),
@@ -38,10 +39,11 @@ CONFIGS = {  # name -> (model, prefill flags, decode flags)
     "deepseek-prefill-tp2-ep2-decode-dp2-attention": (
         "tiny-deepseek", (*TP2, "--ep-size", "2"), (*TP2, "--dp-size", "2", "--enable-dp-attention")),
     "qwen2-one-kv-head-prefill-tp2-decode-tp1": ("qwen2-one-kv-head", TP2, ()),
+    "llama-prefill-tp2-decode-tp1-nixl": ("tiny-llama", (*TP2, *NIXL), NIXL),
 }
 # Decode's default --disaggregation-transfer-pack auto packs where the TP sizes split heads
 # differently: the llama pairs; MLA and a replicated single head move whole pages unpacked.
-PACKED = {"llama-prefill-tp2-decode-tp1", "llama-prefill-tp1-decode-tp2"}
+PACKED = {"llama-prefill-tp2-decode-tp1", "llama-prefill-tp1-decode-tp2", "llama-prefill-tp2-decode-tp1-nixl"}
 MUST_TRANSFER = 9  # of the 16: all but the one-token prompt, the two logprob requests, the four prefix ones
 TIMEOUT_S = 10
 
@@ -128,12 +130,13 @@ def test_mixed_requests_match_the_single_rank_colocated_engine(pair):
 
 
 # ---------------------------------------------------------------- a rank dies
-@pytest.fixture(scope="module")
-def slow_pair():
+@pytest.fixture(scope="module", params=[(), NIXL], ids=["mooncake", "nixl"])
+def slow_pair(request):
     """Prefill TP2 whose writes reach the network 1.5 s late, so transfers are reliably in flight
-    when a rank is killed; decode TP2 with short timeouts."""
-    extra = ("--disaggregation-timeout-s", str(TIMEOUT_S), "--disaggregation-heartbeat-s", "0.5")
-    with Pair("tiny-llama", TP2, TP2, env={"PDSERVE_TRANSFER_FAULTS": "delay_posts=1.5"}, decode_extra=extra) as p:
+    when a rank is killed; decode TP2 with short timeouts. On each real backend."""
+    extra = ("--disaggregation-timeout-s", str(TIMEOUT_S), "--disaggregation-heartbeat-s", "0.5", *request.param)
+    with Pair("tiny-llama", (*TP2, *request.param), TP2, env={"PDSERVE_TRANSFER_FAULTS": "delay_posts=1.5"},
+              decode_extra=extra) as p:
         yield p
 
 

@@ -1,7 +1,8 @@
-"""1 prefill + 1 decode + a router, as real processes (real Mooncake over loopback): greedy outputs
-of concurrent mixed requests are the colocated engine's, streaming or not, through pdserve's
-router and through the PyPI sglang-router. One deployment per (model, page size), shared by the
-module's tests."""
+"""1 prefill + 1 decode + a router, as real processes (real Mooncake, or NIXL, over loopback):
+greedy outputs of concurrent mixed requests are the colocated engine's, streaming or not,
+through pdserve's router and through the PyPI sglang-router. One deployment per (model, page
+size, transfer backend), shared by the module's tests: every layout on Mooncake, GQA and MLA on
+NIXL."""
 
 from __future__ import annotations
 
@@ -22,15 +23,16 @@ from entrypoints.server_utils import free_port
 from router.router_utils import Router, wait_for
 
 NEW = 16
-PARAMS = [("tiny-deepseek", 1), ("tiny-deepseek", 16), ("tiny-llama", 1), ("tiny-llama", 16)]
+PARAMS = [("tiny-deepseek", 1, "mooncake"), ("tiny-deepseek", 16, "mooncake"), ("tiny-llama", 1, "mooncake"),
+          ("tiny-llama", 16, "mooncake"), ("tiny-deepseek", 16, "nixl"), ("tiny-llama", 1, "nixl")]
 
 
 class Deployment:
-    def __init__(self, model: str, page_size: int):
+    def __init__(self, model: str, page_size: int, backend: str = "mooncake"):
         self.model, self.page_size = model, page_size
         self.chunk = 64 if page_size == 16 else 48
         self.flags = ("--page-size", str(page_size), "--chunked-prefill-size", str(self.chunk),
-                      "--max-total-tokens", "16384", "--num-threads", "1")
+                      "--max-total-tokens", "16384", "--num-threads", "1", "--disaggregation-transfer-backend", backend)
         self.prefill, self.boot = prefill_server(model, *self.flags)
         self.decode = decode_server(model, *self.flags)
         self.router: Router | None = None
@@ -69,7 +71,7 @@ def _workload(n: int, seed: int) -> tuple[list[int], list[list[int]]]:
     return prefix, prompts
 
 
-@pytest.fixture(scope="module", params=PARAMS, ids=[f"{m}-page{p}" for m, p in PARAMS])
+@pytest.fixture(scope="module", params=PARAMS, ids=[f"{m}-page{p}-{b}" for m, p, b in PARAMS])
 def pd(request):
     dep = Deployment(*request.param)
     try:

@@ -1,5 +1,5 @@
-"""The TransferBackend contract, on every backend: the real Mooncake engine (TCP, 127.0.0.1,
-receiver in another process) and the in-memory one (receiver on a thread).
+"""The TransferBackend contract, on every backend: the real Mooncake engine and NIXL (TCP,
+127.0.0.1, receiver in another process) and the in-memory one (receiver on a thread).
 
 The two ordering tests are the evidence behind transfer/base.py's docstring: DONE means the
 bytes landed, and a notify never overtakes its data.
@@ -7,6 +7,7 @@ bytes landed, and a notify never overtakes its data.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -25,8 +26,10 @@ from pdserve.transfer import (
     check_writes,
     create_transfer_backend,
     import_mooncake,
+    import_nixl,
     merge_contiguous,
     mooncake_available,
+    nixl_available,
 )
 from pdserve.transfer.faults import _LATE, FAULTS_ENV, with_faults
 
@@ -36,10 +39,11 @@ needs_mooncake = pytest.mark.skipif(
 
 BUF = 8 << 20
 WAIT_S = 60
-BACKENDS = [pytest.param("mooncake", marks=needs_mooncake), "memory"]
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="nixl cannot be imported: pip install -e '.[nixl]'")
+BACKENDS = [pytest.param("mooncake", marks=needs_mooncake), pytest.param("nixl", marks=needs_nixl), "memory"]
 # Rounds of the ordering tests: Mooncake's races show within hundreds; the in-memory backend
 # copies under the receiver's lock before DONE, so a few rounds check the wiring.
-ROUNDS = {"mooncake": 300, "memory": 30}
+ROUNDS = {"mooncake": 300, "nixl": 300, "memory": 30}
 
 
 # --- pure helpers -----------------------------------------------------------------------------
@@ -65,7 +69,7 @@ def test_check_writes_names_the_problem(srcs, dsts, lens, field):
 
 def test_unknown_backend_and_protocol_are_refused():
     with pytest.raises(ValueError, match="disaggregation_transfer_backend"):
-        create_transfer_backend("nixl")
+        create_transfer_backend("nccl")
     with pytest.raises(ValueError, match="protocol"):
         MooncakeTransferBackend(protocol="udp")
 
@@ -74,6 +78,12 @@ def test_missing_mooncake_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake", None)
     with pytest.raises(TransferError, match=r"pdserve\[cpu\].*pdserve\[cuda\].*libibverbs1"):
         import_mooncake()
+
+
+def test_missing_nixl_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)
+    with pytest.raises(TransferError, match=r"pdserve\[nixl\].*nixl-cu12"):
+        import_nixl()
 
 
 # --- one receiver process for the module --------------------------------------------------------
@@ -92,10 +102,11 @@ def peer(backend_name):
 
 
 @pytest.fixture(scope="module")
-def sender(backend_name):
+def sender(backend_name, peer):
     be = create_transfer_backend(backend_name)
     src = alloc(BUF)
     be.register([(src.data_ptr(), BUF)])
+    peer.link(be)
     yield be, src
     be.close()
 
@@ -149,6 +160,22 @@ def test_notify_never_overtakes_its_data(backend_name, peer, sender):
         if bad:
             torn.append((rnd, size, bad))
     assert torn == []
+
+
+def test_a_write_to_a_stopped_peer_is_not_done_until_it_runs(peer, sender):
+    """DONE means landed: while the receiver's process is stopped nothing can land, so however
+    long the sender polls the batch stays PENDING; once it runs again the batch turns DONE with
+    its bytes."""
+    be, src = sender
+    src[:4096] = 8
+    peer.freeze()
+    try:
+        h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4096])
+        assert be.wait(h, 0.5) is WriteState.PENDING
+    finally:
+        peer.thaw()
+    assert be.wait(h, WAIT_S) is WriteState.DONE, h.error
+    assert peer.call("mismatches", 0, 4096, 8) == 0
 
 
 def test_pieces_land_and_contiguous_runs_merge(peer, sender):
@@ -238,6 +265,7 @@ def test_peer_killed_after_contact(backend_name, sender):
     be, src = sender
     victim = Peer(1 << 20, backend_name)
     try:
+        victim.link(be)
         assert be.probe(victim.session)
         h = be.post_writes(victim.session, [src.data_ptr()], [victim.base], [4096])
         assert be.wait(h, WAIT_S) is WriteState.DONE
@@ -250,7 +278,8 @@ def test_peer_killed_after_contact(backend_name, sender):
 
 
 # How long each backend lets a write wait for a peer that does not answer, set short here.
-IMPATIENT = {"mooncake": {"connect_timeout_s": 1.0}, "memory": {"stall_timeout_s": 1.0}}
+IMPATIENT = {"mooncake": {"connect_timeout_s": 1.0}, "nixl": {"stall_timeout_s": 1.0},
+             "memory": {"stall_timeout_s": 1.0}}
 
 
 def test_first_contact_with_a_hung_peer_blocks_nobody(backend_name, peer):
@@ -261,6 +290,8 @@ def test_first_contact_with_a_hung_peer_blocks_nobody(backend_name, peer):
     be.register([(src.data_ptr(), 4096)])
     hung = Peer(1 << 20, backend_name)
     try:
+        hung.link(be)
+        peer.link(be)
         hung.freeze()
         src[:4096] = 6
         stuck = be.post_writes(hung.session, [src.data_ptr()], [hung.base], [4096])  # returns at once
@@ -285,6 +316,7 @@ def test_close_waits_for_in_flight_writes_and_is_final(backend_name, peer):
     src = alloc(4 << 20)
     src.fill_(7)
     be.register([(src.data_ptr(), src.numel())])
+    peer.link(be)
     h = be.post_writes(peer.session, [src.data_ptr()], [peer.base], [4 << 20])
     be.close()
     be.close()  # idempotent
@@ -506,6 +538,46 @@ def test_a_write_that_gave_up_on_a_frozen_peer_never_lands():
     assert not create_transfer_backend("memory").probe(b.session_id)  # closed: gone from the fabric
 
 
+@needs_nixl
+def test_nixl_refuses_a_record_whose_metadata_names_another_agent():
+    """A record's transfer_info must describe the session it is published for: NIXL metadata of
+    one agent under another's session is refused (nothing gets connected under either name)."""
+    a, b, c = (create_transfer_backend("nixl") for _ in range(3))
+    try:
+        with pytest.raises(TransferError, match=f"transfer_info of {c.session_id}: it describes agent"):
+            a.connect(c.session_id, b.peer_info)
+        with pytest.raises(TransferError, match="transfer_info of"):
+            a.connect(b.session_id, "not base64!")
+        src = alloc(64)
+        a.register([(src.data_ptr(), 64)])
+        h = a.post_writes(b.session_id, [src.data_ptr()], [4096], [64])
+        assert a.wait(h, WAIT_S) is WriteState.FAILED and "no transfer record" in h.error
+    finally:
+        for be in (a, b, c):
+            be.close()
+
+
+@needs_nixl
+def test_a_process_with_nixl_agents_exits_cleanly():
+    """Two agents that moved bytes, one closed and one left to the interpreter's exit: the process
+    ends with status 0 (UCX's InfiniBand modules, loaded by default, made every such process die
+    with SIGSEGV in libnl-route's destructor at exit; nixl.py keeps them out on TCP)."""
+    import subprocess
+
+    code = ("from pdserve.transfer import create_transfer_backend, WriteState\n"
+            "import torch\n"
+            "a, b = create_transfer_backend('nixl'), create_transfer_backend('nixl')\n"
+            "src, dst = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)\n"
+            "a.register([(src.data_ptr(), 4096)]); b.register([(dst.data_ptr(), 4096)])\n"
+            "a.connect(b.session_id, b.peer_info); b.connect(a.session_id, a.peer_info)\n"
+            "h = a.post_writes(b.session_id, [src.data_ptr()], [dst.data_ptr()], [4096])\n"
+            "assert a.wait(h, 60) is WriteState.DONE and int(dst.sum()) == 4096, h.error\n"
+            "a.close()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}  # the backend's defaults only
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
 def test_backend_names_match_the_config_and_servers_refuse_memory():
     from pdserve.config import SERVER_TRANSFER_BACKENDS, TRANSFER_BACKENDS, DisaggConfig
     from pdserve.transfer import BACKEND_NAMES
@@ -515,4 +587,17 @@ def test_backend_names_match_the_config_and_servers_refuse_memory():
     with pytest.raises(ValueError, match="disaggregation_transfer_backend: 'memory' moves KV only"):
         DisaggConfig("decode", "memory").check_servable()
     DisaggConfig("decode", "mooncake").check_servable()
+    DisaggConfig("decode", "nixl").check_servable()
     DisaggConfig("null", "memory").check_servable()  # a colocated server transfers nothing
+
+
+def test_host_extras_install_the_tested_nixl():
+    """CI installs ``.[test,cpu]`` and the images ``.[cpu]`` / ``.[cuda]``: each brings the NIXL
+    version this backend was measured on, so the nixl tests run wherever the Mooncake ones do."""
+    from pathlib import Path
+
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    for name in ("nixl", "cpu", "cuda", "gpu"):
+        assert "nixl-cu12==1.5.1" in extras["optional-dependencies"][name], name

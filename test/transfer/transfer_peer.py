@@ -1,5 +1,5 @@
 """A receiving transfer engine driven over a pipe (for the transfer tests): in its own process
-for Mooncake, on a thread of the test process for the in-memory backend (its fabric does not
+for Mooncake and NIXL, on a thread of the test process for the in-memory backend (its fabric does not
 cross processes).
 
 The child owns a real backend with one registered CPU buffer (pinned when an accelerator makes
@@ -48,13 +48,14 @@ def _serve(conn, nbytes: int, backend: str = "mooncake") -> None:
     be = create_transfer_backend(backend)
     buf = alloc(nbytes)
     be.register([(buf.data_ptr(), nbytes)])
-    conn.send((be.session_id, buf.data_ptr()))
+    conn.send((be.session_id, buf.data_ptr(), be.peer_info))
     commands = {
         "mismatches": lambda off, size, val: _mismatches(buf, off, size, val),
         "bytes": lambda off, size: bytes(buf[off:off + size].numpy()),
         "fill": lambda off, size, val: buf[off:off + size].fill_(val) is None,
         "notifies": lambda: be.notifies(),
         "check_on_notify": lambda: _check_on_notify(be, buf),
+        "connect": lambda session, info: be.connect(session, info),
     }
     while True:
         cmd, *args = conn.recv()
@@ -66,7 +67,8 @@ def _serve(conn, nbytes: int, backend: str = "mooncake") -> None:
 
 
 class Peer:
-    """Parent-side handle: ``session``, ``base`` (address of the child's buffer), ``call``;
+    """Parent-side handle: ``session``, ``base`` (address of the child's buffer), ``info`` (its
+    ``peer_info``), ``call``, ``link`` (both ends learn each other, as records do in P/D);
     ``kill``, ``freeze`` and ``thaw`` act on the child as signals act on a process."""
 
     def __init__(self, nbytes: int, backend: str = "mooncake"):
@@ -84,7 +86,12 @@ class Peer:
         if not self.conn.poll(120):
             self.kill()
             raise RuntimeError("transfer peer did not start within 120 s")
-        self.session, self.base = self.conn.recv()
+        self.session, self.base, self.info = self.conn.recv()
+
+    def link(self, be: TransferBackend) -> None:
+        """``be`` and the child learn each other (NIXL needs it both ways; a no-op elsewhere)."""
+        be.connect(self.session, self.info)
+        self.call("connect", be.session_id, be.peer_info)
 
     def call(self, cmd: str, *args):
         self.conn.send((cmd, *args))

@@ -150,6 +150,8 @@ class CompatRecord:
     num_kv_heads: int  # the model's total KV heads (1 for MLA)
     head_dim: int  # one head's row (kv_lora_rank + qk_rope_head_dim for MLA)
     weights: str  # sha256 hex of the weights (models/fingerprint.py): same on every path, split and rank
+    # --disaggregation-transfer-backend: a Mooncake side and a NIXL side cannot reach each other
+    transfer_backend: str = "mooncake"
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -158,13 +160,14 @@ class CompatRecord:
             raise ValueError(f"weights: {self.weights[:80]!r} is not a sha256 hex digest")
 
     @classmethod
-    def from_model(cls, model_config, page_size: int, model: str | None = None, seed: int = 0) -> CompatRecord:
+    def from_model(cls, model_config, page_size: int, model: str | None = None, seed: int = 0,
+                   transfer_backend: str = "mooncake") -> CompatRecord:
         """From a ``config.ModelConfig`` (``model`` defaults to its path; ``seed``: of dummy weights)."""
         from pdserve.models.fingerprint import weights_fingerprint
 
         mc = model_config
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
-                   mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed))
+                   mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend)
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
         """Raise IncompatiblePeer naming the first compared field that differs."""
@@ -186,6 +189,7 @@ class RankRecord:
     control: str  # ZMQ endpoint taking KVRequest, KVAbort, DropRoom, Heartbeat
     layout: KVLayout  # the server's KV layout and parallel shape (same on every rank)
     seed: int = 0  # seed of the random source-rank draw (layout.source_pick), same on every rank
+    transfer_info: str = ""  # the transfer backend's peer_info (NIXL: its agent metadata); "": none needed
 
     def __post_init__(self):
         if not 0 <= self.rank < self.layout.num_ranks:

@@ -57,7 +57,7 @@ from pdserve.disagg.staging import StagingPool, unpack_room
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort
-from pdserve.transfer import TransferBackend
+from pdserve.transfer import TransferBackend, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -295,9 +295,22 @@ class DecodeMode(SchedulerMode):
         digest = hashlib.blake2b(f"{room}:{self._seq}".encode(), key=self.nonce_salt[:64], digest_size=8).digest()
         return int.from_bytes(digest, "little") % MAX_NONCE + 1
 
+    def _connect(self, peer: Peer) -> None:
+        """The backend learns the prefill ranks from their records (NIXL must answer their writes);
+        records it cannot use make the peer unusable, as an incompatible one is."""
+        if peer.error is not None:
+            return
+        try:
+            for r in peer.fetched_info.ranks:
+                self.backend.connect(r.session, r.transfer_info)
+        except TransferError as e:
+            peer.incompatible, peer.error = True, f"prefill {peer.name}: {e}"
+            logger.warning("disaggregation: %s", peer.error)
+
     # ------------------------------------------------------------- arrivals
     def _on_message(self, msg, now: float) -> None:
         if isinstance(msg, PeerFetched):
+            self._connect(msg.peer)
             self.directory.apply(msg, now)
             self.asked.discard(msg.peer.key)
         elif isinstance(msg, PeersDead):

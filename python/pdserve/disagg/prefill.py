@@ -46,6 +46,7 @@ from pdserve.disagg.sender import KVSender, RoomState
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
 from pdserve.engine.request import Req, ReqState, finish_abort, finish_length
+from pdserve.transfer import TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +179,13 @@ class PrefillMode(SchedulerMode):
 
     def _on_record(self, rec: DecodeRecord) -> None:
         key = (rec.decode_id, rec.decode_rank)
+        try:  # the backend learns the rank's endpoint from the record (NIXL: its agent metadata)
+            self.sender.backend.connect(rec.session, rec.transfer_info)
+        except TransferError as e:
+            self.counters["kv_requests_refused"] += 1
+            logger.warning("prefill: refused the record of decode %s rank %d: %s", rec.decode_id[:80],
+                           rec.decode_rank, e)
+            return
         self.decodes.pop(key, None)
         self.decodes[key] = rec  # newest last: a restarted decode replaces its record
         while len(self.decodes) > MAX_DECODE_RECORDS:

@@ -39,6 +39,7 @@ MAX_NONCE = 2**63 - 1
 # size 1 is about 8 MiB of page ids; no message nests deeper than envelope/body/layout/list.
 MAX_FRAME_BYTES = 32 * 2**20
 MAX_DEPTH = 6
+MAX_TRANSFER_INFO_CHARS = 1 << 20  # NIXL's metadata: about 600 characters plus some per registered region
 MAX_NUMBER_CHARS = 32  # a u64 has 20 digits; a float's repr fits in 24 characters
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKET = re.compile(rb"[\[\]{}]")
@@ -91,9 +92,12 @@ class DecodeRecord:
     reply_to: str  # decode's control endpoint: where prefill sends completions, aborts and acks
     # The rank's staging buffer for packed transfers (``disagg/staging.py``); empty: it has none
     staging: list[BufferRange] = field(default_factory=list)
+    transfer_info: str = ""  # the transfer backend's peer_info (NIXL: its agent metadata); "": none needed
 
     def __post_init__(self):
         _require(bool(self.decode_id), "decode_id: empty")
+        _require(len(self.transfer_info) <= MAX_TRANSFER_INFO_CHARS,
+                 f"transfer_info: {len(self.transfer_info)} characters (at most {MAX_TRANSFER_INFO_CHARS})")
         _require(len(self.staging) <= 1, f"staging: {len(self.staging)} ranges (at most one)")
         _require(0 <= self.decode_rank < self.layout.num_ranks,
                  f"decode_rank: {self.decode_rank} outside [0, {self.layout.num_ranks})")

@@ -44,7 +44,7 @@ MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead, PeersGone)
 
 def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
     return CompatRecord.from_model(model_config, args.page_size, model=args.served_model_name or args.model_path,
-                                   seed=args.random_seed)
+                                   seed=args.random_seed, transfer_backend=args.disaggregation_transfer_backend)
 
 
 def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 1) -> KVLayout:
@@ -178,7 +178,7 @@ class RoleModes:
         if self.rank == 0:
             client.register_compat(here, port, compat_record(self.args, self.model_config))
         client.register_rank(here, port, RankRecord(self.rank, self.backend.session_id, self.descriptors, endpoint,
-                                                    self.layout, self.args.random_seed))
+                                                    self.layout, self.args.random_seed, self.backend.peer_info))
         logger.info("prefill: rank %d registered (transfer %s, control %s)", self.rank, self.backend.session_id,
                     endpoint)
 
@@ -189,7 +189,7 @@ class RoleModes:
         directory = PeerDirectory(compat_record(self.args, self.model_config), self.layout,
                                   min(self.cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post, self.auth)
         record = decode_record(self.server_id, self.rank, self.backend.session_id, self.descriptors, self.layout,
-                               self.aux, io.endpoint, self.staging)
+                               self.aux, io.endpoint, self.staging, self.backend.peer_info)
         salt = io.from_leader(os.urandom(16))
         cfg = replace(self.cfg, mode="decode")
         return DecodeMode(cfg, io, self.backend, self.layout, [d.base_addr for d in self.descriptors], self.aux,
@@ -210,12 +210,13 @@ def staging_pool(cfg: DisaggConfig, model_config: ModelConfig, device: str | tor
 
 
 def decode_record(server_id: str, rank: int, session: str, descriptors, layout: KVLayout, aux: torch.Tensor,
-                  endpoint: str, staging: StagingPool | None = None) -> DecodeRecord:
+                  endpoint: str, staging: StagingPool | None = None, transfer_info: str = "") -> DecodeRecord:
     """What a decode rank publishes to prefill: its KV buffers, aux rows and staging buffer, whole."""
     row_bytes = aux.shape[1] * aux.element_size()
     lent = [BufferRange(staging.addr, staging.nbytes)] if staging is not None else []
     return DecodeRecord(server_id, rank, session, [BufferRange(d.base_addr, d.total_bytes) for d in descriptors],
-                        layout, BufferRange(aux.data_ptr(), aux.shape[0] * row_bytes), row_bytes, endpoint, lent)
+                        layout, BufferRange(aux.data_ptr(), aux.shape[0] * row_bytes), row_bytes, endpoint, lent,
+                        transfer_info)
 
 
 def registry_host(args: ServerArgs) -> str:

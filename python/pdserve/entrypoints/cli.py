@@ -162,8 +162,8 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
               choices=DISAGG_MODES)
         _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
               type=int)
-    _flag(g, "--disaggregation-transfer-backend", "KV transfer engine (memory: in-process test pairs only, "
-          "refused by servers)", choices=TRANSFER_BACKENDS)
+    _flag(g, "--disaggregation-transfer-backend", "KV transfer engine (mooncake or nixl; memory: in-process test "
+          "pairs only, refused by servers)", choices=TRANSFER_BACKENDS)
     _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
     _flag(g, "--disaggregation-timeout-s", "bound on every waiting state (unpaired room, KV in flight)",
           type=float)

@@ -2,8 +2,9 @@
 
 ``mooncake`` (``mooncake.py``): Mooncake's Transfer Engine, TCP or RDMA, what servers use.
 ``memory`` (``memory.py``): memcpy between schedulers built in one process (tests).
-``faults.py`` wraps either to misbehave on request. A new backend (NIXL) is a new module and
-one line in ``_BACKENDS``; its library is imported only when it is chosen.
+``nixl`` (``nixl.py``): NVIDIA's NIXL over UCX (TCP here, RDMA in clusters), the alternative.
+``faults.py`` wraps any of them to misbehave on request. A new backend is a new module and one
+line in ``_BACKENDS``; its library is imported only when it is chosen.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from pdserve.transfer.mooncake import (
     import_mooncake,
     mooncake_available,
 )
+from pdserve.transfer.nixl import NIXL_INSTALL_HINT, NixlTransferBackend, import_nixl, nixl_available
 
 # name -> (module, class); the module is imported, and its engine library loaded, on first use.
 _BACKENDS = {
     "mooncake": ("pdserve.transfer.mooncake", "MooncakeTransferBackend"),
     "memory": ("pdserve.transfer.memory", "MemoryTransferBackend"),
+    "nixl": ("pdserve.transfer.nixl", "NixlTransferBackend"),
 }
 BACKEND_NAMES = tuple(_BACKENDS)
 
@@ -50,11 +53,13 @@ __all__ = [
     "BACKEND_NAMES",
     "FAULTS_ENV",
     "MOONCAKE_INSTALL_HINT",
+    "NIXL_INSTALL_HINT",
     "PROTOCOLS",
     "FaultInjectingBackend",
     "MemoryFabric",
     "MemoryTransferBackend",
     "MooncakeTransferBackend",
+    "NixlTransferBackend",
     "Notify",
     "Outstanding",
     "TransferBackend",
@@ -64,7 +69,9 @@ __all__ = [
     "check_writes",
     "create_transfer_backend",
     "import_mooncake",
+    "import_nixl",
     "merge_contiguous",
     "mooncake_available",
+    "nixl_available",
     "with_faults",
 ]

@@ -185,6 +185,19 @@ class TransferBackend(ABC):
     def session_id(self) -> str:
         """This endpoint's peer name, ``"host:rpc_port"``."""
 
+    @property
+    def peer_info(self) -> str:
+        """What a peer needs besides ``session_id`` to exchange writes with this endpoint, for
+        this side's bootstrap record (signed, as the rest); "" when the session id is enough
+        (Mooncake, memory). NIXL's names its registered regions: read it after ``register``."""
+        return ""
+
+    def connect(self, peer: str, info: str) -> None:
+        """Learn ``peer`` from its record (``session``, ``peer_info``) before writing to it or
+        answering its writes; a no-op for the same info again, and for backends whose session
+        id is enough. Raises TransferError when ``info`` does not describe ``peer``."""
+        return None
+
     @abstractmethod
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         """Register ``(addr, nbytes)`` regions (one batch call). Raises TransferError."""

@@ -132,6 +132,13 @@ class FaultInjectingBackend(TransferBackend):
     def session_id(self) -> str:
         return self.inner.session_id
 
+    @property
+    def peer_info(self) -> str:
+        return self.inner.peer_info
+
+    def connect(self, peer: str, info: str) -> None:
+        self.inner.connect(peer, info)
+
     def register(self, regions) -> None:
         self.inner.register(regions)
 
