@@ -123,8 +123,8 @@ async def simple_client(url: str, prompts: list[str], concurrency: int) -> tuple
 
 def assert_bench_agrees(url: str, prompts: list[str], out, pairs: int) -> None:
     """``pairs`` adjacent runs of ``pdserve bench`` and of the independent client, in alternating
-    order, each after a cache flush: the best mean TTFT and the best output throughput of each side
-    agree within 15%."""
+    order, each after a cache flush: each side's median run (mean TTFT, output throughput) agree
+    within 15%."""
     flags = ["--num-prompts", str(N), "--random-input-len", str(IN), "--random-output-len", str(OUT),
              "--random-range-ratio", "1", "--max-concurrency", str(CONC), "--seed", "1", "--flush-cache"]
     bench(url, out, *flags, "--warmup-requests", "2")  # a first run warms the server up
@@ -145,10 +145,14 @@ def assert_bench_agrees(url: str, prompts: list[str], out, pairs: int) -> None:
         for side, (ttft, tput) in sides.items():
             run_ttfts[side].append(ttft)
             run_tputs[side].append(tput)
-    # Load from other processes only ever slows a run: each side's fastest run is its least disturbed
-    # estimate (timeit's rule), and a systematic disagreement moves it as it moves every run.
-    assert min(run_ttfts["bench"]) / min(run_ttfts["simple"]) == pytest.approx(1.0, abs=0.15), run_ttfts
-    assert max(run_tputs["bench"]) / max(run_tputs["simple"]) == pytest.approx(1.0, abs=0.15), run_tputs
+    # The runs alternate, so load from other processes falls on both sides alike; each side's median run
+    # is robust to the odd disturbed (or lucky) run, and a systematic disagreement moves it as it moves
+    # every run. (The fastest run alone was not: one lucky bench run of 76 ms against a best independent
+    # run of 92 ms failed a 1P1D comparison whose medians agreed; docs/testing.md.)
+    ttft = statistics.median(run_ttfts["bench"]) / statistics.median(run_ttfts["simple"])
+    tput = statistics.median(run_tputs["bench"]) / statistics.median(run_tputs["simple"])
+    assert ttft == pytest.approx(1.0, abs=0.15), run_ttfts
+    assert tput == pytest.approx(1.0, abs=0.15), run_tputs
 
 
 def test_bench_agrees_with_an_independent_client(server, prompts, tmp_path):
