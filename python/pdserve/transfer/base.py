@@ -119,6 +119,12 @@ class Regions:
         i = bisect.bisect(self._starts, addr) - 1
         return i >= 0 and addr + n <= self._ends[i]
 
+    def check_sources(self, srcs: Sequence[int], lens: Sequence[int]) -> None:
+        """ValueError naming the first write whose source is not inside one registered region."""
+        for i, (s, n) in enumerate(zip(srcs, lens)):
+            if not self.contains(s, n):
+                raise ValueError(f"srcs[{i}]: [{s:#x}, +{n}) is not inside a region registered with this backend")
+
     def overlaps(self, addr: int, n: int) -> bool:
         i = bisect.bisect(self._starts, addr)
         return (i > 0 and self._ends[i - 1] > addr) or (i < len(self._starts) and self._starts[i] < addr + n)

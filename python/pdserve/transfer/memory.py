@@ -209,9 +209,7 @@ class MemoryTransferBackend(TransferBackend):
         self._check_open()
         check_writes(srcs, dsts, lens)
         with self._lock:
-            for i, (s, n) in enumerate(zip(srcs, lens)):
-                if not self._regions.contains(s, n):
-                    raise ValueError(f"srcs[{i}]: [{s:#x}, +{n}) is not inside a region registered with this backend")
+            self._regions.check_sources(srcs, lens)
         return merge_contiguous(srcs, dsts, lens)
 
     def _check_open(self) -> None:

@@ -183,7 +183,7 @@ class MooncakeTransferBackend(TransferBackend):
     def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
         self._check_open()
         check_writes(srcs, dsts, lens)
-        self._check_sources(srcs, lens)
+        self._regions.check_sources(srcs, lens)
         s, d, n = merge_contiguous(srcs, dsts, lens)
         handle = WriteHandle(peer, len(n), sum(n))
         self._pump.add(_Batch(handle, deque(zip(s, d, n))))
@@ -195,7 +195,7 @@ class MooncakeTransferBackend(TransferBackend):
     def write_sync(self, peer, srcs, dsts, lens, notify=None) -> None:
         self._check_open()
         check_writes(srcs, dsts, lens)
-        self._check_sources(srcs, lens)
+        self._regions.check_sources(srcs, lens)
         s, d, n = merge_contiguous(srcs, dsts, lens)
         # First contact opens the segment under a lock every other submit needs: only for a
         # peer that answers (see _WritePump).
@@ -241,11 +241,6 @@ class MooncakeTransferBackend(TransferBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"transfer engine {self._session} is closed")
-
-    def _check_sources(self, srcs, lens) -> None:
-        for i, (s, n) in enumerate(zip(srcs, lens)):
-            if not self._regions.contains(s, n):
-                raise ValueError(f"srcs[{i}]: [{s:#x}, +{n}) is not inside a region registered with this backend")
 
 
 class _Prober:

@@ -230,7 +230,7 @@ class NixlTransferBackend(TransferBackend):
     def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
         self._check_open()
         check_writes(srcs, dsts, lens)
-        self._check_sources(srcs, lens)
+        self._regions.check_sources(srcs, lens)
         return self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=b"")
 
     def poll(self, handle: WriteHandle) -> WriteState:
@@ -239,7 +239,7 @@ class NixlTransferBackend(TransferBackend):
     def write_sync(self, peer, srcs, dsts, lens, notify=None) -> None:
         self._check_open()
         check_writes(srcs, dsts, lens)
-        self._check_sources(srcs, lens)
+        self._regions.check_sources(srcs, lens)
         payload = json.dumps(list(notify)).encode() if notify is not None else b""
         handle = self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=payload)
         state = self.wait(handle, self._stall_s + handle.nbytes * 1e-9 + 5.0)
@@ -313,11 +313,6 @@ class NixlTransferBackend(TransferBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"transfer agent {self._session} is closed")
-
-    def _check_sources(self, srcs, lens) -> None:
-        for i, (s, n) in enumerate(zip(srcs, lens)):
-            if not self._regions.contains(s, n):
-                raise ValueError(f"srcs[{i}]: [{s:#x}, +{n}) is not inside a region registered with this backend")
 
 
 class _Pump:
