@@ -524,11 +524,11 @@ MUTATIONS = (
         (f"{T_TRANSFER}::test_a_write_to_a_stopped_peer_is_not_done_until_it_runs[nixl]",)),
     Mutation(
         "nixl_notify_before_data", "write_sync's notify leaves as its own notification before the data",
-        NIXL, "        handle = self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=payload)",
+        NIXL, "        handle = self._post(peer, *base.merge_contiguous(srcs, dsts, lens), payload=payload)",
         "        if notify is not None:\n"
         "            with self._lock:\n"
         "                self._agent.send_notif(peer, _WRITE + bytes(_SEQ_BYTES) + payload)\n"
-        "        handle = self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=b\"\")",
+        "        handle = self._post(peer, *base.merge_contiguous(srcs, dsts, lens), payload=b\"\")",
         (f"{T_TRANSFER}::test_notify_never_overtakes_its_data[nixl]",)),
     Mutation(
         "nixl_stall_never_fails", "a NIXL write to a peer that never answers stays PENDING forever",

@@ -14,16 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from pdserve.transfer.base import (
-    Notify,
-    Outstanding,
-    TransferBackend,
-    TransferError,
-    WriteHandle,
-    WriteState,
-    check_writes,
-    merge_contiguous,
-)
+from pdserve.transfer import base
+from pdserve.transfer.base import TransferBackend, TransferError, WriteHandle, WriteState
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +138,8 @@ class FaultInjectingBackend(TransferBackend):
         self.inner.unregister(addrs)
 
     def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
-        check_writes(srcs, dsts, lens)
-        s, d, n = merge_contiguous(srcs, dsts, lens)
+        base.check_writes(srcs, dsts, lens)
+        s, d, n = base.merge_contiguous(srcs, dsts, lens)
         with self._lock:
             keep, error = self._allowed(peer, len(n))
             posted_at = self._clock() + self._delay_s
@@ -197,8 +189,8 @@ class FaultInjectingBackend(TransferBackend):
             return handle.state
 
     def write_sync(self, peer, srcs, dsts, lens, notify=None) -> None:
-        check_writes(srcs, dsts, lens)
-        s, d, n = merge_contiguous(srcs, dsts, lens)
+        base.check_writes(srcs, dsts, lens)
+        s, d, n = base.merge_contiguous(srcs, dsts, lens)
         with self._lock:
             keep, error = self._allowed(peer, len(n))
             if self._drop_notifies:
@@ -208,19 +200,19 @@ class FaultInjectingBackend(TransferBackend):
         if error:
             raise TransferError(error)
 
-    def notifies(self) -> list[Notify]:
+    def notifies(self) -> list[base.Notify]:
         return self.inner.notifies()
 
     def probe(self, peer: str, timeout_s: float = 2.0) -> bool:
         return self.inner.probe(peer, timeout_s)
 
-    def outstanding(self) -> Outstanding:
+    def outstanding(self) -> base.Outstanding:
         """The inner backend's, with this wrapper's handles not yet reported terminal (each
         stands for at most one inner batch, so the larger count is the true one)."""
         inner = self.inner.outstanding()
         with self._lock:
             mine = len(self._batches)
-        return Outstanding(max(mine, inner.batches), inner.regions)
+        return base.Outstanding(max(mine, inner.batches), inner.regions)
 
     def close(self) -> None:
         self.inner.close()

@@ -34,18 +34,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.transfer.base import (
-    Notify,
-    Outstanding,
-    Regions,
-    TransferBackend,
-    TransferError,
-    WriteHandle,
-    WriteState,
-    check_regions,
-    check_writes,
-    merge_contiguous,
-)
+from pdserve.transfer import base
+from pdserve.transfer.base import TransferBackend, TransferError, WriteHandle, WriteState
 
 _RETRY_S = 0.002  # how often the copier looks again at batches waiting on a frozen peer
 
@@ -99,8 +89,8 @@ class MemoryTransferBackend(TransferBackend):
         self._stall_timeout_s = stall_timeout_s
         self._fabric = fabric or PROCESS_FABRIC
         self._lock = threading.Lock()  # regions, notifies, frozen, closed: what peers touch
-        self._regions = Regions()
-        self._notifies: list[Notify] = []
+        self._regions = base.Regions()
+        self._notifies: list[base.Notify] = []
         self._awake = threading.Event()
         self._awake.set()
         self._closed = False
@@ -119,9 +109,9 @@ class MemoryTransferBackend(TransferBackend):
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         self._check_open()
-        check_regions(regions)
+        base.check_regions(regions)
         with self._lock:
-            taken = Regions()
+            taken = base.Regions()
             for i, (addr, n) in enumerate(regions):
                 if self._regions.overlaps(addr, n) or taken.overlaps(addr, n):
                     raise TransferError(f"regions[{i}]: [{addr:#x}, +{n}) overlaps a registered region")
@@ -161,7 +151,7 @@ class MemoryTransferBackend(TransferBackend):
         except _Unreachable:
             raise TransferError(f"write to {peer} failed: it did not answer") from None
 
-    def notifies(self) -> list[Notify]:
+    def notifies(self) -> list[base.Notify]:
         self._check_open()
         with self._lock:
             got, self._notifies = self._notifies, []
@@ -172,11 +162,11 @@ class MemoryTransferBackend(TransferBackend):
         target = self._fabric.lookup(peer)
         return target is not None and target._answers(timeout_s)
 
-    def outstanding(self) -> Outstanding:
+    def outstanding(self) -> base.Outstanding:
         with self._cond:
             batches = len(self._queue)
         with self._lock:
-            return Outstanding(batches, len(self._regions))
+            return base.Outstanding(batches, len(self._regions))
 
     def close(self, timeout_s: float = 40.0) -> None:
         """Copies the batches already posted (failing those to a frozen peer), then leaves the fabric."""
@@ -189,7 +179,7 @@ class MemoryTransferBackend(TransferBackend):
         self._fabric.leave(self._session)
         with self._lock:
             self._closed = True
-            self._regions = Regions()
+            self._regions = base.Regions()
             self._awake.set()  # wakes probes of this endpoint: it is gone
 
     # -- fault hooks: a stopped process ------------------------------------------------------
@@ -207,10 +197,10 @@ class MemoryTransferBackend(TransferBackend):
 
     def _checked(self, srcs, dsts, lens) -> tuple[list[int], list[int], list[int]]:
         self._check_open()
-        check_writes(srcs, dsts, lens)
+        base.check_writes(srcs, dsts, lens)
         with self._lock:
             self._regions.check_sources(srcs, lens)
-        return merge_contiguous(srcs, dsts, lens)
+        return base.merge_contiguous(srcs, dsts, lens)
 
     def _check_open(self) -> None:
         if self._closed or self._stopping:
@@ -220,7 +210,7 @@ class MemoryTransferBackend(TransferBackend):
         """Whether this endpoint answers a probe within ``timeout_s`` (a frozen one may thaw)."""
         return self._awake.wait(timeout_s) and not self._closed
 
-    def _land(self, session: str, writes: list[tuple[int, int, int]], notify: Notify | None) -> None:
+    def _land(self, session: str, writes: list[tuple[int, int, int]], notify: base.Notify | None) -> None:
         """Copy ``writes`` into this endpoint's memory (called by the writer), then queue the
         notify. Raises _Unreachable when frozen, TransferError when closed or a destination is
         not registered here (after copying the writes before it)."""

@@ -69,19 +69,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.transfer import mooncake_log
-from pdserve.transfer.base import (
-    Notify,
-    Outstanding,
-    Regions,
-    TransferBackend,
-    TransferError,
-    WriteHandle,
-    WriteState,
-    check_regions,
-    check_writes,
-    merge_contiguous,
-)
+from pdserve.transfer import base, mooncake_log
+from pdserve.transfer.base import TransferBackend, TransferError, WriteHandle, WriteState
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +141,7 @@ class MooncakeTransferBackend(TransferBackend):
             raise TransferError(f"Mooncake initialize({hostname!r}, {metadata_server!r}, {protocol!r}, "
                                 f"{device_name!r}) returned {rc}")
         self._session = f"{hostname}:{self._te.get_rpc_port()}"
-        self._regions = Regions()
+        self._regions = base.Regions()
         self._prober = _Prober(self._te)
         self._connect_timeout_s = connect_timeout_s
         self._pump = _WritePump(self._te, self._prober, max_inflight_per_peer, poll_interval_s, connect_timeout_s)
@@ -166,7 +155,7 @@ class MooncakeTransferBackend(TransferBackend):
         self._check_open()
         if not regions:
             return
-        check_regions(regions)
+        base.check_regions(regions)
         rc = self._te.batch_register_memory([a for a, _ in regions], [n for _, n in regions])
         if rc != 0:
             raise TransferError(f"Mooncake batch_register_memory of {len(regions)} regions returned {rc}")
@@ -182,9 +171,9 @@ class MooncakeTransferBackend(TransferBackend):
 
     def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
         self._check_open()
-        check_writes(srcs, dsts, lens)
+        base.check_writes(srcs, dsts, lens)
         self._regions.check_sources(srcs, lens)
-        s, d, n = merge_contiguous(srcs, dsts, lens)
+        s, d, n = base.merge_contiguous(srcs, dsts, lens)
         handle = WriteHandle(peer, len(n), sum(n))
         self._pump.add(_Batch(handle, deque(zip(s, d, n))))
         return handle
@@ -194,9 +183,9 @@ class MooncakeTransferBackend(TransferBackend):
 
     def write_sync(self, peer, srcs, dsts, lens, notify=None) -> None:
         self._check_open()
-        check_writes(srcs, dsts, lens)
+        base.check_writes(srcs, dsts, lens)
         self._regions.check_sources(srcs, lens)
-        s, d, n = merge_contiguous(srcs, dsts, lens)
+        s, d, n = base.merge_contiguous(srcs, dsts, lens)
         # First contact opens the segment under a lock every other submit needs: only for a
         # peer that answers (see _WritePump).
         if not self._pump.known(peer) and not self._prober.probe(peer, self._connect_timeout_s):
@@ -210,7 +199,7 @@ class MooncakeTransferBackend(TransferBackend):
         if rc != 0:
             raise TransferError(f"write of {sum(n)} bytes in {len(n)} writes to {peer} failed (Mooncake rc={rc})")
 
-    def notifies(self) -> list[Notify]:
+    def notifies(self) -> list[base.Notify]:
         self._check_open()
         return [(x.name, x.msg) for x in self._te.get_notifies()]
 
@@ -218,8 +207,8 @@ class MooncakeTransferBackend(TransferBackend):
         self._check_open()
         return self._prober.probe(peer, timeout_s)
 
-    def outstanding(self) -> Outstanding:
-        return Outstanding(self._pump.pending(), len(self._regions))
+    def outstanding(self) -> base.Outstanding:
+        return base.Outstanding(self._pump.pending(), len(self._regions))
 
     def close(self, timeout_s: float = 40.0) -> None:
         """Writes or probes still inside Mooncake after ``timeout_s`` (a hung peer fails writes
@@ -235,7 +224,7 @@ class MooncakeTransferBackend(TransferBackend):
             return
         if self._regions.all():
             self._te.batch_unregister_memory(self._regions.all())
-        self._regions = Regions()
+        self._regions = base.Regions()
         self._te = None
 
     def _check_open(self) -> None:

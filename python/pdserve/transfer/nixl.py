@@ -67,18 +67,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.transfer.base import (
-    Notify,
-    Outstanding,
-    Regions,
-    TransferBackend,
-    TransferError,
-    WriteHandle,
-    WriteState,
-    check_regions,
-    check_writes,
-    merge_contiguous,
-)
+from pdserve.transfer import base
+from pdserve.transfer.base import TransferBackend, TransferError, WriteHandle, WriteState
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +152,7 @@ class NixlTransferBackend(TransferBackend):
             self._beacon.close()
             raise TransferError(f"NIXL agent {self._session} could not start: {e}") from e
         self._lock = threading.Lock()  # every call into the agent
-        self._regions = Regions()
+        self._regions = base.Regions()
         self._registered: dict[int, object] = {}  # region start -> NIXL's registration
         self._peers: dict[str, str] = {}  # session -> the peer_info loaded for it
         self._stall_s = stall_timeout_s
@@ -207,7 +197,7 @@ class NixlTransferBackend(TransferBackend):
         self._check_open()
         if not regions:
             return
-        check_regions(regions)
+        base.check_regions(regions)
         for addr, n in regions:
             if self._regions.overlaps(addr, n):
                 raise TransferError(f"region [{addr:#x}, +{n}) overlaps one registered with {self._session}")
@@ -229,24 +219,24 @@ class NixlTransferBackend(TransferBackend):
 
     def post_writes(self, peer, srcs, dsts, lens) -> WriteHandle:
         self._check_open()
-        check_writes(srcs, dsts, lens)
+        base.check_writes(srcs, dsts, lens)
         self._regions.check_sources(srcs, lens)
-        return self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=b"")
+        return self._post(peer, *base.merge_contiguous(srcs, dsts, lens), payload=b"")
 
     def poll(self, handle: WriteHandle) -> WriteState:
         return self._pump.state(handle)
 
     def write_sync(self, peer, srcs, dsts, lens, notify=None) -> None:
         self._check_open()
-        check_writes(srcs, dsts, lens)
+        base.check_writes(srcs, dsts, lens)
         self._regions.check_sources(srcs, lens)
         payload = json.dumps(list(notify)).encode() if notify is not None else b""
-        handle = self._post(peer, *merge_contiguous(srcs, dsts, lens), payload=payload)
+        handle = self._post(peer, *base.merge_contiguous(srcs, dsts, lens), payload=payload)
         state = self.wait(handle, self._stall_s + handle.nbytes * 1e-9 + 5.0)
         if state is not WriteState.DONE:
             raise TransferError(handle.error or f"write to {peer} did not finish")
 
-    def notifies(self) -> list[Notify]:
+    def notifies(self) -> list[base.Notify]:
         self._check_open()
         return self._pump.take_notifies()
 
@@ -254,8 +244,8 @@ class NixlTransferBackend(TransferBackend):
         self._check_open()
         return probe_banner(peer, timeout_s)
 
-    def outstanding(self) -> Outstanding:
-        return Outstanding(self._pump.pending(), len(self._regions))
+    def outstanding(self) -> base.Outstanding:
+        return base.Outstanding(self._pump.pending(), len(self._regions))
 
     def close(self, timeout_s: float = 40.0) -> None:
         """Batches still inside UCX after ``timeout_s`` keep the agent alive, leaked on purpose:
@@ -275,7 +265,7 @@ class NixlTransferBackend(TransferBackend):
                 self._agent.deregister_memory(reg)
             self._peers.clear()
             self._registered.clear()
-            self._regions = Regions()
+            self._regions = base.Regions()
             self._agent = None
         self._beacon.close()
 
@@ -327,7 +317,7 @@ class _Pump:
         self._cond = threading.Condition()
         self._batches: list[_Batch] = []
         self._acks: set[tuple[str, int]] = set()  # (peer, seq) answered before its batch settled
-        self._notifies: list[Notify] = []
+        self._notifies: list[base.Notify] = []
         self._unknown: set[str] = set()  # senders we could not answer (logged once each)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="nixl-pump", daemon=True)
@@ -348,7 +338,7 @@ class _Pump:
         with self._cond:
             return len(self._batches)
 
-    def take_notifies(self) -> list[Notify]:
+    def take_notifies(self) -> list[base.Notify]:
         with self._cond:
             out, self._notifies = self._notifies, []
             return out
