@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from entrypoints.server_utils import Server, free_port
+from router.router_utils import Router, wait_for
 
 
 def start_all(servers: list[Server]) -> list[Server]:
@@ -34,6 +35,28 @@ def prefill_server(model: str, *flags: str, env: dict | None = None) -> tuple[Se
 
 def decode_server(model: str, *flags: str) -> Server:
     return Server("--disaggregation-mode", "decode", *flags, model=model)
+
+
+class RoutedPair:
+    """One prefill and one decode of ``model`` with the same ``flags``, behind pdserve's router;
+    ``start`` returns once the router sees both healthy."""
+
+    def __init__(self, model: str, *flags: str):
+        self.prefill, self.boot = prefill_server(model, *flags)
+        self.decode = decode_server(model, *flags)
+        self.router: Router | None = None
+
+    def start(self):
+        start_all([self.prefill, self.decode])
+        self.router = Router([(self.prefill.url, self.boot)], [self.decode.url]).start()
+        wait_for(lambda: self.router.get("/health").status_code == 200, 60, "router sees healthy workers")
+        return self
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for s in (self.prefill, self.decode):
+            s.stop()
 
 
 def kill9(server: Server) -> None:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from pd_servers import decode_server, prefill_server, start_all
+from pd_servers import RoutedPair
 
 import pdserve
 from pdserve.transfer import BACKEND_NAMES
-from router.router_utils import Router, wait_for
 
 MODEL = "tiny-llama"
 PAGE = 4
@@ -39,25 +38,10 @@ def _greedy() -> dict:
     return {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
 
 
-class Deployment:
+class Deployment(RoutedPair):
     def __init__(self, backend: str):
-        flags = ("--page-size", str(PAGE), "--max-total-tokens", "4096", "--num-threads", "1",
-                 "--disaggregation-transfer-backend", backend)
-        self.prefill, self.boot = prefill_server(MODEL, *flags)
-        self.decode = decode_server(MODEL, *flags)
-        self.router: Router | None = None
-
-    def start(self) -> Deployment:
-        start_all([self.prefill, self.decode])
-        self.router = Router([(self.prefill.url, self.boot)], [self.decode.url]).start()
-        wait_for(lambda: self.router.get("/health").status_code == 200, 60, "router sees healthy workers")
-        return self
-
-    def stop(self) -> None:
-        if self.router is not None:
-            self.router.stop()
-        for s in (self.prefill, self.decode):
-            s.stop()
+        super().__init__(MODEL, "--page-size", str(PAGE), "--max-total-tokens", "4096", "--num-threads", "1",
+                         "--disaggregation-transfer-backend", backend)
 
     def counters(self) -> dict[tuple[str, str], int]:
         info = {"prefill": self.prefill.info(), "decode": self.decode.info()}

@@ -16,38 +16,24 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from pd_servers import decode_server, prefill_server, start_all, stream_final
+from pd_servers import RoutedPair, stream_final
 
 import pdserve
 from entrypoints.server_utils import free_port
-from router.router_utils import Router, wait_for
+from router.router_utils import wait_for
 
 NEW = 16
 PARAMS = [("tiny-deepseek", 1, "mooncake"), ("tiny-deepseek", 16, "mooncake"), ("tiny-llama", 1, "mooncake"),
           ("tiny-llama", 16, "mooncake"), ("tiny-deepseek", 16, "nixl"), ("tiny-llama", 1, "nixl")]
 
 
-class Deployment:
+class Deployment(RoutedPair):
     def __init__(self, model: str, page_size: int, backend: str = "mooncake"):
         self.model, self.page_size = model, page_size
         self.chunk = 64 if page_size == 16 else 48
         self.flags = ("--page-size", str(page_size), "--chunked-prefill-size", str(self.chunk),
                       "--max-total-tokens", "16384", "--num-threads", "1", "--disaggregation-transfer-backend", backend)
-        self.prefill, self.boot = prefill_server(model, *self.flags)
-        self.decode = decode_server(model, *self.flags)
-        self.router: Router | None = None
-
-    def start(self) -> Deployment:
-        start_all([self.prefill, self.decode])
-        self.router = Router([(self.prefill.url, self.boot)], [self.decode.url]).start()
-        wait_for(lambda: self.router.get("/health").status_code == 200, 60, "router sees healthy workers")
-        return self
-
-    def stop(self) -> None:
-        if self.router is not None:
-            self.router.stop()
-        for s in (self.prefill, self.decode):
-            s.stop()
+        super().__init__(model, *self.flags)
 
     def colocated(self, prompts: list[list[int]]) -> list[list[int]]:
         eng = pdserve.Engine(model_path=self.model, page_size=self.page_size, chunked_prefill_size=self.chunk,
