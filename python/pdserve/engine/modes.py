@@ -35,7 +35,7 @@ class RoleSwitchRefused(ValueError):
         self.busy = busy
 
 
-class RoleSwitcher(Protocol):
+class SwitchableRoles(Protocol):
     """What the scheduler loop asks of a server that can change its P/D role at run time
     (``disagg/roles.py``'s ``RoleModes``); the loop knows no more of disaggregation than this."""
 

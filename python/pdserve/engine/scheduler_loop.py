@@ -24,7 +24,7 @@ import zmq
 from pdserve.config import ServerArgs, split_host_port
 from pdserve.engine import io_struct, rank_io
 from pdserve.engine.codec import Codec, CodecError, DropCounter
-from pdserve.engine.modes import RoleSwitcher, RoleSwitchRefused
+from pdserve.engine.modes import RoleSwitchRefused, SwitchableRoles
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class SchedulerLoop:
     """
 
     def __init__(self, scheduler, recv: zmq.Socket, send: zmq.Socket,
-                 parent_pid: int | None = None, idle_poll_ms: int = IDLE_POLL_MS, roles: RoleSwitcher | None = None):
+                 parent_pid: int | None = None, idle_poll_ms: int = IDLE_POLL_MS, roles: SwitchableRoles | None = None):
         self.scheduler = scheduler
         self.roles = roles  # a single-rank P/D server's modes: it can switch roles
         self.recv = recv
