@@ -520,6 +520,50 @@ class CompileConfig:
         return next((b for b in self.buckets if b >= batch_size), None) if self.enabled else None
 
 
+SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """SGLang's ``--speculative-*`` flags: a draft proposes ``num_steps`` tokens per decode step
+    (a chain: ``eagle_topk`` 1), the target verifies them in one forward of
+    ``num_draft_tokens`` = steps + 1 rows (engine/speculative.py). ``algorithm`` None: off.
+    NEXTN drafts with DeepSeek's MTP layer (``model.layers.{num_hidden_layers}`` of the target
+    checkpoint, or of ``draft_model_path``); EAGLE with a Llama EAGLE checkpoint
+    (``draft_model_path``, required)."""
+
+    algorithm: str | None = None
+    draft_model_path: str | None = None
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None  # None: num_steps + 1
+
+    def __post_init__(self):
+        if self.algorithm is None:
+            return
+        if self.algorithm not in SPECULATIVE_ALGORITHMS:
+            raise _flag_error("speculative_algorithm", f"{self.algorithm!r} is not one of {SPECULATIVE_ALGORITHMS}")
+        if self.algorithm == "EAGLE" and not self.draft_model_path:
+            raise _flag_error("speculative_draft_model_path", "EAGLE needs a draft checkpoint")
+        if self.num_steps < 1:
+            raise _flag_error("speculative_num_steps", f"must be >= 1, got {self.num_steps}")
+        if self.eagle_topk != 1:
+            raise _flag_error("speculative_eagle_topk", f"only chain drafts (1) are supported for now, "
+                              f"got {self.eagle_topk}")
+        if self.num_draft_tokens is not None and self.num_draft_tokens != self.num_steps + 1:
+            raise _flag_error("speculative_num_draft_tokens", f"with --speculative-eagle-topk 1 it must be "
+                              f"--speculative-num-steps + 1 ({self.num_steps + 1}), got {self.num_draft_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+    @property
+    def draft_layers(self) -> int:
+        """KV-pool layers the draft adds after the target's (at index num_layers)."""
+        return 1 if self.enabled else 0
+
+
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device (imports torch: call only where a device is chosen)."""
     import torch
@@ -816,6 +860,12 @@ class ServerArgs:
     cuda_graph_max_bs: int = 32
     disable_cuda_graph: bool = False
     deepep_mode: str = "auto"
+    # speculative decoding (SpeculativeConfig; SGLang's flags)
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -855,6 +905,7 @@ class ServerArgs:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype: {self.dtype!r} is not one of {('auto', *DTYPES)}")
         self.device_config()
+        self._check_speculative()
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         # A chunk must hold at least one page, or a long prompt could never advance.
@@ -916,6 +967,24 @@ class ServerArgs:
                             self.disaggregation_fallback, self.disaggregation_min_prefill_tokens,
                             self.auth_token(), self.disaggregation_allow_unauthenticated,
                             self.disaggregation_transfer_pack, self.disaggregation_pack_staging_mb)
+
+    @_built_once
+    def speculative_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative_algorithm, self.speculative_draft_model_path,
+                                 self.speculative_num_steps, self.speculative_eagle_topk,
+                                 self.speculative_num_draft_tokens)
+
+    def _check_speculative(self) -> None:
+        """What speculation does not run with yet, refused naming the flag."""
+        if not self.speculative_config().enabled:
+            return
+        if self.parallel_config().world_size > 1:
+            raise _flag_error("speculative_algorithm", "runs on single-rank servers for now (tp_size, dp_size "
+                              "and ep_size 1)")
+        if self.compile_config().enabled:
+            raise _flag_error("speculative_algorithm", "does not run with --enable-torch-compile yet")
+        if self.disaggregation_mode != "null":
+            raise _flag_error("speculative_algorithm", "runs colocated only for now (--disaggregation-mode null)")
 
     @_built_once
     def kv_events(self) -> KVEventsConfig:

@@ -101,6 +101,10 @@ class TokenOutput:
     cached_tokens_by_tier: dict[str, int] | None = None
     # A decode server's own prefix-cache hit (Req.decode_cached_tokens); None elsewhere
     decode_cached_tokens: int | None = None
+    # Speculative decoding so far (None without it): verify forwards, draft tokens proposed, accepted
+    spec_verify_ct: int | None = None
+    spec_draft_token_num: int | None = None
+    spec_accept_token_num: int | None = None
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import CacheConfig, CompileConfig, DeviceConfig, ModelConfig, ServerArgs
+from pdserve.config import CacheConfig, CompileConfig, DeviceConfig, ModelConfig, ServerArgs, SpeculativeConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
@@ -36,16 +36,21 @@ class ScheduledBatch:
 
 
 def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
-                   device: str | torch.device = "cpu") -> KVPool:
+                   device: str | torch.device = "cpu", extra_layers: int = 0) -> KVPool:
+    """``extra_layers``: a speculative draft's layers after the target's (index num_layers on),
+    at the same slots as the target's tokens, so their pages live and die with the request's."""
     num_pages = cache.num_pages(model)
+    if extra_layers and cache.max_total_tokens is None:  # the same byte budget over more layers
+        num_pages = max(1, num_pages * model.num_layers // (model.num_layers + extra_layers))
+    layers = model.num_layers + extra_layers
     c = model.hf_config
     if model.is_mla:
-        return MLAKVPool(num_pages, cache.page_size, model.num_layers, c.kv_lora_rank,
+        return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,
                          c.qk_rope_head_dim, model.torch_dtype, device)
     heads = model.num_kv_heads
     # KV heads split over attention TP; replicated when there are fewer heads than ranks.
     local = max(1, heads // parallel.attention.tp_size)
-    return GQAKVPool(num_pages, cache.page_size, model.num_layers, local, model.head_dim,
+    return GQAKVPool(num_pages, cache.page_size, layers, local, model.head_dim,
                      model.torch_dtype, device)
 
 
@@ -55,11 +60,13 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  parallel: ParallelState = SINGLE, attention_backend: str = "torch_native",
                  seed: int = 0, device: str = "cpu", compile_config: CompileConfig | None = None,
-                 device_config: DeviceConfig | None = None):
+                 device_config: DeviceConfig | None = None, speculative: SpeculativeConfig | None = None):
         """``compile_config`` (``--enable-torch-compile``): decode steps that fit a bucket run
         compiled layers (engine/torch_compile.py); every bucket is compiled here, at start-up.
         ``device_config``: with ``use_cuda_graph``, decode batch sizes are captured here too
-        (engine/cuda_graph.py). Servers build runners through ``build_model_runner``."""
+        (engine/cuda_graph.py). ``speculative``: when enabled, the draft model is loaded next to
+        the target and the pool gets its extra layer. Servers build runners through
+        ``build_model_runner``."""
         from pdserve.models.loader import load_model
 
         self.model_config = model_config
@@ -68,7 +75,18 @@ class ModelRunner:
         self.model = load_model(model_config, parallel, seed=seed)
         if self.device.type != "cpu":
             self.model.to(self.device)
-        self.pool = create_kv_pool(model_config, cache_config, parallel, device)
+        self.speculative = speculative or SpeculativeConfig()
+        self.draft = None  # models.draft.DraftModel when speculation is on
+        if self.speculative.enabled:
+            from pdserve.models.draft import load_draft
+
+            self.draft = load_draft(model_config, self.speculative, self.model, seed)
+            if self.device.type != "cpu":
+                self.draft.to(self.device)
+        self.pool = create_kv_pool(model_config, cache_config, parallel, device, self.speculative.draft_layers)
+        # Speculation reads every token row's hidden state of an extend (draft extend input).
+        self.capture_hidden = self.speculative.enabled
+        self.step_hidden: torch.Tensor | None = None  # [T, hidden] of the latest forward, if captured
         self.backend = create_backend(attention_backend)
         self.layer_hook: LayerHook | None = None
         self.last_hidden: torch.Tensor | None = None  # [B, hidden] of the latest forward
@@ -112,6 +130,8 @@ class ModelRunner:
                 hidden = self.compiled(fb)  # [T, hidden]
             else:
                 hidden = self.model(fb)  # [T, hidden]
+        if self.capture_hidden:
+            self.step_hidden = hidden
         rows = logit_rows(fb, batch.prompt_logit_index)
         if rows is not None:
             hidden = hidden[rows]  # [B (+ K), hidden]
@@ -120,6 +140,30 @@ class ModelRunner:
         # The sampler runs on the host (per-request CPU generators keep seeded sampling the same
         # on every device), so logits cross once per step.
         return self.model.compute_logits(hidden).cpu()  # [B (+ K), V]
+
+    @torch.inference_mode()
+    def forward_all_rows(self, batch: ScheduledBatch, req_to_token: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative verify: (logits [T, V] float32 on the host, hidden [T, hidden]) of every
+        token row; runs eagerly."""
+        fb = self.build_forward_batch(batch, req_to_token)
+        fb.attn_metadata = self.backend.prepare(fb)
+        hidden = self.model(fb)  # [T, hidden]
+        return self.model.compute_logits(hidden).cpu(), hidden
+
+    @torch.inference_mode()
+    def draft_forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor, target_hidden: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over ``batch`` (its KV into the pool's draft layer) with ``target_hidden``
+        [T, hidden] (one row per token): (logits [B, V] float32 on the host, hidden [B, hidden]) of
+        each request's last row."""
+        if self.draft is None:
+            raise RuntimeError("draft_forward: this runner has no draft model (speculation is off)")
+        fb = self.build_forward_batch(batch, req_to_token)
+        fb.attn_metadata = self.backend.prepare(fb)
+        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]
+        last = hidden[fb.last_token_index()]  # [B, hidden]
+        return self.draft.compute_logits(last).cpu(), last
 
 
 def build_model_runner(args: ServerArgs, model_config: ModelConfig, parallel: ParallelState = SINGLE,
@@ -136,7 +180,7 @@ def build_model_runner(args: ServerArgs, model_config: ModelConfig, parallel: Pa
     cls = runner_cls or ModelRunner
     return cls(model_config, args.cache_config(), parallel, attention_backend=dev.attention_backend,
                seed=args.random_seed, device=device or dev.device, compile_config=args.compile_config(),
-               device_config=dev, **kwargs)
+               device_config=dev, speculative=args.speculative_config(), **kwargs)
 
 
 def rank_device(device: str, local_rank: int) -> str:

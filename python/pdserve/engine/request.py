@@ -228,6 +228,9 @@ class Req:
         self.generator: torch.Generator | None = None  # torch.Generator for seeded sampling, created by the scheduler
         self.logprob: ReqLogprobs | None = None  # input logprob state, set by the scheduler if asked
         self.clock: StageClock | None = None  # set by the scheduler: the TTFT breakdown
+        # speculative decoding (engine/speculative.py): proposals and per-request figures
+        self.draft: Any = None  # DraftState while running with speculation
+        self.spec_stats: Any = None  # SpecStats when the server speculates
         self.room: int | None = None  # disaggregation: the bootstrap room pairing its two halves
         self.bootstrap: BootstrapRef | None = None  # disaggregation: the prefill half's address (decode)
 

@@ -33,6 +33,7 @@ from pdserve.engine.request import (
     finish_stop,
 )
 from pdserve.engine.sampler import SampleFn, Sampler
+from pdserve.engine.speculative import DecodeStep, SpecStats, make_decode_step
 from pdserve.engine.stop import StopStringMatcher
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
@@ -92,6 +93,8 @@ class Scheduler:
         self.forward_steps = 0
         self.new_token_ratio = policy.NewTokenRatio()  # KV admission keeps free for decode growth
         self.kv_events: KVEventPublisher | None = None
+        # How a decode step runs: plain, or speculative when the runner has a draft (chosen once).
+        self.decode_step: DecodeStep = make_decode_step(self)
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
 
@@ -170,6 +173,8 @@ class Scheduler:
         if sampling.stop and self.tokenizer is not None:
             req.stop_matcher = StopStringMatcher(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
         req.clock = StageClock()
+        if getattr(self.runner, "draft", None) is not None:
+            req.spec_stats = SpecStats()
         self.reqs[rid] = req
         if not self.mode.take(req, bootstrap):
             self.enqueue(req)
@@ -226,7 +231,7 @@ class Scheduler:
         if batch is not None:
             self._run_extend(*batch)
         elif self.running:
-            self._run_decode()
+            self.decode_step.run()
         out, self._pending = self._pending, []
         if self.kv_events is not None:
             self.kv_events.flush()
@@ -358,6 +363,7 @@ class Scheduler:
             self._sample_and_append(finished_prefill, logits[torch.tensor(done)])
             # Sampling read the tokens back, so the forward has really finished by now.
             self._observe_prefill(sum(lens), time.perf_counter() - t0)
+        self.decode_step.after_extend(reqs, lens, getattr(self.runner, "step_hidden", None))
 
     def _finish_prefill_only(self, reqs: list[Req], done: list[int]) -> list[int]:
         """Finish the requests that asked for no new tokens; the rest of ``done`` samples."""
@@ -471,6 +477,10 @@ class Scheduler:
         out = TokenOutput(req.rid, new_ids, logprobs, req.finished, req.finish_reason, req.prompt_len,
                           len(req.output_ids), req.cached_tokens_reported, top_logprobs,
                           cached_tokens_by_tier=by_tier, decode_cached_tokens=req.decode_cached_tokens)
+        if req.spec_stats is not None:
+            st = req.spec_stats
+            out.spec_verify_ct, out.spec_draft_token_num = st.verify_ct, st.draft_tokens
+            out.spec_accept_token_num = st.accepted_tokens
         taken = req.logprob.take_input() if req.logprob is not None else None
         if taken is not None:
             out.input_token_logprobs, out.input_top_logprobs = taken
@@ -522,4 +532,5 @@ class Scheduler:
             **(self.kv_events.stats() if self.kv_events is not None else {}),
             **self.kv_manager.stats(),
             **self.mode.stats(),
+            **self.decode_step.stats(),
         }

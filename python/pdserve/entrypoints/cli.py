@@ -31,6 +31,7 @@ from pdserve.config import (
     MOE_A2A_BACKENDS,
     PACK_POLICIES,
     SCHEDULE_POLICIES,
+    SPECULATIVE_ALGORITHMS,
     TRANSFER_BACKENDS,
     ServerArgs,
 )
@@ -136,6 +137,14 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
           "bucket; compiled at start-up", action="store_true")
     _flag(g, "--torch-compile-max-bs", "largest decode batch run compiled (buckets 1, 2, 4, ... up to it)",
           type=int)
+    _flag(g, "--speculative-algorithm", "speculative decoding: NEXTN (DeepSeek's MTP layer drafts) or EAGLE "
+          "(a draft checkpoint)", choices=SPECULATIVE_ALGORITHMS)
+    _flag(g, "--speculative-draft-model-path", "draft checkpoint (EAGLE; NEXTN: default the target's own MTP "
+          "layer)")
+    _flag(g, "--speculative-num-steps", "draft tokens proposed per decode step", type=int)
+    _flag(g, "--speculative-eagle-topk", "draft branches per step (1: chain drafts, the only kind for now)",
+          type=int)
+    _flag(g, "--speculative-num-draft-tokens", "tokens verified per step (num-steps + 1 with topk 1)", type=int)
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
