@@ -106,6 +106,24 @@ class TokenOutput:
     spec_draft_token_num: int | None = None
     spec_accept_token_num: int | None = None
 
+    def spec_meta(self) -> dict:
+        """SGLang's speculative meta_info keys ({} without speculation)."""
+        return spec_meta(self.spec_verify_ct, self.spec_draft_token_num, self.spec_accept_token_num,
+                         self.completion_tokens)
+
+
+def spec_meta(verify_ct: int | None, draft_tokens: int | None, accepted: int | None, completion_tokens: int) -> dict:
+    """``spec_verify_ct`` (verify forwards), ``spec_accept_length`` (completion tokens per
+    verify: the first token comes from prefill), ``spec_accept_rate`` (accepted / proposed
+    draft tokens), ``spec_accept_token_num``, ``spec_draft_token_num``; {} without speculation."""
+    if verify_ct is None:
+        return {}
+    decoded = max(0, completion_tokens - 1)
+    return {"spec_verify_ct": verify_ct,
+            "spec_accept_length": decoded / verify_ct if verify_ct else 0.0,
+            "spec_accept_rate": (accepted or 0) / draft_tokens if draft_tokens else 0.0,
+            "spec_accept_token_num": accepted or 0, "spec_draft_token_num": draft_tokens or 0}
+
 
 @dataclass
 class BatchTokenOutput:

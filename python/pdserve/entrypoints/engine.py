@@ -190,6 +190,7 @@ class Engine:
             "cached_tokens": final.cached_tokens,
             "cached_tokens_by_tier": final.cached_tokens_by_tier,
             "finish_reason": final.finish_reason,
+            **final.spec_meta(),
         }
         if acc.timeline is not None:
             meta["timeline"] = acc.timeline

@@ -89,6 +89,8 @@ def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: Token
         meta["cached_tokens_by_tier"] = c.cached_tokens_by_tier
     if c.decode_cached_tokens is not None:  # a decode server: its own hit, beside prefill's cached_tokens
         meta["decode_cached_tokens"] = c.decode_cached_tokens
+    if c.spec:
+        meta.update(c.spec)
     if c.timeline is not None:
         meta["timeline"] = c.timeline
     if item.job.return_logprob:

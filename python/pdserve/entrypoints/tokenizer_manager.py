@@ -111,6 +111,7 @@ class GenerateChunk:
     timeline: dict | None = None  # TTFT breakdown (obs.timeline.STAGES), once the first token is out
     cached_tokens_by_tier: dict | None = None  # cached_tokens split by tier (device, host, storage)
     decode_cached_tokens: int | None = None  # a decode server's own prefix-cache hit
+    spec: dict | None = None  # speculative decoding's meta_info figures (io_struct.spec_meta)
 
 
 @dataclass(eq=False)
@@ -409,14 +410,14 @@ class TokenizerManager:
             return GenerateChunk(state.rid, "", last.new_token_ids, None, last.finished, last.finish_reason,
                                  last.prompt_tokens, last.completion_tokens, last.cached_tokens, timeline=stages,
                                  cached_tokens_by_tier=last.cached_tokens_by_tier,
-                                 decode_cached_tokens=last.decode_cached_tokens)
+                                 decode_cached_tokens=last.decode_cached_tokens, spec=last.spec_meta() or None)
         ids: list[int] = []
         for o in outs:
             ids += o.new_token_ids
         chunk = GenerateChunk(state.rid, "", ids, None, last.finished, last.finish_reason, last.prompt_tokens,
                               last.completion_tokens, last.cached_tokens, timeline=stages,
                               cached_tokens_by_tier=last.cached_tokens_by_tier,
-                              decode_cached_tokens=last.decode_cached_tokens)
+                              decode_cached_tokens=last.decode_cached_tokens, spec=last.spec_meta() or None)
         if state.return_logprob:
             _add_logprobs(chunk, outs)
         return chunk

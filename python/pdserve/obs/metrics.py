@@ -96,6 +96,15 @@ HICACHE_GAUGES = {
     "tier_prefill_tokens_per_s": ("hicache_prefill_tokens_per_s", "Prefill tokens/s the skip rule compares loads "
                                   "with (-1: not observed yet)"),
 }
+# Speculative decoding: scheduler stats() key -> (metric name, help).
+SPEC_COUNTERS = {
+    "spec_verify_ct": ("spec_verify_total", "Speculative verify forwards (one per request per decode step)"),
+    "spec_draft_tokens": ("spec_draft_tokens", "Draft tokens proposed for verification"),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Draft tokens the target accepted"),
+}
+SPEC_GAUGES = {
+    "spec_accept_length": ("spec_accept_length", "Tokens emitted per verify forward (accepted drafts + 1)"),
+}
 TIERS = ("device", "host", "storage")
 
 
@@ -109,7 +118,8 @@ class _DisaggCollector:
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
         tables = ((DISAGG_COUNTERS, CounterMetricFamily), (DISAGG_GAUGES, GaugeMetricFamily),
-                  (HICACHE_COUNTERS, CounterMetricFamily), (HICACHE_GAUGES, GaugeMetricFamily))
+                  (HICACHE_COUNTERS, CounterMetricFamily), (HICACHE_GAUGES, GaugeMetricFamily),
+                  (SPEC_COUNTERS, CounterMetricFamily), (SPEC_GAUGES, GaugeMetricFamily))
         for table, family in tables:
             for key, (name, doc) in table.items():
                 if key in self.stats:
