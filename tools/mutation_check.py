@@ -547,6 +547,13 @@ MUTATIONS = (
         "python/pdserve/disagg/bootstrap.py", '    transfer_backend: str = "mooncake"\n',
         '    transfer_backend: str = field(default="mooncake", compare=False)\n',
         (f"{T_PD}::test_a_prefill_and_a_decode_on_different_backends_are_refused_naming_both[nixl]",)),
+    Mutation(
+        "spec_draft_accepted_unverified", "speculative decoding keeps a draft token the target did not choose",
+        "python/pdserve/engine/speculative.py",
+        "        if d != target[i]:\n            return drafts[:i] + [target[i]]\n",
+        "        if False:\n            return drafts[:i] + [target[i]]\n",
+        ("test/engine/test_speculative.py::test_accept_greedy_keeps_the_matching_prefix_then_the_targets_token",
+         "test/engine/test_speculative.py::test_oracle_draft_accepts_many_and_output_is_identical")),
 )
 
 
