@@ -12,8 +12,8 @@ import torch
 import pdserve
 from pdserve.assets import preset_dir
 from pdserve.config import ServerArgs
-from pdserve.engine.speculative import SpeculativeDecode, accept_greedy, accept_sampled, processed_probs
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.speculative import SpeculativeDecode, accept_greedy, accept_sampled, processed_probs
 
 STEPS = 3
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -257,3 +257,30 @@ def test_oracle_logprobs_match_plain_decoding(oracle):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
         assert [t[1] for t in w["meta_info"]["output_token_logprobs"]] == \
                [t[1] for t in g["meta_info"]["output_token_logprobs"]]
+
+
+def test_metrics_render_the_speculative_figures(pair):
+    from pdserve.obs.metrics import ServerMetrics
+
+    _, spec = pair
+    spec.generate(input_ids=_prompts(1), sampling_params=GREEDY | {"max_new_tokens": 6})
+    m = ServerMetrics("tiny")
+    m.set_scheduler_stats(spec.scheduler.stats())
+    text = m.render().decode()
+    verify = [line for line in text.splitlines() if line.startswith("pdserve:spec_verify_total")]
+    assert verify and float(verify[0].split()[-1]) > 0
+    assert "pdserve:spec_accept_length" in text and "pdserve:spec_draft_tokens" in text
+
+
+def test_retraction_under_a_tiny_page_budget_keeps_output_and_pages(eagle_dir):
+    """Verify rows need k + 1 slots: growth retracts like plain decode, pages come back."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 400, (12 + i,), generator=g).tolist() for i in range(8)]
+    sp = GREEDY | {"max_new_tokens": 24}
+    ref = pdserve.Engine(model_path="tiny-deepseek", page_size=4).generate(input_ids=prompts, sampling_params=sp)
+    tight = pdserve.Engine(model_path="tiny-deepseek", page_size=4, max_total_tokens=96,
+                           **_spec_kwargs("NEXTN", eagle_dir))
+    out = tight.generate(input_ids=prompts, sampling_params=sp)
+    assert tight.scheduler.num_retractions > 0
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    _no_leak(tight)
