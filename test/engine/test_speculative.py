@@ -259,11 +259,11 @@ def test_oracle_logprobs_match_plain_decoding(oracle):
                [t[1] for t in g["meta_info"]["output_token_logprobs"]]
 
 
-def test_metrics_render_the_speculative_figures(pair):
+def test_metrics_render_the_speculative_figures(oracle):
     from pdserve.obs.metrics import ServerMetrics
 
-    _, spec = pair
-    spec.generate(input_ids=_prompts(1), sampling_params=GREEDY | {"max_new_tokens": 6})
+    _, spec, prompts, _ = oracle
+    spec.generate(input_ids=prompts[:1], sampling_params=GREEDY | {"max_new_tokens": 6})
     m = ServerMetrics("tiny")
     m.set_scheduler_stats(spec.scheduler.stats())
     text = m.render().decode()
