@@ -230,6 +230,7 @@ class Req:
         self.clock: StageClock | None = None  # set by the scheduler: the TTFT breakdown
         # speculative decoding (engine/speculative.py): proposals and per-request figures
         self.draft: Any = None  # DraftState while running with speculation
+        self.held_back: int | None = None  # disaggregated prefill: the last prompt token, decode's to run
         self.spec_stats: Any = None  # SpecStats when the server speculates
         self.room: int | None = None  # disaggregation: the bootstrap room pairing its two halves
         self.bootstrap: BootstrapRef | None = None  # disaggregation: the prefill half's address (decode)
@@ -243,6 +244,7 @@ class Req:
         """Disaggregated prefill: decode's first step feeds the last prompt token, so this request
         prefills only the rest (and its prompt, as the engine sees it, is one token shorter)."""
         assert not self.output_ids and self.prompt_len > 1 and self.kv_len == 0, self
+        self.held_back = self.origin_input_ids[-1]
         self.origin_input_ids.pop()
         self.fill_ids.pop()
 

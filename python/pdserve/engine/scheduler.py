@@ -355,6 +355,8 @@ class Scheduler:
             if req.kv_len == len(req.fill_ids):
                 req.stage_clock.end_prefill()
                 done.append(i)
+        hidden = getattr(self.runner, "step_hidden", None)  # [T, H] with speculation, else None
+        self.decode_step.after_forward(reqs, lens, hidden)
         done = self._finish_prefill_only(reqs, self.mode.after_prefill(reqs, done))
         if done:
             finished_prefill = [reqs[i] for i in done]
@@ -363,7 +365,7 @@ class Scheduler:
             self._sample_and_append(finished_prefill, logits[torch.tensor(done)])
             # Sampling read the tokens back, so the forward has really finished by now.
             self._observe_prefill(sum(lens), time.perf_counter() - t0)
-        self.decode_step.after_extend(reqs, lens, getattr(self.runner, "step_hidden", None))
+        self.decode_step.after_sample(reqs, lens, hidden)
 
     def _finish_prefill_only(self, reqs: list[Req], done: list[int]) -> list[int]:
         """Finish the requests that asked for no new tokens; the rest of ``done`` samples."""

@@ -127,9 +127,13 @@ class DecodeStep:
     def run(self) -> None:
         self.s._run_decode()
 
-    def after_extend(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
-        """A target extend over ``reqs`` (``lens`` tokens each, their rows of ``hidden``) has run
-        and finished prefills have sampled their first token."""
+    def after_forward(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
+        """A target extend over ``reqs`` (``lens`` tokens each, their rows of ``hidden``) has
+        run; nothing is sampled yet and the mode has not seen it (a prefill server's layer hook
+        still posts this forward's writes)."""
+
+    def after_sample(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
+        """The same extend's finished prefills have sampled their first token."""
 
     def stats(self) -> dict:
         return {}
@@ -184,7 +188,7 @@ class SpeculativeDecode(DecodeStep):
         pos: list[int] = []
         loc: list[int] = []
         for req, start in zip(reqs, starts):
-            ids += req.fill_ids[start + 1:req.kv_len + 1]
+            ids += _known_tokens(req)[start + 1:req.kv_len + 1]
             pos += range(start, req.kv_len)
             loc += self.s.kv_manager.slots(req, start, req.kv_len)
         lens = [r.kv_len - s for r, s in zip(reqs, starts)]
@@ -197,18 +201,29 @@ class SpeculativeDecode(DecodeStep):
             idx = torch.tensor(running)
             self._propose([reqs[i] for i in running], logits[idx], hidden[idx], first=True)
 
-    def after_extend(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
+    def _extend_chunks(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None, known: bool) -> None:
+        """Draft extend over each live request's chunk just run whose next tokens are all
+        known (``known``) or not yet (they are once its first token is sampled). Every chunk
+        is drafted once: after the forward when its tokens one ahead are prompt tokens
+        (intermediate chunks, a disaggregated prefill: the writes of the draft's layer go with
+        the forward's), else after sampling."""
         if hidden is None:
             raise RuntimeError("speculative decoding: the extend captured no hidden states")
         live, starts, rows = [], [], []
         offset = 0
         for req, n in zip(reqs, lens):
-            if not req.finished:
+            if not req.finished and (len(_known_tokens(req)) > req.kv_len) == known:
                 live.append(req)
                 starts.append(req.kv_len - n)
                 rows.append(hidden[offset:offset + n])
             offset += n
         self.draft_extend(live, starts, rows)
+
+    def after_forward(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
+        self._extend_chunks(reqs, lens, hidden, known=True)
+
+    def after_sample(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
+        self._extend_chunks(reqs, lens, hidden, known=False)
 
     def _draft_steps(self, reqs: list[Req], k_eff: list[int]) -> None:
         """Draft decode steps 2..k: request b runs while it has fewer than k_eff[b] drafts."""
@@ -324,6 +339,13 @@ class SpeculativeDecode(DecodeStep):
             out.timeline = req.stage_clock.breakdown()
         s._pending.append(out)
         return len(emitted)
+
+
+def _known_tokens(req: Req) -> list[int]:
+    """Every token of ``req`` known so far by position: prompt (with the last one a
+    disaggregated prefill holds back for decode), then output."""
+    held = [req.held_back] if req.held_back is not None else []
+    return req.origin_input_ids + held + req.output_ids
 
 
 def make_decode_step(scheduler: Scheduler) -> DecodeStep:
