@@ -554,6 +554,13 @@ MUTATIONS = (
         "        if False:\n            return drafts[:i] + [target[i]]\n",
         ("test/engine/test_speculative.py::test_accept_greedy_keeps_the_matching_prefix_then_the_targets_token",
          "test/engine/test_speculative.py::test_oracle_draft_accepts_many_and_output_is_identical")),
+    Mutation(
+        "spec_mtp_kv_not_transferred", "a disaggregated prefill computes the MTP layer's KV but never sends it",
+        "python/pdserve/engine/model_runner.py",
+        "        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
+        "        fb.layer_hook = None\n        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
+        ("test/disagg/test_pd_speculative.py::test_nextn_1p1d_greedy_equals_colocated_plain_decoding",
+         "test/disagg/test_pd_speculative.py::test_the_mtp_layers_prompt_kv_lands_on_decode")),
 )
 
 

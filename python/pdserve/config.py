@@ -978,13 +978,13 @@ class ServerArgs:
         """What speculation does not run with yet, refused naming the flag."""
         if not self.speculative_config().enabled:
             return
-        if self.parallel_config().world_size > 1:
-            raise _flag_error("speculative_algorithm", "runs on single-rank servers for now (tp_size, dp_size "
-                              "and ep_size 1)")
+        # A prefill server only computes the draft layer's prompt KV (replicated on every rank);
+        # decoding with drafts runs on one rank for now.
+        if self.parallel_config().world_size > 1 and self.disaggregation_mode != "prefill":
+            raise _flag_error("speculative_algorithm", "decodes on single-rank servers for now (tp_size, dp_size "
+                              "and ep_size 1; a --disaggregation-mode prefill server may have more ranks)")
         if self.compile_config().enabled:
             raise _flag_error("speculative_algorithm", "does not run with --enable-torch-compile yet")
-        if self.disaggregation_mode != "null":
-            raise _flag_error("speculative_algorithm", "runs colocated only for now (--disaggregation-mode null)")
 
     @_built_once
     def kv_events(self) -> KVEventsConfig:

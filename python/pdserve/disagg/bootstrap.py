@@ -152,6 +152,8 @@ class CompatRecord:
     weights: str  # sha256 hex of the weights (models/fingerprint.py): same on every path, split and rank
     # --disaggregation-transfer-backend: a Mooncake side and a NIXL side cannot reach each other
     transfer_backend: str = "mooncake"
+    # --speculative-algorithm ("none": off): the draft's KV is one more pool layer, sent with the prompt's
+    speculative: str = "none"
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -161,13 +163,15 @@ class CompatRecord:
 
     @classmethod
     def from_model(cls, model_config, page_size: int, model: str | None = None, seed: int = 0,
-                   transfer_backend: str = "mooncake") -> CompatRecord:
-        """From a ``config.ModelConfig`` (``model`` defaults to its path; ``seed``: of dummy weights)."""
+                   transfer_backend: str = "mooncake", speculative: str | None = None) -> CompatRecord:
+        """From a ``config.ModelConfig`` (``model`` defaults to its path; ``seed``: of dummy weights;
+        ``speculative``: the speculative algorithm, None when off)."""
         from pdserve.models.fingerprint import weights_fingerprint
 
         mc = model_config
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
-                   mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend)
+                   mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend,
+                   speculative or "none")
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
         """Raise IncompatiblePeer naming the first compared field that differs."""

@@ -44,7 +44,8 @@ MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead, PeersGone)
 
 def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
     return CompatRecord.from_model(model_config, args.page_size, model=args.served_model_name or args.model_path,
-                                   seed=args.random_seed, transfer_backend=args.disaggregation_transfer_backend)
+                                   seed=args.random_seed, transfer_backend=args.disaggregation_transfer_backend,
+                                   speculative=args.speculative_algorithm)
 
 
 def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 1) -> KVLayout:

@@ -1,0 +1,93 @@
+"""Speculative decoding across P/D (docs/disaggregation.md, "Speculative decoding across P/D"):
+prefill computes the MTP layer's KV for the prompt and sends it as one more pool layer; decode
+drafts from its first step. Greedy output equals colocated plain decoding; a side without the
+same algorithm is refused naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pd_pair import PDPair, greedy
+
+import pdserve
+
+NEW = 10
+SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+
+
+def _prompts(lengths, seed=0, vocab=1500):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture
+def pairs():
+    made = []
+
+    def make(**flags) -> PDPair:
+        made.append(PDPair("tiny-deepseek", backend="memory", page_size=4, **flags))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_nextn_1p1d_greedy_equals_colocated_plain_decoding(pairs):
+    prompts = _prompts([9, 14, 23])
+    eng = pdserve.Engine(model_path="tiny-deepseek", num_threads=1, page_size=4)
+    ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})]
+    pair = pairs(**SPEC, chunked_prefill_size=8)
+    for i, p in enumerate(prompts):
+        pair.submit(f"r{i}", p, greedy(NEW))
+    pair.run()
+    assert [pair.outputs[f"r{i}"]["ids"] for i in range(len(prompts))] == ref
+    d = pair.decode.stats()
+    # every request's KV (the MTP layer's included: its writes are counted) landed from prefill
+    assert d["kv_received"] == len(prompts) and d["fallbacks"] == 0 and d["transfer_failures"] == 0, d
+    assert d["spec_verify_ct"] > 0
+    final = pair.outputs["r0"]["final"]
+    assert final.spec_verify_ct >= 1 and final.spec_draft_token_num >= 1
+    pair.assert_idle_and_accounted()
+
+
+def _mtp_rows(sched, req, n):
+    """The MTP (draft) layer's latent rows of ``req``'s positions 0..n-1 in ``sched``'s pool."""
+    pool = sched.runner.pool
+    slots = sched.kv_manager.slots(req, 0, n)
+    return pool.latent[pool.num_layers - 1].view(pool.num_slots, -1)[slots].clone()
+
+
+def test_the_mtp_layers_prompt_kv_lands_on_decode(pairs):
+    """What decode holds in the MTP layer for the prompt (before its first step) is what prefill
+    computed there: sent, not recomputed, and not zeros."""
+    (prompt,) = _prompts([13], seed=4)
+    pair = pairs(**SPEC)
+    got: dict[str, torch.Tensor] = {}
+    prefill, decode = pair.prefill, pair.decode
+    after_prefill, activate = prefill.mode.after_prefill, decode.activate
+
+    def prefill_done(reqs, done):
+        for i in done:
+            got["prefill"] = _mtp_rows(prefill, reqs[i], len(prompt) - 1)
+        return after_prefill(reqs, done)
+
+    def landed(req):
+        got["decode"] = _mtp_rows(decode, req, len(prompt) - 1)
+        activate(req)
+
+    prefill.mode.after_prefill, decode.activate = prefill_done, landed
+    pair.submit("a", prompt, greedy(2))
+    pair.run()
+    assert got["prefill"].abs().sum() > 0
+    assert torch.equal(got["decode"], got["prefill"])
+
+
+def test_a_decode_without_speculation_is_refused_naming_the_field(pairs):
+    pair = pairs(prefill_flags=SPEC)
+    (prompt,) = _prompts([12])
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: pair.outputs["a"]["final"] is not None)
+    reason = pair.outputs["a"]["final"].finish_reason
+    assert reason["type"] == "abort" and "speculative" in reason["message"], reason
