@@ -559,7 +559,7 @@ MUTATIONS = (
         "python/pdserve/engine/model_runner.py",
         "        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
         "        fb.layer_hook = None\n        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
-        ("test/disagg/test_pd_speculative.py::test_nextn_1p1d_greedy_equals_colocated_plain_decoding",
+        ("test/disagg/test_pd_speculative.py::test_1p1d_greedy_equals_colocated_plain_decoding[NEXTN]",
          "test/disagg/test_pd_speculative.py::test_the_mtp_layers_prompt_kv_lands_on_decode")),
 )
 

@@ -5,11 +5,14 @@ same algorithm is refused naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from pd_pair import PDPair, greedy
 
 import pdserve
+from pdserve.assets import preset_dir
 
 NEW = 10
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
@@ -24,8 +27,8 @@ def _prompts(lengths, seed=0, vocab=1500):
 def pairs():
     made = []
 
-    def make(**flags) -> PDPair:
-        made.append(PDPair("tiny-deepseek", backend="memory", page_size=4, **flags))
+    def make(model="tiny-deepseek", **flags) -> PDPair:
+        made.append(PDPair(model, backend="memory", page_size=4, **flags))
         return made[-1]
 
     yield make
@@ -33,12 +36,27 @@ def pairs():
         p.close()
 
 
-def test_nextn_1p1d_greedy_equals_colocated_plain_decoding(pairs):
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory):
+    """A one-layer Llama EAGLE draft for tiny-llama (config only: seeded dummy weights)."""
+    d = tmp_path_factory.mktemp("eagle")
+    cfg = json.loads((preset_dir("tiny-llama") / "config.json").read_text())
+    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.mark.parametrize("alg", ["NEXTN", "EAGLE"])
+def test_1p1d_greedy_equals_colocated_plain_decoding(pairs, alg, eagle_dir):
+    """MLA (NEXTN on tiny-deepseek) and GQA (EAGLE on tiny-llama with a draft checkpoint)."""
+    model = "tiny-deepseek" if alg == "NEXTN" else "tiny-llama"
+    spec = SPEC if alg == "NEXTN" else {**SPEC, "speculative_algorithm": "EAGLE",
+                                        "speculative_draft_model_path": eagle_dir}
     prompts = _prompts([9, 14, 23])
-    eng = pdserve.Engine(model_path="tiny-deepseek", num_threads=1, page_size=4)
+    eng = pdserve.Engine(model_path=model, num_threads=1, page_size=4)
     ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params={
         "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})]
-    pair = pairs(**SPEC, chunked_prefill_size=8)
+    pair = pairs(model, **spec, chunked_prefill_size=8)
     for i, p in enumerate(prompts):
         pair.submit(f"r{i}", p, greedy(NEW))
     pair.run()
