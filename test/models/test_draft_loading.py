@@ -1,0 +1,60 @@
+"""Draft models from checkpoints: DeepSeek's MTP layer (``model.layers.{num_hidden_layers}.*``)
+is read only when NEXTN asks for it, its tensors land where they belong, and a checkpoint
+without one is refused naming the flag."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import pdserve
+from fixtures.tiny_models import make_tiny_hf_model
+from pdserve.config import ModelConfig, SpeculativeConfig
+from pdserve.models.base import checkpoint_tensors
+from pdserve.models.draft import DeepseekMTP, load_draft
+from pdserve.models.loader import init_dummy_weights, load_model
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A DeepSeek-V3 checkpoint plus an MTP layer in a second safetensors file."""
+    d = make_tiny_hf_model("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("dsv3"))
+    mc = ModelConfig.from_path(d)
+    target = load_model(mc)
+    mtp = DeepseekMTP(target, torch.float32)
+    init_dummy_weights(mtp, seed=5)
+    n = mc.num_layers
+    tensors = {f"model.layers.{n}.{k}": v.contiguous() for k, v in checkpoint_tensors(mtp)}
+    bare = make_tiny_hf_model("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("bare"))
+    save_file(tensors, str(Path(d) / "mtp.safetensors"))
+    return d, bare, tensors, n
+
+
+def test_mtp_layer_loads_from_the_checkpoint_and_only_when_asked(ckpt):
+    d, _, tensors, n = ckpt
+    mc = ModelConfig.from_path(d)
+    target = load_model(mc)  # plain serving: the MTP tensors are skipped
+    assert not any(name.startswith(f"model.layers.{n}.") for name in target.state_dict())
+    draft = load_draft(mc, SpeculativeConfig("NEXTN"), target, seed=0)
+    assert torch.equal(draft.eh_proj.weight, tensors[f"model.layers.{n}.eh_proj.weight"])
+    assert torch.equal(draft.shared_head.head.weight, tensors[f"model.layers.{n}.shared_head.head.weight"])
+    assert draft.layer_id == n
+
+
+def test_nextn_from_a_checkpoint_keeps_greedy_output(ckpt):
+    d, *_ = ckpt
+    prompts = [[5, 17, 99, 3, 250, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    ref = pdserve.Engine(model_path=d).generate(input_ids=prompts, sampling_params=GREEDY)
+    out = pdserve.Engine(model_path=d, speculative_algorithm="NEXTN").generate(input_ids=prompts,
+                                                                                sampling_params=GREEDY)
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    assert out[0]["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_a_checkpoint_without_an_mtp_layer_is_refused(ckpt):
+    _, bare, _, n = ckpt
+    with pytest.raises(ValueError, match=rf"NEXTN needs the MTP layer \(model\.layers\.{n}\."):
+        pdserve.Engine(model_path=bare, speculative_algorithm="NEXTN")
