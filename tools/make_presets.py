@@ -60,7 +60,15 @@ PRESETS = {
         num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0, rope_interleave=True,
         rope_parameters=_YARN_ROPE, attention_bias=False)),
+    # EAGLE draft for tiny-llama (--speculative-algorithm EAGLE): one Llama layer, tiny-llama's
+    # hidden size and KV shape (its KV shares the target's pool); SGLang's architecture name.
+    "tiny-llama-eagle": ("LlamaForCausalLMEagle", dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, rope_parameters=_DEFAULT_ROPE,
+        attention_bias=False, mlp_bias=False)),
 }
+# Draft architectures transformers has no config class of their own for.
+CONFIG_CLASSES = {"LlamaForCausalLMEagle": "LlamaConfig"}
 
 
 def train_tokenizer(corpus: str):
@@ -100,7 +108,7 @@ def preset_config(name: str, tokenizer):
     import transformers
 
     arch, sizes = PRESETS[name]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config")))
     return config_cls(
         architectures=[arch], vocab_size=padded_vocab(tokenizer),
         max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, hidden_act="silu",

@@ -5,14 +5,11 @@ same algorithm is refused naming the field."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from pd_pair import PDPair, greedy
 
 import pdserve
-from pdserve.assets import preset_dir
 
 NEW = 10
 SPEC = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
@@ -37,13 +34,9 @@ def pairs():
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(tmp_path_factory):
-    """A one-layer Llama EAGLE draft for tiny-llama (config only: seeded dummy weights)."""
-    d = tmp_path_factory.mktemp("eagle")
-    cfg = json.loads((preset_dir("tiny-llama") / "config.json").read_text())
-    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle"])
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+def eagle_dir():
+    """tiny-llama's EAGLE draft preset (one Llama layer, config only: seeded dummy weights)."""
+    return "tiny-llama-eagle"
 
 
 @pytest.mark.parametrize("alg", ["NEXTN", "EAGLE"])

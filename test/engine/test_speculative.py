@@ -4,13 +4,10 @@ real draft models (NEXTN on tiny-deepseek, EAGLE on tiny-llama: random weights, 
 accepted) and with an oracle draft that proposes the reference continuation with deliberate
 mistakes (many drafts accepted, partial acceptance, stops inside an accepted run)."""
 
-import json
-
 import pytest
 import torch
 
 import pdserve
-from pdserve.assets import preset_dir
 from pdserve.config import ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.speculative import SpeculativeDecode, accept_greedy, accept_sampled, processed_probs
@@ -106,13 +103,9 @@ def test_eagle_needs_a_draft_and_nextn_needs_mla(eagle_dir):
 
 # ------------------------------------------------------------------ engine
 @pytest.fixture(scope="module")
-def eagle_dir(tmp_path_factory):
-    """A one-layer Llama EAGLE draft for tiny-llama (config only: seeded dummy weights)."""
-    d = tmp_path_factory.mktemp("eagle")
-    cfg = json.loads((preset_dir("tiny-llama") / "config.json").read_text())
-    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle"])
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+def eagle_dir():
+    """tiny-llama's EAGLE draft preset (one Llama layer, config only: seeded dummy weights)."""
+    return "tiny-llama-eagle"
 
 
 def _prompts(n, seed=0):

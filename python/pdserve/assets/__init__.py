@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 PRESETS_ROOT = Path(__file__).resolve().parent / "presets"
-PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek")
+# tiny-llama-eagle: an EAGLE draft for tiny-llama (--speculative-draft-model-path), not a servable target
+PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek", "tiny-llama-eagle")
 
 
 def preset_dir(name: str) -> Path:
