@@ -208,3 +208,26 @@ def test_console_table_shows_the_breakdown_only_when_present():
     assert "WARNING: KV transfer is 40% of TTFT" in table
     assert r["server_timeline"]["stages"]["transfer"]["mean_ms"] == pytest.approx(40.0)
     assert r["details"]["timelines"] == [{"queue": 0.01, "prefill": 0.05, "transfer": 0.04}]
+
+
+def test_speculative_summary_from_the_servers_figures():
+    from pdserve.bench.backends import RequestOutput
+    from pdserve.bench.metrics import speculative_summary
+
+    a = RequestOutput(success=True, output_len=9, spec_verify_ct=4, spec_draft_tokens=8, spec_accepted_tokens=4)
+    b = RequestOutput(success=True, output_len=5, spec_verify_ct=4, spec_draft_tokens=8, spec_accepted_tokens=0)
+    failed = RequestOutput(success=False, output_len=0, spec_verify_ct=1, spec_draft_tokens=2, spec_accepted_tokens=2)
+    s = speculative_summary([a, b, failed])
+    assert s == {"requests": 2, "verify_ct": 8, "accept_length": (8 + 4) / 8, "accept_rate": 4 / 16}
+    assert speculative_summary([RequestOutput(success=True, output_len=3)]) is None
+
+
+def test_native_parser_keeps_the_speculative_figures():
+    out = RequestOutput(start=0.0)
+    p = NativeParser(out)
+    p.feed({"text": "ab", "output_ids": [7, 8], "meta_info": {
+        "completion_tokens": 2, "spec_verify_ct": 1, "spec_draft_token_num": 3, "spec_accept_token_num": 0}}, 0.5)
+    p.feed({"text": "abcd", "output_ids": [7, 8, 9, 10], "meta_info": {
+        "completion_tokens": 4, "spec_verify_ct": 2, "spec_draft_token_num": 6, "spec_accept_token_num": 1}}, 0.9)
+    p.finish()
+    assert (out.spec_verify_ct, out.spec_draft_tokens, out.spec_accepted_tokens) == (2, 6, 1)

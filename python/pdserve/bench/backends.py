@@ -56,6 +56,11 @@ class RequestOutput:
     cached_tokens: int | None = None  # prompt tokens the server reused from its prefix cache, when it says
     cached_by_tier: dict[str, int] | None = None  # the same split by tier (device/host/storage), when it says
     round: int = 0  # multi-turn: the request's round (1-based)
+    # speculative decoding, when the server says (SGLang's meta_info): verify forwards, draft tokens
+    # proposed and accepted
+    spec_verify_ct: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     # raw event clock, for other ITL definitions: offsets from start of output-carrying events and their
     # token counts (None where the stream does not say)
     event_times: list[float] = field(default_factory=list)
@@ -135,6 +140,10 @@ class NativeParser(StreamParser):
             self.out.cached_by_tier = {k: v for k, v in tiers.items() if isinstance(v, int)}
         if isinstance(meta.get("timeline"), dict):
             self.out.timeline = meta["timeline"]
+        if isinstance(meta.get("spec_verify_ct"), int):
+            self.out.spec_verify_ct = meta["spec_verify_ct"]
+            self.out.spec_draft_tokens = meta.get("spec_draft_token_num")
+            self.out.spec_accepted_tokens = meta.get("spec_accept_token_num")
 
     def finish(self) -> None:
         self.out.output_len = self.tokens

@@ -99,6 +99,21 @@ def summarize(outputs: list[RequestOutput], duration: float, percentiles: tuple[
     return m
 
 
+def speculative_summary(outputs: list[RequestOutput]) -> dict | None:
+    """Speculative decoding over the successful requests that report it (None: none does):
+    ``accept_length`` = decoded tokens (output less the prefill's first) per verify forward,
+    ``accept_rate`` = accepted / proposed draft tokens."""
+    ok = [o for o in outputs if o.success and o.spec_verify_ct is not None]
+    if not ok:
+        return None
+    verifies = sum(o.spec_verify_ct or 0 for o in ok)
+    drafted = sum(o.spec_draft_tokens or 0 for o in ok)
+    decoded = sum(max(0, o.output_len - 1) for o in ok)
+    return {"requests": len(ok), "verify_ct": verifies,
+            "accept_length": decoded / verifies if verifies else 0.0,
+            "accept_rate": sum(o.spec_accepted_tokens or 0 for o in ok) / drafted if drafted else 0.0}
+
+
 # ------------------------------------------------------------ TTFT breakdown
 def timeline_summary(outputs: list[RequestOutput]) -> dict | None:
     """Per-stage mean/median/P99 (ms) of the servers' timelines, or None if no request carried one.
