@@ -7,6 +7,7 @@ the engine's decode tokens/s.
     python benchmark/gpu_bench.py serve
     python benchmark/gpu_bench.py bandwidth [--smoke]
     python benchmark/gpu_bench.py decode
+    python benchmark/gpu_bench.py speculative
 
 ``bandwidth --smoke`` runs the same code on CPU under the Triton interpreter with tiny shapes
 (what ``gpu_check.sh --dry-run`` exercises); its numbers mean nothing.
@@ -194,10 +195,38 @@ def cmd_decode(ns) -> int:
     return 0
 
 
+SPECULATIVE = {"NEXTN": ("tiny-deepseek", {}),
+               "EAGLE": ("tiny-llama", {"speculative_draft_model_path": "tiny-llama-eagle"})}
+
+
+def cmd_speculative(_ns) -> int:
+    """Speculative decoding on the GPU (eager draft and verify): greedy tokens equal plain decoding
+    on every attention backend (fp32), and the acceptance figures. Random drafts accept almost
+    nothing, so no speed-up is expected here."""
+    from pdserve import Engine
+
+    failed = 0
+    sp = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    for alg, (preset, extra) in SPECULATIVE.items():
+        for backend in ("torch_native", "triton", "flashinfer"):
+            kw = dict(device="cuda", attention_backend=backend, dtype="float32", page_size=16, max_total_tokens=4096)
+            with Engine(preset, **kw) as engine:
+                ref = [o["output_ids"] for o in engine.generate(PROMPTS, sampling_params=sp)]
+            with Engine(preset, **kw, speculative_algorithm=alg, speculative_num_steps=3, **extra) as engine:
+                outs = engine.generate(PROMPTS, sampling_params=sp)
+            same = [o["output_ids"] for o in outs] == ref
+            failed += not same
+            m = outs[0]["meta_info"]
+            print(f"speculative {alg:6s} {preset:13s} {backend:12s} greedy equal to plain: {same}  accept length "
+                  f"{m.get('spec_accept_length', 0):.2f}  accept rate {m.get('spec_accept_rate', 0):.2f}"
+                  f"{'' if same else '  FAIL'}")
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("versions", "agree", "serve"):
+    for name in ("versions", "agree", "serve", "speculative"):
         sub.add_parser(name)
     b = sub.add_parser("bandwidth")
     b.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
@@ -209,7 +238,7 @@ def main() -> int:
     d.add_argument("--batch", type=int, default=64)
     ns = p.parse_args()
     return {"versions": cmd_versions, "agree": cmd_agree, "serve": cmd_serve, "bandwidth": cmd_bandwidth,
-            "decode": cmd_decode}[ns.cmd](ns) or 0
+            "decode": cmd_decode, "speculative": cmd_speculative}[ns.cmd](ns) or 0
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ step agree 300 "$PY" benchmark/gpu_bench.py agree
 step serve 300 "$PY" benchmark/gpu_bench.py serve
 step bandwidth 120 "$PY" benchmark/gpu_bench.py bandwidth --batch 64 --context 4096
 step decode 300 "$PY" benchmark/gpu_bench.py decode --batch 64
+step speculative 300 "$PY" benchmark/gpu_bench.py speculative
 
 if (( ${#FAILED[@]} )); then
     echo "FAILED: ${FAILED[*]}"

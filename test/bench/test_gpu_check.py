@@ -34,7 +34,7 @@ def test_dry_run_lists_every_step_and_runs_the_cpu_parts():
     proc = subprocess.run(["bash", str(ROOT / "benchmark" / "gpu_check.sh"), "--dry-run"], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for step in ("gpu-tests", "agree", "serve", "bandwidth", "decode"):
+    for step in ("gpu-tests", "agree", "serve", "bandwidth", "decode", "speculative"):
         assert f"=== {step}:" in proc.stdout
     assert "torch " in proc.stdout and "triton " in proc.stdout  # versions ran
     assert "bandwidth MLA decode (triton)" in proc.stdout and "bandwidth GQA decode (triton)" in proc.stdout
