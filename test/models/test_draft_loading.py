@@ -58,3 +58,17 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(ckpt):
     _, bare, _, n = ckpt
     with pytest.raises(ValueError, match=rf"NEXTN needs the MTP layer \(model\.layers\.{n}\."):
         pdserve.Engine(model_path=bare, speculative_algorithm="NEXTN")
+
+
+def test_an_mtp_checkpoint_without_embeddings_shares_the_targets(ckpt, tmp_path):
+    d, _, tensors, n = ckpt
+    save_file({k: v for k, v in tensors.items() if not k.endswith("embed_tokens.weight")},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((Path(d) / "config.json").read_text())
+    mc = ModelConfig.from_path(d)
+    target = load_model(mc)
+    draft = load_draft(mc, SpeculativeConfig("NEXTN", draft_model_path=str(tmp_path)), target, seed=0)
+    assert draft.embed_tokens is target.model.embed_tokens
+    assert torch.equal(draft.eh_proj.weight, tensors[f"model.layers.{n}.eh_proj.weight"])
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        load_draft(mc, SpeculativeConfig("NEXTN", draft_model_path=str(tmp_path / "nowhere")), target, seed=0)

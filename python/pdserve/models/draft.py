@@ -145,9 +145,11 @@ def _share(draft: nn.Module, attr_path: str, module: nn.Module) -> None:
 def _load(draft: DraftModel, tensors: dict[str, torch.Tensor], shared: dict[str, nn.Module]) -> None:
     """Checkpoint tensors (draft-relative names) into ``draft``; modules of ``shared`` whose
     weight the checkpoint lacks become the target's."""
+    tensors = dict(tensors)
     for path, module in shared.items():
         if f"{path}.weight" not in tensors:
             _share(draft, path, module)
+            tensors[f"{path}.weight"] = module.weight  # already in place: loads onto itself
     load_into(draft, tensors.items())
     draft.process_weights_after_loading()
 
@@ -165,6 +167,17 @@ def _checkpoint(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
     from pdserve.models.loader import iter_safetensors
 
     return {name[len(prefix):]: t for name, t in iter_safetensors(path) if name.startswith(prefix)}
+
+
+def _draft_dir(source: str, spec: SpeculativeConfig):
+    """The directory of ``source`` (a checkpoint directory or preset); errors name the draft flag
+    when it came from --speculative-draft-model-path."""
+    try:
+        return resolve_model_path(source)[0]
+    except ValueError as e:
+        if spec.draft_model_path is None:
+            raise
+        raise ValueError(f"speculative_draft_model_path: {e}") from None
 
 
 def draft_hf_config(path: str):
@@ -198,7 +211,7 @@ def load_draft(model_config: ModelConfig, spec: SpeculativeConfig, target: Causa
             else:
                 source = spec.draft_model_path or model_config.path
                 prefix = f"model.layers.{c.num_hidden_layers}."
-                tensors = _checkpoint(str(resolve_model_path(source)[0]), prefix)
+                tensors = _checkpoint(str(_draft_dir(source, spec)), prefix)
                 if not tensors:
                     raise ValueError(f"speculative_algorithm: NEXTN needs the MTP layer ({prefix}*) in {source} "
                                      f"(num_nextn_predict_layers >= 1)")
