@@ -155,9 +155,11 @@ def _pd_run(flags: dict, prompts: list[list[int]], new: int) -> dict:
         pair.close()
 
 
-def measure(draft: Path, steps: int, batch: int, new: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed + 100)
-    prompts = [torch.randint(5, 1900, (16,), generator=g).tolist() for _ in range(batch)]
+def measure(draft: Path, steps: int, batch: int, new: int, seed: int, training_prompts: int = 0) -> None:
+    """``training_prompts``: the prompt length of the training run when measuring on its first
+    prompts (a check that the trained layer is the one served; 0: new prompts)."""
+    g = torch.Generator().manual_seed(seed if training_prompts else seed + 100)
+    prompts = [torch.randint(5, 1900, (training_prompts or 16,), generator=g).tolist() for _ in range(batch)]
     spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": steps,
             "speculative_draft_model_path": str(draft)}
     rows = {"colocated": _decode_run({}, prompts, new), "colocated + NEXTN": _decode_run(spec, prompts, new),
@@ -186,11 +188,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--measure-tokens", type=int, default=64)
     p.add_argument("--skip-train", action="store_true", help="measure with the layer already in --out")
+    p.add_argument("--on-training-prompts", action="store_true",
+                   help="measure on the training run's first prompts (checks the served layer is the trained one)")
     ns = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not ns.skip_train:
         train(ns.train_seconds, ns.seed, ns.out, ns.num_seqs, ns.prompt_len, ns.new_tokens)
-    measure(ns.out, ns.steps, ns.batch, ns.measure_tokens, ns.seed)
+    measure(ns.out, ns.steps, ns.batch, ns.measure_tokens, ns.seed, ns.prompt_len if ns.on_training_prompts else 0)
     return 0
 
 
