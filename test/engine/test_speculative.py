@@ -277,3 +277,12 @@ def test_retraction_under_a_tiny_page_budget_keeps_output_and_pages(eagle_dir):
     assert tight.scheduler.num_retractions > 0
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
     _no_leak(tight)
+
+
+def test_oracle_greedy_with_penalties_matches_plain_decoding(oracle):
+    """Penalties see the tokens before each verify row: drafts accepted in one step count."""
+    plain, spec, prompts, _ = oracle
+    sp = GREEDY | {"max_new_tokens": 16, "frequency_penalty": 0.7, "presence_penalty": 0.3}
+    want = plain.generate(input_ids=prompts, sampling_params=sp)
+    got = spec.generate(input_ids=prompts, sampling_params=sp)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]

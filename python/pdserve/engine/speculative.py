@@ -90,6 +90,15 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams], outputs:
     return probs
 
 
+def chained_argmax(logits: torch.Tensor, sp: SamplingParams, output: list[int], drafts: list[int]) -> list[int]:
+    """[R] one request's greedy choice for rows that follow ``output`` + the first r drafts
+    (penalties see the tokens before each row); no softmax: the greedy path's per-step cost."""
+    if not (sp.frequency_penalty or sp.presence_penalty):
+        return logits.argmax(-1).tolist()
+    rows = list(range(logits.shape[0]))
+    return apply_penalties(logits.float(), [sp] * len(rows), [output + drafts[:r] for r in rows]).argmax(-1).tolist()
+
+
 def chained_probs(logits: torch.Tensor, sp: SamplingParams, output: list[int], drafts: list[int]) -> torch.Tensor:
     """[R, V] one request's processed distributions for rows that follow ``output`` + the first
     r drafts (row r): penalties see the tokens before each row."""
@@ -166,10 +175,11 @@ class SpeculativeDecode(DecodeStep):
         for i, req in enumerate(reqs):
             st = None if first else req.draft
             drafts = st.tokens if st is not None else []
-            q = chained_probs(logits[i:i + 1], req.sampling, req.output_ids + drafts, [])  # [1, V]
-            if req.sampling.is_greedy:
-                tok = int(q[0].argmax())
+            if req.sampling.is_greedy:  # the accept rule needs no draft distribution
+                tok = chained_argmax(logits[i:i + 1], req.sampling, req.output_ids + drafts, [])[0]
+                q = logits[i:i + 1, :0]
             else:
+                q = chained_probs(logits[i:i + 1], req.sampling, req.output_ids + drafts, [])  # [1, V]
                 tok = _draw(q[0], req.generator or getattr(self.s.sampler, "generator", None))
             if st is None:
                 req.draft = DraftState([tok], q, hidden[i])
@@ -302,10 +312,10 @@ class SpeculativeDecode(DecodeStep):
         """Verify ``req``'s drafts against its target rows ``logits`` [k + 1, V], append what
         is emitted (token by token, up to a stop) and return how many tokens were appended."""
         s = self.s
-        p = chained_probs(logits, req.sampling, req.output_ids, drafts)  # [k + 1, V]
         if req.sampling.is_greedy:
-            tokens = accept_greedy(drafts, p.argmax(-1).tolist())
+            tokens = accept_greedy(drafts, chained_argmax(logits, req.sampling, req.output_ids, drafts))
         else:
+            p = chained_probs(logits, req.sampling, req.output_ids, drafts)  # [k + 1, V]
             q = req.draft.probs[:len(drafts)] if req.draft is not None else p[:0]
             tokens = accept_sampled(drafts, p, q, req.generator or getattr(s.sampler, "generator", None))
         accepted = len(tokens) - 1
