@@ -42,6 +42,9 @@ _YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
               "original_max_position_embeddings": MAX_POSITIONS // 4,
               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
+# DeepSeek-V3's quantization_config: FP8 weights with one scale per [128, 128] block.
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
 # preset name -> (architecture, size fields); shared fields are added in preset_config().
 PRESETS = {
     "tiny-llama": ("LlamaForCausalLM", dict(
@@ -60,6 +63,16 @@ PRESETS = {
         num_experts_per_tok=4, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0, rope_interleave=True,
         rope_parameters=_YARN_ROPE, attention_bias=False)),
+}
+# FP8 twins: the shapes above (dense Qwen3 here, so q/k/v start on 128-row blocks), quantized
+# like the checkpoints they stand for; tiny-deepseek-fp8 also declares DeepSeek-V3's MTP layer.
+PRESETS |= {
+    "tiny-deepseek-fp8": (PRESETS["tiny-deepseek"][0], dict(
+        PRESETS["tiny-deepseek"][1], num_mtp_layers=1, quantization_config=_FP8)),
+    "tiny-qwen3-fp8": ("Qwen3ForCausalLM", dict(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, use_sliding_window=False, rope_parameters=_DEFAULT_ROPE,
+        attention_bias=False, quantization_config=_FP8)),
 }
 
 

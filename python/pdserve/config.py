@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pdserve.assets import PRESET_NAMES, preset_dir
 
@@ -113,6 +113,50 @@ def _read_eos_ids(directory: Path, hf_config) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class Fp8BlockConfig:
+    """A block-quantized FP8 checkpoint (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8): every quantized
+    linear ``X.weight`` is float8_e4m3fn beside a float32 ``X.weight_scale_inv`` holding one
+    scale per ``weight_block_size`` block, weight = fp8 * scale (HF ``quantization_config``).
+    Activations are quantized per token group at run time (``activation_scheme: dynamic``)."""
+
+    block_out: int = 128  # rows of W [Out, In] per scale
+    block_in: int = 128  # columns of W per scale
+
+    SUPPORTED: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                 "weight_block_size": [128, 128]}
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.block_out, self.block_in
+
+    @property
+    def name(self) -> str:
+        """How records and messages name it, e.g. ``fp8-block128x128``."""
+        return f"fp8-block{self.block_out}x{self.block_in}"
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``quantization_config`` a checkpoint of this format carries."""
+        return {**self.SUPPORTED, "weight_block_size": [self.block_out, self.block_in]}
+
+    @classmethod
+    def from_hf(cls, raw: Any) -> Fp8BlockConfig | None:
+        """Parse HF ``quantization_config`` (None: a full-precision checkpoint); ValueError naming
+        the first field this engine cannot serve."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
+        for key, want in cls.SUPPORTED.items():
+            got = raw.get(key, "e4m3" if key == "fmt" else None)  # Qwen3's FP8 configs omit fmt
+            if key == "weight_block_size":
+                got = list(got) if got is not None else None
+            if got != want:
+                raise ValueError(f"quantization_config.{key}: {got!r} is not supported "
+                                 f"(pdserve loads {key}={want!r} checkpoints)")
+        return cls(*raw["weight_block_size"])
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about a model; ``hf_config`` is the transformers config."""
 
@@ -131,6 +175,12 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         supported_architecture(self.architecture)
+        self.quantization  # noqa: B018  (refuses an unsupported quantization_config here, naming its field)
+
+    @property
+    def quantization(self) -> Fp8BlockConfig | None:
+        """The checkpoint's weight quantization (``quantization_config``), None when full precision."""
+        return Fp8BlockConfig.from_hf(getattr(self.hf_config, "quantization_config", None))
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", load_format: str = "auto",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 PRESETS_ROOT = Path(__file__).resolve().parent / "presets"
-PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek")
+PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek", "tiny-deepseek-fp8", "tiny-qwen3-fp8")
 
 
 def preset_dir(name: str) -> Path:

@@ -65,7 +65,8 @@ class ModelRunner:
         self.model_config = model_config
         self.parallel = parallel
         self.device = torch.device(device)
-        self.model = load_model(model_config, parallel, seed=seed)
+        # On CUDA an FP8 checkpoint stays FP8 (block-scaled GEMMs); on CPU it is dequantized on load.
+        self.model = load_model(model_config, parallel, seed=seed, keep_fp8=self.device.type == "cuda")
         if self.device.type != "cpu":
             self.model.to(self.device)
         self.pool = create_kv_pool(model_config, cache_config, parallel, device)
