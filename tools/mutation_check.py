@@ -547,6 +547,21 @@ MUTATIONS = (
         "python/pdserve/disagg/bootstrap.py", '    transfer_backend: str = "mooncake"\n',
         '    transfer_backend: str = field(default="mooncake", compare=False)\n',
         (f"{T_PD}::test_a_prefill_and_a_decode_on_different_backends_are_refused_naming_both[nixl]",)),
+    Mutation(
+        "fp8_scale_transposed", "an FP8 checkpoint's [So, Si] block scales are read in column-major order",
+        "python/pdserve/layers/quant/fp8.py",
+        "    return (w_fp8.float() * _expand(scale_inv.float(), block, tuple(w_fp8.shape))).to(dtype)",
+        "    return (w_fp8.float() * _expand(scale_inv.float().T.reshape(scale_inv.shape), block,\n"
+        "                                    tuple(w_fp8.shape))).to(dtype)",
+        ("test/layers/quant/test_fp8.py::test_scale_is_applied_per_block_row_and_column_not_transposed",
+         "test/models/test_fp8_checkpoints.py::test_loaded_weights_equal_the_dequantized_checkpoint",
+         "test/models/test_fp8_checkpoints.py::test_greedy_output_matches_transformers_on_the_dequantized_copy")),
+    Mutation(
+        "fp8_pd_pairs_with_full_precision", "the weight quantization is left out of the P/D compatibility check",
+        "python/pdserve/disagg/bootstrap.py", '    quantization: str = "none"\n',
+        '    quantization: str = field(default="none", compare=False)\n',
+        ("test/disagg/test_bootstrap.py::test_fp8_weights_never_pair_with_full_precision_naming_the_quantization",
+         "test/disagg/test_pd_fp8.py::test_fp8_prefill_and_full_precision_decode_are_refused_naming_the_quantization")),
 )
 
 

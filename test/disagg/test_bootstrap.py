@@ -73,6 +73,16 @@ def test_compat_from_model_config():
         llama.check(ds)
 
 
+def test_fp8_weights_never_pair_with_full_precision_naming_the_quantization():
+    fp8 = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek-fp8"), page_size=1)
+    full = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek"), page_size=1)
+    assert (fp8.quantization, full.quantization) == ("fp8-block128x128", "none")
+    assert fp8.weights != full.weights  # the weights differ too, but the record names the field that says why
+    with pytest.raises(IncompatiblePeer, match="^quantization: prefill has fp8-block128x128, decode has none$"):
+        fp8.check(full)
+    fp8.check(CompatRecord(**vars(fp8)))
+
+
 def test_register_then_fetch(server):
     CLIENT.register_compat("127.0.0.1", server.port, COMPAT)
     for r in (1, 0):

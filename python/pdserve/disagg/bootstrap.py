@@ -152,6 +152,9 @@ class CompatRecord:
     weights: str  # sha256 hex of the weights (models/fingerprint.py): same on every path, split and rank
     # --disaggregation-transfer-backend: a Mooncake side and a NIXL side cannot reach each other
     transfer_backend: str = "mooncake"
+    # weight quantization (config.Fp8BlockConfig.name, "none"): FP8 weights compute other
+    # activations, so their KV means something else to a full-precision side
+    quantization: str = "none"
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -166,12 +169,15 @@ class CompatRecord:
         from pdserve.models.fingerprint import weights_fingerprint
 
         mc = model_config
+        quant = mc.quantization
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
-                   mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend)
+                   mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend,
+                   quant.name if quant is not None else "none")
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
-        """Raise IncompatiblePeer naming the first compared field that differs."""
-        for f in dataclasses.fields(self):
+        """Raise IncompatiblePeer naming the first compared field that differs. The weights
+        digest comes last: it differs whenever the config does, and says less than the field."""
+        for f in sorted(dataclasses.fields(self), key=lambda f: f.name == "weights"):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.compare and a != b:
                 if f.name == "weights":  # short digests, and the names an operator recognises

@@ -53,6 +53,8 @@ class Experts(nn.Module):
         # keep_fp8: w13/w2 float8_e4m3fn with w13_scale_inv [El, 2I/bo, ceil(H/bi)], w2_scale_inv
         # [El, ceil(H/bo), I/bi]; forward then runs the fused FP8 MoE kernel.
         self.fp8_block: tuple[int, int] | None = None
+        self.w13_scale_inv: nn.Parameter | None = None  # parameters once hold_fp8 made them
+        self.w2_scale_inv: nn.Parameter | None = None
 
     # ------------------------------------------------------------------ compute
 
@@ -197,7 +199,7 @@ class Experts(nn.Module):
 
     def _load_scale(self, key: str, expert: int, which: int, src: torch.Tensor) -> None:
         """An FP8 expert's block scales: this rank's blocks of I (gate/up rows, down columns)."""
-        assert self.fp8_block is not None
+        assert self.fp8_block is not None and self.w13_scale_inv is not None and self.w2_scale_inv is not None
         (bo, bi), e = self.fp8_block, expert - self.expert_start
         if which == 2:
             check_shape(key, src, (-(-self.hidden // bo), self.intermediate_full // bi))
