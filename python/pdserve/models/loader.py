@@ -12,8 +12,13 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.quant.fp8 import (SCALE_SUFFIX, dequantized_checkpoint, is_quantized_linear, keep_fp8_layers,
-                                      quantized_checkpoint)
+from pdserve.layers.quant.fp8 import (
+    SCALE_SUFFIX,
+    dequantized_checkpoint,
+    is_quantized_linear,
+    keep_fp8_layers,
+    quantized_checkpoint,
+)
 from pdserve.models.base import CausalLM, checkpoint_tensors
 from pdserve.models.registry import get_model_class
 
