@@ -19,7 +19,7 @@ from pdserve.layers.quant.fp8 import (
     keep_fp8_layers,
     quantized_checkpoint,
 )
-from pdserve.models.base import CausalLM, checkpoint_tensors
+from pdserve.models.base import CausalLM, checkpoint_tensors, weight_spec
 from pdserve.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -102,7 +102,10 @@ def checkpoint_weights(model_config: ModelConfig, seed: int, model: nn.Module, k
         names = set(tensor_names(model_config.path))
         quantized = lambda key: key + SCALE_SUFFIX in names  # noqa: E731  (the checkpoint says which)
     kept = keep_fp8_layers(model, quant, quantized) if keep_fp8 else set()
-    return dequantized_checkpoint(weights, quant, model_config.torch_dtype, keep=kept.__contains__)
+    spec = weight_spec(model)  # after keep_fp8_layers: FP8 layers also take the scales
+    # Entries with no units are accepted but not this rank's (another EP rank's experts).
+    unused = lambda key: key not in spec or not spec[key].units  # noqa: E731
+    return dequantized_checkpoint(weights, quant, model_config.torch_dtype, keep=kept.__contains__, unused=unused)
 
 
 def tensor_names(path: str | Path) -> Iterator[str]:

@@ -90,6 +90,9 @@ def test_stream_pairs_in_either_order_and_yields_dequantized_weights(order):
     kept = dict(dequantized_checkpoint(stream, FP8, torch.float32, keep={"a.o_proj.weight"}.__contains__))
     assert kept["a.o_proj.weight"].dtype == FP8_DTYPE and "a.o_proj.weight_scale_inv" in kept
     assert kept["a.q_proj.weight"].dtype == torch.float32
+    # A pair the model does not load (the MTP layer, another EP rank's expert) is dropped whole.
+    used = dict(dequantized_checkpoint(stream, FP8, torch.float32, unused={"a.q_proj.weight"}.__contains__))
+    assert sorted(used) == ["a.norm.weight", "a.o_proj.weight"]
 
 
 def test_fp8_weight_without_scale_and_scale_without_weight_are_named():

@@ -90,10 +90,13 @@ def quantized_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8Bl
 
 
 def dequantized_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8BlockConfig, dtype: torch.dtype,
-                           keep: Callable[[str], bool] = lambda key: False) -> Iterator[tuple[str, torch.Tensor]]:
+                           keep: Callable[[str], bool] = lambda key: False,
+                           unused: Callable[[str], bool] = lambda key: False) -> Iterator[tuple[str, torch.Tensor]]:
     """Pair every FP8 ``X.weight`` with its ``X.weight_scale_inv`` and yield ``X.weight``
     dequantized to ``dtype``, or, where ``keep(X.weight)`` (a layer that holds FP8 itself), the
-    pair as it is. Other tensors pass through in stream order.
+    pair as it is. Other tensors pass through in stream order. A pair the model will not load
+    (``unused``: the MTP layer when not drafting, other EP ranks' experts) is checked and dropped
+    undequantized.
 
     The two halves of a pair may come in either order and from different files: the first one
     waits in a buffer until its partner arrives (memory: the unpaired tensors only). An FP8
@@ -106,12 +109,12 @@ def dequantized_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8
         if name.endswith(".weight" + SCALE_SUFFIX):
             key = name[: -len(SCALE_SUFFIX)]
             if key in waiting_weights:
-                yield from _paired(key, waiting_weights.pop(key), tensor, cfg, dtype, keep)
+                yield from _paired(key, waiting_weights.pop(key), tensor, cfg, dtype, keep, unused)
             else:
                 waiting_scales[key] = tensor
         elif tensor.dtype.is_floating_point and tensor.element_size() == 1:  # any FP8 kind
             if name in waiting_scales:
-                yield from _paired(name, tensor, waiting_scales.pop(name), cfg, dtype, keep)
+                yield from _paired(name, tensor, waiting_scales.pop(name), cfg, dtype, keep, unused)
             else:
                 waiting_weights[name] = tensor
         elif name in waiting_scales:
@@ -128,10 +131,12 @@ def dequantized_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8
 
 
 def _paired(key: str, w_fp8: torch.Tensor, scale_inv: torch.Tensor, cfg: Fp8BlockConfig, dtype: torch.dtype,
-            keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+            keep: Callable[[str], bool], unused: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     if w_fp8.dtype != FP8_DTYPE:
         raise ValueError(f"{key}: checkpoint tensor is {w_fp8.dtype}; quantization_config.fmt e4m3 wants "
                          f"{FP8_DTYPE}")
+    if unused(key):
+        return
     if keep(key):
         scale_grid(tuple(w_fp8.shape), cfg.block)  # 2-D, or the unpack raises
         yield key, w_fp8
