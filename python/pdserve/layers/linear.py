@@ -12,7 +12,7 @@ sharded on its own so every rank holds its slice of every part.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -43,7 +43,7 @@ class _Fp8Capable(nn.Module):
         assert self.weight_scale_inv is not None
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
 
-    def _hold(self, block: tuple[int, int], keys: list[str], quantized) -> set[str]:
+    def _hold(self, block: tuple[int, int], keys: list[str], quantized: Callable[[str], bool]) -> set[str]:
         if not (self.allow_fp8 and keys and all(quantized(k) for k in keys)):
             return set()
         hold_fp8(self, block)
@@ -91,7 +91,7 @@ class _OutputSplitLinear(_Fp8Capable):
                 load = self._load_scale if pname.endswith(SCALE_SUFFIX) else self._load
                 yield WeightEntry(key, partial(load, key, pname, part), (f"{prefix}.{pname}#{i}",))
 
-    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized) -> set[str]:
+    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized: Callable[[str], bool]) -> set[str]:
         """Hold FP8 when every part's rows on this rank are whole blocks of its checkpoint tensor
         and start on a block of the local weight (else the loader dequantizes this layer)."""
         last = max(self.parts, key=lambda p: p.dst_start)
@@ -234,7 +234,7 @@ class RowParallelLinear(_Fp8Capable):
             skey = key + SCALE_SUFFIX
             yield WeightEntry(skey, lambda src: self._load_scale(skey, src), (skey,))
 
-    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized) -> set[str]:
+    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized: Callable[[str], bool]) -> set[str]:
         """Hold FP8 when this rank's input columns are whole blocks (or end the matrix)."""
         if not block_rows_aligned(self.in_start, self.in_features, self.in_full, block[1], last=True):
             return set()

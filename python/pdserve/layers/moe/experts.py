@@ -10,7 +10,7 @@ returns this rank's partial sum over [T, H]; the MoE block reduces it over the g
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -100,7 +100,7 @@ class Experts(nn.Module):
         return fused_moe_fp8(x, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv, weights, ids,
                              self.fp8_block)
 
-    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized) -> set[str]:
+    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized: Callable[[str], bool]) -> set[str]:
         """Hold FP8 when gate and up each fill whole row blocks of w13 (I a multiple of the block,
         so up starts on one) and the TP split of I falls on blocks; not under EP (the fused
         kernel takes every expert)."""
