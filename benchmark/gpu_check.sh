@@ -54,6 +54,7 @@ else
     step versions 60 "$PY" benchmark/gpu_bench.py versions
 fi
 step gpu-tests 300 "$PY" -m pytest -q -m gpu test/kernels test/layers test/engine
+step fp8-models 180 "$PY" -m pytest -q -m gpu test/models/test_fp8_checkpoints.py  # FP8 checkpoints kept FP8
 step agree 300 "$PY" benchmark/gpu_bench.py agree
 step serve 300 "$PY" benchmark/gpu_bench.py serve
 step bandwidth 120 "$PY" benchmark/gpu_bench.py bandwidth --batch 64 --context 4096

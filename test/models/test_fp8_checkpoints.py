@@ -219,3 +219,17 @@ def test_on_cuda_fp8_layers_run_the_block_scaled_kernels_close_to_the_dequantize
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05, name
         checked += 1
     assert checked > 8
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_serves_an_fp8_checkpoint_with_fp8_weights(fp8_pair):
+    """End to end on the GPU path: the aligned layers hold FP8 and greedy output stays the
+    dequantized model's for the first tokens (W8A8 rounding may part them later)."""
+    fp8_dir, _, expected = fp8_pair
+    engine = pdserve.Engine(model_path=fp8_dir, device="cuda", dtype="bfloat16", page_size=16)
+    model = engine.scheduler.runner.model
+    assert any(getattr(m, "fp8_block", None) for m in model.modules())
+    out = engine.generate(input_ids=list(PROMPTS), sampling_params=GREEDY)
+    assert all(len(o["output_ids"]) == STEPS for o in out)
+    assert [o["output_ids"][0] for o in out] == [e[0] for e in expected]
+    engine.shutdown()

@@ -19,10 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from pdserve.config import Fp8BlockConfig
-
-__all__ = ["FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8BlockConfig", "dequantize_block_fp8",
-           "dequantized_checkpoint", "is_quantized_linear", "quantize_block_fp8", "quantized_checkpoint"]
+from pdserve.config import Fp8BlockConfig  # the format's config lives in config.py (a floor below layers/)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
