@@ -106,8 +106,8 @@ def _w8a8_kernel(A, AS, W, WS, Out, M, N, K, sa, sas, sw, sws, so, block_n,
 
 
 def w8a8_block_matmul(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                      block_size: tuple[int, int] = (128, 128), block_m: int = 16,
-                      block_n: int = 64) -> torch.Tensor:
+                      block_size: tuple[int, int] = (128, 128), block_m: int | None = None,
+                      block_n: int | None = None) -> torch.Tensor:
     """``fp8_ref.w8a8_block_matmul_ref``'s contract: x [T, K], w [N, K] fp8,
     w_scale_inv [ceil(N/bn), ceil(K/bk)] -> [T, N] in x.dtype. bk must be a power of two."""
     bn, bk = block_size
@@ -116,11 +116,14 @@ def w8a8_block_matmul(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tenso
 
 
 def w8a8_scaled_matmul(q: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                       block_size: tuple[int, int], out_dtype: torch.dtype, block_m: int = 16,
-                       block_n: int = 64) -> torch.Tensor:
-    """The GEMM alone, on activations already quantized: q [T, K] fp8, a_scale [T, G] -> [T, N]."""
+                       block_size: tuple[int, int], out_dtype: torch.dtype, block_m: int | None = None,
+                       block_n: int | None = None) -> torch.Tensor:
+    """The GEMM alone, on activations already quantized: q [T, K] fp8, a_scale [T, G] -> [T, N].
+    Tiles default by T: decode's few rows in thin tiles (more programs over N), prefill's in wide ones."""
     bn, bk = block_size
     (T, K), N = q.shape, w.shape[0]
+    tile_m, tile_n = (16, 64) if T <= 16 else (32, 64) if T <= 64 else (64, 128)
+    block_m, block_n = block_m or tile_m, block_n or tile_n
     w_scale_inv = w_scale_inv.contiguous()  # the kernel steps along K by 1 (scales are small)
     out = torch.empty(T, N, dtype=out_dtype, device=q.device)
     if T and N:
