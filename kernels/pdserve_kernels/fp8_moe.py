@@ -77,4 +77,4 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tenso
     inter = (F.silu(g.float()) * u.float()).to(x.dtype)  # [N, I]
     q2, s2 = per_token_group_quant(inter, bk)
     y = grouped_w8a8(q2, s2, w2, w2_scale_inv, sp, 1, block_size, x.dtype)  # [N, H]
-    return (y.float().view(T, K, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+    return (y.float().view(T, K, w2.shape[1]) * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # [T, H]

@@ -87,7 +87,7 @@ def test_gemm_twin_equals_dequantized_matmul(n, k, block):
         assert (fp8_ref.w8a8_block_matmul_ref(x, w, s.T.contiguous(), block).double() - ref).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("t", [0, 1, 5, 33])
 @pytest.mark.parametrize("n,k,block", SHAPES)
 def test_gemm_matches_twin(device, dtype_tol, t, n, k, block):
     dtype, atol = dtype_tol
@@ -111,7 +111,9 @@ def _experts(E: int, H: int, I: int, block: tuple[int, int], seed: int):
 
 def _routing(T: int, K: int, E: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])  # expert E-1 gets nothing
+    ids = torch.zeros(T, K, dtype=torch.long)
+    for t in range(T):
+        ids[t] = torch.randperm(E - 1, generator=g)[:K]  # distinct experts; expert E-1 gets nothing
     return torch.rand(T, K, generator=g), ids
 
 
@@ -131,7 +133,7 @@ def test_moe_twin_equals_dequantized_experts():
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("t", [1, 6])
+@pytest.mark.parametrize("t", [0, 1, 6])
 def test_fused_moe_matches_twin(device, dtype_tol, t):
     dtype, atol = dtype_tol
     E, K, H, I, block = 4, 2, 192, 64, (128, 128)  # w2's K (I=64) and H's last block are partial
@@ -141,7 +143,7 @@ def test_fused_moe_matches_twin(device, dtype_tol, t):
     ref = fp8_ref.fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids, block)
     out = fp8_moe.fused_moe_fp8(*(a.to(device) for a in (x, w13, s13, w2, s2, weights, ids)), block)
     assert out.dtype == dtype and out.shape == (t, H)
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and t:
         # The gate/up output is rounded to bf16 before it is quantized again, so a one-ulp
         # difference of accumulation order can move a group's amax and re-round the whole group:
         # the outputs then agree to about one e4m3 step (2^-4) of their scale, not to bf16's.
