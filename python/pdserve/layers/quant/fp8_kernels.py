@@ -57,6 +57,8 @@ def w8a8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.T
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend: {backend!r}, expected one of {GEMM_BACKENDS}")
     x = x.contiguous()
+    if x.shape[0] == 0:  # an empty batch: no backend need take m = 0
+        return x.new_empty(0, N)
     if backend == "torch":
         from pdserve_kernels.fp8_ref import w8a8_block_matmul_ref
 
@@ -71,7 +73,7 @@ def w8a8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.T
         _deep_gemm_nt(q, a_scale, w_fp8, w_scale_inv, out)
     else:
         _flashinfer_nt(q, a_scale, w_fp8, w_scale_inv, out)
-    return out
+    return out.to(x.dtype)  # both write bf16; "auto" picks them for bf16 x only
 
 
 def _deep_gemm_nt(q, a_scale, w, w_scale_inv, out) -> None:
