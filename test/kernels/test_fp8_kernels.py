@@ -96,6 +96,10 @@ def test_gemm_matches_twin(device, dtype_tol, t, n, k, block):
     ref = fp8_ref.w8a8_block_matmul_ref(x, w, s, block)
     out = fp8_gemm.w8a8_block_matmul(x.to(device), w.to(device), s.to(device), block)
     assert out.dtype == dtype and out.shape == (t, n)
+    if device == "cuda" and t:
+        # fp8 tensor cores accumulate a K-block in reduced precision (~14 bits on Hopper, the
+        # DeepSeek-V3 report); the interpreter's float32 dots are exact
+        atol = max(atol, 4e-3 * ref.float().abs().max().item())
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=atol, rtol=atol)
 
 
@@ -143,9 +147,10 @@ def test_fused_moe_matches_twin(device, dtype_tol, t):
     ref = fp8_ref.fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids, block)
     out = fp8_moe.fused_moe_fp8(*(a.to(device) for a in (x, w13, s13, w2, s2, weights, ids)), block)
     assert out.dtype == dtype and out.shape == (t, H)
-    if dtype == torch.bfloat16 and t:
-        # The gate/up output is rounded to bf16 before it is quantized again, so a one-ulp
-        # difference of accumulation order can move a group's amax and re-round the whole group:
-        # the outputs then agree to about one e4m3 step (2^-4) of their scale, not to bf16's.
+    if (dtype == torch.bfloat16 or device == "cuda") and t:
+        # The gate/up output is rounded to bf16 (or, on CUDA, accumulated inexactly by the fp8
+        # tensor cores) before it is quantized again, so a one-ulp difference can move a group's
+        # amax and re-round the whole group: the outputs then agree to about one e4m3 step (2^-4)
+        # of their scale. fp32 under the interpreter stays exact up to float32 rounding.
         atol = 2 ** -4 * ref.float().abs().max().item()
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=atol, rtol=atol)
