@@ -562,6 +562,17 @@ MUTATIONS = (
         '    quantization: str = field(default="none", compare=False)\n',
         ("test/disagg/test_bootstrap.py::test_fp8_weights_never_pair_with_full_precision_naming_the_quantization",
          "test/disagg/test_pd_fp8.py::test_fp8_prefill_and_full_precision_decode_are_refused_naming_the_quantization")),
+    # issue 23, kernels/: a block scale applied transposed inside the FP8 kernels
+    Mutation(
+        "fp8_gemm_scale_transposed", "the FP8 GEMM reads weight scale [k-block, n-block] for [n-block, k-block]",
+        "kernels/pdserve_kernels/fp8_gemm.py", "w_s = tl.load(WS + w_srow * sws + g,",
+        "w_s = tl.load(WS + g * sws + w_srow,",
+        ("test/kernels/test_fp8_kernels.py::test_gemm_matches_twin[interp-fp32-N200-K256-5]",)),
+    Mutation(
+        "fp8_moe_scale_transposed", "the FP8 MoE reads expert scale [k-block, n-block] for [n-block, k-block]",
+        "kernels/pdserve_kernels/fp8_moe.py", "w_s = tl.load(WS + e * sws_e + w_srow * sws_n + g,",
+        "w_s = tl.load(WS + e * sws_e + g * sws_n + w_srow,",
+        ("test/kernels/test_fp8_kernels.py::test_fused_moe_matches_twin[interp-fp32-6]",)),
 )
 
 

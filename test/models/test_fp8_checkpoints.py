@@ -131,7 +131,7 @@ def _stand_in_kernels() -> types.ModuleType:
     def gemm(x, w, scale, block):
         return F.linear(x, dequantize_block_fp8(w, scale, block, x.dtype))
 
-    def moe(x, w13, w2, s13, s2, topk_weights, topk_ids, block):
+    def moe(x, w13, s13, w2, s2, topk_weights, topk_ids, block):
         out = torch.zeros(x.shape, dtype=torch.float32)
         for e in range(w13.shape[0]):
             tok, slot = torch.where(topk_ids == e)
@@ -194,28 +194,30 @@ def test_a_tp_shard_keeps_fp8_only_where_it_falls_on_blocks_and_holds_its_own_sc
                                ref.o_proj.weight, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("preset", ["tiny-deepseek-fp8", "tiny-qwen3-fp8"])
-def test_on_cuda_fp8_layers_run_the_block_scaled_kernels_close_to_the_dequantized_layer(preset):
-    """The real kernels (W8A8: activations quantized per 128-group too), so close, not equal."""
-    config = ModelConfig.from_path(preset, dtype="bfloat16")
-    fp8, plain = load_model(config, keep_fp8=True).cuda(), load_model(config).cuda()
+def test_fp8_layers_run_the_block_scaled_kernels_close_to_the_dequantized_layer(preset, device):
+    """The real dispatch (fp8_kernels: the kernels on CUDA, their torch twin on CPU; W8A8, so
+    activations are quantized per 128-group too): close, not equal."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = ModelConfig.from_path(preset, dtype=str(dtype).removeprefix("torch."))
+    fp8, plain = load_model(config, keep_fp8=True).to(device), load_model(config).to(device)
     plain_modules = dict(plain.named_modules())
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     checked = 0
     for name, m in fp8.named_modules():
         if getattr(m, "fp8_block", None) is None:
             continue
         ref = plain_modules[name]
         if isinstance(m, Experts):
-            x = torch.randn(6, m.hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
-            ids = torch.randint(0, m.num_experts, (6, 2), generator=gen, device="cuda")
-            w = torch.rand(6, 2, generator=gen, device="cuda")
+            x = torch.randn(6, m.hidden, generator=gen, device=device).to(dtype)
+            ids = torch.randint(0, m.num_experts, (6, 2), generator=gen, device=device)
+            w = torch.rand(6, 2, generator=gen, device=device)
             got, want = m(x, w, ids), ref.forward_loop(x, w, ids)
         else:
-            x = torch.randn(5, ref.weight.shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(5, ref.weight.shape[1], generator=gen, device=device).to(dtype)
             got, want = m(x), ref(x)
-        assert got.dtype == torch.bfloat16
+        assert got.dtype == dtype
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.05, name
         checked += 1
     assert checked > 8

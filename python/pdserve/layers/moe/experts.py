@@ -92,12 +92,11 @@ class Experts(nn.Module):
         return fused_experts(x, self.w13, self.w2, weights, ids)
 
     def _fused_fp8(self, x, weights, ids) -> torch.Tensor:
-        """Block-scaled FP8 experts (pdserve_kernels' fused MoE, or its torch twin off GPU).
-        Signature chosen here: (x [T, H], w13, w2, w13_scale_inv, w2_scale_inv, topk_weights
-        [T, K] float32, topk_ids [T, K], block_size) -> [T, H] in x's dtype."""
+        """Block-scaled FP8 experts (pdserve_kernels' fused MoE, or its torch twin off GPU)."""
         from pdserve.layers.quant.fp8_kernels import fused_moe_fp8
 
-        return fused_moe_fp8(x, self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv, weights, ids,
+        assert self.fp8_block is not None and self.w13_scale_inv is not None and self.w2_scale_inv is not None
+        return fused_moe_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids,
                              self.fp8_block)
 
     def keep_fp8(self, block: tuple[int, int], prefix: str, quantized: Callable[[str], bool]) -> set[str]:
