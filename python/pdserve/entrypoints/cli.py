@@ -27,6 +27,7 @@ from pdserve.config import (
     HICACHE_PREFETCH_POLICIES,
     HICACHE_STORAGE_BACKENDS,
     HICACHE_WRITE_POLICIES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     PACK_POLICIES,
@@ -95,6 +96,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("memory and scheduling")
     _flag(g, "--page-size", "tokens per KV page", type=int)
+    _flag(g, "--kv-cache-dtype", "KV pool dtype; auto: the model's (--dtype), fp8_e4m3: float8_e4m3fn with "
+          "per-tensor scales 1.0, a quarter of fp32's bytes (docs/kv-cache.md)", choices=KV_CACHE_DTYPES)
     _flag(g, "--max-total-tokens", "KV pool size in tokens (default: derived from memory)", type=int)
     _flag(g, "--max-running-requests", "most requests in the running batch", type=int)
     _flag(g, "--chunked-prefill-size", "prefill tokens per step; <= 0 disables chunking", type=int)
