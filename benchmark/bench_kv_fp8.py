@@ -6,17 +6,23 @@ agreement against the full-precision KV cache (``auto``: float32 on CPU), and KV
 
 Per preset, one Engine per KV dtype (same random weights: same seed), radix cache off:
 
-* greedy agreement: each prompt decoded greedily under both; the share of output positions
-  where fp8 picks the same token, and the share of prompts whose whole output is identical;
+* greedy agreement: each prompt decoded greedily under both; the share of prompts whose first
+  output token (read from prefill's KV only) is the same, the mean number of leading output
+  tokens that agree before the first difference, and the share of whole outputs identical;
 * logprob drift, teacher-forced: the full-precision run's prompt + output is scored by both
   (input logprobs from position 1), so both see the same tokens however their greedy outputs
   diverged; max and mean |logprob fp8 - logprob auto| over those tokens;
 * KV bytes per token (``ModelConfig.kv_bytes_per_token``), tokens per GiB and the fp8 / auto ratio.
+
+``--calibrate bfloat16 float16`` adds rows where the fp8 run's pool stores that dtype instead
+(not a server flag: the storage dtype is swapped in this process), to show how much any KV
+rounding moves these random-weight presets.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 
@@ -48,12 +54,21 @@ def engine_kv_bytes(engine, kv_dtype: str) -> int:
     return engine.scheduler.model_config.kv_bytes_per_token(kv_dtype)
 
 
+def _agreeing_prefix(x: list[int], y: list[int]) -> int:
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
 def compare(full: dict, fp8: dict) -> dict:
-    pos = [a == b for x, y in zip(full["outputs"], fp8["outputs"]) for a, b in zip(x, y)]
+    pairs = list(zip(full["outputs"], fp8["outputs"]))
     diffs = [abs(a - b) for x, y in zip(full["logprobs"], fp8["logprobs"]) for a, b in zip(x, y)]
     gib = 1 << 30
-    return {"greedy_token_agreement": sum(pos) / len(pos),
-            "identical_outputs": sum(x == y for x, y in zip(full["outputs"], fp8["outputs"])) / len(full["outputs"]),
+    return {"first_token_agreement": sum(x[0] == y[0] for x, y in pairs) / len(pairs),
+            "agreeing_prefix_tokens": sum(_agreeing_prefix(x, y) for x, y in pairs) / len(pairs),
+            "output_len": len(pairs[0][0]),
+            "identical_outputs": sum(x == y for x, y in pairs) / len(pairs),
             "max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
             "scored_tokens": len(diffs),
             "kv_bytes_per_token": {"auto": full["kv_bytes_per_token"], "fp8_e4m3": fp8["kv_bytes_per_token"]},
@@ -62,15 +77,32 @@ def compare(full: dict, fp8: dict) -> dict:
 
 
 def table(results: dict[str, dict]) -> str:
-    rows = ["| preset | greedy token agreement | identical outputs | max / mean abs logprob drift | "
-            "KV bytes/token auto → fp8 | KV tokens per GiB auto → fp8 | bytes ratio |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| preset | first token agrees | agreeing leading tokens | identical outputs | "
+            "max / mean abs logprob drift (nats) | KV bytes/token auto → fp8 | KV tokens per GiB auto → fp8 | "
+            "bytes ratio |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         b, t = r["kv_bytes_per_token"], r["kv_tokens_per_gib"]
-        rows.append(f"| {name} | {r['greedy_token_agreement']:.3f} | {r['identical_outputs']:.2f} | "
+        rows.append(f"| {name} | {r['first_token_agreement']:.2f} | {r['agreeing_prefix_tokens']:.1f} of "
+                    f"{r['output_len']} | {r['identical_outputs']:.2f} | "
                     f"{r['max_abs_logprob_diff']:.4f} / {r['mean_abs_logprob_diff']:.4f} | "
                     f"{b['auto']} → {b['fp8_e4m3']} | {t['auto']:,} → {t['fp8_e4m3']:,} | {r['kv_bytes_ratio']:.2f} |")
     return "\n".join(rows)
+
+
+@contextlib.contextmanager
+def storage_swapped(dtype_name: str):
+    """The engine's "fp8_e4m3" pool stores ``dtype_name`` instead, for a calibration row."""
+    import torch
+
+    import pdserve.engine.model_runner as runner
+
+    real = runner.kv_storage_dtype
+    runner.kv_storage_dtype = lambda kv, model_dtype: getattr(torch, dtype_name) if kv == "fp8_e4m3" else model_dtype
+    try:
+        yield
+    finally:
+        runner.kv_storage_dtype = real
 
 
 def main() -> int:
@@ -80,6 +112,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--output-file", default=None, help="JSON with every preset's figures")
+    ap.add_argument("--calibrate", nargs="*", default=[], choices=["bfloat16", "float16"],
+                    help="also rows with the 'fp8' pool storing this dtype (not a server option)")
     args = ap.parse_args()
     from pdserve.config import ModelConfig
 
@@ -90,6 +124,14 @@ def main() -> int:
         full = run_dtype(preset, "auto", ids, args.output_len)
         fp8 = run_dtype(preset, "fp8_e4m3", ids, args.output_len, reference=full["seqs"])
         results[preset] = compare(full, fp8)
+        for store in args.calibrate:
+            with storage_swapped(store):
+                other = run_dtype(preset, "fp8_e4m3", ids, args.output_len, reference=full["seqs"])
+            row = compare(full, other)
+            row["kv_bytes_ratio"] = 0.5  # the byte figures of a 2-byte pool, not of fp8
+            row["kv_bytes_per_token"]["fp8_e4m3"] = full["kv_bytes_per_token"] // 2
+            row["kv_tokens_per_gib"]["fp8_e4m3"] = (1 << 30) // row["kv_bytes_per_token"]["fp8_e4m3"]
+            results[f"{preset} ({store} KV, calibration)"] = row
     print(table(results))
     if args.output_file:
         with open(args.output_file, "w") as f:
