@@ -72,7 +72,7 @@ def compare(full: dict, fp8: dict) -> dict:
             "max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
             "scored_tokens": len(diffs),
             "kv_bytes_per_token": {"auto": full["kv_bytes_per_token"], "fp8_e4m3": fp8["kv_bytes_per_token"]},
-            "kv_tokens_per_gib": {"auto": gib // full["kv_bytes_per_token"], "fp8_e4m3": gib // fp8["kv_bytes_per_token"]},
+            "kv_tokens_per_gib": {k: gib // r["kv_bytes_per_token"] for k, r in (("auto", full), ("fp8_e4m3", fp8))},
             "kv_bytes_ratio": fp8["kv_bytes_per_token"] / full["kv_bytes_per_token"]}
 
 

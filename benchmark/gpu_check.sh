@@ -58,6 +58,8 @@ step agree 300 "$PY" benchmark/gpu_bench.py agree
 step serve 300 "$PY" benchmark/gpu_bench.py serve
 step bandwidth 120 "$PY" benchmark/gpu_bench.py bandwidth --batch 64 --context 4096
 step decode 300 "$PY" benchmark/gpu_bench.py decode --batch 64
+# FP8 KV cache (docs/kv-cache.md): drift, agreement and tokens per GiB against bf16 KV, flashinfer reading e4m3 pages
+step kv-fp8 240 "$PY" benchmark/bench_kv_fp8.py --presets tiny-llama tiny-deepseek --prompts 4 --output-len 16
 
 if (( ${#FAILED[@]} )); then
     echo "FAILED: ${FAILED[*]}"

@@ -394,7 +394,8 @@ def test_host_pool_holds_fp8_pages_as_their_bytes(kind, layout):
         buf.copy_(torch.randn(buf.shape, generator=g) * 100)
     raw = [buf.view(torch.uint8).clone() for _, buf in dev.page_buffers()]
     host = HostKVPool(dev, 4, layout)
-    full = HostKVPool(GQAKVPool(6, 4, 3, 2, 8, torch.float32) if kind == "gqa" else MLAKVPool(6, 4, 3, 16, 8, torch.float32), 4)
+    full = HostKVPool(GQAKVPool(6, 4, 3, 2, 8, torch.float32) if kind == "gqa"
+                      else MLAKVPool(6, 4, 3, 16, 8, torch.float32), 4)
     assert all(b.dtype == FP8_DTYPE for b in host.buffers) and host.page_bytes * 4 == full.page_bytes
     assert host.backup([5, 1], [0, 3]).done()
     want = b"".join(r[:, p].contiguous().numpy().tobytes() for p in (5, 1) for r in raw)
@@ -402,7 +403,8 @@ def test_host_pool_holds_fp8_pages_as_their_bytes(kind, layout):
     host.set_page_payload([2, 1], want)
     assert host.load([2, 1], [0, 4]).done()
     for (_, buf), old in zip(dev.page_buffers(), raw):
-        assert torch.equal(buf.view(torch.uint8)[:, 0], old[:, 5]) and torch.equal(buf.view(torch.uint8)[:, 4], old[:, 1])
+        raw_now = buf.view(torch.uint8)
+        assert torch.equal(raw_now[:, 0], old[:, 5]) and torch.equal(raw_now[:, 4], old[:, 1])
 
 
 def test_fp8_pages_round_trip_through_host_and_file_storage_and_stay_apart_from_fp32_ones(tmp_path):
