@@ -105,7 +105,7 @@ def test_openai_routes_and_the_timeline_through_the_router(pd):
     prompt = "The quick brown fox jumps over the lazy dog"
     via = httpx.post(pd.router.url + "/v1/completions", json={"model": pd.model, "prompt": prompt,
                                                                "max_tokens": NEW, "temperature": 0}, timeout=120)
-    eng = pdserve.Engine(model_path=pd.model, page_size=pd.page_size, num_threads=1)
+    eng = pdserve.Engine(model_path=pd.model, page_size=pd.page_size, num_threads=1, kv_cache_dtype=pd.kv_cache_dtype)
     assert via.json()["choices"][0]["text"] == eng.generate(prompt=prompt, sampling_params={
         "max_new_tokens": NEW, "temperature": 0})["text"]
     body = httpx.post(pd.router.url + "/generate", json={"text": prompt, "sampling_params": _greedy()},
