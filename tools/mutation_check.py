@@ -562,7 +562,8 @@ MUTATIONS = (
         "scale * k_scale, v_scale, page_size, G, hblocks, split_len,",
         "scale, v_scale, page_size, G, hblocks, split_len,",
         ("test/layers/test_fp8_kv_attention.py::test_gqa_over_an_fp8_pool_matches_the_reference_on_the_stored_kv"
-         "[16-triton]",)),
+         "[16-triton]",
+         "test/kernels/test_attention_kernels.py::test_gqa_kernels_read_fp8_pools_with_their_scales[interp-fp32-16]")),
     Mutation(
         "fp8_kv_stage_unquantized", "the decode stage appends this step's rows unquantized, unlike the pool",
         STAGE,
