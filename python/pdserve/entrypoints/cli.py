@@ -74,7 +74,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--tokenizer-path", "tokenizer directory (default: the model's)")
     _flag(g, "--load-format", "weight format; presets default to random 'dummy' weights",
           choices=LOAD_FORMATS)
-    _flag(g, "--dtype", "weight and KV dtype; auto: bfloat16 on CUDA, float32 on CPU", choices=("auto", *DTYPES))
+    _flag(g, "--dtype", "weight dtype, and KV dtype unless --kv-cache-dtype; auto: bfloat16 on CUDA, float32 on CPU",
+          choices=("auto", *DTYPES))
     _flag(g, "--context-length", "override the model's max_position_embeddings", type=int)
     _flag(g, "--served-model-name", "model name reported by the OpenAI API (default: --model-path)")
     _flag(g, "--skip-tokenizer-init", "serve input_ids only; no tokenizer is loaded", action="store_true")
