@@ -577,7 +577,8 @@ MUTATIONS = (
         "python/pdserve/disagg/bootstrap.py",
         '    kv_cache_dtype: str = "auto"\n',
         '    kv_cache_dtype: str = field(default="auto", compare=False)\n',
-        (f"{T_PD}::test_mismatched_peer_is_refused_naming_the_field[memory-kv_cache_dtype-prefill3-decode3]",)),
+        ("test/disagg/test_bootstrap.py::test_compat_check_names_the_kv_cache_dtype_and_what_auto_stores",
+         f"{T_PD}::test_mismatched_peer_is_refused_naming_the_field[memory-kv_cache_dtype-prefill3-decode3]")),
 )
 
 
