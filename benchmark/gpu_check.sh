@@ -64,6 +64,8 @@ step decode 300 "$PY" benchmark/gpu_bench.py decode --batch 64
 step fp8-tests 300 "$PY" -m pytest -q -m gpu test/kernels/test_fp8_kernels.py test/layers/test_fp8_dispatch.py
 step fp8-models 180 "$PY" -m pytest -q -m gpu test/models/test_fp8_checkpoints.py  # FP8 checkpoints kept FP8
 step fp8-bench 300 "$PY" benchmark/gpu_bench.py fp8
+# FP8 KV cache (docs/kv-cache.md): drift, agreement and tokens per GiB against bf16 KV, flashinfer reading e4m3 pages
+step kv-fp8 240 "$PY" benchmark/bench_kv_fp8.py --presets tiny-llama tiny-deepseek --prompts 4 --output-len 16
 
 if (( ${#FAILED[@]} )); then
     echo "FAILED: ${FAILED[*]}"

@@ -573,6 +573,38 @@ MUTATIONS = (
         "kernels/pdserve_kernels/fp8_moe.py", "w_s = tl.load(WS + e * sws_e + w_srow * sws_n + g,",
         "w_s = tl.load(WS + e * sws_e + g * sws_n + w_srow,",
         ("test/kernels/test_fp8_kernels.py::test_fused_moe_matches_twin[interp-fp32-6]",)),
+    # --- FP8 KV cache (issue 23, part 2)
+    Mutation(
+        "fp8_kv_scale_ignored_on_read", "an fp8 pool's reads drop the per-tensor scale its writes divided by",
+        "python/pdserve/mem/kv_pool.py",
+        "    return (x.float() * scale).to(dtype)\n",
+        "    return x.to(dtype)\n",
+        ("test/mem/test_kv_pool.py::test_fp8_gqa_pool_round_trip_saturates_and_applies_its_scales",
+         "test/layers/test_fp8_kv_attention.py::test_gqa_over_an_fp8_pool_matches_the_reference_on_the_stored_kv"
+         "[16-torch_native]")),
+    Mutation(
+        "fp8_kv_scale_ignored_in_triton", "the Triton decode kernel reads fp8 keys without their scale",
+        "kernels/pdserve_kernels/decode_attention.py",
+        "scale * k_scale, v_scale, page_size, G, hblocks, split_len,",
+        "scale, v_scale, page_size, G, hblocks, split_len,",
+        ("test/layers/test_fp8_kv_attention.py::test_gqa_over_an_fp8_pool_matches_the_reference_on_the_stored_kv"
+         "[16-triton]",
+         "test/kernels/test_attention_kernels.py::test_gqa_kernels_read_fp8_pools_with_their_scales[interp-fp32-16]")),
+    Mutation(
+        "fp8_kv_stage_unquantized", "the decode stage appends this step's rows unquantized, unlike the pool",
+        STAGE,
+        "staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)",
+        "staged = (k, v)",
+        ("test/layers/test_fp8_kv_attention.py::test_gqa_over_an_fp8_pool_matches_the_reference_on_the_stored_kv"
+         "[1-torch_native]",)),
+    Mutation(
+        "kv_cache_dtype_not_compared", "an FP8 prefill pairs with a full-precision decode: the handshake "
+        "ignores kv_cache_dtype",
+        "python/pdserve/disagg/bootstrap.py",
+        '    kv_cache_dtype: str = "auto"\n',
+        '    kv_cache_dtype: str = field(default="auto", compare=False)\n',
+        ("test/disagg/test_bootstrap.py::test_compat_check_names_the_kv_cache_dtype_and_what_auto_stores",
+         f"{T_PD}::test_mismatched_peer_is_refused_naming_the_field[memory-kv_cache_dtype-prefill3-decode3]")),
 )
 
 

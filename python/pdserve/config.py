@@ -17,6 +17,8 @@ from typing import Any, ClassVar, TypeVar
 from pdserve.assets import PRESET_NAMES, preset_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
+# --kv-cache-dtype (SGLang's): auto stores KV in the model dtype; fp8_e4m3 in float8_e4m3fn, 1 byte an element
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
@@ -248,9 +250,10 @@ class ModelConfig:
             return self.context_length_override
         return int(self.hf_config.max_position_embeddings)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token occupies over all layers."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of KV cache one token occupies over all layers (``kv_cache_dtype``: --kv-cache-dtype)."""
+        _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+        itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         return self.num_layers * per_layer * itemsize
 
@@ -401,8 +404,11 @@ class CacheConfig:
     # (padding reads must never see NaN garbage), so this is resident memory.
     max_memory_bytes: int = 256 << 20
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
+    # --kv-cache-dtype: what the KV pool stores (mem/kv_pool.py: fp8 pages with per-tensor scales)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.page_size < 1:
             raise ValueError(f"page_size: must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -417,7 +423,7 @@ class CacheConfig:
     def num_pages(self, model: ModelConfig) -> int:
         tokens = self.max_total_tokens
         if tokens is None:
-            tokens = max(self.page_size, self.max_memory_bytes // max(1, model.kv_bytes_per_token()))
+            tokens = max(self.page_size, self.max_memory_bytes // max(1, model.kv_bytes_per_token(self.kv_cache_dtype)))
             tokens = min(tokens, 1 << 18)
         return max(1, tokens // self.page_size)
 
@@ -807,6 +813,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
     max_running_requests: int = 64
     max_total_tokens: int | None = None
     chunked_prefill_size: int = 2048
@@ -926,7 +933,7 @@ class ServerArgs:
     @_built_once
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache,
-                           hicache=self.hicache_config())
+                           hicache=self.hicache_config(), kv_cache_dtype=self.kv_cache_dtype)
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

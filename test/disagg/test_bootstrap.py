@@ -64,6 +64,16 @@ def test_compat_check_names_the_field():
         CompatRecord("m", "a", "bfloat16", 16, "nhd", 4, 8, 64, WEIGHTS)
 
 
+def test_compat_check_names_the_kv_cache_dtype_and_what_auto_stores():
+    """kv_cache_dtype is additive (a record without it, from an older peer, means "auto") and
+    compared: an fp8 prefill is refused by a full-precision decode, the message saying what "auto" is."""
+    fp8 = CompatRecord(**{**vars(COMPAT), "kv_cache_dtype": "fp8_e4m3"})
+    assert COMPAT.kv_cache_dtype == "auto"
+    with pytest.raises(IncompatiblePeer, match=r"^kv_cache_dtype: prefill has fp8_e4m3, decode has auto \(bfloat16\)$"):
+        fp8.check(COMPAT)
+    fp8.check(CompatRecord(**vars(fp8)))
+
+
 def test_compat_from_model_config():
     llama = CompatRecord.from_model(ModelConfig.from_path("tiny-llama"), page_size=16)
     ds = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek"), page_size=1, model="ds")

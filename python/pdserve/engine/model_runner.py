@@ -14,7 +14,7 @@ from pdserve.config import CacheConfig, CompileConfig, DeviceConfig, ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
-from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool
+from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +39,15 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
                    device: str | torch.device = "cpu") -> KVPool:
     num_pages = cache.num_pages(model)
     c = model.hf_config
+    store = kv_storage_dtype(cache.kv_cache_dtype, model.torch_dtype)  # fp8: scales stay 1.0 (mem/kv_pool.py)
     if model.is_mla:
         return MLAKVPool(num_pages, cache.page_size, model.num_layers, c.kv_lora_rank,
-                         c.qk_rope_head_dim, model.torch_dtype, device)
+                         c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype)
     heads = model.num_kv_heads
     # KV heads split over attention TP; replicated when there are fewer heads than ranks.
     local = max(1, heads // parallel.attention.tp_size)
     return GQAKVPool(num_pages, cache.page_size, model.num_layers, local, model.head_dim,
-                     model.torch_dtype, device)
+                     store, device, compute_dtype=model.torch_dtype)
 
 
 class ModelRunner:
