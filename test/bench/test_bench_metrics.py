@@ -15,7 +15,6 @@ from pdserve.bench.metrics import (
     max_in_flight,
     meets_slo,
     request_tpot,
-    speculative_summary,
     summarize,
     timeline_summary,
 )
@@ -161,26 +160,6 @@ def test_native_parser_counts_tokens_from_meta_info():
     assert out.text == "abcd" and out.output_ids == [7, 8, 9, 10] and out.timeline == {"prefill": 0.1}
 
 
-def test_native_parser_keeps_the_verify_count_and_the_summary_divides_tokens_by_it():
-    outs = []
-    for verify, tokens in ((2, 8), (5, 5)):
-        out = RequestOutput(start=0.0, prompt_len=5)
-        p = NativeParser(out)
-        p.feed({"text": "x", "output_ids": list(range(tokens)),
-                "meta_info": {"completion_tokens": tokens, "spec_verify_ct": verify}}, 0.5)
-        p.finish()
-        out.success = True
-        outs.append(out)
-    assert [o.spec_verify_ct for o in outs] == [2, 5]
-    spec = speculative_summary([*outs, timed(0.0, [(0.1, 3)]), failed()])  # the others report no speculation
-    assert spec == {"requests": 2, "verify_forwards": 7, "accept_length": pytest.approx(13 / 7),
-                    "mean_request_accept_length": pytest.approx((4.0 + 1.0) / 2)}
-    assert speculative_summary([timed(0.0, [(0.1, 3)])]) is None
-    bogus = RequestOutput(start=0.0)
-    NativeParser(bogus).feed({"meta_info": {"completion_tokens": 1, "spec_verify_ct": True}}, 0.1)
-    assert bogus.spec_verify_ct is None  # a bool is no count
-
-
 def test_openai_chat_parser_ignores_role_finish_and_usage_chunks():
     out = RequestOutput(start=0.0)
     p = OpenAIParser(out, chat=True)
@@ -229,16 +208,3 @@ def test_console_table_shows_the_breakdown_only_when_present():
     assert "WARNING: KV transfer is 40% of TTFT" in table
     assert r["server_timeline"]["stages"]["transfer"]["mean_ms"] == pytest.approx(40.0)
     assert r["details"]["timelines"] == [{"queue": 0.01, "prefill": 0.05, "transfer": 0.04}]
-
-
-def test_console_table_shows_speculation_only_when_reported():
-    from pdserve.bench.config import BenchConfig
-    from pdserve.bench.serving import build_result, format_table
-
-    plain = [timed(0.0, [(0.1, 1), (0.2, 3)])]
-    r = build_result(BenchConfig(), "random", "m", "t", plain, 1.0)
-    assert r["speculative"] is None and "Speculative decoding" not in format_table(r)
-    plain[0].spec_verify_ct = 2
-    r = build_result(BenchConfig(), "random", "m", "t", plain, 1.0)
-    assert r["speculative"]["accept_length"] == pytest.approx(2.0)
-    assert "Accept length (tokens / verify):" in format_table(r)

@@ -56,9 +56,6 @@ class RequestOutput:
     cached_tokens: int | None = None  # prompt tokens the server reused from its prefix cache, when it says
     cached_by_tier: dict[str, int] | None = None  # the same split by tier (device/host/storage), when it says
     round: int = 0  # multi-turn: the request's round (1-based)
-    # speculative decoding: target verify forwards this request took (SGLang's ``spec_verify_ct``), when
-    # the server says; output tokens / verify forwards is the request's mean accept length
-    spec_verify_ct: int | None = None
     # raw event clock, for other ITL definitions: offsets from start of output-carrying events and their
     # token counts (None where the stream does not say)
     event_times: list[float] = field(default_factory=list)
@@ -138,8 +135,6 @@ class NativeParser(StreamParser):
             self.out.cached_by_tier = {k: v for k, v in tiers.items() if isinstance(v, int)}
         if isinstance(meta.get("timeline"), dict):
             self.out.timeline = meta["timeline"]
-        if isinstance(meta.get("spec_verify_ct"), int) and not isinstance(meta["spec_verify_ct"], bool):
-            self.out.spec_verify_ct = meta["spec_verify_ct"]
 
     def finish(self) -> None:
         self.out.output_len = self.tokens

@@ -135,20 +135,3 @@ def _stage_names(timelines: list[dict]) -> list[str]:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def speculative_summary(outputs: list[RequestOutput]) -> dict | None:
-    """Speculative decoding as the responses report it, or None when none did.
-
-    ``accept_length``: output tokens per target verify forward over all reporting requests (1.0:
-    no draft token was ever accepted; SGLang's bench reports the same ratio), and its per-request
-    mean.
-    """
-    ok = [o for o in outputs if o.success and o.spec_verify_ct]
-    if not ok:
-        return None
-    per_req = [o.output_len / o.spec_verify_ct for o in ok if o.spec_verify_ct]
-    return {"requests": len(ok), "verify_forwards": sum(o.spec_verify_ct or 0 for o in ok),
-            "accept_length": sum(o.output_len for o in ok) / sum(o.spec_verify_ct or 0 for o in ok),
-            "mean_request_accept_length": float(np.mean(per_req))}
-

@@ -26,7 +26,7 @@ import numpy as np
 from pdserve.bench.backends import RequestOutput, new_session, send
 from pdserve.bench.config import BenchConfig, EndpointConfig
 from pdserve.bench.datasets import BenchRequest, Conversation, Workload, build_workload
-from pdserve.bench.metrics import speculative_summary, summarize, timeline_summary
+from pdserve.bench.metrics import summarize, timeline_summary
 from pdserve.bench.progress import progress_bar
 
 RESULT_SCHEMA = "pdserve.bench/v1"
@@ -161,7 +161,6 @@ def build_result(cfg: BenchConfig, dataset: str, model: str, tokenizer: str, out
               "burstiness": _num(load.burstiness), "max_concurrency": load.max_concurrency, "slo": rep.slo or None}
     result.update(summarize(outputs, duration, rep.metric_percentiles, rep.slo))
     result["server_timeline"] = timeline_summary(outputs)
-    result["speculative"] = speculative_summary(outputs)
     result["groups"] = _groups(outputs, duration, rep) if dataset in ("mixed", "multi-turn") else None
     result["rounds"] = rounds_summary(outputs) if dataset == "multi-turn" else None
     result["args"] = cfg.to_dict()
@@ -249,11 +248,6 @@ def format_table(r: dict) -> str:
                         ("tpot", "Time per Output Token (excl. 1st token)"), ("itl", "Inter-Token Latency")):
         lines += _section(r, name, title)
     lines += _timeline_lines(r.get("server_timeline"))
-    spec = r.get("speculative")
-    if spec:
-        lines += ["{s:{c}^{n}}".format(s="Speculative decoding", n=50, c="-"),
-                  *_rows([("Accept length (tokens / verify):", spec["accept_length"]),
-                          ("Verify forwards:", spec["verify_forwards"])])]
     for tag, g in (r.get("groups") or {}).items():
         lines += [f"{'[' + tag + '] ' + str(g['completed']) + ' requests':-^50}",
                   *_rows([("Mean / P99 TTFT (ms):", f"{g['mean_ttft_ms']:.2f} / {_p99(g, 'ttft'):.2f}"),
