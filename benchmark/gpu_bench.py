@@ -8,9 +8,10 @@ the engine's decode tokens/s.
     python benchmark/gpu_bench.py bandwidth [--smoke]
     python benchmark/gpu_bench.py decode
     python benchmark/gpu_bench.py speculative
+    python benchmark/gpu_bench.py fp8 [--smoke]
 
-``bandwidth --smoke`` runs the same code on CPU under the Triton interpreter with tiny shapes
-(what ``gpu_check.sh --dry-run`` exercises); its numbers mean nothing.
+``bandwidth --smoke`` and ``fp8 --smoke`` run the same code on CPU under the Triton interpreter
+with tiny shapes (what ``gpu_check.sh --dry-run`` exercises); their numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def cmd_versions(_ns) -> None:
 
     print(f"python {sys.version.split()[0]}  torch {torch.__version__}  cuda {torch.version.cuda}")
     for pkg in ("triton", "flashinfer-python", "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda",
-                "deep_ep"):
+                "deep_ep", "deep_gemm"):
         try:
             print(f"{pkg} {importlib.metadata.version(pkg)}")
         except importlib.metadata.PackageNotFoundError:
@@ -195,6 +196,62 @@ def cmd_decode(ns) -> int:
     return 0
 
 
+def _fp8_weight(n: int, k: int, dev: str, lead: tuple[int, ...] = ()):
+    """A random block-quantized weight: fp8 [*lead, n, k], scale_inv [*lead, ceil(n/128), ceil(k/128)],
+    and its bf16 dequantized copy (what a full-precision run multiplies)."""
+    import torch
+
+    w = (torch.randn(*lead, n, k, device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(*lead, -(-n // 128), -(-k // 128), device=dev) * 2**-9 + 2**-10
+    full = (w.float() * s.repeat_interleave(128, -2)[..., :n, :].repeat_interleave(128, -1)[..., :k])
+    return w, s, full.to(torch.bfloat16 if dev == "cuda" else torch.float32)
+
+
+def cmd_fp8(ns) -> int:
+    """Block-scaled FP8 GEMM (each backend the dispatch can pick) and fused MoE against bf16 on the
+    dequantized weights: time and TFLOP/s at DeepSeek-V3 shapes (TP 8 per rank)."""
+    import torch
+
+    if ns.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from pdserve.layers.quant import fp8_kernels
+    from pdserve_kernels import fp8_moe, moe
+
+    dev = "cpu" if ns.smoke else "cuda"
+    dtype = torch.float32 if ns.smoke else torch.bfloat16
+    timer = _time_cpu if ns.smoke else _time_cuda
+    reps = 1 if ns.smoke else 20
+    tokens = (3,) if ns.smoke else (1, 64, 4096)
+    # (name, N, K): q_b_proj (24576 / 8 heads' share), o_proj (7168 x 16384 / 8), a dense gate_up
+    gemms = [("tiny", 80, 192)] if ns.smoke else [("q_b_proj", 3072, 1536), ("o_proj", 7168, 2048),
+                                                   ("gate_up", 4608, 7168)]
+    for name, n, k in gemms:
+        w, s, full = _fp8_weight(n, k, dev)
+        cap = torch.cuda.get_device_capability() if dev == "cuda" else None
+        backends = sorted({"triton", fp8_kernels.select_gemm_backend(cap, dtype, n, k, (128, 128))})
+        for t in tokens:
+            x = torch.randn(t, k, device=dev, dtype=dtype)
+            flop = 2 * t * n * k
+            base = timer(lambda: x @ full.T, reps)  # noqa: B023 (timed before the loop moves on)
+            for b in backends:
+                tt = timer(lambda: fp8_kernels.w8a8_block_matmul(x, w, s, backend=b), reps)  # noqa: B023
+                print(f"fp8 gemm {name:9s} T {t:5d} N {n:5d} K {k:5d} {b:9s}: {tt * 1e6:9.1f} us "
+                      f"{flop / tt / 1e12:7.1f} TFLOP/s, x{base / tt:5.2f} vs bf16 ({base * 1e6:.1f} us)")
+    E, K, H, I = (4, 2, 192, 64) if ns.smoke else (256, 8, 7168, 256)  # V3 at TP 8: I = 2048 / 8
+    w13, s13, f13 = _fp8_weight(2 * I, H, dev, (E,))
+    w2, s2, f2 = _fp8_weight(H, I, dev, (E,))
+    for t in tokens:
+        x = torch.randn(t, H, device=dev, dtype=dtype)
+        ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(t)])
+        tw = torch.rand(t, K, device=dev)
+        flop = 2 * t * K * 3 * H * I
+        base = timer(lambda: moe.fused_experts(x, f13, f2, tw, ids), reps)  # noqa: B023
+        tt = timer(lambda: fp8_moe.fused_moe_fp8(x, w13, s13, w2, s2, tw, ids), reps)  # noqa: B023
+        print(f"fp8 moe  E {E} top{K} H {H} I {I} T {t:5d} triton: {tt * 1e6:9.1f} us "
+              f"{flop / tt / 1e12:7.1f} TFLOP/s, x{base / tt:5.2f} vs bf16 fused_experts ({base * 1e6:.1f} us)")
+    return 0
+
+
 SPECULATIVE = {"NEXTN": ("tiny-deepseek", {}),
                "EAGLE": ("tiny-llama", {"speculative_draft_model_path": "tiny-llama-eagle"})}
 
@@ -236,9 +293,11 @@ def main() -> int:
     b.add_argument("--hbm-tbps", type=float, default=None, help="peak HBM TB/s (default: from the GPU's name)")
     d = sub.add_parser("decode")
     d.add_argument("--batch", type=int, default=64)
+    f = sub.add_parser("fp8")
+    f.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ns = p.parse_args()
     return {"versions": cmd_versions, "agree": cmd_agree, "serve": cmd_serve, "bandwidth": cmd_bandwidth,
-            "decode": cmd_decode, "speculative": cmd_speculative}[ns.cmd](ns) or 0
+            "decode": cmd_decode, "fp8": cmd_fp8, "speculative": cmd_speculative}[ns.cmd](ns) or 0
 
 
 if __name__ == "__main__":

@@ -173,3 +173,22 @@ def test_the_engine_request_path_reads_no_secret_and_builds_no_config(token_file
         assert all(o["meta_info"]["completion_tokens"] == 4 for o in outs)
     assert built == [] and opens == [str(path)]
 
+
+
+def test_fp8_kv_cache_counts_one_byte_an_element_and_fits_four_times_the_fp32_tokens():
+    """--kv-cache-dtype fp8_e4m3: the same KV budget holds 4x the tokens of a float32 pool (2x bf16)."""
+    base = ServerArgs(model_path="tiny-llama", dtype="float32")
+    model = base.model_config()
+    assert model.kv_bytes_per_token("fp8_e4m3") * 4 == model.kv_bytes_per_token() == model.kv_bytes_per_token("auto")
+    fp8 = base.replace(kv_cache_dtype="fp8_e4m3").cache_config()
+    assert fp8.kv_cache_dtype == "fp8_e4m3"
+    assert fp8.num_pages(model) == 4 * base.cache_config().num_pages(model)
+    with pytest.raises(ValueError, match="^kv_cache_dtype: 'fp8_e5m2' is not one of"):
+        ServerArgs(model_path="tiny-llama", kv_cache_dtype="fp8_e5m2")
+
+
+def test_kv_cache_dtype_flag_reaches_the_cache_config():
+    from pdserve.entrypoints.cli import build_parser, server_args_from_namespace
+
+    ns = build_parser().parse_args(["serve", "--model-path", "tiny-llama", "--kv-cache-dtype", "fp8_e4m3"])
+    assert server_args_from_namespace(ns).cache_config().kv_cache_dtype == "fp8_e4m3"

@@ -42,6 +42,9 @@ _YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
               "original_max_position_embeddings": MAX_POSITIONS // 4,
               "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
+# DeepSeek-V3's quantization_config: FP8 weights with one scale per [128, 128] block.
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
 # preset name -> (architecture, size fields); shared fields are added in preset_config().
 PRESETS = {
     "tiny-llama": ("LlamaForCausalLM", dict(
@@ -66,6 +69,16 @@ PRESETS = {
         hidden_size=256, intermediate_size=688, num_hidden_layers=1, num_attention_heads=8,
         num_key_value_heads=4, head_dim=32, rope_parameters=_DEFAULT_ROPE,
         attention_bias=False, mlp_bias=False)),
+}
+# FP8 twins: the shapes above (dense Qwen3 here, so q/k/v start on 128-row blocks), quantized
+# like the checkpoints they stand for; tiny-deepseek-fp8 also declares DeepSeek-V3's MTP layer.
+PRESETS |= {
+    "tiny-deepseek-fp8": (PRESETS["tiny-deepseek"][0], dict(
+        PRESETS["tiny-deepseek"][1], num_mtp_layers=1, quantization_config=_FP8)),
+    "tiny-qwen3-fp8": ("Qwen3ForCausalLM", dict(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, use_sliding_window=False, rope_parameters=_DEFAULT_ROPE,
+        attention_bias=False, quantization_config=_FP8)),
 }
 # Draft architectures transformers has no config class of their own for.
 CONFIG_CLASSES = {"LlamaForCausalLMEagle": "LlamaConfig"}

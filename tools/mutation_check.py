@@ -561,6 +561,64 @@ MUTATIONS = (
         "        fb.layer_hook = None\n        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
         ("test/disagg/test_pd_speculative.py::test_1p1d_greedy_equals_colocated_plain_decoding[NEXTN]",
          "test/disagg/test_pd_speculative.py::test_the_mtp_layers_prompt_kv_lands_on_decode")),
+    Mutation(
+        "fp8_scale_transposed", "an FP8 checkpoint's [So, Si] block scales are read in column-major order",
+        "python/pdserve/layers/quant/fp8.py",
+        "    return (w_fp8.float() * _expand(scale_inv.float(), block, tuple(w_fp8.shape))).to(dtype)",
+        "    return (w_fp8.float() * _expand(scale_inv.float().T.reshape(scale_inv.shape), block,\n"
+        "                                    tuple(w_fp8.shape))).to(dtype)",
+        ("test/layers/quant/test_fp8.py::test_scale_is_applied_per_block_row_and_column_not_transposed",
+         "test/models/test_fp8_checkpoints.py::test_loaded_weights_equal_the_dequantized_checkpoint",
+         "test/models/test_fp8_checkpoints.py::test_greedy_output_matches_transformers_on_the_dequantized_copy")),
+    Mutation(
+        "fp8_pd_pairs_with_full_precision", "the weight quantization is left out of the P/D compatibility check",
+        "python/pdserve/disagg/bootstrap.py", '    quantization: str = "none"\n',
+        '    quantization: str = field(default="none", compare=False)\n',
+        ("test/disagg/test_bootstrap.py::test_fp8_weights_never_pair_with_full_precision_naming_the_quantization",
+         "test/disagg/test_pd_fp8.py::test_fp8_prefill_and_full_precision_decode_are_refused_naming_the_quantization")),
+    # issue 23, kernels/: a block scale applied transposed inside the FP8 kernels
+    Mutation(
+        "fp8_gemm_scale_transposed", "the FP8 GEMM reads weight scale [k-block, n-block] for [n-block, k-block]",
+        "kernels/pdserve_kernels/fp8_gemm.py", "w_s = tl.load(WS + w_srow * sws + g,",
+        "w_s = tl.load(WS + g * sws + w_srow,",
+        ("test/kernels/test_fp8_kernels.py::test_gemm_matches_twin[interp-fp32-N200-K256-5]",)),
+    Mutation(
+        "fp8_moe_scale_transposed", "the FP8 MoE reads expert scale [k-block, n-block] for [n-block, k-block]",
+        "kernels/pdserve_kernels/fp8_moe.py", "w_s = tl.load(WS + e * sws_e + w_srow * sws_n + g,",
+        "w_s = tl.load(WS + e * sws_e + g * sws_n + w_srow,",
+        ("test/kernels/test_fp8_kernels.py::test_fused_moe_matches_twin[interp-fp32-6]",)),
+    # --- FP8 KV cache (issue 23, part 2)
+    Mutation(
+        "fp8_kv_scale_ignored_on_read", "an fp8 pool's reads drop the per-tensor scale its writes divided by",
+        "python/pdserve/mem/kv_pool.py",
+        "    return (x.float() * scale).to(dtype)\n",
+        "    return x.to(dtype)\n",
+        ("test/mem/test_kv_pool.py::test_fp8_gqa_pool_round_trip_saturates_and_applies_its_scales",
+         "test/layers/test_fp8_kv_attention.py::test_gqa_over_an_fp8_pool_matches_the_reference_on_the_stored_kv"
+         "[16-torch_native]")),
+    Mutation(
+        "fp8_kv_scale_ignored_in_triton", "the Triton decode kernel reads fp8 keys without their scale",
+        "kernels/pdserve_kernels/decode_attention.py",
+        "scale * k_scale, v_scale, page_size, G, hblocks, split_len,",
+        "scale, v_scale, page_size, G, hblocks, split_len,",
+        ("test/layers/test_fp8_kv_attention.py::test_gqa_over_an_fp8_pool_matches_the_reference_on_the_stored_kv"
+         "[16-triton]",
+         "test/kernels/test_attention_kernels.py::test_gqa_kernels_read_fp8_pools_with_their_scales[interp-fp32-16]")),
+    Mutation(
+        "fp8_kv_stage_unquantized", "the decode stage appends this step's rows unquantized, unlike the pool",
+        STAGE,
+        "staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)",
+        "staged = (k, v)",
+        ("test/layers/test_fp8_kv_attention.py::test_gqa_over_an_fp8_pool_matches_the_reference_on_the_stored_kv"
+         "[1-torch_native]",)),
+    Mutation(
+        "kv_cache_dtype_not_compared", "an FP8 prefill pairs with a full-precision decode: the handshake "
+        "ignores kv_cache_dtype",
+        "python/pdserve/disagg/bootstrap.py",
+        '    kv_cache_dtype: str = "auto"\n',
+        '    kv_cache_dtype: str = field(default="auto", compare=False)\n',
+        ("test/disagg/test_bootstrap.py::test_compat_check_names_the_kv_cache_dtype_and_what_auto_stores",
+         f"{T_PD}::test_mismatched_peer_is_refused_naming_the_field[memory-kv_cache_dtype-prefill3-decode3]")),
 )
 
 

@@ -12,11 +12,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pdserve.assets import PRESET_NAMES, preset_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
+# --kv-cache-dtype (SGLang's): auto stores KV in the model dtype; fp8_e4m3 in float8_e4m3fn, 1 byte an element
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
@@ -113,6 +115,50 @@ def _read_eos_ids(directory: Path, hf_config) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class Fp8BlockConfig:
+    """A block-quantized FP8 checkpoint (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8): every quantized
+    linear ``X.weight`` is float8_e4m3fn beside a float32 ``X.weight_scale_inv`` holding one
+    scale per ``weight_block_size`` block, weight = fp8 * scale (HF ``quantization_config``).
+    Activations are quantized per token group at run time (``activation_scheme: dynamic``)."""
+
+    block_out: int = 128  # rows of W [Out, In] per scale
+    block_in: int = 128  # columns of W per scale
+
+    SUPPORTED: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                 "weight_block_size": [128, 128]}
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.block_out, self.block_in
+
+    @property
+    def name(self) -> str:
+        """How records and messages name it, e.g. ``fp8-block128x128``."""
+        return f"fp8-block{self.block_out}x{self.block_in}"
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``quantization_config`` a checkpoint of this format carries."""
+        return {**self.SUPPORTED, "weight_block_size": [self.block_out, self.block_in]}
+
+    @classmethod
+    def from_hf(cls, raw: Any) -> Fp8BlockConfig | None:
+        """Parse HF ``quantization_config`` (None: a full-precision checkpoint); ValueError naming
+        the first field this engine cannot serve."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
+        for key, want in cls.SUPPORTED.items():
+            got = raw.get(key, "e4m3" if key == "fmt" else None)  # Qwen3's FP8 configs omit fmt
+            if key == "weight_block_size":
+                got = list(got) if got is not None else None
+            if got != want:
+                raise ValueError(f"quantization_config.{key}: {got!r} is not supported "
+                                 f"(pdserve loads {key}={want!r} checkpoints)")
+        return cls(*raw["weight_block_size"])
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about a model; ``hf_config`` is the transformers config."""
 
@@ -131,6 +177,12 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         supported_architecture(self.architecture)
+        self.quantization  # noqa: B018  (refuses an unsupported quantization_config here, naming its field)
+
+    @property
+    def quantization(self) -> Fp8BlockConfig | None:
+        """The checkpoint's weight quantization (``quantization_config``), None when full precision."""
+        return Fp8BlockConfig.from_hf(getattr(self.hf_config, "quantization_config", None))
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", load_format: str = "auto",
@@ -198,9 +250,10 @@ class ModelConfig:
             return self.context_length_override
         return int(self.hf_config.max_position_embeddings)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token occupies over all layers."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of KV cache one token occupies over all layers (``kv_cache_dtype``: --kv-cache-dtype)."""
+        _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+        itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         return self.num_layers * per_layer * itemsize
 
@@ -351,8 +404,11 @@ class CacheConfig:
     # (padding reads must never see NaN garbage), so this is resident memory.
     max_memory_bytes: int = 256 << 20
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
+    # --kv-cache-dtype: what the KV pool stores (mem/kv_pool.py: fp8 pages with per-tensor scales)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.page_size < 1:
             raise ValueError(f"page_size: must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -367,7 +423,7 @@ class CacheConfig:
     def num_pages(self, model: ModelConfig) -> int:
         tokens = self.max_total_tokens
         if tokens is None:
-            tokens = max(self.page_size, self.max_memory_bytes // max(1, model.kv_bytes_per_token()))
+            tokens = max(self.page_size, self.max_memory_bytes // max(1, model.kv_bytes_per_token(self.kv_cache_dtype)))
             tokens = min(tokens, 1 << 18)
         return max(1, tokens // self.page_size)
 
@@ -801,6 +857,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
     max_running_requests: int = 64
     max_total_tokens: int | None = None
     chunked_prefill_size: int = 2048
@@ -927,7 +984,7 @@ class ServerArgs:
     @_built_once
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache,
-                           hicache=self.hicache_config())
+                           hicache=self.hicache_config(), kv_cache_dtype=self.kv_cache_dtype)
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

@@ -64,6 +64,16 @@ def test_compat_check_names_the_field():
         CompatRecord("m", "a", "bfloat16", 16, "nhd", 4, 8, 64, WEIGHTS)
 
 
+def test_compat_check_names_the_kv_cache_dtype_and_what_auto_stores():
+    """kv_cache_dtype is additive (a record without it, from an older peer, means "auto") and
+    compared: an fp8 prefill is refused by a full-precision decode, the message saying what "auto" is."""
+    fp8 = CompatRecord(**{**vars(COMPAT), "kv_cache_dtype": "fp8_e4m3"})
+    assert COMPAT.kv_cache_dtype == "auto"
+    with pytest.raises(IncompatiblePeer, match=r"^kv_cache_dtype: prefill has fp8_e4m3, decode has auto \(bfloat16\)$"):
+        fp8.check(COMPAT)
+    fp8.check(CompatRecord(**vars(fp8)))
+
+
 def test_compat_from_model_config():
     llama = CompatRecord.from_model(ModelConfig.from_path("tiny-llama"), page_size=16)
     ds = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek"), page_size=1, model="ds")
@@ -71,6 +81,16 @@ def test_compat_from_model_config():
         "gqa-hnd", 16, "mla", 1, "ds")
     with pytest.raises(IncompatiblePeer, match="^architecture: prefill has"):
         llama.check(ds)
+
+
+def test_fp8_weights_never_pair_with_full_precision_naming_the_quantization():
+    fp8 = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek-fp8"), page_size=1)
+    full = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek"), page_size=1)
+    assert (fp8.quantization, full.quantization) == ("fp8-block128x128", "none")
+    assert fp8.weights != full.weights  # the weights differ too, but the record names the field that says why
+    with pytest.raises(IncompatiblePeer, match="^quantization: prefill has fp8-block128x128, decode has none$"):
+        fp8.check(full)
+    fp8.check(CompatRecord(**vars(fp8)))
 
 
 def test_register_then_fetch(server):

@@ -292,6 +292,24 @@ def test_layout_from_pool_descriptors():
         KVLayout.from_descriptors("mla", 2, 1, 16, "bfloat16", pool.buffer_descriptors())
 
 
+def test_a_sides_layout_names_its_pools_storage_dtype():
+    """roles.kv_layout: an fp8 pool publishes float8_e4m3fn pages of a quarter of the bytes, and a
+    float32 side cannot take them (the layout check names dtype)."""
+    import torch
+
+    from pdserve.config import ServerArgs
+    from pdserve.disagg.roles import kv_layout
+    from pdserve.mem.kv_pool import FP8_DTYPE, GQAKVPool
+
+    mc = ServerArgs(model_path="tiny-llama", dtype="float32").model_config()
+    full = kv_layout(mc, GQAKVPool(8, 4, mc.num_layers, 2, mc.head_dim, torch.float32))
+    fp8 = kv_layout(mc, GQAKVPool(8, 4, mc.num_layers, 2, mc.head_dim, FP8_DTYPE, compute_dtype=torch.float32))
+    assert (full.dtype, fp8.dtype) == ("float32", "float8_e4m3fn")
+    assert fp8.page_bytes * 4 == full.page_bytes and fp8.head_bytes * 4 == full.head_bytes
+    with pytest.raises(LayoutError, match="^dtype: prefill has float8_e4m3fn, decode has float32"):
+        check_compatible(fp8, full)
+
+
 # ------------------------------------------------------------------ packed transfers
 def _apply(ops, src_bufs, dst_bufs) -> None:
     for op in ops:

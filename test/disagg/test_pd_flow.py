@@ -192,6 +192,7 @@ def test_kv_streams_layer_by_layer_in_one_write_per_page_run(pair_factory):
     ("page_size", {"page_size": 16}, {"page_size": 1}),
     ("dtype", {"dtype": "bfloat16"}, {"dtype": "float32"}),
     ("weights", {"random_seed": 1}, {"random_seed": 0}),  # dummy weights of another seed: same shapes
+    ("kv_cache_dtype", {"kv_cache_dtype": "fp8_e4m3"}, {}),  # fp8 pages would be read as float32 ones
 ])
 def test_mismatched_peer_is_refused_naming_the_field(pair_factory, field, prefill, decode):
     pair = pair_factory("tiny-llama", prefill_flags=prefill, decode_flags=decode)
@@ -200,9 +201,33 @@ def test_mismatched_peer_is_refused_naming_the_field(pair_factory, field, prefil
     pair.run(until=lambda: pair.outputs["a"]["final"] is not None)
     final = pair.outputs["a"]["final"]
     assert final.finish_reason["type"] == "abort" and field in final.finish_reason["message"], final.finish_reason
+    if field == "kv_cache_dtype":  # both values, and what decode's "auto" stores
+        assert "decode has auto (float32)" in final.finish_reason["message"], final.finish_reason
+        assert "has fp8_e4m3" in final.finish_reason["message"], final.finish_reason
     pair.submit_local("b", other, greedy(NEW))  # decode keeps serving
     pair.run(until=lambda: pair.outputs["b"]["final"] is not None)
     assert pair.outputs["b"]["ids"] == _colocated("tiny-llama", [other], **decode)[0]
+
+
+@pytest.mark.parametrize("pair_factory, model", [pytest.param("mooncake", "tiny-llama", marks=NEEDS_MOONCAKE),
+                                                  ("memory", "tiny-deepseek")], indirect=["pair_factory"])
+def test_fp8_pages_move_as_they_are_a_quarter_of_the_fp32_bytes(pair_factory, model):
+    """--kv-cache-dtype fp8_e4m3 on both sides: decode's tokens are a colocated fp8 engine's (the
+    e4m3 bytes prefill wrote are the ones decode reads), and the same prompts land exactly a quarter
+    of the bytes a float32 pair moves."""
+    prompts = _prompts([40, 17, 5], seed=3)
+    received, outputs = {}, {}
+    for kv in ("auto", "fp8_e4m3"):
+        pair = pair_factory(model, page_size=4, kv_cache_dtype=kv)
+        for i, p in enumerate(prompts):
+            pair.submit(f"r{i}", p, greedy(NEW))
+        pair.run()
+        received[kv] = pair.decode.stats()["kv_bytes_received"]
+        outputs[kv] = [pair.outputs[f"r{i}"]["ids"] for i in range(len(prompts))]
+        assert str(pair.decode.runner.pool.dtype) == ("torch.float8_e4m3fn" if kv != "auto" else "torch.float32")
+        pair.assert_idle_and_accounted()
+    assert outputs["fp8_e4m3"] == _colocated(model, prompts, page_size=4, kv_cache_dtype="fp8_e4m3")
+    assert received["auto"] > 0 and received["fp8_e4m3"] * 4 == received["auto"], received
 
 
 @pytest.mark.parametrize("pair_factory", [pytest.param("nixl", marks=[NEEDS_NIXL, NEEDS_MOONCAKE])], indirect=True)

@@ -4,6 +4,7 @@ rank, gloo on loopback, one Mooncake engine, or NIXL agent, per rank over TCP).
 For the 16 mixed requests of fixtures/parallel_runs.py sent at once (prompts longer than a
 chunk, one-token prompts, shared prefixes, two asking for logprobs), decode's greedy tokens equal
 the single-rank colocated engine's, for: GQA prefill TP2 -> decode TP1 and TP1 -> TP2, DeepSeek
+(a block-FP8 checkpoint, whose single-rank answers are transformers' on its dequantized copy)
 prefill TP2 + EP2 -> decode DP2 with DP attention, and a GQA model with one KV head (replicated
 over prefill's two ranks). The two llama pairs move their KV packed (one write per forward,
 layer, buffer and head block through staging buffers), the others unpacked. Every prefill rank
@@ -36,8 +37,9 @@ FLAGS = (*[x for k, v in ENGINE_ARGS.items() for x in (f"--{k.replace('_', '-')}
 CONFIGS = {  # name -> (model, prefill flags, decode flags)
     "llama-prefill-tp2-decode-tp1": ("tiny-llama", TP2, ()),
     "llama-prefill-tp1-decode-tp2": ("tiny-llama", (), TP2),
-    "deepseek-prefill-tp2-ep2-decode-dp2-attention": (
-        "tiny-deepseek", (*TP2, "--ep-size", "2"), (*TP2, "--dp-size", "2", "--enable-dp-attention")),
+    # DeepSeek as shipped: a block-FP8 checkpoint (with an MTP layer, skipped), dequantized on load
+    "deepseek-fp8-prefill-tp2-ep2-decode-dp2-attention": (
+        "deepseek-fp8", (*TP2, "--ep-size", "2"), (*TP2, "--dp-size", "2", "--enable-dp-attention")),
     "qwen2-one-kv-head-prefill-tp2-decode-tp1": ("qwen2-one-kv-head", TP2, ()),
     "llama-prefill-tp2-decode-tp1-nixl": ("tiny-llama", (*TP2, *NIXL), NIXL),
 }
@@ -50,10 +52,26 @@ TIMEOUT_S = 10
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    from fixtures.fp8_checkpoints import make_fp8_checkpoint
     from fixtures.tiny_models import make_tiny_hf_model
 
     path = make_tiny_hf_model("Qwen2ForCausalLM", tmp_path_factory.mktemp("qwen2"), num_key_value_heads=1)
-    return {"qwen2-one-kv-head": path}
+    fp8, dequantized = make_fp8_checkpoint("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("ds-fp8"), mtp_layer=True)
+    return {"qwen2-one-kv-head": path, "deepseek-fp8": fp8, "deepseek-fp8-dequantized": dequantized}
+
+
+def test_the_fp8_reference_is_transformers_on_the_dequantized_copy(checkpoints):
+    """What the FP8 pair's decode is held to (the single-rank engine's answers) is transformers'
+    greedy output on the checkpoint's dequantized copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.tiny_models import greedy_continuation
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["deepseek-fp8-dequantized"], dtype=torch.float32).eval()
+    prompts, params = mixed_requests(2048)
+    want = [greedy_continuation(hf, p, sp["max_new_tokens"]) for p, sp in zip(prompts, params)]
+    assert [o["output_ids"] for o in single_rank_answers(checkpoints["deepseek-fp8"])] == want
 
 
 class Pair:

@@ -1,8 +1,9 @@
 """1 prefill + 1 decode + a router, as real processes (real Mooncake, or NIXL, over loopback):
 greedy outputs of concurrent mixed requests are the colocated engine's, streaming or not,
 through pdserve's router and through the PyPI sglang-router. One deployment per (model, page
-size, transfer backend), shared by the module's tests: every layout on Mooncake, GQA and MLA on
-NIXL."""
+size, transfer backend, KV dtype), shared by the module's tests: every layout on Mooncake, GQA and
+MLA on NIXL; the GQA page-16 one with FP8 KV pages on both sides (--kv-cache-dtype fp8_e4m3,
+compared with a colocated FP8 engine)."""
 
 from __future__ import annotations
 
@@ -23,21 +24,23 @@ from entrypoints.server_utils import free_port
 from router.router_utils import wait_for
 
 NEW = 16
-PARAMS = [("tiny-deepseek", 1, "mooncake"), ("tiny-deepseek", 16, "mooncake"), ("tiny-llama", 1, "mooncake"),
-          ("tiny-llama", 16, "mooncake"), ("tiny-deepseek", 16, "nixl"), ("tiny-llama", 1, "nixl")]
+PARAMS = [("tiny-deepseek", 1, "mooncake", "auto"), ("tiny-deepseek", 16, "mooncake", "auto"),
+          ("tiny-llama", 1, "mooncake", "auto"), ("tiny-llama", 16, "mooncake", "fp8_e4m3"),
+          ("tiny-deepseek", 16, "nixl", "auto"), ("tiny-llama", 1, "nixl", "auto")]
 
 
 class Deployment(RoutedPair):
-    def __init__(self, model: str, page_size: int, backend: str = "mooncake"):
-        self.model, self.page_size = model, page_size
+    def __init__(self, model: str, page_size: int, backend: str = "mooncake", kv_cache_dtype: str = "auto"):
+        self.model, self.page_size, self.kv_cache_dtype = model, page_size, kv_cache_dtype
         self.chunk = 64 if page_size == 16 else 48
         self.flags = ("--page-size", str(page_size), "--chunked-prefill-size", str(self.chunk),
-                      "--max-total-tokens", "16384", "--num-threads", "1", "--disaggregation-transfer-backend", backend)
+                      "--max-total-tokens", "16384", "--num-threads", "1", "--disaggregation-transfer-backend", backend,
+                      "--kv-cache-dtype", kv_cache_dtype)
         super().__init__(model, *self.flags)
 
     def colocated(self, prompts: list[list[int]]) -> list[list[int]]:
         eng = pdserve.Engine(model_path=self.model, page_size=self.page_size, chunked_prefill_size=self.chunk,
-                             num_threads=1)
+                             num_threads=1, kv_cache_dtype=self.kv_cache_dtype)
         out = eng.generate(input_ids=prompts, sampling_params=_greedy())
         return [o["output_ids"] for o in out]
 
@@ -57,7 +60,8 @@ def _workload(n: int, seed: int) -> tuple[list[int], list[list[int]]]:
     return prefix, prompts
 
 
-@pytest.fixture(scope="module", params=PARAMS, ids=[f"{m}-page{p}-{b}" for m, p, b in PARAMS])
+@pytest.fixture(scope="module", params=PARAMS,
+                ids=[f"{m}-page{p}-{b}" + ("" if kv == "auto" else f"-{kv}") for m, p, b, kv in PARAMS])
 def pd(request):
     dep = Deployment(*request.param)
     try:
@@ -101,7 +105,7 @@ def test_openai_routes_and_the_timeline_through_the_router(pd):
     prompt = "The quick brown fox jumps over the lazy dog"
     via = httpx.post(pd.router.url + "/v1/completions", json={"model": pd.model, "prompt": prompt,
                                                                "max_tokens": NEW, "temperature": 0}, timeout=120)
-    eng = pdserve.Engine(model_path=pd.model, page_size=pd.page_size, num_threads=1)
+    eng = pdserve.Engine(model_path=pd.model, page_size=pd.page_size, num_threads=1, kv_cache_dtype=pd.kv_cache_dtype)
     assert via.json()["choices"][0]["text"] == eng.generate(prompt=prompt, sampling_params={
         "max_new_tokens": NEW, "temperature": 0})["text"]
     body = httpx.post(pd.router.url + "/generate", json={"text": prompt, "sampling_params": _greedy()},

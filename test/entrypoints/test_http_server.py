@@ -2,7 +2,8 @@
 
 One server (with ``--api-key``, and ``--admin-api-key`` from the environment as ``pdserve up``
 passes it) serves the whole module; the offline Engine on
-the same preset is the oracle for greedy text.
+the same preset is the oracle for greedy text. Both store their KV as FP8 pages
+(``--kv-cache-dtype fp8_e4m3``), so every test here also serves the colocated FP8 path.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ API_KEY = "test-key"
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 MAX_TOTAL_TOKENS = "8192"
+KV_CACHE_DTYPE = "fp8_e4m3"
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-total-tokens", MAX_TOTAL_TOKENS, api_key=API_KEY, env={"PDSERVE_ADMIN_API_KEY": ADMIN_KEY})
+    s = Server("--max-total-tokens", MAX_TOTAL_TOKENS, "--kv-cache-dtype", KV_CACHE_DTYPE, api_key=API_KEY,
+               env={"PDSERVE_ADMIN_API_KEY": ADMIN_KEY})
     try:
         yield s.start()
     finally:
@@ -39,7 +42,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def engine():
-    e = pdserve.Engine(model_path=PRESET, max_total_tokens=int(MAX_TOTAL_TOKENS))
+    e = pdserve.Engine(model_path=PRESET, max_total_tokens=int(MAX_TOTAL_TOKENS), kv_cache_dtype=KV_CACHE_DTYPE)
     yield e
     e.shutdown()
 
@@ -418,3 +421,11 @@ def test_a_small_request_is_served_while_a_big_one_still_waits(server):
     assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 1, answer.text
     assert info["num_waiting_reqs"] > 0, info
     assert server.wait_idle(timeout=120)["num_inflight_requests"] == 0
+
+
+def test_the_server_runs_the_kv_cache_dtype_it_was_given(server, engine):
+    """--kv-cache-dtype reaches the server's scheduler: the pool the oracle engine builds from the
+    same flags is fp8, and the server reports the flag."""
+    info = httpx.get(server.url + "/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert info["kv_cache_dtype"] == KV_CACHE_DTYPE
+    assert str(engine.scheduler.runner.pool.dtype) == "torch.float8_e4m3fn"

@@ -82,3 +82,50 @@ def test_mla_extend_with_prefix_matches_twin(device, dtype_tol):
     ref = ea.extend_mla_ref(q, latent, C, slots, prefix, ext, 0.3)
     out = ea.extend_mla(*(t.to(device) for t in (q, latent)), C, *(t.to(device) for t in (slots, prefix, ext)), 0.3)
     _close(out.cpu(), ref, atol)
+
+
+# ------------------------------------------------------------------ FP8 pools (--kv-cache-dtype fp8_e4m3)
+def _fp8(shape, g, scale):
+    """Random values stored as an fp8 pool stores them: x / scale in e4m3 (saturated)."""
+    return (torch.randn(shape, generator=g) * 3).div(scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gqa_kernels_read_fp8_pools_with_their_scales(device, dtype_tol, page_size):
+    """Decode and extend over e4m3 K/V pages, k_scale and v_scale not 1: the kernels upcast the
+    stored bytes and apply the scales exactly as the twins that dequantize every element."""
+    dtype, atol = dtype_tol
+    Hq, Hkv, D, P, ks, vs = 6, 2, 16, 64 // page_size + 4, 0.05, 0.2
+    g = torch.Generator().manual_seed(6)
+    k, v = _fp8((P, Hkv, page_size, D), g, ks), _fp8((P, Hkv, page_size, D), g, vs)
+    slots, seq = paged_slots(SEQS, page_size, P, seed=4), torch.tensor(SEQS)
+    q = torch.randn(len(SEQS), Hq, D, generator=g).to(dtype)
+    ref = da.decode_gqa_ref(q, k, v, slots, seq, 0.2, k_scale=ks, v_scale=vs)
+    dev = [t.to(device) for t in (q, k, v, slots, seq)]
+    _close(da.decode_gqa(*dev, 0.2, num_splits=2, k_scale=ks, v_scale=vs).cpu(), ref, atol)
+    prefix, ext = torch.tensor([0, 17, 3]), torch.tensor([5, 2, 20])
+    slots = paged_slots((prefix + ext).tolist(), page_size, P, seed=5)
+    q = torch.randn(int(ext.sum()), Hq, D, generator=g).to(dtype)
+    ref = ea.extend_gqa_ref(q, k, v, slots, prefix, ext, 0.25, k_scale=ks, v_scale=vs)
+    out = ea.extend_gqa(*(t.to(device) for t in (q, k, v, slots, prefix, ext)), 0.25, k_scale=ks, v_scale=vs)
+    _close(out.cpu(), ref, atol)
+
+
+def test_mla_kernels_read_fp8_latent_pools_with_their_scale(device, dtype_tol):
+    dtype, atol = dtype_tol
+    H, C, R, S, sc = 3, 16, 8, 16, 0.1
+    g = torch.Generator().manual_seed(7)
+    latent = _fp8((6, S, C + R), g, sc)
+    slots, seq = paged_slots([19, 33], S, 6, seed=6), torch.tensor([19, 33])
+    q = torch.randn(2, H, C + R, generator=g).to(dtype)
+    ref = da.decode_mla_ref(q, latent, C, slots, seq, 0.15, latent_scale=sc)
+    out = da.decode_mla(q.to(device), latent.to(device), C, slots.to(device), seq.to(device), 0.15, num_splits=2,
+                        latent_scale=sc)
+    _close(out.cpu(), ref, atol)
+    prefix, ext = torch.tensor([16, 0]), torch.tensor([3, 18])
+    slots = paged_slots((prefix + ext).tolist(), S, 6, seed=3)
+    q = torch.randn(int(ext.sum()), H, C + R, generator=g).to(dtype)
+    ref = ea.extend_mla_ref(q, latent, C, slots, prefix, ext, 0.3, latent_scale=sc)
+    out = ea.extend_mla(*(t.to(device) for t in (q, latent)), C, *(t.to(device) for t in (slots, prefix, ext)), 0.3,
+                        latent_scale=sc)
+    _close(out.cpu(), ref, atol)

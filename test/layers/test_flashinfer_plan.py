@@ -84,16 +84,83 @@ def test_missing_flashinfer_is_one_clear_line():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-deepseek"])
-def test_flashinfer_serves_like_torch_native_on_gpu(preset):
-    """bf16 on a GPU: greedy tokens of the two backends agree on the tiny presets."""
+def test_flashinfer_serves_like_torch_native_on_gpu(preset, kv_cache_dtype):
+    """bf16 on a GPU: greedy tokens of the two backends agree on the tiny presets (with fp8 KV
+    both read the same e4m3 pages)."""
     from pdserve import Engine
 
     outs = {}
     for backend in ("flashinfer", "torch_native"):
         with Engine(preset, device="cuda", attention_backend=backend, dtype="float32", page_size=16,
-                    max_total_tokens=1024, disable_cuda_graph=True) as engine:
+                    max_total_tokens=1024, disable_cuda_graph=True, kv_cache_dtype=kv_cache_dtype) as engine:
             res = engine.generate(["The capital of France is", "1 2 3"],
                                   sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
             outs[backend] = [r["output_ids"] for r in res]
     assert outs["flashinfer"] == outs["torch_native"]
+
+
+class _FakeWrapper:
+    """Records plan/run arguments as flashinfer's wrappers receive them; run returns ones."""
+
+    def __init__(self, calls: list, kind: str, *args, **kwargs):
+        self.calls, self.kind = calls, kind
+
+    def plan(self, *args, **kwargs):
+        self.calls.append((self.kind, "plan", args, kwargs))
+
+    def run(self, q, *args, **kwargs):
+        self.calls.append((self.kind, "run", args, kwargs))
+        return torch.ones_like(q)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """A stand-in ``flashinfer`` module (CPU), so the arguments the backend passes are checked
+    where no GPU is; the real kernels run in the gpu-marked tests."""
+    import sys
+    import types
+
+    calls: list = []
+    fi = types.ModuleType("flashinfer")
+    fi.BatchDecodeWithPagedKVCacheWrapper = lambda *a, **k: _FakeWrapper(calls, "decode")
+    fi.BatchPrefillWithPagedKVCacheWrapper = lambda *a, **k: _FakeWrapper(calls, "prefill")
+    fi.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=lambda *a, **k: _FakeWrapper(calls, "mla"))
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setattr("pdserve.layers.attention.flashinfer.WORKSPACE_BYTES", 16)
+    return calls
+
+
+def test_flashinfer_plans_fp8_pools_with_their_dtype_and_scales(fake_flashinfer):
+    """An fp8 GQA pool: plans name float8_e4m3fn as kv_data_type (the query stays float32) and runs
+    get the pool's k_scale/v_scale; an fp8 MLA pool: the latent scale is folded into sm_scale and
+    into the latent output (the MLA wrapper takes no scales)."""
+    from pdserve.layers.attention.flashinfer import FlashInferBackend
+    from pdserve.mem.kv_pool import FP8_DTYPE, MLAKVPool
+
+    pool = GQAKVPool(16, 4, 1, 2, 8, FP8_DTYPE, compute_dtype=torch.float32, k_scale=0.25, v_scale=0.5)
+    paged = PagedRequests(pool, backend=FlashInferBackend())
+    for decode, n in ((False, 6), (True, 1)):
+        fb = paged.batch([(0, [0] * n)], decode=decode)
+        x = torch.randn(n, 2, 8)
+        fb.attn_backend.forward_gqa(torch.randn(n, 4, 8), x, x, 0, 0.3, fb)
+    (_, _, _, prefill_plan), (_, _, run_args, prefill_run), (_, _, _, decode_plan), (_, _, _, decode_run) = \
+        fake_flashinfer
+    for plan in (prefill_plan, decode_plan):
+        assert plan["kv_data_type"] == FP8_DTYPE and plan["q_data_type"] == torch.float32 and plan["sm_scale"] == 0.3
+    for run in (prefill_run, decode_run):
+        assert run == {"k_scale": 0.25, "v_scale": 0.5}
+    assert run_args[0][0].dtype == FP8_DTYPE  # the pool's own pages, read in place
+    fake_flashinfer.clear()
+
+    H, Dn, R, Dv, C = 2, 4, 4, 3, 8
+    mla = MLAKVPool(16, 4, 1, C, R, FP8_DTYPE, compute_dtype=torch.float32, latent_scale=0.125)
+    fb = PagedRequests(mla, backend=FlashInferBackend()).batch([(0, [0] * 5)])
+    w_vc = torch.randn(H, C, Dv)
+    out = fb.attn_backend.forward_mla(torch.randn(5, H, Dn), torch.randn(5, H, R), torch.randn(5, C),
+                                      torch.randn(5, R), torch.randn(H, Dn, C), w_vc, 0, 0.4, fb)
+    (_, _, plan_args, _), (_, _, run_args, _) = fake_flashinfer
+    assert plan_args[9] == pytest.approx(0.4 * 0.125) and plan_args[11] == FP8_DTYPE
+    assert run_args[1].dtype == FP8_DTYPE
+    torch.testing.assert_close(out, torch.einsum("thc,hcv->thv", torch.full((5, H, C), 0.125), w_vc))

@@ -379,6 +379,48 @@ def test_host_pool_round_trips_pages_and_payloads(kind, layout):
         host.set_page_payload([0], want)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_host_pool_holds_fp8_pages_as_their_bytes(kind, layout):
+    """An fp8 device pool's host copies and storage payloads are its e4m3 bytes: a quarter of a
+    float32 pool's page, and back on the device bit for bit."""
+    from pdserve.mem.kv_pool import FP8_DTYPE
+
+    g = torch.Generator().manual_seed(1)
+    fp8 = dict(compute_dtype=torch.float32)
+    dev: KVPool = (GQAKVPool(6, 4, 3, 2, 8, FP8_DTYPE, **fp8, k_scale=0.5) if kind == "gqa"
+                   else MLAKVPool(6, 4, 3, 16, 8, FP8_DTYPE, **fp8, latent_scale=0.25))
+    for _, buf in dev.page_buffers():
+        buf.copy_(torch.randn(buf.shape, generator=g) * 100)
+    raw = [buf.view(torch.uint8).clone() for _, buf in dev.page_buffers()]
+    host = HostKVPool(dev, 4, layout)
+    full = HostKVPool(GQAKVPool(6, 4, 3, 2, 8, torch.float32) if kind == "gqa"
+                      else MLAKVPool(6, 4, 3, 16, 8, torch.float32), 4)
+    assert all(b.dtype == FP8_DTYPE for b in host.buffers) and host.page_bytes * 4 == full.page_bytes
+    assert host.backup([5, 1], [0, 3]).done()
+    want = b"".join(r[:, p].contiguous().numpy().tobytes() for p in (5, 1) for r in raw)
+    assert host.page_payload([0, 3]) == want and len(want) == 2 * host.page_bytes
+    host.set_page_payload([2, 1], want)
+    assert host.load([2, 1], [0, 4]).done()
+    for (_, buf), old in zip(dev.page_buffers(), raw):
+        raw_now = buf.view(torch.uint8)
+        assert torch.equal(raw_now[:, 0], old[:, 5]) and torch.equal(raw_now[:, 4], old[:, 1])
+
+
+def test_fp8_pages_round_trip_through_host_and_file_storage_and_stay_apart_from_fp32_ones(tmp_path):
+    """--kv-cache-dtype fp8_e4m3 with host and file tiers: a restart serves the prefix from storage
+    with the tokens of the first run, storing a quarter of the float32 run's bytes; a float32
+    server on the same directory never reads those pages (the namespace holds the pool dtype)."""
+    prompt = PROMPTS[0]
+    tokens, _, info = _serve_once("tiny-llama", tmp_path / "fp8", prompt, kv_cache_dtype="fp8_e4m3")
+    again, meta, _ = _serve_once("tiny-llama", tmp_path / "fp8", prompt, kv_cache_dtype="fp8_e4m3")
+    assert again == tokens and meta["cached_tokens_by_tier"]["storage"] == 24
+    _, _, full_info = _serve_once("tiny-llama", tmp_path / "fp32", prompt)
+    assert info["storage_put_bytes"] > 0 and info["storage_put_bytes"] * 4 == full_info["storage_put_bytes"]
+    _, meta, info = _serve_once("tiny-llama", tmp_path / "fp8", prompt)
+    assert meta["cached_tokens"] == 0 and info["storage_hits"] == 0
+
+
 class _PutFailsOnce:
     """A store whose first put raises (a broken backend), then behaves."""
 

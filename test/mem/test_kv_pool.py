@@ -54,3 +54,57 @@ def test_pool_rejects_empty_shapes(bad):
     kw = dict(num_pages=2, page_size=2, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32) | bad
     with pytest.raises(ValueError):
         GQAKVPool(**kw)
+
+
+# ---------------------------------------------------------------- FP8 pages (--kv-cache-dtype fp8_e4m3)
+from pdserve.mem.kv_pool import FP8_DTYPE, FP8_MAX  # noqa: E402
+
+
+def test_fp8_gqa_pool_round_trip_saturates_and_applies_its_scales():
+    """Writes store x / scale in e4m3 (saturated at +-448, never NaN or inf), reads give stored *
+    scale in the compute dtype, within e4m3's rounding (3 mantissa bits: 2^-4 relative)."""
+    pool = GQAKVPool(6, 4, 2, 2, 8, FP8_DTYPE, compute_dtype=torch.float32, k_scale=0.01, v_scale=4.0)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g) * 100
+    k[0, 0, :3] = torch.tensor([1e3, -float("inf"), float("inf")])  # past 448 * 0.01
+    v[1, 1, 0] = -1e9
+    loc = torch.tensor([1, 2, 9, 13, 22])
+    pool.set_kv(1, loc, k, v)
+    assert pool.k.dtype == FP8_DTYPE and pool.k.float().isfinite().all() and pool.v.float().isfinite().all()
+    page, off = loc // 4, loc % 4
+    assert pool.k[1, page[0], 0, off[0], :3].float().tolist() == [FP8_MAX, -FP8_MAX, FP8_MAX]
+    kr, vr = pool.get_kv_pages(1, torch.tensor([[0, 2, 3, 5]]))  # [1, H, 16, D]
+    assert kr.dtype == torch.float32
+    got_k = kr[0][:, [1, 2, 5, 9, 14]].transpose(0, 1)
+    got_v = vr[0][:, [1, 2, 5, 9, 14]].transpose(0, 1)
+    assert got_k[0, 0, :3].tolist() == pytest.approx([4.48, -4.48, 4.48])
+    assert got_v[1, 1, 0].item() == -FP8_MAX * 4.0
+    fine = k.abs() < 4.0  # inside the range at scale 0.01 and not the subnormal tail
+    torch.testing.assert_close(got_k[fine], k[fine], rtol=2 ** -4, atol=0.01 * 2 ** -9)
+    torch.testing.assert_close(got_v[v.abs() < 1000], v[v.abs() < 1000], rtol=2 ** -4, atol=4.0 * 2 ** -9)
+    rk, rv = pool.round_trip_kv(k, v)
+    assert torch.equal(rk, got_k) and torch.equal(rv, got_v)
+
+
+def test_fp8_mla_pool_round_trip_and_a_quarter_of_the_bytes():
+    full = MLAKVPool(5, 2, 2, 6, 2, torch.float32)
+    pool = MLAKVPool(5, 2, 2, 6, 2, FP8_DTYPE, compute_dtype=torch.bfloat16, latent_scale=0.5)
+    lat = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    lat[0, 0] = 1e4
+    pool.set_latent(1, torch.tensor([6, 7]), lat)  # page 3
+    got = pool.get_latent_pages(1, torch.tensor([[3, 0]]))[0, :2]
+    assert got.dtype == torch.bfloat16 and got[0, 0].item() == FP8_MAX * 0.5
+    torch.testing.assert_close(got[:, 1:].float(), lat[:, 1:], rtol=2 ** -4, atol=0.5 * 2 ** -9)
+    assert torch.equal(pool.round_trip_latent(lat), got)
+    (d,), (df,) = pool.buffer_descriptors(), full.buffer_descriptors()
+    assert d.page_bytes * 4 == df.page_bytes and d.total_bytes * 4 == df.total_bytes
+    raw = _bytes_at(d.page_addr(1, 3), d.page_bytes)  # the transfer's bytes are the stored e4m3 values
+    assert raw == pool.latent[1, 3].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("kw,field", [(dict(dtype=torch.float32, k_scale=0.5), "k_scale"),
+                                      (dict(dtype=FP8_DTYPE, compute_dtype=torch.float32, v_scale=0.0), "v_scale"),
+                                      (dict(dtype=FP8_DTYPE), "compute_dtype")])
+def test_pool_refuses_meaningless_scales_and_an_fp8_compute_dtype(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        GQAKVPool(2, 2, 1, 1, 2, **kw)

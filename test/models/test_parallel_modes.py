@@ -87,6 +87,8 @@ def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
 CASES = {
     "llama-tp2-dummy-weights": ("tiny-llama", dict(tp_size=2), "all_to_all"),
     "deepseek-tp2-dummy-weights": ("tiny-deepseek", dict(tp_size=2), "all_to_all"),
+    # FP8 dummy weights: quantized once on the whole model, then every rank loads its slices
+    "deepseek-fp8-tp2-dummy-weights": ("tiny-deepseek-fp8", dict(tp_size=2), "all_to_all"),
     "deepseek-ep2-all-to-all": ("DeepseekV3ForCausalLM", dict(tp_size=2, ep_size=2), "all_to_all"),
     "deepseek-ep2-all-reduce-twin": ("DeepseekV3ForCausalLM", dict(tp_size=2, ep_size=2), "all_reduce"),
     "qwen3-moe-ep2-all-to-all": ("Qwen3MoeForCausalLM", dict(tp_size=2, ep_size=2), "all_to_all"),

@@ -9,7 +9,8 @@ from pathlib import Path
 
 PRESETS_ROOT = Path(__file__).resolve().parent / "presets"
 # tiny-llama-eagle: an EAGLE draft for tiny-llama (--speculative-draft-model-path), not a servable target
-PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek", "tiny-llama-eagle")
+PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek", "tiny-deepseek-fp8", "tiny-qwen3-fp8",
+                "tiny-llama-eagle")
 
 
 def preset_dir(name: str) -> Path:

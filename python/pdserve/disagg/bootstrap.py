@@ -143,7 +143,7 @@ class CompatRecord:
     # served name or path, for messages only: the same weights may sit at different paths
     model: str = field(compare=False)
     architecture: str  # HF architecture name
-    dtype: str  # KV cache dtype
+    dtype: str  # the model dtype (what an "auto" KV cache stores)
     page_size: int
     kv_layout: str  # "gqa-hnd" or "mla"
     num_layers: int
@@ -152,6 +152,11 @@ class CompatRecord:
     weights: str  # sha256 hex of the weights (models/fingerprint.py): same on every path, split and rank
     # --disaggregation-transfer-backend: a Mooncake side and a NIXL side cannot reach each other
     transfer_backend: str = "mooncake"
+    # weight quantization (config.Fp8BlockConfig.name, "none"): FP8 weights compute other
+    # activations, so their KV means something else to a full-precision side
+    quantization: str = "none"
+    # --kv-cache-dtype: fp8 pages read as model-dtype bytes (or the reverse) would be garbage
+    kv_cache_dtype: str = "auto"
     # --speculative-algorithm ("none": off): the draft's KV is one more pool layer, sent with the prompt's
     speculative: str = "none"
 
@@ -163,23 +168,28 @@ class CompatRecord:
 
     @classmethod
     def from_model(cls, model_config, page_size: int, model: str | None = None, seed: int = 0,
-                   transfer_backend: str = "mooncake", speculative: str | None = None) -> CompatRecord:
+                   transfer_backend: str = "mooncake", kv_cache_dtype: str = "auto",
+                   speculative: str | None = None) -> CompatRecord:
         """From a ``config.ModelConfig`` (``model`` defaults to its path; ``seed``: of dummy weights;
         ``speculative``: the speculative algorithm, None when off)."""
         from pdserve.models.fingerprint import weights_fingerprint
 
         mc = model_config
+        quant = mc.quantization
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
                    mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend,
-                   speculative or "none")
+                   quant.name if quant is not None else "none", kv_cache_dtype, speculative or "none")
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
-        """Raise IncompatiblePeer naming the first compared field that differs."""
-        for f in dataclasses.fields(self):
+        """Raise IncompatiblePeer naming the first compared field that differs. The weights
+        digest comes last: it differs whenever the config does, and says less than the field."""
+        for f in sorted(dataclasses.fields(self), key=lambda f: f.name == "weights"):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.compare and a != b:
                 if f.name == "weights":  # short digests, and the names an operator recognises
                     a, b = f"{a[:12]} ({self.model})", f"{b[:12]} ({other.model})"
+                if f.name == "kv_cache_dtype":  # what "auto" stores
+                    a, b = (f"auto ({r.dtype})" if v == "auto" else v for r, v in ((self, a), (other, b)))
                 raise IncompatiblePeer(f"{f.name}: {mine} has {a}, {theirs} has {b}")
 
 

@@ -45,14 +45,15 @@ MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead, PeersGone)
 def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
     return CompatRecord.from_model(model_config, args.page_size, model=args.served_model_name or args.model_path,
                                    seed=args.random_seed, transfer_backend=args.disaggregation_transfer_backend,
-                                   speculative=args.speculative_algorithm)
+                                   kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative_algorithm)
 
 
 def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 1) -> KVLayout:
     """The KV layout a side publishes: ``tp_size`` the attention-TP ranks sharing a request's KV,
     ``dp_size`` the attention groups (each owning whole requests)."""
     kind = "mla" if model_config.is_mla else "gqa"
-    return KVLayout.from_descriptors(kind, tp_size, model_config.num_kv_heads, pool.page_size, model_config.dtype,
+    dtype = str(pool.dtype).removeprefix("torch.")  # what the pages hold: float8_e4m3fn for an fp8 pool
+    return KVLayout.from_descriptors(kind, tp_size, model_config.num_kv_heads, pool.page_size, dtype,
                                      pool.buffer_descriptors(), dp_size)
 
 

@@ -14,7 +14,7 @@ from pdserve.config import CacheConfig, CompileConfig, DeviceConfig, ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
-from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool
+from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +44,15 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
         num_pages = max(1, num_pages * model.num_layers // (model.num_layers + extra_layers))
     layers = model.num_layers + extra_layers
     c = model.hf_config
+    store = kv_storage_dtype(cache.kv_cache_dtype, model.torch_dtype)  # fp8: scales stay 1.0 (mem/kv_pool.py)
     if model.is_mla:
         return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,
-                         c.qk_rope_head_dim, model.torch_dtype, device)
+                         c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype)
     heads = model.num_kv_heads
     # KV heads split over attention TP; replicated when there are fewer heads than ranks.
     local = max(1, heads // parallel.attention.tp_size)
     return GQAKVPool(num_pages, cache.page_size, layers, local, model.head_dim,
-                     model.torch_dtype, device)
+                     store, device, compute_dtype=model.torch_dtype)
 
 
 class ModelRunner:
@@ -72,7 +73,8 @@ class ModelRunner:
         self.model_config = model_config
         self.parallel = parallel
         self.device = torch.device(device)
-        self.model = load_model(model_config, parallel, seed=seed)
+        # On CUDA an FP8 checkpoint stays FP8 (block-scaled GEMMs); on CPU it is dequantized on load.
+        self.model = load_model(model_config, parallel, seed=seed, keep_fp8=self.device.type == "cuda")
         if self.device.type != "cpu":
             self.model.to(self.device)
         self.speculative = speculative or SpeculativeConfig()

@@ -27,6 +27,7 @@ from pdserve.config import (
     HICACHE_PREFETCH_POLICIES,
     HICACHE_STORAGE_BACKENDS,
     HICACHE_WRITE_POLICIES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     PACK_POLICIES,
@@ -74,7 +75,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--tokenizer-path", "tokenizer directory (default: the model's)")
     _flag(g, "--load-format", "weight format; presets default to random 'dummy' weights",
           choices=LOAD_FORMATS)
-    _flag(g, "--dtype", "weight and KV dtype; auto: bfloat16 on CUDA, float32 on CPU", choices=("auto", *DTYPES))
+    _flag(g, "--dtype", "weight dtype, and KV dtype unless --kv-cache-dtype; auto: bfloat16 on CUDA, float32 on CPU",
+          choices=("auto", *DTYPES))
     _flag(g, "--context-length", "override the model's max_position_embeddings", type=int)
     _flag(g, "--served-model-name", "model name reported by the OpenAI API (default: --model-path)")
     _flag(g, "--skip-tokenizer-init", "serve input_ids only; no tokenizer is loaded", action="store_true")
@@ -96,6 +98,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("memory and scheduling")
     _flag(g, "--page-size", "tokens per KV page", type=int)
+    _flag(g, "--kv-cache-dtype", "KV pool dtype; auto: the model's (--dtype), fp8_e4m3: float8_e4m3fn with "
+          "per-tensor scales 1.0, a quarter of fp32's bytes (docs/kv-cache.md)", choices=KV_CACHE_DTYPES)
     _flag(g, "--max-total-tokens", "KV pool size in tokens (default: derived from memory)", type=int)
     _flag(g, "--max-running-requests", "most requests in the running batch", type=int)
     _flag(g, "--chunked-prefill-size", "prefill tokens per step; <= 0 disables chunking", type=int)

@@ -12,7 +12,7 @@ sharded on its own so every rank holds its slice of every part.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -21,7 +21,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.parallel_state import ParallelState
+from pdserve.layers.quant.fp8 import SCALE_SUFFIX, block_rows_aligned, fp8_linear, hold_fp8, scale_grid
 from pdserve.layers.weights import WeightEntry, check_shape, copy_into, sibling
+
+
+class _Fp8Capable(nn.Module):
+    """A linear whose ``weight`` may be held as block-scaled FP8 (``keep_fp8``, on GPU): then
+    ``weight`` is float8_e4m3fn and ``weight_scale_inv`` [So, Si] its block scales."""
+
+    weight: nn.Parameter
+    allow_fp8 = True  # False: a layer whose weight other code reads whole (MLA's kv_b_proj)
+
+    def __init__(self):
+        super().__init__()
+        self.fp8_block: tuple[int, int] | None = None
+        self.weight_scale_inv: nn.Parameter | None = None  # becomes a parameter in _hold
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fp8_block is None:
+            return F.linear(x, self.weight, bias)
+        assert self.weight_scale_inv is not None
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
+
+    def _hold(self, block: tuple[int, int], keys: list[str], quantized: Callable[[str], bool]) -> set[str]:
+        if not (self.allow_fp8 and keys and all(quantized(k) for k in keys)):
+            return set()
+        hold_fp8(self, block)
+        self.fp8_block = block
+        return set(keys)
 
 
 @dataclass(frozen=True)
@@ -36,7 +63,7 @@ class _Part:
     size: int
 
 
-class _OutputSplitLinear(nn.Module):
+class _OutputSplitLinear(_Fp8Capable):
     """Shared body of replicated and column-parallel layers: y[T, sum(local parts)] = x W^T + b."""
 
     def __init__(self, in_features: int, parts: Sequence[_Part], bias: bool, dtype: torch.dtype):
@@ -49,17 +76,37 @@ class _OutputSplitLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, Out_local]
+        return self._matmul(x, self.bias)  # [T, Out_local]
+
+    def _base(self, prefix: str, part: _Part) -> str:
+        return prefix if part.ckpt_name is None else sibling(prefix, part.ckpt_name)
 
     def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        pnames = ("weight", "bias") + (("weight" + SCALE_SUFFIX,) if self.fp8_block else ())
         for i, part in enumerate(self.parts):
-            base = prefix if part.ckpt_name is None else sibling(prefix, part.ckpt_name)
-            for pname in ("weight", "bias"):
+            for pname in pnames:
                 if getattr(self, pname) is None:
                     continue
-                key = f"{base}.{pname}"
-                yield WeightEntry(key, partial(self._load, key, pname, part),
-                                  (f"{prefix}.{pname}#{i}",))
+                key = f"{self._base(prefix, part)}.{pname}"
+                load = self._load_scale if pname.endswith(SCALE_SUFFIX) else self._load
+                yield WeightEntry(key, partial(load, key, pname, part), (f"{prefix}.{pname}#{i}",))
+
+    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized: Callable[[str], bool]) -> set[str]:
+        """Hold FP8 when every part's rows on this rank are whole blocks of its checkpoint tensor
+        and start on a block of the local weight (else the loader dequantizes this layer)."""
+        last = max(self.parts, key=lambda p: p.dst_start)
+        if not all(p.dst_start % block[0] == 0
+                   and block_rows_aligned(p.src_start, p.size, p.full_rows, block[0], p is last) for p in self.parts):
+            return set()
+        return self._hold(block, [f"{self._base(prefix, p)}.weight" for p in self.parts], quantized)
+
+    def _load_scale(self, key: str, pname: str, part: _Part, src: torch.Tensor) -> None:
+        assert self.fp8_block is not None and self.weight_scale_inv is not None
+        bo = self.fp8_block[0]
+        check_shape(key, src, scale_grid((part.full_rows, self.in_features), self.fp8_block))
+        rows = -(-part.size // bo)  # the part's scale rows; its last block may be partial
+        dst = self.weight_scale_inv.data.narrow(0, part.dst_start // bo, rows)
+        copy_into(key, dst, src.narrow(0, part.src_start // bo, rows))
 
     def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Inverse of loading, for an unsharded layer: each checkpoint tensor it holds."""
@@ -115,7 +162,7 @@ class ColumnParallelLinear(_OutputSplitLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, Out/p]
+        y = self._matmul(x, self.bias)  # [T, Out/p]
         return self.parallel.tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -149,7 +196,7 @@ class QKVParallelLinear(_OutputSplitLinear):
         super().__init__(hidden, parts, bias, dtype)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Capable):
     """Each rank owns In/p input columns; partial outputs are summed over TP.
 
     The bias must count once, not p times: it is added after the reduction, or, with
@@ -169,7 +216,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [T, Out] partial sum over this rank's In/p columns
+        y = self._matmul(x)  # [T, Out] partial sum over this rank's In/p columns
         if self.reduce_results:
             y = self.parallel.tp_all_reduce(y)
         elif self.parallel.tp_rank > 0:
@@ -183,6 +230,22 @@ class RowParallelLinear(nn.Module):
         if bias is not None:
             bkey = f"{prefix}.bias"
             yield WeightEntry(bkey, lambda src: copy_into(bkey, bias.data, src), (bkey,))
+        if self.fp8_block is not None:
+            skey = key + SCALE_SUFFIX
+            yield WeightEntry(skey, lambda src: self._load_scale(skey, src), (skey,))
+
+    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized: Callable[[str], bool]) -> set[str]:
+        """Hold FP8 when this rank's input columns are whole blocks (or end the matrix)."""
+        if not block_rows_aligned(self.in_start, self.in_features, self.in_full, block[1], last=True):
+            return set()
+        return self._hold(block, [f"{prefix}.weight"], quantized)
+
+    def _load_scale(self, key: str, src: torch.Tensor) -> None:
+        assert self.fp8_block is not None and self.weight_scale_inv is not None
+        bi = self.fp8_block[1]
+        check_shape(key, src, scale_grid((self.out_features, self.in_full), self.fp8_block))
+        cols = self.weight_scale_inv.shape[1]
+        copy_into(key, self.weight_scale_inv.data, src.narrow(1, self.in_start // bi, cols))
 
     def checkpoint_tensors(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         if self.in_features != self.in_full:

@@ -39,9 +39,13 @@ _SCALED_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2
 def copy_into(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src`` (whole checkpoint tensor or its slice) into ``dst``, casting to dst's dtype."""
     if src.dtype in _SCALED_DTYPES and dst.dtype != src.dtype:
-        # A plain cast would drop the block scales (``weight_scale_inv``) and load garbage.
-        raise ValueError(f"{key}: checkpoint tensor is {src.dtype}; quantized (FP8) checkpoints are not "
-                         f"supported, use a bf16/fp16/fp32 checkpoint")
+        # A plain cast would drop the block scales (``weight_scale_inv``) and load garbage; FP8
+        # checkpoints load through layers/quant/fp8.py when config.json names their quantization_config.
+        raise ValueError(f"{key}: checkpoint tensor is {src.dtype} but config.json has no supported "
+                         f"quantization_config (FP8 checkpoints need quantization_config.quant_method 'fp8')")
+    if dst.dtype in _SCALED_DTYPES and dst.dtype != src.dtype:
+        raise ValueError(f"{key}: this layer holds {dst.dtype} weights but the checkpoint tensor is {src.dtype} "
+                         f"(a quantized layer needs its FP8 weight and weight_scale_inv)")
     check_shape(key, src, tuple(dst.shape))
     with torch.no_grad():
         dst.copy_(src)

@@ -2,7 +2,18 @@
 
 Slots: token slot ``s`` lives at page ``s // page_size``, offset ``s % page_size``.
 Legend: P pages, S page_size, H kv heads (local to this TP rank), D head dim,
-C kv_lora_rank, R qk_rope_head_dim, N layers.
+C kv_lora_rank, R qk_rope_head_dim, N layers, T tokens.
+
+FP8 pages (``--kv-cache-dtype fp8_e4m3``): the buffers hold ``float8_e4m3fn`` and the pool has
+per-tensor scales (``k_scale``/``v_scale`` for GQA, ``latent_scale`` for MLA), 1.0 unless
+given, as SGLang runs without calibrated scales. Stored = clamp(x / scale, -448, 448) in e4m3
+(values beyond e4m3's range saturate instead of becoming NaN); read = stored * scale in the
+compute dtype. Per-tensor, not per-page, because then a page is bytes only: P/D transfer,
+host and storage tiers move it with no side buffer of scales, a half-filled page never has to
+be requantized when a later token is larger, and kernels fold the scale into the softmax scale
+(K) and the output (V) instead of scaling every element (docs/kv-cache.md). Every reader
+(``get_*``, ``round_trip_*``, the Triton and flashinfer backends reading the buffers in place)
+applies the same scale the writer divided by.
 """
 
 from __future__ import annotations
@@ -13,6 +24,34 @@ import torch
 
 from pdserve.transfer.base import BufferDescriptor
 
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: e4m3fn has no inf, so anything larger must saturate
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for ``--kv-cache-dtype`` (auto: the model's)."""
+    if kv_cache_dtype == "fp8_e4m3":
+        return FP8_DTYPE
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of ('auto', 'fp8_e4m3')")
+    return model_dtype
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x in ``dtype`` as the pool stores it: fp8 is x / scale saturated to +-448; else a cast."""
+    if dtype != FP8_DTYPE:
+        return x.to(dtype)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Stored ``x`` read back in ``dtype`` (the inverse of ``quantize`` up to its rounding)."""
+    if x.dtype != FP8_DTYPE:
+        return x.to(dtype)
+    if scale == 1.0:
+        return x.to(dtype)  # e4m3 values are exact in every compute dtype
+    return (x.float() * scale).to(dtype)
+
 
 class KVPool(ABC):
     """Owns the KV tensors; knows nothing of requests or who owns which page.
@@ -22,15 +61,32 @@ class KVPool(ABC):
     """
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", compute_dtype: torch.dtype | None = None):
+        """``dtype``: what the buffers hold (float8_e4m3fn for an FP8 pool); ``compute_dtype``:
+        what reads return (the model's; defaults to ``dtype``, which an FP8 pool cannot)."""
         if num_pages < 1 or page_size < 1 or num_layers < 1:
             raise ValueError(f"num_pages, page_size, num_layers must be >= 1, got "
                              f"{num_pages}, {page_size}, {num_layers}")
+        compute_dtype = compute_dtype or dtype
+        if compute_dtype == FP8_DTYPE:
+            raise ValueError("compute_dtype: an fp8 pool needs the model dtype to dequantize to")
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
-        self.dtype = dtype
+        self.dtype = dtype  # storage
+        self.compute_dtype = compute_dtype
         self.device = torch.device(device)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+    def _check_scales(self, **scales: float) -> None:
+        for name, value in scales.items():
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+            if value != 1.0 and not self.is_fp8:
+                raise ValueError(f"{name}: scales apply to fp8 pools only, got {value} for {self.dtype}")
 
     @property
     def num_slots(self) -> int:
@@ -56,8 +112,11 @@ class GQAKVPool(KVPool):
     heads over TP ranks moves in one write per head range, not one per token.
     """
 
-    def __init__(self, num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device="cpu"):
-        super().__init__(num_pages, page_size, num_layers, dtype, device)
+    def __init__(self, num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype, device="cpu",
+                 compute_dtype=None, k_scale: float = 1.0, v_scale: float = 1.0):
+        super().__init__(num_pages, page_size, num_layers, dtype, device, compute_dtype)
+        self._check_scales(k_scale=k_scale, v_scale=v_scale)
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
@@ -65,21 +124,26 @@ class GQAKVPool(KVPool):
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """loc [T]; k, v [T, H, D]."""
+        """loc [T]; k, v [T, H, D], quantized to the pool's dtype."""
         page, off = self._split(loc)
-        self.k[layer][page, :, off] = k.to(self.dtype)
-        self.v[layer][page, :, off] = v.to(self.dtype)
+        self.k[layer][page, :, off] = quantize(k, self.dtype, self.k_scale)
+        self.v[layer][page, :, off] = quantize(v, self.dtype, self.v_scale)
+
+    def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., D] as a read of them after ``set_kv`` returns them (the decode stage's rows)."""
+        return (dequantize(quantize(k, self.dtype, self.k_scale), self.compute_dtype, self.k_scale),
+                dequantize(quantize(v, self.dtype, self.v_scale), self.compute_dtype, self.v_scale))
 
     def get_kv_pages(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pages [B, Lp]; returns k, v [B, H, Lp * S, D], token j of row b at column j.
+        """pages [B, Lp]; returns k, v [B, H, Lp * S, D] in the compute dtype, token j of row b at column j.
 
         Gathers whole pages (one contiguous H*S*D block each) rather than single
         tokens: far fewer, larger copies, which is what bounds decode on CPU.
         """
         B, Lp = pages.shape
         out = []
-        for buf in (self.k[layer], self.v[layer]):
-            g = buf[pages]  # [B, Lp, H, S, D]
+        for buf, scale in ((self.k[layer], self.k_scale), (self.v[layer], self.v_scale)):
+            g = dequantize(buf[pages], self.compute_dtype, scale)  # [B, Lp, H, S, D]
             out.append(g.transpose(1, 2).reshape(B, self.num_kv_heads, Lp * self.page_size, self.head_dim))
         return out[0], out[1]
 
@@ -98,8 +162,11 @@ class GQAKVPool(KVPool):
 class MLAKVPool(KVPool):
     """One latent row per token per layer ``[P, S, C + R]``, the same on every attention-TP rank."""
 
-    def __init__(self, num_pages, page_size, num_layers, kv_lora_rank, rope_dim, dtype, device="cpu"):
-        super().__init__(num_pages, page_size, num_layers, dtype, device)
+    def __init__(self, num_pages, page_size, num_layers, kv_lora_rank, rope_dim, dtype, device="cpu",
+                 compute_dtype=None, latent_scale: float = 1.0):
+        super().__init__(num_pages, page_size, num_layers, dtype, device, compute_dtype)
+        self._check_scales(latent_scale=latent_scale)
+        self.latent_scale = float(latent_scale)  # one scale: the latent is both K and V
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
         self.latent = torch.zeros((num_layers, num_pages, page_size, kv_lora_rank + rope_dim),
@@ -109,13 +176,18 @@ class MLAKVPool(KVPool):
         return self.latent[layer].view(self.num_slots, -1)  # [P*S, C+R]
 
     def set_latent(self, layer: int, loc: torch.Tensor, latent: torch.Tensor) -> None:
-        """loc [T]; latent [T, C + R] (compressed KV then rotated k_pe)."""
-        self._flat(layer)[loc] = latent.to(self.dtype)
+        """loc [T]; latent [T, C + R] (compressed KV then rotated k_pe), quantized to the pool's dtype."""
+        self._flat(layer)[loc] = quantize(latent, self.dtype, self.latent_scale)
+
+    def round_trip_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """latent [..., C + R] as a read of it after ``set_latent`` returns it."""
+        return dequantize(quantize(latent, self.dtype, self.latent_scale), self.compute_dtype, self.latent_scale)
 
     def get_latent_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """pages [B, Lp]; returns [B, Lp * S, C + R], token j of row b at column j."""
+        """pages [B, Lp]; returns [B, Lp * S, C + R] in the compute dtype, token j of row b at column j."""
         B, Lp = pages.shape
-        return self.latent[layer][pages].view(B, Lp * self.page_size, -1)
+        g = dequantize(self.latent[layer][pages], self.compute_dtype, self.latent_scale)  # [B, Lp, S, C+R]
+        return g.view(B, Lp * self.page_size, -1)
 
     def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
         return [("latent", self.latent)]

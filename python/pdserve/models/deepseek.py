@@ -47,6 +47,7 @@ class MLAAttention(nn.Module):
             self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, self.C + self.R, bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.C, c.rms_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(self.C, H_all * (self.Dn + self.Dv), parallel, dtype=dtype)
+        self.kv_b_proj.allow_fp8 = False  # split into w_kc/w_vc after loading: loaded dequantized
         self.o_proj = RowParallelLinear(H_all * self.Dv, c.hidden_size, parallel, bias=bias, dtype=dtype)
         self.scale = (self.Dn + self.R) ** -0.5 * softmax_scale_correction(rope_parameters_of(c))
         self.register_buffer("w_kc", torch.empty(self.num_heads, self.Dn, self.C, dtype=dtype), persistent=False)

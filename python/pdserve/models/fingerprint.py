@@ -11,6 +11,8 @@ different paths on different hosts. It is a sha256 over
   names, every k-th plus the first and the last) dtype, shape and a few small windows of
   values read through ``safe_open(...).get_slice`` — bytes read are bounded
   (``MAX_SAMPLED_TENSORS`` x ``len(PROBES)`` x ``WINDOW`` elements), never a whole tensor;
+- the weight quantization (``ModelConfig.quantization``, e.g. ``fp8-block128x128``) when there is
+  one: FP8 weights and their dequantized copy are different weights to serve;
 - dummy weights (``--load-format dummy``): "dummy", the seed and the dtype instead. That is
   all they depend on besides the config: ``models/loader.py`` draws them with one generator
   seeded by ``seed`` over the single-rank model's parameters (built from the config alone,
@@ -71,14 +73,18 @@ def weights_fingerprint(model_config: ModelConfig, seed: int = 0) -> str:
     """The sha256 hex of ``model_config``'s weights; ``seed`` counts only for dummy weights.
     Computed once per process for each model (cached)."""
     dummy = model_config.load_format == "dummy"
-    return _fingerprint(model_config.path, dummy, model_config.dtype if dummy else "", seed if dummy else 0)
+    quant = model_config.quantization
+    return _fingerprint(model_config.path, dummy, model_config.dtype if dummy else "", seed if dummy else 0,
+                        quant.name if quant is not None else "")
 
 
 @functools.lru_cache(maxsize=8)
-def _fingerprint(path: str, dummy: bool, dtype: str, seed: int) -> str:
+def _fingerprint(path: str, dummy: bool, dtype: str, seed: int, quantization: str = "") -> str:
     start = time.perf_counter()
     h = hashlib.sha256(RECIPE.encode())
     _update(h, canonical_config(Path(path)))
+    if quantization:  # in the config too; hashed as its own part so no config edit can drop it
+        _update(h, json.dumps(["quantization", quantization]).encode())
     if dummy:
         _update(h, json.dumps(["dummy", seed, dtype]).encode())
         sampled = 0

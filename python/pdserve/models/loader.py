@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,7 +12,14 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.norm import RMSNorm
-from pdserve.models.base import CausalLM, checkpoint_tensors
+from pdserve.layers.quant.fp8 import (
+    SCALE_SUFFIX,
+    dequantized_checkpoint,
+    is_quantized_linear,
+    keep_fp8_layers,
+    quantized_checkpoint,
+)
+from pdserve.models.base import CausalLM, checkpoint_tensors, weight_spec
 from pdserve.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -76,23 +83,58 @@ def dummy_checkpoint(model_config: ModelConfig, seed: int) -> list[tuple[str, to
     return list(checkpoint_tensors(full))
 
 
-def load_model(model_config: ModelConfig, parallel: ParallelState = SINGLE, seed: int = 0) -> CausalLM:
+def checkpoint_weights(model_config: ModelConfig, seed: int, model: nn.Module, keep_fp8: bool = False
+                       ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The tensors ``model`` loads: the checkpoint's, or the seeded dummy ones. With a quantized
+    (FP8) config, dummy weights are first quantized by our own quantizer, so they take the same
+    path as a real FP8 checkpoint; then every FP8 pair is dequantized to the model dtype
+    (exact), except those of layers that hold FP8 themselves (``keep_fp8``, on GPU)."""
+    dummy = model_config.load_format == "dummy"
+    weights: Iterable[tuple[str, torch.Tensor]] = (dummy_checkpoint(model_config, seed) if dummy
+                                                   else iter_safetensors(model_config.path))
+    quant = model_config.quantization
+    if quant is None:
+        return weights
+    if dummy:
+        weights = quantized_checkpoint(weights, quant)
+        quantized = is_quantized_linear
+    else:
+        names = set(tensor_names(model_config.path))
+        quantized = lambda key: key + SCALE_SUFFIX in names  # noqa: E731  (the checkpoint says which)
+    kept = keep_fp8_layers(model, quant, quantized) if keep_fp8 else set()
+    spec = weight_spec(model)  # after keep_fp8_layers: FP8 layers also take the scales
+    # Entries with no units are accepted but not this rank's (another EP rank's experts).
+    unused = lambda key: key not in spec or not spec[key].units  # noqa: E731
+    return dequantized_checkpoint(weights, quant, model_config.torch_dtype, keep=kept.__contains__, unused=unused)
+
+
+def tensor_names(path: str | Path) -> Iterator[str]:
+    """Every tensor name of the checkpoint files (headers only)."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            yield from f.keys()
+
+
+def load_model(model_config: ModelConfig, parallel: ParallelState = SINGLE, seed: int = 0,
+               keep_fp8: bool = False) -> CausalLM:
     """The model for ``model_config`` in its dtype, in eval mode, without gradients.
 
     ``load_format``: "dummy" -> seeded random weights (the same on any split); "auto" /
     "safetensors" -> the checkpoint in ``model_config.path`` (single file or sharded with an index).
+    ``keep_fp8`` (the CUDA runner): layers of an FP8 checkpoint keep FP8 weights where their
+    shards fall on scale blocks; otherwise (CPU) FP8 weights are dequantized on load.
     Raises ValueError for an unknown architecture, absent weight files, or missing tensors.
     """
     cls = get_model_class(model_config.architecture)
     with torch.no_grad():
         model = cls(model_config.hf_config, parallel, model_config.torch_dtype)
-        if model_config.load_format != "dummy":
-            model.load_weights(iter_safetensors(model_config.path))
-        elif parallel.is_single:
+        if model_config.load_format == "dummy" and parallel.is_single and model_config.quantization is None:
             init_dummy_weights(model, seed)
             model.process_weights_after_loading()
         else:
-            model.load_weights(dummy_checkpoint(model_config, seed))
+            model.load_weights(checkpoint_weights(model_config, seed, model, keep_fp8))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -11,6 +11,12 @@ once per forward in ``prepare``; flashinfer's ``plan`` needs the heads and scale
 knows, so it runs at the forward's first layer and is reused by the rest. flashinfer is
 imported when this backend is built, never by ``import pdserve``.
 
+FP8 pools (``--kv-cache-dtype fp8_e4m3``): the plans name the pool's storage dtype as
+``kv_data_type`` and the query's as ``q_data_type``; GQA runs pass the pool's per-tensor
+``k_scale``/``v_scale`` to ``run`` (flashinfer folds them into the softmax scale and output);
+the MLA wrapper takes no scales, so the latent scale is folded here: into ``sm_scale`` at plan
+time and into the latent output after ``run``.
+
 Under CUDA graphs (engine/cuda_graph.py) a decode graph of Bg rows runs wrappers built in
 flashinfer's CUDA-graph mode over fixed int32 plan buffers (``GraphPlanBuffers``, sized for the
 largest graph), one wrapper per graph size: their kernels read those buffers' addresses, so
@@ -190,7 +196,8 @@ class FlashInferBackend(AttentionBackend):
         q_dtype = q.dtype
         Hq, D = q.shape[1], q.shape[2]
         self._plan_once(md, key, lambda m: self._plan_gqa(wrapper, kind, m, Hq, D, q_dtype, pool, scale))
-        return wrapper.run(q.contiguous(), (pool.k[layer_id], pool.v[layer_id]))  # [T, Hq, D]
+        return wrapper.run(q.contiguous(), (pool.k[layer_id], pool.v[layer_id]),
+                           k_scale=pool.k_scale, v_scale=pool.v_scale)  # [T, Hq, D]
 
     @staticmethod
     def _plan_gqa(wrapper, kind, md: PagedPlan, Hq: int, D: int, q_dtype: torch.dtype, pool, scale) -> None:
@@ -211,10 +218,13 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._wrapper("mla", q_nope.device, md)
         key = ("mla", H, C, R, scale)
         q_dtype = q_nope.dtype
+        sm_scale = scale * pool.latent_scale  # stored keys are latent / latent_scale
         # causal: a request's new tokens sit at the end of its keys (flashinfer's append rule)
         self._plan_once(md, key, lambda m: wrapper.plan(m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_lens, H, C, R,
-                                                        m.page_size, True, scale, q_dtype, pool.dtype))
+                                                        m.page_size, True, sm_scale, q_dtype, pool.dtype))
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc).contiguous()  # [T, H, C]
         lat = pool.latent[layer_id]  # [P, S, C+R]: compressed and rope parts are views of it
         o_lat = wrapper.run(q_lat, q_pe.contiguous(), lat[..., :C], lat[..., C:])  # [T, H, C]
+        if pool.latent_scale != 1.0:
+            o_lat = o_lat * pool.latent_scale  # stored values are latent / latent_scale
         return torch.einsum("thc,hcv->thv", o_lat, w_vc)  # [T, H, Dv]

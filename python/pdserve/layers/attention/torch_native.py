@@ -161,7 +161,10 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
         md = self.metadata_of(fb, TorchNativeMetadata)
-        k_all, v_all = self._kv(layer_id, md, (k, v), lambda: pool.get_kv_pages(layer_id, md.pages))  # [B, Hkv, K, D]
+        # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
+        # an appended step and a rebuilt one read the same keys.
+        staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)
+        k_all, v_all = self._kv(layer_id, md, staged, lambda: pool.get_kv_pages(layer_id, md.pages))  # [B, Hkv, K, D]
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
         o = F.scaled_dot_product_attention(qp, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask,
                                            scale=scale, enable_gqa=qp.shape[1] != k_all.shape[1])
@@ -173,7 +176,8 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_latent(layer_id, fb.out_cache_loc, new)
         fb.kv_written(layer_id)
         md = self.metadata_of(fb, TorchNativeMetadata)
-        (cache,) = self._kv(layer_id, md, (new.unsqueeze(1),),
+        staged = pool.round_trip_latent(new) if md.stage is not None else new  # as the pool holds it
+        (cache,) = self._kv(layer_id, md, (staged.unsqueeze(1),),
                             lambda: (pool.get_latent_pages(layer_id, md.pages).unsqueeze(1),))
         cache = cache[:, 0].to(q_nope.dtype)  # [B, K, C+R]
         C = latent.shape[-1]

@@ -8,7 +8,8 @@ extend runs causal attention over prefix + new keys. MLA always runs absorbed (a
 C-wide latent space against one shared head), for extend too: it is the same function as the
 expanded form (test_attention checks the twins agree) and reads the latent pool in place,
 where the expanded form would materialise per-head K and V. On CPU the kernels run only under
-the Triton interpreter (engine/device.py refuses otherwise).
+the Triton interpreter (engine/device.py refuses otherwise). An fp8 pool is read in place too:
+the kernels upcast its bytes and apply the pool's per-tensor scales.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class TritonBackend(AttentionBackend):
         q = q.contiguous()  # [T, Hq, D]
         kp, vp = pool.k[layer_id], pool.v[layer_id]  # [P, Hkv, S, D] each, read in place
         if fb.is_decode:
-            return self.decode.decode_gqa(q, kp, vp, md.kv_slots, md.seq_lens, scale, md.num_splits, md.max_len)
+            return self.decode.decode_gqa(q, kp, vp, md.kv_slots, md.seq_lens, scale, md.num_splits, md.max_len,
+                                          k_scale=pool.k_scale, v_scale=pool.v_scale)
         return self.extend.extend_gqa(q, kp, vp, md.kv_slots, md.prefix_lens, md.extend_lens, scale,
-                                      md.max_extend)  # [T, Hq, D]
+                                      md.max_extend, k_scale=pool.k_scale, v_scale=pool.v_scale)  # [T, Hq, D]
 
     def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
         pool = fb.kv_pool
@@ -75,8 +77,9 @@ class TritonBackend(AttentionBackend):
         q = torch.cat([q_lat, q_pe], dim=-1).contiguous()  # [T, H, C+R]
         lat = pool.latent[layer_id]  # [P, S, C+R], read in place
         if fb.is_decode:
-            o_lat = self.decode.decode_mla(q, lat, C, md.kv_slots, md.seq_lens, scale, md.num_splits, md.max_len)
+            o_lat = self.decode.decode_mla(q, lat, C, md.kv_slots, md.seq_lens, scale, md.num_splits, md.max_len,
+                                           latent_scale=pool.latent_scale)
         else:
             o_lat = self.extend.extend_mla(q, lat, C, md.kv_slots, md.prefix_lens, md.extend_lens, scale,
-                                           md.max_extend)
+                                           md.max_extend, latent_scale=pool.latent_scale)
         return torch.einsum("thc,hcv->thv", o_lat, w_vc)  # [T, H, Dv]

@@ -10,7 +10,7 @@ returns this rank's partial sum over [T, H]; the MoE block reduces it over the g
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 
 from pdserve.distributed.parallel_state import ParallelState
 from pdserve.layers.activation import silu_and_mul
+from pdserve.layers.quant.fp8 import SCALE_SUFFIX, hold_fp8
 from pdserve.layers.weights import WeightEntry, check_shape, copy_into
 
 _PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -49,6 +50,11 @@ class Experts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(per_rank, hidden, self.intermediate, dtype=dtype), requires_grad=False)
         self.impl = "auto"  # "grouped" | "sliced" | "auto"; see forward
+        # keep_fp8: w13/w2 float8_e4m3fn with w13_scale_inv [El, 2I/bo, ceil(H/bi)], w2_scale_inv
+        # [El, ceil(H/bo), I/bi]; forward then runs the fused FP8 MoE kernel.
+        self.fp8_block: tuple[int, int] | None = None
+        self.w13_scale_inv: nn.Parameter | None = None  # parameters once hold_fp8 made them
+        self.w2_scale_inv: nn.Parameter | None = None
 
     # ------------------------------------------------------------------ compute
 
@@ -61,6 +67,8 @@ class Experts(nn.Module):
         intermediate stays in cache instead of [Nl, 2I] arrays streaming through memory.
         """
         T, K = ids.shape
+        if self.fp8_block is not None:
+            return self._fused_fp8(x, weights, ids)
         if x.is_cuda and self.num_local == self.num_experts:
             return self._fused_triton(x, weights, ids)
         local = ids.flatten() - self.expert_start  # [N]
@@ -82,6 +90,28 @@ class Experts(nn.Module):
         from pdserve_kernels.moe import fused_experts
 
         return fused_experts(x, self.w13, self.w2, weights, ids)
+
+    def _fused_fp8(self, x, weights, ids) -> torch.Tensor:
+        """Block-scaled FP8 experts (pdserve_kernels' fused MoE, or its torch twin off GPU)."""
+        from pdserve.layers.quant.fp8_kernels import fused_moe_fp8
+
+        assert self.fp8_block is not None and self.w13_scale_inv is not None and self.w2_scale_inv is not None
+        return fused_moe_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids,
+                             self.fp8_block)
+
+    def keep_fp8(self, block: tuple[int, int], prefix: str, quantized: Callable[[str], bool]) -> set[str]:
+        """Hold FP8 when gate and up each fill whole row blocks of w13 (I a multiple of the block,
+        so up starts on one) and the TP split of I falls on blocks; not under EP (the fused
+        kernel takes every expert)."""
+        I = self.intermediate
+        keys = [f"{prefix}.{e}.{p}.weight" for e in range(self.num_experts) for p in _PROJ]
+        aligned = I % block[0] == 0 and I % block[1] == 0 and self.i_start % block[0] == 0
+        if self.num_local != self.num_experts or not aligned or not all(quantized(k) for k in keys):
+            return set()
+        hold_fp8(self, block, "w13")
+        hold_fp8(self, block, "w2")
+        self.fp8_block = block
+        return set(keys)
 
     def _use_grouped(self, x: torch.Tensor, n_local: int) -> bool:
         if self.impl != "auto":
@@ -135,6 +165,9 @@ class Experts(nn.Module):
                 key = f"{prefix}.{e}.{proj}.weight"
                 units = (f"{prefix}#{e}.{proj}",) if mine else ()
                 yield WeightEntry(key, partial(self._load_one, key, e, j), units)
+                if self.fp8_block is not None:
+                    skey = key + SCALE_SUFFIX
+                    yield WeightEntry(skey, partial(self._load_scale, skey, e, j), (f"{prefix}#{e}.{proj}.scale",))
         all_units = [f"{prefix}#{e}.{p}" for e in range(self.expert_start, self.expert_start + self.num_local)
                      for p in _PROJ]
         yield WeightEntry(f"{prefix}.gate_up_proj", lambda src: self._load_fused_w13(f"{prefix}.gate_up_proj", src),
@@ -162,6 +195,19 @@ class Experts(nn.Module):
         else:
             check_shape(key, src, (self.intermediate_full, self.hidden))
             copy_into(key, self.w13.data[e, which * I:(which + 1) * I], src[i0:i0 + I])
+
+    def _load_scale(self, key: str, expert: int, which: int, src: torch.Tensor) -> None:
+        """An FP8 expert's block scales: this rank's blocks of I (gate/up rows, down columns)."""
+        assert self.fp8_block is not None and self.w13_scale_inv is not None and self.w2_scale_inv is not None
+        (bo, bi), e = self.fp8_block, expert - self.expert_start
+        if which == 2:
+            check_shape(key, src, (-(-self.hidden // bo), self.intermediate_full // bi))
+            cols = self.intermediate // bi
+            copy_into(key, self.w2_scale_inv.data[e], src[:, self.i_start // bi:self.i_start // bi + cols])
+        else:
+            check_shape(key, src, (self.intermediate_full // bo, -(-self.hidden // bi)))
+            rows, r0 = self.intermediate // bo, self.i_start // bo
+            copy_into(key, self.w13_scale_inv.data[e, which * rows:(which + 1) * rows], src[r0:r0 + rows])
 
     def _load_fused_w13(self, key: str, src: torch.Tensor) -> None:
         check_shape(key, src, (self.num_experts, 2 * self.intermediate_full, self.hidden))
