@@ -72,3 +72,41 @@ def test_an_mtp_checkpoint_without_embeddings_shares_the_targets(ckpt, tmp_path)
     assert torch.equal(draft.eh_proj.weight, tensors[f"model.layers.{n}.eh_proj.weight"])
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         load_draft(mc, SpeculativeConfig("NEXTN", draft_model_path=str(tmp_path / "nowhere")), target, seed=0)
+
+
+@pytest.fixture(scope="module")
+def fp8_mtp(tmp_path_factory):
+    """DeepSeek-V3 in the official FP8 format with its MTP layer (decoder linears quantized)."""
+    from fixtures.fp8_checkpoints import make_fp8_checkpoint
+
+    return make_fp8_checkpoint("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("fp8mtp"), mtp_layer=True)[0]
+
+
+def test_nextn_on_an_fp8_checkpoint_dequantizes_the_mtp_layer_and_keeps_greedy_output(fp8_mtp):
+    from pdserve.layers.quant.fp8 import dequantize_block_fp8
+    from pdserve.models.loader import iter_safetensors
+
+    mc = ModelConfig.from_path(fp8_mtp)
+    n = mc.num_layers
+    raw = dict(iter_safetensors(fp8_mtp))
+    target = load_model(mc)
+    draft = load_draft(mc, SpeculativeConfig("NEXTN"), target, seed=0)
+    key = f"model.layers.{n}.mlp.experts.0.down_proj.weight"
+    want = dequantize_block_fp8(raw[key], raw[key + "_scale_inv"])
+    got = dict(checkpoint_tensors(draft))["mlp.experts.0.down_proj.weight"]
+    assert raw[key].dtype == torch.float8_e4m3fn and torch.equal(got, want)
+    assert torch.equal(draft.eh_proj.weight, raw[f"model.layers.{n}.eh_proj.weight"])  # never quantized
+    prompts = [[5, 17, 99, 3, 250, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    ref = pdserve.Engine(model_path=fp8_mtp).generate(input_ids=prompts, sampling_params=GREEDY)
+    out = pdserve.Engine(model_path=fp8_mtp, speculative_algorithm="NEXTN").generate(input_ids=prompts,
+                                                                                      sampling_params=GREEDY)
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+
+
+def test_the_fp8_preset_drafts_with_fp8_representable_mtp_weights():
+    from pdserve.layers.quant.fp8 import dequantize_block_fp8, quantize_block_fp8
+
+    mc = ModelConfig.from_path("tiny-deepseek-fp8")
+    draft = load_draft(mc, SpeculativeConfig("NEXTN"), load_model(mc), seed=0)
+    w = dict(checkpoint_tensors(draft))["self_attn.kv_b_proj.weight"]
+    assert torch.equal(dequantize_block_fp8(*quantize_block_fp8(w)), w)

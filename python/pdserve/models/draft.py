@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pdserve.config import ModelConfig, SpeculativeConfig, has_weight_files, resolve_model_path
+from pdserve.config import Fp8BlockConfig, ModelConfig, SpeculativeConfig, has_weight_files, resolve_model_path
 from pdserve.distributed.parallel_state import SINGLE
 from pdserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.layers.forward_batch import ForwardBatch
@@ -154,19 +154,36 @@ def _load(draft: DraftModel, tensors: dict[str, torch.Tensor], shared: dict[str,
     draft.process_weights_after_loading()
 
 
-def _dummy(draft: DraftModel, seed: int, shared: dict[str, nn.Module]) -> None:
+def _dummy(draft: DraftModel, seed: int, shared: dict[str, nn.Module], quant: Fp8BlockConfig | None = None) -> None:
+    """Seeded weights; with an FP8 target, passed through our quantizer as the target's dummy
+    weights are (the draft's decoder linears FP8-representable; eh_proj and heads untouched)."""
+    from pdserve.models.base import checkpoint_tensors
     from pdserve.models.loader import init_dummy_weights
 
     init_dummy_weights(draft, seed)
+    if quant is not None:
+        from pdserve.layers.quant.fp8 import dequantized_checkpoint, quantized_checkpoint
+
+        dtype = next(draft.parameters()).dtype
+        tensors = dict(dequantized_checkpoint(quantized_checkpoint(list(checkpoint_tensors(draft)), quant), quant,
+                                              dtype))
+        load_into(draft, tensors.items())
     for path, module in shared.items():  # after the seeding, which must not touch the target's
         _share(draft, path, module)
     draft.process_weights_after_loading()
 
 
-def _checkpoint(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
+def _checkpoint(path: str, prefix: str = "", quant: Fp8BlockConfig | None = None,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors under ``prefix`` (prefix stripped); FP8 pairs (``X.weight`` +
+    ``X.weight_scale_inv``, block size of ``quant`` or the default) dequantized exactly to ``dtype``."""
+    from pdserve.layers.quant.fp8 import SCALE_SUFFIX, dequantized_checkpoint
     from pdserve.models.loader import iter_safetensors
 
-    return {name[len(prefix):]: t for name, t in iter_safetensors(path) if name.startswith(prefix)}
+    tensors = [(name, t) for name, t in iter_safetensors(path) if name.startswith(prefix)]
+    if any(name.endswith(SCALE_SUFFIX) for name, _ in tensors):
+        tensors = list(dequantized_checkpoint(tensors, quant or Fp8BlockConfig(), dtype))
+    return {name[len(prefix):]: t for name, t in tensors}
 
 
 def _draft_dir(source: str, spec: SpeculativeConfig):
@@ -207,11 +224,11 @@ def load_draft(model_config: ModelConfig, spec: SpeculativeConfig, target: Causa
             draft: DraftModel = DeepseekMTP(target, dtype)
             shared = {"embed_tokens": target.model.embed_tokens}
             if spec.draft_model_path is None and model_config.load_format == "dummy":
-                _dummy(draft, seed + 1, shared)
+                _dummy(draft, seed + 1, shared, model_config.quantization)
             else:
                 source = spec.draft_model_path or model_config.path
                 prefix = f"model.layers.{c.num_hidden_layers}."
-                tensors = _checkpoint(str(_draft_dir(source, spec)), prefix)
+                tensors = _checkpoint(str(_draft_dir(source, spec)), prefix, model_config.quantization, dtype)
                 if not tensors:
                     raise ValueError(f"speculative_algorithm: NEXTN needs the MTP layer ({prefix}*) in {source} "
                                      f"(num_nextn_predict_layers >= 1)")
@@ -228,7 +245,7 @@ def load_draft(model_config: ModelConfig, spec: SpeculativeConfig, target: Causa
             draft = LlamaEagleDraft(dc, target, dtype)
             shared = {"model.embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
             if has_weight_files(directory):
-                _load(draft, _checkpoint(str(directory)), shared)
+                _load(draft, _checkpoint(str(directory), dtype=dtype), shared)
             else:
                 _dummy(draft, seed + 1, shared)
         else:
