@@ -286,3 +286,37 @@ def test_oracle_greedy_with_penalties_matches_plain_decoding(oracle):
     want = plain.generate(input_ids=prompts, sampling_params=sp)
     got = spec.generate(input_ids=prompts, sampling_params=sp)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+
+
+def test_a_colocated_prefill_drafts_every_prompt_position_and_proposes(eagle_dir):
+    """After the prompt's last chunk samples its first token, the draft runs over that chunk
+    (the token one ahead of its last row is the sampled one): the draft layer holds KV at every
+    prompt position and the request has its first proposal before its first decode step."""
+    from pdserve.engine.request import SamplingParams as SP
+
+    eng = pdserve.Engine(model_path="tiny-deepseek", page_size=4, chunked_prefill_size=8,
+                         **_spec_kwargs("NEXTN", eagle_dir))
+    s = eng.scheduler
+    (prompt,) = _prompts(1, seed=9)
+    prompt = prompt + prompt[:4]  # 13 tokens: two chunks
+    req = s.add_request("a", prompt, SP(max_new_tokens=8, temperature=0.0, ignore_eos=True).validate())
+    while not req.output_ids:
+        s.step()
+    assert req.draft is not None and len(req.draft.tokens) == 1
+    pool = s.runner.pool
+    rows = pool.latent[pool.num_layers - 1].view(pool.num_slots, -1)[s.kv_manager.slots(req, 0, len(prompt))]
+    assert bool((rows.abs().sum(-1) > 0).all())
+    while s.has_work():
+        s.step()
+    _no_leak(eng)
+
+
+def test_oracle_sampled_drafts_are_accepted_at_the_targets_rates(oracle):
+    """Sampled requests through the engine with the oracle's proposals: accepted drafts happen
+    (the sampled path is exercised), and every output keeps its seed's repeatability."""
+    _, spec, prompts, _ = oracle
+    sps = [{"temperature": 0.3, "top_k": 2, "max_new_tokens": 8, "seed": s, "ignore_eos": True} for s in range(40)]
+    a = spec.generate(input_ids=[prompts[0]] * 40, sampling_params=sps)
+    b = spec.generate(input_ids=[prompts[0]] * 40, sampling_params=sps)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in a) > 0

@@ -158,6 +158,7 @@ class SpeculativeDecode(DecodeStep):
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.emitted_tokens = 0
+        self._drafted: set[int] = set()  # requests after_forward drafted this extend (by id)
 
     def stats(self) -> dict:
         return {"spec_verify_ct": self.verify_ct, "spec_draft_tokens": self.draft_tokens,
@@ -211,29 +212,32 @@ class SpeculativeDecode(DecodeStep):
             idx = torch.tensor(running)
             self._propose([reqs[i] for i in running], logits[idx], hidden[idx], first=True)
 
-    def _extend_chunks(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None, known: bool) -> None:
-        """Draft extend over each live request's chunk just run whose next tokens are all
-        known (``known``) or not yet (they are once its first token is sampled). Every chunk
-        is drafted once: after the forward when its tokens one ahead are prompt tokens
-        (intermediate chunks, a disaggregated prefill: the writes of the draft's layer go with
-        the forward's), else after sampling."""
+    def _extend_chunks(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None, which) -> list[Req]:
+        """Draft extend over the chunk just run of each live request ``which(req)`` selects;
+        returns those requests."""
         if hidden is None:
             raise RuntimeError("speculative decoding: the extend captured no hidden states")
         live, starts, rows = [], [], []
         offset = 0
         for req, n in zip(reqs, lens):
-            if not req.finished and (len(_known_tokens(req)) > req.kv_len) == known:
+            if not req.finished and which(req):
                 live.append(req)
                 starts.append(req.kv_len - n)
                 rows.append(hidden[offset:offset + n])
             offset += n
         self.draft_extend(live, starts, rows)
+        return live
 
     def after_forward(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
-        self._extend_chunks(reqs, lens, hidden, known=True)
+        """Every chunk is drafted once: here when its tokens one ahead are all known already
+        (intermediate chunks; a disaggregated prefill, whose draft-layer writes go with the
+        forward's), else in ``after_sample``, once the prompt's last chunk has its first token."""
+        drafted = self._extend_chunks(reqs, lens, hidden, lambda r: len(_known_tokens(r)) > r.kv_len)
+        self._drafted = {id(r) for r in drafted}
 
     def after_sample(self, reqs: list[Req], lens: list[int], hidden: torch.Tensor | None) -> None:
-        self._extend_chunks(reqs, lens, hidden, known=False)
+        drafted, self._drafted = self._drafted, set()
+        self._extend_chunks(reqs, lens, hidden, lambda r: id(r) not in drafted)
 
     def _draft_steps(self, reqs: list[Req], k_eff: list[int]) -> None:
         """Draft decode steps 2..k: request b runs while it has fewer than k_eff[b] drafts."""
