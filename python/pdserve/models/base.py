@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -90,6 +90,7 @@ class CausalLM(nn.Module):
 
     model: DecoderStack
     lm_head: ParallelLMHead
+    config: Any  # the transformers config the model was built from
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)

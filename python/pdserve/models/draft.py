@@ -12,7 +12,7 @@ Legend: T tokens, H hidden, N rows to score, V vocab.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -67,8 +67,11 @@ class DeepseekMTP(DecoderLayer, DraftModel):
     hnorm(target_hidden))))), as SGLang's DeepseekModelNextN."""
 
     def __init__(self, target: CausalLM, dtype: torch.dtype):
-        from pdserve.models.deepseek import MLAAttention
+        from pdserve.models.deepseek import DeepseekV2ForCausalLM, MLAAttention
 
+        if not isinstance(target, DeepseekV2ForCausalLM):
+            raise ValueError(f"speculative_algorithm: NEXTN drafts with DeepSeek's MTP layer; "
+                             f"{type(target).__name__} has none")
         c = target.config
         layer_id = c.num_hidden_layers
         super().__init__(MLAAttention(c, layer_id, SINGLE.attention, dtype), target.make_mlp(layer_id, SINGLE, dtype),
@@ -105,7 +108,7 @@ class _EagleStack(nn.Module):
             layer = DecoderLayer(attn, GatedMLP(c.hidden_size, c.intermediate_size, SINGLE, dtype, c.hidden_act),
                                  c.hidden_size, c.rms_norm_eps, dtype)
             if i == 0:  # EAGLE's first layer reads fc's output un-normed (SGLang's LlamaForCausalLMEagle)
-                layer.input_layernorm = nn.Identity()
+                setattr(layer, "input_layernorm", nn.Identity())  # noqa: B010  (typed RMSNorm on DecoderLayer)
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
 
@@ -142,19 +145,21 @@ def _share(draft: nn.Module, attr_path: str, module: nn.Module) -> None:
     setattr(owner, name, module)
 
 
-def _load(draft: DraftModel, tensors: dict[str, torch.Tensor], shared: dict[str, nn.Module]) -> None:
+def _load(draft: DraftModel, tensors: dict[str, torch.Tensor], shared: Mapping[str, nn.Module]) -> None:
     """Checkpoint tensors (draft-relative names) into ``draft``; modules of ``shared`` whose
     weight the checkpoint lacks become the target's."""
     tensors = dict(tensors)
     for path, module in shared.items():
         if f"{path}.weight" not in tensors:
             _share(draft, path, module)
-            tensors[f"{path}.weight"] = module.weight  # already in place: loads onto itself
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor), path
+            tensors[f"{path}.weight"] = weight  # already in place: loads onto itself
     load_into(draft, tensors.items())
     draft.process_weights_after_loading()
 
 
-def _dummy(draft: DraftModel, seed: int, shared: dict[str, nn.Module], quant: Fp8BlockConfig | None = None) -> None:
+def _dummy(draft: DraftModel, seed: int, shared: Mapping[str, nn.Module], quant: Fp8BlockConfig | None = None) -> None:
     """Seeded weights; with an FP8 target, passed through our quantizer as the target's dummy
     weights are (the draft's decoder linears FP8-representable; eh_proj and heads untouched)."""
     from pdserve.models.base import checkpoint_tensors
