@@ -14,6 +14,9 @@ import httpx
 import pytest
 from router_utils import Router
 
+from pdserve.config import resolve_model_path
+from pdserve.engine.tokenizer import load_tokenizer
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
 from pd_servers import decode_server, kill9, prefill_server, start_all  # noqa: E402
 
@@ -45,7 +48,7 @@ def pd():
 
 
 def stream(url: str, body: dict, on_event=None, headers: dict = AUTH) -> list[dict]:
-    """The events of one streamed /generate; ``on_event(i)`` after event i arrives."""
+    """The events of one streamed /generate; ``on_event(i, event)`` after event i arrives."""
     out = []
     with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, headers=headers, timeout=300) as r:
         assert r.status_code == 200
@@ -53,7 +56,7 @@ def stream(url: str, body: dict, on_event=None, headers: dict = AUTH) -> list[di
             if line.startswith("data: ") and line != "data: [DONE]":
                 out.append(json.loads(line[6:]))
                 if on_event is not None:
-                    on_event(len(out))
+                    on_event(len(out), out[-1])
             elif line == "data: [DONE]":
                 out.append("[DONE]")
     return out
@@ -89,7 +92,7 @@ def test_a_client_cannot_abort_another_clients_request_through_the_router(pd):
     body = {"text": "Mine", "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
 
     def foreign_abort(rid: str):
-        def on_event(i: int):
+        def on_event(i: int, _event: dict):
             if i == 2:
                 r = router.post("/abort_request", json={"rid": rid}, headers={**AUTH, "X-Client-Token": "mallory"})
                 assert r.status_code == 403 and "another client" in r.text, r.text
@@ -100,7 +103,7 @@ def test_a_client_cannot_abort_another_clients_request_through_the_router(pd):
     assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(events[-2]["output_ids"]) == 64
 
-    def admin_abort(i: int):
+    def admin_abort(i: int, _event: dict):
         if i == 2:
             assert router.post("/abort_request", json={"rid": "alice-2"}, headers=ADMIN).status_code == 200
 
@@ -120,10 +123,19 @@ def test_decode_killed_mid_stream_is_resumed_on_the_other(pd):
     prefill, decodes, router = pd
     body = {"text": "Once upon a time, in a land far away,", "sampling_params": GREEDY}
     undisturbed = stream(router.url, body)
+    want_ids = undisturbed[-2]["output_ids"]
+    tokenizer = load_tokenizer(resolve_model_path(MODEL)[0])
     killed = []
 
-    def kill_midway(i):
-        if i == KILL_AFTER_EVENTS:  # the decode serving this stream, as the router sees it
+    def splits_cleanly(n: int) -> bool:
+        """The text of the first n tokens and of the rest add up to the whole: the resumed decode,
+        which sees only the rest, can render it (resume.py's documented limit is a UTF-8
+        character split across the resume point, where they do not)."""
+        return tokenizer.decode(want_ids[:n]) + tokenizer.decode(want_ids[n:]) == tokenizer.decode(want_ids)
+
+    def kill_midway(i: int, event: dict):
+        if not killed and i >= KILL_AFTER_EVENTS and splits_cleanly(len(event["output_ids"])):
+            # the decode serving this stream, as the router sees it
             busy = [d for d in decodes if router.worker_state(d.url)["in_flight"] == 1]
             assert len(busy) == 1
             kill9(busy[0])
