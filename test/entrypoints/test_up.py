@@ -54,6 +54,17 @@ def test_plan_wires_prefills_decodes_and_the_router():
     assert "--api-key" not in r and r[r.index("--health-check-interval-secs") + 1] == "5"
 
 
+def test_bootstrap_ports_that_overlap_the_http_ports_are_refused_naming_the_flag():
+    # router 31555, servers 31556-31557: a registry on 31556 would share the prefill's HTTP port
+    overlap = r"bootstrap_port: .*31556\.\.31556 overlap .*31555\.\.31557.*--bootstrap-port"
+    with pytest.raises(ValueError, match=overlap):
+        UpArgs(1, 1, port=31555, bootstrap_port=31556)
+    with pytest.raises(ValueError, match="bootstrap_port"):
+        UpArgs(2, 1, port=40000, bootstrap_port=39999)  # registries 39999, 40000
+    UpArgs(2, 1, port=40000, bootstrap_port=39998)  # 39998-39999: just below
+    UpArgs(1, 1, port=31555, bootstrap_port=31558)  # just above
+
+
 def test_the_admin_key_reaches_the_children_by_the_environment_only(monkeypatch):
     """pdserve up --admin-api-key: on no child's command line; servers, router and up itself take
     $PDSERVE_ADMIN_API_KEY as --admin-api-key's default."""

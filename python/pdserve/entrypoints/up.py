@@ -141,6 +141,16 @@ class UpArgs:
         if not 0 < self.port or last > 65535:
             raise ValueError(f"port: the router and its {self.num_prefill + self.num_decode} servers need "
                              f"ports {self.port}..{last}")
+        boot_last = self.bootstrap_port + self.registries - 1
+        if self.bootstrap_port <= last and self.port <= boot_last:
+            # a registry and an HTTP server on one port: one of them never binds, or answers the other's requests
+            raise ValueError(f"bootstrap_port: the bootstrap registries' ports {self.bootstrap_port}..{boot_last} "
+                             f"overlap the router's and servers' {self.port}..{last}; pick another --bootstrap-port")
+
+    @property
+    def registries(self) -> int:
+        """Bootstrap registries: one per prefill server (per server with --elastic: any may become prefill)."""
+        return self.num_prefill + (self.num_decode if self.elastic is not None else 0)
 
 
 @dataclass
@@ -228,8 +238,7 @@ def secrets_env(args: UpArgs, server: bool) -> dict[str, str]:
 
 def ports_in_use(args: UpArgs) -> list[int]:
     ports = [args.port + i for i in range(1 + args.num_prefill + args.num_decode)]
-    registries = args.num_prefill + (args.num_decode if args.elastic is not None else 0)
-    ports += [args.bootstrap_port + i for i in range(registries)]
+    ports += [args.bootstrap_port + i for i in range(args.registries)]
     busy = []
     for port in ports:
         with socket.socket() as s:
@@ -385,7 +394,7 @@ def launch_up(args: UpArgs) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s up] %(levelname)s %(message)s")
     busy = ports_in_use(args)
     if busy:
-        logger.error("port: %s already in use (pick another --port / --disaggregation-bootstrap-port)",
+        logger.error("port: %s already in use (pick another --port / --bootstrap-port)",
                      ", ".join(map(str, busy)))
         return 1
     dep = Deployment(args)
