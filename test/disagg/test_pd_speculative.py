@@ -60,6 +60,11 @@ def test_1p1d_greedy_equals_colocated_plain_decoding(pairs, alg, eagle_dir):
     assert d["spec_verify_ct"] > 0
     final = pair.outputs["r0"]["final"]
     assert final.spec_verify_ct >= 1 and final.spec_draft_token_num >= 1
+    # decode's first token came from a one-row verify: every token was emitted by a verify, so
+    # with nothing accepted (random drafts) the accept length is exactly 1
+    meta = final.spec_meta()
+    assert final.spec_verify_ct + final.spec_accept_token_num == NEW
+    assert meta["spec_accept_length"] == pytest.approx(NEW / final.spec_verify_ct)
     pair.assert_idle_and_accounted()
 
 

@@ -152,6 +152,9 @@ def test_real_draft_greedy_output_is_identical(pair):
     meta = out[2]["meta_info"]
     assert meta["spec_verify_ct"] >= 1 and meta["spec_draft_token_num"] >= meta["spec_verify_ct"]
     assert 0 <= meta["spec_accept_rate"] <= 1 and meta["spec_accept_length"] >= 1
+    # colocated: the first token came from prefill, every other one from a verify
+    assert meta["spec_verify_ct"] + meta["spec_accept_token_num"] == len(out[2]["output_ids"]) - 1
+    assert meta["spec_accept_length"] == pytest.approx(1 + meta["spec_accept_token_num"] / meta["spec_verify_ct"])
     assert spec.scheduler.stats()["spec_verify_ct"] > 0
     _no_leak(spec)
 

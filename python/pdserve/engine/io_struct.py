@@ -108,19 +108,21 @@ class TokenOutput:
 
     def spec_meta(self) -> dict:
         """SGLang's speculative meta_info keys ({} without speculation)."""
-        return spec_meta(self.spec_verify_ct, self.spec_draft_token_num, self.spec_accept_token_num,
-                         self.completion_tokens)
+        return spec_meta(self.spec_verify_ct, self.spec_draft_token_num, self.spec_accept_token_num)
 
 
-def spec_meta(verify_ct: int | None, draft_tokens: int | None, accepted: int | None, completion_tokens: int) -> dict:
-    """``spec_verify_ct`` (verify forwards), ``spec_accept_length`` (completion tokens per
-    verify: the first token comes from prefill), ``spec_accept_rate`` (accepted / proposed
-    draft tokens), ``spec_accept_token_num``, ``spec_draft_token_num``; {} without speculation."""
+def spec_meta(verify_ct: int | None, draft_tokens: int | None, accepted: int | None) -> dict:
+    """``spec_verify_ct`` (verify forwards), ``spec_accept_length`` (tokens per verify: its
+    accepted drafts plus the target's own token, so 1.0 when no draft is ever accepted; counted
+    from the verifies, not the completion, because a colocated request's first token comes from
+    prefill and a disaggregated decode's from a one-row verify), ``spec_accept_rate`` (accepted /
+    proposed draft tokens), ``spec_accept_token_num``, ``spec_draft_token_num``; {} without
+    speculation."""
     if verify_ct is None:
         return {}
-    decoded = max(0, completion_tokens - 1)
+    emitted = verify_ct + (accepted or 0)
     return {"spec_verify_ct": verify_ct,
-            "spec_accept_length": decoded / verify_ct if verify_ct else 0.0,
+            "spec_accept_length": emitted / verify_ct if verify_ct else 0.0,
             "spec_accept_rate": (accepted or 0) / draft_tokens if draft_tokens else 0.0,
             "spec_accept_token_num": accepted or 0, "spec_draft_token_num": draft_tokens or 0}
 
