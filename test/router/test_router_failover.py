@@ -91,17 +91,26 @@ def test_a_client_cannot_abort_another_clients_request_through_the_router(pd):
     _, _, router = pd
     body = {"text": "Mine", "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
 
-    def foreign_abort(rid: str):
+    def foreign_then_own_abort(rid: str, owner: dict):
+        # The stream is long (2000 tokens): at event 2 the decode still runs it, so the refusal comes
+        # from the worker that holds it, not from a request that had already ended (a 64-token stream
+        # could finish on the decode before the client read its second event, and the abort found
+        # nothing to refuse). Its owner then ends it, which shows mallory's abort stopped nothing.
         def on_event(i: int, _event: dict):
             if i == 2:
                 r = router.post("/abort_request", json={"rid": rid}, headers={**AUTH, "X-Client-Token": "mallory"})
                 assert r.status_code == 403 and "another client" in r.text, r.text
+            elif i == 4:
+                r = router.post("/abort_request", json={"rid": rid}, headers=owner)
+                assert r.status_code == 200, r.text
         return on_event
 
     alice = {**AUTH, "X-Client-Token": "alice"}
-    events = stream(router.url, {**body, "rid": "alice-1"}, foreign_abort("alice-1"), headers=alice)
-    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "length"
-    assert len(events[-2]["output_ids"]) == 64
+    long_body = {**body, "sampling_params": {**body["sampling_params"], "max_new_tokens": 2000}}
+    events = stream(router.url, {**long_body, "rid": "alice-1"}, foreign_then_own_abort("alice-1", alice),
+                    headers=alice)
+    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 4 <= len(events[-2]["output_ids"]) < 2000  # it ran past mallory's abort, to its owner's
 
     def admin_abort(i: int, _event: dict):
         if i == 2:
