@@ -7,6 +7,7 @@ everything it started even if the server misbehaves.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,6 +26,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_block(n: int) -> int:
+    """The first of ``n`` consecutive ports that are free now, below the kernel's ephemeral range
+    (32768 and up on Linux), where client sockets (every test's) take their source ports: a port
+    picked there, and its neighbours above all, may be taken by a connection before the server binds."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        if all(port_is_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports in 20000..32000")
 
 
 def port_is_free(port: int) -> bool:

@@ -32,7 +32,7 @@ from pdserve.entrypoints.up import (
     split_cores,
 )
 from pdserve.web.api_key import ADMIN_KEY_ENV
-from server_utils import alive, descendants, free_port, port_is_free
+from server_utils import alive, descendants, free_port_block, port_is_free
 
 
 def test_cores_are_split_between_the_servers():
@@ -292,7 +292,8 @@ def _router_pid(pids: set[int]) -> int:
 
 def test_up_serves_through_its_router_and_stops_everything():
     pytest.importorskip("mooncake.store")
-    port, boot = free_port(), free_port()
+    port = free_port_block(4)  # router, prefill, decode, then the prefill's bootstrap registry
+    boot = port + 3
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
            "--bootstrap-port", str(boot), "--log-level", "warning", "--api-key", API_KEY,
@@ -406,7 +407,8 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
     """kill -9 of the only prefill with 8 streams in flight and 8 requests after: all 16 complete with
     the colocated engine's greedy tokens; restarted on its ports, it is used again once the router's
     next health check passes it."""
-    port, boot = free_port(), free_port()
+    port = free_port_block(4)  # router, prefill, decode, then the prefill's bootstrap registry
+    boot = port + 3
     router, decode = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 2}"
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-kill-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
