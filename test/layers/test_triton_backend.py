@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 pytest.importorskip("triton")
 
-from fixtures.paged_batches import PagedRequests  # noqa: E402
+from fixtures.paged_batches import cat_spans as _cat  # noqa: E402
+from fixtures.paged_batches import walk_steps  # noqa: E402
 from pdserve.layers.attention.reference import gqa_reference, mla_reference  # noqa: E402
 from pdserve.layers.attention.registry import create_backend  # noqa: E402
 from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool  # noqa: E402
@@ -22,20 +23,7 @@ STEPS = [[(0, 11), (2, 16)], [(0, 9), (1, 5), (2, 1)], [(0, 1), (1, 1)], [(1, 1)
 
 
 def _walk(pool, run_step, check):
-    paged = PagedRequests(pool, seed=pool.page_size, backend=create_backend("triton"))
-    done = [0] * len(LENGTHS)
-    for step in STEPS:
-        decode = all(n == 1 for _, n in step) and all(done[r] for r, _ in step)
-        fb = paged.batch([(r, [0] * n) for r, n in step], decode=decode)
-        spans = [(r, done[r], n) for r, n in step]
-        for (r, start, n), o in zip(spans, run_step(fb, spans).split([n for _, n in step])):
-            check(r, start, n, o)
-            done[r] += n
-    assert done == list(LENGTHS)
-
-
-def _cat(xs, spans):
-    return torch.cat([xs[r][s:s + n] for r, s, n in spans])
+    walk_steps(pool, create_backend("triton"), LENGTHS, STEPS, run_step, check)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
