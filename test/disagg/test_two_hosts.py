@@ -477,3 +477,58 @@ def test_without_a_token_an_off_host_peer_is_refused(cluster):
         assert server.refused["auth"] == 2
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------ one server over two hosts
+def test_tp_over_two_hosts_answers_as_one_rank(cluster, reference):
+    """Rank 0 on A (HTTP), rank 1 on B: the single-rank engine's answers; every listener on its
+    host's address but torch's TCP store (node 0, the --dist-init-addr port: docs/security.md)."""
+    steps = _start(cluster, "tp")
+    nodes = {flag(s.words, "--node-rank"): s for s in commands(steps, "pdserve", "serve")}
+    assert (nodes["0"].host, nodes["1"].host) == ("A", "B") and flag(nodes["0"].words, "--nnodes") == "2"
+    url = _url(nodes["0"])
+    cluster.wait_healthy("B", url)
+    for ids in PROMPTS:
+        got = cluster.post("B", url + "/generate", {"input_ids": ids, "sampling_params": SAMPLING})
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == reference(ids), ids
+    info = cluster.get("B", url + "/get_server_info").json()
+    assert len(info["scheduler_pids"]) == 1  # rank 1 runs on host B
+    store_port = int(flag(nodes["0"].words, "--dist-init-addr").rsplit(":", 1)[1])
+    found = _assert_bound_to(cluster, "A", lambda pid, port: port == store_port)
+    assert {(ADDRESS["A"], store_port + 1), (ADDRESS["A"], store_port + 2)} <= {(a, p) for _, a, p in found}
+    _assert_bound_to(cluster, "B", lambda pid, port: False)  # node 1: gloo's sockets on B's address
+    assert cluster.listeners("B"), "node 1 holds no socket: its rank did not join"
+
+
+# ------------------------------------------------------------------ the hierarchical cache
+def test_hicache_store_on_one_host_serves_the_other(cluster, reference):
+    """Master and prefill on A, decode on B: decode writes turn 1 back into the store; turn 2's
+    prefill on A loads that from the store (pages that crossed hosts, as written into a segment on
+    one and read on the other); every output the offline engine's."""
+    steps = _start(cluster, "hicache", lambda s: HICACHE_SIZING if s.words[:2] == ["pdserve", "serve"] else ())
+    (master,) = commands(steps, "mooncake_master")
+    assert master.host == "A"
+    prefill, decode = _server(steps, "prefill"), _server(steps, "decode")
+    assert (prefill.host, decode.host) == ("A", "B")
+    for step in (prefill, decode):
+        cluster.wait_healthy("A", _url(step))
+    (router,) = commands(recipe(SECTIONS["pd"]), "pdserve", "router")  # "and the router as above"
+    cluster.launch(settings(recipe(SECTIONS["pd"])), router)
+    cluster.wait_healthy("A", _url(router))
+
+    turn1 = PROMPTS[0]
+    got = cluster.post("A", _url(router) + "/generate", {"input_ids": turn1, "sampling_params": SAMPLING}).json()
+    assert got["output_ids"] == reference(turn1)
+    deadline = time.monotonic() + 60
+    while cluster.get("A", _url(decode) + "/get_server_info").json()["storage_puts"] < 2:
+        assert time.monotonic() < deadline, f"decode wrote nothing back to the store\n{cluster.logs()}"
+        time.sleep(0.25)
+    turn2 = turn1 + got["output_ids"] + [40, 41, 42]
+    got = cluster.post("A", _url(router) + "/generate", {"input_ids": turn2, "sampling_params": SAMPLING}).json()
+    assert got["output_ids"] == reference(turn2)
+    tiers = got["meta_info"]["cached_tokens_by_tier"]
+    info = cluster.get("A", _url(prefill) + "/get_server_info").json()
+    counters = {k: v for k, v in info.items() if k.startswith("storage_")}
+    assert tiers["storage"] > 0, f"{tiers}; prefill's store: {counters}\n{cluster.logs()}"
+    assert info["storage_bad_mac"] == 0 and info["storage_get_bytes"] > 0, info
