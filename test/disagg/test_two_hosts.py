@@ -28,6 +28,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -125,6 +126,12 @@ def flag(words: list[str], name: str) -> str | None:
     return words[words.index(name) + 1] if name in words else None
 
 
+def _option(words: list[str], name: str) -> str:
+    """A gflags option's value (``-name=value``, mooncake_master's style)."""
+    (value,) = [w.split("=", 1)[1] for w in words if w.startswith(name + "=")]
+    return value
+
+
 # Checked on any machine: what a reader must get right for the recipe to work on two hosts.
 def test_the_recipe_sets_both_hosts_and_exports_the_token():
     lines = settings(recipe(SECTIONS["pd"]))
@@ -186,6 +193,7 @@ class Cluster:
     """Two namespaces ("hosts" A and B) joined by a veth pair, and what runs in them."""
 
     names: dict[str, str]
+    tag: str
     workdir: Path
     procs: list[Proc] = field(default_factory=list)
     clients: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
@@ -193,8 +201,7 @@ class Cluster:
 
     # -- running the doc's commands --------------------------------------------------------
     def env(self) -> dict[str, str]:
-        bin_dir = self.workdir / "bin"
-        path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        path = os.pathsep.join([str(self.workdir / "bin"), os.environ.get("PATH", "")])
         pythonpath = os.pathsep.join([str(ROOT / "python"), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")])
         return {**os.environ, "PATH": path, "PYTHONPATH": pythonpath}
 
@@ -205,7 +212,8 @@ class Cluster:
 
     def launch(self, prelude: list[str], step: Step, extra: tuple[str, ...] = ()) -> Proc:
         assert step.host is not None
-        name = f"{len(self.procs)}-{step.host}-{step.words[0]}-{step.words[1] if len(step.words) > 1 else ''}"
+        program = "-".join(step.words[:2]) if step.words[0] == "pdserve" else step.words[0]
+        name = f"{len(self.procs)}-{step.host}-{program}"
         log = self.workdir / (re.sub(r"[^\w.-]", "_", name) + ".log")
         with open(log, "wb") as out:
             popen = subprocess.Popen(["ip", "netns", "exec", self.names[step.host], "bash", "-c",
@@ -251,18 +259,34 @@ class Cluster:
     def post(self, host: str, url: str, body: dict) -> httpx.Response:
         return self.on(host, httpx.post, url, json=body, headers=AUTH, timeout=120)
 
-    def wait_healthy(self, host: str, url: str, timeout: float = START_TIMEOUT_S) -> None:
+    def wait_healthy(self, host: str, url: str, timeout: float = START_TIMEOUT_S, router: bool = False) -> None:
+        """Until ``url``'s /health answers 200 to a client on ``host`` (a router: and it sees a
+        prefill too, "ok": before that it sends requests to decode alone)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = [p.name for p in self.procs if p.popen.poll() is not None]
             assert not dead, f"exited: {dead}\n{self.logs()}"
             try:
-                if self.get(host, url + "/health", timeout=2).status_code == 200:
+                reply = self.get(host, url + "/health", timeout=2)
+                if reply.status_code == 200 and (not router or reply.json()["status"] == "ok"):
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
         raise AssertionError(f"{url} not healthy after {timeout} s\n{self.logs()}")
+
+    def wait_listening(self, host: str, address: str, port: int, timeout: float = 30.0) -> None:
+        def connects() -> bool:
+            try:
+                socket.create_connection((address, port), timeout=1).close()
+                return True
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + timeout
+        while not self.on(host, connects):
+            assert time.monotonic() < deadline, f"nothing listens on {address}:{port}\n{self.logs()}"
+            time.sleep(0.1)
 
     def listeners(self, host: str) -> list[tuple[int, str, int]]:
         """(pid, address, port) of every TCP listener of our processes in host's namespace."""
@@ -281,8 +305,7 @@ class Cluster:
         finally:
             for pool in self.clients.values():
                 pool.shutdown(wait=False)
-            for name in self.names.values():
-                _ip("netns", "del", name, check=False)  # takes its end of the veth pair with it
+            _remove_hosts(self.tag)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -311,18 +334,33 @@ def test_the_placeholders_are_where_the_substitutions_look():
             assert flag(shlex.split(_substitute(step.line, Path("/w"))), "--model-path") == MODEL, step.line
 
 
+def _host_names(tag: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Namespace and veth names of this run (a veth name has at most 15 characters)."""
+    return {h: f"pd2h-{tag}-{h.lower()}" for h in ADDRESS}, {h: f"pd2h{tag}{h.lower()}"[:15] for h in ADDRESS}
+
+
 def _make_hosts(tag: str) -> dict[str, str]:
-    names = {h: f"pd2h-{tag}-{h.lower()}" for h in ADDRESS}
-    veth = {h: f"pd2h{tag}{h.lower()}"[:15] for h in ADDRESS}
-    _ip("netns", "add", names["A"])
-    _ip("netns", "add", names["B"])
-    _ip("link", "add", veth["A"], "type", "veth", "peer", "name", veth["B"])
-    for h in ADDRESS:
-        _ip("link", "set", veth[h], "netns", names[h])
-        _ip("-n", names[h], "addr", "add", f"{ADDRESS[h]}/24", "dev", veth[h])
-        _ip("-n", names[h], "link", "set", veth[h], "up")
-        _ip("-n", names[h], "link", "set", "lo", "up")
+    names, veth = _host_names(tag)
+    try:
+        _ip("netns", "add", names["A"])
+        _ip("netns", "add", names["B"])
+        _ip("link", "add", veth["A"], "type", "veth", "peer", "name", veth["B"])
+        for h in ADDRESS:
+            _ip("link", "set", veth[h], "netns", names[h])
+            _ip("-n", names[h], "addr", "add", f"{ADDRESS[h]}/24", "dev", veth[h])
+            _ip("-n", names[h], "link", "set", veth[h], "up")
+            _ip("-n", names[h], "link", "set", "lo", "up")
+    except BaseException:
+        _remove_hosts(tag)
+        raise
     return names
+
+
+def _remove_hosts(tag: str) -> None:
+    names, veth = _host_names(tag)
+    for h in ADDRESS:
+        _ip("netns", "del", names[h], check=False)  # takes its end of the veth pair with it
+    _ip("link", "del", veth["A"], check=False)  # still here if it never moved into its namespace
 
 
 def _remove_stale_hosts() -> None:
@@ -338,16 +376,17 @@ def cluster() -> Iterator[Cluster]:
     why = _why_no_namespaces()
     if why:
         pytest.skip(f"two-host test skipped: {why}")
+    pytest.importorskip("mooncake.store", reason="the recipes' transfer engine and store are Mooncake's")
+    from pdserve.mem.storage.mooncake_store import master_binary
+
     _remove_stale_hosts()
     tag = str(os.getpid())
     try:
         names = _make_hosts(tag)
     except subprocess.CalledProcessError as e:
-        for h in ADDRESS:
-            _ip("netns", "del", f"pd2h-{tag}-{h.lower()}", check=False)
         pytest.skip(f"two-host test skipped: `{' '.join(e.cmd)}` failed: {e.stderr.strip()}")
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-two-hosts-"))
-    c = Cluster(names, workdir)
+    c = Cluster(names, tag, workdir)
     try:
         (workdir / "secrets").mkdir(mode=0o700)
         (workdir / "secrets" / "pd-token").write_text(TOKEN + "\n")
@@ -356,6 +395,7 @@ def cluster() -> Iterator[Cluster]:
         shim = workdir / "bin" / "pdserve"  # this checkout's pdserve, whatever is installed
         shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m pdserve "$@"\n')
         shim.chmod(0o755)
+        (workdir / "bin" / "mooncake_master").symlink_to(master_binary())  # the wheel's, as the doc says
         yield c
     finally:
         c.close()
@@ -386,7 +426,10 @@ def _start(c: Cluster, name: str, extra: Callable[[Step], tuple[str, ...]] = lam
     c.stop_all()
     steps = recipe(SECTIONS[name])
     prelude = settings(recipe(SECTIONS["pd"])) + (settings(steps) if name != "pd" else [])
-    for step in [*commands(steps, "mooncake_master"), *commands(steps, "pdserve")]:
+    for step in commands(steps, "mooncake_master"):  # first, as on a cluster: the servers join it at start-up
+        c.launch(prelude, step)
+        c.wait_listening(step.host, ADDRESS[step.host], int(_option(step.words, "-rpc_port")))
+    for step in commands(steps, "pdserve"):
         sizing = SIZING if step.words[:2] == ["pdserve", "serve"] else ()
         c.launch(prelude, step, (*sizing, *extra(step)))
     c.current = name
@@ -409,8 +452,8 @@ def pd(cluster: Cluster) -> dict[str, Step]:
     (router,) = commands(steps, "pdserve", "router")
     parts = {"prefill": _server(steps, "prefill"), "decode": _server(steps, "decode"), "router": router}
     assert (parts["prefill"].host, parts["decode"].host, router.host) == ("A", "B", "B")
-    for part in ("prefill", "decode", "router"):
-        cluster.wait_healthy("A", _url(parts[part]))  # a client on host A: every request crosses the link
+    for part in ("prefill", "decode", "router"):  # a client on host A: every request crosses the link
+        cluster.wait_healthy("A", _url(parts[part]), router=part == "router")
     return parts
 
 
@@ -422,7 +465,10 @@ def test_pd_across_hosts_answers_as_colocated(cluster, pd, reference):
         assert got.json()["output_ids"] == reference(ids), ids
     info = cluster.get("A", _url(pd["decode"]) + "/get_server_info").json()
     assert info["disaggregation_mode"] == "decode"
-    assert info["kv_received"] == len(PROMPTS), info  # every prompt's KV came from host A, none fell back
+    counters = {k: info[k] for k in ("requests_disaggregated", "kv_received", "local_prefills", "fallbacks",
+                                     "transfer_failures")}
+    # every prompt's KV came from host A, none fell back
+    assert counters["kv_received"] == len(PROMPTS) and counters["fallbacks"] == 0, f"{counters}\n{cluster.logs()}"
 
 
 def _assert_bound_to(cluster: Cluster, host: str, allowed_wildcard: Callable[[int, int], bool]) -> list:
@@ -434,18 +480,34 @@ def _assert_bound_to(cluster: Cluster, host: str, allowed_wildcard: Callable[[in
     return found
 
 
-def test_pd_listeners_bind_the_given_address(cluster, pd):
-    """Every socket of ours is on the host's --host address, but Mooncake's transfer engines (two
-    wildcard ports per engine in 15000-17000, held by the servers, never the router)."""
-    router_pids = {p.popen.pid for p in cluster.procs if p.name.endswith("pdserve-router")}
-    router_pids |= {d for pid in router_pids for d in descendants(pid)}
+def _pids(cluster: Cluster, suffix: str) -> set[int]:
+    """The process trees of what runs a command whose name ends with ``suffix``."""
+    roots = {p.popen.pid for p in cluster.procs if p.name.endswith(suffix)}
+    assert roots, suffix
+    return roots | {d for pid in roots for d in descendants(pid)}
+
+
+def _assert_only_engines_on_wildcards(cluster: Cluster, not_engines: set[int]) -> None:
+    """Every socket of ours is on its host's address but Mooncake's transfer engines: wildcard
+    ports in 15000-17000 held by P/D servers and store clients, never by ``not_engines``."""
     for host in ("A", "B"):
         found = _assert_bound_to(cluster, host, lambda pid, port: port in TRANSFER_ENGINE_PORTS
-                                 and pid not in router_pids)
-        wild = [a for _, a, _ in found if a != ADDRESS[host]]
-        assert wild, f"host {host}: no transfer engine seen, so the exception is not exercised"
+                                 and pid not in not_engines)
+        assert [a for _, a, _ in found if a != ADDRESS[host]], \
+            f"host {host}: no transfer engine seen, so the exception is not exercised"
+
+
+def test_pd_listeners_bind_the_given_address_and_no_secret_shows(cluster, pd):
+    _assert_only_engines_on_wildcards(cluster, _pids(cluster, "pdserve-router"))
     ports = {(a, p) for _, a, p in cluster.listeners("A")}
     assert {(ADDRESS["A"], 30001), (ADDRESS["A"], 8998)} <= ports  # HTTP and the bootstrap registry
+    for p in cluster.procs:  # the recipe passes both secrets by environment: not in `ps`
+        for pid in (p.popen.pid, *descendants(p.popen.pid)):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            assert TOKEN not in argv and API_KEY not in argv, argv.replace("\0", " ")
 
 
 def test_a_peer_without_the_token_is_refused(cluster, pd):
@@ -511,11 +573,10 @@ def test_hicache_store_on_one_host_serves_the_other(cluster, reference):
     assert master.host == "A"
     prefill, decode = _server(steps, "prefill"), _server(steps, "decode")
     assert (prefill.host, decode.host) == ("A", "B")
-    for step in (prefill, decode):
-        cluster.wait_healthy("A", _url(step))
     (router,) = commands(recipe(SECTIONS["pd"]), "pdserve", "router")  # "and the router as above"
     cluster.launch(settings(recipe(SECTIONS["pd"])), router)
-    cluster.wait_healthy("A", _url(router))
+    for step in (prefill, decode, router):
+        cluster.wait_healthy("A", _url(step), router=step is router)
 
     turn1 = PROMPTS[0]
     got = cluster.post("A", _url(router) + "/generate", {"input_ids": turn1, "sampling_params": SAMPLING}).json()
@@ -531,4 +592,7 @@ def test_hicache_store_on_one_host_serves_the_other(cluster, reference):
     info = cluster.get("A", _url(prefill) + "/get_server_info").json()
     counters = {k: v for k, v in info.items() if k.startswith("storage_")}
     assert tiers["storage"] > 0, f"{tiers}; prefill's store: {counters}\n{cluster.logs()}"
-    assert info["storage_bad_mac"] == 0 and info["storage_get_bytes"] > 0, info
+    assert info["storage_bad_mac"] == 0 and info["storage_get_bytes"] > 0, counters  # pages signed under the token
+    master_pids = _pids(cluster, "mooncake_master")
+    _assert_only_engines_on_wildcards(cluster, master_pids | _pids(cluster, "pdserve-router"))
+    assert {a for pid, a, _ in cluster.listeners("A") if pid in master_pids} == {ADDRESS["A"]}
