@@ -1,11 +1,13 @@
 """docs/disaggregation.md's by-hand recipes, followed as written on two hosts: two network
 namespaces joined by a veth pair, each with its own address in a private test range.
 
-The commands are read from the doc's "By hand, as on a cluster" sections, not copied here. Each
-command runs under ``ip netns exec`` on the host its ``# host A`` / ``# host B`` comment names,
-after the doc's settings block, with these substitutions only: ``HOST_A`` and ``HOST_B`` get the
-namespaces' addresses, ``/etc/pdserve/`` (the secrets' files) a private folder, ``--model-path M`` a
-tiny preset; and flags appended that size the servers for a 2-core box (``SIZING``). Checked:
+The commands are read from the doc (its sections "By hand, as on a cluster", "One server over two
+hosts" and "With the hierarchical cache"), not copied here. Each runs under ``ip netns exec`` on
+the host its ``# host A`` / ``# host B`` comment names, after the doc's settings block, with these
+substitutions only: ``HOST_A`` and ``HOST_B`` get the namespaces' addresses, ``/etc/pdserve/``
+(the secrets' files) a private folder, ``--model-path M`` a tiny preset; and flags appended that
+size the servers for a 2-core box (``SIZING``, ``HICACHE_SIZING``). Each namespace has ports of
+its own, so the doc's ports are used as written. Checked:
 
 - P/D, prefill on A, decode and router on B, under the token: greedy output through the router
   equals the offline engine's, every request's KV came over from prefill; every listener of ours
@@ -95,10 +97,10 @@ def section(markdown: str, title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def recipe(title: str, markdown: str | None = None) -> list[Step]:
+def recipe(title: str) -> list[Step]:
     """The section's shell lines (continuations joined) in order, each with its host."""
     steps = []
-    for block in re.findall(r"```bash\n(.*?)```", section(markdown or DOC.read_text(), title), re.S):
+    for block in re.findall(r"```bash\n(.*?)```", section(DOC.read_text(), title), re.S):
         host, pending = None, ""
         for raw in block.splitlines():
             line = raw.strip()
