@@ -114,6 +114,13 @@ def test_sub_configs_are_built_once_and_handed_out_as_they_are():
     assert args.cache_config().hicache is args.hicache_config()  # one HiCache config, composed into the cache's
 
 
+def test_the_storage_tier_is_told_the_servers_host():
+    """A shared tier's clients reach the memory this server lends at its --host."""
+    args = ServerArgs(model_path="tiny-llama", enable_hierarchical_cache=True, host="10.0.0.11")
+    assert args.hicache_config().host == "10.0.0.11"
+    assert ServerArgs(model_path="tiny-llama").hicache_config().host == "127.0.0.1"
+
+
 def test_the_token_file_is_read_once_however_often_its_configs_are_asked_for(token_file):
     path, opens = token_file
     args = _args_with_token_file(path)

@@ -314,6 +314,8 @@ class HiCacheConfig:
     storage_backend_extra_config: str | None = None
     # The deployment's token (resolve_token): storage pages are signed with it, unsigned ones refused
     auth_token: str | None = field(default=None, repr=False)
+    # The server's --host: where a shared tier's other clients reach the memory this server lends
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.ratio > 0:
@@ -989,7 +991,7 @@ class ServerArgs:
     @_built_once
     def hicache_config(self) -> HiCacheConfig:
         flags = {f.metadata["hicache"]: getattr(self, f.name) for f in _HICACHE_FLAGS}
-        return HiCacheConfig(**flags, auth_token=self.auth_token())
+        return HiCacheConfig(**flags, auth_token=self.auth_token(), host=self.host)
 
     @_built_once
     def auth_token(self) -> str | None:

@@ -133,7 +133,8 @@ class KVCacheManager:
         ns = namespace(compat)
         store = create_page_store(hicache.storage_backend, directory=self._rank_dir(hicache.storage_dir, compat),
                                   size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
-                                  extra_config=hicache.store_extra_config(), auth_token=hicache.auth_token)
+                                  extra_config=hicache.store_extra_config(), auth_token=hicache.auth_token,
+                                  host=hicache.host)
         return StorageLeg(store, ns, hicache.chunk_tokens(self.page_size), self.page_size,
                           policy=hicache.prefetch_policy())
 

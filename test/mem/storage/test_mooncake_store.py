@@ -1,5 +1,6 @@
 """Mooncake Store tier against a real ``mooncake_master`` subprocess (one per module, plus one killed)."""
 
+import socket
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -33,7 +34,8 @@ def master() -> Iterator[MooncakeMaster]:
 def open_store(master) -> Iterator[Callable[..., PageStore]]:
     opened: list[PageStore] = []
 
-    def make(segment: str | int = SEGMENT, ns: bytes = NS, on=None, token: str | None = None, **extra) -> PageStore:
+    def make(segment: str | int = SEGMENT, ns: bytes = NS, on=None, token: str | None = None, host: str = "127.0.0.1",
+             **extra) -> PageStore:
         on = on or master
         config = {
             "master_server_address": on.address,
@@ -43,7 +45,7 @@ def open_store(master) -> Iterator[Callable[..., PageStore]]:
             **extra,
         }
         store = create_page_store("mooncake", directory=None, size_gb=1.0, namespace=ns, extra_config=config,
-                                  auth_token=token)
+                                  auth_token=token, host=host)
         assert isinstance(store, MooncakeStore)
         opened.append(store)
         return store
@@ -65,6 +67,17 @@ def test_two_clients_on_one_master_share_pages(open_store):
     stats = owner.stats()
     assert stats["hits"] == 2 and stats["bytes_read"] == 2 * 4096 and stats["puts"] == 1
     assert client.stats()["miss_absent"] == 1 and client.stats()["puts"] == 3
+
+
+def test_the_segment_is_registered_at_the_servers_host(open_store):
+    """Other clients reach the memory a store lends at its ``local_hostname``: the server's --host
+    by default (it was 127.0.0.1 whatever --host said, and a store on another host failed every read
+    from it: test/disagg/test_two_hosts.py), a wildcard bind as this machine's address, and the
+    extra config's value over both."""
+    assert open_store(segment=0, host="127.0.0.1").config.local_hostname == "127.0.0.1"
+    here = socket.gethostbyname(socket.gethostname())
+    assert open_store(segment=0, host="0.0.0.0").config.local_hostname == here
+    assert open_store(segment=0, host="0.0.0.0", local_hostname="127.0.0.1").config.local_hostname == "127.0.0.1"
 
 
 def test_another_models_page_is_a_counted_miss_then_replaced(open_store):

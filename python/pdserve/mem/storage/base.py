@@ -125,6 +125,7 @@ def create_page_store(
     namespace: bytes,
     extra_config: Mapping[str, object] | None,
     auth_token: str | None = None,
+    host: str = "127.0.0.1",
 ) -> PageStore:
     """The tier named by ``--hicache-storage-backend``.
 
@@ -133,7 +134,9 @@ def create_page_store(
     extra config names ``global_segment_size``); ``extra_config``:
     ``--hicache-storage-backend-extra-config``, checked by the backend, unknown keys refused;
     ``auth_token``: the deployment's token (``config.resolve_token``), under which pages are
-    signed and unsigned ones refused (``page_format``); None: CRC checks only.
+    signed and unsigned ones refused (``page_format``); None: CRC checks only; ``host``: the
+    address this process is reached at (the server's ``--host``), where a shared tier's other
+    clients find the memory it lends (Mooncake's ``local_hostname``).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"hicache_storage_backend: {backend!r} is not one of {sorted(_BACKENDS)}")
@@ -145,6 +148,6 @@ def create_page_store(
 
     store: PageStore = getattr(importlib.import_module(module), factory)(
         directory=directory, size_gb=size_gb, namespace=namespace, extra_config=dict(extra_config or {}),
-        mac_key=page_format.mac_key(auth_token) if auth_token else None,
+        mac_key=page_format.mac_key(auth_token) if auth_token else None, host=host,
     )
     return store

@@ -386,8 +386,11 @@ def create_file_store(
     namespace: bytes,
     extra_config: Mapping[str, object],
     mac_key: bytes | None = None,
+    host: str = "127.0.0.1",
 ) -> FileStore:
-    """``create_page_store("file", ...)``: extra config keys ``fsync`` and ``bypass_page_cache`` (booleans)."""
+    """``create_page_store("file", ...)``: extra config keys ``fsync`` and ``bypass_page_cache`` (booleans);
+    ``host`` is unused (one owner per folder, no peers)."""
+    del host
     options: dict[str, bool] = {}
     for field, value in extra_config.items():
         if field not in _EXTRA_KEYS:

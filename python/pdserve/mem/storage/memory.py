@@ -178,11 +178,12 @@ def create_memory_store(
     namespace: bytes,
     extra_config: Mapping[str, object],
     mac_key: bytes | None = None,
+    host: str = "127.0.0.1",
 ) -> MemoryStore:
     """``create_page_store("memory", ...)``: tests only; ``directory`` and extra config are refused."""
     if extra_config:
         raise ValueError(
             f"hicache_storage_backend_extra_config: the memory backend takes none, got {sorted(extra_config)}"
         )
-    del directory
+    del directory, host
     return MemoryStore(int(size_gb * GB), namespace, mac_key)

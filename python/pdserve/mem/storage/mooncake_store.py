@@ -385,6 +385,14 @@ class MooncakeStore:
             self._master = None
 
 
+def reachable_host(host: str) -> str:
+    """``host`` as other machines reach it: a wildcard bind (``0.0.0.0``, ``::``) is no address
+    to advertise, so the one this machine's name resolves to instead."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
 def _store_key(key: bytes) -> str:
     return KEY_PREFIX + check_key(key).hex()
 
@@ -441,10 +449,13 @@ def create_mooncake_store(
     namespace: bytes,
     extra_config: Mapping[str, object],
     mac_key: bytes | None = None,
+    host: str = "127.0.0.1",
 ) -> MooncakeStore:
     """``create_page_store("mooncake", ...)``.
 
-    ``global_segment_size`` defaults to ``size_gb`` (this process lends that much memory); with
+    ``global_segment_size`` defaults to ``size_gb`` (this process lends that much memory), and
+    ``local_hostname`` (where the other clients reach the segment it lends) to ``host``, the
+    server's ``--host`` (a wildcard: the address the host name resolves to); with
     ``start_master: true`` and no ``master_server_address`` a local master is started and owned
     by the store. ``directory`` is unused (the SSD leg is ``ssd_offload_path``).
     """
@@ -452,6 +463,7 @@ def create_mooncake_store(
     options = _parse_extra(extra_config)
     start_master = options.pop("start_master", False)
     options.setdefault("global_segment_size", int(size_gb * GB))
+    options.setdefault("local_hostname", reachable_host(host))
     master: MooncakeMaster | None = None
     if start_master:
         if "master_server_address" in options:
@@ -459,7 +471,7 @@ def create_mooncake_store(
                 "hicache_storage_backend_extra_config: give master_server_address or start_master, not both"
             )
         master = MooncakeMaster(
-            options.get("local_hostname", "127.0.0.1"), enable_offload=options.get("enable_ssd_offload", False)
+            options["local_hostname"], enable_offload=options.get("enable_ssd_offload", False)
         ).start()
         options["master_server_address"] = master.address
         options.setdefault("metadata_server", master.metadata_server)
