@@ -8,6 +8,7 @@ stands in for the image's /opt/venv, its dependencies are this environment's pac
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,25 +68,35 @@ print(json.dumps(out))
 """
 
 
+# The GPU-only packages: on a CPU host none is installed. The second pass makes importing them fail.
+GPU_PACKAGES = ("triton", "flashinfer", "deep_ep", "deep_gemm")
+_WITHOUT = """
+import importlib.abc, os, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in os.environ["PDSERVE_TEST_ABSENT"].split(","):
+            raise ModuleNotFoundError(f"No module named {name!r} (absent for this test)", name=name)
+sys.meta_path.insert(0, Absent())
+"""
+
+
 @dataclass(frozen=True)
 class Image:
-    """One Dockerfile's context, the wheel built from it, and a venv holding that wheel."""
+    """One Dockerfile's build context (copied apart) and the wheel built from it."""
 
     dockerfile: Path
     context: Path
     files: tuple[str, ...]
     wheel: Path
+
+
+@dataclass(frozen=True)
+class Installed:
+    """The CPU image's wheel in a fresh venv, and what importing every module there gave."""
+
+    image: Image
     venv: Path
     imported: dict
-
-
-def _build(dockerfile: Path, tmp: Path) -> Image:
-    context, venv = tmp / "context", tmp / "venv"
-    files = copy_context(ROOT, dockerfile.with_name(dockerfile.name + ".dockerignore"), context)
-    wheel = build_wheel(context, tmp / "dist")
-    python = fresh_venv(wheel, venv)
-    imported = json.loads(run([str(python), "-c", _IMPORT_ALL, *PACKAGES], env=isolated_env(venv), cwd=tmp))
-    return Image(dockerfile, context, tuple(files), wheel, venv, imported)
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +105,21 @@ def images(tmp_path_factory):
 
     def get(dockerfile: Path) -> Image:
         if dockerfile not in built:
-            built[dockerfile] = _build(dockerfile, tmp_path_factory.mktemp(dockerfile.name))
+            tmp = tmp_path_factory.mktemp(dockerfile.name)
+            context = tmp / "context"
+            files = copy_context(ROOT, dockerfile.with_name(dockerfile.name + ".dockerignore"), context)
+            built[dockerfile] = Image(dockerfile, context, tuple(files), build_wheel(context, tmp / "dist"))
         return built[dockerfile]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def cpu(images, tmp_path_factory) -> Installed:
+    image, venv = images(DOCKER / "Dockerfile.cpu"), tmp_path_factory.mktemp("venv")
+    python = fresh_venv(image.wheel, venv)
+    imported = json.loads(run([str(python), "-c", _IMPORT_ALL, *PACKAGES], env=isolated_env(venv), cwd=venv))
+    return Installed(image, venv, imported)
 
 
 def copied_sources(dockerfile: Path) -> list[str]:
@@ -149,22 +172,28 @@ def test_the_wheel_carries_every_module_and_asset(dockerfile, images):
     assert not want - in_wheel, f"not in the wheel: {sorted(want - in_wheel)[:10]}"
 
 
+def test_both_images_build_the_same_wheel(images):
+    """So what the CPU image's wheel shows below (imports, the served request) holds for the CUDA one."""
+    cpu_wheel, cuda_wheel = (images(DOCKER / f"Dockerfile.{k}").wheel for k in ("cpu", "cuda"))
+    with zipfile.ZipFile(cpu_wheel) as a, zipfile.ZipFile(cuda_wheel) as b:
+        names = sorted(n for n in a.namelist() if not n.endswith("RECORD"))
+        assert names == sorted(n for n in b.namelist() if not n.endswith("RECORD"))
+        assert not [n for n in names if a.read(n) != b.read(n)]
+
+
 # ----------------------------------------------------------------- the venv
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_the_fresh_venv_imports_the_wheel_not_the_checkout(dockerfile, images):
-    image = images(dockerfile)
-    got = image.imported
+def test_the_fresh_venv_imports_the_wheel_not_the_checkout(cpu):
+    got = cpu.imported
     for name in PACKAGES:
         where = got["files"].get(name)
-        assert where and Path(where).is_relative_to(image.venv), f"{name} from {where}: {got['failed'].get(name)}"
-    assert Path(got["dist"]).is_relative_to(image.venv), got["dist"]
+        assert where and Path(where).is_relative_to(cpu.venv), f"{name} from {where}: {got['failed'].get(name)}"
+    assert Path(got["dist"]).is_relative_to(cpu.venv), got["dist"]
     assert not [p for p in got["sys_path"] if p and Path(p).resolve().is_relative_to(ROOT)], got["sys_path"]
     assert not got["editable_finders"]
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_every_module_imports_from_the_wheel(dockerfile, images):
-    got = images(dockerfile).imported
+def test_every_module_imports_from_the_wheel(cpu):
+    got = cpu.imported
     assert not got["failed"], "\n".join(f"{m}:\n{tb}" for m, tb in got["failed"].items())
     sources = {p for where in ("python", "kernels") for p in source_files(where) if p.endswith(".py")}
     assert len(got["modules"]) == len(sources) - len(PACKAGES), "a module was not walked"
@@ -197,14 +226,14 @@ def _argv0(pid: int) -> str:
         return ""
 
 
-def test_cpu_image_default_command_serves_from_the_wheel(images):
-    image = images(DOCKER / "Dockerfile.cpu")
+def test_cpu_image_default_command_serves_from_the_wheel(cpu):
+    image, venv = cpu.image, cpu.venv
     (cmd,) = dockerfile_commands(image.dockerfile)
     argv = list(cmd.argv)
     assert argv[:1] == ["up"] and argv[argv.index("--host") + 1] == "0.0.0.0"
-    env = isolated_env(image.venv)
+    env = isolated_env(venv)
     entrypoint = shutil.which("pdserve", path=env["PATH"])  # ENTRYPOINT ["pdserve"], found on the image's PATH
-    assert entrypoint and Path(entrypoint).is_relative_to(image.venv), entrypoint
+    assert entrypoint and Path(entrypoint).is_relative_to(venv), entrypoint
     port = free_port_block(4)  # the router, then a prefill and a decode server on the next ports
     env["PDSERVE_HEALTH_URL"] = f"http://127.0.0.1:{port}/health"
     # The image's command with this host's free ports (later flags win) and quieter logs.
@@ -218,14 +247,14 @@ def test_cpu_image_default_command_serves_from_the_wheel(images):
     try:
         _wait_up(proc, log, children)
         pythons = [_argv0(c) for c in children if "python" in Path(_argv0(c)).name]
-        assert pythons and all(Path(p).is_relative_to(image.venv) for p in pythons), pythons
+        assert pythons and all(Path(p).is_relative_to(venv) for p in pythons), pythons
         path, body = readme_generate_example()
         resp = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         out = resp.json()
         assert out["text"] and out["meta_info"]["completion_tokens"] == body["sampling_params"]["max_new_tokens"]
         # The image's HEALTHCHECK: the script from the context, run by the venv's python.
-        health = subprocess.run([str(image.venv / "bin" / "python"), str(image.context / "docker" / "healthcheck.py")],
+        health = subprocess.run([str(venv / "bin" / "python"), str(image.context / "docker" / "healthcheck.py")],
                                 env=env, cwd=workdir, timeout=60)
         assert health.returncode == 0
         proc.send_signal(signal.SIGTERM)
@@ -269,3 +298,23 @@ def test_cpu_image_default_command_serves_from_the_wheel(images):
 ])
 def test_the_matcher_follows_docker(lines, path, want):
     assert excluded(parse_dockerignore("\n".join(lines)), path) is want
+
+
+def _imports_triton_at_load(module: str) -> bool:
+    path = ROOT / "kernels" / Path(*module.split(".")).with_suffix(".py")
+    tree = ast.parse(path.read_text())
+    return any(isinstance(n, (ast.Import, ast.ImportFrom)) and "triton" in ast.unparse(n) for n in tree.body)
+
+
+def test_without_the_gpu_packages_every_pdserve_module_still_imports(cpu):
+    """GPU imports are lazy (docs/gpu.md): with triton, flashinfer, DeepEP and DeepGEMM absent, every
+    module of pdserve imports, and of pdserve_kernels only the Triton kernel modules themselves fail."""
+    env = {**isolated_env(cpu.venv), "PDSERVE_TEST_ABSENT": ",".join(GPU_PACKAGES)}
+    got = json.loads(run([str(cpu.venv / "bin" / "python"), "-c", _WITHOUT + _IMPORT_ALL, *PACKAGES],
+                         env=env, cwd=cpu.venv))
+    failed = set(got["failed"])
+    assert not {m for m in failed if not m.startswith("pdserve_kernels.")}, got["failed"]
+    kernels = {m for m in cpu.imported["modules"] if m.startswith("pdserve_kernels.")}
+    assert failed == {m for m in kernels if _imports_triton_at_load(m)}, got["failed"]
+    assert all("triton" in tb for tb in got["failed"].values())
+    assert {m for m in kernels if m.endswith("_ref")} <= set(got["modules"])
