@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from functools import cache
 
+import torch
 from deploy_files import Command
 
 from pdserve.assets import PRESET_NAMES
@@ -72,6 +73,9 @@ def check(command: Command, parser: argparse.ArgumentParser | Callable[[], argpa
 
 
 def _check_config(command: Command, ns: argparse.Namespace) -> None:
+    if getattr(ns, "device", None) == "cuda" and not torch.cuda.is_available():
+        # Whether a GPU is visible is the host's, not the command's: this host checks the rest.
+        ns = argparse.Namespace(**{**vars(ns), "device": "cpu"})
     try:
         if ns.command in ("serve", "up") and ns.model_path in PRESET_NAMES:
             server_args_from_namespace(ns)  # and against the model: head and expert counts vs TP/EP

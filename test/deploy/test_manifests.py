@@ -303,6 +303,15 @@ def test_the_store_overlay_wires_every_server_to_the_master():
         assert extra["local_hostname"] == "$(POD_IP)"  # its segment, at the address peers reach
 
 
+def test_servers_in_the_cuda_image_compute_on_the_gpu(rendered):
+    """--device cuda: without a visible GPU the server refuses to start instead of running on CPU."""
+    _, objects = rendered
+    for group in groups(objects):
+        for c in pod_containers(group):
+            on_cuda = c["image"].endswith(":cuda")
+            assert (_arg(c["args"], "--device") if "--device" in c["args"] else None) == ("cuda" if on_cuda else None)
+
+
 def test_the_router_reaches_node_0_of_each_group():
     objects = render(K8S / "base")
     router = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "pdserve-router")
