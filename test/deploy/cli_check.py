@@ -119,6 +119,20 @@ def check_mooncake_master(command: Command) -> None:
         raise AssertionError(f"{command.source}: mooncake_master has no flag {', '.join(unknown)}")
 
 
+def pending_flags(command: Command):
+    """A pytest param of ``command``. The discovering router's commands use sglang-router's Kubernetes
+    discovery flags, which ``pdserve router`` gains with the fleet work of issue 26: until it has them
+    such a command must fail the check (strict), and once it has them it is checked like any other."""
+    import pytest
+
+    router_flags = subparser(build_parser(), "router")._option_string_actions
+    if command.program == "pdserve" and "--service-discovery" in command.argv \
+            and "--service-discovery" not in router_flags:
+        return pytest.param(command, marks=pytest.mark.xfail(
+            strict=True, raises=AssertionError, reason="pdserve router has no Kubernetes discovery flags yet"))
+    return command
+
+
 def subparser(parser: argparse.ArgumentParser, subcommand: str) -> argparse.ArgumentParser:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[subcommand]
 

@@ -5,7 +5,7 @@ in the CLI fails here, not on a cluster. (The docs' commands: test_doc_commands.
 from __future__ import annotations
 
 import pytest
-from cli_check import check, renamed, subparser
+from cli_check import check, pending_flags, renamed
 from deploy_files import (
     COMPOSE_FILES,
     DOCKERFILES,
@@ -33,18 +33,7 @@ def test_the_files_hold_the_commands_this_test_is_for():
     assert {"serve", "router", "up"} <= subcommands
 
 
-def _expected(command: Command):
-    """The discovering router's command uses sglang-router's Kubernetes discovery flags, which
-    ``pdserve router`` gains with the fleet work of issue 26. Until it has them, the command must
-    fail (strict); once it has them, it is checked like every other."""
-    router_flags = subparser(build_parser(), "router")._option_string_actions
-    if "--service-discovery" in command.argv and "--service-discovery" not in router_flags:
-        return pytest.param(command, marks=pytest.mark.xfail(
-            strict=True, raises=AssertionError, reason="pdserve router has no Kubernetes discovery flags yet"))
-    return command
-
-
-@pytest.mark.parametrize("command", [_expected(c) for c in all_commands()], ids=lambda c: c.source)
+@pytest.mark.parametrize("command", [pending_flags(c) for c in all_commands()], ids=lambda c: c.source)
 def test_every_pdserve_command_parses_with_the_cli(command):
     check(command, build_parser())
 
