@@ -1,10 +1,13 @@
 """The deployment files under docker/ read the way their tools read them, for the tests beside
-this module: the pdserve command lines in the Dockerfiles, the compose file, the Kubernetes
-manifests and docs/deployment.md, and the manifests as ``kubectl apply -k`` renders them.
+this module: the pdserve command lines in the Dockerfiles, the compose file and the Kubernetes
+manifests, the commands of the docs' shell blocks (COMMAND_DOCS) as a shell would run them, and
+the manifests as ``kubectl apply -k`` renders them.
 
-The kustomize renderer covers what docker/k8s uses (resources, strategic-merge and JSON 6902
-patches, image overrides) and refuses any other kustomization field, so a manifest change that
-needs more fails here instead of being checked half-rendered.
+The kustomize renderer covers what docker/k8s uses (resources, strategic-merge patches with
+``$patch: delete``, JSON 6902 patches, image overrides; LeaderWorkerSets' two pod templates) and
+refuses any other kustomization field, so a manifest change that needs more fails here instead of
+being checked half-rendered. Where kubectl is installed, test_manifests.py compares it with
+``kubectl kustomize``.
 """
 
 from __future__ import annotations
