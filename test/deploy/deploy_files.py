@@ -1,10 +1,13 @@
 """The deployment files under docker/ read the way their tools read them, for the tests beside
-this module: the pdserve command lines in the Dockerfiles, the compose file, the Kubernetes
-manifests and docs/deployment.md, and the manifests as ``kubectl apply -k`` renders them.
+this module: the pdserve command lines in the Dockerfiles, the compose file and the Kubernetes
+manifests, the commands of the docs' shell blocks (COMMAND_DOCS) as a shell would run them, and
+the manifests as ``kubectl apply -k`` renders them.
 
-The kustomize renderer covers what docker/k8s uses (resources, strategic-merge and JSON 6902
-patches, image overrides) and refuses any other kustomization field, so a manifest change that
-needs more fails here instead of being checked half-rendered.
+The kustomize renderer covers what docker/k8s uses (resources, strategic-merge patches with
+``$patch: delete``, JSON 6902 patches, image overrides; LeaderWorkerSets' two pod templates) and
+refuses any other kustomization field, so a manifest change that needs more fails here instead of
+being checked half-rendered. Where kubectl is installed, test_manifests.py compares it with
+``kubectl kustomize``.
 """
 
 from __future__ import annotations
@@ -24,18 +27,23 @@ DOCKERFILES = (DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda")
 COMPOSE_FILES = (DOCKER / "compose.yaml", DOCKER / "compose.rdma.yaml")
 K8S = DOCKER / "k8s"
 DEPLOYMENT_DOC = ROOT / "docs" / "deployment.md"
+# The docs whose every command block test_doc_commands.py parses with the CLIs.
+COMMAND_DOCS = (DEPLOYMENT_DOC, ROOT / "docs" / "disaggregation.md")
 
 # What a Kubernetes downward-API field holds at run time, for the commands that use one.
-FIELD_SAMPLES = {"status.podIP": "10.0.0.1"}
+FIELD_SAMPLES = {"status.podIP": "10.0.0.1", "metadata.namespace": "default"}
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
 @dataclass(frozen=True)
 class Command:
-    """One pdserve invocation: ``argv`` after the ``pdserve`` program name, and where it is."""
+    """One invocation: ``argv`` after the program name, where it is, which program (``pdserve``,
+    ``sglang-router`` or ``mooncake_master``) and the environment a doc gave it (``VAR=value``)."""
 
     source: str
     argv: tuple[str, ...]
+    program: str = "pdserve"
+    env: tuple[tuple[str, str], ...] = ()
 
 
 # ------------------------------------------------------------ Dockerfiles
@@ -156,12 +164,17 @@ def _apply_patch(objects: list[dict], directory: Path, patch: dict, where: Path)
     if set(patch) - {"path", "target"}:
         raise AssertionError(f"{where}: patch fields {sorted(set(patch) - {'path', 'target'})} are not rendered")
     docs = _load_docs(directory / patch["path"])
+    if len(docs) != 1:  # kustomize's `patches` takes one patch per file
+        raise AssertionError(f"{where}: {patch['path']} holds {len(docs)} patches; `patches` takes one per file")
     if "target" in patch:  # JSON 6902: a list of operations on one object
         t = patch["target"]
         _json6902(_find(objects, t["kind"], t["name"], where), docs[0], where)
         return
     for doc in docs:
         obj = _find(objects, doc["kind"], doc["metadata"]["name"], where)
+        if doc.get("$patch") == "delete":  # the object goes (kustomize's strategic-merge delete)
+            objects.remove(obj)
+            continue
         merged = strategic_merge(obj, doc)
         obj.clear()
         obj.update(merged)
@@ -178,14 +191,14 @@ def strategic_merge(base, patch, key: str | None = None):
                 out[k] = strategic_merge(out[k], v, k) if k in out else copy.deepcopy(v)
         return out
     if isinstance(base, list) and isinstance(patch, list) and key in MERGE_KEYS:
-        field, out = MERGE_KEYS[key], copy.deepcopy(base)
+        field, out, new = MERGE_KEYS[key], copy.deepcopy(base), []
         for item in patch:
             match = next((i for i, b in enumerate(out) if b.get(field) == item.get(field)), None)
             if match is None:
-                out.append(copy.deepcopy(item))
+                new.append(copy.deepcopy(item))
             else:
                 out[match] = strategic_merge(out[match], item)
-        return out
+        return new + out  # kustomize puts the items the base lacks first
     return copy.deepcopy(patch)
 
 
@@ -213,15 +226,33 @@ def _set_image(objects: list[dict], image: dict) -> None:
             container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
 
 
-def pod_spec(obj: dict) -> dict | None:
+LWS_KIND = "LeaderWorkerSet"
+
+
+def pod_templates(obj: dict) -> list[dict]:
+    """The pod templates (``metadata`` + ``spec``) of a workload; a LeaderWorkerSet has two, its
+    leader's (when given; else the worker template serves the leader too) and its workers'."""
     if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
-        return obj["spec"]["template"]["spec"]
-    return obj["spec"] if obj["kind"] == "Pod" else None
+        return [obj["spec"]["template"]]
+    if obj["kind"] == LWS_KIND:
+        lwt = obj["spec"]["leaderWorkerTemplate"]
+        return [t for t in (lwt.get("leaderTemplate"), lwt["workerTemplate"]) if t is not None]
+    return [obj] if obj["kind"] == "Pod" else []
+
+
+def pod_spec(obj: dict) -> dict | None:
+    """The pod spec of a one-template workload."""
+    templates = pod_templates(obj)
+    assert len(templates) <= 1, f"{obj['kind']}/{obj['metadata']['name']} has {len(templates)} pod templates"
+    return templates[0]["spec"] if templates else None
+
+
+def template_containers(template: dict) -> list[dict]:
+    return template["spec"].get("containers", []) + template["spec"].get("initContainers", [])
 
 
 def pod_containers(obj: dict) -> list[dict]:
-    spec = pod_spec(obj)
-    return [] if spec is None else spec.get("containers", []) + spec.get("initContainers", [])
+    return [c for t in pod_templates(obj) for c in template_containers(t)]
 
 
 def kustomize_dirs() -> list[Path]:
@@ -233,18 +264,30 @@ def k8s_commands(directory: Path) -> list[Command]:
     ``$(VAR)`` replaced by what the container's env gives it."""
     out = []
     for obj in render(directory):
-        for c in pod_containers(obj):
-            if "command" in c or not c["image"].split(":")[0].endswith("pdserve"):
-                continue
-            where = f"{directory.relative_to(ROOT)}: {obj['kind']}/{obj['metadata']['name']} {c['name']}"
-            env = _env_values(obj, c)
-            out.append(Command(where, tuple(_expand(str(a), env, where) for a in c.get("args", []))))
+        for index, template in enumerate(pod_templates(obj)):
+            for c in template_containers(template):
+                if "command" in c or not c["image"].split(":")[0].endswith("pdserve"):
+                    continue
+                role = f" {('leader', 'worker')[index]}" if obj["kind"] == LWS_KIND else ""
+                where = f"{directory.relative_to(ROOT)}: {obj['kind']}/{obj['metadata']['name']}{role} {c['name']}"
+                env = _env_values(obj, c, index)
+                out.append(Command(where, tuple(_expand(str(a), env, where) for a in c.get("args", []))))
     return out
 
 
-def _env_values(obj: dict, container: dict) -> dict[str, str]:
+def lws_env(obj: dict, template_index: int) -> dict[str, str]:
+    """What the LeaderWorkerSet controller injects into every container of a group's first pods
+    (the leader's worker index is 0; the first worker's 1)."""
+    name, lwt = obj["metadata"]["name"], obj["spec"]["leaderWorkerTemplate"]
+    leader_template = "leaderTemplate" in lwt
+    index = 0 if leader_template and template_index == 0 else 1
+    return {"LWS_LEADER_ADDRESS": f"{name}-0.{name}.default", "LWS_GROUP_SIZE": str(lwt.get("size", 1)),
+            "LWS_WORKER_INDEX": str(index)}
+
+
+def _env_values(obj: dict, container: dict, template_index: int = 0) -> dict[str, str]:
     ordinal = str(obj["spec"].get("ordinals", {}).get("start", 0)) if obj["kind"] == "StatefulSet" else None
-    values = {}
+    values = lws_env(obj, template_index) if obj["kind"] == LWS_KIND else {}
     for e in container.get("env", []):
         if "value" in e:
             values[e["name"]] = e["value"]
@@ -268,17 +311,20 @@ def _expand(arg: str, env: dict[str, str], where: str) -> str:
 
 # ------------------------------------------------------------------ docs
 def shell_blocks(markdown: str) -> list[str]:
-    """Lines of ```bash/sh/console blocks, continuations joined, prompts and comments dropped."""
+    """Lines of ```bash/sh/console blocks, continuations joined, prompts and comments dropped (in a
+    console block only the ``$ `` lines are commands; the rest is their output)."""
     lines, out = [], []
-    for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", markdown, re.S):
+    for lang, block in re.findall(r"```(bash|sh|shell|console)\n(.*?)```", markdown, re.S):
         pending = ""
         for line in block.splitlines():
             line = line.strip()
             if line.endswith("\\"):
                 pending += line[:-1] + " "
                 continue
-            lines.append((pending + line).removeprefix("$ ").strip())
-            pending = ""
+            line, pending = (pending + line).strip(), ""
+            if lang == "console" and not line.startswith("$ "):
+                continue
+            lines.append(line.removeprefix("$ ").strip())
     for line in lines:
         code = line.split(" #", 1)[0].strip() if not line.startswith("#") else ""
         if code:
@@ -286,20 +332,58 @@ def shell_blocks(markdown: str) -> list[str]:
     return out
 
 
-def doc_invocations(markdown: str) -> list[list[str]]:
-    """Every command in the doc's shell blocks, split at ``&&``, ``||``, ``;`` and pipes."""
+_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+SEPARATORS = ("&&", "||", ";", "|", "&")
+
+
+def expand_variables(line: str, variables: dict[str, str]) -> str:
+    """``$VAR`` and ``${VAR}`` replaced as the shell would for the variables the doc set before the
+    line (others stay as written); nothing inside single quotes."""
+    out, quote, i = [], None, 0
+    while i < len(line):
+        ch, m = line[i], _VARIABLE.match(line, i)
+        if ch in "'\"" and quote in (None, ch):
+            quote = None if quote else ch
+        if quote != "'" and m and (m.group(1) or m.group(2)) in variables:
+            value = variables[m.group(1) or m.group(2)]
+            out.append(value.replace("\\", "\\\\").replace('"', '\\"') if quote == '"' else shlex.quote(value))
+            i = m.end()
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def doc_invocations_with_env(markdown: str) -> list[tuple[list[str], dict[str, str]]]:
+    """Every command in the doc's shell blocks, split at ``&&``, ``||``, ``;``, ``|`` and ``&``, with the
+    variables set before it (``VAR=value``, ``export VAR=value``) expanded in it and given to it as
+    its environment, with its own ``VAR=value`` prefixes."""
+    variables: dict[str, str] = {}
     out = []
     for line in shell_blocks(markdown):
-        words = shlex.split(line, comments=True)
-        current: list[str] = []
+        words = shlex.split(expand_variables(line, variables), comments=True)
+        commands: list[list[str]] = [[]]
         for w in words:
-            if w in ("&&", "||", ";", "|"):
-                out.append(current)
-                current = []
+            if w in SEPARATORS:
+                commands.append([])
             else:
-                current.append(w)
-        out.append(current)
-    return [c for c in out if c]
+                commands[-1].append(w)
+        for cmd in (c for c in commands if c):
+            exported = cmd[0] == "export"
+            cmd = cmd[1:] if exported else cmd
+            n = next((i for i, w in enumerate(cmd) if not _ASSIGNMENT.match(w)), len(cmd))
+            assigned = dict(w.split("=", 1) for w in cmd[:n])
+            if n == len(cmd) or exported:
+                variables.update(assigned)
+            else:
+                out.append((cmd[n:], {**variables, **assigned}))
+    return out
+
+
+def doc_invocations(markdown: str) -> list[list[str]]:
+    """Every command in the doc's shell blocks (doc_invocations_with_env without the environment)."""
+    return [words for words, _ in doc_invocations_with_env(markdown)]
 
 
 # docker run options that take a value (those the doc uses; an unknown option fails the test).
@@ -324,15 +408,35 @@ def docker_run_argv(words: list[str], where: str) -> tuple[str, list[str]]:
     return words[i], words[i + 1:]
 
 
+# ``python -m MODULE`` forms of the programs: (program, argv words put in front of the rest).
+PYTHON_MODULES = {
+    "pdserve": ("pdserve", ()),
+    "pdserve.launch_server": ("pdserve", ("serve",)),
+    "pdserve.router": ("pdserve", ("router",)),
+    "sglang_router.launch_router": ("sglang-router", ()),
+}
+
+
+def program_argv(words: list[str], where: str) -> tuple[str | None, list[str]]:
+    """Which CLI a doc command runs and its argv after the program name; None for another program
+    (curl, kubectl ...) and for ``docker run IMAGE`` alone, which runs the image's CMD."""
+    if words[0] in ("pdserve", "mooncake_master"):
+        return words[0], words[1:]
+    if Path(words[0]).name in ("python", "python3") and words[1:2] == ["-m"] and len(words) > 2:
+        program, front = PYTHON_MODULES.get(words[2], (None, ()))
+        return program, [*front, *words[3:]]
+    if words[:2] == ["docker", "run"]:
+        _, argv = docker_run_argv(words, where)
+        return ("pdserve", argv) if argv else (None, [])
+    return None, []
+
+
 def doc_commands(path: Path = DEPLOYMENT_DOC) -> list[Command]:
-    """pdserve commands of the doc: ``pdserve ...`` and ``docker run IMAGE args`` with args."""
+    """The commands of the doc that run pdserve, sglang-router or mooncake_master."""
     out = []
-    for words in doc_invocations(path.read_text()):
+    for words, env in doc_invocations_with_env(path.read_text()):
         where = f"{path.name}: {' '.join(words)}"
-        if words[0] == "pdserve":
-            out.append(Command(where, tuple(words[1:])))
-        elif words[:2] == ["docker", "run"]:
-            _, argv = docker_run_argv(words, where)
-            if argv:
-                out.append(Command(where, tuple(argv)))
+        program, argv = program_argv(words, where)
+        if program:
+            out.append(Command(where, tuple(argv), program, tuple(sorted(env.items()))))
     return out

@@ -62,6 +62,7 @@ def test_servers_have_their_own_gpus_memlock_shm_and_the_env_file(services):
         assert "IPC_LOCK" in s["cap_add"] and s["ulimits"]["memlock"] == -1, name
         assert s["shm_size"] and s["network_mode"] == "host", name
         assert s["env_file"] == [{"path": "pdserve.env", "required": True}], name
+        assert _arg(s["command"], "--device") == "cuda", name
     assert len(gpus) == len(set(gpus)), f"GPUs shared between servers: {gpus}"
 
 

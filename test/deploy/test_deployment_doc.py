@@ -7,7 +7,16 @@ from __future__ import annotations
 import re
 
 import pytest
-from deploy_files import DEPLOYMENT_DOC, K8S, ROOT, doc_invocations, pod_containers, render, shell_blocks
+from deploy_files import (
+    DEPLOYMENT_DOC,
+    K8S,
+    ROOT,
+    doc_invocations,
+    kustomize_dirs,
+    pod_containers,
+    render,
+    shell_blocks,
+)
 
 DOC = DEPLOYMENT_DOC.read_text()
 
@@ -33,7 +42,7 @@ def test_every_compose_file_exists():
 
 def test_every_kustomization_applied_exists():
     applied = [w[w.index("-k") + 1] for w in doc_invocations(DOC) if w[:3] == ["kubectl", "apply", "-k"]]
-    assert {"docker/k8s/base", "docker/k8s/overlays/two-node-decode"} <= set(applied)
+    assert set(applied) == {str(d.relative_to(ROOT)) for d in kustomize_dirs()}, "every kustomization, applied"
     assert all((ROOT / d / "kustomization.yaml").is_file() for d in applied), applied
     listed = {d for d in re.findall(r"`(docker/k8s/[\w/-]+)`", DOC)}
     assert all((ROOT / d).exists() for d in listed), listed
