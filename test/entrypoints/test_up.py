@@ -54,6 +54,27 @@ def test_plan_wires_prefills_decodes_and_the_router():
     assert "--api-key" not in r and r[r.index("--health-check-interval-secs") + 1] == "5"
 
 
+def _events(child) -> dict | None:
+    cmd = child.cmd
+    return json.loads(cmd[cmd.index("--kv-events-config") + 1]) if "--kv-events-config" in cmd else None
+
+
+def test_prefills_publish_kv_events_on_the_server_s_host_never_a_wildcard():
+    kids = plan(UpArgs(2, 1, server_flags=("--model-path", "m"), cores=(0, 1, 2)))
+    assert [_events(k) for k in kids] == [{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}] * 2 + [None, None]
+    on_host = plan(UpArgs(1, 1, host="10.1.2.3", server_flags=("--model-path", "m"), cores=(0, 1)))
+    assert _events(on_host[0]) == {"publisher": "zmq", "endpoint": "tcp://10.1.2.3:*"}
+    everywhere = plan(UpArgs(1, 1, host="0.0.0.0", server_flags=("--model-path", "m"), cores=(0, 1)))
+    assert _events(everywhere[0]) == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}  # up's router is here
+    for args in (UpArgs(1, 1, router_policy="round_robin", server_flags=("--model-path", "m"), cores=(0, 1)),
+                 UpArgs(1, 1, host="::1", server_flags=("--model-path", "m"), cores=(0, 1)),
+                 UpArgs(1, 1, server_flags=("--model-path", "m", "--dp-size", "2"), cores=(0, 1))):
+        assert _events(plan(args)[0]) is None, args  # the router guesses each cache then
+    own = '{"publisher": "zmq", "endpoint": "ipc:///tmp/ev"}'
+    mine = plan(UpArgs(1, 1, server_flags=("--model-path", "m", "--kv-events-config", own), cores=(0, 1)))[0]
+    assert mine.cmd.count("--kv-events-config") == 1 and _events(mine)["endpoint"] == "ipc:///tmp/ev"
+
+
 def test_bootstrap_ports_that_overlap_the_http_ports_are_refused_naming_the_flag():
     # router 31555, servers 31556-31557: a registry on 31556 would share the prefill's HTTP port
     overlap = r"bootstrap_port: .*31556\.\.31556 overlap .*31555\.\.31557.*--bootstrap-port"
