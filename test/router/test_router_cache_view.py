@@ -49,8 +49,9 @@ class FakeWorkers:
         return UpstreamReply(200, json.dumps(body).encode(), "application/json")
 
 
-def router(workers: FakeWorkers, seed: int = 0, tokenizer_path: str | None = None):
-    args = RouterArgs(prefill=(PrefillSpec(P0), PrefillSpec(P1)), decode=(D,), tokenizer_path=tokenizer_path)
+def router(workers: FakeWorkers, seed: int = 0, tokenizer_path: str | None = None, **flags):
+    args = RouterArgs(prefill=(PrefillSpec(P0), PrefillSpec(P1)), decode=(D,), tokenizer_path=tokenizer_path,
+                      **flags)
     ctx = build_context(args, random.Random(seed))
     for s in ctx.sets:
         for w in s.workers:
@@ -99,6 +100,14 @@ def test_a_conversation_goes_back_where_its_last_turn_was_routed():
     spread = {route(ctx, {"input_ids": ids(40, 5000 + 100 * c)})[0] for c in range(16)}
     assert spread == {P0, P1}  # new conversations: by the prompt's hash, over both workers
     assert view(ctx, first).status()["source"] == "approximate" and view(ctx, first).pool_known
+
+
+def test_no_approximate_index_routes_a_worker_without_events_as_caching_nothing():
+    ctx = router(FakeWorkers(), approximate_index=False)
+    turn = ids(40, 100)
+    assert route(ctx, {"input_ids": turn})[1] == "load"
+    assert route(ctx, {"input_ids": turn + ids(12, 1000)})[1] == "load"
+    assert view(ctx, P0).guess.num_blocks == view(ctx, P1).guess.num_blocks == 0
 
 
 def test_the_guess_forgets_at_the_worker_s_pool_size_and_on_a_flush():

@@ -84,7 +84,8 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     checker.next_interval = lambda: _check_interval(args, state)
     cache = CacheView(prefill, decode, proxy.call, proxy.worker_headers, args.tokenizer_path,
                       args.kv_events_timeout_secs, args.health_check_timeout_secs,
-                      args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware")
+                      args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware",
+                      args.approximate_index)
     proxy.cache = cache
     checker.after_check.append(cache.schedule_refresh)
     return RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache)

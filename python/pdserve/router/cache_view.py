@@ -96,7 +96,7 @@ class CacheView:
     """Owned by the router's event loop; the subscribers' threads only touch their own index."""
 
     def __init__(self, prefill: WorkerSet, decode: WorkerSet, call, headers: dict, tokenizer_path: str | None,
-                 stale_s: float, timeout_s: float, prefill_aware: bool, decode_aware: bool):
+                 stale_s: float, timeout_s: float, prefill_aware: bool, decode_aware: bool, approximate: bool = True):
         self.prefill = prefill
         self.decode = decode
         self.call = call  # PDProxy.call
@@ -105,6 +105,7 @@ class CacheView:
         self.timeout_s = timeout_s
         self.prefill_aware = prefill_aware
         self.decode_aware = decode_aware
+        self.approximate = approximate  # False: no guesses (a worker without fresh events holds nothing)
         self.tokenizer: Any | None = None
         self.tokenizer_path = tokenizer_path
         self.match_by: str | None = None  # MATCH_TOKENS or MATCH_TEXT once decided; None: routed by load
@@ -143,7 +144,7 @@ class CacheView:
     def placed(self, candidate: Candidate) -> None:
         hashes, self.asking = self.asking, None
         view = self.views.get(candidate.url)
-        if hashes and view is not None:
+        if hashes and view is not None and self.approximate:
             view.guess.insert(hashes)
 
     def forget(self) -> None:
