@@ -57,8 +57,21 @@ def router(workers: FakeWorkers, seed: int = 0, tokenizer_path: str | None = Non
         for w in s.workers:
             s.mark_alive(w)
     ctx.cache.call = workers
-    asyncio.run(ctx.cache._refresh())
+    refresh(ctx)
     return ctx
+
+
+def refresh(ctx) -> None:
+    """One refresh after a health round, and the tokenizer's load (on its thread) it may start."""
+    async def run() -> None:
+        await ctx.cache._refresh()
+        for _ in range(1200):
+            if not ctx.cache._loading:
+                break
+            await asyncio.sleep(0.05)
+        await ctx.cache._refresh()
+
+    asyncio.run(run())
 
 
 def route(ctx, body: dict, path: str = "/generate") -> tuple[str, str]:
@@ -178,8 +191,8 @@ def test_without_a_local_tokenizer_prompts_are_matched_by_text_said_once_when_fi
     assert ctx.cache.match_by is None and ctx.cache.prompt_hashes("/v1/chat/completions", chat) == []
     assert not [r for r in caplog.records if "tokenizer" in r.getMessage()]  # nothing final to say yet
     workers.model = {"tokenizer_path": "some-org/hub-model"}
-    asyncio.run(ctx.cache._refresh())
-    asyncio.run(ctx.cache._refresh())
+    refresh(ctx)
+    refresh(ctx)
     said = [r for r in caplog.records if "tokenizer" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.INFO and "by their text" in said[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

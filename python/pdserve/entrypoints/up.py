@@ -47,7 +47,7 @@ HEALTH_POLL_S = 0.25
 STOP_GRACE_S = 15.0
 SECRET_FLAGS = ("--api-key", "--worker-api-key", "--disaggregation-auth-token")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
-# The one listener up cannot keep on --host: said once at start-up, documented in docs/security.md.
+# The one listener up cannot keep on --host: said once at start-up (info), documented in docs/security.md.
 TRANSFER_ENGINE_WARNING = ("Mooncake's transfer engines listen on every interface whatever --host says (ports in "
                            "15000-17000, an RPC and a handshake port per engine; mooncake-transfer-engine 0.3.13 has "
                            "no bind setting): whoever reaches them can read the registered KV memory. Allow them "
@@ -422,7 +422,9 @@ def launch_up(args: UpArgs) -> int:
                      ", ".join(map(str, busy)))
         return 1
     dep = Deployment(args)
-    logger.warning("%s", TRANSFER_ENGINE_WARNING)  # every server runs Mooncake (SERVER_TRANSFER_BACKENDS)
+    # every server runs Mooncake (SERVER_TRANSFER_BACKENDS). Said at info: it is true of every run, documented
+    # (docs/security.md), and a warning on every clean start would teach operators to skip warnings.
+    logger.info("%s", TRANSFER_ENGINE_WARNING)
 
     def on_signal(_sig, _frame):
         dep.stopping = True

@@ -23,13 +23,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from pdserve.engine.tokenizer import has_tokenizer
 from pdserve.router.approx_index import CHARS_PER_TOKEN, ApproxIndex, text_block_hashes
 from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.kv_index import prompt_block_hashes
@@ -114,6 +116,7 @@ class CacheView:
         self.asking: Sequence[int] | None = None
         self._said: set[str] = set()
         self._busy = False
+        self._loading = False  # a tokenizer is loading on its thread
         if tokenizer_path:
             self.tokenizer = load_local_tokenizer(tokenizer_path)
             self.match_by = MATCH_TOKENS if self.tokenizer is not None else MATCH_TEXT
@@ -202,34 +205,41 @@ class CacheView:
 
     async def _decide(self, w: Worker, info: dict) -> bool:
         """How prompts are matched (by tokens or text) and their page size, from the first prefill
-        worker that answers: True once decided, and said once when it is by text."""
+        worker that answers: True once decided. A tokenizer loads on a daemon thread (importing
+        transformers takes seconds, many on a busy host): health rounds go on meanwhile, prompts are
+        routed by load until it is decided, and a router stopping meanwhile does not wait for it."""
         page_size = info.get("page_size")
         if not isinstance(page_size, int) or page_size < 1:
             return False
         if self.match_by is None:
-            found = await self._find_tokenizer(w)
-            if found is None:
-                return False  # it did not answer: the next round asks again
-            self.match_by = MATCH_TOKENS if found else MATCH_TEXT
-            if not found:
-                logger.info("cache_aware: no local tokenizer for %s (give --tokenizer-path): prompts are matched "
-                            "by their text against what the router sent each worker (approximate); the workers' "
-                            "KV events go unused", w.url)
+            if self._loading:
+                return False
+            model = await self._get_json(w, "/get_model_info")
+            if model is None:
+                return False  # the next round asks again
+            path = model.get("tokenizer_path")
+            if not (isinstance(path, str) and has_tokenizer(path)):
+                self._decided(None, str(path), w, page_size)
+            else:
+                self._loading = True
+                _on_daemon_thread(lambda: load_local_tokenizer(path),
+                                  lambda tokenizer: self._decided(tokenizer, path, w, page_size))
+                return False
         self.page_size = page_size
         return True
 
-    async def _find_tokenizer(self, w: Worker) -> bool | None:
-        """Whether the tokenizer of the path ``w`` reports loaded from local files; None: no answer."""
-        info = await self._get_json(w, "/get_model_info")
-        if info is None:
-            return None
-        path = info.get("tokenizer_path")
-        self.tokenizer = await asyncio.to_thread(load_local_tokenizer, path) if isinstance(path, str) else None
-        if self.tokenizer is None:
-            return False
-        self.tokenizer_path = path
-        logger.info("tokenizing prompts with %s (reported by %s)", path, w.url)
-        return True
+    def _decided(self, tokenizer: Any | None, path: str, w: Worker, page_size: int) -> None:
+        self._loading = False
+        self.tokenizer = tokenizer
+        self.match_by = MATCH_TOKENS if tokenizer is not None else MATCH_TEXT
+        if tokenizer is not None:
+            self.tokenizer_path = path
+            logger.info("tokenizing prompts with %s (reported by %s)", path, w.url)
+        else:
+            logger.info("cache_aware: no local tokenizer at %s (reported by %s; give --tokenizer-path): prompts are "
+                        "matched by their text against what the router sent each worker (approximate); the "
+                        "workers' KV events go unused", path, w.url)
+        self.page_size = page_size
 
     async def _follow(self, w: Worker, view: PrefixView, info: dict) -> None:
         endpoint, page_size = info.get("kv_events_endpoint"), info.get("page_size")
@@ -295,6 +305,26 @@ class CacheView:
         if key not in self._said:
             self._said.add(key)
             logger.log(level, msg, *args)
+
+
+def _on_daemon_thread(work: Callable[[], Any], done: Callable[[Any], None]) -> None:
+    """``done(work())`` on the calling event loop, ``work`` on a daemon thread (an executor's thread
+    would hold the process at exit until it ends). A failure is ``done(None)``; nothing runs once the
+    loop has closed."""
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        try:
+            result = work()
+        except Exception as e:  # noqa: BLE001 - a tokenizer that does not load is no tokenizer
+            logger.warning("tokenizer did not load: %s: %s", type(e).__name__, e)
+            result = None
+        try:
+            loop.call_soon_threadsafe(done, result)
+        except RuntimeError:  # the loop closed meanwhile: the router is gone
+            pass
+
+    threading.Thread(target=run, name="router-tokenizer", daemon=True).start()
 
 
 def _reachable(endpoint: str, worker_url: str) -> str:
