@@ -8,8 +8,9 @@ Each of ``--clients`` runs one multi-turn conversation of ``--rounds`` turns on 
 (streamed, greedy): turn t's prompt is turn t-1's prompt, its answer and a new question. Per
 turn >= 2 it records the share of the previous turn's prompt the prefill reused
 (``cached_tokens`` / the previous turn's prompt tokens: about 1.0 when the turn went back to the
-prefill holding its history, which caches the prompts it computed, not decode's answers), and reports the mean, the share of turns reusing >= 0.9, TTFT of turn 1 and of
-later turns, and the router's decisions (``policy_decisions_total`` by reason).
+prefill holding its history, which caches the prompts it computed, not decode's answers), and
+reports the mean, the share of turns reusing >= 0.9, TTFT of turn 1 and of later turns, and the
+router's decisions (``policy_decisions_total`` by reason).
 
     python benchmark/bench_cache_aware.py --model-path tiny-llama --clients 8 --rounds 4 \\
         --question-len 128 --output-len 16

@@ -74,8 +74,8 @@ def converse(router: Router, urls: list[str], opener: str) -> list[tuple[str, in
         r = router.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0},
                         timeout=120)
         assert r.status_code == 200, r.text
-        after = wait_for(lambda: (lambda a: a if sum(a.values()) == sum(before.values()) + 1 else None)(
-            served(router, urls)), 30, "the prefill half counted")
+        after = wait_for(lambda before=before: (lambda a: a if sum(a.values()) == sum(before.values()) + 1
+                                                else None)(served(router, urls)), 30, "the prefill half counted")
         (where,) = [url for url in urls if after[url] == before[url] + 1]
         usage = r.json()["usage"]
         turns.append((where, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))

@@ -141,7 +141,7 @@ def test_two_router_replicas_fed_the_same_events_keep_conversations_together(dep
                 if t < TURNS - 1:
                     messages += [{"role": "user", "content": FOLLOW_UPS[t]}]
                 for replica in replicas:
-                    wait_until(lambda: settled(replica, prefills), "the KV events of this turn", replica)
+                    wait_until(lambda r=replica: settled(r, prefills), "the KV events of this turn", replica)
         hits = [sum(r.metric("pdserve_router:policy_decisions_total", role="prefill", worker=p.url,
                              policy="cache_aware", reason="cache_hit") for p, _ in prefills) for r in replicas]
     finally:
