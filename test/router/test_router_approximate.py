@@ -6,6 +6,7 @@ router's per-worker request counters say which one served each turn), and that p
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,15 @@ def test_turns_go_back_to_the_prefill_that_served_the_last_one_without_events(de
     assert " WARNING " not in output and " ERROR " not in output, output
 
 
+def served_by(router: Router, urls: list[str], before: dict[str, float]) -> str | None:
+    """The prefill that took the one request sent since ``before`` (None until it is counted)."""
+    after = served(router, urls)
+    if sum(after.values()) != sum(before.values()) + 1:
+        return None
+    (where,) = [url for url in urls if after[url] == before[url] + 1]
+    return where
+
+
 def converse(router: Router, urls: list[str], opener: str) -> list[tuple[str, int, int]]:
     """One chat, a turn at a time: per turn (the prefill that served it, prompt tokens, cached tokens)."""
     messages = [{"role": "user", "content": opener}]
@@ -74,9 +84,7 @@ def converse(router: Router, urls: list[str], opener: str) -> list[tuple[str, in
         r = router.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0},
                         timeout=120)
         assert r.status_code == 200, r.text
-        after = wait_for(lambda before=before: (lambda a: a if sum(a.values()) == sum(before.values()) + 1
-                                                else None)(served(router, urls)), 30, "the prefill half counted")
-        (where,) = [url for url in urls if after[url] == before[url] + 1]
+        where = wait_for(partial(served_by, router, urls, before), 30, "the prefill half counted")
         usage = r.json()["usage"]
         turns.append((where, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
         messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}]
