@@ -45,7 +45,8 @@ class RouterMetrics:
                                  "instead; load: nothing cached, the least loaded)", LABELS + ["policy", "reason"],
                                  registry=r)
         self.predicted_cached = Counter(PREFIX + "predicted_cached_tokens", "Prompt tokens the router expected "
-                                        "the chosen prefill worker to hold (its KV events)", LABELS, registry=r)
+                                        "the chosen prefill worker to hold (its KV events, else the router's guess; "
+                                        "a text block counts as a page)", LABELS, registry=r)
         self.reported_cached = Counter(PREFIX + "reported_cached_tokens", "cached_tokens the answers reported "
                                        "(meta_info or usage), by the prefill worker chosen", LABELS, registry=r)
         self.kv_event_batches = Gauge(PREFIX + "kv_event_batches", "KV event batches received from a worker",
