@@ -54,6 +54,27 @@ def test_plan_wires_prefills_decodes_and_the_router():
     assert "--api-key" not in r and r[r.index("--health-check-interval-secs") + 1] == "5"
 
 
+def _events(child) -> dict | None:
+    cmd = child.cmd
+    return json.loads(cmd[cmd.index("--kv-events-config") + 1]) if "--kv-events-config" in cmd else None
+
+
+def test_prefills_publish_kv_events_on_the_server_s_host_never_a_wildcard():
+    kids = plan(UpArgs(2, 1, server_flags=("--model-path", "m"), cores=(0, 1, 2)))
+    assert [_events(k) for k in kids] == [{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}] * 2 + [None, None]
+    on_host = plan(UpArgs(1, 1, host="10.1.2.3", server_flags=("--model-path", "m"), cores=(0, 1)))
+    assert _events(on_host[0]) == {"publisher": "zmq", "endpoint": "tcp://10.1.2.3:*"}
+    everywhere = plan(UpArgs(1, 1, host="0.0.0.0", server_flags=("--model-path", "m"), cores=(0, 1)))
+    assert _events(everywhere[0]) == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}  # up's router is here
+    for args in (UpArgs(1, 1, router_policy="round_robin", server_flags=("--model-path", "m"), cores=(0, 1)),
+                 UpArgs(1, 1, host="::1", server_flags=("--model-path", "m"), cores=(0, 1)),
+                 UpArgs(1, 1, server_flags=("--model-path", "m", "--dp-size", "2"), cores=(0, 1))):
+        assert _events(plan(args)[0]) is None, args  # the router guesses each cache then
+    own = '{"publisher": "zmq", "endpoint": "ipc:///tmp/ev"}'
+    mine = plan(UpArgs(1, 1, server_flags=("--model-path", "m", "--kv-events-config", own), cores=(0, 1)))[0]
+    assert mine.cmd.count("--kv-events-config") == 1 and _events(mine)["endpoint"] == "ipc:///tmp/ev"
+
+
 def test_bootstrap_ports_that_overlap_the_http_ports_are_refused_naming_the_flag():
     # router 31555, servers 31556-31557: a registry on 31556 would share the prefill's HTTP port
     overlap = r"bootstrap_port: .*31556\.\.31556 overlap .*31555\.\.31557.*--bootstrap-port"
@@ -463,4 +484,77 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+        Path(log.name).unlink()
+
+
+# ------------------------------------------------------- a quiet run
+# The shapes a line of up's output may take: a pdserve record ("[time process] LEVEL ..."), a
+# uvicorn record ("LEVEL:  ..."), up's banner. Any other line (a bare third-party message, a
+# traceback, a Python warning) counts as noise.
+PDSERVE_RECORD = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ [\w-]+\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+UVICORN_RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):\s")
+QUIET = ("DEBUG", "INFO")
+
+
+def noisy_lines(output: str) -> list[str]:
+    """Lines at WARNING or above, and lines that are not a log record at all."""
+    noisy = []
+    for line in output.splitlines():
+        record = PDSERVE_RECORD.match(line) or UVICORN_RECORD.match(line)
+        if record is None and line.strip() and not line.startswith("pdserve is up: "):
+            noisy.append(line)
+        elif record is not None and record.group(1) not in QUIET:
+            noisy.append(line)
+    return noisy
+
+
+def test_noisy_lines_are_told_apart():
+    assert noisy_lines("[2026-01-02 03:04:05,678 router] INFO x: y\nINFO:     Started server process [1]\n"
+                       "pdserve is up: http://127.0.0.1:1 (router -> 1 prefill, 1 decode)\n") == []
+    bad = ["[2026-01-02 03:04:05,678 up] WARNING z", "ERROR:    boom", "Token indices sequence length is longer",
+           "Traceback (most recent call last):"]
+    assert noisy_lines("\n".join(bad)) == bad
+
+
+def test_a_clean_up_run_logs_nothing_at_warning_or_above():
+    """pdserve up (1P1D and its router, every process at its default log level): requests served,
+    a prompt past the context (and past the tokenizer's model_max_length) and a bad sampling
+    parameter refused with a 400 naming the field, then Ctrl-C: nothing logged at WARNING or above
+    by up, the router or either server, and nothing that is not a log record."""
+    openai = pytest.importorskip("openai")
+    port = free_port_block(4)  # router, prefill, decode, then the prefill's bootstrap registry
+    log = tempfile.NamedTemporaryFile(prefix="pdserve-up-quiet-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
+           "--bootstrap-port", str(port + 3), "--context-length", "256"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait(lambda: "pdserve is up" in Path(log.name).read_text(errors="replace") or proc.poll() is not None,
+              240, "up")
+        assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "Tell me about the sea birds of the north."}]
+        first = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And in winter?"}]
+        assert client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8).choices
+        assert len(_ask(url, "A streamed request", True, {"max_new_tokens": 4, "temperature": 0})) == 4
+        too_long = "word " * 5000  # > 256 (the context) and > 4096 (tiny-llama's model_max_length)
+        r = httpx.post(url + "/generate", json={"text": too_long, "sampling_params": {"max_new_tokens": 4}},
+                       timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+        with pytest.raises(openai.BadRequestError, match="context length"):
+            client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": too_long}],
+                                           max_tokens=4)
+        r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"temperature": -3}}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.temperature", r.text
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(60) == 0
+        output = Path(log.name).read_text(errors="replace")
+        assert "pdserve router on" in output and "pdserve is up" in output  # the router's and up's logs are here
+        assert noisy_lines(output) == [], output[-6000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         Path(log.name).unlink()

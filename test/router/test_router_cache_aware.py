@@ -117,3 +117,35 @@ def test_cache_aware_finds_the_history_round_robin_does_not(deployment):
         assert router.stop() == 0
     assert not any(later_turns_hit(robin)), robin
     assert [t[2] for t in robin] == [t[2] for t in aware]  # same answers whichever prefill computed them
+
+
+def test_two_router_replicas_fed_the_same_events_keep_conversations_together(deployment):
+    """Replicas behind one Service: turns of one conversation alternate between two routers; each
+    later turn still goes to the prefill holding its history (each replica learns it from the same
+    KV events, not from having routed the turn before)."""
+    prefills, _ = deployment
+    replicas = [start_router(deployment, "cache_aware") for _ in range(2)]
+    try:
+        assert replicas[0].post("/flush_cache").status_code == 200
+        turns = []
+        for c, opener in enumerate(OPENERS):
+            messages = [{"role": "user", "content": opener}]
+            for t in range(TURNS):
+                router = replicas[(c + t) % 2]
+                r = router.post("/v1/chat/completions", timeout=120,
+                                json={"messages": messages, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                usage = r.json()["usage"]
+                turns.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], ""))
+                messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}]
+                if t < TURNS - 1:
+                    messages += [{"role": "user", "content": FOLLOW_UPS[t]}]
+                for replica in replicas:
+                    wait_until(lambda r=replica: settled(r, prefills), "the KV events of this turn", replica)
+        hits = [sum(r.metric("pdserve_router:policy_decisions_total", role="prefill", worker=p.url,
+                             policy="cache_aware", reason="cache_hit") for p, _ in prefills) for r in replicas]
+    finally:
+        for replica in replicas:
+            assert replica.stop() == 0
+    assert all(later_turns_hit(turns)), turns
+    assert all(h >= 1 for h in hits) and sum(hits) >= len(OPENERS) * (TURNS - 1), hits  # both replicas did

@@ -36,6 +36,8 @@ def test_defaults():
     assert args == RouterArgs(prefill=(PrefillSpec("http://p:1", 8998),), decode=("http://d:2",))
     assert args.policy == "cache_aware" and args.health_check_interval_secs == 5.0
     assert (args.balance_abs_threshold, args.balance_rel_threshold) == (64, 1.5)  # sglang-router's
+    assert args.approximate_index  # cache_aware guesses each prefill's cache unless told not to
+    assert not parse("--prefill", "http://p:1", "--decode", "http://d:2", "--no-approximate-index").approximate_index
 
 
 P, D = ["--prefill", "http://p:1"], ["--decode", "http://d:2"]

@@ -284,6 +284,9 @@ def test_info_routes(echo, make_router):
     assert info["prefill"] == [{"url": p1.url, "role": "prefill", "healthy": True, "in_flight": 0,
                                 "last_error": None, "bootstrap_port": 9100,
                                 "kv_events": None, "load": {},  # an echo worker publishes no KV events
+                                # nor its pool: the router's guess of its cache, at the default size
+                                "cache_view": {"source": "approximate", "approximate": {
+                                    "blocks": 0, "capacity": 1 << 16, "pool_known": False, "evicted": 0}},
                                 "server_info": {"worker": "p1", "path": "/get_server_info",
                                                 "internal_states": [{"worker": "p1"}]}}]
     assert info["decode"][0]["url"] == d1.url and info["decode"][0]["server_info"]["worker"] == "d1"

@@ -3,6 +3,8 @@ resync on first contact, a gap or a restart; stale after a silence; malformed me
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 
 from pdserve.router.kv_events import KVEventSubscriber
@@ -66,3 +68,35 @@ def test_malformed_messages_and_failed_snapshots_leave_it_empty_not_broken():
     assert sub.batches == 0 and sub.gaps == 0
     sub.handle(msg(1, [stored(5)]))
     assert sub.resync_failures == 1 and sub.matched_blocks([5]) == 0
+
+
+def test_first_contact_is_quiet_a_real_gap_says_what_was_missed(caplog):
+    caplog.set_level(logging.DEBUG, logger="pdserve.router.kv_events")
+    snaps = [{"seq": 4, "blocks": []}, {"seq": 9, "blocks": []}]
+    sub, _ = follower(snaps)
+    sub.handle(msg(4, []))  # first contact: the worker is at batch 4
+    assert sub.resyncs == 1 and not [r for r in caplog.records if r.levelno >= logging.INFO]
+    sub.handle(msg(9, [stored(1)]))  # 5..8 lost
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == ["KV events of w: missed batches after 4 (the worker is at 9); reloading the worker's cache "
+                    "from the snapshot"]
+
+
+def test_a_failing_snapshot_is_warned_once_per_run_of_failures(caplog):
+    answers: list = [OSError("refused"), OSError("refused"), {"seq": 2, "blocks": []}]
+
+    def fetch() -> dict:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    clock = Clock()
+    sub = KVEventSubscriber("w", "tcp://127.0.0.1:1", fetch, stale_s=5.0, clock=clock)
+    caplog.set_level(logging.INFO, logger="pdserve.router.kv_events")
+    for seq in (1, 2, 2):  # heartbeats, a second apart: each one retries the snapshot
+        sub.handle(msg(seq, []))
+        clock.now += 1.0
+    assert sub.resync_failures == 2 and sub.resyncs == 1
+    levels = [(r.levelno, r.getMessage().split(":")[1].strip()) for r in caplog.records]
+    assert [lv for lv, _ in levels] == [logging.WARNING, logging.INFO], levels

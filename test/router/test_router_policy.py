@@ -108,3 +108,36 @@ def test_cache_aware_balances_past_both_thresholds_and_by_load_without_a_hit():
     assert policy.pick(decodes) == 0  # same in flight: fewer running, then more free pages
     assert policy.pick(aware((1, 2), (0, 0), blocks=10)) == 1 and policy.reason == "load"  # 20% < cache_threshold
     assert policy.pick(aware((1, 3), (0, 0), blocks=10)) == 0 and policy.reason == "cache_hit"
+
+
+class Observer:
+    """What the router's cache view tells cache_aware: the prompt's key; it learns each choice."""
+
+    def __init__(self, key: int | None):
+        self.key = key
+        self.seen: list[str] = []
+
+    def prompt_key(self) -> int | None:
+        return self.key
+
+    def placed(self, candidate: Candidate) -> None:
+        self.seen.append(candidate.url)
+
+
+def test_cache_aware_breaks_ties_by_the_prompt_so_replicas_agree():
+    """Two policies with different RNGs (two router replicas): the same choice for each prompt key,
+    and over many keys both workers; without a key, at random."""
+    a, b = (CacheAwarePolicy(random.Random(seed)) for seed in (1, 2))
+    picks = []
+    for key in range(40):
+        a.observer, b.observer = Observer(key), Observer(key)
+        pick = a.pick(aware((0, 0), (0, 0)))
+        assert b.pick(aware((0, 0), (0, 0))) == pick and a.reason == "load"
+        assert a.observer.seen == [f"http://w{pick}"]
+        picks.append(pick)
+    assert set(picks) == {0, 1}
+    a.observer = Observer(None)
+    assert set(Counter(a.pick(aware((0, 0), (0, 0))) for _ in range(100))) == {0, 1}
+    a.observer = Observer(7)
+    assert a.pick(aware((1, 0), (0, 0))) == 1  # the key only breaks ties: load first
+    assert a.pick(aware((0, 2), (0, 9), blocks=10)) == 1 and a.reason == "cache_hit"

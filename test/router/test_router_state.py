@@ -67,3 +67,22 @@ def test_awaited_workers_are_named_then_reported_at_the_timeout(caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == ["worker startup: still waiting for http://p:1 after 10 s; serving with the workers that "
                       "are up and probing the others"]
+
+
+def test_workers_going_away_while_the_router_stops_is_no_outage(caplog):
+    """Ctrl-C of a deployment: the router is told first (``stopping``; its health rounds stop too),
+    then its workers stop; their going away is logged at info, not as a degraded or down router."""
+    prefill, decode = sets()
+    state = RouterState(prefill, decode, startup_timeout_s=60, clock=Clock())
+    prefill.mark_alive(prefill.workers[0])
+    decode.mark_alive(decode.workers[0])
+    assert state.update() is Mode.OK
+    caplog.set_level(logging.INFO, "pdserve.router.state")
+    state.stopping = True
+    prefill.mark_dead(prefill.workers[0], "GET /health failed")
+    assert state.update() is Mode.DEGRADED
+    decode.mark_dead(decode.workers[0], "GET /health failed")
+    assert state.update() is Mode.DOWN
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pdserve.router.state"]
+    assert said == [(logging.INFO, "stopping: degraded (http://p:1: GET /health failed)"),
+                    (logging.INFO, "stopping: down (http://d:1: GET /health failed)")]

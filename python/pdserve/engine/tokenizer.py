@@ -9,6 +9,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# transformers warns once per tokenizer of a text longer than the tokenizer's model_max_length;
+# pdserve checks every prompt against the context length itself and refuses it with a 400
+NO_LENGTH_LIMIT = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER)
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -24,7 +27,9 @@ def load_tokenizer(path: str | Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.model_max_length = NO_LENGTH_LIMIT  # the length check is ours (a 400), not a log line
+    return tokenizer
 
 
 def text_decoder(tokenizer) -> Callable[[list[int], bool], str]:

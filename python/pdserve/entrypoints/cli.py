@@ -280,7 +280,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--tokenizer-path", "cache_aware: local tokenizer directory to hash prompts with (default: the "
                  "path the prefill workers report, when it exists here)")
     _router_flag(g, "--kv-events-timeout-secs", "cache_aware: a prefill worker whose KV events (and heartbeats) "
-                 "stop this long is routed as if it cached nothing", type=float)
+                 "stop this long is routed on the router's guess of its cache", type=float)
+    g.add_argument("--no-approximate-index", dest="approximate_index", action="store_false",
+                   help="cache_aware: do not guess what a prefill worker caches from the requests routed to it (a "
+                   "worker without fresh KV events then counts as caching nothing)")
     _router_flag(g, "--request-timeout-secs", "longest a request (a whole stream) may take", type=float)
     g = parser.add_argument_group("health")
     _router_flag(g, "--health-check-interval-secs", "seconds between GET /health of every worker", type=float)

@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.25
 STOP_GRACE_S = 15.0
 SECRET_FLAGS = ("--api-key", "--worker-api-key", "--disaggregation-auth-token")
-# The one listener up cannot keep on --host: said once at start-up, documented in docs/security.md.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+# The one listener up cannot keep on --host: said once at start-up (info), documented in docs/security.md.
 TRANSFER_ENGINE_WARNING = ("Mooncake's transfer engines listen on every interface whatever --host says (ports in "
                            "15000-17000, an RPC and a handshake port per engine; mooncake-transfer-engine 0.3.13 has "
                            "no bind setting): whoever reaches them can read the registered KV memory. Allow them "
@@ -205,8 +206,7 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
         boot = args.bootstrap_port + i  # elastic: every server's, for when it becomes prefill
         if role == "prefill" or args.elastic is not None:
             cmd += ["--disaggregation-bootstrap-port", str(boot)]
-            if args.router_policy == "cache_aware":  # the router follows each prefill's cache by its KV events
-                cmd += ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://{args.host}:*"})]
+            cmd += kv_events_flags(args)
         if role == "prefill":
             prefill_urls.append((url, boot))
         else:
@@ -223,6 +223,23 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
     children.append(Child("router", router, f"http://{args.host}:{args.port}", None,
                           env=secrets_env(args, server=False)))
     return children
+
+
+def kv_events_flags(args: UpArgs) -> list[str]:
+    """A prefill's ``--kv-events-config`` when the router routes cache-aware: the events on a free port
+    of the server's ``--host`` (loopback when that is a wildcard: up's router is on this machine),
+    never every interface (docs/security.md). None when given among the server flags (the operator's
+    own), with ``--dp-size`` > 1 (a server publishes one group's events) or on an IPv6 ``--host`` (the
+    publisher's socket is IPv4 only): the router then routes on its own guess of each cache."""
+    flags = args.server_flags
+    if args.router_policy != "cache_aware" or "--kv-events-config" in flags:
+        return []
+    if "--dp-size" in flags and flags[flags.index("--dp-size") + 1] != "1":
+        return []
+    host = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host
+    if ":" in host:
+        return []
+    return ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://{host}:*"})]
 
 
 def secrets_env(args: UpArgs, server: bool) -> dict[str, str]:
@@ -332,14 +349,21 @@ class Deployment:
         return 0
 
     def stop(self) -> None:
-        """SIGTERM to every child (router first), then SIGKILL what is left after a grace period.
-        The signal goes to each child alone, not its process group: a server stops its own scheduler
-        processes in order (a scheduler killed under its frontend would look like a crash)."""
+        """SIGTERM to the router, and once it has exited (or after a grace period) to every server,
+        then SIGKILL what is left after a grace period. The router goes first so that it does not see
+        its workers go away (that would be an outage to report). The signal goes to each child alone,
+        not its process group: a server stops its own scheduler processes in order (a scheduler
+        killed under its frontend would look like a crash)."""
         self.stopping = True
         started = [(c.name, c.proc) for c in reversed(self.children) if c.proc is not None]
-        for _, proc in started:
-            _signal(proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
+        for i, (name, proc) in enumerate(started):
+            _signal(proc, signal.SIGTERM)
+            if i == 0 and name == "router":
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass  # the servers stop all the same; the router is killed below
         for name, proc in started:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
@@ -398,7 +422,9 @@ def launch_up(args: UpArgs) -> int:
                      ", ".join(map(str, busy)))
         return 1
     dep = Deployment(args)
-    logger.warning("%s", TRANSFER_ENGINE_WARNING)  # every server runs Mooncake (SERVER_TRANSFER_BACKENDS)
+    # every server runs Mooncake (SERVER_TRANSFER_BACKENDS). Said at info: it is true of every run, documented
+    # (docs/security.md), and a warning on every clean start would teach operators to skip warnings.
+    logger.info("%s", TRANSFER_ENGINE_WARNING)
 
     def on_signal(_sig, _frame):
         dep.stopping = True

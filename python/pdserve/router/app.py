@@ -14,7 +14,9 @@ import logging
 import random
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import aiohttp
@@ -25,7 +27,6 @@ from fastapi.responses import JSONResponse, Response
 from pdserve import __version__
 from pdserve.router.cache_view import CacheView
 from pdserve.router.config import RouterArgs
-from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Policy, make_policy
 from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
@@ -83,7 +84,8 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     checker.next_interval = lambda: _check_interval(args, state)
     cache = CacheView(prefill, decode, proxy.call, proxy.worker_headers, args.tokenizer_path,
                       args.kv_events_timeout_secs, args.health_check_timeout_secs,
-                      args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware")
+                      args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware",
+                      args.approximate_index)
     proxy.cache = cache
     checker.after_check.append(cache.schedule_refresh)
     return RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache)
@@ -171,9 +173,9 @@ async def _server_info(ctx: RouterContext) -> dict:
     out: dict[str, Any] = {"version": __version__, "policy": {"prefill": ctx.args.prefill_policy_name,
                                                               "decode": ctx.args.decode_policy_name},
                            "prefill": [], "decode": [], "internal_states": []}
+    out["cache_view"] = ctx.cache.summary()
     for w, info in zip(workers, infos):
-        kv = w.kv.status() if isinstance(w.kv, KVEventSubscriber) else None
-        out[w.role.value].append({**w.info(), "kv_events": kv, "load": w.load, "server_info": info})
+        out[w.role.value].append({**w.info(), **ctx.cache.status(w), "load": w.load, "server_info": info})
         if w.role is Role.DECODE and isinstance(info, dict):
             out["internal_states"].extend(info.get("internal_states", []))
     return out
@@ -190,7 +192,10 @@ async def _worker_server_info(ctx: RouterContext, worker: Worker) -> dict | None
 def _add_control_routes(app: FastAPI, ctx: RouterContext) -> None:
     @app.post("/flush_cache")
     async def flush_cache():
-        return await _broadcast(ctx, "/flush_cache", None, "Cache flushed", _admin_headers(ctx))
+        reply = await _broadcast(ctx, "/flush_cache", None, "Cache flushed", _admin_headers(ctx))
+        if reply.status_code == 200:
+            ctx.cache.forget()  # the router's guesses of the caches flushed with them
+        return reply
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
@@ -286,7 +291,7 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
         config = uvicorn.Config(create_app(ctx), log_level=ctx.args.log_level, access_log=False, lifespan="off",
                                 # typed int; uvicorn hands it to asyncio.wait_for, so a float works
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # type: ignore[arg-type]
-        server = uvicorn.Server(config)
+        server = _Server(config, on_exit=lambda: _stopping(ctx, health_loop))
         signals.attach(server)
         logger.info("pdserve router on http://%s:%d (%s): prefill %s, decode %s", ctx.args.host, ctx.args.port,
                     ctx.state.mode.value if ctx.state.mode else "not checked yet",
@@ -300,6 +305,28 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
         ctx.cache.close()
         await ctx.proxy.close()
         sock.close()
+
+
+def _stopping(ctx: RouterContext, health_loop: asyncio.Future | None) -> None:
+    """A signal arrived: the workers are likely stopping too (``pdserve up``, a rollout), so no more
+    health rounds, and the state's transitions are no outage."""
+    ctx.state.stopping = True
+    if health_loop is not None:
+        health_loop.cancel()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the router as soon as a signal asks it to stop (uvicorn handles
+    the signals itself while it serves)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self.on_exit = on_exit
+        self.loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.loop.call_soon_threadsafe(self.on_exit)  # a signal handler: touch the loop only this way
 
 
 class _Signals:

@@ -51,7 +51,8 @@ class RouterArgs:
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.3  # cache_aware: below this cached share of the prompt, route by load
     tokenizer_path: str | None = None  # None: the path the prefill workers report (if it is local)
-    kv_events_timeout_secs: float = 5.0  # a worker silent this long (no event, no heartbeat) counts as empty
+    kv_events_timeout_secs: float = 5.0  # a worker silent this long (no event, no heartbeat): routed on the guess
+    approximate_index: bool = True  # cache_aware guesses each prefill's cache from its own routing (approx_index)
     health_check_interval_secs: float = 5.0
     health_check_timeout_secs: float = 5.0
     worker_startup_timeout_secs: float = 600.0

@@ -5,7 +5,7 @@ thread fetch the worker's snapshot (``GET /kv_events/snapshot``) and continue fr
 batches queued in the socket meanwhile are applied or skipped by their numbers. The server
 sends an empty heartbeat batch (its last number) every second while idle, so a silent worker
 is told apart from an idle one: after ``stale_s`` without a message the index is not trusted
-and the worker is routed as if it held nothing.
+and the router falls back to its own guess of the worker's cache (``approx_index``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class KVEventSubscriber:
         self.gaps = 0
         self.resyncs = 0
         self.resync_failures = 0
+        self.failing = False  # the last snapshot failed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events {name}", daemon=True)
 
@@ -91,7 +92,8 @@ class KVEventSubscriber:
                 if sock.poll(POLL_MS):
                     self.handle(sock.recv_multipart())
         except zmq.ZMQError as e:
-            logger.warning("KV events of %s (%s): %s; routed as holding nothing", self.name, self.endpoint, e)
+            logger.warning("KV events of %s (%s): %s; routed on the router's own guess of its cache", self.name,
+                           self.endpoint, e)
         finally:
             sock.close()
             ctx.term()
@@ -107,6 +109,9 @@ class KVEventSubscriber:
             return
         self.last_message = self.clock()
         if payload.get("epoch") != self.epoch:
+            if self.epoch is not None:
+                logger.info("KV events of %s: the worker restarted (new epoch); reloading its cache from the "
+                            "snapshot", self.name)
             with self.lock:
                 self.index.forget()
                 self.epoch = payload.get("epoch")
@@ -117,7 +122,8 @@ class KVEventSubscriber:
             with self.lock:
                 applied = self.index.apply(seq, events)
         except (ValueError, KeyError, TypeError) as e:
-            logger.warning("KV events of %s: batch %d malformed (%s); resyncing", self.name, seq, e)
+            logger.warning("KV events of %s: batch %d malformed (%s); reloading the worker's cache from the "
+                           "snapshot", self.name, seq, e)
             applied = False
         self.batches += 1
         if not applied:
@@ -130,9 +136,16 @@ class KVEventSubscriber:
             self._gap(seq)
 
     def _gap(self, seq: int) -> None:
+        """Batch ``seq`` does not follow the index: first contact (or a restart, already said), or
+        batches lost on the way (said: the index was wrong until the snapshot reloads it)."""
         self.gaps += 1
-        logger.info("KV events of %s: at batch %s, got %d: resyncing from the snapshot", self.name,
-                    self.index.seq, seq)
+        known = self.index.seq
+        if known is None:
+            logger.debug("KV events of %s: first batch seen is %d; loading the worker's cache from the snapshot",
+                         self.name, seq)
+        else:
+            logger.info("KV events of %s: missed batches after %d (the worker is at %d); reloading the worker's "
+                        "cache from the snapshot", self.name, known, seq)
         self.resync()
 
     def resync(self) -> bool:
@@ -147,8 +160,14 @@ class KVEventSubscriber:
             self.last_failure = self.clock()
             with self.lock:
                 self.index.forget()
-            logger.warning("KV events of %s: snapshot failed (%s: %s); routed as holding nothing", self.name,
-                           type(e).__name__, e)
+            # said once per run of failures: the worker retries every MIN_RESYNC_INTERVAL_S while it fails
+            log = logger.debug if self.failing else logger.warning
+            log("KV events of %s: snapshot failed (%s: %s); routed on the router's own guess of its cache until "
+                "a snapshot loads", self.name, type(e).__name__, e)
+            self.failing = True
             return False
+        if self.failing:
+            logger.info("KV events of %s: snapshot loaded; routed on its events again", self.name)
+        self.failing = False
         self.resyncs += 1
         return True

@@ -2,7 +2,8 @@
 worker health and in-flight counts, requests refused for want of a healthy worker, requests
 served by decode alone (degraded), streams resumed on another decode, and the policies'
 decisions: why each worker was chosen, the prompt tokens cache_aware expected the chosen
-prefill to hold vs the ``cached_tokens`` the answer reported, and each followed KV-event stream."""
+prefill to hold vs the ``cached_tokens`` the answer reported, each followed KV-event stream, and
+whether cache_aware routes each prefill on its events or on the router's guess."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pdserve.router.kv_events import KVEventSubscriber
+from pdserve.router.cache_view import PrefixView
 from pdserve.router.workers import Role, Worker, WorkerSet
 
 PREFIX = "pdserve_router:"
@@ -44,7 +45,8 @@ class RouterMetrics:
                                  "instead; load: nothing cached, the least loaded)", LABELS + ["policy", "reason"],
                                  registry=r)
         self.predicted_cached = Counter(PREFIX + "predicted_cached_tokens", "Prompt tokens the router expected "
-                                        "the chosen prefill worker to hold (its KV events)", LABELS, registry=r)
+                                        "the chosen prefill worker to hold (its KV events, else the router's guess; "
+                                        "a text block counts as a page)", LABELS, registry=r)
         self.reported_cached = Counter(PREFIX + "reported_cached_tokens", "cached_tokens the answers reported "
                                        "(meta_info or usage), by the prefill worker chosen", LABELS, registry=r)
         self.kv_event_batches = Gauge(PREFIX + "kv_event_batches", "KV event batches received from a worker",
@@ -53,8 +55,10 @@ class RouterMetrics:
                                    "restarts, first contact)", LABELS, registry=r)
         self.kv_event_resyncs = Gauge(PREFIX + "kv_event_resyncs", "Snapshots a worker's KV index was rebuilt "
                                       "from", LABELS, registry=r)
-        self.kv_blocks = Gauge(PREFIX + "kv_indexed_blocks", "Blocks the router believes a worker caches (0 while "
-                               "its events are stale)", LABELS, registry=r)
+        self.kv_blocks = Gauge(PREFIX + "kv_indexed_blocks", "Blocks the router believes a worker caches (its KV "
+                               "events while fresh, else the router's guess)", LABELS, registry=r)
+        self.kv_on_events = Gauge(PREFIX + "kv_view_on_events", "1 while cache_aware routes on the worker's KV "
+                                  "events, 0 while on the router's guess from its own routing", LABELS, registry=r)
         self.role_moves = Counter(PREFIX + "worker_role_switches", "Workers seen in another role than before "
                                   "(POST /pd_role_switch on them), by the role they left and took",
                                   ["worker", "from_role", "to_role"], registry=r)
@@ -93,11 +97,13 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
     def _kv_gauges(self, w: Worker) -> None:
-        kv = w.kv
-        if not isinstance(kv, KVEventSubscriber):
+        view = w.kv
+        if not isinstance(view, PrefixView):
             return
         labels = (w.role.value, w.url)
-        self.kv_event_batches.labels(*labels).set(kv.batches)
-        self.kv_event_gaps.labels(*labels).set(kv.gaps)
-        self.kv_event_resyncs.labels(*labels).set(kv.resyncs)
-        self.kv_blocks.labels(*labels).set(kv.num_blocks)
+        self.kv_blocks.labels(*labels).set(view.num_blocks)
+        self.kv_on_events.labels(*labels).set(int(view.on_events))
+        if view.events is not None:
+            self.kv_event_batches.labels(*labels).set(view.events.batches)
+            self.kv_event_gaps.labels(*labels).set(view.events.gaps)
+            self.kv_event_resyncs.labels(*labels).set(view.events.resyncs)

@@ -4,6 +4,10 @@ Mirrors the servers' own tokenization: ``/generate`` text and completions prompt
 tokens, chat messages through the tokenizer's chat template (``web/chat.py``, as the server does).
 Batches (several prompts in one body) and anything malformed give None: the router then routes
 that request by load, and the server answers the error itself.
+
+Without a tokenizer, ``prompt_ids`` gives only the ids a request carries itself, and
+``prompt_text`` the prompt as text (chat messages joined in a fixed form, so a conversation's next
+turn extends its last one character for character), for the approximate index's text blocks.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ def load_local_tokenizer(path: str | None) -> Any | None:
         return None
 
 
-def prompt_ids(tokenizer: Any, path: str, body: dict) -> list[int] | None:
+def prompt_ids(tokenizer: Any | None, path: str, body: dict) -> list[int] | None:
     """Token ids of the single prompt of ``body`` sent to ``path``; None when there is not exactly one
-    or it cannot be read."""
+    or it cannot be read (or, without a tokenizer, when the request gives text)."""
     try:
         if path == "/generate":
             return _one(tokenizer, body.get("input_ids"), body.get("text"))
@@ -46,16 +50,34 @@ def prompt_ids(tokenizer: Any, path: str, body: dict) -> list[int] | None:
     return None
 
 
-def _one(tokenizer: Any, ids: Any, text: Any) -> list[int] | None:
+def prompt_text(path: str, body: dict) -> str | None:
+    """The single prompt of ``body`` as text, for matching without a tokenizer; None when there is
+    not exactly one text prompt. Chat messages become ``role``, ``content`` pairs each closed by
+    separators no message holds in practice (the form is the router's own: only prefixes matter)."""
+    if path == "/generate":
+        text = body.get("text")
+    elif path == "/v1/completions":
+        text = body.get("prompt")
+    elif path == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return None
+        text = "".join(f"{m.get('role')}\x1f{_text(m.get('content'))}\x1e" for m in messages)
+    else:
+        return None
+    return text if isinstance(text, str) and text else None
+
+
+def _one(tokenizer: Any | None, ids: Any, text: Any) -> list[int] | None:
     if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         return ids
-    if isinstance(text, str) and text:
+    if tokenizer is not None and isinstance(text, str) and text:
         return list(tokenizer.encode(text))
     return None
 
 
-def _chat(tokenizer: Any, messages: Any) -> list[int] | None:
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+def _chat(tokenizer: Any | None, messages: Any) -> list[int] | None:
+    if tokenizer is None or not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return None
     plain = [{**m, "content": _text(m.get("content"))} for m in messages]
     return list(tokenizer.encode(chat_prompt_text(tokenizer, plain), add_special_tokens=False))
@@ -63,5 +85,5 @@ def _chat(tokenizer: Any, messages: Any) -> list[int] | None:
 
 def _text(content: Any) -> str:
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""

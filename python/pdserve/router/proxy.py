@@ -340,7 +340,9 @@ class PDProxy:
                 if resp.status >= 400:
                     text = (await resp.read())[:LOGGED_BODY_BYTES].decode(errors="replace")
                     self._count_status(worker, resp.status)
-                    logger.warning("prefill worker %s: %s answered %d: %s", worker.url, path, resp.status, text)
+                    # a 4xx is the client's error (decode answers it the same): no worker fault
+                    logger.log(logging.DEBUG if resp.status < 500 else logging.WARNING,
+                               "prefill worker %s: %s answered %d: %s", worker.url, path, resp.status, text)
                     return
                 async for _ in resp.content.iter_any():
                     pass

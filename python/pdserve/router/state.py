@@ -6,7 +6,8 @@ which prefills them itself (slower first tokens, same tokens). ``/health`` stays
 ``starting``: no decode is healthy yet and some were never seen healthy; ``/health`` is 503.
 ``down``: no decode is healthy (requests are refused with 503).
 
-Each change of state is logged once; workers the router still waits for (never seen healthy)
+Each change of state is logged once (at info once the router is stopping: its workers going
+away then is a shutdown, not an outage); workers the router still waits for (never seen healthy)
 are named when the set changes and again every ``WAITING_LOG_INTERVAL_S``, and once more as an
 error when the start-up timeout passes (the router keeps serving and keeps probing them).
 """
@@ -58,6 +59,7 @@ class RouterState:
         self._waiting: tuple[str, ...] | None = None
         self._waiting_logged_at = 0.0
         self._timeout_logged = False
+        self.stopping = False  # the router was asked to stop: workers going away is no outage
 
     @property
     def waiting_for(self) -> list[Worker]:
@@ -85,7 +87,9 @@ class RouterState:
         return (200 if mode.serves else 503), body
 
     def _log_transition(self, old: Mode | None, new: Mode) -> None:
-        if new is Mode.DEGRADED:
+        if self.stopping:
+            logger.info("stopping: %s (%s)", new.value, _reasons(self.decode if new is Mode.DOWN else self.prefill))
+        elif new is Mode.DEGRADED:
             logger.warning("degraded: no healthy prefill worker (%s); requests go to decode workers alone, "
                            "which prefill them locally", _reasons(self.prefill))
         elif new is Mode.DOWN:
