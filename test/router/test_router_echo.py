@@ -282,7 +282,7 @@ def test_info_routes(echo, make_router):
     assert router.get("/health").status_code == 200
     info = router.get("/get_server_info").json()
     assert info["prefill"] == [{"url": p1.url, "role": "prefill", "healthy": True, "in_flight": 0,
-                                "last_error": None, "bootstrap_port": 9100,
+                                "last_error": None, "circuit_breaker": "closed", "bootstrap_port": 9100,
                                 "kv_events": None, "load": {},  # an echo worker publishes no KV events
                                 "server_info": {"worker": "p1", "path": "/get_server_info",
                                                 "internal_states": [{"worker": "p1"}]}}]
