@@ -66,21 +66,27 @@ class Admission:
         return self.clock()
 
     async def _wait(self) -> None:
+        """Until ``release`` hands this request a slot. ``asyncio.wait``, not ``wait_for``: a request
+        cancelled as its slot arrives must see the cancellation, and pass the slot on."""
         slot = asyncio.get_running_loop().create_future()
         self.waiters.append(slot)
         try:
-            await asyncio.wait_for(slot, self.queue_timeout_s)
-        except asyncio.TimeoutError:
+            await asyncio.wait({slot}, timeout=self.queue_timeout_s)
+        except BaseException:
+            self._give_up(slot)
+            raise
+        if not slot.done():
+            self._give_up(slot)
             self._refused("queue_timeout")
             raise Refused(f"queue_timeout_secs: no slot within {self.queue_timeout_s:g} s "
-                          f"({self.limit} requests in flight)", 408, "queue_timeout", self.retry_after()) from None
-        except BaseException:
-            if slot.done() and not slot.cancelled():
-                self.release(None)  # granted as the client left: pass it on
-            raise
-        finally:
-            if not slot.done():
-                slot.cancel()
+                          f"({self.limit} requests in flight)", 408, "queue_timeout", self.retry_after())
+
+    def _give_up(self, slot: asyncio.Future) -> None:
+        if slot.done() and not slot.cancelled():
+            self.release(None)  # granted as it gave up: the next in line gets it
+            return
+        slot.cancel()
+        self.waiters.remove(slot)
 
     def _refused(self, reason: str) -> None:
         if self.on_refuse is not None:

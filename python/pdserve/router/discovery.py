@@ -46,6 +46,7 @@ WATCH_TIMEOUT_S = 300  # the API server ends each watch after this long; it is l
 WATCH_READ_TIMEOUT_S = WATCH_TIMEOUT_S + 30  # a watch silent longer than the server's own limit is dead
 CONNECT_TIMEOUT_S = 10
 RETRY_S = 5.0  # after a failed list or watch
+FIRST_LIST_WAIT_S = 10.0  # the router waits this long for each role's first list before its first health check
 
 
 class DiscoveryError(Exception):
@@ -262,17 +263,26 @@ class KubernetesDiscovery(WorkerSource):
         self.api: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.reconciler: Reconciler | None = None
+        self.listed: dict[Role, asyncio.Event] = {}  # set once the role's first list is applied
 
     async def start(self, reconciler: Reconciler) -> None:
+        """Starts a thread per role and waits (a while) for their first lists, so the first health
+        round sees the workers there are."""
         self.api = _core_api()
         self.loop = asyncio.get_running_loop()
         self.reconciler = reconciler
+        self.listed = {role: asyncio.Event() for role in self.selectors}
         where = f"namespace {self.namespace}" if self.namespace else "every namespace"
         for role, selector in self.selectors.items():
             logger.info("discovering %s workers: pods with %s in %s, port %d", role.value, selector, where, self.port)
             thread = threading.Thread(target=self._follow, args=(role,), name=f"discovery {role.value}", daemon=True)
             thread.start()
             self.threads.append(thread)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.listed.values())), FIRST_LIST_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.warning("discovery: no pod list from the Kubernetes API within %g s; serving meanwhile",
+                           FIRST_LIST_WAIT_S)
 
     async def stop(self) -> None:
         """The threads end at their next event or timeout (daemons: they never hold the router up)."""
@@ -340,6 +350,7 @@ class KubernetesDiscovery(WorkerSource):
             return
         try:
             loop.call_soon_threadsafe(reconciler.apply, list(pods.values()), (role,))
+            loop.call_soon_threadsafe(self.listed[role].set)
         except RuntimeError:
             pass  # the loop closed as the router stopped
 

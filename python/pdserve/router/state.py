@@ -120,4 +120,6 @@ class RouterState:
 
 
 def _reasons(ws: WorkerSet) -> str:
+    if not ws.workers:
+        return "none known: discovery has found none yet"
     return "; ".join(f"{w.url}: {w.last_error or 'not checked yet'}" for w in ws.workers if not w.healthy)
