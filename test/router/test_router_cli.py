@@ -64,7 +64,7 @@ def test_fleet_flags_map_to_router_args():
         (10, 3, 60.0)  # sglang-router's
     assert (defaults.retry_max_retries, defaults.retry_initial_backoff_ms, defaults.retry_max_backoff_ms,
             defaults.retry_backoff_multiplier, defaults.retry_jitter_factor) == (5, 50, 30_000, 1.5, 0.2)
-    assert (defaults.health_failure_threshold, defaults.health_success_threshold) == (3, 2)
+    assert (defaults.health_failure_threshold, defaults.health_success_threshold) == (3, 1)
     assert (defaults.max_concurrent_requests, defaults.queue_size, defaults.queue_timeout_secs) == (-1, 100, 60.0)
     assert defaults.bootstrap_port_annotation == "sglang.ai/bootstrap-port" and not defaults.discovers
 

@@ -7,6 +7,7 @@ nothing. Then the pure parts: parsing a workers file, a pod's worker, and what a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -233,3 +234,36 @@ def test_a_source_removes_only_what_it_added():
     rec.apply([Wanted(Role.PREFILL, "http://q:1", 9000)])
     rec.apply([Wanted(Role.PREFILL, "http://q:1", 9001)])  # its bootstrap port changed: added anew
     assert fleet.find("http://q:1").bootstrap_port == 9001
+
+
+def test_a_removed_worker_lets_go_of_its_kv_follower_and_gauges():
+    """Discovery removing a prefill stops the thread following its KV events and drops its gauges;
+    a follower a cache refresh started for it as it was being removed is stopped at the next round."""
+    from pdserve.router.app import build_context
+    from pdserve.router.config import PrefillSpec, RouterArgs
+    from pdserve.router.kv_events import KVEventSubscriber
+
+    args = RouterArgs(prefill=(PrefillSpec("http://127.0.0.1:1"), PrefillSpec("http://127.0.0.1:2")),
+                      decode=("http://127.0.0.1:3",), policy="round_robin")
+    ctx = build_context(args, random.Random(0))
+    gone, kept = ctx.prefill.workers
+
+    def follower(worker):
+        return KVEventSubscriber(worker.url, f"tcp://127.0.0.1:{free_port()}", dict, 5.0).start()
+
+    async def healthy(_worker):
+        return None
+
+    gone.kv, kept.kv = follower(gone), follower(kept)
+    threads = [gone.kv._thread, kept.kv._thread]
+    ctx.checker.probe = healthy
+    asyncio.run(ctx.checker.check_all())
+    assert gone.url in ctx.metrics.render(ctx.sets).decode()
+    assert ctx.fleet.remove(gone.url, "kubernetes") is gone
+    assert gone.kv is None and not threads[0].is_alive() and threads[1].is_alive()
+    assert gone.url not in ctx.metrics.render(ctx.sets).decode() and [w.url for w in ctx.prefill.workers] == [kept.url]
+    late = gone.kv = follower(gone)  # a refresh that was reading its info as it went
+    asyncio.run(ctx.checker.check_all())
+    assert gone.kv is None and not late._thread.is_alive()
+    ctx.cache.close()
+    assert not threads[1].is_alive()

@@ -81,7 +81,9 @@ class RouterArgs:
     queue_size: int = 100  # beyond it: 429 with Retry-After
     queue_timeout_secs: float = 60.0  # longer in the queue: 408
     health_failure_threshold: int = 3  # consecutive failed checks that mark a healthy worker dead
-    health_success_threshold: int = 2  # consecutive passed checks that bring a dead one back
+    # consecutive passed checks that bring a dead one back; 1, not sglang-router's 2: a restarted worker
+    # is used at its first passed check (its breaker keeps it out if its requests still fail)
+    health_success_threshold: int = 1
     health_check_endpoint: str = "/health"
     service_discovery: bool = False  # Kubernetes pods by label (router/discovery.py)
     selector: tuple[str, ...] = ()  # key=value labels every worker pod has
