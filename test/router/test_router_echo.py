@@ -333,6 +333,7 @@ def test_router_listens_at_once_and_names_the_workers_it_waits_for(echo):
         r = router.post("/generate", json={"text": "x"})
         assert r.status_code == 503 and r.json()["error"]["message"].startswith(f"no healthy decode worker ({late_url}")
         wait_for(lambda: "still waiting for " + late_url in router.output(), what="start-up timeout logged")
+        assert router.get("/health").json()["startup_timed_out"] == [late_url]
         assert f"waiting for decode worker {late_url} (GET /health failed" in router.output()
         late = EchoWorker("late", port=port).start()
         try:
