@@ -267,3 +267,15 @@ def test_a_removed_worker_lets_go_of_its_kv_follower_and_gauges():
     assert gone.kv is None and not late._thread.is_alive()
     ctx.cache.close()
     assert not threads[1].is_alive()
+
+
+def test_a_failing_api_is_described_the_same_way_each_time():
+    """The watch threads log a failure once until it changes: the words must not carry dates or addresses."""
+    from kubernetes.client.rest import ApiException
+
+    from pdserve.router.discovery import _why
+
+    assert _why(ApiException(status=403, reason="Forbidden")) == (
+        "the Kubernetes API answered 403 Forbidden (RBAC: the service account needs get, list and watch on pods)")
+    a, b = (_why(OSError(f"<urllib3.connection.HTTPConnection object at {hex(id(o))}>: refused")) for o in (1, 2))
+    assert a == b == "OSError: <urllib3.connection.HTTPConnection object>: refused"

@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -297,7 +298,7 @@ class KubernetesDiscovery(WorkerSource):
                 self._watch(role, pods, version)
                 failed = ""
             except Exception as e:  # noqa: BLE001 - the API, the network or the config: list again later
-                why = f"{type(e).__name__}: {e}"
+                why = _why(e)
                 if why != failed:
                     logger.warning("discovering %s workers: %s; trying again every %g s", role.value, why, RETRY_S)
                 failed = why
@@ -353,6 +354,16 @@ class KubernetesDiscovery(WorkerSource):
             loop.call_soon_threadsafe(self.listed[role].set)
         except RuntimeError:
             pass  # the loop closed as the router stopped
+
+
+def _why(e: Exception) -> str:
+    """What failed, the same words each time it fails the same way (an ApiException's text carries
+    the answer's headers and dates)."""
+    status, reason = getattr(e, "status", None), getattr(e, "reason", None)
+    if isinstance(status, int) and status:
+        hint = " (RBAC: the service account needs get, list and watch on pods)" if status == 403 else ""
+        return f"the Kubernetes API answered {status} {reason}{hint}"
+    return re.sub(r" at 0x[0-9a-f]+", "", f"{type(e).__name__}: {e}")  # urllib3 names its objects' addresses
 
 
 def _key(pod: Any) -> str:
