@@ -29,10 +29,10 @@ SELECTORS = ("--selector", "app=pdserve", "--prefill-selector", "pdserve.ai/role
              "--decode-selector", "pdserve.ai/role=decode")
 
 
-def roles(router: Router) -> tuple[dict, list]:
+def roles(router: Router) -> tuple[dict, set]:
     """The router's prefill workers (url -> bootstrap port) and decode workers."""
     info = router.get("/get_server_info").json()
-    return {w["url"]: w["bootstrap_port"] for w in info["prefill"]}, sorted(w["url"] for w in info["decode"])
+    return {w["url"]: w["bootstrap_port"] for w in info["prefill"]}, {w["url"] for w in info["decode"]}
 
 
 def _env(**extra: str) -> dict:
@@ -61,7 +61,7 @@ def test_kubernetes_discovery_follows_recorded_pod_events(pods, tmp_path):
         router.start()  # ready: the listed pods are up
         # the list: prefill-0 (bootstrap port from its annotation) and decode-0; decode-1 is Pending
         # and other-server-0 has another app label
-        assert roles(router) == ({w["p0"].url: 9101}, [w["d0"].url])
+        assert roles(router) == ({w["p0"].url: 9101}, {w["d0"].url})
         r = router.post("/generate", json={"text": "hi"})
         assert r.status_code == 200 and r.json()["worker"] == "d0"
         assert r.json()["body"]["bootstrap_port"] == 9101 and r.json()["body"]["bootstrap_host"] == "127.0.0.2"
@@ -71,15 +71,15 @@ def test_kubernetes_discovery_follows_recorded_pod_events(pods, tmp_path):
         assert all(q["token_ok"] and q["path"] == "/api/v1/namespaces/llm/pods" for q in api.requests)
 
         expected = [
-            ({w["p0"].url: 9101}, [w["d0"].url, w["d1"].url]),  # decode-1 Running + Ready
-            ({w["p0"].url: 9101}, [w["d0"].url, w["d1"].url]),  # prefill-1 ADDED, Pending: not yet
-            ({w["p0"].url: 9101}, [w["d0"].url, w["d1"].url]),  # a BOOKMARK
-            ({w["p0"].url: 9101, w["p1"].url: 9102}, [w["d0"].url, w["d1"].url]),  # prefill-1 Ready
-            ({w["p0"].url: 9101, w["p1"].url: 9102}, [w["d1"].url]),  # decode-0's readiness fails
-            ({w["p1"].url: 9102}, [w["d1"].url]),  # prefill-0 terminating (deletionTimestamp)
-            ({w["p1"].url: 9102}, [w["d1"].url]),  # prefill-0 DELETED
-            ({w["p1"].url: 9102}, [w["d0"].url, w["d1"].url]),  # decode-0 Ready again
-            ({w["p1"].url: 9102}, [w["d1"].url]),  # decode-0 force-deleted: DELETED alone
+            ({w["p0"].url: 9101}, {w["d0"].url, w["d1"].url}),  # decode-1 Running + Ready
+            ({w["p0"].url: 9101}, {w["d0"].url, w["d1"].url}),  # prefill-1 ADDED, Pending: not yet
+            ({w["p0"].url: 9101}, {w["d0"].url, w["d1"].url}),  # a BOOKMARK
+            ({w["p0"].url: 9101, w["p1"].url: 9102}, {w["d0"].url, w["d1"].url}),  # prefill-1 Ready
+            ({w["p0"].url: 9101, w["p1"].url: 9102}, {w["d1"].url}),  # decode-0's readiness fails
+            ({w["p1"].url: 9102}, {w["d1"].url}),  # prefill-0 terminating (deletionTimestamp)
+            ({w["p1"].url: 9102}, {w["d1"].url}),  # prefill-0 DELETED
+            ({w["p1"].url: 9102}, {w["d0"].url, w["d1"].url}),  # decode-0 Ready again
+            ({w["p1"].url: 9102}, {w["d1"].url}),  # decode-0 force-deleted: DELETED alone
         ]
         for want in expected:
             event = api.release()
@@ -133,19 +133,20 @@ def test_a_watched_workers_file_adds_and_drops_workers(echo, tmp_path):
     router = Router([], [], "--workers-file", str(path), *FAST_HEALTH)
     try:
         router.start()
-        assert roles(router) == ({p1.url: 9100}, [d1.url])
+        assert roles(router) == ({p1.url: 9100}, {d1.url})
         _write(path, json.dumps({"prefill": [{"url": p1.url, "bootstrap_port": 9100}, p2.url],
                                  "decode": [{"url": d2.url}]}))
-        wait_for(lambda: roles(router) == ({p1.url: 9100, p2.url: 8998}, [d2.url]), 15, "the edit applied")
+        wait_for(lambda: roles(router) == ({p1.url: 9100, p2.url: 8998}, {d2.url}), 15, "the edit applied")
         wait_for(lambda: router.get("/health").json()["status"] == "ok", what="d2 healthy")
         assert router.post("/generate", json={"text": "x"}).json()["worker"] == "d2"
         _write(path, '{"prefill": [], "decode": ["not a url"]}')
         wait_for(lambda: "keeping the workers as they are" in router.output(), 15, "the broken edit refused")
         assert "decode[0]: 'not a url' is not an http(s)://HOST[:PORT] URL" in router.output()
-        assert roles(router) == ({p1.url: 9100, p2.url: 8998}, [d2.url])
+        assert roles(router) == ({p1.url: 9100, p2.url: 8998}, {d2.url})
         _write(path, json.dumps({"prefill": [p2.url], "decode": [d1.url, d2.url]}))
-        wait_for(lambda: roles(router) == ({p2.url: 8998}, [d1.url, d2.url]), 15, "the fixed file applied")
+        wait_for(lambda: roles(router) == ({p2.url: 8998}, {d1.url, d2.url}), 15, "the fixed file applied")
         assert router.output().count("keeping the workers as they are") == 1
+        assert "down: no healthy decode worker" not in router.output()  # d2 came before d1 went
     finally:
         assert router.stop() == 0, router.output()
 
@@ -158,9 +159,9 @@ def test_a_yaml_workers_file_next_to_flag_workers(echo, tmp_path):
     router = Router([(p1.url, 9100)], [d1.url], "--workers-file", str(path), *FAST_HEALTH)
     try:
         router.start()
-        wait_for(lambda: roles(router) == ({p1.url: 9100, p2.url: 9200}, [d1.url, d2.url]), 15, "both sources")
+        wait_for(lambda: roles(router) == ({p1.url: 9100, p2.url: 9200}, {d1.url, d2.url}), 15, "both sources")
         _write(path, f"prefill: []\ndecode: [{d1.url}]\n")  # d1 is the flags': not the file's to drop
-        wait_for(lambda: roles(router) == ({p1.url: 9100}, [d1.url]), 15, "the file's workers dropped")
+        wait_for(lambda: roles(router) == ({p1.url: 9100}, {d1.url}), 15, "the file's workers dropped")
     finally:
         assert router.stop() == 0, router.output()
 
@@ -230,7 +231,7 @@ def test_a_source_removes_only_what_it_added():
     assert [w.url for w in fleet.sets[Role.DECODE].workers] == ["http://d:2"]
     rec.apply([])
     assert [w.url for w in fleet.sets[Role.PREFILL].workers] == ["http://p:1"]  # the flags' worker stays
-    assert removed == ["http://d:1", "http://d:2"] and events == ["added", "removed", "added", "removed"]
+    assert removed == ["http://d:1", "http://d:2"] and events == ["added", "added", "removed", "removed"]
     rec.apply([Wanted(Role.PREFILL, "http://q:1", 9000)])
     rec.apply([Wanted(Role.PREFILL, "http://q:1", 9001)])  # its bootstrap port changed: added anew
     assert fleet.find("http://q:1").bootstrap_port == 9001

@@ -74,18 +74,24 @@ class Reconciler:
         self.owned: dict[str, Wanted] = {}
 
     def apply(self, wanted: Iterable[Wanted], roles: Iterable[Role] = tuple(Role)) -> None:
-        """Make this source's workers of ``roles`` exactly ``wanted``."""
+        """Make this source's workers of ``roles`` exactly ``wanted``: the new ones are added before
+        the gone ones are removed (a replaced worker never leaves its role with none for a moment);
+        one whose role or bootstrap port changed is removed and added anew."""
         roles = set(roles)
         want = {w.url: w for w in wanted if w.role in roles}
-        for url, had in list(self.owned.items()):
-            if had.role in roles and want.get(url) != had:  # gone, or its role or bootstrap port changed
-                del self.owned[url]
-                if self.fleet.remove(url, self.source) is not None:
-                    self._changed("removed")
+        mine = {url: had for url, had in self.owned.items() if had.role in roles}
+        self._remove([url for url, had in mine.items() if url in want and want[url] != had])
         for url, w in want.items():
             if url not in self.owned and self.fleet.add(w.role, url, w.bootstrap_port, self.source) is not None:
                 self.owned[url] = w
                 self._changed("added")
+        self._remove([url for url in mine if url not in want])
+
+    def _remove(self, urls: list[str]) -> None:
+        for url in urls:
+            del self.owned[url]
+            if self.fleet.remove(url, self.source) is not None:
+                self._changed("removed")
 
     def _changed(self, event: str) -> None:
         if self.on_change is not None:
