@@ -3,7 +3,9 @@ decode; under a bounded load A becomes decode (the router serves decode alone me
 prefill, so the deployment runs reversed. No request fails or changes its tokens (the colocated
 engine's greedy outputs are the reference), the router moves both workers between its sets, the
 reversed pair really disaggregates, pages balance on both servers, and refusals name the field.
-One deployment for the module."""
+Then the roles swap once more, and the router's sets must follow what the servers report on
+/health: every later request is served disaggregated by the new pair, its KV transfers counted on
+both, nothing prefilled locally on either side. One deployment for the module."""
 
 from __future__ import annotations
 
@@ -124,3 +126,50 @@ def test_switch_under_load_keeps_every_answer(dep, reference):
             in server.get("/metrics").text
     assert dep.router.metric("pdserve_router:worker_role_switches_total", from_role="prefill", to_role="decode",
                              worker=dep.a.url) == 1
+
+
+def _counters(server) -> dict[str, float]:
+    """A server's counters from its /metrics (``pdserve:<name>_total``, summed over labels)."""
+    out: dict[str, float] = {}
+    for line in server.get("/metrics").text.splitlines():
+        if not line.startswith("pdserve:"):
+            continue
+        sample, value = line.rsplit(" ", 1)
+        name = sample.split("{", 1)[0][len("pdserve:"):]
+        if name.endswith("_total"):
+            out[name[:-len("_total")]] = out.get(name[:-len("_total")], 0.0) + float(value)
+    return out
+
+
+def test_after_a_switch_the_router_serves_disaggregated_on_the_new_pair(dep):
+    """The router must take each server's role from its /health: were it to keep its own idea, it
+    would send prefill halves to the new decode and decode halves to the new prefill, and the
+    requests would be prefilled locally (or fail) instead of transferred."""
+    before_roles = dep.roles()
+    prefill, decode = (dep.a, dep.b) if before_roles["prefill"] == [dep.a.url] else (dep.b, dep.a)
+    for server, role in ((prefill, "decode"), (decode, "prefill")):  # the router serves decode alone between
+        r = _switch(server, role)
+        assert r.status_code == 200 and r.json()["role"] == role, r.text
+    new_prefill, new_decode = decode, prefill
+    wait_for(lambda: dep.roles() == {"prefill": [new_prefill.url], "decode": [new_decode.url]}, 30,
+             "the router's sets follow the reported roles")
+    wait_for(lambda: dep.router.get("/health").json().get("status") == "ok", 30, "router out of degraded mode")
+    degraded = dep.router.metric("pdserve_router:degraded_requests_total")
+    before = {s.url: _counters(s) for s in (new_prefill, new_decode)}
+    prompts = [[random.Random(11 + i).randrange(3, 1500) for _ in range(60)] for i in range(4)]  # new to both
+    for p in prompts:
+        assert len(dep.generate(p)) == NEW
+    after = {s.url: _counters(s) for s in (new_prefill, new_decode)}
+
+    def delta(server, name: str) -> float:
+        return after[server.url].get(name, 0.0) - before[server.url].get(name, 0.0)
+
+    n = len(prompts)
+    assert dep.router.metric("pdserve_router:degraded_requests_total") == degraded  # each went to a pair
+    assert delta(new_decode, "decode_kv_requests") == n and delta(new_decode, "decode_kv_received") == n
+    assert delta(new_prefill, "prefill_rooms_completed") == n
+    assert delta(new_prefill, "kv_transfer_bytes") > 0 and delta(new_decode, "kv_transfer_bytes_received") > 0
+    for server in (new_prefill, new_decode):  # nothing prefilled locally, on either side
+        assert delta(server, "decode_fallbacks") == 0 and delta(server, "decode_local_prefills") == 0
+        assert delta(server, "prefill_rooms_failed") == 0 and delta(server, "prefill_rooms_dropped") == 0
+    assert "decode_kv_requests" not in after[new_prefill.url]  # a prefill now: it decodes nothing

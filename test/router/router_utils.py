@@ -42,7 +42,7 @@ class Router:
     """A ``python -m pdserve router`` subprocess in its own session; ``url`` once ``start()`` returns."""
 
     def __init__(self, prefill: list[str | tuple[str, int]], decode: list[str], *flags: str,
-                 module: str = "pdserve"):
+                 module: str = "pdserve", env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", module, *(["router"] if module == "pdserve" else [])]
@@ -54,11 +54,13 @@ class Router:
         key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}  # get/post send it unless told otherwise
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-router-test-", suffix=".log", delete=False)
+        self.env = env  # None: this process's
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = ROUTER_STARTUP_TIMEOUT_S, ready: bool = True) -> Router:
         """Start and wait until it listens (``ready``: until its /health is 200, it can serve)."""
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,26 +144,30 @@ class EchoWorker:
     ``"stream": true`` SSE events ``{"worker": name, "i": i}`` (``echo_chunks`` of them).
     ``"echo_hold": true`` keeps a stream open, sending SSE comments until the client leaves
     (without ``stream``: answers nothing until then), which is recorded in ``disconnects``.
-    ``health_status`` / ``fail_status`` make it sick.
+    ``health_status`` / ``fail_status`` make it sick; ``drop_requests`` drops the connection of every
+    generation request before answering (a dead backend behind a live ``/health``). On the worker
+    named ``echo_die_on`` a stream breaks off after ``echo_die_after`` events.
     """
 
     name: str
     port: int = field(default_factory=free_port)
+    host: str = "127.0.0.1"  # another loopback address (127.0.0.2 ...) stands for another pod
     health_status: int = 200
     fail_status: int | None = None  # answer generation requests with this error status
     role: str | None = None  # the P/D role its /health reports (X-PD-Role), as a server that can switch does
     bootstrap_port: int | None = None  # and, as prefill, its registry's port (X-PD-Bootstrap-Port)
     switched_to_prefill: bool = False  # answer generation requests as a server that just became prefill
+    drop_requests: bool = False
     received: list[Received] = field(default_factory=list)
     disconnects: list[dict] = field(default_factory=list)  # bodies of streams whose client left
     open_holds: int = 0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def reset(self) -> None:
-        self.health_status, self.fail_status = 200, None
+        self.health_status, self.fail_status, self.drop_requests = 200, None, False
         self.role, self.bootstrap_port, self.switched_to_prefill = None, None, False
         self.received.clear()
         self.disconnects.clear()
@@ -206,7 +212,7 @@ class EchoWorker:
             app.router.add_post(path, self._generate)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+        await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
 
     # ------------------------------------------------------------ handlers
     def _record(self, request: web.Request, body: dict | None) -> None:
@@ -239,7 +245,7 @@ class EchoWorker:
         if self.switched_to_prefill:
             return web.json_response({"error": {"message": f"{self.name} is prefill now"}}, status=503,
                                      headers={ROLE_HEADER: "prefill"})
-        if body.get("echo_die_on") == self.name and not body.get("stream"):
+        if self.drop_requests or (body.get("echo_die_on") == self.name and not body.get("stream")):
             request.transport.close()  # dies before answering: the client sees the connection drop
             return web.Response()
         if body.get("stream") and "input_ids" in body:
@@ -268,6 +274,10 @@ class EchoWorker:
             for i in range(body.get("echo_chunks", 3)):
                 await resp.write(b"data: " + json.dumps({"worker": self.name, "i": i}).encode() + b"\n\n")
                 await asyncio.sleep(body.get("echo_delay", 0))
+                if body.get("echo_die_on") == self.name and i + 1 == body.get("echo_die_after"):
+                    await asyncio.sleep(0.3)  # the events reach the reader first (see _cumulative)
+                    request.transport.close()
+                    return resp
             if body.get("echo_hold"):
                 await self._hold(resp)
             await resp.write(b"data: [DONE]\n\n")

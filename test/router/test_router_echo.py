@@ -282,7 +282,7 @@ def test_info_routes(echo, make_router):
     assert router.get("/health").status_code == 200
     info = router.get("/get_server_info").json()
     assert info["prefill"] == [{"url": p1.url, "role": "prefill", "healthy": True, "in_flight": 0,
-                                "last_error": None, "bootstrap_port": 9100,
+                                "last_error": None, "circuit_breaker": "closed", "bootstrap_port": 9100,
                                 "kv_events": None, "load": {},  # an echo worker publishes no KV events
                                 # nor its pool: the router's guess of its cache, at the default size
                                 "cache_view": {"source": "approximate", "approximate": {
@@ -336,6 +336,7 @@ def test_router_listens_at_once_and_names_the_workers_it_waits_for(echo):
         r = router.post("/generate", json={"text": "x"})
         assert r.status_code == 503 and r.json()["error"]["message"].startswith(f"no healthy decode worker ({late_url}")
         wait_for(lambda: "still waiting for " + late_url in router.output(), what="start-up timeout logged")
+        assert router.get("/health").json()["startup_timed_out"] == [late_url]
         assert f"waiting for decode worker {late_url} (GET /health failed" in router.output()
         late = EchoWorker("late", port=port).start()
         try:

@@ -8,7 +8,7 @@ import random
 
 from pdserve.router.policy import RoundRobinPolicy
 from pdserve.router.state import Mode, RouterState
-from pdserve.router.workers import Role, make_worker_set
+from pdserve.router.workers import Role, Worker, make_worker_set
 
 
 def sets():
@@ -86,3 +86,29 @@ def test_workers_going_away_while_the_router_stops_is_no_outage(caplog):
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pdserve.router.state"]
     assert said == [(logging.INFO, "stopping: degraded (http://p:1: GET /health failed)"),
                     (logging.INFO, "stopping: down (http://d:1: GET /health failed)")]
+def test_each_awaited_worker_has_its_own_startup_timeout(caplog):
+    """A worker discovery adds later is awaited from when it was added, not from the router's start;
+    /health names the workers whose start-up timeout passed until they come up."""
+    prefill, decode = sets()
+    clock = Clock()
+    state = RouterState(prefill, decode, startup_timeout_s=10, clock=clock)
+    caplog.set_level(logging.INFO, "pdserve.router.state")
+    prefill.mark_alive(prefill.workers[0])
+    decode.mark_alive(decode.workers[0])
+    state.update()
+    clock.t = 50
+    decode.add(Worker("http://d:2", Role.DECODE, 0))  # discovered: never seen healthy yet
+    state.update()
+    clock.t = 59
+    state.update()
+    assert "startup_timed_out" not in state.health()[1]
+    clock.t = 60
+    state.update()
+    state.update()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == ["worker startup: still waiting for http://d:2 after 10 s; serving with the workers that "
+                      "are up and probing the others"]
+    assert state.health()[1]["startup_timed_out"] == ["http://d:2"]
+    decode.mark_alive(decode.workers[1])
+    state.update()
+    assert state.health() == (200, {"status": "ok", "waiting_for": [], "unhealthy": []})

@@ -83,3 +83,32 @@ def test_pick_avoids_the_worker_named():
     ws.mark_dead(ws.workers[1], "gone")
     with pytest.raises(NoHealthyWorker):
         ws.pick(avoid=ws.workers[0])
+
+
+def test_health_thresholds_need_consecutive_results_and_a_draining_worker_leaves_at_once():
+    decode = make_worker_set(Role.DECODE, ["http://d0:1", "http://d1:1"], RoundRobinPolicy(random.Random(0)))
+    prefill = make_worker_set(Role.PREFILL, [], RoundRobinPolicy(random.Random(0)))
+    d0, d1 = decode.workers
+    verdicts = {d0.url: None, d1.url: None}
+
+    async def probe(worker):
+        return verdicts[worker.url]
+
+    checker = HealthChecker([prefill, decode], probe, 1.0, failure_threshold=3, success_threshold=2)
+
+    def check(**new):
+        verdicts.update({w.url: v for w, v in ((d0, new.get("d0", verdicts[d0.url])),
+                                               (d1, new.get("d1", verdicts[d1.url])))})
+        asyncio.run(checker.check_all())
+        return [w.healthy for w in (d0, d1)]
+
+    assert check() == [True, True]  # never seen healthy: the first pass is enough
+    for flip in ("503", None, "503", "503"):  # a pass in between resets the count
+        assert check(d0=flip) == [True, True]
+    assert check(d0="503") == [False, True] and d0.last_error == "503"
+    assert check(d0=None) == [False, True]  # one pass is not two
+    assert check(d0="refused") == [False, True] and d0.last_error == "refused"  # the reason stays current
+    assert check(d0=None) == [False, True]
+    assert check(d0=None) == [True, True]
+    d1.draining = True  # its /health said "draining: switching ...": out at the first failure
+    assert check(d1="answered 503") == [True, False]

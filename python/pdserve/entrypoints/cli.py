@@ -255,17 +255,18 @@ def _router_flag(group, name: str, help: str, **kw) -> None:
     """``--health-check-interval-secs`` -> RouterArgs.health_check_interval_secs (sglang-router's names)."""
     dest = name.lstrip("-").replace("-", "_")
     kw.setdefault("default", _ROUTER_FIELDS[dest].default)
-    if kw["default"] is not None:
+    if kw["default"] not in (None, False, ()):  # a switch or a list says nothing by its default
         help += " (default: %(default)s)"
     group.add_argument(name, dest=dest, help=help, **kw)
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workers")
-    g.add_argument("--prefill", nargs="+", action="append", required=True, metavar=("URL", "BOOTSTRAP_PORT"),
-                   help="a prefill server and its bootstrap port (default: 8998); repeat for more")
-    g.add_argument("--decode", action="append", required=True, metavar="URL",
-                   help="a decode server; repeat for more")
+    g.add_argument("--prefill", nargs="+", action="append", metavar=("URL", "BOOTSTRAP_PORT"),
+                   help="a prefill server and its bootstrap port (default: 8998); repeat for more (needed unless "
+                   "--service-discovery or --workers-file finds them)")
+    g.add_argument("--decode", action="append", metavar="URL",
+                   help="a decode server; repeat for more (needed unless discovery finds them)")
     g = parser.add_argument_group("routing")
     _router_flag(g, "--host", "interface to listen on")
     _router_flag(g, "--port", "port to listen on", type=int)
@@ -299,14 +300,59 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _admin_key_flag(g, "; also sent to the workers for admin calls (give them the same key)")
     _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
                  "--api-key, or else the client's own Authorization header")
+    _add_fleet_flags(parser)
+
+
+def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
+    """Breakers, retries, the concurrency cap, health thresholds, discovery (sglang-router's names)."""
+    g = parser.add_argument_group("circuit breakers (per worker)")
+    _router_flag(g, "--cb-failure-threshold", "consecutive failed requests that open a worker's breaker (it is "
+                 "not picked while open)", type=int)
+    _router_flag(g, "--cb-success-threshold", "consecutive successful probes that close a half-open breaker",
+                 type=int)
+    _router_flag(g, "--cb-timeout-duration-secs", "seconds a breaker stays open before it lets probes through",
+                 type=float)
+    _router_flag(g, "--disable-circuit-breaker", "no breakers", action="store_true")
+    g = parser.add_argument_group("retries (connection failures before any byte reached the client)")
+    _router_flag(g, "--retry-max-retries", "retries of one request, each on a newly picked pair", type=int)
+    _router_flag(g, "--retry-initial-backoff-ms", "wait before the first retry", type=int)
+    _router_flag(g, "--retry-max-backoff-ms", "longest wait between retries", type=int)
+    _router_flag(g, "--retry-backoff-multiplier", "each wait is this many times the one before", type=float)
+    _router_flag(g, "--retry-jitter-factor", "each wait varies at random by up to this share", type=float)
+    _router_flag(g, "--disable-retries", "no retries", action="store_true")
+    g = parser.add_argument_group("concurrency cap")
+    _router_flag(g, "--max-concurrent-requests", "generation requests in flight at once; more wait in a queue "
+                 "(-1: no cap)", type=int)
+    _router_flag(g, "--queue-size", "requests that may wait; beyond, 429 with Retry-After", type=int)
+    _router_flag(g, "--queue-timeout-secs", "a request waiting longer gets 408", type=float)
+    g = parser.add_argument_group("health thresholds")
+    _router_flag(g, "--health-failure-threshold", "consecutive failed checks that mark a healthy worker dead",
+                 type=int)
+    _router_flag(g, "--health-success-threshold", "consecutive passed checks that bring a dead worker back",
+                 type=int)
+    _router_flag(g, "--health-check-endpoint", "the path every worker is checked on")
+    g = parser.add_argument_group("worker discovery")
+    _router_flag(g, "--service-discovery", "find workers as Kubernetes pods by label (pip install "
+                 "'pdserve[router-k8s]'; in-cluster service account, else the kubeconfig)", action="store_true")
+    _router_flag(g, "--selector", "labels every worker pod has (key=value ...)", nargs="+", metavar="KEY=VALUE")
+    _router_flag(g, "--prefill-selector", "labels of the prefill pods (key=value ...)", nargs="+",
+                 metavar="KEY=VALUE")
+    _router_flag(g, "--decode-selector", "labels of the decode pods (key=value ...)", nargs="+", metavar="KEY=VALUE")
+    _router_flag(g, "--service-discovery-namespace", "the namespace to watch (default: every namespace)")
+    _router_flag(g, "--service-discovery-port", "the workers' HTTP port in their pods", type=int)
+    _router_flag(g, "--bootstrap-port-annotation", "pod annotation holding a prefill's bootstrap port")
+    _router_flag(g, "--workers-file", "a JSON or YAML file {prefill: [{url, bootstrap_port}], decode: [url]}, "
+                 "watched: workers added or removed there are added or removed here")
 
 
 def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
     """RouterArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
     kwargs = {k: v for k, v in vars(ns).items() if k in _ROUTER_FIELDS}
     kwargs["api_key"] = _api_key(kwargs.get("api_key"))
-    kwargs["prefill"] = tuple(PrefillSpec.parse(values) for values in ns.prefill)
-    kwargs["decode"] = tuple(normalize_url(url) for url in ns.decode)
+    kwargs["prefill"] = tuple(PrefillSpec.parse(values) for values in ns.prefill or ())
+    kwargs["decode"] = tuple(normalize_url(url) for url in ns.decode or ())
+    for name in ("selector", "prefill_selector", "decode_selector"):
+        kwargs[name] = tuple(kwargs.get(name) or ())
     return RouterArgs(**kwargs)
 
 

@@ -4,7 +4,7 @@
 worker once (bounded by the health-check timeout), then listens and serves until
 SIGINT/SIGTERM, whatever the workers' state: workers that are not up yet are named in
 the log and in ``/health`` and probed until they are (see ``state``). Returns the exit
-code: 0 after a signal, 1 when the port is busy.
+code: 0 after a signal, 1 when the port is busy or a discovery source cannot start.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import random
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -25,13 +25,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
+from pdserve.router.admission import Admission, AdmissionMiddleware
+from pdserve.router.breaker import Backoff, BreakerConfig, BreakerState, CircuitBreaker
 from pdserve.router.cache_view import CacheView
-from pdserve.router.config import RouterArgs
+from pdserve.router.config import NO_LIMIT, RouterArgs
+from pdserve.router.discovery import DiscoveryError, Reconciler, WorkerSource, make_sources
+from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Policy, make_policy
 from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
-from pdserve.router.workers import HealthChecker, Role, Worker, WorkerSet, make_worker_set
+from pdserve.router.workers import Fleet, HealthChecker, Role, Worker, WorkerSet, make_worker_set
 from pdserve.web.api_key import (
     admin_refusal,
     holds_admin_key,
@@ -47,6 +51,7 @@ logger = logging.getLogger(__name__)
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 MODEL_INFO_PATHS = ("/v1/models", "/model_info", "/get_model_info")
 GRACEFUL_SHUTDOWN_S = 2.5  # open streams get this long after a signal, then their upstreams are closed
+REMOVED_SWEEPS = 3  # health rounds after a worker's removal in which a late KV follower of it is stopped
 
 
 @dataclass
@@ -61,6 +66,11 @@ class RouterContext:
     checker: HealthChecker
     state: RouterState
     cache: CacheView
+    # a fleet (_arm_fleet): workers discovery adds and removes, the concurrency cap
+    fleet: Fleet
+    admission: Admission
+    sources: list[WorkerSource] = field(default_factory=list)
+    removed: list[_Removed] = field(default_factory=list)  # removed lately: a late KV follower is stopped
 
     @property
     def sets(self) -> tuple[WorkerSet, WorkerSet]:
@@ -76,8 +86,9 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     metrics = RouterMetrics()
     state = RouterState(prefill, decode, args.worker_startup_timeout_secs)
     proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
-                    args.worker_key, state)
-    checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs)
+                    args.worker_key, state, _backoff(args), args.health_check_endpoint)
+    checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs,
+                            args.health_failure_threshold, args.health_success_threshold)
     proxy.refresh_roles = checker.check_all
     checker.on_move.append(metrics.moved)
     checker.after_check.append(state.update)
@@ -88,11 +99,95 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
                       args.approximate_index)
     proxy.cache = cache
     checker.after_check.append(cache.schedule_refresh)
-    return RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache)
+    ctx = RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache, Fleet(prefill, decode),
+                        _admission(args, metrics))
+    _arm_fleet(ctx)
+    return ctx
 
 
 def _policy(args: RouterArgs, name: str, rng: random.Random) -> Policy:
     return make_policy(name, rng, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
+
+
+# ---------------------------------------------------------------- fleet
+def _backoff(args: RouterArgs) -> Backoff:
+    return Backoff(0 if args.disable_retries else args.retry_max_retries, args.retry_initial_backoff_ms / 1000,
+                   args.retry_max_backoff_ms / 1000, args.retry_backoff_multiplier, args.retry_jitter_factor)
+
+
+def _admission(args: RouterArgs, metrics: RouterMetrics) -> Admission:
+    limit = None if args.max_concurrent_requests == NO_LIMIT else args.max_concurrent_requests
+    admission = Admission(limit, args.queue_size, args.queue_timeout_secs,
+                          on_refuse=lambda reason: metrics.rejected.labels(reason).inc())
+
+    def gauges() -> None:
+        metrics.admitted.set(admission.active)
+        metrics.queued.set(admission.queued)
+
+    metrics.on_render.append(gauges)
+    return admission
+
+
+def _arm_fleet(ctx: RouterContext) -> None:
+    """Breakers on every worker (on those discovery adds too), discovery's sources, and what a
+    removed worker leaves behind let go (its KV follower, its gauges)."""
+    for w in ctx.prefill.workers + ctx.decode.workers:
+        _arm_breaker(ctx, w)
+    ctx.fleet.on_add.append(lambda w: _arm_breaker(ctx, w))
+    ctx.fleet.on_remove.append(lambda w: _forget(ctx, w))
+    ctx.checker.after_check.append(lambda: _sweep_removed(ctx))
+    ctx.sources = make_sources(ctx.args)
+
+
+def _arm_breaker(ctx: RouterContext, worker: Worker) -> None:
+    if ctx.args.disable_circuit_breaker:
+        return
+    config = BreakerConfig(ctx.args.cb_failure_threshold, ctx.args.cb_success_threshold,
+                           ctx.args.cb_timeout_duration_secs)
+
+    def moved(old: BreakerState, new: BreakerState, why: str) -> None:
+        ctx.metrics.breaker_moved(worker, new)
+        log = logger.warning if new is BreakerState.OPEN else logger.info
+        log("%s worker %s: circuit breaker %s -> %s (%s)", worker.role.value, worker.url, old.value, new.value, why)
+
+    worker.breaker = CircuitBreaker(config, moved)
+
+
+@dataclass
+class _Removed:
+    worker: Worker
+    rounds: int = REMOVED_SWEEPS
+
+
+def _forget(ctx: RouterContext, worker: Worker) -> None:
+    ctx.metrics.forget(worker)
+    _stop_follower(worker)
+    ctx.removed.append(_Removed(worker))
+    ctx.state.update()
+
+
+def _stop_follower(worker: Worker) -> None:
+    kv, worker.kv = worker.kv, None
+    if isinstance(kv, KVEventSubscriber):
+        kv.stop()
+
+
+def _sweep_removed(ctx: RouterContext) -> None:
+    """A cache refresh that was reading a worker's info as discovery removed it may still start
+    following its KV events: that follower is stopped in the next rounds."""
+    for entry in ctx.removed:
+        _stop_follower(entry.worker)
+        entry.rounds -= 1
+    ctx.removed = [e for e in ctx.removed if e.rounds > 0]
+
+
+async def _start_sources(ctx: RouterContext) -> None:
+    """Raises DiscoveryError when a source cannot start."""
+    for source in ctx.sources:
+        def counted(event: str, name: str = source.name) -> None:
+            ctx.metrics.discovered.labels(name, event).inc()
+
+        await source.start(Reconciler(ctx.fleet, source.name, counted))
 
 
 def _check_interval(args: RouterArgs, state: RouterState) -> float:
@@ -110,6 +205,8 @@ def create_app(ctx: RouterContext) -> FastAPI:
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
+    # inside the key check (added after it, so it runs after it): a refused key takes no slot
+    app.add_middleware(AdmissionMiddleware, admission=ctx.admission, paths=GENERATION_PATHS)
     guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key)
     return app
 
@@ -282,6 +379,11 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
     await ctx.proxy.start()
     health_loop = None
     try:
+        try:
+            await _start_sources(ctx)
+        except DiscoveryError as e:
+            logger.error("%s", e)
+            return 1
         # one round before listening (bounded by the probe timeout), so the first requests
         # meet known workers; from then on, serve whatever the workers' state
         await ctx.checker.check_all()
@@ -302,6 +404,8 @@ async def _serve(ctx: RouterContext, sock: socket.socket) -> int:
         if health_loop is not None:
             health_loop.cancel()
             await asyncio.gather(health_loop, return_exceptions=True)
+        for source in ctx.sources:
+            await source.stop()
         ctx.cache.close()
         await ctx.proxy.close()
         sock.close()

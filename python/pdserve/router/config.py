@@ -9,6 +9,8 @@ from pdserve.router.policy import POLICIES
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"  # sglang-router's default
+NO_LIMIT = -1  # --max-concurrent-requests: no cap
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class PrefillSpec:
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
 
     def __post_init__(self):
-        _check_url(self.url, "prefill")
+        check_url(self.url, "prefill")
         _check_port(self.bootstrap_port, f"prefill {self.url}: bootstrap_port")
 
     @classmethod
@@ -64,14 +66,43 @@ class RouterArgs:
     worker_api_key: str | None = field(default=None, repr=False)  # sent to the workers instead of api_key
     # admin routes need it from clients (web/api_key.py); sent to the workers for admin calls
     admin_api_key: str | None = field(default=None, repr=False)
+    # ---- a fleet: breakers, retries, admission, health thresholds, discovery (sglang-router's names
+    # and defaults, checked by _check_fleet). The cap is off unless --max-concurrent-requests is given.
+    cb_failure_threshold: int = 10  # consecutive failed requests that open a worker's breaker
+    cb_success_threshold: int = 3  # consecutive successes in half-open that close it
+    cb_timeout_duration_secs: float = 60.0  # open this long, then half-open
+    disable_circuit_breaker: bool = False
+    retry_max_retries: int = 5  # connection failures before any byte reached the client
+    retry_initial_backoff_ms: int = 50
+    retry_max_backoff_ms: int = 30_000
+    retry_backoff_multiplier: float = 1.5
+    retry_jitter_factor: float = 0.2
+    disable_retries: bool = False
+    max_concurrent_requests: int = NO_LIMIT  # generation requests in flight; more wait in the queue
+    queue_size: int = 100  # beyond it: 429 with Retry-After
+    queue_timeout_secs: float = 60.0  # longer in the queue: 408
+    health_failure_threshold: int = 3  # consecutive failed checks that mark a healthy worker dead
+    # consecutive passed checks that bring a dead one back; 1, not sglang-router's 2: a restarted worker
+    # is used at its first passed check (its breaker keeps it out if its requests still fail)
+    health_success_threshold: int = 1
+    health_check_endpoint: str = "/health"
+    service_discovery: bool = False  # Kubernetes pods by label (router/discovery.py)
+    selector: tuple[str, ...] = ()  # key=value labels every worker pod has
+    prefill_selector: tuple[str, ...] = ()
+    decode_selector: tuple[str, ...] = ()
+    service_discovery_namespace: str | None = None  # None: every namespace
+    service_discovery_port: int = 80
+    bootstrap_port_annotation: str = BOOTSTRAP_PORT_ANNOTATION
+    workers_file: str | None = None  # a JSON/YAML file of workers, watched for changes
 
     def __post_init__(self):
-        if not self.prefill:
-            raise ValueError("prefill: give at least one --prefill URL [BOOTSTRAP_PORT]")
-        if not self.decode:
-            raise ValueError("decode: give at least one --decode URL")
+        if not self.prefill and not self.discovers:
+            raise ValueError("prefill: give at least one --prefill URL [BOOTSTRAP_PORT] (or --service-discovery, "
+                             "or --workers-file)")
+        if not self.decode and not self.discovers:
+            raise ValueError("decode: give at least one --decode URL (or --service-discovery, or --workers-file)")
         for url in self.decode:
-            _check_url(url, "decode")
+            check_url(url, "decode")
         _check_unique([p.url for p in self.prefill], "prefill")
         _check_unique(list(self.decode), "decode")
         _check_port(self.port, "port")
@@ -94,6 +125,12 @@ class RouterArgs:
                 raise ValueError(f"{name}: must not be empty")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: {self.log_level!r} is not one of {LOG_LEVELS}")
+        _check_fleet(self)
+
+    @property
+    def discovers(self) -> bool:
+        """Workers come (also) from Kubernetes or a watched file, so the flags may name none."""
+        return self.service_discovery or self.workers_file is not None
 
     @property
     def prefill_policy_name(self) -> str:
@@ -110,11 +147,54 @@ class RouterArgs:
 
 
 
+def _check_fleet(a: RouterArgs) -> None:
+    """The breaker, retry, admission, health-threshold and discovery fields."""
+    for name in ("cb_failure_threshold", "cb_success_threshold", "health_failure_threshold",
+                 "health_success_threshold"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(a, name)}")
+    for name in ("cb_timeout_duration_secs", "queue_timeout_secs"):
+        if not getattr(a, name) > 0:
+            raise ValueError(f"{name}: must be > 0, got {getattr(a, name)}")
+    for name in ("retry_max_retries", "retry_initial_backoff_ms", "queue_size"):
+        if getattr(a, name) < 0:
+            raise ValueError(f"{name}: must be >= 0, got {getattr(a, name)}")
+    if a.retry_max_backoff_ms < a.retry_initial_backoff_ms:
+        raise ValueError(f"retry_max_backoff_ms: must be >= retry_initial_backoff_ms ({a.retry_initial_backoff_ms}), "
+                         f"got {a.retry_max_backoff_ms}")
+    if not a.retry_backoff_multiplier >= 1.0:
+        raise ValueError(f"retry_backoff_multiplier: must be >= 1.0, got {a.retry_backoff_multiplier}")
+    if not 0.0 <= a.retry_jitter_factor <= 1.0:
+        raise ValueError(f"retry_jitter_factor: must be in [0, 1], got {a.retry_jitter_factor}")
+    if a.max_concurrent_requests != NO_LIMIT and a.max_concurrent_requests < 1:
+        raise ValueError(f"max_concurrent_requests: must be >= 1 (or {NO_LIMIT}: no cap), got "
+                         f"{a.max_concurrent_requests}")
+    if not a.health_check_endpoint.startswith("/"):
+        raise ValueError(f"health_check_endpoint: must be a path starting with '/', got {a.health_check_endpoint!r}")
+    _check_port(a.service_discovery_port, "service_discovery_port")
+    for name in ("selector", "prefill_selector", "decode_selector"):
+        for label in getattr(a, name):
+            parse_label(label, name)
+    if a.service_discovery and not (a.prefill_selector and a.decode_selector):
+        raise ValueError("prefill_selector: --service-discovery needs --prefill-selector and --decode-selector "
+                         "(key=value labels of each role's pods)")
+    if a.workers_file == "":
+        raise ValueError("workers_file: must not be empty")
+
+
+def parse_label(label: str, field: str) -> tuple[str, str]:
+    """``key=value`` (a Kubernetes equality selector term) -> (key, value)."""
+    key, sep, value = label.partition("=")
+    if not sep or not key or "," in label or key.endswith("!"):
+        raise ValueError(f"{field}: {label!r} is not a key=value label")
+    return key, value
+
+
 def normalize_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def _check_url(url: str, field: str) -> None:
+def check_url(url: str, field: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{field}: {url!r} is not an http(s)://HOST[:PORT] URL")

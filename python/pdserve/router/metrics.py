@@ -3,15 +3,18 @@ worker health and in-flight counts, requests refused for want of a healthy worke
 served by decode alone (degraded), streams resumed on another decode, and the policies'
 decisions: why each worker was chosen, the prompt tokens cache_aware expected the chosen
 prefill to hold vs the ``cached_tokens`` the answer reported, each followed KV-event stream, and
-whether cache_aware routes each prefill on its events or on the router's guess."""
+whether cache_aware routes each prefill on its events or on the router's guess.
+For a fleet: each worker's circuit breaker state and transitions, retries, the admission queue
+(in flight, waiting, refused with 429 or timed out with 408), and workers discovery added and removed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdserve.router.breaker import BreakerState
 from pdserve.router.cache_view import PrefixView
 from pdserve.router.workers import Role, Worker, WorkerSet
 
@@ -62,6 +65,42 @@ class RouterMetrics:
         self.role_moves = Counter(PREFIX + "worker_role_switches", "Workers seen in another role than before "
                                   "(POST /pd_role_switch on them), by the role they left and took",
                                   ["worker", "from_role", "to_role"], registry=r)
+        self._add_fleet_metrics(r)
+
+    def _add_fleet_metrics(self, r: CollectorRegistry) -> None:
+        self.breaker_state = Gauge(PREFIX + "worker_cb_state", "The worker's circuit breaker: 0 closed, 1 open "
+                                   "(not picked), 2 half-open (probing)", LABELS, registry=r)
+        self.breaker_transitions = Counter(PREFIX + "worker_cb_transitions", "Circuit breaker transitions, by the "
+                                           "state entered", LABELS + ["to"], registry=r)
+        self.retries = Counter(PREFIX + "retries", "Requests sent again to a new pair after a failure before any "
+                               "byte reached the client, by the worker that failed and how (connect, broken)",
+                               LABELS + ["reason"], registry=r)
+        self.retries_exhausted = Counter(PREFIX + "retries_exhausted", "Requests that failed with no retry left",
+                                         registry=r)
+        self.admitted = Gauge(PREFIX + "active_requests", "Generation requests holding one of the "
+                              "--max-concurrent-requests slots", registry=r)
+        self.queued = Gauge(PREFIX + "queued_requests", "Generation requests waiting for a slot", registry=r)
+        self.rejected = Counter(PREFIX + "rejected_requests", "Generation requests refused by admission: "
+                                "queue_full (429, Retry-After) or queue_timeout (408)", ["reason"], registry=r)
+        self.discovered = Counter(PREFIX + "discovery_events", "Workers added or removed by discovery, by source "
+                                  "(file, kubernetes)", ["source", "event"], registry=r)
+        self.on_render: list[Callable[[], None]] = []  # read what others own into gauges (the admission queue)
+
+    def retry(self, worker: Worker, reason: str) -> None:
+        self.retries.labels(worker.role.value, worker.url, reason).inc()
+
+    def breaker_moved(self, worker: Worker, new: BreakerState) -> None:
+        self.breaker_transitions.labels(worker.role.value, worker.url, new.value).inc()
+
+    def forget(self, worker: Worker) -> None:
+        """A worker discovery removed: its gauges go (its counters stay, as a restarted worker's would)."""
+        gauges = (self.healthy, self.in_flight, self.breaker_state, self.kv_event_batches, self.kv_event_gaps,
+                  self.kv_event_resyncs, self.kv_blocks)
+        for gauge in gauges:
+            try:
+                gauge.remove(worker.role.value, worker.url)
+            except KeyError:
+                pass  # never rendered
 
     def request(self, worker: Worker) -> None:
         self.requests.labels(worker.role.value, worker.url).inc()
@@ -74,7 +113,7 @@ class RouterMetrics:
 
     def moved(self, worker: Worker, old: Role) -> None:
         self.role_moves.labels(worker.url, old.value, worker.role.value).inc()
-        for gauge in (self.healthy, self.in_flight):
+        for gauge in (self.healthy, self.in_flight, self.breaker_state):
             try:
                 gauge.remove(old.value, worker.url)
             except KeyError:
@@ -89,11 +128,15 @@ class RouterMetrics:
             for w in s.workers:
                 self.healthy.labels(w.role.value, w.url).set(int(w.healthy))
                 self.in_flight.labels(w.role.value, w.url).set(w.in_flight)
+                if w.breaker is not None:
+                    self.breaker_state.labels(w.role.value, w.url).set(w.breaker.state.code)
             self.dead.labels(s.role.value).set(len(s.workers) - len(s.healthy))
             for w in s.workers:
                 self._kv_gauges(w)
         prefill = next(s for s in sets if s.role is Role.PREFILL)
         self.degraded.set(int(not prefill.healthy))
+        for hook in self.on_render:
+            hook()
         return generate_latest(self.registry)
 
     def _kv_gauges(self, w: Worker) -> None:

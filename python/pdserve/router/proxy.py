@@ -11,6 +11,14 @@ client that leaves closes the decode connection (so decode aborts the request) a
 the prefill request (its connection closes too). A decode worker refusing the connection
 is marked dead and the request tries another pair.
 
+Retries (``breaker.Backoff``): a decode whose connection fails, or whose answer breaks off,
+before any byte reached the client sends the request again to a newly picked pair (a new
+prefill and a new room too) after a jittered, growing back-off, at most ``--retry-max-retries``
+times. Once a stream has started, nothing is sent twice: ``resume`` continues a /generate
+stream from what the client has, any other stream ends with an error event. Every outcome
+(connection failed, timed out, broke off, a 5xx; or an answer) goes to the worker's circuit
+breaker, which keeps a failing worker out of the picks for a while (``breaker``).
+
 Failures: with no healthy prefill a request goes to a decode alone, without bootstrap fields
 (degraded: decode prefills it as a colocated request). A streamed ``/generate`` whose decode
 breaks off is resumed on another decode (``resume``); other broken streams end with an error event.
@@ -32,6 +40,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.disagg.bootstrap import with_bootstrap
+from pdserve.router.breaker import Backoff
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState
@@ -51,6 +60,7 @@ CONNECT_TIMEOUT_S = 10.0
 FORWARDED_HEADERS = ("authorization",)  # so workers started with --api-key accept the request
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 LOGGED_BODY_BYTES = 500
+DRAINING = "draining: switching"  # a P/D server's /health during POST /pd_role_switch (entrypoints/http_server.py)
 
 
 class WorkerUnreachable(Exception):
@@ -88,8 +98,10 @@ class PDProxy:
 
     def __init__(self, prefill: WorkerSet, decode: WorkerSet, metrics: RouterMetrics, rng: random.Random,
                  request_timeout_s: float, health_timeout_s: float, worker_api_key: str | None = None,
-                 state: RouterState | None = None):
+                 state: RouterState | None = None, backoff: Backoff | None = None, health_path: str = "/health"):
         self.prefill = prefill
+        self.backoff = backoff or Backoff()
+        self.health_path = health_path
         self.cache: CacheView | None = None  # cache_aware: the prompt's page hashes for the prefill choice
         self.decode = decode
         self.metrics = metrics
@@ -137,30 +149,40 @@ class PDProxy:
 
     # ------------------------------------------------------------ generation
     async def generate(self, request: Request, path: str) -> Response:
-        """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions).
-        A decode that breaks off before a whole JSON answer is sent again to another decode (nothing
-        reached the client yet); each decode is tried at most once. A decode that answers it became
-        prefill has the roles re-checked first: the server that took its place may have become decode
-        since the request arrived, and the next health check could still be an interval away."""
+        """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions)."""
         body = parse_json_object(await request.body())
         headers = self.upstream_headers(request)
         hashes = self.cache.prompt_hashes(path, body) if self.cache is not None else []
+        try:
+            return await self._generate(request, path, body, headers, hashes)
+        except RequestError as e:
+            if e.status == 499:
+                self.metrics.client_disconnects.inc()
+            raise
+
+    async def _generate(self, request: Request, path: str, body: dict, headers: dict, hashes: list[int]) -> Response:
+        """A decode that breaks off before a whole JSON answer is retried on another decode (nothing
+        reached the client yet); each decode is tried at most once. A decode that answers it became
+        prefill has the roles re-checked first (no back-off: nothing failed): the server that took its
+        place may have become decode since the request arrived, and the next health check could still
+        be an interval away."""
+        attempts = _Attempts(self.backoff, self.rng, self.metrics)
         tried: list[Worker] = []
-        while not tried or [w for w in self.decode.healthy if w not in tried]:
+        while True:
             try:
-                ex = await until_disconnect(request, self._open_exchange(path, body, headers, tried, hashes))
+                ex = await until_disconnect(request, self._open_exchange(path, body, headers, tried, hashes,
+                                                                         attempts))
                 return await self._answer(request, ex, path, body, headers)
             except _BrokeOff as e:
                 tried.append(e.worker)
-                if e.switched and self.refresh_roles is not None:
-                    await self.refresh_roles()
-            except RequestError as e:
-                if e.status == 499:
-                    self.metrics.client_disconnects.inc()
-                raise
-        where = f"decode worker {tried[-1].url}"
-        raise RequestError(f"{where}: answer broke off and no other decode could take it",
-                           status=502, code="upstream_error")
+                switched = e.switched
+            if switched and self.refresh_roles is not None:
+                await self.refresh_roles()
+            where = f"decode worker {tried[-1].url}: answer broke off"
+            if not [w for w in self.decode.available if w not in tried]:
+                raise RequestError(f"{where} and no other decode could take it", status=502, code="upstream_error")
+            if not switched and not await until_disconnect(request, attempts.retry(tried[-1], "broken")):
+                raise RequestError(f"{where} ({attempts.spent})", status=502, code="upstream_error")
 
     async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
         try:
@@ -178,16 +200,17 @@ class PDProxy:
                 content = await until_disconnect(request, ex.response.read())
             except aiohttp.ClientError as e:
                 ex.broken = True
-                self.metrics.error(ex.decode.worker, "broken")
+                self._failed(ex.decode.worker, "broken")
                 logger.warning("decode worker %s: answer broke off (%s: %s)", ex.decode.worker.url,
                                type(e).__name__, e)
                 raise _BrokeOff(ex.decode.worker) from None
             except asyncio.TimeoutError:
-                self.metrics.error(ex.decode.worker, "timeout")
+                self._failed(ex.decode.worker, "timeout")
                 raise RequestError(f"decode worker {ex.decode.worker.url}: no answer within the request timeout",
                                    status=504, code="upstream_timeout") from None
             ex.completed = True
             self._count_status(ex.decode.worker, ex.response.status)
+            self._answered(ex.decode.worker, ex.response.status)
             if ex.response.status == 200:
                 ex.note_cached(content)
             return Response(content, status_code=ex.response.status, media_type=ex.response.content_type)
@@ -196,20 +219,24 @@ class PDProxy:
                 ex.finish()
 
     async def _open_exchange(self, path: str, body: dict, headers: dict, avoid: Collection[Worker] = (),
-                             hashes: Sequence[int] = ()) -> _Exchange:
-        """A decode response opened for ``body`` (with a prefill half when one is healthy); a decode
-        refusing the connection is marked dead and another tried. ``avoid``: decodes not to pick;
-        ``hashes``: the prompt's page hashes (cache_aware)."""
-        for _ in range(len(self.decode.workers) + 1):
+                             hashes: Sequence[int] = (), attempts: _Attempts | None = None) -> _Exchange:
+        """A decode response opened for ``body`` (with a prefill half when one is healthy). A decode
+        refusing the connection is marked dead and the request sent to a new pair after the back-off,
+        while ``attempts`` has retries left. ``avoid``: decodes not to pick; ``hashes``: the prompt's
+        page hashes (cache_aware)."""
+        attempts = attempts or _Attempts(self.backoff, self.rng, self.metrics)
+        while True:
             prefill, decode = self._pick_pair(avoid, hashes)
             try:
                 return await self._start_exchange(path, body, headers, prefill, decode)
             except WorkerUnreachable:
-                continue  # that decode worker is now dead: try another pair
-        raise ServerError(f"decode: every decode worker refused the connection ({self._reasons(self.decode)})")
+                if not await attempts.retry(decode.worker, "connect"):
+                    raise ServerError(f"decode worker {decode.worker.url}: connection failed ({attempts.spent}; "
+                                      f"{self._reasons(self.decode)})") from None
 
     def _pick_pair(self, avoid: Collection[Worker] = (), hashes: Sequence[int] = ()) -> tuple[Lease | None, Lease]:
-        """A prefill lease (None when no prefill is healthy: degraded) and a decode lease."""
+        """A prefill lease (None when no prefill is healthy, or every healthy one's breaker is open:
+        degraded) and a decode lease."""
         try:
             decode = self.decode.pick(exclude=avoid)
         except NoHealthyWorker as e:
@@ -256,11 +283,11 @@ class PDProxy:
             self._unreachable(worker, e)
             raise WorkerUnreachable(worker.url) from e
         except asyncio.TimeoutError:
-            self.metrics.error(worker, "timeout")
+            self._failed(worker, "timeout")
             raise RequestError(f"decode worker {worker.url}: no answer within the request timeout",
                                status=504, code="upstream_timeout") from None
         except aiohttp.ClientError as e:  # the request reached it, then the connection dropped
-            self.metrics.error(worker, "broken")
+            self._failed(worker, "broken")
             logger.warning("decode worker %s: connection dropped before an answer (%s: %s)", worker.url,
                            type(e).__name__, e)
             raise _BrokeOff(worker) from None
@@ -277,11 +304,12 @@ class PDProxy:
                     if out:
                         yield out
                 ex.completed = True
+                self._answered(ex.decode.worker, ex.response.status)
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 ex.broken = True
                 worker = ex.decode.worker
-                self.metrics.error(worker, "broken")
+                self._failed(worker, "broken")
                 logger.warning("decode worker %s: stream broke: %s: %s", worker.url, type(e).__name__, e)
             if relay.stream is not None and relay.stream.finished:
                 if not relay.stream.done:
@@ -340,19 +368,21 @@ class PDProxy:
                 if resp.status >= 400:
                     text = (await resp.read())[:LOGGED_BODY_BYTES].decode(errors="replace")
                     self._count_status(worker, resp.status)
+                    self._answered(worker, resp.status)
                     # a 4xx is the client's error (decode answers it the same): no worker fault
                     logger.log(logging.DEBUG if resp.status < 500 else logging.WARNING,
                                "prefill worker %s: %s answered %d: %s", worker.url, path, resp.status, text)
                     return
                 async for _ in resp.content.iter_any():
                     pass
+                self._answered(worker, resp.status)
         except aiohttp.ClientConnectorError as e:
             self._unreachable(worker, e)
         except asyncio.TimeoutError:
-            self.metrics.error(worker, "timeout")
+            self._failed(worker, "timeout")
             logger.warning("prefill worker %s: %s timed out", worker.url, path)
         except aiohttp.ClientError as e:
-            self.metrics.error(worker, "broken")
+            self._failed(worker, "broken")
             logger.warning("prefill worker %s: %s failed: %s: %s", worker.url, path, type(e).__name__, e)
         finally:
             lease.release()
@@ -365,8 +395,20 @@ class PDProxy:
 
     def _unreachable(self, worker: Worker, err: Exception, count: bool = True) -> None:
         if count:  # generation requests only: info and control calls would skew the error rates
-            self.metrics.error(worker, "connect")
+            self._failed(worker, "connect", f"connection failed: {err}")
         self.set_of(worker).mark_dead(worker, f"connection failed: {err}")
+
+    def _failed(self, worker: Worker, kind: str, why: str = "") -> None:
+        """A generation request to ``worker`` failed (connect, timeout, broken): counted, and its breaker told."""
+        self.metrics.error(worker, kind)
+        if worker.breaker is not None:
+            worker.breaker.record(False, why or kind)
+
+    @staticmethod
+    def _answered(worker: Worker, status: int) -> None:
+        """``worker`` answered a generation request: a 5xx is its failure, anything else its success."""
+        if worker.breaker is not None:
+            worker.breaker.record(status < 500, f"answered {status}")
 
     def _count_status(self, worker: Worker, status: int) -> None:
         if status >= 400:
@@ -392,16 +434,23 @@ class PDProxy:
             raise WorkerUnreachable(worker.url) from e
 
     async def probe(self, worker: Worker) -> str | None:
-        """Health probe: None if ``GET /health`` answers 200 in time, else why not."""
+        """Health probe: None if ``GET <health path>`` answers 200 in time, else why not. A P/D server
+        draining for a role switch answers 503 saying so (``worker.draining``: out at once)."""
+        what = f"GET {self.health_path}"
         try:
-            async with self.http.get(worker.url + "/health", headers=self.worker_headers,
-                                        timeout=self.health_timeout) as resp:
+            async with self.http.get(worker.url + self.health_path, headers=self.worker_headers,
+                                     timeout=self.health_timeout) as resp:
                 _learn_role(worker, resp.headers)
-                return None if resp.status == 200 else f"GET /health answered {resp.status}"
+                if resp.status == 200:
+                    worker.draining = False
+                    return None
+                text = (await resp.content.read(LOGGED_BODY_BYTES)).decode(errors="replace")
+                worker.draining = resp.status == 503 and DRAINING in text
+                return f"{what} answered {resp.status}"
         except asyncio.TimeoutError:
-            return "GET /health timed out"
+            return f"{what} timed out"
         except aiohttp.ClientError as e:
-            return f"GET /health failed: {type(e).__name__}: {e}"
+            return f"{what} failed: {type(e).__name__}: {e}"
 
 
 def _learn_role(worker: Worker, headers: Mapping[str, str]) -> None:
@@ -411,6 +460,38 @@ def _learn_role(worker: Worker, headers: Mapping[str, str]) -> None:
     port = headers.get(BOOTSTRAP_PORT_HEADER, "")
     if worker.reported_role is Role.PREFILL and port.isdigit():
         worker.bootstrap_port = int(port)
+
+
+class _Attempts:
+    """One request's retry budget: each failure before any byte reached the client spends a retry
+    and waits the back-off; with none left the failure is the answer."""
+
+    def __init__(self, backoff: Backoff, rng: random.Random, metrics: RouterMetrics):
+        self.backoff = backoff
+        self.rng = rng
+        self.metrics = metrics
+        self.retries = 0
+
+    async def retry(self, failed: Worker, reason: str) -> bool:
+        """False when no retry is left; else counts one, waits its back-off and returns True."""
+        if self.retries >= self.backoff.max_retries:
+            if self.backoff.max_retries:
+                self.metrics.retries_exhausted.inc()
+            return False
+        delay = self.backoff.delay(self.retries, self.rng)
+        self.retries += 1
+        self.metrics.retry(failed, reason)
+        logger.info("%s worker %s: %s; retry %d/%d on a new pair in %.0f ms", failed.role.value, failed.url,
+                    "connection failed" if reason == "connect" else "answer broke off", self.retries,
+                    self.backoff.max_retries, delay * 1000)
+        await asyncio.sleep(delay)
+        return True
+
+    @property
+    def spent(self) -> str:
+        if not self.backoff.max_retries:
+            return "retries disabled"
+        return f"{self.retries} retries spent, --retry-max-retries {self.backoff.max_retries}"
 
 
 class _Exchange:

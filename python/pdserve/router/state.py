@@ -9,7 +9,9 @@ which prefills them itself (slower first tokens, same tokens). ``/health`` stays
 Each change of state is logged once (at info once the router is stopping: its workers going
 away then is a shutdown, not an outage); workers the router still waits for (never seen healthy)
 are named when the set changes and again every ``WAITING_LOG_INTERVAL_S``, and once more as an
-error when the start-up timeout passes (the router keeps serving and keeps probing them).
+error when their start-up timeout (``--worker-startup-timeout-secs``, counted from when the router
+started, or from when discovery added the worker) passes: ``/health`` then names them under
+``startup_timed_out``; the router keeps serving and keeps probing them.
 """
 
 from __future__ import annotations
@@ -54,12 +56,14 @@ class RouterState:
         self.decode = decode
         self.clock = clock
         self.started = clock()
-        self.startup_deadline = self.started + startup_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.mode: Mode | None = None
         self._waiting: tuple[str, ...] | None = None
         self._waiting_logged_at = 0.0
-        self._timeout_logged = False
         self.stopping = False  # the router was asked to stop: workers going away is no outage
+        # when each awaited worker was first awaited, and those whose start-up timeout passed
+        self._awaited_since = {w.url: self.started for w in self.waiting_for}
+        self.timed_out: set[str] = set()
 
     @property
     def waiting_for(self) -> list[Worker]:
@@ -76,10 +80,14 @@ class RouterState:
     def health(self) -> tuple[int, dict]:
         """``/health``'s status code and body."""
         mode = current_mode(self.prefill, self.decode)
-        body = {"status": mode.value,
-                "waiting_for": [w.url for w in self.waiting_for],
-                "unhealthy": [{"url": w.url, "role": w.role.value, "last_error": w.last_error or "not checked yet"}
-                              for s in (self.prefill, self.decode) for w in s.workers if not w.healthy]}
+        body: dict = {"status": mode.value,
+                      "waiting_for": [w.url for w in self.waiting_for],
+                      "unhealthy": [{"url": w.url, "role": w.role.value,
+                                     "last_error": w.last_error or "not checked yet"}
+                                    for s in (self.prefill, self.decode) for w in s.workers if not w.healthy]}
+        overdue = [url for url in body["waiting_for"] if url in self.timed_out]
+        if overdue:
+            body["startup_timed_out"] = overdue
         if mode is Mode.DEGRADED:
             body["detail"] = "no healthy prefill worker: decode workers prefill requests themselves"
         elif not mode.serves:
@@ -104,12 +112,18 @@ class RouterState:
             for w in self.waiting_for:
                 logger.info("waiting for %s worker %s (%s)", w.role.value, w.url, w.last_error or "not checked yet")
             self._waiting_logged_at = now
-        if waiting and now >= self.startup_deadline and not self._timeout_logged:
-            self._timeout_logged = True
+        self._awaited_since = {url: self._awaited_since.get(url, now) for url in waiting}
+        self.timed_out &= set(waiting)
+        overdue = [url for url, since in self._awaited_since.items()
+                   if now - since >= self.startup_timeout_s and url not in self.timed_out]
+        if overdue:
+            self.timed_out.update(overdue)
             logger.error("worker startup: still waiting for %s after %g s; serving with the workers that are up "
-                         "and probing the others", ", ".join(waiting), self.startup_deadline - self.started)
+                         "and probing the others", ", ".join(overdue), self.startup_timeout_s)
         self._waiting = waiting
 
 
 def _reasons(ws: WorkerSet) -> str:
+    if not ws.workers:
+        return "none known: discovery has found none yet"
     return "; ".join(f"{w.url}: {w.last_error or 'not checked yet'}" for w in ws.workers if not w.healthy)

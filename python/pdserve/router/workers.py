@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.disagg.bootstrap import bootstrap_host
+from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.policy import Candidate, Policy
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,17 @@ class Worker:
     kv: PrefixIndex | None = None  # its cached blocks, from its KV events (cache_aware)
     load: dict = field(default_factory=dict)  # its last reported stats (num_running_reqs, free_pages)
     reported_role: Role | None = None  # what its last /health said it is (P/D servers can switch roles)
+    breaker: CircuitBreaker | None = None  # None: --disable-circuit-breaker
+    health_failures: int = 0  # consecutive failed health checks (the thresholds count these)
+    health_successes: int = 0  # consecutive passed ones
+    probe_ok: bool = False  # its last health check passed
+    draining: bool = False  # its last /health said it is draining (a role switch): out at once
+    source: str = "args"  # who added it: args, file, kubernetes (only that source removes it)
+
+    @property
+    def available(self) -> bool:
+        """Healthy, and its circuit breaker lets requests through."""
+        return self.healthy and (self.breaker is None or self.breaker.allows)
 
     @property
     def bootstrap_host(self) -> str:
@@ -62,7 +74,8 @@ class Worker:
 
     def info(self) -> dict:
         d = {"url": self.url, "role": self.role.value, "healthy": self.healthy, "in_flight": self.in_flight,
-             "last_error": self.last_error}
+             "last_error": self.last_error,
+             "circuit_breaker": self.breaker.state.value if self.breaker is not None else None}
         if self.role is Role.PREFILL:
             d["bootstrap_port"] = self.bootstrap_port
         return d
@@ -72,9 +85,15 @@ class NoHealthyWorker(Exception):
     """No worker of ``role`` is alive; the message lists why each was marked dead."""
 
     def __init__(self, role: Role, workers: Sequence[Worker]):
-        reasons = "; ".join(f"{w.url}: {w.last_error or 'not checked yet'}" for w in workers)
-        super().__init__(f"no healthy {role.value} worker ({reasons})")
+        reasons = "; ".join(f"{w.url}: {_why_not(w)}" for w in workers)
+        super().__init__(f"no healthy {role.value} worker ({reasons or 'none known yet'})")
         self.role = role
+
+
+def _why_not(w: Worker) -> str:
+    if w.healthy and w.breaker is not None and not w.breaker.allows:
+        return "circuit breaker open"
+    return w.last_error or "not checked yet"
 
 
 class Lease:
@@ -98,8 +117,9 @@ class WorkerSet:
     """The workers of one role and the policy choosing among the healthy ones."""
 
     def __init__(self, role: Role, workers: Sequence[Worker], policy: Policy, policy_name: str = ""):
-        """``workers`` may later change sets (``HealthChecker`` moves a server that switched roles)."""
-        assert workers and all(w.role is role for w in workers)
+        """``workers`` may later change sets (``HealthChecker`` moves a server that switched roles) and
+        come and go (``Fleet``, discovery); a set may be empty while discovery finds none."""
+        assert all(w.role is role for w in workers)
         self.role = role
         self.workers = list(workers)
         self.policy = policy
@@ -109,12 +129,17 @@ class WorkerSet:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
 
+    @property
+    def available(self) -> list[Worker]:
+        """Healthy workers whose breaker is not open: those a request may go to."""
+        return [w for w in self.workers if w.available]
+
     def pick(self, avoid: Worker | None = None, block_hashes: Sequence[int] = (),
              exclude: Collection[Worker] = ()) -> Lease:
-        """A lease on the worker the policy picks (never ``avoid`` nor one of ``exclude``); raises
-        NoHealthyWorker when none is alive. ``block_hashes``: the prompt's page hashes, matched against
-        each worker's KV-event index."""
-        alive = [w for w in self.healthy if w is not avoid and w not in exclude]
+        """A lease on the worker the policy picks (never ``avoid`` nor one of ``exclude``, nor one whose
+        breaker is open); raises NoHealthyWorker when none is alive. ``block_hashes``: the prompt's page
+        hashes, matched against each worker's KV-event index."""
+        alive = [w for w in self.available if w is not avoid and w not in exclude]
         if not alive:
             raise NoHealthyWorker(self.role, self.workers)
         candidates = [_candidate(w, block_hashes) for w in alive]
@@ -124,12 +149,14 @@ class WorkerSet:
     def mark_dead(self, worker: Worker, reason: str) -> None:
         if worker.healthy:
             logger.warning("%s worker %s marked dead: %s", self.role.value, worker.url, reason)
+            worker.health_successes = 0  # back only after the success threshold
         worker.healthy = False
         worker.last_error = reason
 
     def mark_alive(self, worker: Worker) -> None:
         if not worker.healthy:
             logger.info("%s worker %s is healthy", self.role.value, worker.url)
+            worker.health_failures = 0
         worker.healthy = worker.ever_healthy = True
 
     def remove(self, worker: Worker) -> None:
@@ -161,19 +188,64 @@ def make_worker_set(role: Role, urls: Sequence[str], policy: Policy,
                      policy_name)
 
 
+class Fleet:
+    """Both worker sets as discovery changes them (``router.discovery``). A URL is one worker
+    whichever set holds it (a worker that switched roles stays where the health checks moved it).
+    A worker added starts unchecked, as at start-up; one removed keeps its in-flight leases (they
+    hold the worker) and the ``on_remove`` callbacks let go of what the router kept for it."""
+
+    def __init__(self, prefill: WorkerSet, decode: WorkerSet):
+        self.sets = {Role.PREFILL: prefill, Role.DECODE: decode}
+        self.on_add: list[Callable[[Worker], None]] = []
+        self.on_remove: list[Callable[[Worker], None]] = []
+
+    def find(self, url: str) -> Worker | None:
+        return next((w for s in self.sets.values() for w in s.workers if w.url == url), None)
+
+    def add(self, role: Role, url: str, bootstrap_port: int | None = None, source: str = "") -> Worker | None:
+        """The new worker, or None when ``url`` is already known (from any source)."""
+        if self.find(url) is not None:
+            return None
+        worker = Worker(url, role, 0, bootstrap_port if role is Role.PREFILL else None, source=source)
+        self.sets[role].add(worker)
+        logger.info("%s worker %s added (%s)", role.value, url, source)
+        for callback in self.on_add:
+            callback(worker)
+        return worker
+
+    def remove(self, url: str, source: str = "") -> Worker | None:
+        """The worker removed, or None when no set holds ``url``."""
+        worker = self.find(url)
+        if worker is None:
+            return None
+        self.sets[worker.role].remove(worker)
+        worker.healthy = False
+        worker.last_error = f"removed ({source})"
+        logger.info("%s worker %s removed (%s)", worker.role.value, url, source)
+        for callback in self.on_remove:
+            callback(worker)
+        return worker
+
+
 # A probe returns None when the worker is healthy, else why not.
 Probe = Callable[[Worker], Awaitable[str | None]]
 
 
 class HealthChecker:
-    """Probes every worker of every set; a failed probe marks a worker dead, a passed one alive again.
-    Dead workers keep being probed, so a restarted one is back within one interval. ``after_check``
-    callbacks run after each round (the router's degraded-mode and start-up reports)."""
+    """Probes every worker of every set. A healthy worker is marked dead after ``failure_threshold``
+    failed probes in a row (at once when it says it is draining for a role switch); a dead one that
+    was healthy before comes back after ``success_threshold`` passed probes in a row, one never seen
+    healthy at its first (it was starting). Dead workers keep being probed, so a restarted one is back
+    within a few intervals. ``after_check`` callbacks run after each round (the router's degraded-mode
+    and start-up reports)."""
 
-    def __init__(self, sets: Sequence[WorkerSet], probe: Probe, interval_s: float):
+    def __init__(self, sets: Sequence[WorkerSet], probe: Probe, interval_s: float, failure_threshold: int = 1,
+                 success_threshold: int = 1):
         self.sets = list(sets)
         self.probe = probe
         self.interval_s = interval_s
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
         self.after_check: list[Callable[[], object]] = []  # results ignored
         self.on_move: list[Callable[[Worker, Role], None]] = []  # a worker moved from the given role's set
         self.next_interval: Callable[[], float] = lambda: self.interval_s  # the router shortens it at start-up
@@ -181,23 +253,33 @@ class HealthChecker:
     async def check_all(self) -> None:
         pairs = [(s, w) for s in self.sets for w in s.workers]
         results = await asyncio.gather(*(self.probe(w) for _, w in pairs))
+        by_role = {s.role: s for s in self.sets}
         for (s, w), reason in zip(pairs, results):
-            if reason is None:
-                s.mark_alive(w)
-            else:
-                s.mark_dead(w, reason)
+            self._judge(by_role.get(w.role, s), w, reason)  # its set now: it may have moved meanwhile
         self.move_switched()
         for callback in self.after_check:
             callback()
 
+    def _judge(self, s: WorkerSet, w: Worker, reason: str | None) -> None:
+        w.probe_ok = reason is None
+        if reason is None:
+            w.health_successes, w.health_failures = w.health_successes + 1, 0
+            if not w.healthy and (not w.ever_healthy or w.health_successes >= self.success_threshold):
+                s.mark_alive(w)
+            return
+        w.health_failures, w.health_successes = w.health_failures + 1, 0
+        if not w.healthy or w.draining or w.health_failures >= self.failure_threshold:
+            s.mark_dead(w, reason)  # a dead one's reason is kept current
+
     def move_switched(self) -> None:
-        """A healthy worker that reports the other role (``POST /pd_role_switch`` on it) leaves its
-        set for the set of that role; its leases stay valid (they hold the worker, not the set)."""
+        """A healthy worker whose last probe passed and reports the other role (``POST /pd_role_switch``
+        on it) leaves its set for the set of that role; its leases stay valid (they hold the worker,
+        not the set)."""
         by_role = {s.role: s for s in self.sets}
         for s in self.sets:
             for w in list(s.workers):
                 target = by_role.get(w.reported_role) if w.reported_role is not None else None
-                if target is None or target is s or not w.healthy:
+                if target is None or target is s or not (w.healthy and w.probe_ok):
                     continue
                 s.remove(w)
                 target.add(w)

@@ -18,7 +18,8 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_ECHOED_CHARS = 200  # of a bad value quoted back in an error message
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
+          408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+          500: "server_error"}
 
 
 class RequestError(Exception):
