@@ -249,23 +249,26 @@ def test_a_removed_worker_lets_go_of_its_kv_follower_and_gauges():
     ctx = build_context(args, random.Random(0))
     gone, kept = ctx.prefill.workers
 
-    def follower(worker):
-        return KVEventSubscriber(worker.url, f"tcp://127.0.0.1:{free_port()}", dict, 5.0).start()
+    def follower(worker):  # what a cache refresh sets up for a prefill publishing KV events
+        view = ctx.cache._view(worker)
+        view.events = KVEventSubscriber(worker.url, f"tcp://127.0.0.1:{free_port()}", dict, 5.0).start()
+        return view.events
+
+    threads = [follower(gone)._thread, follower(kept)._thread]
 
     async def healthy(_worker):
         return None
 
-    gone.kv, kept.kv = follower(gone), follower(kept)
-    threads = [gone.kv._thread, kept.kv._thread]
     ctx.checker.probe = healthy
     asyncio.run(ctx.checker.check_all())
     assert gone.url in ctx.metrics.render(ctx.sets).decode()
     assert ctx.fleet.remove(gone.url, "kubernetes") is gone
-    assert gone.kv is None and not threads[0].is_alive() and threads[1].is_alive()
+    assert gone.kv is None and gone.url not in ctx.cache.views
+    assert not threads[0].is_alive() and threads[1].is_alive()
     assert gone.url not in ctx.metrics.render(ctx.sets).decode() and [w.url for w in ctx.prefill.workers] == [kept.url]
-    late = gone.kv = follower(gone)  # a refresh that was reading its info as it went
+    late = follower(gone)  # a refresh that was reading its info as it went
     asyncio.run(ctx.checker.check_all())
-    assert gone.kv is None and not late._thread.is_alive()
+    assert gone.kv is None and gone.url not in ctx.cache.views and not late._thread.is_alive()
     ctx.cache.close()
     assert not threads[1].is_alive()
 

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve import __version__
 from pdserve.router.admission import Admission, AdmissionMiddleware
 from pdserve.router.breaker import Backoff, BreakerConfig, BreakerState, CircuitBreaker
-from pdserve.router.cache_view import CacheView
+from pdserve.router.cache_view import CacheView, PrefixView
 from pdserve.router.config import NO_LIMIT, RouterArgs
 from pdserve.router.discovery import DiscoveryError, Reconciler, WorkerSource, make_sources
 from pdserve.router.kv_events import KVEventSubscriber
@@ -161,22 +161,26 @@ class _Removed:
 
 def _forget(ctx: RouterContext, worker: Worker) -> None:
     ctx.metrics.forget(worker)
-    _stop_follower(worker)
+    _stop_follower(ctx, worker)
     ctx.removed.append(_Removed(worker))
     ctx.state.update()
 
 
-def _stop_follower(worker: Worker) -> None:
+def _stop_follower(ctx: RouterContext, worker: Worker) -> None:
     kv, worker.kv = worker.kv, None
-    if isinstance(kv, KVEventSubscriber):
+    if isinstance(kv, PrefixView):
+        kv.unfollow()
+    elif isinstance(kv, KVEventSubscriber):
         kv.stop()
+    if all(w.url != worker.url for w in ctx.prefill.workers):  # not re-added meanwhile
+        ctx.cache.forget(worker.url)
 
 
 def _sweep_removed(ctx: RouterContext) -> None:
     """A cache refresh that was reading a worker's info as discovery removed it may still start
     following its KV events: that follower is stopped in the next rounds."""
     for entry in ctx.removed:
-        _stop_follower(entry.worker)
+        _stop_follower(ctx, entry.worker)
         entry.rounds -= 1
     ctx.removed = [e for e in ctx.removed if e.rounds > 0]
 

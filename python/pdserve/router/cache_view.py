@@ -180,6 +180,12 @@ class CacheView:
         w.kv = view
         return view
 
+    def forget(self, url: str) -> None:
+        """A worker discovery removed: its view goes (the guess and any KV follower)."""
+        view = self.views.pop(url, None)
+        if view is not None:
+            view.unfollow()
+
     def _drop_moved(self) -> None:
         """Views of workers that left the prefill set (a role switch): no longer asked."""
         current = {w.url for w in self.prefill.workers}
@@ -201,6 +207,8 @@ class CacheView:
             view.set_pool(info.get("total_pages"))
             if self.page_size is None and not await self._decide(w, info):
                 return
+            if self.views.get(w.url) is not view:
+                return  # removed (discovery) or moved while its info was read: nothing to follow
             await self._follow(w, view, info)
 
     async def _decide(self, w: Worker, info: dict) -> bool:

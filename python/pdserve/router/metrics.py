@@ -95,7 +95,7 @@ class RouterMetrics:
     def forget(self, worker: Worker) -> None:
         """A worker discovery removed: its gauges go (its counters stay, as a restarted worker's would)."""
         gauges = (self.healthy, self.in_flight, self.breaker_state, self.kv_event_batches, self.kv_event_gaps,
-                  self.kv_event_resyncs, self.kv_blocks)
+                  self.kv_event_resyncs, self.kv_blocks, self.kv_on_events)
         for gauge in gauges:
             try:
                 gauge.remove(worker.role.value, worker.url)
