@@ -173,7 +173,7 @@ def _stop_follower(ctx: RouterContext, worker: Worker) -> None:
     elif isinstance(kv, KVEventSubscriber):
         kv.stop()
     if all(w.url != worker.url for w in ctx.prefill.workers):  # not re-added meanwhile
-        ctx.cache.forget(worker.url)
+        ctx.cache.drop(worker.url)
 
 
 def _sweep_removed(ctx: RouterContext) -> None:

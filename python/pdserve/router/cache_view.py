@@ -180,7 +180,7 @@ class CacheView:
         w.kv = view
         return view
 
-    def forget(self, url: str) -> None:
+    def drop(self, url: str) -> None:
         """A worker discovery removed: its view goes (the guess and any KV follower)."""
         view = self.views.pop(url, None)
         if view is not None:
