@@ -18,7 +18,8 @@ KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 # Lowest floor first. assets is data (model presets); obs and config are leaves; transfer is the
 # ground floor of KV movement (P/D and the Mooncake Store tier build on it); engine knows no P/D;
-# disagg is the P/D feature; web is HTTP plumbing under both HTTP programs; entrypoints composes
+# disagg is the P/D feature; web is HTTP plumbing under both HTTP programs; parsers reads model
+# output text (tool calls, reasoning) for the OpenAI routes, beside web; entrypoints composes
 # everything (the CLI, the servers, the scheduler process that wires a mode into a scheduler).
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("assets", "obs", "transfer"),
@@ -28,7 +29,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("models",),
     ("engine",),
     ("disagg",),
-    ("web",),
+    ("web", "parsers"),
     ("bench", "router"),
     ("entrypoints",),
 )

@@ -28,6 +28,9 @@ HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selectiv
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# --tool-call-parser / --reasoning-parser (SGLang's names; the parsers themselves: pdserve/parsers/)
+TOOL_CALL_PARSERS = ("deepseekv3", "qwen25", "llama3", "kimi_k2")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # Extra config keys the engine reads itself (SGLang's names for the first two); never passed to a store.
 HICACHE_ENGINE_EXTRA_KEYS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefill_tokens_per_s")
 # Storage objects smaller than this cost more in per-object overhead than they save.
@@ -897,6 +900,8 @@ class ServerArgs:
     max_request_bytes: int = 32 << 20  # larger HTTP request bodies are refused (413) before parsing
     max_logprobs: int = 20  # top-k logprobs per token a request may ask for (vLLM's flag); -1: up to the vocabulary
     max_seqs_per_request: int = 256  # sequences (prompts x n, or x best_of) one API request may run
+    tool_call_parser: str | None = None  # the model family's tool-call format (TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = None  # how the model marks its thinking part (REASONING_PARSERS)
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -934,6 +939,10 @@ class ServerArgs:
             raise ValueError(f"max_logprobs: must be >= 0, or -1 (no cap but the vocabulary), got {self.max_logprobs}")
         if self.max_seqs_per_request < 1:
             raise ValueError(f"max_seqs_per_request: must be >= 1, got {self.max_seqs_per_request}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser: {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of {REASONING_PARSERS}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
         # Building the parts validates every field they own. Each is built here, once (the secret

@@ -31,8 +31,10 @@ from pdserve.config import (
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     PACK_POLICIES,
+    REASONING_PARSERS,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
+    TOOL_CALL_PARSERS,
     TRANSFER_BACKENDS,
     ServerArgs,
 )
@@ -211,8 +213,15 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
           "or auto (by step)", choices=DEEPEP_MODES)
 
 
+def add_parser_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("OpenAI API output parsing (docs/structured-outputs.md)")
+    _flag(g, "--tool-call-parser", "the model family's tool-call format, parsed into message.tool_calls under "
+          "tool_choice auto (required and named choices need none)", choices=TOOL_CALL_PARSERS)
+    _flag(g, "--reasoning-parser", "split the model's thinking part into reasoning_content", choices=REASONING_PARSERS)
+
+
 SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_hicache_args, add_parallel_args,
-                     add_runtime_args, add_disagg_args, add_device_args)
+                     add_runtime_args, add_disagg_args, add_device_args, add_parser_args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
