@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pdserve.engine.io_struct import BootstrapRef
-from pdserve.engine.request import MAX_N, SEED_MAX, SEED_MIN
+from pdserve.engine.request import MAX_GRAMMAR_CHARS, MAX_N, SEED_MAX, SEED_MIN
 from pdserve.web.errors import RequestError
 
 
@@ -90,6 +90,13 @@ class GenerateSamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     n: int = Field(1, ge=1, le=MAX_N)
+    # Constrained decoding (SGLang's names); at most one of the three.
+    json_schema: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description=(
+        "A JSON-schema document, as a JSON string: the output is a JSON value valid under it"))
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description=(
+        "A regular expression the whole output matches"))
+    ebnf: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description=(
+        "An EBNF grammar the output is a sentence of (GBNF with xgrammar, root rule `root`)"))
 
 
 def _ref(model: type[BaseModel]) -> dict:
