@@ -77,8 +77,8 @@ def test_json_object_and_completions(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # a random model may fill any object until max_tokens; what it wrote is still a JSON prefix
         assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.lstrip().startswith("{")
-    r = client.completions.create(model=MODEL, prompt="A person:", extra_body={"response_format": person_schema_format()},
-                                  **GREEDY)
+    r = client.completions.create(model=MODEL, prompt="A person:",
+                                  extra_body={"response_format": person_schema_format()}, **GREEDY)
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
 
 

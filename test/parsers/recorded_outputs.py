@@ -80,8 +80,8 @@ MALFORMED = [
     ("qwen25", '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>',
      '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>', []),
     ("qwen25", "A stray </tool_call> and a <tool_call", "A stray </tool_call> and a <tool_call", []),
-    ("deepseekv3", DS_BEGIN + DS_CALL + "function" + DS_SEP + "get_weather\n{\"city\": \"Oslo\"}" + DS_CALL_END + DS_END,
-     "", [("get_weather", '{"city": "Oslo"}', None)]),
+    ("deepseekv3", DS_BEGIN + DS_CALL + "function" + DS_SEP + 'get_weather\n{"city": "Oslo"}' + DS_CALL_END
+     + DS_END, "", [("get_weather", '{"city": "Oslo"}', None)]),
     ("deepseekv3", DS_BEGIN + DS_CALL + "function" + DS_SEP + "get_weather\n```json\n{\"city\": ",
      "", [("get_weather", '{"city":', None)]),
     ("deepseekv3", DS_BEGIN + DS_CALL + "garbage" + DS_CALL_END + DS_END, DS_CALL + "garbage" + DS_CALL_END, []),
@@ -92,7 +92,7 @@ MALFORMED = [
     # the name was complete (and streamed) before the object broke: the call stands, the rest is content
     ("llama3", '{"name": "get_weather" "parameters": {}}', '"parameters": {}}', [("get_weather", "{}", None)]),
     ("llama3", '{"nam": "get_weather", "parameters": {}}', '{"nam": "get_weather", "parameters": {}}', []),
-    ("llama3", "<|python_tag|>brave_search.call(query=\"Paris\")", "<|python_tag|>brave_search.call(query=\"Paris\")", []),
+    ("llama3", '<|python_tag|>brave_search.call(query="Paris")', '<|python_tag|>brave_search.call(query="Paris")', []),
     ("llama3", '{"name": "get_weather", "parameters": ' + WEATHER + "}; ", "", [("get_weather", WEATHER, None)]),
 ]
 

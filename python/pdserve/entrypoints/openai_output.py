@@ -70,7 +70,7 @@ class ChoiceStream:
         if finished:
             end = self.parser.finish()
             d = ChatDelta(d.reasoning + end.reasoning, d.content + end.content, d.calls + end.calls)
-        out = []
+        out: list[dict] = []
         reasoning = self._reasoning(d, finished)
         if reasoning:
             out.append({"reasoning_content": reasoning})
