@@ -445,6 +445,35 @@ class SchedulerConfig:
         _check_at_least("max_prefill_tokens", self.max_prefill_tokens, 1)
 
 
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "outlines", "none")
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Constrained decoding (SGLang's ``--grammar-backend``; docs/structured-outputs.md): which
+    backend compiles a request's json_schema / regex / ebnf, how long a compile may take before
+    only that request fails, how many compiled grammars are kept (LRU by kind and text), how many
+    threads compile (never the scheduler's), and whether JSON may carry free whitespace between
+    its tokens (SGLang's ``--constrained-json-disable-any-whitespace``)."""
+
+    backend: str = "xgrammar"
+    compile_timeout_s: float = 60.0
+    cache_size: int = 256
+    compile_threads: int = 2
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        _check_choice("grammar_backend", self.backend, GRAMMAR_BACKENDS)
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout: must be > 0 seconds, got {self.compile_timeout_s}")
+        _check_at_least("grammar_cache_size", self.cache_size, 1)
+        _check_at_least("grammar_compile_threads", self.compile_threads, 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+
 MOE_A2A_BACKENDS = ("none", "deepep")
 
 
@@ -928,6 +957,11 @@ class ServerArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int | None = None
+    # constrained decoding (GrammarConfig; SGLang's --grammar-backend)
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 60.0
+    grammar_cache_size: int = 256
+    constrained_json_disable_any_whitespace: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -951,6 +985,7 @@ class ServerArgs:
         self.scheduler_config()
         self.parallel_config()
         self.disagg_config()
+        self.grammar_config()
         if self.kv_events().enabled and self.dp_size > 1:
             # each DP group caches its own requests; one stream and one snapshot per server would mix them
             raise ValueError(f"kv_events_config: KV events are published by single-group servers (dp_size 1), "
@@ -1039,6 +1074,11 @@ class ServerArgs:
         return SpeculativeConfig(self.speculative_algorithm, self.speculative_draft_model_path,
                                  self.speculative_num_steps, self.speculative_eagle_topk,
                                  self.speculative_num_draft_tokens)
+
+    @_built_once
+    def grammar_config(self) -> GrammarConfig:
+        return GrammarConfig(self.grammar_backend, self.grammar_compile_timeout, self.grammar_cache_size,
+                             disable_any_whitespace=self.constrained_json_disable_any_whitespace)
 
     def _check_speculative(self) -> None:
         """What speculation does not run with yet, refused naming the flag."""

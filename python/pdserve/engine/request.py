@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.constrained.base import Grammar
     from pdserve.engine.io_struct import BootstrapRef
     from pdserve.engine.logprobs import ReqLogprobs
     from pdserve.engine.stop import StopStringMatcher
@@ -215,6 +216,11 @@ def finish_abort(message: str) -> dict:
     return {"type": "abort", "message": message}
 
 
+def grammar_refused(token: int) -> dict:
+    """A sampled token the request's grammar does not allow (a masking bug, never the client's)."""
+    return finish_abort(f"constrained decoding: the grammar refused sampled token {token}")
+
+
 class Req:
     """One generation request and the KV memory it holds.
 
@@ -275,6 +281,9 @@ class Req:
         self.spec_stats: Any = None  # SpecStats when the server speculates
         self.room: int | None = None  # disaggregation: the bootstrap room pairing its two halves
         self.bootstrap: BootstrapRef | None = None  # disaggregation: the prefill half's address (decode)
+        # constrained decoding (engine/grammar.py): its matcher once compiled; why the compile failed
+        self.grammar: Grammar | None = None
+        self.grammar_error: str | None = None
 
     def append_output(self, token: int) -> None:
         """The only way a token joins the output (keeps ``fill_ids`` == prompt + output)."""

@@ -23,6 +23,7 @@ from pdserve.config import (
     DISAGG_MODES,
     DTYPES,
     FALLBACK_POLICIES,
+    GRAMMAR_BACKENDS,
     HICACHE_MEM_LAYOUTS,
     HICACHE_PREFETCH_POLICIES,
     HICACHE_STORAGE_BACKENDS,
@@ -151,6 +152,14 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--speculative-eagle-topk", "draft branches per step (1: chain drafts, the only kind for now)",
           type=int)
     _flag(g, "--speculative-num-draft-tokens", "tokens verified per step (num-steps + 1 with topk 1)", type=int)
+    _flag(g, "--grammar-backend", "constrained decoding backend for json_schema / regex / ebnf requests "
+          "(none: such requests get a 400; docs/structured-outputs.md)", choices=GRAMMAR_BACKENDS)
+    _flag(g, "--grammar-compile-timeout", "seconds a grammar may take to compile; past it only that request fails",
+          type=float)
+    _flag(g, "--grammar-cache-size", "compiled grammars kept, by kind and text (least recently used dropped)",
+          type=int)
+    _flag(g, "--constrained-json-disable-any-whitespace", "JSON output without free whitespace between tokens",
+          action="store_true")
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
