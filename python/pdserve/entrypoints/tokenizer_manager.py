@@ -405,8 +405,7 @@ class TokenizerManager:
     def _stream_text(detok: IncrementalDetokenizer | None, chunk: GenerateChunk) -> str:
         if detok is None:
             return ""
-        text = detok.add(chunk.token_ids)
-        return text + detok.finish(chunk.finish_reason) if chunk.finished else text
+        return detok.add_last(chunk.token_ids, chunk.finish_reason) if chunk.finished else detok.add(chunk.token_ids)
 
     @staticmethod
     def _chunk(state: _ReqState, outs: list[TokenOutput]) -> GenerateChunk:
