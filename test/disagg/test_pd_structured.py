@@ -3,7 +3,8 @@ weights, Mooncake over loopback), with ``pdserve router`` and the PyPI sglang-ro
 of the pair, module-wide. The openai-client checks of the colocated test run through each router:
 the grammar travels with the request to decode (prefill never samples and never compiles it), and
 only the grammar can make these replies valid. Decode's received-KV count shows each request was
-served disaggregated, not by a local fallback."""
+served disaggregated (decode's prefix cache is flushed before each check: a prompt it already holds
+would need no transfer)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ def client(request, pd):
 
 
 def _disaggregated(pd, check, client) -> None:
+    """Runs ``check``; its first request must take its KV from prefill. Decode's prefix cache is
+    emptied first: a prompt decode already holds needs no transfer (and the checks repeat prompts)."""
+    pd.decode.wait_idle()
+    assert pd.decode.post("/flush_cache").status_code == 200
     before = pd.decode.info()["kv_received"]
     check(client, MODEL)
     assert pd.decode.info()["kv_received"] > before, "served by decode's local fallback, not through P/D"
