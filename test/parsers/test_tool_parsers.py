@@ -14,6 +14,9 @@ from pdserve.parsers.output import ChatOutput, ChatOutputParser
 from pdserve.parsers.registry import REASONING_PARSERS as REASONING_REGISTRY
 from pdserve.parsers.registry import TOOL_PARSERS, reasoning_parser, tool_parser
 
+FORCED_ARRAY = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+                '{"name": "get_time", "arguments": {"timezone": "UTC"}}]')
+
 
 def assemble(parser: ChatOutputParser, chunks: list[str]) -> ChatOutput:
     """The message a client builds from the stream's deltas (OpenAI's accumulation rules)."""
@@ -117,13 +120,13 @@ def test_mangled_outputs_never_diverge(seed):
     """Outputs cut, spliced and sprinkled with format characters: the stream still replays the
     whole parse exactly (no exception, no retracted byte) for every parser."""
     rng = random.Random(seed)
-    name, text, _, _ = CASES[seed % len(CASES)]
-    other = CASES[rng.randrange(len(CASES))][1]
+    texts = [c[1] for c in CASES] + [FORCED_ARRAY]
+    text, other = texts[seed % len(texts)], texts[rng.randrange(len(texts))]
     pieces = list(text[:rng.randrange(len(text) + 1)] + other[rng.randrange(len(other) + 1):])
     for _ in range(rng.randrange(6)):
         pieces.insert(rng.randrange(len(pieces) + 1), rng.choice(['"', "{", "}", ";", "\n", "<", "``", ",", "\\"]))
     mangled = "".join(pieces)
-    for tool in TOOL_CALL_PARSERS:
+    for tool in (*TOOL_CALL_PARSERS, "json_array"):
         for reasoning in (None, *REASONING_PARSERS):
             whole = make(tool, reasoning).parse(mangled)
             cut = sorted(rng.sample(range(len(mangled) + 1), min(6, len(mangled) + 1)))

@@ -41,7 +41,7 @@ class JsonArrayToolParser(ToolParser):
             return out.result(final)
         rest = self._items(text, skip_ws(text, p + 1, len(text)), final, out)
         if rest is not None:
-            out.text(text[rest:])
+            out.text(text[rest if out.calls else p:])  # no call at all: the whole array is content
         return out.result(final)
 
     def _items(self, text: str, q: int, final: bool, out: ContentBuilder) -> int | None:
