@@ -165,6 +165,15 @@ def test_reasoning_is_split_streamed_and_kept_on_request(client, tokenizer):
     assert kept.content.strip() == whole.reasoning_content and getattr(kept, "reasoning_content", None) is None
 
 
+def test_logprobs_ride_the_parsed_deltas(client):
+    """With a parser holding text back, every token's logprob still reaches the client, once."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count."}], max_tokens=12, temperature=0, stream=True,
+        logprobs=True, top_logprobs=2, stream_options={"include_usage": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+
+
 def test_chat_template_kwargs_reach_the_template(client, tokenizer):
     msgs = [{"role": "user", "content": "Hi"}]
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)

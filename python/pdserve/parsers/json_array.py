@@ -13,7 +13,7 @@ from pdserve.parsers.base import ContentBuilder, Scan, ToolParser
 from pdserve.parsers.json_scan import object_call, scan_object, skip_ws
 
 ARGUMENT_KEYS = ("parameters", "arguments")
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without parameters
 
 
 def schema(functions: Sequence[tuple[str, dict | None]], parallel: bool) -> dict:
