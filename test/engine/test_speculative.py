@@ -4,19 +4,15 @@ real draft models (NEXTN on tiny-deepseek, EAGLE on tiny-llama: random weights, 
 accepted) and with an oracle draft that proposes the reference continuation with deliberate
 mistakes (many drafts accepted, partial acceptance, stops inside an accepted run)."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import pdserve
+from constrained.grammar_fixtures import CONSTRAINTS, check_output
 from pdserve.config import ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.speculative import SpeculativeDecode, accept_greedy, accept_sampled, processed_probs
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "constrained"))
-from grammar_fixtures import CONSTRAINTS, check_output  # noqa: E402
 
 STEPS = 3
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
