@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from grammar_fixtures import CONSTRAINTS, EOS, INSTALLED, VOCAB, check_output, tokenizer
+from constrained.grammar_fixtures import CONSTRAINTS, EOS, INSTALLED, VOCAB, check_output, tokenizer
 from pdserve.config import GrammarConfig
 from pdserve.constrained import GrammarError, create_grammar_backend
 from pdserve.constrained import bitmask as bm

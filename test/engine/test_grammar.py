@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 import pdserve
+from constrained.grammar_fixtures import CONSTRAINTS, INSTALLED, check_output
 from pdserve.constrained.service import CompileService
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "constrained"))
-from grammar_fixtures import CONSTRAINTS, INSTALLED, check_output  # noqa: E402
 
 PROMPTS = ["Give me a record:", "Once upon a time", "1, 2, 3,", "The answer is"]
 GREEDY = {"max_new_tokens": 96, "temperature": 0.0}

@@ -102,7 +102,7 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> Grammar: ...
 
 
-def short_error(e: BaseException, limit: int = 300) -> str:
+def short_error(e: BaseException | str, limit: int = 300) -> str:
     """A library's error message without its C++ source location prefix, bounded."""
     text = re.sub(r"^\[[\d:]+\] [^\s:]+:\d+: ", "", str(e).strip()).strip()
     return (text or type(e).__name__)[:limit]

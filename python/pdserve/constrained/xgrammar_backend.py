@@ -15,7 +15,8 @@ class XGrammarGrammar(Grammar):
         self.matcher = matcher
 
     def accept_token(self, token: int) -> bool:
-        return self.matcher.accept_token(token)
+        # after its stop token a matcher takes nothing (and would log a warning for asking)
+        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)

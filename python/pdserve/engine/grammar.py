@@ -104,7 +104,7 @@ class ReqGrammars:
     def submit(self, req: Req) -> None:
         """Start compiling ``req``'s constraint (nothing without one)."""
         constraint = req.sampling.grammar
-        if constraint is None:
+        if constraint is None or req.sampling.max_new_tokens == 0:  # nothing will be sampled
             return
         self.stats.count("requests")
         kind, text = constraint

@@ -136,12 +136,12 @@ def _grammar_families(stats: dict, names: list[str], values: list[str]):
             family.add_metric(values + [process], float(figures.get(key, 0)))
         yield family
     for key, (name, doc) in GRAMMAR_HISTOGRAMS.items():
-        family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+        histogram = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
         for figures, process in sources:
             h = figures.get(key)
             if isinstance(h, dict) and h.get("count"):
-                family.add_metric(values + [process], _cumulative(h), sum_value=float(h["sum"]))
-        yield family
+                histogram.add_metric(values + [process], _cumulative(h), sum_value=float(h["sum"]))
+        yield histogram
 
 
 def _cumulative(h: dict) -> list[tuple[str, float]]:
