@@ -17,18 +17,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "pdserve"
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 # Lowest floor first. assets is data (model presets); obs and config are leaves; transfer is the
-# ground floor of KV movement (P/D and the Mooncake Store tier build on it); engine knows no P/D;
-# disagg is the P/D feature; web is HTTP plumbing under both HTTP programs; entrypoints composes
+# ground floor of KV movement (P/D and the Mooncake Store tier build on it); constrained (grammar
+# backends, compiling, token bitmasks) knows no requests or scheduler; engine knows no P/D;
+# disagg is the P/D feature; web is HTTP plumbing under both HTTP programs; parsers reads model
+# output text (tool calls, reasoning) for the OpenAI routes, beside web; entrypoints composes
 # everything (the CLI, the servers, the scheduler process that wires a mode into a scheduler).
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("assets", "obs", "transfer"),
     ("config",),
-    ("distributed", "mem"),
+    ("distributed", "mem", "constrained"),
     ("layers",),
     ("models",),
     ("engine",),
     ("disagg",),
-    ("web",),
+    ("web", "parsers"),
     ("bench", "router"),
     ("entrypoints",),
 )

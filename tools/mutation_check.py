@@ -57,6 +57,8 @@ T_PATHS = "test/engine/test_scheduler_paths.py"
 T_STAGE = "test/engine/test_staged_decode_kv.py"
 T_SAMPLER = "test/engine/test_sampler.py"
 NIXL = "python/pdserve/transfer/nixl.py"
+GRAMMAR = "python/pdserve/engine/grammar.py"
+T_GRAMMAR = "test/engine/test_grammar.py"
 T_TRANSFER = "test/transfer/test_transfer.py"
 
 MUTATIONS = (
@@ -619,6 +621,32 @@ MUTATIONS = (
         '    kv_cache_dtype: str = field(default="auto", compare=False)\n',
         ("test/disagg/test_bootstrap.py::test_compat_check_names_the_kv_cache_dtype_and_what_auto_stores",
          f"{T_PD}::test_mismatched_peer_is_refused_naming_the_field[memory-kv_cache_dtype-prefill3-decode3]")),
+    Mutation(
+        "grammar_mask_skips_second_row", "the token bitmask skips the second request with a grammar in a "
+        "decode batch (it samples unconstrained)",
+        GRAMMAR,
+        "        grammars = [(i, reqs[i].grammar) for i in rows]\n",
+        "        rows = rows[:1] + rows[2:]\n        grammars = [(i, reqs[i].grammar) for i in rows]\n",
+        (f"{T_GRAMMAR}::test_a_batch_mixes_grammar_and_plain_requests",)),
+    Mutation(
+        "grammar_not_advanced", "a sampled token is appended but the request's grammar is not moved past it",
+        SCHED,
+        "advanced = self.grammar.advance(req, tok)",
+        "advanced = True",
+        (f"{T_GRAMMAR}::test_each_constraint_holds_for_each_backend[xgrammar-json_schema]",
+         f"{T_GRAMMAR}::test_each_constraint_holds_for_each_backend[llguidance-regex]")),
+    # issue 22, tool calls: what the client gets must be every argument the model wrote
+    Mutation(
+        "tool_parser_drops_last_argument", "the tool parser keeps a JSON member only once a comma follows it, so "
+        "the last one is dropped: a call's arguments (last in {name, arguments}) come back empty",
+        "python/pdserve/parsers/json_scan.py",
+        "        out.members.setdefault(key, Member(p, end))\n        if end is None:\n            return out\n"
+        "        p = skip_ws(text, end, stop)\n",
+        "        if end is None:\n            return out\n"
+        "        member, p = Member(p, end), skip_ws(text, end, stop)\n"
+        "        if p < stop and text[p] == \",\":\n            out.members.setdefault(key, member)\n",
+        ("test/parsers/test_tool_parsers.py::test_whole_output[qwen25-5]",
+         "test/parsers/test_tool_parsers.py::test_stream_at_every_split_point[llama3-11]")),
 )
 
 

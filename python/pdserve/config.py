@@ -28,6 +28,9 @@ HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selectiv
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# --tool-call-parser / --reasoning-parser (SGLang's names; the parsers themselves: pdserve/parsers/)
+TOOL_CALL_PARSERS = ("deepseekv3", "qwen25", "llama3", "kimi_k2")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # Extra config keys the engine reads itself (SGLang's names for the first two); never passed to a store.
 HICACHE_ENGINE_EXTRA_KEYS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefill_tokens_per_s")
 # Storage objects smaller than this cost more in per-object overhead than they save.
@@ -442,6 +445,35 @@ class SchedulerConfig:
         _check_at_least("max_running_requests", self.max_running_requests, 1)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_at_least("max_prefill_tokens", self.max_prefill_tokens, 1)
+
+
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "outlines", "none")
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Constrained decoding (SGLang's ``--grammar-backend``; docs/structured-outputs.md): which
+    backend compiles a request's json_schema / regex / ebnf, how long a compile may take before
+    only that request fails, how many compiled grammars are kept (LRU by kind and text), how many
+    threads compile (never the scheduler's), and whether JSON may carry free whitespace between
+    its tokens (SGLang's ``--constrained-json-disable-any-whitespace``)."""
+
+    backend: str = "xgrammar"
+    compile_timeout_s: float = 60.0
+    cache_size: int = 256
+    compile_threads: int = 2
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        _check_choice("grammar_backend", self.backend, GRAMMAR_BACKENDS)
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout: must be > 0 seconds, got {self.compile_timeout_s}")
+        _check_at_least("grammar_cache_size", self.cache_size, 1)
+        _check_at_least("grammar_compile_threads", self.compile_threads, 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
 
 
 MOE_A2A_BACKENDS = ("none", "deepep")
@@ -899,6 +931,8 @@ class ServerArgs:
     max_request_bytes: int = 32 << 20  # larger HTTP request bodies are refused (413) before parsing
     max_logprobs: int = 20  # top-k logprobs per token a request may ask for (vLLM's flag); -1: up to the vocabulary
     max_seqs_per_request: int = 256  # sequences (prompts x n, or x best_of) one API request may run
+    tool_call_parser: str | None = None  # the model family's tool-call format (TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = None  # how the model marks its thinking part (REASONING_PARSERS)
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -925,6 +959,11 @@ class ServerArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int | None = None
+    # constrained decoding (GrammarConfig; SGLang's --grammar-backend)
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 60.0
+    grammar_cache_size: int = 256
+    constrained_json_disable_any_whitespace: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -936,6 +975,10 @@ class ServerArgs:
             raise ValueError(f"max_logprobs: must be >= 0, or -1 (no cap but the vocabulary), got {self.max_logprobs}")
         if self.max_seqs_per_request < 1:
             raise ValueError(f"max_seqs_per_request: must be >= 1, got {self.max_seqs_per_request}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser: {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of {REASONING_PARSERS}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
         # Building the parts validates every field they own. Each is built here, once (the secret
@@ -944,6 +987,7 @@ class ServerArgs:
         self.scheduler_config()
         self.parallel_config()
         self.disagg_config()
+        self.grammar_config()
         if self.kv_events().enabled and self.dp_size > 1:
             # each DP group caches its own requests; one stream and one snapshot per server would mix them
             raise ValueError(f"kv_events_config: KV events are published by single-group servers (dp_size 1), "
@@ -1032,6 +1076,11 @@ class ServerArgs:
         return SpeculativeConfig(self.speculative_algorithm, self.speculative_draft_model_path,
                                  self.speculative_num_steps, self.speculative_eagle_topk,
                                  self.speculative_num_draft_tokens)
+
+    @_built_once
+    def grammar_config(self) -> GrammarConfig:
+        return GrammarConfig(self.grammar_backend, self.grammar_compile_timeout, self.grammar_cache_size,
+                             disable_any_whitespace=self.constrained_json_disable_any_whitespace)
 
     def _check_speculative(self) -> None:
         """What speculation does not run with yet, refused naming the flag."""

@@ -20,6 +20,7 @@ import torch
 from pd_servers import RoutedPair, stream_final
 
 import pdserve
+from constrained.grammar_fixtures import CONSTRAINTS, check_output
 from entrypoints.server_utils import free_port
 from router.router_utils import wait_for
 
@@ -35,7 +36,7 @@ class Deployment(RoutedPair):
         self.chunk = 64 if page_size == 16 else 48
         self.flags = ("--page-size", str(page_size), "--chunked-prefill-size", str(self.chunk),
                       "--max-total-tokens", "16384", "--num-threads", "1", "--disaggregation-transfer-backend", backend,
-                      "--kv-cache-dtype", kv_cache_dtype)
+                      "--kv-cache-dtype", kv_cache_dtype, "--constrained-json-disable-any-whitespace")
         super().__init__(model, *self.flags)
 
     def colocated(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -116,6 +117,29 @@ def test_openai_routes_and_the_timeline_through_the_router(pd):
     metrics = pd.decode.get("/metrics").text
     assert 'pdserve:ttft_stage_seconds_count{model_name="' in metrics and "pdserve:decode_kv_received_total" in metrics
     assert "pdserve:kv_transfer_bytes_total" in pd.prefill.get("/metrics").text
+
+
+def test_constrained_generate_through_the_router_is_valid_and_compiled_on_decode_only(pd):
+    """json_schema, regex and ebnf through 1P1D: decode samples every token (its first one too)
+    under the grammar; prefill never compiles one (it never samples)."""
+    prompts = ["Give me a record:", "Once upon a time", "The answer is"]  # distinct: each one's KV moves
+    before = pd.decode.info()["kv_received"]
+    for i, (kind, text) in enumerate(CONSTRAINTS.items()):
+        body = {"text": prompts[i], "sampling_params": {"max_new_tokens": 128, "temperature": 0, kind: text}}
+        if i % 2:
+            out = stream_final(pd.router.url, body)
+        else:
+            r = httpx.post(pd.router.url + "/generate", json=body, timeout=180)
+            assert r.status_code == 200, r.text
+            out = r.json()
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        check_output(kind, out["text"])
+    decode, prefill = pd.decode.info(), pd.prefill.info()
+    assert decode["grammar"]["requests"] >= 3 and decode["kv_received"] - before == 3
+    assert prefill["grammar"]["requests"] == 0 and prefill["grammar_frontend"]["requests"] == 0
+    r = httpx.post(pd.router.url + "/generate", timeout=60, json={"text": prompts[0], "sampling_params": {
+        "regex": "(unclosed"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.regex"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")

@@ -59,6 +59,9 @@ PEER = Peer(("10.0.0.5", 8998), BootstrapInfo(COMPAT, [rank_record(0), rank_reco
 SAMPLES = [
     TokenizedGenerateReq("r1", [1, 2, 3], SAMPLING, True, 0, 2, BootstrapRef("10.0.0.5", 8998, 2**63 - 1)),
     TokenizedGenerateReq("r2", [9], SamplingParams()),
+    TokenizedGenerateReq("r3", [9], SamplingParams(json_schema='{"type": "object"}')),
+    TokenizedGenerateReq("r4", [9], SamplingParams(regex="[ab]+")),
+    TokenizedGenerateReq("r5", [9], SamplingParams(ebnf='root ::= "x"')),
     AbortReq("r1"), AbortReq("", abort_all=True), FlushCacheReq(), FlushCacheResp(True), GetStatsReq(),
     KVEventsSnapshotReq(), KVEventsSnapshotResp({"seq": 3, "blocks": [[1, 2], [3]]}), KVEventsSnapshotResp(None),
     StatsResp({"num_running_reqs": 1, "token_usage": 0.25, "dp_ranks": [{"free_pages": 3}]}),

@@ -1,7 +1,9 @@
+import re
+
 import pytest
 import torch
 
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import MAX_GRAMMAR_CHARS, SamplingParams
 from pdserve.engine.sampler import Sampler
 
 
@@ -131,6 +133,27 @@ def test_logprobs_are_log_softmax_of_raw_logits():
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"sampling_params.{field}"):
         SamplingParams(**{field: value}).validate(100)
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"regex": "a", "ebnf": "b"}, "sampling_params.ebnf: at most one of json_schema, regex, ebnf"),
+    ({"json_schema": "{}", "regex": "a"}, "sampling_params.regex: at most one of"),
+    ({"regex": ""}, "sampling_params.regex: must be a non-empty string"),
+    ({"ebnf": 3}, "sampling_params.ebnf: must be a non-empty string"),
+    ({"json_schema": {"type": "object"}}, "sampling_params.json_schema: must be a non-empty string"),
+    ({"json_schema": "{not json"}, "sampling_params.json_schema: not a JSON document"),
+    ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "sampling_params.regex: too large"),
+])
+def test_grammar_fields_are_checked_and_exclusive(kw, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SamplingParams.from_dict(kw).validate(100)
+
+
+def test_grammar_names_the_one_constraint():
+    assert SamplingParams().validate().grammar is None
+    schema = '{"type": "integer"}'
+    assert SamplingParams(json_schema=schema).validate().grammar == ("json_schema", schema)
+    assert SamplingParams(regex="[0-9]+").validate().grammar == ("regex", "[0-9]+")
 
 
 def test_unknown_sampling_field_is_rejected():

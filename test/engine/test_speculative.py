@@ -4,10 +4,12 @@ real draft models (NEXTN on tiny-deepseek, EAGLE on tiny-llama: random weights, 
 accepted) and with an oracle draft that proposes the reference continuation with deliberate
 mistakes (many drafts accepted, partial acceptance, stops inside an accepted run)."""
 
+
 import pytest
 import torch
 
 import pdserve
+from constrained.grammar_fixtures import CONSTRAINTS, check_output
 from pdserve.config import ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.speculative import SpeculativeDecode, accept_greedy, accept_sampled, processed_probs
@@ -127,9 +129,10 @@ def _spec_kwargs(alg, eagle_dir):
 def pair(request, eagle_dir):
     """(plain engine, speculative engine) on the same target."""
     model = CASES[request.param][0]
-    plain = pdserve.Engine(model_path=model, page_size=4)
+    # JSON without free whitespace, so grammar outputs end well inside max_new_tokens
+    plain = pdserve.Engine(model_path=model, page_size=4, constrained_json_disable_any_whitespace=True)
     spec = pdserve.Engine(model_path=model, page_size=4, chunked_prefill_size=8,
-                          **_spec_kwargs(request.param, eagle_dir))
+                          constrained_json_disable_any_whitespace=True, **_spec_kwargs(request.param, eagle_dir))
     return plain, spec
 
 
@@ -323,3 +326,52 @@ def test_oracle_sampled_drafts_are_accepted_at_the_targets_rates(oracle):
     b = spec.generate(input_ids=[prompts[0]] * 40, sampling_params=sps)
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     assert sum(o["meta_info"]["spec_accept_token_num"] for o in a) > 0
+
+
+# ------------------------------------------------------------------ grammars
+def test_grammar_with_real_drafts_is_valid_and_identical(pair):
+    """Drafts are masked along the grammar and verified under it: greedy output equals plain
+    decoding under the same grammar, and sampled output stays inside it."""
+    from pdserve.engine.speculative import make_decode_step
+
+    plain, spec = pair
+    prompts = _prompts(3, seed=21)
+    sps = [{"temperature": 0.0, "max_new_tokens": 128, kind: text} for kind, text in CONSTRAINTS.items()]
+    ref = plain.generate(input_ids=prompts, sampling_params=sps)
+    kept, spec.scheduler.decode_step = spec.scheduler.decode_step, make_decode_step(spec.scheduler)  # the real draft
+    try:
+        out = spec.generate(input_ids=prompts, sampling_params=sps)
+        sampled = spec.generate(input_ids=prompts,
+                                sampling_params=[{**sp, "temperature": 0.9, "seed": 1} for sp in sps])
+    finally:
+        spec.scheduler.decode_step = kept
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    for o, kind in [*zip(out, CONSTRAINTS), *zip(sampled, CONSTRAINTS)]:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+        check_output(kind, o["text"])
+    assert spec.scheduler.grammar.live == 0
+    _no_leak(spec)
+
+
+def test_grammar_with_oracle_drafts_accepts_runs_and_matches_plain(pair):
+    """An oracle proposing the grammar's own greedy continuation (wrong every 5th position, and
+    a wrong token the grammar forbids is masked out of the draft): verify masks each row with
+    the grammar advanced along the draft, accepts runs, rolls back the rest; output equals
+    plain decoding under the grammar and is valid."""
+    plain, spec = pair
+    prompts = _prompts(3, seed=23)
+    sps = [{"temperature": 0.0, "max_new_tokens": 128, kind: text} for kind, text in CONSTRAINTS.items()]
+    ref = plain.generate(input_ids=prompts, sampling_params=sps)
+    seqs = {tuple(p): p + o["output_ids"] for p, o in zip(prompts, ref)}
+    kept, spec.scheduler.decode_step = spec.scheduler.decode_step, OracleDecode(spec.scheduler, seqs)
+    try:
+        out = spec.generate(input_ids=prompts, sampling_params=sps)
+    finally:
+        spec.scheduler.decode_step = kept
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
+    accepted = sum(o["meta_info"]["spec_accept_token_num"] for o in out)
+    assert accepted > sum(o["meta_info"]["spec_verify_ct"] for o in out)  # runs of drafts were accepted
+    for o, kind in zip(out, CONSTRAINTS):
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+        check_output(kind, o["text"])
+    _no_leak(spec)

@@ -51,6 +51,19 @@ def test_stop_string_is_held_back_and_cut(tokenizer):
         assert "".join(pieces) == output_text(tokenizer, ids, reason) == "alpha beta "
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_matched_stop_token_is_never_streamed(tokenizer, skip):
+    """A special stop token (<|im_end|>) ends the stream without its text, special tokens shown
+    or not: the streamed pieces join to output_text's, which drops it."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("A reply, then the end of the turn.") + [end]
+    reason = {"type": "stop", "matched": end}
+    for k in (1, 3, len(ids)):  # the stop token alone, or with the tokens before it
+        d = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        pieces = [d.add(ids[:-k]), d.add_last(ids[-k:], reason)]
+        assert "".join(pieces) == output_text(tokenizer, ids, reason, skip) == "A reply, then the end of the turn."
+
+
 @pytest.mark.parametrize("preset", ["tiny-deepseek", "tiny-llama", "tiny-qwen3-moe"])
 def test_text_decoder_equals_tokenizer_decode(preset):
     """The streaming fast path (the Rust tokenizer directly) decodes exactly as transformers does."""

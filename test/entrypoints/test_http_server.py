@@ -18,6 +18,7 @@ import openai
 import pytest
 
 import pdserve
+from constrained.grammar_fixtures import CONSTRAINTS, PERSON, check_output
 from pdserve.web.chat import chat_prompt_ids
 from server_utils import PRESET, Server
 
@@ -32,8 +33,8 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-total-tokens", MAX_TOTAL_TOKENS, "--kv-cache-dtype", KV_CACHE_DTYPE, api_key=API_KEY,
-               env={"PDSERVE_ADMIN_API_KEY": ADMIN_KEY})
+    s = Server("--max-total-tokens", MAX_TOTAL_TOKENS, "--kv-cache-dtype", KV_CACHE_DTYPE,
+               "--constrained-json-disable-any-whitespace", api_key=API_KEY, env={"PDSERVE_ADMIN_API_KEY": ADMIN_KEY})
     try:
         yield s.start()
     finally:
@@ -256,6 +257,18 @@ BAD_INPUTS = [
     ("/generate", {"text": ""}, "text"),
     ("/generate", {"text": "x", "input_ids": [1]}, "text"),
     ("/generate", {"text": "x", "stream": True, "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    # constrained decoding: a constraint that does not compile is refused before it runs
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": '{"type": "nonsense"}'}},
+     "sampling_params.json_schema"),
+    ("/generate", {"text": "x", "stream": True, "sampling_params": {"json_schema": '{"type": "nonsense"}'}},
+     "sampling_params.json_schema"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": {"type": "object"}}}, "sampling_params.json_schema"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, "sampling_params.regex"),
+    ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= missing_rule"}}, "sampling_params.ebnf"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "sampling_params.ebnf"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "a" * 300_000}}, "sampling_params.regex"),
+    ("/generate", {"text": ["x", "y"], "sampling_params": [{}, {"regex": "("}]}, "sampling_params.regex"),
 ]
 
 
@@ -429,3 +442,72 @@ def test_the_server_runs_the_kv_cache_dtype_it_was_given(server, engine):
     info = httpx.get(server.url + "/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert info["kv_cache_dtype"] == KV_CACHE_DTYPE
     assert str(engine.scheduler.runner.pool.dtype) == "torch.float8_e4m3fn"
+
+
+# ------------------------------------------------------- constrained decoding (native /generate)
+def test_generate_constraints_hold(server):
+    """json_schema, regex and ebnf (SGLang's sampling_params) on a random-weight model: only the
+    grammar makes these valid. One batch, one request each, plus n = 2 samples of a schema."""
+    kinds = list(CONSTRAINTS)
+    sps = [{"max_new_tokens": 128, "temperature": 0, kind: CONSTRAINTS[kind]} for kind in kinds]
+    r = server.post("/generate", json={"text": PROMPTS, "sampling_params": sps})
+    assert r.status_code == 200, r.text
+    for body, kind in zip(r.json(), kinds):
+        assert body["meta_info"]["finish_reason"]["type"] == "stop", body
+        check_output(kind, body["text"])
+    r = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 128, "temperature": 1.0, "n": 2, "json_schema": CONSTRAINTS["json_schema"]}})
+    assert r.status_code == 200, r.text
+    for body in r.json():
+        check_output("json_schema", body["text"])
+
+
+def test_generate_stream_deltas_are_valid_prefixes(server):
+    """Every streamed (cumulative) text is a prefix of the final one, and the grammar accepts it
+    as a prefix (a client may parse partial JSON as it arrives)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from pdserve.config import resolve_model_path
+
+    body = {"text": PROMPTS[1], "stream": True,
+            "sampling_params": {"max_new_tokens": 128, "temperature": 0, "json_schema": CONSTRAINTS["json_schema"]}}
+    with httpx.stream("POST", server.url + "/generate", json=body, headers=server.headers, timeout=120) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    final = events[-1]["text"]
+    check_output("json_schema", final)
+    assert len(events) > 3
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(PRESET)[0]))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok)).compile_json_schema(
+        json.dumps(PERSON), any_whitespace=False)
+    for e in events:
+        assert final.startswith(e["text"])
+        assert xgr.GrammarMatcher(compiled).accept_string(e["text"]), e["text"]
+
+
+def test_max_new_tokens_and_stop_strings_cut_a_constrained_output_as_sglang_does(server):
+    """max_new_tokens ends a JSON mid-way (finish length); a stop string inside the grammar's
+    output ends it there (finish stop, the string cut)."""
+    r = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "json_schema": CONSTRAINTS["json_schema"]}})
+    body = r.json()
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert body["text"].startswith("{")
+    r = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 64, "temperature": 0, "regex": CONSTRAINTS["regex"], "stop": ["-"]}})
+    body = r.json()
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": "-"}
+    assert body["text"] in ("cat", "dog")
+
+
+def test_grammar_metrics(server):
+    server.post("/generate", json={"text": "m", "sampling_params": {"max_new_tokens": 16, "regex": "[a-c]{3}"}})
+    text = server.get("/metrics").text
+    for name in ("grammar_compilation_time_seconds_count", "num_grammar_cache_hit_total", "num_grammar_total",
+                 "num_grammar_aborted_total", "grammar_mask_time_seconds_count", "num_grammar_queue_reqs"):
+        assert f"pdserve:{name}" in text, name
+    mask = re.search(r'pdserve:grammar_mask_time_seconds_count\{[^}]*process="scheduler"[^}]*\} (\S+)', text)
+    assert mask and float(mask.group(1)) >= 3
+    hits = re.search(r'pdserve:num_grammar_total\{[^}]*process="frontend"[^}]*\} (\S+)', text)
+    assert hits and float(hits.group(1)) >= 1

@@ -55,6 +55,7 @@ MAX_DECODE_RECORDS = 4096  # decode ranks remembered; the oldest is dropped past
 
 class PrefillMode(SchedulerMode):
     name = "prefill"
+    samples = False  # decode samples every token: a request's grammar is decode's alone
     rank_counters = ("kv_bytes_sent", "kv_writes_sent", "kv_writes_packed")
 
     def __init__(self, config: DisaggConfig, io: ModeIO, sender: KVSender, server_id: str):

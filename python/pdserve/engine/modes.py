@@ -64,6 +64,7 @@ class SchedulerMode:
 
     name = "null"
     rank_counters: tuple[str, ...] = ()  # stats each rank counts for itself: a server reports their sum
+    samples = True  # whether this server samples tokens (a disaggregated prefill never does: no grammars)
 
     def attach(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler

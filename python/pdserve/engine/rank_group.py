@@ -497,7 +497,10 @@ def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, devi
                                 sync=StepSync(control))
     if make_mode is not None:
         scheduler_kwargs["mode"] = make_mode(runner)
-    scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner, **scheduler_kwargs)
+    scheduler = Scheduler(model_config, cache, sched, tokenizer, groups.parallel, runner,
+                          grammar=args.grammar_config(), **scheduler_kwargs)
+    # ranks must admit the same requests in the same step: compiles finish where they start
+    scheduler.grammar.lockstep = lay.world_size > 1
     if lay.world_size > 1:
         agree_hits(scheduler.kv_manager, control)
     # Attention groups other than the first draw other random streams for unseeded sampling.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.constrained.base import Grammar
     from pdserve.engine.io_struct import BootstrapRef
     from pdserve.engine.logprobs import ReqLogprobs
     from pdserve.engine.stop import StopStringMatcher
@@ -21,6 +23,10 @@ if TYPE_CHECKING:
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 INT64_MAX = (1 << 63) - 1  # integer fields travel to the scheduler as 64-bit integers
 MAX_N = 128  # parallel samples of one prompt (n, best_of)
+# Constrained decoding (SGLang's fields): at most one per request. The bound keeps a hostile
+# document from tying up a compile worker; a real schema of hundreds of fields is a few KiB.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 256 << 10
 
 
 @dataclass
@@ -40,6 +46,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     n: int = 1
+    # Constrained decoding: a JSON-schema document (as a JSON string), a regular expression, or an
+    # EBNF grammar (the backend's dialect: GBNF for xgrammar, Lark for llguidance). At most one.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -94,7 +105,38 @@ class SamplingParams:
                 bad(name, "must be in [-2, 2]")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}]")
+        self._validate_grammar(bad)
         return self
+
+    def _validate_grammar(self, bad) -> None:
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value.strip():
+                bad(name, "must be a non-empty string" + (" (a JSON-schema document as a JSON string)"
+                                                          if name == "json_schema" else ""))
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"sampling_params.{name}: too large ({len(value)} characters, at most "
+                                 f"{MAX_GRAMMAR_CHARS})")
+        if isinstance(self.json_schema, str):
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise ValueError(f"sampling_params.json_schema: not a JSON document ({e})") from None
+        set_fields = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(set_fields) > 1:
+            raise ValueError(f"sampling_params.{set_fields[1]}: at most one of json_schema, regex, ebnf may be "
+                             f"set, got {' and '.join(set_fields)}")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The constraint as (kind, text), kind one of GRAMMAR_FIELDS; None when unconstrained."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     def for_copy(self, index: int) -> SamplingParams:
         """The params of parallel sample ``index`` of ``n``: one sequence, and with a seed, a
@@ -174,6 +216,11 @@ def finish_abort(message: str) -> dict:
     return {"type": "abort", "message": message}
 
 
+def grammar_refused(token: int) -> dict:
+    """A sampled token the request's grammar does not allow (a masking bug, never the client's)."""
+    return finish_abort(f"constrained decoding: the grammar refused sampled token {token}")
+
+
 class Req:
     """One generation request and the KV memory it holds.
 
@@ -234,6 +281,9 @@ class Req:
         self.spec_stats: Any = None  # SpecStats when the server speculates
         self.room: int | None = None  # disaggregation: the bootstrap room pairing its two halves
         self.bootstrap: BootstrapRef | None = None  # disaggregation: the prefill half's address (decode)
+        # constrained decoding (engine/grammar.py): its matcher once compiled; why the compile failed
+        self.grammar: Grammar | None = None
+        self.grammar_error: str | None = None
 
     def append_output(self, token: int) -> None:
         """The only way a token joins the output (keeps ``fill_ids`` == prompt + output)."""

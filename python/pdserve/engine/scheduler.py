@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, GrammarConfig, ModelConfig, SchedulerConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
+from pdserve.engine.grammar import ReqGrammars, StepMask
 from pdserve.engine.io_struct import BootstrapRef, TokenOutput
 from pdserve.engine.logprobs import PromptLogitPlan, ReqLogprobs, check_logprob_params
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
@@ -31,6 +32,7 @@ from pdserve.engine.request import (
     finish_abort,
     finish_length,
     finish_stop,
+    grammar_refused,
 )
 from pdserve.engine.sampler import SampleFn, Sampler
 from pdserve.engine.speculative import DecodeStep, SpecStats, make_decode_step
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_IDLE_WAIT_S = 0.01  # with nothing else to run, a step waits this long for a compile to finish
+
 
 class Scheduler:
     """Owns every request's lifecycle and memory.
@@ -62,10 +66,11 @@ class Scheduler:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, config: SchedulerConfig,
                  tokenizer=None, parallel: ParallelState = SINGLE, runner: ModelRunner | None = None,
-                 mode: SchedulerMode | None = None):
+                 mode: SchedulerMode | None = None, grammar: GrammarConfig | None = None):
         """``runner``: one built by the caller (it must match model_config and cache_config);
         by default the scheduler builds its own. ``mode``: a disaggregation mode (default:
-        colocated), attached last, once the pool and the queues exist."""
+        colocated), attached last, once the pool and the queues exist. ``grammar``: how
+        json_schema / regex / ebnf requests are constrained (engine/grammar.py)."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.config = config
@@ -82,8 +87,14 @@ class Scheduler:
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+        # Constrained decoding: compiles off this thread, masks per step (nothing without grammars).
+        self.grammar = ReqGrammars(grammar or GrammarConfig(), tokenizer, model_config.vocab_size,
+                                   sorted(self.eos_ids))
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        # KV complete (a disaggregated decode's transfer landed) but the grammar still compiling:
+        # RUNNING, holding pages, joins ``running`` once it can sample
+        self.parked: list[Req] = []
         self.chunked: Req | None = None  # the request whose prefill is split over steps
         self.reqs: dict[str, Req] = {}
         self._pending: list[TokenOutput] = []
@@ -126,8 +137,9 @@ class Scheduler:
                 "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size}
 
     def close(self) -> None:
-        """Stop the KV cache's background threads (the process or Engine is ending)."""
+        """Stop the KV cache's and the grammars' background threads (the process or Engine is ending)."""
         self.kv_manager.close()
+        self.grammar.close()
 
     # ---------------------------------------------------------- memory views
     # Inspection only (stats, tests, the rank group's memory report): changes go through kv_manager.
@@ -152,6 +164,8 @@ class Scheduler:
     def validate(self, input_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError naming the field if this request can never be served."""
         check_scheduler_request(input_ids, sampling, self.limits)
+        if self.mode.samples:  # a server that never samples never needs the grammar
+            self.grammar.check(sampling)
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
                     return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
@@ -175,6 +189,10 @@ class Scheduler:
         req.clock = StageClock()
         if getattr(self.runner, "draft", None) is not None:
             req.spec_stats = SpecStats()
+        if self.mode.samples:
+            self.grammar.submit(req)
+            if req.grammar_error is not None:  # several ranks compile at once: it failed on every one
+                raise ValueError(req.grammar_error)
         self.reqs[rid] = req
         if not self.mode.take(req, bootstrap):
             self.enqueue(req)
@@ -200,8 +218,12 @@ class Scheduler:
             hi.start_prefetch(req.uid, tokens, hi.match_tiers(tokens))
 
     def activate(self, req: Req) -> None:
-        """``req``'s KV for ``fill_ids[:-1]`` is in its pages: it joins the decode batch."""
+        """``req``'s KV for ``fill_ids[:-1]`` is in its pages: it joins the decode batch (once its
+        grammar, if any, has compiled)."""
         req.state = ReqState.RUNNING
+        if self.grammar.waiting_for(req):
+            self.parked.append(req)
+            return
         self.running.append(req)
 
     def abort(self, rid: str, message: str = "aborted by client") -> bool:
@@ -217,14 +239,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._pending or self.mode.has_work())
+        return bool(self.waiting or self.running or self.chunked or self._pending or self.parked
+                    or self.mode.has_work())
 
     def runnable(self) -> bool:
         """A forward pass (or an output) is due now; otherwise only the mode waits on something."""
-        return bool(self.waiting or self.running or self.chunked or self._pending)
+        return bool(self.waiting or self.running or self.chunked or self._pending or self.parked)
 
     def step(self) -> list[TokenOutput]:
         self.mode.poll()
+        self._poll_grammars()
         if not self.running and self.chunked is None:
             self.new_token_ratio.on_idle()
         batch = self._schedule_extend()
@@ -232,10 +256,22 @@ class Scheduler:
             self._run_extend(*batch)
         elif self.running:
             self.decode_step.run()
+        elif self.grammar.pending and (self.waiting or self.parked) and not self._pending:
+            self.grammar.wait(GRAMMAR_IDLE_WAIT_S)  # only compiles are left to run: wait for one, do not spin
         out, self._pending = self._pending, []
         if self.kv_events is not None:
             self.kv_events.flush()
         return out
+
+    def _poll_grammars(self) -> None:
+        """Compiles that finished: failed ones end their request (a 400 naming the field), parked
+        requests whose grammar is ready join the decode batch."""
+        for req in self.grammar.poll():
+            self.abort(req.rid, req.grammar_error or "grammar failed")
+        if self.parked:
+            ready = [r for r in self.parked if not self.grammar.waiting_for(r)]
+            self.parked = [r for r in self.parked if self.grammar.waiting_for(r)]
+            self.running += ready
 
     # ------------------------------------------------------------- admission
     def _match_len(self, req: Req) -> int:
@@ -278,6 +314,8 @@ class Scheduler:
         running_growth = [self._growth(r) for r in self.running]  # the same for every candidate
         for req in candidates:
             fresh = req.state is ReqState.WAITING
+            if fresh and self.grammar.waiting_for(req):
+                continue  # it samples once its grammar has compiled; the others go on
             if fresh and not self.kv_manager.prepare(req, self._matchable(req)):
                 continue  # its cached prefix is still being loaded back from host memory
             if fresh and not self._admit(req, len(reqs)):
@@ -384,12 +422,14 @@ class Scheduler:
         rows = [r.table_row for r in reqs]
         batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
                                [1] * len(reqs), rows, tuple(r.engine_uid for r in reqs))
+        # the grammars' masks fill on their thread while the forward runs
+        mask = self.grammar.start_mask(reqs) if self.grammar.live else None
         logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         self.new_token_ratio.decay()
         for r in reqs:
             r.kv_len += 1
-        self._sample_and_append(reqs, logits)
+        self._sample_and_append(reqs, logits, mask)
 
     def _ensure_decode_pages(self) -> None:
         """Every running request needs a slot for its next token; retract until they all fit."""
@@ -414,7 +454,11 @@ class Scheduler:
         self.new_token_ratio.on_retract()
         self.enqueue(req, front=True)
 
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor, mask: StepMask | None = None) -> None:
+        """Sample one token per request from ``logits`` [B, V] (masked first where a request has a
+        grammar: every sampling mode and the logprobs see the mask, as in SGLang), append it."""
+        if self.grammar.live:
+            self.grammar.apply(logits, reqs, mask)
         want_lp = any(r.return_logprob for r in reqs)
         top_ks = [r.logprob.top_k if r.logprob else 0 for r in reqs] if want_lp else None
         res = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
@@ -428,7 +472,8 @@ class Scheduler:
                 lp = [res.logprobs[i]]
                 req.output_logprobs.append(res.logprobs[i])
                 top = [res.top_logprobs[i]] if res.top_logprobs is not None and top_ks[i] else None
-            reason = self._check_finish(req, tok)
+            advanced = self.grammar.advance(req, tok)
+            reason = self._check_finish(req, tok) if advanced else grammar_refused(tok)
             if reason is not None:
                 self._finish(req, reason, emit=False)
             out = self._output(req, [tok], lp, top)
@@ -444,6 +489,8 @@ class Scheduler:
             matched = req.stop_matcher.check(req.output_ids)
             if matched is not None:
                 return finish_stop(matched)
+        if self.grammar.terminated(req):  # the grammar is complete (it accepted its end)
+            return finish_stop(tok if tok in self.eos_ids else None)
         if len(req.output_ids) >= sp.max_new_tokens:
             return finish_length(sp.max_new_tokens)
         return None
@@ -458,9 +505,14 @@ class Scheduler:
     def _finish(self, req: Req, reason: dict, emit: bool = True) -> None:
         self.mode.on_finish(req)
         self.kv_manager.forget(req)  # a load-back it waited for, if any
+        self.grammar.release(req)
+        if req.grammar_error is not None and reason["type"] == "abort":
+            reason = {**reason, "status_code": 400}  # the request's constraint was bad: the client's error
         if req.state in (ReqState.RUNNING, ReqState.PREFILLING, ReqState.TRANSFERRING):
             if req in self.running:
                 self.running.remove(req)
+            if req in self.parked:
+                self.parked.remove(req)
             if self.chunked is req:
                 self.chunked = None
             self._release(req)
@@ -499,7 +551,7 @@ class Scheduler:
 
     def _live_reqs(self) -> list[Req]:
         """Requests holding pages: the scheduler's own, then the mode's."""
-        return self.running + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
+        return self.running + self.parked + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
 
     def pages_held_by_requests(self) -> int:
         """Pages outside the allocator and the cache: live requests' own and quarantined ones."""
@@ -535,4 +587,5 @@ class Scheduler:
             **self.kv_manager.stats(),
             **self.mode.stats(),
             **self.decode_step.stats(),
+            **self.grammar.stats_dict(),
         }

@@ -25,7 +25,7 @@ import torch
 
 from pdserve.engine import policy
 from pdserve.engine.model_runner import ScheduledBatch
-from pdserve.engine.request import Req, ReqState, SamplingParams, finish_abort
+from pdserve.engine.request import Req, ReqState, SamplingParams, finish_abort, grammar_refused
 from pdserve.engine.sampler import _filtered_probs, apply_penalties, token_logprobs
 from pdserve.layers.forward_batch import ForwardMode
 
@@ -172,7 +172,11 @@ class SpeculativeDecode(DecodeStep):
         return self.s.runner.draft_forward(batch, self.s.kv_manager.req_to_token, target_hidden)
 
     def _propose(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor, first: bool) -> None:
-        """Each request's next draft token from the draft's logits [B, V]."""
+        """Each request's next draft token from the draft's logits [B, V], masked by its grammar
+        (if any) walked along its drafts so far: drafts stay inside the grammar."""
+        if self.s.grammar.live:
+            self.s.grammar.apply_along(logits, reqs, [[] if first or r.draft is None else r.draft.tokens
+                                                      for r in reqs])
         for i, req in enumerate(reqs):
             st = None if first else req.draft
             drafts = st.tokens if st is not None else []
@@ -296,7 +300,11 @@ class SpeculativeDecode(DecodeStep):
             loc += s.kv_manager.slots(r, r.kv_len, r.kv_len + k + 1)
         batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], [k + 1 for k in k_eff],
                                [r.table_row for r in reqs])
+        # grammar rows: each row's mask after its prefix of the draft, filled while the target runs
+        mask = s.grammar.start_verify_mask(reqs, drafts) if s.grammar.live else None
         logits, hidden = s.runner.forward_all_rows(batch, s.kv_manager.req_to_token)  # [T, V], [T, H]
+        if mask is not None:
+            s.grammar.apply(logits, reqs, mask)
         s.forward_steps += 1
         s.new_token_ratio.decay()
         live, starts, rows = [], [], []
@@ -336,7 +344,8 @@ class SpeculativeDecode(DecodeStep):
             req.append_output(tok)
             req.kv_len += 1  # the row that produced ``tok`` held a verified token
             emitted.append(tok)
-            reason = s._check_finish(req, tok)
+            advanced = s.grammar.advance(req, tok)
+            reason = s._check_finish(req, tok) if advanced else grammar_refused(tok)
             if reason is not None:
                 break
         self.emitted_tokens += len(emitted)

@@ -120,6 +120,18 @@ class IncrementalDetokenizer:
                     break
         return hold
 
+    def add_last(self, new_ids: list[int], finish_reason: dict | None) -> str:
+        """The final tokens and the flush. A matched stop token is never shown, as ``output_text``
+        drops it from the whole text: with ``skip_special_tokens`` off, ``add`` would have shown
+        the text of a special one (``<|im_end|>``) before ``finish`` could leave it out."""
+        matched = (finish_reason or {}).get("matched")
+        stop_token = ((finish_reason or {}).get("type") == "stop" and isinstance(matched, int)
+                      and bool(new_ids) and new_ids[-1] == matched)
+        text = self.add(new_ids[:-1] if stop_token else new_ids)
+        if stop_token:
+            self.ids.append(new_ids[-1])  # finish's output_text sees the stop token and drops it
+        return text + self.finish(finish_reason)
+
     def finish(self, finish_reason: dict | None) -> str:
         """Flush at the end: the rest of the text up to (not including) a matched stop string."""
         final = output_text(self.tokenizer, self.ids, finish_reason, self.skip)

@@ -23,6 +23,7 @@ from pdserve.config import (
     DISAGG_MODES,
     DTYPES,
     FALLBACK_POLICIES,
+    GRAMMAR_BACKENDS,
     HICACHE_MEM_LAYOUTS,
     HICACHE_PREFETCH_POLICIES,
     HICACHE_STORAGE_BACKENDS,
@@ -31,8 +32,10 @@ from pdserve.config import (
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     PACK_POLICIES,
+    REASONING_PARSERS,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
+    TOOL_CALL_PARSERS,
     TRANSFER_BACKENDS,
     ServerArgs,
 )
@@ -149,6 +152,14 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--speculative-eagle-topk", "draft branches per step (1: chain drafts, the only kind for now)",
           type=int)
     _flag(g, "--speculative-num-draft-tokens", "tokens verified per step (num-steps + 1 with topk 1)", type=int)
+    _flag(g, "--grammar-backend", "constrained decoding backend for json_schema / regex / ebnf requests "
+          "(none: such requests get a 400; docs/structured-outputs.md)", choices=GRAMMAR_BACKENDS)
+    _flag(g, "--grammar-compile-timeout", "seconds a grammar may take to compile; past it only that request fails",
+          type=float)
+    _flag(g, "--grammar-cache-size", "compiled grammars kept, by kind and text (least recently used dropped)",
+          type=int)
+    _flag(g, "--constrained-json-disable-any-whitespace", "JSON output without free whitespace between tokens",
+          action="store_true")
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
@@ -211,8 +222,15 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
           "or auto (by step)", choices=DEEPEP_MODES)
 
 
+def add_parser_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("OpenAI API output parsing (docs/structured-outputs.md)")
+    _flag(g, "--tool-call-parser", "the model family's tool-call format, parsed into message.tool_calls under "
+          "tool_choice auto (required and named choices need none)", choices=TOOL_CALL_PARSERS)
+    _flag(g, "--reasoning-parser", "split the model's thinking part into reasoning_content", choices=REASONING_PARSERS)
+
+
 SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_hicache_args, add_parallel_args,
-                     add_runtime_args, add_disagg_args, add_device_args)
+                     add_runtime_args, add_disagg_args, add_device_args, add_parser_args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -61,7 +61,8 @@ class Engine:
             torch.set_num_threads(self.args.num_threads or default_num_threads(frontend=False))
             cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
             runner = build_model_runner(self.args, model_config)
-            self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner)
+            self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner,
+                                       grammar=self.args.grammar_config())
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API

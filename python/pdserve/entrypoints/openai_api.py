@@ -13,6 +13,12 @@ lm-evaluation-harness does); chat ``logprobs`` / ``top_logprobs``. ``n`` samples
 prompt (``best_of`` >= n: keep the n with the highest cumulative logprob) share the
 prompt's KV (``parallel_sampling``); choice ``i * n + j`` is sample j of prompt i, and
 usage counts the prompt once per choice, as OpenAI does.
+
+Structured output, tools and reasoning (``openai_tools`` says what a request asks, ``openai_output``
+renders what the parsers read): ``response_format``, ``regex`` and ``ebnf`` become the engine's
+grammar fields (a grammar error names the OpenAI field); chat ``tools`` reach the chat template, and
+calls come back as ``message.tool_calls`` (streamed as ``tool_calls`` deltas); with
+``--reasoning-parser`` the thinking part is ``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,15 @@ from pdserve.entrypoints.logprobs import (
     check_top_logprobs,
     completion_logprobs,
     text_end,
+)
+from pdserve.entrypoints.openai_output import ChoiceStream, OutputPlan, chat_message, final_reason
+from pdserve.entrypoints.openai_tools import (
+    Constraint,
+    constraint,
+    reasoning_parser_name,
+    template_kwargs,
+    template_messages,
+    tool_plan,
 )
 from pdserve.entrypoints.parallel_sampling import (
     PromptJob,
@@ -73,6 +88,8 @@ class _Call:
     include_usage: bool
     rid: str | None
     texts: TokenTexts
+    output: OutputPlan = OutputPlan()  # chat: the parsers that read each choice
+    renames: dict[str, str] | None = None  # engine error fields -> the request fields they came from
 
     @property
     def id(self) -> str:
@@ -92,7 +109,8 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
         raise RequestError("suffix: not supported by this server", param="suffix")
     _check_top_k(tm, req.logprobs, "logprobs")
     prompts, texts = await _completion_prompts(tm, req.prompt)
-    samplings = [_sampling(tm, req, p, req.max_tokens, "max_tokens", "prompt") for p in prompts]
+    grammar = constraint(req)
+    samplings = [_sampling(tm, req, p, req.max_tokens, "max_tokens", "prompt", grammar) for p in prompts]
     best_of = _best_of(req, samplings[0].n)
     check_sequences([best_of] * len(prompts), tm.args.max_seqs_per_request, "prompt",
                     "best_of" if best_of > samplings[0].n else "n")
@@ -104,30 +122,39 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
             for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
     call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
+    call.renames = _renames(grammar)
     return await _run(tm, request, call)
 
 
 async def chat_completions(tm: TokenizerManager, request: Request, model_name: str):
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_body(request, tm.args.max_request_bytes))
     top = _chat_top_logprobs(tm, req)
-    ids = await _chat_ids(tm, [m.model_dump() | {"content": m.text()} for m in req.messages])
+    plan = tool_plan(req, tm.args.tool_call_parser)
+    grammar = constraint(req, plan)
+    ids = await _chat_ids(tm, template_messages(req), plan.template_tools, template_kwargs(req))
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    sampling = _sampling(tm, req, ids, max_tokens, name, "messages")
+    # A model's tool-call tags may be special tokens (Kimi's): keep them in the text its parser reads.
+    native = plan.parser is not None and plan.forced is None
+    sampling = _sampling(tm, req, ids, max_tokens, name, "messages", grammar, keep_special=native)
     check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
     (boot,) = tm.bootstraps(req, 1, sampling.n)
     job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group())
     call = _call("chat", model_name, req, [job], top, None, tm)
+    call.output = OutputPlan(reasoning_parser_name(req, tm.args.reasoning_parser, grammar is not None), plan.parser,
+                             plan.names, req.stream_reasoning)
+    call.renames = _renames(grammar)
     return await _run(tm, request, call)
 
 
 # ------------------------------------------------------------------- chat
-async def _chat_ids(tm: TokenizerManager, messages: list[dict]) -> list[int]:
+async def _chat_ids(tm: TokenizerManager, messages: list[dict], tools: list[dict] | None,
+                    kwargs: dict) -> list[int]:
     """``chat_prompt_ids``, tokenized off the event loop when long."""
     if tm.tokenizer is None:
         raise RequestError("messages: this server has no tokenizer; use /generate with input_ids",
                            param="messages")
-    return await tm.encode(chat_prompt_text(tm.tokenizer, messages), add_special_tokens=False)
+    return await tm.encode(chat_prompt_text(tm.tokenizer, messages, tools, **kwargs), add_special_tokens=False)
 
 
 def _chat_top_logprobs(tm: TokenizerManager, req: ChatCompletionRequest) -> int | None:
@@ -185,21 +212,25 @@ def _prompt_text(tm: TokenizerManager, ids: list[int], text: str | None) -> str:
 
 
 def _sampling(tm: TokenizerManager, req, prompt_ids: list[int], max_tokens: int | None,
-              max_field: str, prompt_field: str) -> SamplingParams:
+              max_field: str, prompt_field: str, grammar: Constraint | None = None,
+              keep_special: bool = False) -> SamplingParams:
     """Validated SamplingParams for one prompt; ``max_tokens=None`` means as many as fit."""
     if max_tokens is None:
         limits = tm.request_limits
         room = min(limits.context_len - len(prompt_ids), limits.max_total_tokens + 1 - len(prompt_ids))
         max_tokens = max(0, room)
     d = {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos,
-         "skip_special_tokens": req.skip_special_tokens}
+         "skip_special_tokens": req.skip_special_tokens and not keep_special}
+    if grammar is not None:
+        d[grammar.kind] = grammar.text
     d.update({k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None})
     if req.stop is not None:
         d["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     try:
         sampling = SamplingParams.from_dict(d).validate(tm.request_limits.vocab_size)
     except ValueError as e:
-        raise RequestError.from_value_error(e, {"max_new_tokens": max_field}, "sampling_params.") from None
+        renames = {"max_new_tokens": max_field} | (_renames(grammar) or {})
+        raise RequestError.from_value_error(e, renames, "sampling_params.") from None
     tm.check_input(prompt_ids, sampling.max_new_tokens, prompt_field, max_field)
     return sampling
 
@@ -216,7 +247,32 @@ def _call(kind: str, model_name: str, req, jobs: list[PromptJob], logprobs: int 
                  include_usage, jobs[0].rid, tm.token_texts)
 
 
+def _renames(grammar: Constraint | None) -> dict[str, str] | None:
+    """The engine names a grammar error by its SamplingParams field: name the request's instead."""
+    return None if grammar is None else {grammar.kind: grammar.field}
+
+
+def _renamed(err: RequestError, renames: dict[str, str] | None) -> RequestError:
+    engine_field = (err.param or "").removeprefix("sampling_params.")
+    field = (renames or {}).get(engine_field)
+    if field is None:
+        return err
+    message = err.message
+    for prefix in (f"{err.param}:", f"{engine_field}:"):
+        if message.startswith(prefix):
+            message = f"{field}:{message[len(prefix):]}"
+            break
+    return RequestError(message, param=field, status=err.status, code=err.code)
+
+
 async def _run(tm: TokenizerManager, request: Request, call: _Call):
+    try:
+        return await _run_call(tm, request, call)
+    except RequestError as e:
+        raise _renamed(e, call.renames) from None
+
+
+async def _run_call(tm: TokenizerManager, request: Request, call: _Call):
     if call.stream:
         return await _stream(tm, request, call)
     results = await until_disconnect(request, gather_or_cancel(*(run_job(tm, job) for job in call.jobs)))
@@ -274,12 +330,13 @@ def _choice(call: _Call, index: int, prompt: int, c: GenerateChunk) -> dict:
     matched = (c.finish_reason or {}).get("matched")
     lp = _choice_logprobs(call, prompt, c, call.echo_texts is not None)
     body: dict[str, Any]
+    reason = finish_reason(c.finish_reason)
     if call.kind == "chat":
-        body = {"message": {"role": "assistant", "content": c.text}}
+        message, reason = chat_message(call.output, c.text, reason)
+        body = {"message": message}
     else:
         body = {"text": (call.echo_texts[prompt] if call.echo_texts is not None else "") + c.text}
-    return {"index": index, **body, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason),
-            "matched_stop": matched}
+    return {"index": index, **body, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
 
 
 def _response(call: _Call, choices: list[tuple[int, GenerateChunk]]) -> dict:
@@ -299,6 +356,7 @@ class _Streamer:
         self.object = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
         self.last: dict[int, GenerateChunk] = {}
         self.offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
+        self.parsed: dict[int, ChoiceStream] = {}  # chat with parsers: each choice's parser state
 
     def events(self, first: tuple[int, GenerateChunk], merged: AsyncGenerator[tuple[int, GenerateChunk], None]
                ) -> AsyncGenerator[bytes, None]:
@@ -319,11 +377,22 @@ class _Streamer:
             elif echo_texts is not None:  # echo
                 text = echo_texts[0] + text
         lp = self._logprobs(index, c, echo) if c.token_ids or echo else None
-        if text or lp is not None:
+        if self.call.kind == "chat" and self.call.output.active:
+            out += self._parsed(index, text, c.finished, lp)
+        elif text or lp is not None:
             out.append(self._event(index, self._delta(text), lp, None))
         if c.finished:
-            out.append(self._event(index, self._delta(None), None, finish_reason(c.finish_reason)))
+            called = index in self.parsed and self.parsed[index].called
+            reason = final_reason(finish_reason(c.finish_reason), called)
+            out.append(self._event(index, self._delta(None), None, reason))
         return out
+
+    def _parsed(self, index: int, text: str, finished: bool, lp: dict | None) -> list[bytes]:
+        """The events of one chunk of a parsed choice: its reasoning, content and tool-call
+        deltas, the chunk's logprobs on the first (alone, if the parsers hold everything back)."""
+        stream = self.parsed.setdefault(index, ChoiceStream(self.call.output))
+        deltas = stream.deltas(text, finished) or ([{}] if lp is not None else [])
+        return [self._event(index, d, lp if i == 0 else None, None) for i, d in enumerate(deltas)]
 
     def _logprobs(self, index: int, c: GenerateChunk, echo: bool) -> dict | None:
         start = self.offsets.get(index, 0)

@@ -10,12 +10,12 @@ each route documents in ``/openapi.json``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pdserve.engine.io_struct import BootstrapRef
-from pdserve.engine.request import MAX_N, SEED_MAX, SEED_MIN
+from pdserve.engine.request import MAX_GRAMMAR_CHARS, MAX_N, SEED_MAX, SEED_MIN
 from pdserve.web.errors import RequestError
 
 
@@ -90,6 +90,13 @@ class GenerateSamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     n: int = Field(1, ge=1, le=MAX_N)
+    # Constrained decoding (SGLang's names); at most one of the three.
+    json_schema: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description=(
+        "A JSON-schema document, as a JSON string: the output is a JSON value valid under it"))
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description=(
+        "A regular expression the whole output matches"))
+    ebnf: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description=(
+        "An EBNF grammar the output is a sentence of (GBNF with xgrammar, root rule `root`)"))
 
 
 def _ref(model: type[BaseModel]) -> dict:
@@ -140,6 +147,28 @@ class _SamplingFields(_Bootstrap):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     rid: str | None = None
+    # constrained decoding beside response_format (SGLang's extras; the engine checks the grammar)
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: the schema the reply must be valid under. ``strict`` is
+    accepted for OpenAI compatibility; the grammar always enforces the whole schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -149,6 +178,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TextPart(_Body):
@@ -156,15 +186,52 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCallMessage(_Body):
+    """A call in an earlier assistant turn, as the client echoes it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+    reasoning_content: str | None = None  # an earlier assistant turn's thinking (templates may render it)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -173,6 +240,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
+    # SGLang's reasoning extras: split the thinking part off (with --reasoning-parser), stream it as
+    # it comes (else in one piece once it ends), and keyword arguments for the chat template
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AbortRequest(_Body):

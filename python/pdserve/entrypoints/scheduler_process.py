@@ -98,7 +98,8 @@ def build_server_scheduler(args: ServerArgs):
     runner = build_model_runner(args, model_config)
     roles = RoleModes(args, model_config, runner) if args.disagg_config().enabled else None
     mode = roles.mode(roles.role) if roles is not None else SchedulerMode()
-    scheduler = Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode)
+    scheduler = Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode,
+                          grammar=args.grammar_config())
     attach_kv_events(args, scheduler)
     return scheduler, roles
 

@@ -60,6 +60,7 @@ from pdserve.engine.node_sockets import FrontendSockets, frontend_sockets
 from pdserve.engine.request import RequestLimits, SamplingParams, check_request, finish_abort
 from pdserve.engine.scheduler_loop import SchedulerEndpoints, decode_frame, send_message
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
+from pdserve.entrypoints.grammar_check import GrammarCheck
 from pdserve.entrypoints.logprobs import TokenTexts
 from pdserve.entrypoints.scheduler_process import RankProcesses, SchedulerProcess, scheduler_processes
 from pdserve.obs.metrics import ServerMetrics
@@ -176,6 +177,7 @@ class TokenizerManager:
         self._binder: FrontendSockets | None = None
         self.drops = DropCounter("frontend")  # frames from the scheduler side that were none of our messages
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
+        self.grammar = GrammarCheck(args.grammar_config(), tokenizer)  # json_schema / regex / ebnf: 400 if bad
 
     @property
     def role(self) -> str:
@@ -264,6 +266,7 @@ class TokenizerManager:
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammar.close()
 
     # ------------------------------------------------------------- requests
     def new_rid(self, rid: str | None = None) -> str:
@@ -310,6 +313,7 @@ class TokenizerManager:
         """
         await self._pass_role_gate(bootstrap)
         self._check_healthy()
+        await self.grammar.check(sampling, self.role, self.request_limits.vocab_size)
         rid = self.new_rid(rid)
         room = bootstrap.room if bootstrap is not None else None
         if room is not None and room in self._rooms:  # checked and taken with no await in between
@@ -337,6 +341,8 @@ class TokenizerManager:
                     continue
                 chunk = self._chunk(state, outs)
                 finished = chunk.finished
+                if finished and _refused(chunk):  # the scheduler could not compile its grammar
+                    raise RequestError.from_value_error(ValueError((chunk.finish_reason or {})["message"]))
                 if finished:
                     self._record_finish(state, chunk)
                 if stream:
@@ -399,8 +405,7 @@ class TokenizerManager:
     def _stream_text(detok: IncrementalDetokenizer | None, chunk: GenerateChunk) -> str:
         if detok is None:
             return ""
-        text = detok.add(chunk.token_ids)
-        return text + detok.finish(chunk.finish_reason) if chunk.finished else text
+        return detok.add_last(chunk.token_ids, chunk.finish_reason) if chunk.finished else detok.add(chunk.token_ids)
 
     @staticmethod
     def _chunk(state: _ReqState, outs: list[TokenOutput]) -> GenerateChunk:
@@ -431,6 +436,7 @@ class TokenizerManager:
     # -------------------------------------------------------------- control
     async def get_stats(self) -> dict:
         resp: StatsResp = await self._control(GetStatsReq(), self._stats_waiters)
+        resp.stats["grammar_frontend"] = self.grammar.stats.to_dict()
         if self.metrics is not None:
             self.metrics.set_scheduler_stats(resp.stats)
         return resp.stats
@@ -599,6 +605,13 @@ class TokenizerManager:
                 fut = waiters.popleft()
                 if not fut.done():
                     fut.set_exception(err)
+
+
+def _refused(chunk: GenerateChunk) -> bool:
+    """An abort the scheduler marks as the client's error (a grammar that failed to compile there)
+    before any token: the API answers 400 naming the field, as for a request refused at once."""
+    reason = chunk.finish_reason or {}
+    return reason.get("type") == "abort" and reason.get("status_code") == 400 and not chunk.completion_tokens
 
 
 def _add_logprobs(chunk: GenerateChunk, outs: list[TokenOutput]) -> None:

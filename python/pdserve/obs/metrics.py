@@ -7,7 +7,7 @@ scraped); histograms and counters are fed by the frontend as requests finish.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdserve.obs.timeline import STAGES, ReqTimeline
@@ -106,6 +106,50 @@ SPEC_GAUGES = {
     "spec_accept_length": ("spec_accept_length", "Tokens emitted per verify forward (accepted drafts + 1)"),
 }
 TIERS = ("device", "host", "storage")
+# Constrained decoding (SGLang's names): grammar stats key -> (counter name, help). The scheduler
+# reports them under "grammar" (its compiles, masks), the frontend under "grammar_frontend" (the
+# compile that checks a request before it is sent on); label ``process`` tells them apart.
+GRAMMAR_COUNTERS = {
+    "requests": ("num_grammar", "Requests with a json_schema, regex or ebnf constraint"),
+    "cache_hits": ("num_grammar_cache_hit", "Grammar compiles served from the compiled-grammar cache"),
+    "cache_misses": ("num_grammar_cache_miss", "Grammar compiles started (not in the cache)"),
+    "compile_failures": ("num_grammar_aborted", "Constraints that did not compile (the request got a 400)"),
+    "timeouts": ("num_grammar_timeout", "Grammar compiles past --grammar-compile-timeout"),
+}
+GRAMMAR_HISTOGRAMS = {
+    "compile_seconds": ("grammar_compilation_time_seconds", "Grammar compile time"),
+    "mask_seconds": ("grammar_mask_time_seconds", "Token-bitmask time per step with grammars in the batch "
+                     "(filling, on the mask thread while the forward runs, plus applying to the logits)"),
+}
+GRAMMAR_SOURCES = (("grammar", "scheduler"), ("grammar_frontend", "frontend"))
+
+
+def _grammar_families(stats: dict, names: list[str], values: list[str]):
+    """Counters and histograms of the scheduler's and the frontend's grammar figures."""
+    sources = [(stats[key], process) for key, process in GRAMMAR_SOURCES if isinstance(stats.get(key), dict)]
+    if not sources:
+        return
+    labels = names + ["process"]
+    for key, (name, doc) in GRAMMAR_COUNTERS.items():
+        family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        for figures, process in sources:
+            family.add_metric(values + [process], float(figures.get(key, 0)))
+        yield family
+    for key, (name, doc) in GRAMMAR_HISTOGRAMS.items():
+        histogram = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+        for figures, process in sources:
+            h = figures.get(key)
+            if isinstance(h, dict) and h.get("count"):
+                histogram.add_metric(values + [process], _cumulative(h), sum_value=float(h["sum"]))
+        yield histogram
+
+
+def _cumulative(h: dict) -> list[tuple[str, float]]:
+    out, running = [], 0
+    for bound, count in zip([*h["bounds"], float("inf")], h["counts"]):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(running)))
+    return out
 
 
 class _DisaggCollector:
@@ -132,6 +176,12 @@ class _DisaggCollector:
             for t in TIERS:
                 hits.add_metric(values + [t], float(self.stats.get(f"cache_hit_tokens_{t}", 0)))
             yield hits
+        yield from _grammar_families(self.stats, names, values)
+        if "num_grammar_queue_reqs" in self.stats:
+            queue = GaugeMetricFamily(PREFIX + "num_grammar_queue_reqs", "Requests waiting for their grammar to "
+                                      "compile", labels=names)
+            queue.add_metric(values, float(self.stats["num_grammar_queue_reqs"]))
+            yield queue
         if isinstance(self.stats.get("control_refused_by_reason"), dict):
             refused = CounterMetricFamily(PREFIX + "control_frames_refused_by_reason", "P/D control frames refused, "
                                           "by reason (auth, malformed, oversize, over_budget, wrong_destination, "

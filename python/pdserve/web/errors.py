@@ -165,5 +165,6 @@ def _loc_to_field(loc: tuple) -> str:
 
 
 def _is_type_tag(part: str) -> bool:
-    # pydantic names union members by type ("str", "list[int]", "function-after[...]")
-    return part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part
+    # pydantic names union members by type ("str", "list[int]", "function-after[...]") or, for a
+    # model, by its class name ("NamedToolChoice"); field names are lower case
+    return part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part or part[:1].isupper()

@@ -1,0 +1,162 @@
+"""What constrained decoding costs: output tokens/s of json_schema requests against the same
+requests unconstrained, at batch 1 and 32, side by side in one run on one offline Engine; and
+the compile time of a large JSON schema, cold and cached (docs/structured-outputs.md).
+
+    python benchmark/bench_constrained.py --model tiny-llama --batch-sizes 1 32 --output-len 64
+
+Every request generates exactly ``--output-len`` tokens: unconstrained ones ignore EOS, and the
+schema (an object whose list needs more items than fit) never completes first, so both sides
+decode the same number of steps. Rounds alternate unconstrained, constrained, ... so load from
+other processes hits both alike; each side's tokens/s is the median over ``--repeats`` rounds,
+and the cost is 1 - the median per-round ratio (constrained / unconstrained). The grammar is
+compiled (and cached) before the first timed round: the decode cost is measured, compile apart.
+Each constrained output is checked to be a valid prefix of the schema's language.
+
+Compile: a schema of ``--schema-fields`` properties (strings with patterns, bounded integers,
+enums, nested objects and arrays) compiled by a fresh compile service with the backend already
+built (cold: ``--compile-repeats`` distinct variants, median), then the same again (cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from pdserve.config import GrammarConfig
+
+
+def long_schema(items: int) -> str:
+    """An object holding a list that needs ``items`` entries: never complete within the run."""
+    return json.dumps({"type": "object", "properties": {"rows": {
+        "type": "array", "minItems": items, "items": {"type": "object", "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tag": {"enum": ["alpha", "beta", "gamma"]}}, "required": ["id", "tag"]}}},
+        "required": ["rows"]})
+
+
+def large_schema(fields: int, variant: int = 0) -> str:
+    """``fields`` properties of mixed kinds (``variant`` renames them, so each variant compiles anew)."""
+    kinds = [
+        {"type": "string", "pattern": "^[a-z]{1,12}$"},
+        {"type": "integer", "minimum": 0, "maximum": 10_000},
+        {"enum": ["red", "green", "blue", "cyan"]},
+        {"type": "array", "items": {"type": "number"}, "maxItems": 8},
+        {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"type": "string", "format": "date"}},
+         "required": ["x"]},
+    ]
+    props = {f"f{variant}_{i}": kinds[i % len(kinds)] for i in range(fields)}
+    return json.dumps({"type": "object", "properties": props, "required": list(props)[: fields // 2]})
+
+
+def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1500, (batch, prompt_len), generator=g).tolist()
+
+
+def timed(engine, prompts, params: dict) -> tuple[float, list[dict]]:
+    t0 = time.perf_counter()
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    dt = time.perf_counter() - t0
+    out = out if isinstance(out, list) else [out]
+    return dt, out
+
+
+def decode_cost(engine, batch: int, args, schema: str) -> dict:
+    prompts = make_prompts(batch, args.prompt_len, seed=batch)
+    plain = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    constrained = {"max_new_tokens": args.output_len, "temperature": 0, "json_schema": schema}
+    timed(engine, prompts, plain)  # warm-up both (and compile the grammar once)
+    timed(engine, prompts, constrained)
+    before = engine.scheduler.grammar.stats.to_dict()["mask_seconds"]
+    rates: dict[str, list[float]] = {"plain": [], "constrained": []}
+    for _ in range(args.repeats):
+        for side, params in (("plain", plain), ("constrained", constrained)):
+            dt, out = timed(engine, prompts, params)
+            assert all(len(o["output_ids"]) == args.output_len for o in out), side
+            if side == "constrained":
+                assert all(o["text"].startswith('{"rows": [') or o["text"].startswith('{"rows":[') for o in out)
+            rates[side].append(batch * args.output_len / dt)
+    after = engine.scheduler.grammar.stats.to_dict()["mask_seconds"]
+    steps = after["count"] - before["count"]
+    ratios = [c / p for c, p in zip(rates["constrained"], rates["plain"])]
+    return {"batch": batch, "plain_tok_s": statistics.median(rates["plain"]),
+            "constrained_tok_s": statistics.median(rates["constrained"]),
+            "ratio": statistics.median(ratios), "cost_pct": 100 * (1 - statistics.median(ratios)),
+            "mask_ms_per_step": 1e3 * (after["sum"] - before["sum"]) / steps if steps else 0.0,
+            "tokens_per_step": batch}
+
+
+def compile_times(tokenizer, vocab: int, backend: str, args) -> dict:
+    from pdserve.constrained import create_grammar_backend
+    from pdserve.constrained.service import CompileService
+
+    config = GrammarConfig(backend, cache_size=4 * args.compile_repeats)
+    built = create_grammar_backend(config, tokenizer, vocab, [tokenizer.eos_token_id])
+    service = CompileService(lambda: built, config)
+    try:
+        service.backend()
+        schemas = [large_schema(args.schema_fields, v) for v in range(args.compile_repeats)]
+        cold, cached = [], []
+        for s in schemas:
+            t0 = time.perf_counter()
+            service.compile("json_schema", s)
+            cold.append(time.perf_counter() - t0)
+        for s in schemas:
+            t0 = time.perf_counter()
+            service.compile("json_schema", s)
+            cached.append(time.perf_counter() - t0)
+    finally:
+        service.close()
+    return {"backend": backend, "schema_chars": len(schemas[0]), "fields": args.schema_fields,
+            "cold_ms": 1e3 * statistics.median(cold), "cached_ms": 1e3 * statistics.median(cached)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--grammar-backend", default="xgrammar")
+    ap.add_argument("--compile-backends", nargs="*", default=["xgrammar", "llguidance", "outlines"])
+    ap.add_argument("--schema-fields", type=int, default=200)
+    ap.add_argument("--compile-repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    args = ap.parse_args(argv)
+
+    import pdserve
+
+    kw = {"num_threads": args.num_threads} if args.num_threads else {}
+    engine = pdserve.Engine(model_path=args.model, grammar_backend=args.grammar_backend,
+                            constrained_json_disable_any_whitespace=True,
+                            max_running_requests=max(args.batch_sizes), **kw)
+    try:
+        schema = long_schema(items=10 * args.output_len)
+        decode = [decode_cost(engine, b, args, schema) for b in args.batch_sizes]
+        compiles = [compile_times(engine.tokenizer, engine.scheduler.model_config.vocab_size, b, args)
+                    for b in args.compile_backends]
+    finally:
+        engine.shutdown()
+    if args.json:
+        print(json.dumps({"decode": decode, "compile": compiles}))
+        return
+    print(f"decode ({args.model}, {args.grammar_backend}, {args.output_len} tokens per request, "
+          f"median of {args.repeats} alternating rounds)")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'json_schema tok/s':>18} {'ratio':>6} {'cost':>7} {'mask ms/step':>13}")
+    for d in decode:
+        print(f"{d['batch']:>5} {d['plain_tok_s']:>12.1f} {d['constrained_tok_s']:>18.1f} {d['ratio']:>6.3f} "
+              f"{d['cost_pct']:>6.1f}% {d['mask_ms_per_step']:>13.3f}")
+    print(f"\ncompile of a {args.schema_fields}-field schema (median of {args.compile_repeats})")
+    print(f"{'backend':>10} {'chars':>7} {'cold ms':>9} {'cached ms':>10}")
+    for c in compiles:
+        print(f"{c['backend']:>10} {c['schema_chars']:>7} {c['cold_ms']:>9.2f} {c['cached_ms']:>10.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Token bitmasks (base.py's format): allocate, clear ids past a vocabulary, apply to logits.
+
+Legend: B rows (requests or verify rows), V logits width (the model's vocabulary, padded),
+W = ceil(V / 32) int32 words per row, R rows that carry a grammar.
+
+``apply_bitmask_`` is the fast path: xgrammar's CPU kernel when xgrammar is installed (imported
+on first use, whatever backend filled the mask: the format is shared), else ``apply_bitmask_torch``,
+its twin in plain torch (tests check they agree).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+# bit j of byte value b: the tokens one byte of a word covers (little-endian words: byte k of word
+# w holds tokens 32w + 8k .. 32w + 8k + 7)
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
+
+
+def words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def allocate(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, W] int32, every token allowed."""
+    return torch.full((rows, words(vocab_size)), -1, dtype=torch.int32)
+
+
+def clear_from(bitmask: torch.Tensor, row: int, first: int) -> None:
+    """Disallow tokens ``first`` .. end of ``bitmask[row]`` (ids a backend's vocabulary lacks)."""
+    w, bit = divmod(first, 32)
+    if w >= bitmask.shape[1]:
+        return
+    if bit:
+        bitmask[row, w] = int(bitmask[row, w]) & ((1 << bit) - 1)  # the low ``bit`` bits stay
+        w += 1
+    bitmask[row, w:] = 0
+
+
+def allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Allow ``token`` in ``bitmask[row]`` (no-op past the row's width)."""
+    w, bit = divmod(token, 32)
+    if w < bitmask.shape[1]:
+        value = (int(bitmask[row, w]) & 0xFFFFFFFF) | (1 << bit)
+        bitmask[row, w] = value - (1 << 32) if value >= 1 << 31 else value  # back to int32's range
+
+
+def allowed_tokens(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
+    """The token ids ``bitmask[row]`` allows (tests and error messages)."""
+    bits = _BYTE_BITS[bitmask[row].contiguous().view(torch.uint8).long()].view(-1)[:vocab_size]  # [V]
+    return bits.nonzero().flatten().tolist()
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set ``logits[r, t]`` [B, V] to -inf where row ``r`` of ``bitmask`` [B, W] disallows ``t``,
+    for each ``r`` in ``rows``; other rows are untouched. Ids past 32 * W are disallowed."""
+    if not rows:
+        return
+    V = logits.shape[1]
+    idx = torch.tensor(list(rows), dtype=torch.int64)
+    packed = bitmask[idx].contiguous().view(torch.uint8).long()  # [R, 4W]
+    allowed = _BYTE_BITS[packed].view(len(idx), -1)  # [R, 32W]
+    if allowed.shape[1] < V:
+        allowed = torch.cat([allowed, allowed.new_zeros(len(idx), V - allowed.shape[1])], dim=1)
+    logits[idx] = logits[idx].masked_fill(~allowed[:, :V], float("-inf"))
+
+
+@functools.cache
+def _xgrammar_kernel() -> Callable | None:
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """``apply_bitmask_torch``'s effect, through xgrammar's kernel when it is installed."""
+    if not rows:
+        return
+    kernel = _xgrammar_kernel()
+    if kernel is None or logits.dtype != torch.float32 or bitmask.shape[1] * 32 < logits.shape[1]:
+        apply_bitmask_torch(logits, bitmask, rows)
+        return
+    kernel(logits, bitmask, indices=list(rows))

@@ -1,0 +1,58 @@
+"""xgrammar (the default, as in SGLang): JSON schema, regex and EBNF (GBNF: ``root ::= ...``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pdserve.constrained.base import Grammar, GrammarBackend, GrammarError, short_error
+
+
+class XGrammarGrammar(Grammar):
+    def __init__(self, matcher: xgr.GrammarMatcher):
+        self.matcher = matcher
+
+    def accept_token(self, token: int) -> bool:
+        # after its stop token a matcher takes nothing (and would log a warning for asking)
+        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def copy(self) -> Grammar:
+        return XGrammarGrammar(self.matcher.fork())
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size, stop_token_ids, config):
+        super().__init__(tokenizer, vocab_size, stop_token_ids, config)
+        # ids past the tokenizer's vocabulary (a padded lm_head) are never allowed
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        # CompileService caches by (kind, text) and bounds the count; xgrammar's own cache would be a second copy
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, kind: str, text: str) -> Any:
+        try:
+            if kind == "json_schema":
+                return self.compiler.compile_json_schema(text, any_whitespace=not self.config.disable_any_whitespace)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "ebnf":
+                return self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError) as e:
+            raise GrammarError(kind, f"does not compile (xgrammar): {short_error(e)}") from None
+        raise GrammarError(kind, "is not a constraint this backend knows")
+
+    def matcher(self, compiled: Any) -> Grammar:
+        return XGrammarGrammar(xgr.GrammarMatcher(compiled))  # rollback is unlimited

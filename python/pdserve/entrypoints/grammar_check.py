@@ -1,0 +1,60 @@
+"""The frontend's check of a request's json_schema / regex / ebnf: compiled with the server's
+backend (on the compile threads, cached by kind and text) before the request reaches the
+scheduler, so a constraint that does not compile, or compiles too slowly, is a 400 naming the
+field. A prefill server skips it: prefill never samples, the grammar is decode's alone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pdserve.config import GrammarConfig
+from pdserve.constrained import GrammarError, create_grammar_backend
+from pdserve.constrained.service import CompileService, timeout_error
+from pdserve.constrained.stats import GrammarStats
+from pdserve.engine.request import SamplingParams
+from pdserve.web.errors import RequestError
+
+
+class GrammarCheck:
+    def __init__(self, config: GrammarConfig, tokenizer: Any):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.stats = GrammarStats()
+        self._service: CompileService | None = None
+
+    def _compile_service(self, vocab_size: int) -> CompileService:
+        if self._service is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            stop = [eos] if isinstance(eos, int) else []
+            self._service = CompileService(
+                lambda: create_grammar_backend(self.config, self.tokenizer, vocab_size, stop), self.config, self.stats)
+        return self._service
+
+    async def check(self, sampling: SamplingParams, role: str, vocab_size: int) -> None:
+        """Raise RequestError (400, ``param`` the field) unless ``sampling``'s constraint compiles."""
+        constraint = sampling.grammar
+        if constraint is None or role == "prefill":
+            return
+        kind, text = constraint
+        field = f"sampling_params.{kind}"
+        if not self.config.enabled:
+            raise RequestError(f"{field}: this server runs --grammar-backend none (constrained decoding is off)",
+                               param=field)
+        if self.tokenizer is None:
+            raise RequestError(f"{field}: needs the tokenizer (the server runs --skip-tokenizer-init)", param=field)
+        self.stats.count("requests")
+        future = asyncio.wrap_future(self._compile_service(vocab_size).submit(kind, text))
+        # asyncio.wait, not wait_for: a timeout must not cancel the shared compile
+        done, _ = await asyncio.wait({future}, timeout=self.config.compile_timeout_s)
+        if not done:
+            self.stats.count("timeouts")
+            raise RequestError(str(timeout_error(kind, self.config.compile_timeout_s)), param=field)
+        try:
+            future.result()
+        except GrammarError as e:
+            raise RequestError(str(e), param=field) from None
+
+    def close(self) -> None:
+        if self._service is not None:
+            self._service.close()

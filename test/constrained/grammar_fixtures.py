@@ -1,0 +1,53 @@
+"""What the constrained tests share: the bundled tokenizer, the model's logits width (which pads
+past the tokenizer's vocabulary), schemas whose valid outputs a random-weight model would
+almost never write by itself, and checks of an output against its constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+
+from pdserve.constrained import BACKENDS
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "python" / "pdserve" / "assets" / "presets" / "tiny-llama"
+VOCAB = 2048  # tiny-llama's lm_head; its tokenizer has 2000 tokens
+EOS = 1
+
+# Bounded so a random walk ends (xgrammar lets control characters into a maxLength string, so
+# strings are bounded by a pattern instead: JSON may not carry them raw).
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "level": {"enum": [1, 2, 3]},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    "ok": {"type": "boolean"}},
+    "required": ["name", "age", "level", "tags", "ok"], "additionalProperties": False}
+REGEX = r"(cat|dog)-[0-9]{2,4}(\.[a-f]{1,3})?"
+# GBNF (xgrammar's EBNF dialect, which llguidance converts to Lark)
+EBNF = 'root ::= "(" expr ")"\nexpr ::= term ("+" term)*\nterm ::= [0-9] | "x"'
+EBNF_RE = r"\([0-9x](\+[0-9x])*\)"
+INSTALLED = sorted(BACKENDS)
+# outlines-core does not enforce minimum / maximum: its outputs are checked without them
+UNBOUNDED = {**PERSON, "properties": {**PERSON["properties"], "age": {"type": "integer"}}}
+
+
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(PRESET_DIR))
+
+
+def check_output(kind: str, text: str, backend: str = "xgrammar") -> None:
+    """Raise unless ``text`` satisfies the constraint of ``kind`` (PERSON, REGEX or EBNF)."""
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), UNBOUNDED if backend == "outlines" else PERSON)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert re.fullmatch(EBNF_RE, text), text
+
+
+CONSTRAINTS = {"json_schema": json.dumps(PERSON), "regex": REGEX, "ebnf": EBNF}

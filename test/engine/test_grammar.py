@@ -1,0 +1,213 @@
+"""Constrained decoding in the engine (engine/grammar.py) on a random-weight tiny-llama, where
+only the grammar can make an output valid: json_schema outputs validate with jsonschema, regex
+outputs fullmatch, EBNF outputs parse, for each backend; requests without a grammar in the same
+batch decode exactly as alone; every sampling mode stays inside the grammar and logprobs are
+those of the masked distribution (as SGLang reports them); a constraint that fails or times out
+in the scheduler fails its own request alone (status 400 in its finish reason) while the batch
+goes on; retraction and the hierarchical cache keep grammar outputs unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+import pdserve
+from constrained.grammar_fixtures import CONSTRAINTS, INSTALLED, check_output
+from pdserve.constrained.service import CompileService
+
+PROMPTS = ["Give me a record:", "Once upon a time", "1, 2, 3,", "The answer is"]
+GREEDY = {"max_new_tokens": 96, "temperature": 0.0}
+# outlines-core has no EBNF (refused naming the field: test/constrained/test_backends.py)
+CASES = [(b, k) for b in INSTALLED for k in CONSTRAINTS if not (b == "outlines" and k == "ebnf")]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One tiny-llama engine per grammar backend, made when first asked for."""
+    made: dict[str, pdserve.Engine] = {}
+
+    def get(backend: str = "xgrammar", **kw) -> pdserve.Engine:
+        key = backend + json.dumps(kw, sort_keys=True)
+        if key not in made:
+            made[key] = pdserve.Engine(model_path="tiny-llama", grammar_backend=backend,
+                                       constrained_json_disable_any_whitespace=True, **kw)
+        return made[key]
+
+    yield get
+    for e in made.values():
+        e.shutdown()
+
+
+def _sp(kind: str, **kw) -> dict:
+    return {**GREEDY, kind: CONSTRAINTS[kind], **kw}
+
+
+def _no_leak(engine: pdserve.Engine) -> None:
+    s = engine.scheduler
+    s.check_memory()
+    assert not s.has_work() and s.grammar.live == 0 and not s.grammar.pending
+
+
+@pytest.mark.parametrize("backend, kind", CASES)
+def test_each_constraint_holds_for_each_backend(engines, backend, kind):
+    engine = engines(backend)
+    out = engine.generate(prompt=PROMPTS[:2], sampling_params=_sp(kind))
+    for o in out:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+        check_output(kind, o["text"], backend)
+    _no_leak(engine)
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_without_the_grammar_the_same_requests_are_not_valid(engines, kind):
+    """The checks above can fail: the model alone writes nothing of the kind."""
+    out = engines().generate(prompt=PROMPTS[:2], sampling_params={**GREEDY, "max_new_tokens": 24})
+    for o in out:
+        with pytest.raises(Exception):  # noqa: B017 - json, jsonschema or the fullmatch assertion
+            check_output(kind, o["text"])
+
+
+def test_a_batch_mixes_grammar_and_plain_requests(engines):
+    """Plain requests decode exactly as alone (greedy), grammar requests as alone too, and the
+    second and later grammar rows of the batch are masked as well as the first."""
+    engine = engines()
+    plain = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    sps = [_sp("json_schema"), plain, _sp("regex"), plain, _sp("ebnf"), _sp("json_schema")]
+    prompts = PROMPTS + PROMPTS[:2]
+    together = engine.generate(prompt=prompts, sampling_params=sps)
+    alone = [engine.generate(prompt=p, sampling_params=sp) for p, sp in zip(prompts, sps)]
+    assert [o["output_ids"] for o in together] == [o["output_ids"] for o in alone]
+    for o, sp in zip(together, sps):
+        kind = next((k for k in CONSTRAINTS if k in sp), None)
+        if kind is not None:
+            check_output(kind, o["text"])
+    _no_leak(engine)
+
+
+SAMPLING_MODES = [
+    {"temperature": 0.0},
+    {"temperature": 0.9, "seed": 3},
+    {"temperature": 1.3, "top_k": 5, "seed": 4},
+    {"temperature": 1.0, "top_p": 0.5, "seed": 5},
+    {"temperature": 1.0, "min_p": 0.2, "seed": 6},
+    {"temperature": 0.0, "frequency_penalty": 1.5, "presence_penalty": 1.0},
+    {"temperature": 0.8, "frequency_penalty": -1.0, "seed": 7},
+    {"temperature": 1.0},  # unseeded
+]
+
+
+@pytest.mark.parametrize("mode", SAMPLING_MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+def test_every_sampling_mode_stays_inside_the_grammar(engines, mode):
+    engine = engines()
+    sps = [{**_sp(kind), **mode} for kind in CONSTRAINTS]
+    out = engine.generate(prompt=PROMPTS[:3], sampling_params=sps)
+    for o, kind in zip(out, CONSTRAINTS):
+        check_output(kind, o["text"])
+    _no_leak(engine)
+
+
+def test_logprobs_are_those_of_the_masked_distribution(engines):
+    """SGLang reports logprobs after the grammar's mask: each step's top alternatives are tokens
+    the grammar allows, normalised over them, and a forced token (the EBNF's opening "(") has
+    probability one."""
+    engine = engines()
+    out = engine.generate(prompt=PROMPTS[0], sampling_params=_sp("ebnf"), return_logprob=True, top_logprobs_num=4)
+    meta = out["meta_info"]
+    toks = [t for _, t, _ in meta["output_token_logprobs"]]
+    assert toks == out["output_ids"]
+    first_lp = meta["output_token_logprobs"][0][0]
+    assert engine.tokenizer.decode([toks[0]]) == "(" and first_lp == pytest.approx(0.0, abs=1e-5)
+    for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        finite = [t for t in top if t[0] is not None and math.isfinite(t[0])]
+        assert finite[0][1] == tok and finite[0][0] == pytest.approx(lp)  # greedy: the best allowed token
+        assert sum(math.exp(t[0]) for t in finite) <= 1 + 1e-5
+    plain = engine.generate(prompt=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 1},
+                            return_logprob=True)
+    assert plain["meta_info"]["output_token_logprobs"][0][0] < -1e-3  # unmasked: "(" is not certain
+
+
+def test_a_constraint_that_fails_in_the_scheduler_fails_alone(engines):
+    engine = engines()
+    sps = [{**GREEDY, "regex": "(unclosed"}, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+           _sp("regex")]
+    out = engine.generate(prompt=PROMPTS[:3], sampling_params=sps)
+    reason = out[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert reason["message"].startswith("sampling_params.regex: does not compile") and out[0]["output_ids"] == []
+    assert out[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    check_output("regex", out[2]["text"])
+    _no_leak(engine)
+
+
+class SlowBackend:
+    """A real backend whose compile of one text waits on ``gate`` (a grammar that compiles slowly)."""
+
+    def __init__(self, inner, slow_text: str):
+        self.inner, self.slow_text = inner, slow_text
+        self.gate = threading.Event()
+
+    def compile(self, kind, text):
+        if text == self.slow_text:
+            self.gate.wait(30)
+        return self.inner.compile(kind, text)
+
+    def matcher(self, compiled):
+        return self.inner.matcher(compiled)
+
+
+def test_a_compile_timeout_fails_that_request_and_the_batch_goes_on(engines):
+    engine = engines(grammar_compile_timeout=0.5)
+    grammars = engine.scheduler.grammar
+    slow_regex = "[0-9]{3}"
+    slow = SlowBackend(grammars._make_backend(), slow_regex)
+    grammars._service = CompileService(lambda: slow, grammars.config, grammars.stats)
+    plain = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    try:
+        out = engine.generate(prompt=PROMPTS[:3], sampling_params=[{**GREEDY, "regex": slow_regex}, plain,
+                                                                   _sp("json_schema")])
+    finally:
+        slow.gate.set()
+    reason = out[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert reason["message"].startswith("sampling_params.regex: compiling the grammar took longer than 0.5 s")
+    assert out[1]["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    check_output("json_schema", out[2]["text"])
+    assert grammars.stats.to_dict()["timeouts"] == 1
+    # the slow compile finished later: the same regex now compiles from the cache and constrains
+    again = engine.generate(prompt=PROMPTS[0], sampling_params={**GREEDY, "regex": slow_regex})
+    assert again["meta_info"]["finish_reason"]["type"] == "stop" and len(again["text"]) == 3
+    _no_leak(engine)
+
+
+def test_retraction_keeps_the_grammar_and_its_output(engines):
+    """Requests retracted under a tiny KV budget resume with their grammar where it was."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 400, (12 + i,), generator=g).tolist() for i in range(8)]
+    sps = [_sp("json_schema", max_new_tokens=32)] * 6 + [_sp("ebnf", max_new_tokens=32)] * 2
+    want = engines(page_size=4).generate(input_ids=prompts, sampling_params=sps)
+    tight = engines(page_size=4, max_total_tokens=128)
+    got = tight.generate(input_ids=prompts, sampling_params=sps)
+    assert tight.scheduler.num_retractions > 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    for o in got[6:]:
+        check_output("ebnf", o["text"])
+    _no_leak(tight)
+
+
+def test_the_hierarchical_cache_leaves_grammar_outputs_unchanged(engines):
+    """Prompts whose pages cycle through host memory (hits loaded back) decode the same."""
+    kw = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (28,), generator=g).tolist() for _ in range(3)]
+    sps = [_sp(kind, max_new_tokens=24) for kind in CONSTRAINTS]
+    want = engines(**kw).generate(input_ids=prompts, sampling_params=sps)
+    hi = engines(enable_hierarchical_cache=True, **kw)
+    for _ in range(2):  # the second round hits pages that went to host memory
+        got = hi.generate(input_ids=prompts, sampling_params=sps)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert hi.scheduler.stats()["cache_hit_tokens_host"] > 0
+    _no_leak(hi)

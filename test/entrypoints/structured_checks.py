@@ -1,0 +1,116 @@
+"""The openai-client checks of structured output and tool calls, shared by the colocated server
+test and the P/D ones (behind pdserve's router and sglang-router): each sends one kind of request,
+streamed and not, and asserts the reply holds what only the grammar can make a random-weight model
+write (a JSON document valid under the schema, calls whose arguments validate, a regex match)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["Ada", "Grace", "Linus"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "admin": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["ops", "dev"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "admin", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a timezone",
+    "parameters": {"type": "object",
+                   "properties": {"timezone": {"type": "string", "enum": ["Europe/Paris", "America/Lima"]}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]
+REGEX = r"(yes|no), because [a-z]{3,8}\."
+EBNF = 'root ::= "The answer is " digit digit? "."\ndigit ::= [0-9]'
+EBNF_MATCH = r"The answer is [0-9][0-9]?\."
+GREEDY = {"temperature": 0, "max_tokens": 160}
+
+
+def person_schema_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def streamed_chat(client, **kw) -> tuple[str, list[dict], str | None, list]:
+    """(content, tool calls assembled from their deltas, finish_reason, chunks) of a streamed chat."""
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.function.name, "a call's first delta carries its id and name"
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason, chunks
+
+
+def check_json_schema(client, model: str) -> dict:
+    """A response_format json_schema reply validates, streamed and not, and both agree (greedy)."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Describe an engineer as JSON."}],
+              response_format=person_schema_format(), **GREEDY)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop", r
+    doc = json.loads(r.choices[0].message.content)
+    jsonschema.validate(doc, PERSON)
+    content, calls, reason, _ = streamed_chat(client, **kw)
+    assert (content, calls, reason) == (r.choices[0].message.content, [], "stop")
+    return doc
+
+
+def check_required_tool_call(client, model: str, stream: bool = True) -> list[dict]:
+    """tool_choice required: calls of the offered tools whose arguments validate against the
+    tool's parameters, finish_reason tool_calls; the stream's deltas assemble to the same calls."""
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", **GREEDY)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls]
+    assert calls and choice.message.content is None
+    for call in calls:
+        assert call["id"].startswith("call_") and call["name"] in PARAMETERS
+        jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+    if stream:
+        content, streamed, reason, _ = streamed_chat(client, **kw)
+        assert content == "" and reason == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(c["name"], c["arguments"]) for c in calls]
+    return calls
+
+
+def check_regex(client, model: str) -> str:
+    """SGLang's ``regex`` extra (extra_body): the whole reply matches, streamed and not."""
+    r = client.completions.create(model=model, prompt="Is the sky blue?", extra_body={"regex": REGEX}, **GREEDY)
+    text = r.choices[0].text
+    assert re.fullmatch(REGEX, text), text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="Is the sky blue?", extra_body={"regex": REGEX}, stream=True, **GREEDY) if c.choices)
+    assert streamed == text
+    return text
+
+
+def check_ebnf(client, model: str) -> str:
+    """SGLang's ``ebnf`` extra (extra_body) on chat: the reply is a sentence of the grammar."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "What is six times seven?"}],
+              extra_body={"ebnf": EBNF}, **GREEDY)
+    text = client.chat.completions.create(**kw).choices[0].message.content
+    assert re.fullmatch(EBNF_MATCH, text), text
+    content, _, _, _ = streamed_chat(client, **kw)
+    assert content == text
+    return text

@@ -1,0 +1,134 @@
+"""Tool-call and reasoning parsers on recorded outputs of each model family: the whole parse, and
+the stream at every split point (two chunks split anywhere, a tag cut in the middle included, and
+one character at a time) adding up to exactly the whole parse."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from recorded_outputs import CASES, MALFORMED, REASONING, TOOLS
+
+from pdserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+from pdserve.parsers.output import ChatOutput, ChatOutputParser
+from pdserve.parsers.registry import REASONING_PARSERS as REASONING_REGISTRY
+from pdserve.parsers.registry import TOOL_PARSERS, reasoning_parser, tool_parser
+
+FORCED_ARRAY = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+                '{"name": "get_time", "arguments": {"timezone": "UTC"}}]')
+
+
+def assemble(parser: ChatOutputParser, chunks: list[str]) -> ChatOutput:
+    """The message a client builds from the stream's deltas (OpenAI's accumulation rules)."""
+    out = ChatOutput(None if parser.reasoning is None else "", "")
+    calls: dict[int, dict] = {}
+    for delta in [parser.feed(c) for c in chunks] + [parser.finish()]:
+        if out.reasoning is not None:
+            out.reasoning += delta.reasoning
+        out.content += delta.content
+        for d in delta.calls:
+            if d.name is not None:
+                assert d.index == len(calls) and d.arguments == "", "a call opens with its name alone, in order"
+                calls[d.index] = {"name": d.name, "id": d.id, "arguments": ""}
+            else:
+                calls[d.index]["arguments"] += d.arguments
+    from pdserve.parsers.base import ToolCall
+    out.calls = [ToolCall(c["name"], c["arguments"], c["id"]) for c in calls.values()]
+    return out
+
+
+def splits(text: str):
+    """Every two-chunk split, and one character at a time."""
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    yield list(text)
+
+
+def make(tool: str | None = None, reasoning: str | None = None) -> ChatOutputParser:
+    return ChatOutputParser(reasoning_parser(reasoning) if reasoning else None,
+                            tool_parser(tool, TOOLS) if tool else None)
+
+
+def expected(content: str, calls: list) -> tuple:
+    return content, [(n, a, i) for n, a, i in calls]
+
+
+def got(out: ChatOutput) -> tuple:
+    return out.content, [(c.name, c.arguments, c.id) for c in out.calls]
+
+
+def test_names_match_the_flags():
+    assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
+    assert tuple(REASONING_REGISTRY) == REASONING_PARSERS
+    with pytest.raises(ValueError, match="tool_call_parser: unknown parser 'hermes'"):
+        tool_parser("hermes", TOOLS)
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES + MALFORMED,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES + MALFORMED)])
+def test_whole_output(name, text, content, calls):
+    assert got(make(name).parse(text)) == expected(content, calls)
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES + MALFORMED,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES + MALFORMED)])
+def test_stream_at_every_split_point(name, text, content, calls):
+    for chunks in splits(text):
+        assert got(assemble(make(name), chunks)) == expected(content, calls), chunks
+
+
+@pytest.mark.parametrize("name,text,reasoning,content", REASONING, ids=[f"{r[0]}-{i}" for i, r in enumerate(REASONING)])
+def test_reasoning(name, text, reasoning, content):
+    whole = make(reasoning=name).parse(text)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    for chunks in splits(text):
+        streamed = assemble(make(reasoning=name), chunks)
+        assert (streamed.reasoning, streamed.content) == (reasoning, content), chunks
+
+
+def test_reasoning_then_tool_calls():
+    """Qwen3 thinking, then a call: the thinking part never reaches the tool parser."""
+    text = ("<think>\nThe user wants Paris weather; <tool_call> is how I call tools.\n</think>\n\n"
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    for chunks in splits(text):
+        out = assemble(make("qwen25", "qwen3"), chunks)
+        assert out.reasoning == "The user wants Paris weather; <tool_call> is how I call tools."
+        assert got(out) == ("", [("get_weather", '{"city": "Paris"}', None)])
+
+
+def test_name_comes_first_then_argument_fragments():
+    parser = make("kimi_k2")
+    text = CASES[15][1]
+    deltas = [d for d in (parser.feed(c) for c in text) if d.calls]
+    first = deltas[0].calls[0]
+    assert (first.index, first.name, first.id, first.arguments) == (0, "get_weather", "functions.get_weather:0", "")
+    fragments = [c.arguments for d in deltas[1:] for c in d.calls]
+    assert len(fragments) > 5 and "".join(fragments) == '{"city": "Paris", "unit": "celsius"}'
+
+
+@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
+def test_no_partial_tag_leaks_as_content(name):
+    """While a call's opening tag is arriving, none of it is content."""
+    text = next(t for n, t, c, calls in CASES if n == name and calls and not c)
+    parser = make(name)
+    for ch in text:
+        assert parser.feed(ch).content == "", "call syntax leaked into content"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_mangled_outputs_never_diverge(seed):
+    """Outputs cut, spliced and sprinkled with format characters: the stream still replays the
+    whole parse exactly (no exception, no retracted byte) for every parser."""
+    rng = random.Random(seed)
+    texts = [c[1] for c in CASES] + [FORCED_ARRAY]
+    text, other = texts[seed % len(texts)], texts[rng.randrange(len(texts))]
+    pieces = list(text[:rng.randrange(len(text) + 1)] + other[rng.randrange(len(other) + 1):])
+    for _ in range(rng.randrange(6)):
+        pieces.insert(rng.randrange(len(pieces) + 1), rng.choice(['"', "{", "}", ";", "\n", "<", "``", ",", "\\"]))
+    mangled = "".join(pieces)
+    for tool in (*TOOL_CALL_PARSERS, "json_array"):
+        for reasoning in (None, *REASONING_PARSERS):
+            whole = make(tool, reasoning).parse(mangled)
+            cut = sorted(rng.sample(range(len(mangled) + 1), min(6, len(mangled) + 1)))
+            chunks = [mangled[a:b] for a, b in zip([0, *cut], [*cut, len(mangled)])]
+            assert assemble(make(tool, reasoning), chunks) == whole, (tool, reasoning, mangled, chunks)
