@@ -217,3 +217,11 @@ def test_the_hierarchical_cache_leaves_grammar_outputs_unchanged(engines):
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert hi.scheduler.stats()["cache_hit_tokens_host"] > 0
     _no_leak(hi)
+
+
+def test_grammar_backend_none_refuses_a_constraint_naming_the_field(engines):
+    engine = engines("none")
+    with pytest.raises(ValueError, match="^sampling_params.regex: this server runs --grammar-backend none"):
+        engine.generate(prompt=PROMPTS[0], sampling_params={"regex": "[a-z]+"})
+    assert engine.generate(prompt=PROMPTS[0], sampling_params={"max_new_tokens": 2})["output_ids"]
+    _no_leak(engine)
