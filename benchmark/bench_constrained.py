@@ -6,9 +6,13 @@ the compile time of a large JSON schema, cold and cached (docs/structured-output
 
 Every request generates exactly ``--output-len`` tokens: unconstrained ones ignore EOS, and the
 schema (an object whose list needs more items than fit) never completes first, so both sides
-decode the same number of steps. Rounds alternate unconstrained, constrained, ... so load from
-other processes hits both alike; each side's tokens/s is the median over ``--repeats`` rounds,
-and the cost is 1 - the median per-round ratio (constrained / unconstrained). The grammar is
+decode the same number of steps. Rounds alternate unconstrained, constrained (the device's
+default: on CPU masks are filled after the forward), constrained with the masks filled on the
+mask thread during the forward (the GPU default), so load from other
+processes hits all alike; each side's tokens/s is the median over ``--repeats`` rounds, the
+cost is 1 - the median per-round ratio (constrained / unconstrained), and the process's CPU
+time per token (all threads) is printed beside it: on a shared machine it moves less than wall
+time. The grammar is
 compiled (and cached) before the first timed round: the decode cost is measured, compile apart.
 Each constrained output is checked to be a valid prefix of the schema's language.
 
@@ -57,12 +61,13 @@ def make_prompts(batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     return torch.randint(10, 1500, (batch, prompt_len), generator=g).tolist()
 
 
-def timed(engine, prompts, params: dict) -> tuple[float, list[dict]]:
-    t0 = time.perf_counter()
+def timed(engine, prompts, params: dict) -> tuple[float, float, list[dict]]:
+    """(wall seconds, this process's CPU seconds over all its threads, outputs)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = engine.generate(input_ids=prompts, sampling_params=params)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = out if isinstance(out, list) else [out]
-    return dt, out
+    return dt, cpu, out
 
 
 def decode_cost(engine, batch: int, args, schema: str) -> dict:
@@ -71,22 +76,37 @@ def decode_cost(engine, batch: int, args, schema: str) -> dict:
     constrained = {"max_new_tokens": args.output_len, "temperature": 0, "json_schema": schema}
     timed(engine, prompts, plain)  # warm-up both (and compile the grammar once)
     timed(engine, prompts, constrained)
-    before = engine.scheduler.grammar.stats.to_dict()["mask_seconds"]
-    rates: dict[str, list[float]] = {"plain": [], "constrained": []}
+    mask_s, mask_steps = 0.0, 0  # the mask figures of the default-mode rounds
+    rates: dict[str, list[float]] = {"plain": [], "constrained": [], "thread": []}
+    cpu_ms: dict[str, list[float]] = {"plain": [], "constrained": [], "thread": []}  # CPU ms per token
+    grammars = engine.scheduler.grammar
+    default = grammars.overlap
     for _ in range(args.repeats):
-        for side, params in (("plain", plain), ("constrained", constrained)):
-            dt, out = timed(engine, prompts, params)
-            assert all(len(o["output_ids"]) == args.output_len for o in out), side
+        for side, params in (("plain", plain), ("constrained", constrained), ("thread", constrained)):
+            # constrained: the device's default (CPU: masks filled after the forward); thread: on the
+            # mask thread during the forward
+            grammars.overlap = default if side != "thread" else True
+            before = grammars.stats.to_dict()["mask_seconds"]
+            dt, cpu, out = timed(engine, prompts, params)
             if side == "constrained":
+                after = grammars.stats.to_dict()["mask_seconds"]
+                mask_s += after["sum"] - before["sum"]
+                mask_steps += after["count"] - before["count"]
+            assert all(len(o["output_ids"]) == args.output_len for o in out), side
+            if side != "plain":
                 assert all(o["text"].startswith('{"rows": [') or o["text"].startswith('{"rows":[') for o in out)
             rates[side].append(batch * args.output_len / dt)
-    after = engine.scheduler.grammar.stats.to_dict()["mask_seconds"]
-    steps = after["count"] - before["count"]
+            cpu_ms[side].append(1e3 * cpu / (batch * args.output_len))
+    grammars.overlap = default
     ratios = [c / p for c, p in zip(rates["constrained"], rates["plain"])]
+    thread = [c / p for c, p in zip(rates["thread"], rates["plain"])]
     return {"batch": batch, "plain_tok_s": statistics.median(rates["plain"]),
             "constrained_tok_s": statistics.median(rates["constrained"]),
             "ratio": statistics.median(ratios), "cost_pct": 100 * (1 - statistics.median(ratios)),
-            "mask_ms_per_step": 1e3 * (after["sum"] - before["sum"]) / steps if steps else 0.0,
+            "thread_tok_s": statistics.median(rates["thread"]),
+            "thread_cost_pct": 100 * (1 - statistics.median(thread)),
+            "cpu_ms_per_token": {k: statistics.median(v) for k, v in cpu_ms.items()},
+            "mask_ms_per_step": 1e3 * mask_s / mask_steps if mask_steps else 0.0,
             "tokens_per_step": batch}
 
 
@@ -148,10 +168,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"decode ({args.model}, {args.grammar_backend}, {args.output_len} tokens per request, "
           f"median of {args.repeats} alternating rounds)")
-    print(f"{'batch':>5} {'plain tok/s':>12} {'json_schema tok/s':>18} {'ratio':>6} {'cost':>7} {'mask ms/step':>13}")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'json_schema tok/s':>18} {'ratio':>6} {'cost':>7} {'mask ms/step':>13} "
+          f"{'mask-thread tok/s':>18} {'its cost':>9}   CPU ms/token: plain / json_schema / mask-thread")
     for d in decode:
+        c = d["cpu_ms_per_token"]
         print(f"{d['batch']:>5} {d['plain_tok_s']:>12.1f} {d['constrained_tok_s']:>18.1f} {d['ratio']:>6.3f} "
-              f"{d['cost_pct']:>6.1f}% {d['mask_ms_per_step']:>13.3f}")
+              f"{d['cost_pct']:>6.1f}% {d['mask_ms_per_step']:>13.3f} {d['thread_tok_s']:>18.1f} "
+              f"{d['thread_cost_pct']:>8.1f}%   {c['plain']:.3f} / {c['constrained']:.3f} / {c['thread']:.3f}")
     print(f"\ncompile of a {args.schema_fields}-field schema (median of {args.compile_repeats})")
     print(f"{'backend':>10} {'chars':>7} {'cold ms':>9} {'cached ms':>10}")
     for c in compiles:

@@ -625,14 +625,14 @@ MUTATIONS = (
         "grammar_mask_skips_second_row", "the token bitmask skips the second request with a grammar in a "
         "decode batch (it samples unconstrained)",
         GRAMMAR,
-        "        grammars = [(i, reqs[i].grammar) for i in rows]\n",
-        "        rows = rows[:1] + rows[2:]\n        grammars = [(i, reqs[i].grammar) for i in rows]\n",
-        (f"{T_GRAMMAR}::test_a_batch_mixes_grammar_and_plain_requests",)),
+        "        return [i for i, r in enumerate(reqs) if r.grammar is not None]\n",
+        "        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]\n        return rows[:1] + rows[2:]\n",
+        (f"{T_GRAMMAR}::test_a_batch_mixes_grammar_and_plain_requests[inline]",)),
     Mutation(
         "grammar_not_advanced", "a sampled token is appended but the request's grammar is not moved past it",
         SCHED,
-        "advanced = self.grammar.advance(req, tok)",
-        "advanced = True",
+        "advanced = self.grammar.advance_all(reqs, res.tokens) if self.grammar.live else None",
+        "advanced = None",
         (f"{T_GRAMMAR}::test_each_constraint_holds_for_each_backend[xgrammar-json_schema]",
          f"{T_GRAMMAR}::test_each_constraint_holds_for_each_backend[llguidance-regex]")),
     # issue 22, tool calls: what the client gets must be every argument the model wrote

@@ -131,3 +131,24 @@ def test_an_unknown_or_missing_backend_is_refused_naming_the_flag(tok):
         create_grammar_backend(GrammarConfig("none"), tok, VOCAB, [EOS])
     with pytest.raises(ValueError, match="grammar_backend"):
         GrammarConfig("lmformatenforcer")
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_batched_fill_and_accept_equal_the_per_grammar_calls(backends, tok, backend):
+    """A step's batched calls (xgrammar: one native call) give what one call per grammar gives."""
+    b = backends(backend)
+    compiled = b.compile("json_schema", CONSTRAINTS["json_schema"])
+    batch, alone = [b.matcher(compiled) for _ in range(4)], [b.matcher(compiled) for _ in range(4)]
+    for seed, (g1, g2) in enumerate(zip(batch, alone)):  # each pair walked to its own state
+        ids = _walk(b.matcher(compiled), seed)[:4 + 5 * seed]
+        assert g1.accept_tokens(ids) == g2.accept_tokens(ids) == len(ids)
+    rows = [0, 2, 3, 5]  # not every row of the mask carries a grammar
+    got, want = bm.allocate(6, VOCAB), bm.allocate(6, VOCAB)
+    b.fill_bitmasks(list(zip(rows, batch)), got)
+    for row, g in zip(rows, alone):
+        g.fill_bitmask(want, row)
+    assert torch.equal(got, want)
+    nxt = [bm.allowed_tokens(want, r, VOCAB)[0] for r in rows]
+    allowed = set(bm.allowed_tokens(want, rows[1], VOCAB))
+    nxt[1] = next(t for t in range(3, 2000) if t not in allowed)  # one refused token among them
+    assert b.accept_each(batch, nxt) == [g.accept_token(t) for g, t in zip(alone, nxt)] == [True, False, True, True]

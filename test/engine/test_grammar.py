@@ -71,15 +71,21 @@ def test_without_the_grammar_the_same_requests_are_not_valid(engines, kind):
             check_output(kind, o["text"])
 
 
-def test_a_batch_mixes_grammar_and_plain_requests(engines):
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "mask-thread"])
+def test_a_batch_mixes_grammar_and_plain_requests(engines, overlap):
     """Plain requests decode exactly as alone (greedy), grammar requests as alone too, and the
-    second and later grammar rows of the batch are masked as well as the first."""
+    second and later grammar rows of the batch are masked as well as the first; with the masks
+    filled after the forward (CPU's default) and on the mask thread during it (a GPU's)."""
     engine = engines()
     plain = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     sps = [_sp("json_schema"), plain, _sp("regex"), plain, _sp("ebnf"), _sp("json_schema")]
     prompts = PROMPTS + PROMPTS[:2]
-    together = engine.generate(prompt=prompts, sampling_params=sps)
-    alone = [engine.generate(prompt=p, sampling_params=sp) for p, sp in zip(prompts, sps)]
+    engine.scheduler.grammar.overlap = overlap
+    try:
+        together = engine.generate(prompt=prompts, sampling_params=sps)
+        alone = [engine.generate(prompt=p, sampling_params=sp) for p, sp in zip(prompts, sps)]
+    finally:
+        engine.scheduler.grammar.overlap = False
     assert [o["output_ids"] for o in together] == [o["output_ids"] for o in alone]
     for o, sp in zip(together, sps):
         kind = next((k for k in CONSTRAINTS if k in sp), None)
@@ -155,8 +161,8 @@ class SlowBackend:
             self.gate.wait(30)
         return self.inner.compile(kind, text)
 
-    def matcher(self, compiled):
-        return self.inner.matcher(compiled)
+    def __getattr__(self, name):  # matcher, the batched calls: the real backend's
+        return getattr(self.inner, name)
 
 
 def test_a_compile_timeout_fails_that_request_and_the_batch_goes_on(engines):
@@ -211,3 +217,11 @@ def test_the_hierarchical_cache_leaves_grammar_outputs_unchanged(engines):
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert hi.scheduler.stats()["cache_hit_tokens_host"] > 0
     _no_leak(hi)
+
+
+def test_grammar_backend_none_refuses_a_constraint_naming_the_field(engines):
+    engine = engines("none")
+    with pytest.raises(ValueError, match="^sampling_params.regex: this server runs --grammar-backend none"):
+        engine.generate(prompt=PROMPTS[0], sampling_params={"regex": "[a-z]+"})
+    assert engine.generate(prompt=PROMPTS[0], sampling_params={"max_new_tokens": 2})["output_ids"]
+    _no_leak(engine)

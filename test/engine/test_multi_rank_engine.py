@@ -79,3 +79,29 @@ def test_multi_rank_engine_matches_single_rank(name, checkpoints):
     finally:
         engine.shutdown()
     assert all(p.exitcode == 0 for p in engine.scheduler.ranks.processes), engine.scheduler.ranks.describe_exit()
+
+
+def test_grammars_on_two_ranks_in_lock_step_match_one_rank():
+    """TP2: both ranks compile each grammar on arrival (ranks admit the same requests in the same
+    step) and sample under it: the single-rank engine's outputs, valid; a constraint that does
+    not compile is refused by the ranks naming the field."""
+    from constrained.grammar_fixtures import CONSTRAINTS, check_output
+
+    sps = [{"max_new_tokens": 64, "temperature": 0.0, kind: text} for kind, text in CONSTRAINTS.items()]
+    sps.append({"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    prompts = [[5, 17, 99, 3], [40, 41], [7] * 9, [300, 2, 8]]
+    kw = dict(constrained_json_disable_any_whitespace=True)
+    one = pdserve.Engine(model_path="tiny-llama", **kw)
+    want = one.generate(input_ids=prompts, sampling_params=sps)
+    one.shutdown()
+    engine = pdserve.Engine(model_path="tiny-llama", tp_size=2, **kw)
+    try:
+        got = engine.generate(input_ids=prompts, sampling_params=sps)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        for o, kind in zip(got, CONSTRAINTS):
+            check_output(kind, o["text"])
+        with pytest.raises(ValueError, match="^sampling_params.regex: does not compile"):
+            engine.generate(input_ids=prompts[0], sampling_params={"regex": "(unclosed"})
+        assert_every_rank_clean(engine, 2)
+    finally:
+        engine.shutdown()

@@ -101,6 +101,17 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> Grammar: ...
 
+    # A step's work over a batch; backends with a batched call override these (one native call
+    # instead of one Python call per request), the results must equal the loops'.
+    def fill_bitmasks(self, grammars: list[tuple[int, Grammar]], bitmask: torch.Tensor) -> None:
+        """``fill_bitmask`` of each ``(row, grammar)``."""
+        for row, grammar in grammars:
+            grammar.fill_bitmask(bitmask, row)
+
+    def accept_each(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
+        """``accept_token`` of ``tokens[i]`` by ``grammars[i]``, for each i."""
+        return [g.accept_token(t) for g, t in zip(grammars, tokens)]
+
 
 def short_error(e: BaseException | str, limit: int = 300) -> str:
     """A library's error message without its C++ source location prefix, bounded."""

@@ -3,21 +3,21 @@
 Legend: B rows (requests or verify rows), V logits width (the model's vocabulary, padded),
 W = ceil(V / 32) int32 words per row, R rows that carry a grammar.
 
-``apply_bitmask_`` is the fast path: xgrammar's CPU kernel when xgrammar is installed (imported
-on first use, whatever backend filled the mask: the format is shared), else ``apply_bitmask_torch``,
-its twin in plain torch (tests check they agree).
+``apply_bitmask_`` is the fast path (a table of additive biases per mask byte);
+``apply_bitmask_torch`` its twin (bits unpacked into a boolean mask); tests check both against
+a per-token loop.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 # bit j of byte value b: the tokens one byte of a word covers (little-endian words: byte k of word
 # w holds tokens 32w + 8k .. 32w + 8k + 7)
 _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
+_BYTE_BIAS = torch.where(_BYTE_BITS, 0.0, float("-inf"))  # [256, 8] what adding a byte's tokens does to logits
 
 
 def words(vocab_size: int) -> int:
@@ -54,6 +54,7 @@ def allowed_tokens(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int
     return bits.nonzero().flatten().tolist()
 
 
+@torch.inference_mode()  # logits come from an inference-mode forward: changed in place only inside one
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """Set ``logits[r, t]`` [B, V] to -inf where row ``r`` of ``bitmask`` [B, W] disallows ``t``,
     for each ``r`` in ``rows``; other rows are untouched. Ids past 32 * W are disallowed."""
@@ -68,21 +69,21 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     logits[idx] = logits[idx].masked_fill(~allowed[:, :V], float("-inf"))
 
 
-@functools.cache
-def _xgrammar_kernel() -> Callable | None:
-    try:
-        from xgrammar import apply_token_bitmask_inplace
-    except ImportError:
-        return None
-    return apply_token_bitmask_inplace
-
-
+@torch.inference_mode()
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """``apply_bitmask_torch``'s effect, through xgrammar's kernel when it is installed."""
+    """``apply_bitmask_torch``'s effect as one gather and one add: each byte of the mask picks 8
+    additive biases (0 or -inf) from a 256-row table. Faster on CPU than unpacking bits into a
+    boolean mask (and than xgrammar's CPU kernel, measured at [32, 2048])."""
     if not rows:
         return
-    kernel = _xgrammar_kernel()
-    if kernel is None or logits.dtype != torch.float32 or bitmask.shape[1] * 32 < logits.shape[1]:
-        apply_bitmask_torch(logits, bitmask, rows)
-        return
-    kernel(logits, bitmask, indices=list(rows))
+    B, V = logits.shape
+    every = len(rows) == B and list(rows) == list(range(B))
+    idx = None if every else torch.tensor(list(rows), dtype=torch.int64)
+    packed = (bitmask[:B] if every else bitmask[idx]).contiguous().view(torch.uint8).reshape(-1).long()  # [R * 4W]
+    bias = _BYTE_BIAS.to(logits.dtype).index_select(0, packed).view(len(rows), -1)  # [R, 32W]
+    if bias.shape[1] < V:
+        bias = torch.cat([bias, bias.new_full((len(rows), V - bias.shape[1]), float("-inf"))], dim=1)
+    if idx is None:
+        logits.add_(bias[:, :V])
+    else:
+        logits[idx] += bias[:, :V]

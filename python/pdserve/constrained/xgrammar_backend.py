@@ -41,6 +41,8 @@ class XGrammarBackend(GrammarBackend):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         # CompileService caches by (kind, text) and bounds the count; xgrammar's own cache would be a second copy
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # one native call per step for a batch's masks and tokens (its own threads: none)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def compile(self, kind: str, text: str) -> Any:
         try:
@@ -54,5 +56,19 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError(kind, f"does not compile (xgrammar): {short_error(e)}") from None
         raise GrammarError(kind, "is not a constraint this backend knows")
 
+    def fill_bitmasks(self, grammars: list[tuple[int, Grammar]], bitmask: torch.Tensor) -> None:
+        matchers = [_matcher(g) for _, g in grammars]
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask, [row for row, _ in grammars])
+
+    def accept_each(self, grammars: list[Grammar], tokens: list[int]) -> list[bool]:
+        if any(_matcher(g).is_terminated() for g in grammars):  # nothing after the end (XGrammarGrammar says so)
+            return super().accept_each(grammars, tokens)
+        return list(self.batch.batch_accept_token([_matcher(g) for g in grammars], tokens))
+
     def matcher(self, compiled: Any) -> Grammar:
         return XGrammarGrammar(xgr.GrammarMatcher(compiled))  # rollback is unlimited
+
+
+def _matcher(grammar: Grammar) -> xgr.GrammarMatcher:
+    assert isinstance(grammar, XGrammarGrammar), grammar
+    return grammar.matcher

@@ -77,6 +77,10 @@ class ReqGrammars:
         self.pending: dict[int, _Pending] = {}  # Req.uid -> its compile
         self.live = 0  # requests holding a Grammar now
         self.lockstep = False
+        # Fill decode masks on the mask thread while the forward runs (the scheduler turns it on when
+        # the model runs on a GPU); False: after the forward, on this thread. On CPU the forward holds
+        # the cores and the hand-off costs more CPU than the fill itself (benchmark/bench_constrained.py).
+        self.overlap = False
         self._service: CompileService | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
 
@@ -162,12 +166,14 @@ class ReqGrammars:
     # -------------------------------------------------------------- masks
     def start_mask(self, reqs: Sequence[Req]) -> StepMask | None:
         """Start filling the next token's mask of ``reqs`` on the mask thread (None: no grammar)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not self.overlap:
+            return None
+        rows = self._rows(reqs)
         if not rows:
             return None
-        grammars = [(i, reqs[i].grammar) for i in rows]
         mask = bm.allocate(len(reqs), self.vocab_size)
-        return StepMask(mask, rows, self._mask_thread().submit(_timed, _fill, grammars, mask))
+        fill = self.service.backend().fill_bitmasks
+        return StepMask(mask, rows, self._mask_thread().submit(_timed, fill, _grammars(reqs, rows), mask))
 
     def start_verify_mask(self, reqs: Sequence[Req], drafts: Sequence[list[int]]) -> StepMask | None:
         """Speculative verify: request b's rows follow its output, then d1, d1 d2, ... (its
@@ -209,12 +215,17 @@ class ReqGrammars:
         bm.apply_bitmask_(logits, mask, [w.row for w in walks])
         self.stats.observe_mask(time.perf_counter() - t0)
 
+    @staticmethod
+    def _rows(reqs: Sequence[Req]) -> list[int]:
+        """The batch rows whose request holds a grammar (the rows a mask covers)."""
+        return [i for i, r in enumerate(reqs) if r.grammar is not None]
+
     def _fill_now(self, reqs: Sequence[Req]) -> StepMask | None:
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = self._rows(reqs)
         if not rows:
             return None
         mask = bm.allocate(len(reqs), self.vocab_size)
-        fill_s = _timed(_fill, [(i, reqs[i].grammar) for i in rows], mask)
+        fill_s = _timed(self.service.backend().fill_bitmasks, _grammars(reqs, rows), mask)
         return StepMask(mask, rows, None, fill_s)
 
     def _mask_thread(self) -> ThreadPoolExecutor:
@@ -227,6 +238,17 @@ class ReqGrammars:
         """``req`` emitted ``token``: its grammar moves past it (False: the grammar refuses it)."""
         grammar = req.grammar
         return grammar is None or grammar.accept_token(token)
+
+    def advance_all(self, reqs: Sequence[Req], tokens: Sequence[int]) -> list[bool]:
+        """``advance`` of each request by its token (one batched call into the backend)."""
+        out = [True] * len(reqs)
+        rows = self._rows(reqs)
+        if rows:
+            accepted = self.service.backend().accept_each([g for _, g in _grammars(reqs, rows)],
+                                                          [tokens[i] for i in rows])
+            for i, ok in zip(rows, accepted):
+                out[i] = ok
+        return out
 
     @staticmethod
     def terminated(req: Req) -> bool:
@@ -248,9 +270,13 @@ def _timed(fill, *args) -> float:
     return time.perf_counter() - t0
 
 
-def _fill(grammars: list[tuple[int, Grammar]], mask: torch.Tensor) -> None:
-    for row, grammar in grammars:
-        grammar.fill_bitmask(mask, row)
+def _grammars(reqs: Sequence[Req], rows: list[int]) -> list[tuple[int, Grammar]]:
+    out = []
+    for i in rows:
+        grammar = reqs[i].grammar
+        assert grammar is not None, reqs[i]
+        out.append((i, grammar))
+    return out
 
 
 @dataclass

@@ -90,6 +90,7 @@ class Scheduler:
         # Constrained decoding: compiles off this thread, masks per step (nothing without grammars).
         self.grammar = ReqGrammars(grammar or GrammarConfig(), tokenizer, model_config.vocab_size,
                                    sorted(self.eos_ids))
+        self.grammar.overlap = self.runner.device.type != "cpu"  # masks fill while the GPU runs the forward
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         # KV complete (a disaggregated decode's transfer landed) but the grammar still compiling:
@@ -463,6 +464,8 @@ class Scheduler:
         top_ks = [r.logprob.top_k if r.logprob else 0 for r in reqs] if want_lp else None
         res = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
                            [r.output_ids for r in reqs], want_lp, top_ks)
+        # each grammar moves past its request's token (one batched call; None: no grammars)
+        advanced = self.grammar.advance_all(reqs, res.tokens) if self.grammar.live else None
         for i, (req, tok) in enumerate(zip(reqs, res.tokens)):
             req.append_output(tok)
             lp = top = None
@@ -472,8 +475,7 @@ class Scheduler:
                 lp = [res.logprobs[i]]
                 req.output_logprobs.append(res.logprobs[i])
                 top = [res.top_logprobs[i]] if res.top_logprobs is not None and top_ks[i] else None
-            advanced = self.grammar.advance(req, tok)
-            reason = self._check_finish(req, tok) if advanced else grammar_refused(tok)
+            reason = self._check_finish(req, tok) if advanced is None or advanced[i] else grammar_refused(tok)
             if reason is not None:
                 self._finish(req, reason, emit=False)
             out = self._output(req, [tok], lp, top)
