@@ -140,6 +140,9 @@ def test_constrained_generate_through_the_router_is_valid_and_compiled_on_decode
     r = httpx.post(pd.router.url + "/generate", timeout=60, json={"text": prompts[0], "sampling_params": {
         "regex": "(unclosed"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.regex"
+    # decode refused it, so it never asks for the KV: the router closes prefill's half too, which
+    # would otherwise wait for its other half until the disaggregation timeout
+    wait_for(lambda: pd.prefill.info()["rooms_waiting"] == 0, timeout=20, what="prefill let go of the refused room")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")

@@ -525,7 +525,7 @@ class _Exchange:
 
     def finish(self) -> None:
         """End the exchange once. A complete decode answer leaves prefill to end on its own;
-        anything else (client gone, decode broken, shutdown) closes both upstream requests."""
+        anything else (client gone, decode broken or refusing, shutdown) closes both upstream requests."""
         if self.finished:
             return
         self.finished = True
@@ -536,7 +536,11 @@ class _Exchange:
             self.resp.release()  # back to the pool
         elif self.resp is not None:
             self.resp.close()  # drops the connection: decode sees the client leave and aborts
-        if not self.completed and self.prefill_task is not None:
+        # decode refused the request (a 4xx, e.g. a grammar that does not compile, checked on decode
+        # alone): it will never ask prefill for the KV, so prefill's half is closed too (prefill sees
+        # its client leave and aborts) instead of waiting for its other half until the timeout
+        refused = self.resp is not None and 400 <= self.resp.status < 500
+        if (refused or not self.completed) and self.prefill_task is not None:
             self.prefill_task.cancel()
             if self.streaming and not self.broken:
                 self.metrics.client_disconnects.inc()
