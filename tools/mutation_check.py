@@ -428,8 +428,8 @@ MUTATIONS = (
         "roles_not_rechecked_after_a_switch", "a decode that answers it became prefill leaves the router's sets as "
         "they were until the next health check: the request gets a 502 while the new decode is unseen",
         "python/pdserve/router/proxy.py",
-        "                if e.switched and self.refresh_roles is not None:",
-        "                if False:",
+        "            if switched and self.refresh_roles is not None:",
+        "            if False:",
         ("test/router/test_router_echo.py::"
          "test_a_decode_that_became_prefill_sends_the_request_to_the_server_that_became_decode",)),
     Mutation(
@@ -500,9 +500,10 @@ MUTATIONS = (
     Mutation(
         "hicache_token_reread", "the HiCache config reads the token file itself instead of taking the one read",
         "python/pdserve/config.py",
-        "return HiCacheConfig(**flags, auth_token=self.auth_token())",
+        "return HiCacheConfig(**flags, auth_token=self.auth_token(), host=self.host)",
         "return HiCacheConfig(**flags, auth_token=resolve_token(self.disaggregation_auth_token,\n"
-        "                                                               self.disaggregation_auth_token_file))",
+        "                                                               self.disaggregation_auth_token_file),\n"
+        "                             host=self.host)",
         ("test/test_config.py::test_the_token_file_is_read_once_however_often_its_configs_are_asked_for",)),
     Mutation(
         "token_texts_per_request", "each OpenAI call decodes its logprob token texts into a fresh memo",
