@@ -139,9 +139,15 @@ def fresh_venv(wheel: Path, venv: Path) -> Path:
          str(wheel)])
     site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                     env=isolated_env(venv)).strip())
-    deps = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-    (site / "_pdserve_test_dependencies.pth").write_text("".join(d + "\n" for d in deps))
+    (site / "_pdserve_test_dependencies.pth").write_text("".join(d + "\n" for d in dependency_paths()))
     return python
+
+
+def dependency_paths() -> list[str]:
+    """This environment's site-packages, which the fresh venv borrows for pdserve's dependencies. When
+    the environment lives in the checkout (CI's ``.venv``), these are the only paths under it allowed on
+    the fresh venv's ``sys.path``."""
+    return sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 
 
 def isolated_env(venv: Path) -> dict[str, str]:
