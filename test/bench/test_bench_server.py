@@ -38,7 +38,7 @@ METRIC_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_o
                "request_throughput", "input_throughput", "output_throughput", "total_throughput", "concurrency",
                "max_concurrent_requests", "request_goodput", "slo_attainment"]
 DETAIL_KEYS = ["start_times", "success", "input_lens", "output_lens", "ttfts", "e2e_latencies", "itls", "tags",
-               "errors"]
+               "errors", "event_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,9 @@ def test_json_has_every_metric(server, tmp_path):
     assert r["args"]["random_input_len"] == 64 and r["args"]["slo"] == {"ttft": 60000.0, "tpot": 60000.0}
     d = r["details"]
     assert all(len(d[k]) == 6 for k in DETAIL_KEYS)
-    assert all(len(itl) == 7 for itl in d["itls"]) and d["output_lens"] == [8] * 6  # native: one ITL per token
+    assert d["output_lens"] == [8] * 6 and all(sum(k) == 8 for k in d["event_tokens"]), d["event_tokens"]
+    # native: one ITL per token after the first event (which may carry several when the stream lagged)
+    assert [len(itl) for itl in d["itls"]] == [8 - k[0] for k in d["event_tokens"]], (d["itls"], d["event_tokens"])
     # A colocated server's breakdown: no transfer stage time.
     t = r["server_timeline"]
     assert set(t["stages"]) == {"queue", "prefill", "transfer", "decode_scheduling"}, t
