@@ -48,6 +48,7 @@ class PDPair:
                                                  port=free_port()))
         self.outputs: dict[str, dict] = {}
         self.prefill_outputs: list = []  # what prefill emitted in the latest step
+        self.prefill_finals: dict[str, object] = {}  # rid -> how prefill's half ended
         # The engines as built (tests may wrap the sender's later), and what set-up registered.
         self.engines = (self.prefill.mode.sender.backend, self.decode.mode.backend)
         self.registered = [e.outstanding().regions for e in self.engines]
@@ -72,6 +73,7 @@ class PDPair:
 
     def step(self) -> None:
         self.prefill_outputs = self.prefill.step()
+        self.prefill_finals.update((o.rid, o) for o in self.prefill_outputs if o.finished)
         for o in self.decode.step():
             acc = self.outputs.setdefault(o.rid, {"ids": [], "final": None})
             acc["ids"] += o.new_token_ids

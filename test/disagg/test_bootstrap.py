@@ -240,6 +240,21 @@ def test_drop_room_before_and_after_the_http_half():
     assert len(t) == 1  # room 3 still waits for its HTTP half
 
 
+def test_cancel_before_either_half_leaves_a_tombstone():
+    """Decode gave up before the router's HTTP half reached prefill: that half is answered at once."""
+    t = RoomTable(timeout_s=5)
+    assert t.cancel(4, now=0) is None
+    assert t.add_http(4, "h4", now=1) == Dropped(4, "h4")
+    with pytest.raises(RoomError, match="room 4: dropped by decode"):
+        t.add_kv(4, 0, "k", now=1)
+    t.add_http(5, "h5", now=0)
+    assert t.cancel(5, now=1) == Expired(5, "h5", {})
+    assert t.add_http(5, "late", now=2) is not None  # answered Dropped, not queued behind the tombstone
+    assert len(t) == 0
+    assert t.expire(now=7) == []  # tombstones are forgotten, not expired as waiting halves
+    assert t.add_http(4, "new life", now=7) is None and len(t) == 1
+
+
 def test_unpaired_halves_expire_and_tombstones_are_forgotten():
     t = RoomTable(timeout_s=5)
     t.add_http(1, "h1", now=0)

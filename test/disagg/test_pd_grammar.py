@@ -2,7 +2,7 @@
 transfer backend): the grammar lives on decode alone (prefill compiles nothing), decode's first
 token is sampled under it, outputs equal a colocated engine's under the same grammar (with NEXTN
 speculation too); a request whose KV lands before its grammar compiled waits, holding its pages,
-until it has; a grammar that fails on decode aborts that request alone, cleanly."""
+until it has; a grammar that fails on decode aborts that request alone, cleanly, and prefill's half with it."""
 
 from __future__ import annotations
 
@@ -127,4 +127,9 @@ def test_a_grammar_failing_on_decode_aborts_that_request_alone(pairs):
     assert bad.finish_reason["type"] == "abort" and bad.finish_reason["status_code"] == 400
     assert bad.finish_reason["message"].startswith("sampling_params.regex: refused by the test")
     assert pair.outputs["bad"]["ids"] == [] and len(pair.outputs["ok"]["ids"]) == 8
+    # decode gave up before its prefill's records arrived: prefill is told once they do, so its
+    # half ends on decode's word, not after waiting for a KV half that never comes
+    why = pair.prefill_finals["bad"].finish_reason
+    assert why["type"] == "abort" and why["message"].startswith("decode gave up on the room: sampling_params.regex")
+    assert pair.decode.mode.owed_aborts == []
     pair.assert_idle_and_accounted()

@@ -677,9 +677,15 @@ class RoomTable(Generic[H, K]):
 
     def cancel(self, room: int, now: float) -> Expired[H, K] | None:
         """Either side gave up on a room that is not paired yet: returns its waiting halves (to
-        fail) and leaves a tombstone, so a half arriving later is answered ``Dropped``."""
+        fail) and leaves a tombstone, so a half arriving later is answered ``Dropped``. A room not
+        seen yet gets the tombstone too: decode may give up (a grammar it cannot compile) before
+        the router's HTTP half reaches prefill, which would otherwise wait for the KV half until
+        ``timeout_s``."""
         e = self._rooms.get(room)
-        if e is None or e.state != "waiting":
+        if e is None:
+            self._rooms[room] = _Entry(now, state="dropped")
+            return None
+        if e.state != "waiting":
             return None
         self._rooms[room] = _Entry(now, state="dropped")
         return Expired(room, e.http, e.kv)

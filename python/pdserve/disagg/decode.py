@@ -65,6 +65,17 @@ FALLBACK_WINDOW = 100  # the fallback rate is over this many recent disaggregate
 LEASE_TIMEOUTS = 2  # quarantine lease in --disaggregation-timeout-s: past prefill's own bound on writing a room
 
 
+@dataclass(frozen=True)
+class OwedAbort:
+    """A request decode gave up on before its prefill's records arrived: prefill is told once they
+    do, or its HTTP half would wait there until the disaggregation timeout."""
+
+    peer: tuple[str, int]
+    room: int
+    reason: str
+    since: float
+
+
 @dataclass
 class WaitingRoom:
     """A request of this rank waiting for its KV: what it expects and the aux row it lent prefill."""
@@ -114,6 +125,7 @@ class DecodeMode(SchedulerMode):
         self.quarantine = Quarantine(lease_s=LEASE_TIMEOUTS * config.timeout_s)
         self.aux_slots = AuxSlots(aux.shape[0])
         self.pending: list[Req] = []  # waiting for their prefill's records or for free pages
+        self.owed_aborts: list[OwedAbort] = []
         self.rooms: dict[int, WaitingRoom] = {}
         self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # recent transfers: True = fell back
         self.counters = {"requests_disaggregated": 0, "kv_received": 0, "local_prefills": 0,
@@ -149,6 +161,7 @@ class DecodeMode(SchedulerMode):
         for msg in self.io.recv_all():
             self._on_message(msg, now)
         self._fetch(self.io.agree(sorted(self._unknown_peers())))
+        self._pay_owed_aborts(now)
         for req in list(self.pending):
             if not self._try_prepare(req, now):
                 break  # FCFS: a request that cannot get pages holds back the ones behind it
@@ -165,6 +178,7 @@ class DecodeMode(SchedulerMode):
     def _unknown_peers(self) -> set[tuple[str, int]]:
         """Prefill servers pending requests name whose records this rank has not asked for yet."""
         keys = {(r.bootstrap_ref.host, r.bootstrap_ref.port) for r in self.pending}
+        keys |= {o.peer for o in self.owed_aborts}
         return {k for k in keys if self.directory.get(*k) is None} - self.asked
 
     def _fetch(self, wanted: list[list] | None) -> None:
@@ -409,6 +423,18 @@ class DecodeMode(SchedulerMode):
             for control in peer.controls(range(len(peer.info.ranks))):
                 self.io.send_once(control, KVAbort(room, reason, "decode", self.server_id, nonce))
 
+    def _pay_owed_aborts(self, now: float) -> None:
+        """Aborts owed to prefill servers whose records arrived are sent; those owed to one that
+        cannot be reached, or older than prefill's own wait for the KV half, are dropped."""
+        owed = []
+        for o in self.owed_aborts:
+            peer = self.directory.get(*o.peer)
+            if peer is not None and peer.info is not None:
+                self._send_abort(peer, o.room, o.reason)
+            elif now - o.since <= self.config.timeout_s and (peer is None or peer.error is None):
+                owed.append(o)
+        self.owed_aborts = owed
+
     def _on_dead(self, sessions: frozenset[str]) -> None:
         """The heartbeat's verdict: rooms waiting on a dead prefill rank fall back and the prefill
         is forgotten (a request naming it again fetches its records afresh). The verdict may be
@@ -432,9 +458,12 @@ class DecodeMode(SchedulerMode):
     def abort(self, req: Req, message: str) -> bool:
         if req in self.pending:
             self.pending.remove(req)
-            peer = self.directory.get(req.bootstrap_ref.host, req.bootstrap_ref.port)
-            if peer is not None:
+            key = (req.bootstrap_ref.host, req.bootstrap_ref.port)
+            peer = self.directory.get(*key)
+            if peer is not None and peer.info is not None:
                 self._send_abort(peer, req.bootstrap_room, message)
+            elif peer is None or peer.error is None:  # records on their way: tell prefill once they are here
+                self.owed_aborts.append(OwedAbort(key, req.bootstrap_room, message, self.io.now()))
             self.scheduler.finish_request(req, finish_abort(message))
             return True
         room = req.room
@@ -454,10 +483,10 @@ class DecodeMode(SchedulerMode):
                 r.decode_cached_tokens = r.cached_tokens_reported
 
     def has_work(self) -> bool:
-        return bool(self.pending or self.rooms or self.quarantine.entries)
+        return bool(self.pending or self.rooms or self.quarantine.entries or self.owed_aborts)
 
     def poll_interval_ms(self) -> int | None:
-        if self.pending:
+        if self.pending or self.owed_aborts:
             return 2
         return 20 if (self.rooms or self.quarantine.entries) else None
 
@@ -479,6 +508,7 @@ class DecodeMode(SchedulerMode):
         if idle:
             _balance("decode rooms waiting for KV", len(self.rooms), 0)
             _balance("decode pending requests", len(self.pending), 0)
+            _balance("decode aborts owed to prefill", len(self.owed_aborts), 0)
             _balance("decode quarantine entries", len(self.quarantine.entries), 0)
             _balance("decode transfer batches in flight", self.backend.outstanding().batches, 0)
 
