@@ -682,13 +682,10 @@ class RoomTable(Generic[H, K]):
         the router's HTTP half reaches prefill, which would otherwise wait for the KV half until
         ``timeout_s``."""
         e = self._rooms.get(room)
-        if e is None:
-            self._rooms[room] = _Entry(now, state="dropped")
-            return None
-        if e.state != "waiting":
+        if e is not None and e.state != "waiting":
             return None
         self._rooms[room] = _Entry(now, state="dropped")
-        return Expired(room, e.http, e.kv)
+        return Expired(room, e.http, e.kv) if e is not None else None
 
     def expire(self, now: float) -> list[Expired[H, K]]:
         out: list[Expired[H, K]] = []

@@ -458,12 +458,9 @@ class DecodeMode(SchedulerMode):
     def abort(self, req: Req, message: str) -> bool:
         if req in self.pending:
             self.pending.remove(req)
-            key = (req.bootstrap_ref.host, req.bootstrap_ref.port)
-            peer = self.directory.get(*key)
-            if peer is not None and peer.info is not None:
-                self._send_abort(peer, req.bootstrap_room, message)
-            elif peer is None or peer.error is None:  # records on their way: tell prefill once they are here
-                self.owed_aborts.append(OwedAbort(key, req.bootstrap_room, message, self.io.now()))
+            key, now = (req.bootstrap_ref.host, req.bootstrap_ref.port), self.io.now()
+            self.owed_aborts.append(OwedAbort(key, req.bootstrap_room, message, now))
+            self._pay_owed_aborts(now)  # sent now, or once the prefill's records are here
             self.scheduler.finish_request(req, finish_abort(message))
             return True
         room = req.room
