@@ -3,6 +3,9 @@
 The P/D modes do not exist yet, so the "prefill" and "decode" workers are colocated
 servers with different ``--random-seed`` (different dummy weights, so different greedy
 outputs): an answer equal to the decode server's own proves decode's answer is returned.
+
+Abort ownership holds whatever keys the server has: servers and router here have none, and
+``keyed`` adds a server with ``--api-key`` only (no admin key) and a router holding that key.
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ def router(servers):
     r = Router([servers["prefill"].url], [servers["decode"].url]).start()
     yield r
     assert r.stop() == 0, r.output()
+
+
+KEY = "inference-key"
+
+
+@pytest.fixture(scope="module")
+def keyed(servers):
+    """(a server with --api-key only, a router with that key whose decode it is); the router's
+    prefill is the keyless prefill server, which takes whatever key it is sent."""
+    server = Server(model=MODEL, api_key=KEY)
+    router = None
+    try:
+        server.start()
+        router = Router([servers["prefill"].url], [server.url], "--api-key", KEY).start()
+        yield server, router
+    finally:
+        if router is not None:
+            assert router.stop() == 0, router.output()
+        server.stop()
 
 
 def generate(url: str, text: str, **extra) -> dict:
@@ -129,6 +151,46 @@ def test_client_disconnect_aborts_on_both_servers(servers, router):
     # an aborted request never counts its tokens as generated; one that ran to the end would add 4000
     assert [metric_sum(s, "pdserve:generation_tokens_total") for s in (prefill, decode)] == finished_before
     assert router.worker_state(decode.url)["in_flight"] == 0 == router.worker_state(prefill.url)["in_flight"]
+
+
+def _abort_while_streaming(url: str, headers: dict, rid: str, max_new_tokens: int,
+                           aborts: list[dict]) -> tuple[list[int], dict]:
+    """Streams ``rid`` from ``url`` as the client with X-Client-Token ``alice``; after its second event
+    POSTs ``/abort_request`` for it once with each of ``aborts`` (headers added to ``headers``).
+    Returns (the abort answers' statuses, the stream's last event)."""
+    body = {"text": "mine", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    statuses, events = [], []
+    with httpx.stream("POST", url + "/generate", json=body, headers={**headers, "X-Client-Token": "alice"},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    statuses = [httpx.post(url + "/abort_request", json={"rid": rid}, headers={**headers, **extra},
+                                           timeout=60).status_code for extra in aborts]
+    return statuses, events[-1]
+
+
+@pytest.mark.parametrize("keys", ["no keys", "api key only"])
+def test_only_the_client_that_started_a_request_may_abort_it(keys, request, servers, router):
+    """Without an admin key, "may this caller administer?" is true for every caller (no key at all,
+    or the one inference key all clients share), so it must never stand in for "did it present the
+    admin key?": another X-Client-Token, or none, gets 403 and the stream runs to its end, on the
+    server and through the router. The client that started it may abort it."""
+    server, via = (servers["decode"], router) if keys == "no keys" else request.getfixturevalue("keyed")
+    headers = {"Authorization": f"Bearer {KEY}"} if keys == "api key only" else {}
+    foreign = [{"X-Client-Token": "mallory"}, {}]
+    for name, url in (("server", server.url), ("router", via.url)):
+        rid = f"alice-{keys}-{name}".replace(" ", "-")
+        statuses, last = _abort_while_streaming(url, headers, rid, 200, foreign)
+        assert statuses == [403, 403], (name, statuses)
+        assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 200, name
+        statuses, last = _abort_while_streaming(url, headers, rid + "-own", 4000, [{"X-Client-Token": "alice"}])
+        assert statuses == [200] and last["meta_info"]["finish_reason"]["type"] == "abort", name
+    for s in (server, servers["prefill"]):
+        s.wait_idle(timeout=60)
 
 
 def test_killed_decode_is_dropped_after_the_health_check(servers):
