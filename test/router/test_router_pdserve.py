@@ -173,17 +173,17 @@ def _abort_while_streaming(url: str, headers: dict, rid: str, max_new_tokens: in
     return statuses, events[-1]
 
 
-@pytest.mark.parametrize("keys", ["no keys", "api key only"])
+@pytest.mark.parametrize("keys", ["no_keys", "api_key_only"])
 def test_only_the_client_that_started_a_request_may_abort_it(keys, request, servers, router):
     """Without an admin key, "may this caller administer?" is true for every caller (no key at all,
     or the one inference key all clients share), so it must never stand in for "did it present the
     admin key?": another X-Client-Token, or none, gets 403 and the stream runs to its end, on the
     server and through the router. The client that started it may abort it."""
-    server, via = (servers["decode"], router) if keys == "no keys" else request.getfixturevalue("keyed")
-    headers = {"Authorization": f"Bearer {KEY}"} if keys == "api key only" else {}
+    server, via = (servers["decode"], router) if keys == "no_keys" else request.getfixturevalue("keyed")
+    headers = {"Authorization": f"Bearer {KEY}"} if keys == "api_key_only" else {}
     foreign = [{"X-Client-Token": "mallory"}, {}]
     for name, url in (("server", server.url), ("router", via.url)):
-        rid = f"alice-{keys}-{name}".replace(" ", "-")
+        rid = f"alice-{keys}-{name}"
         statuses, last = _abort_while_streaming(url, headers, rid, 200, foreign)
         assert statuses == [403, 403], (name, statuses)
         assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 200, name
