@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -12,6 +13,7 @@ _KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, _KERNELS)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_KERNELS, os.environ.get("PYTHONPATH")) if p)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -22,12 +24,34 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Modules that take minutes in CI (seconds from CI's log). Under `-n 2 --dist loadfile` each file
+# goes to one worker; these go out first, so that neither worker is left running one of them alone
+# at the end while the other idles. The other files follow in xdist's own order (most tests first).
+HEAVY_MODULES = (
+    "test/entrypoints/test_up.py",  # 170 s: three `pdserve up` deployments
+    "test/engine/test_compile.py",  # 143 s: torch.compile
+    "test/disagg/test_pd_ranks.py",  # 86 s
+    "test/entrypoints/test_no_pickle.py",  # 62 s: two-node servers
+)
+
+
+def pytest_configure(config):
+    # xdist would send files by descending test count, whatever order the collection has.
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own fixture-based ordering
 def pytest_collection_modifyitems(config, items):
-    """``gpu``-marked tests need a CUDA device; on a CPU host they are skipped, not failed."""
+    """Heavy modules first (``HEAVY_MODULES``), then by descending test count; a file's own tests keep
+    their order. ``gpu``-marked tests need a CUDA device; on a CPU host they are skipped, not failed."""
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = collections.Counter(files)
+    rank = {f: (HEAVY_MODULES.index(f) if f in HEAVY_MODULES else len(HEAVY_MODULES), -count[f]) for f in count}
+    order = {f: i for i, f in enumerate(sorted(dict.fromkeys(files), key=rank.__getitem__))}
+    items[:] = [item for _, _, item in sorted((order[f], i, item) for i, (f, item) in enumerate(zip(files, items)))]
     if torch.cuda.is_available():
         return
-    import pytest
-
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:

@@ -648,6 +648,78 @@ MUTATIONS = (
         "        if p < stop and text[p] == \",\":\n            out.members.setdefault(key, member)\n",
         ("test/parsers/test_tool_parsers.py::test_whole_output[qwen25-5]",
          "test/parsers/test_tool_parsers.py::test_stream_at_every_split_point[llama3-11]")),
+    # issue 37: security-relevant behaviour the suite did not pin down
+    Mutation(
+        "stored_page_mac_payload_only", "a stored page's MAC covers its payload only, so a signed page copied "
+        "under another key or namespace (header CRC fixed) is served as that prefix's KV",
+        "python/pdserve/mem/storage/page_format.py",
+        "    h = hmac.new(key, prefix, hashlib.sha256)\n",
+        "    h = hmac.new(key, b\"\", hashlib.sha256)\n",
+        ("test/mem/storage/test_page_format.py::test_a_signed_page_copied_under_another_key_or_namespace_is_a_bad_mac",
+         "test/mem/test_hicache.py::test_under_a_token_a_signed_page_copied_under_another_key_or_namespace_is_a_"
+         "counted_miss")),
+    Mutation(
+        "stored_page_mac_skips_namespace", "a stored page's MAC leaves its namespace out",
+        "python/pdserve/mem/storage/page_format.py",
+        "    h = hmac.new(key, prefix, hashlib.sha256)\n",
+        "    h = hmac.new(key, prefix[:8] + prefix[40:], hashlib.sha256)\n",
+        ("test/mem/storage/test_page_format.py::test_a_signed_page_copied_under_another_key_or_namespace_is_a_bad_mac",
+         "test/mem/test_hicache.py::test_under_a_token_a_signed_page_copied_under_another_key_or_namespace_is_a_"
+         "counted_miss")),
+    Mutation(
+        "stored_page_mac_skips_key", "a stored page's MAC leaves its key out",
+        "python/pdserve/mem/storage/page_format.py",
+        "    h = hmac.new(key, prefix, hashlib.sha256)\n",
+        "    h = hmac.new(key, prefix[:40] + prefix[72:], hashlib.sha256)\n",
+        ("test/mem/storage/test_page_format.py::test_a_signed_page_copied_under_another_key_or_namespace_is_a_bad_mac",
+         "test/mem/test_hicache.py::test_under_a_token_a_signed_page_copied_under_another_key_or_namespace_is_a_"
+         "counted_miss")),
+    Mutation(
+        "abort_owner_check_asks_may_administer", "a rid abort skips the owner check when the caller may administer "
+        "(without an admin key: anyone) instead of when it presented the admin key",
+        "python/pdserve/entrypoints/http_server.py",
+        "    if holds_admin_key(scope):\n        tm.abort(rid)\n",
+        "    if may_administer(scope):\n        tm.abort(rid)\n",
+        ("test/router/test_router_pdserve.py::test_only_the_client_that_started_a_request_may_abort_it[no_keys]",
+         "test/router/test_router_pdserve.py::test_only_the_client_that_started_a_request_may_abort_it[api_key_only]")),
+    Mutation(
+        "grammar_cache_key_normalised", "the grammar compile cache keys on the constraint with its whitespace "
+        "collapsed, so a regex that differs only in spaces gets another's grammar",
+        "python/pdserve/constrained/service.py",
+        "        key = (kind, text)\n",
+        "        key = (kind, \" \".join(text.split()))\n",
+        ("test/constrained/test_compile_service.py::test_the_cache_keys_on_the_exact_constraint_text",)),
+    Mutation(
+        "router_resumes_a_finished_stream", "the router resumes a stream whose decode died after its final event",
+        "python/pdserve/router/proxy.py",
+        "            if relay.stream is not None and relay.stream.finished:\n",
+        "            if False:\n",
+        ("test/router/test_router_echo.py::test_a_decode_that_dies_after_its_final_event_is_not_resumed",)),
+    Mutation(
+        "kv_events_snapshot_open", "GET /kv_events/snapshot (the blocks a server caches) needs no key",
+        "python/pdserve/web/api_key.py",
+        "    \"/kv_events/snapshot\": Access.INFERENCE,",
+        "    \"/kv_events/snapshot\": Access.OPEN,",
+        ("test/entrypoints/test_http_server.py::test_the_kv_events_snapshot_needs_a_key",)),
+    Mutation(
+        "approx_text_blocks_unchained", "the approximate index hashes each text block alone (not chained), so "
+        "the same blocks in another order match",
+        "python/pdserve/router/approx_index.py",
+        "hashlib.blake2b(h.to_bytes(8, \"little\") + chunk, digest_size=8)",
+        "hashlib.blake2b(chunk, digest_size=8)",
+        ("test/router/test_router_approx_index.py::test_blocks_are_chained_so_order_matters[text]",)),
+    Mutation(
+        "router_token_blocks_unchained", "the router hashes each page of a prompt's tokens alone (not chained)",
+        "python/pdserve/router/kv_index.py",
+        "        h = hash_block(h, token_ids[start:start + page_size])\n",
+        "        h = hash_block(ROOT_HASH, token_ids[start:start + page_size])\n",
+        ("test/router/test_router_approx_index.py::test_blocks_are_chained_so_order_matters[tokens]",)),
+    Mutation(
+        "nixl_notify_unbounded", "a NIXL receiver keeps a notify of any size",
+        NIXL,
+        "name, msg = json.loads(payload) if len(payload) <= MAX_NOTIFY_BYTES else (None, None)",
+        "name, msg = json.loads(payload)",
+        (f"{T_TRANSFER}::test_nixl_drops_a_notify_over_the_size_bound_and_still_lands_its_data",)),
 )
 
 

@@ -97,3 +97,18 @@ def test_a_slow_compile_times_out_naming_the_field():
         assert s.compile("ebnf", "slow") == "slow"  # it finished later: cached for the next request
     finally:
         s.close()
+
+
+def test_the_cache_keys_on_the_exact_constraint_text():
+    """Constraints that differ only in whitespace are different constraints (a space in a regex is a
+    character the output must contain; JSON schemas may carry literal strings): each compiles on its
+    own and each request gets its own grammar, never another's."""
+    b = CountingBackend()
+    s = _service(b)
+    try:
+        texts = ["a b", "ab", "a  b", " ab", "ab\n"]
+        assert [s.compile("regex", t) for t in texts] == texts
+        assert [s.compile("regex", t) for t in texts] == texts  # and each is its own cache entry
+        assert [c[1] for c in b.calls] == texts and len(s) == len(texts)
+    finally:
+        s.close()

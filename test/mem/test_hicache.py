@@ -283,6 +283,56 @@ def test_under_a_token_pages_planted_in_the_file_tier_are_counted_misses(referen
         _balanced(engine)
 
 
+def _page_files(root) -> set:
+    return {f for f in root.rglob("*") if f.is_file() and f.name != ".lock"}
+
+
+def test_under_a_token_a_signed_page_copied_under_another_key_or_namespace_is_a_counted_miss(reference, tmp_path):
+    """Someone who can write the store but has no token copies genuine signed pages: prompt A's
+    page rewritten under prompt B's key, and a page signed for C's key in another namespace (what
+    a server of another model under the same token writes) rewritten into this one, header CRCs
+    fixed. The MAC covers key and namespace, so each load is a ``storage_bad_mac`` miss and the
+    tokens are those of an uncached run, never A's or the other model's KV served as this prefix."""
+    from pdserve.mem.storage import page_format
+
+    token, (a, b, c) = "deployment secret", PROMPTS
+    files: list[set] = []
+    with pdserve.Engine(model_path="tiny-llama", disaggregation_auth_token=token, **_storage_kw(tmp_path)) as writer:
+        for prompt in (a, b, c):
+            writer.generate(input_ids=prompt, sampling_params=GREEDY)
+            _hi(writer).storage.flush()  # type: ignore[union-attr]
+            files.append(_page_files(tmp_path) - set().union(*files))
+    assert all(files)
+    a_pages = [f.read_bytes() for f in sorted(files[0])]
+
+    def moved(blob: bytes, field: slice, value: bytes) -> bytes:
+        out = bytearray(blob)
+        out[field] = value
+        out[page_format.HEADER_BYTES - 4:page_format.HEADER_BYTES] = \
+            page_format.crc32c(bytes(out[:page_format.HEADER_BYTES - 4])).to_bytes(4, "little")
+        return bytes(out)
+
+    key_field, ns_field = slice(40, 72), slice(8, 40)  # page_format's header layout
+    elsewhere = namespace({"model": "another model under the same token"})
+    for i, f in enumerate(sorted(files[1])):  # B's keys now hold A's signed pages
+        ns, key, _ = page_format.header_view(f.read_bytes())
+        f.write_bytes(moved(a_pages[i % len(a_pages)], key_field, key))
+    for i, f in enumerate(sorted(files[2])):  # C's keys hold pages signed for them in another namespace
+        ns, key, _ = page_format.header_view(f.read_bytes())
+        payload = a_pages[i % len(a_pages)][page_format.HEADER_BYTES:]
+        signed = page_format.pack(elsewhere, key, payload, page_format.mac_key(token))
+        f.write_bytes(moved(signed, ns_field, ns))
+    with pdserve.Engine(model_path="tiny-llama", disaggregation_auth_token=token, **_storage_kw(tmp_path)) as engine:
+        bad_mac = 0
+        for i, prompt in ((1, b), (2, c)):
+            out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+            info = engine.get_server_info()
+            assert out["output_ids"] == reference["tiny-llama"][i] and out["meta_info"]["cached_tokens"] == 0, i
+            assert info["storage_bad_mac"] > bad_mac and info["storage_hits"] == 0 and info["storage_corrupt"] == 0
+            bad_mac = info["storage_bad_mac"]
+        _balanced(engine)
+
+
 def _rank_files(root, tp_rank: int) -> set:
     """Every stored page object of one TP rank's shard of the file tier (not a write in flight)."""
     return {f for f in (root / f"tp{tp_rank}-of-2").rglob("*") if f.is_file() and not f.name.startswith(".")}

@@ -74,3 +74,25 @@ def test_a_conversation_s_next_turn_extends_its_text():
     assert prompt_text("/v1/completions", {"prompt": "hi"}) == "hi"
     assert prompt_text("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch: routed by load
     assert prompt_text("/v1/chat/completions", {"messages": "bad"}) is None
+
+
+
+def _token_blocks(*blocks: list[int]) -> list[int]:
+    return prompt_block_hashes([t for block in blocks for t in block] + [0], 4)  # the last token is never cached
+
+
+def _text_blocks(*blocks: str) -> list[int]:
+    return text_block_hashes("".join(blocks), 8)
+
+
+@pytest.mark.parametrize("hashes, a, b, c", [(_token_blocks, [11] * 4, [22] * 4, [33] * 4),
+                                             (_text_blocks, "a" * 8, "b" * 8, "c" * 8)], ids=["tokens", "text"])
+def test_blocks_are_chained_so_order_matters(hashes, a, b, c):
+    """A block's hash names the whole prefix up to it: the same blocks in another order, or a block
+    after another history, are not what the worker was sent (unchained hashes would match both)."""
+    index = ApproxIndex(100)
+    index.insert(hashes(a, b))
+    assert index.matched_blocks(hashes(a, b)) == 2
+    assert index.matched_blocks(hashes(b, a)) == 0  # the same two blocks, swapped
+    assert index.matched_blocks(hashes(a, c)) == 1
+    assert hashes(c, b)[1] != hashes(a, b)[1]  # b after c is not b after a

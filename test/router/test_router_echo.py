@@ -485,6 +485,27 @@ def test_a_stream_whose_decode_dies_resumes_on_another(echo, make_router):
     assert f"resumed on {d2.url} after {k} tokens" in router.output()
 
 
+def test_a_decode_that_dies_after_its_final_event_is_not_resumed(echo, make_router):
+    """d1 sends its last event (the finish reason) and dies before [DONE]: the client has everything,
+    so the router ends the stream itself; it asks no other decode to continue it (a resumed request
+    of 0 new tokens, or an error event after the answer, if it did)."""
+    p1, d1, d2 = echo["p1"], echo["d1"], echo["d2"]
+    router = make_router([p1.url], [d1.url, d2.url], "--policy", "round_robin")
+    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 3},
+            "echo_die_on": "d1", "echo_die_after": 3}
+    with httpx.stream("POST", router.url + "/generate", json=body, timeout=30) as r:
+        got = events(r)
+    assert len(d1.generation_bodies()) == 1  # the stream began on d1, which died
+    assert got[-1] == "[DONE]" and all("error" not in e for e in got[:-1])
+    assert [e["output_ids"] for e in got[:-1]] == [[1003], [1003, 1004], [1003, 1004, 1005]]
+    assert got[-2]["meta_info"]["finish_reason"]["type"] == "length"
+    assert d2.generation_bodies() == [] and router.metric("pdserve_router:resumed_streams_total") == 0
+    alone = make_router([p1.url], [d1.url])  # no decode to resume on: still no error event
+    with httpx.stream("POST", alone.url + "/generate", json=body, timeout=30) as r:
+        got = events(r)
+    assert got[-1] == "[DONE]" and got[-2]["output_ids"] == [1003, 1004, 1005] and "error" not in got[-2]
+
+
 def test_a_stream_with_no_decode_left_ends_with_an_error_event(echo, make_router):
     router = make_router([echo["p1"].url], [echo["d1"].url])
     body = {"input_ids": [1], "stream": True, "sampling_params": {"max_new_tokens": 5},

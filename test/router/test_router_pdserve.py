@@ -3,6 +3,9 @@
 The P/D modes do not exist yet, so the "prefill" and "decode" workers are colocated
 servers with different ``--random-seed`` (different dummy weights, so different greedy
 outputs): an answer equal to the decode server's own proves decode's answer is returned.
+
+Abort ownership holds whatever keys the server has: servers and router here have none, and
+``keyed`` adds a server with ``--api-key`` only (no admin key) and a router holding that key.
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ def router(servers):
     r = Router([servers["prefill"].url], [servers["decode"].url]).start()
     yield r
     assert r.stop() == 0, r.output()
+
+
+KEY = "inference-key"
+
+
+@pytest.fixture(scope="module")
+def keyed(servers):
+    """(a server with --api-key only, a router with that key whose decode it is); the router's
+    prefill is the keyless prefill server, which takes whatever key it is sent."""
+    server = Server(model=MODEL, api_key=KEY)
+    router = None
+    try:
+        server.start()
+        router = Router([servers["prefill"].url], [server.url], "--api-key", KEY).start()
+        yield server, router
+    finally:
+        if router is not None:
+            assert router.stop() == 0, router.output()
+        server.stop()
 
 
 def generate(url: str, text: str, **extra) -> dict:
@@ -129,6 +151,46 @@ def test_client_disconnect_aborts_on_both_servers(servers, router):
     # an aborted request never counts its tokens as generated; one that ran to the end would add 4000
     assert [metric_sum(s, "pdserve:generation_tokens_total") for s in (prefill, decode)] == finished_before
     assert router.worker_state(decode.url)["in_flight"] == 0 == router.worker_state(prefill.url)["in_flight"]
+
+
+def _foreign_then_own_abort(url: str, headers: dict, rid: str) -> tuple[list[int], dict]:
+    """Streams ``rid`` (up to 2000 tokens) from ``url`` as the client with X-Client-Token ``alice``; at
+    its second event POSTs ``/abort_request`` for it with another token, then with none; at its fourth,
+    with alice's. Returns (the three answers' statuses, the stream's last event).
+
+    The stream is long so that the foreign aborts reach a request still running (one that had ended
+    is nothing to refuse: 200); its owner then ends it, which shows the refused aborts stopped nothing."""
+    body = {"text": "mine", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    aborts = {2: [{"X-Client-Token": "mallory"}, {}], 4: [{"X-Client-Token": "alice"}]}
+    statuses, events = [], []
+    with httpx.stream("POST", url + "/generate", json=body, headers={**headers, "X-Client-Token": "alice"},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                for extra in aborts.get(len(events), []):
+                    statuses.append(httpx.post(url + "/abort_request", json={"rid": rid},
+                                               headers={**headers, **extra}, timeout=60).status_code)
+    return statuses, events[-1]
+
+
+@pytest.mark.parametrize("keys", ["no_keys", "api_key_only"])
+def test_only_the_client_that_started_a_request_may_abort_it(keys, request, servers, router):
+    """Without an admin key, "may this caller administer?" is true for every caller (no key at all,
+    or the one inference key all clients share), so it must never stand in for "did it present the
+    admin key?": another X-Client-Token, or none, gets 403 and the stream runs on, on the server and
+    through the router, until the client that started it aborts it."""
+    server, via = (servers["decode"], router) if keys == "no_keys" else request.getfixturevalue("keyed")
+    headers = {"Authorization": f"Bearer {KEY}"} if keys == "api_key_only" else {}
+    for name, url in (("server", server.url), ("router", via.url)):
+        statuses, last = _foreign_then_own_abort(url, headers, f"alice-{keys}-{name}")
+        assert statuses == [403, 403, 200], (name, statuses)
+        assert last["meta_info"]["finish_reason"]["type"] == "abort", name
+        assert 4 <= len(last["output_ids"]) < 2000, name  # it ran past the refused aborts, to its owner's
+    for s in (server, servers["prefill"]):
+        s.wait_idle(timeout=60)
 
 
 def test_killed_decode_is_dropped_after_the_health_check(servers):

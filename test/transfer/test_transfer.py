@@ -7,6 +7,7 @@ bytes landed, and a notify never overtakes its data.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -555,6 +556,33 @@ def test_nixl_refuses_a_record_whose_metadata_names_another_agent():
     finally:
         for be in (a, b, c):
             be.close()
+
+
+@needs_nixl
+def test_nixl_drops_a_notify_over_the_size_bound_and_still_lands_its_data():
+    """A notify is held by the receiver until taken, so its size is bounded (``MAX_NOTIFY_BYTES`` of
+    encoded notify): one byte over it is dropped, though its write lands and is answered; one at the
+    bound is delivered."""
+    from pdserve.transfer.nixl import MAX_NOTIFY_BYTES
+
+    a, b = create_transfer_backend("nixl"), create_transfer_backend("nixl")
+    src, dst = alloc(4096), alloc(4096)
+    try:
+        a.register([(src.data_ptr(), 4096)])
+        b.register([(dst.data_ptr(), 4096)])
+        a.connect(b.session_id, b.peer_info)
+        b.connect(a.session_id, a.peer_info)
+        overhead = len(json.dumps(["room", ""]))  # the encoded (name, msg) pair around msg
+        for val, msg_bytes, delivered in ((1, MAX_NOTIFY_BYTES - overhead + 1, False),
+                                          (2, MAX_NOTIFY_BYTES - overhead, True)):
+            src.fill_(val)
+            msg = "m" * msg_bytes
+            a.write_sync(b.session_id, [src.data_ptr()], [dst.data_ptr()], [4096], notify=("room", msg))
+            assert int(dst.eq(val).sum()) == 4096  # landed, and DONE: the receiver answered its batch
+            assert b.notifies() == ([("room", msg)] if delivered else []), msg_bytes
+    finally:
+        a.close()
+        b.close()
 
 
 @needs_nixl

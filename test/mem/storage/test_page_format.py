@@ -63,3 +63,34 @@ def test_a_page_under_a_token_needs_its_mac():
             unpack(blob, NS, KEY, MAC_KEY)
         assert err.value.reason == "bad_mac", what
     assert page_format.mac_key("t") != page_format.mac_key("u") and len(MAC_KEY) == 32
+
+
+# Header fields (page_format's layout): namespace at bytes 8..40, key at 40..72.
+NS_FIELD, KEY_FIELD = slice(8, 40), slice(40, 72)
+
+
+def rewritten(blob: bytes, field: slice, value: bytes) -> bytes:
+    """``blob`` with one header field replaced and the header CRC fixed: what anyone who can write
+    the store can do without the token."""
+    out = bytearray(blob)
+    out[field] = value
+    out[HEADER_BYTES - 4 : HEADER_BYTES] = crc32c(bytes(out[: HEADER_BYTES - 4])).to_bytes(4, "little")
+    return bytes(out)
+
+
+def test_a_signed_page_copied_under_another_key_or_namespace_is_a_bad_mac():
+    """The MAC binds a page to its key and namespace, not only to its payload: a page signed for one
+    prefix, its key field (or namespace field) rewritten and the header CRC fixed, is well-formed and
+    carries a genuine MAC of its bytes, and is still refused as ``bad_mac``."""
+    payload = bytes(range(200))
+    other_ns = namespace({"model": "b"})
+    moved = {
+        "key": (rewritten(pack(NS, KEY, payload, MAC_KEY), KEY_FIELD, KEY2), NS, KEY2),
+        "namespace": (rewritten(pack(other_ns, KEY, payload, MAC_KEY), NS_FIELD, NS), NS, KEY),
+    }
+    for what, (blob, ns, key) in moved.items():
+        assert page_format.header_view(blob) == (ns, key, len(payload)), what  # the rewrite took, CRCs agree
+        assert unpack(blob, ns, key) == payload, what  # without a token nothing tells it apart
+        with pytest.raises(PageFormatError) as err:
+            unpack(blob, ns, key, MAC_KEY)
+        assert err.value.reason == "bad_mac", what
