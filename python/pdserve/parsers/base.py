@@ -21,9 +21,9 @@ reaches the client as such), so the API never invents or reorders a byte of them
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,17 @@ class Scan:
 
 class ToolParser(ABC):
     """A model family's tool-call format. Subclasses set ``name`` (SGLang's ``--tool-call-parser``
-    value) and implement ``scan`` under the rules of this module's docstring."""
+    value) and implement ``scan`` under the rules of this module's docstring.
+
+    ``tools``: the function names the request offers, or a mapping of each name to its parameters
+    schema (None: the tool takes none), which formats whose calls may lack a name (Kimi-K2's
+    foreign call ids) need to tell the function from the arguments."""
 
     name: ClassVar[str]
 
-    def __init__(self, tools: Iterable[str]):
-        self.tools = frozenset(tools)  # the function names this request offers
+    def __init__(self, tools: Iterable[str] | Mapping[str, Any]):
+        self.schemas: dict[str, Any] | None = dict(tools) if isinstance(tools, Mapping) else None
+        self.tools = frozenset(tools)
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:

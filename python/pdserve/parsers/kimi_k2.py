@@ -4,6 +4,13 @@ renders the ids back into later turns):
 
     <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
     {"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+
+Kimi-K2.5 and later sometimes write another id: a bare counter (``3``) or, copying the ids of
+earlier turns, a client's (``call_3``, ``toolu_...``, a UUID). The function is then the one tool
+the arguments fit (``tool_match``): known at once when the request offers a single tool, else
+only when the call is complete; the id becomes ``functions.NAME:IDX`` for a counter and stays the
+client's own otherwise. A call that fits no single tool, or names a function the request does not
+offer, is dropped, special tokens and all; so are this format's tokens met outside a call.
 """
 
 from __future__ import annotations
@@ -12,9 +19,11 @@ import re
 
 from pdserve.parsers.base import ToolCall
 from pdserve.parsers.tagged import TaggedToolParser
+from pdserve.parsers.tool_match import infer_tool
 
 ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
-_CALL_ID = re.compile(r"(?:functions\.)?(?P<name>.+):(?P<index>\d+)", re.S)
+_CALL_ID = re.compile(r"(?:functions\.)?(?P<name>[^\s:]+):(?P<index>\d+)")
+_COUNTER = re.compile(r"\d+")
 
 
 class KimiK2ToolParser(TaggedToolParser):
@@ -22,13 +31,27 @@ class KimiK2ToolParser(TaggedToolParser):
     call_open = "<|tool_call_begin|>"
     call_close = "<|tool_call_end|>"
     section_tags = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    stray_tags = (ARGUMENT_BEGIN, "<|tool_call_end|>")
+    unmatched_is_content = False
 
     def read_call(self, body: str, complete: bool) -> ToolCall | None:
         at = body.find(ARGUMENT_BEGIN)
         if at < 0:
             return None
-        m = _CALL_ID.fullmatch(body[:at].strip())
-        if m is None or m["name"] not in self.tools:
-            return None
+        call_id = body[:at].strip()
         args = body[at + len(ARGUMENT_BEGIN):].strip()
-        return ToolCall(m["name"], args or ("{}" if complete else ""), id=f"functions.{m['name']}:{m['index']}")
+        named = _CALL_ID.fullmatch(call_id)
+        if named is not None:
+            name = named["name"]
+            if name not in self.tools:
+                return None
+            return ToolCall(name, _arguments(args, complete), id=f"functions.{name}:{named['index']}")
+        inferred = infer_tool(self.schemas, self.tools, args if complete else None)
+        if inferred is None:
+            return None
+        call_id = f"functions.{inferred}:{call_id}" if _COUNTER.fullmatch(call_id) else call_id or None
+        return ToolCall(inferred, _arguments(args, complete), id=call_id)
+
+
+def _arguments(args: str, complete: bool) -> str:
+    return args or ("{}" if complete else "")
