@@ -54,8 +54,8 @@ class ToolPlan:
     template_tools: list[dict] | None = None  # what apply_chat_template is given as ``tools``
     parser: str | None = None  # the tool parser reading the reply ("json_array": the forced form)
     names: tuple[str, ...] = ()  # function names a call may have
-    schemas: dict[str, Any] | None = None  # auto: each name's parameters schema (parsers that infer names)
     forced: Constraint | None = None  # required / named: the grammar of the JSON array
+    schemas: dict[str, Any] | None = None  # auto: each name's parameters schema (parsers that infer names)
 
 
 def tool_plan(req: ChatCompletionRequest, configured_parser: str | None) -> ToolPlan:

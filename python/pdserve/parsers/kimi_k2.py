@@ -49,8 +49,8 @@ class KimiK2ToolParser(TaggedToolParser):
         inferred = infer_tool(self.schemas, self.tools, args if complete else None)
         if inferred is None:
             return None
-        call_id = f"functions.{inferred}:{call_id}" if _COUNTER.fullmatch(call_id) else call_id or None
-        return ToolCall(inferred, _arguments(args, complete), id=call_id)
+        own_id = f"functions.{inferred}:{call_id}" if _COUNTER.fullmatch(call_id) else call_id or None
+        return ToolCall(inferred, _arguments(args, complete), id=own_id)
 
 
 def _arguments(args: str, complete: bool) -> str:
