@@ -229,3 +229,19 @@ def test_arguments_stream_as_they_come(name, text, args):
     opened, fragments = first_call_at(make(name), text)
     assert 0 < opened < text.index("Tokyo" if name == "deepseekv31" else "San")
     assert len(fragments) > 10 and "".join(fragments) == args
+
+
+def test_tools_as_names_schemas_or_the_requests_own():
+    """A parser takes the offered functions as names, as name -> parameters schema, or as the
+    request's tools (OpenAI's dicts or the API's models); only the last two let Kimi-K2 tell a
+    call by its arguments."""
+    from pdserve.entrypoints.protocol import Tool
+
+    dicts = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+    text = KIMI_BEGIN + kimi_call("call_9", '{"timezone": "UTC"}') + "<|tool_calls_section_end|>"
+    for tools in (SCHEMAS, dicts, [Tool.model_validate(d) for d in dicts], iter(dicts)):
+        assert got(make("kimi_k2", tools=tools).parse(text)) == ("", [("get_time", '{"timezone": "UTC"}', "call_9")])
+    assert got(make("kimi_k2", tools=TOOLS).parse(text)) == ("", [])  # names alone: no schema tells
+    assert make("qwen25", tools=iter(TOOLS)).tools.tools == frozenset(TOOLS)
+    with pytest.raises(ValueError, match="tools: 7 is neither"):
+        tool_parser("kimi_k2", [dicts[0], 7])

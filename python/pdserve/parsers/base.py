@@ -49,15 +49,18 @@ class ToolParser(ABC):
     """A model family's tool-call format. Subclasses set ``name`` (SGLang's ``--tool-call-parser``
     value) and implement ``scan`` under the rules of this module's docstring.
 
-    ``tools``: the function names the request offers, or a mapping of each name to its parameters
-    schema (None: the tool takes none), which formats whose calls may lack a name (Kimi-K2's
-    foreign call ids) need to tell the function from the arguments."""
+    ``tools``: the function names the request offers; or what they take as well, which formats
+    whose calls may lack a name (Kimi-K2's foreign call ids) need to tell the function from the
+    arguments: a mapping of each name to its parameters schema (None: the tool takes none), or the
+    request's tools themselves (OpenAI's ``{"type": "function", "function": {...}}``, as dicts or
+    as the API's models)."""
 
     name: ClassVar[str]
 
-    def __init__(self, tools: Iterable[str] | Mapping[str, Any]):
-        self.schemas: dict[str, Any] | None = dict(tools) if isinstance(tools, Mapping) else None
-        self.tools = frozenset(tools)
+    def __init__(self, tools: Iterable[Any] | Mapping[str, Any]):
+        offered = tools if isinstance(tools, Mapping) else list(tools)
+        self.schemas = tool_schemas(offered)
+        self.tools = frozenset(self.schemas if self.schemas is not None else offered)
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
@@ -65,6 +68,22 @@ class ToolParser(ABC):
 
     def parse(self, text: str) -> Scan:
         return self.scan(text, final=True)
+
+
+def tool_schemas(tools: list[Any] | Mapping[str, Any]) -> dict[str, Any] | None:
+    """Each offered function's parameters schema, or None when ``tools`` are bare names."""
+    if isinstance(tools, Mapping):
+        return dict(tools)
+    if all(isinstance(t, str) for t in tools):
+        return None
+    out: dict[str, Any] = {}
+    for tool in tools:
+        spec = tool.model_dump(by_alias=True) if hasattr(tool, "model_dump") else tool
+        function = spec.get("function", spec) if isinstance(spec, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tools: {tool!r} is neither a function name nor a function tool")
+        out[function["name"]] = function.get("parameters")
+    return out
 
 
 def partial_marker_len(text: str, markers: Iterable[str]) -> int:
