@@ -14,7 +14,8 @@ chat template is shown, and which parsers read the reply (``parsers/``).
   ``parallel_tool_calls`` false caps that array at one call.
 - Reasoning: with ``--reasoning-parser`` and ``separate_reasoning`` (default true), the thinking
   part goes to ``reasoning_content``; qwen3 with ``chat_template_kwargs.enable_thinking`` false
-  has none. A constrained reply is never split: the grammar applies from the first token, so it
+  has none, nor has deepseek-v3 without ``chat_template_kwargs.thinking`` true (each parser
+  states its switch: ``parsers/reasoning.py``). A constrained reply is never split: the grammar applies from the first token, so it
   has no thinking part (SGLang's reasoner grammar, which lets the model think first, is not here).
 """
 
