@@ -15,8 +15,9 @@ chat template is shown, and which parsers read the reply (``parsers/``).
 - Reasoning: with ``--reasoning-parser`` and ``separate_reasoning`` (default true), the thinking
   part goes to ``reasoning_content``; qwen3 with ``chat_template_kwargs.enable_thinking`` false
   has none, nor has deepseek-v3 without ``chat_template_kwargs.thinking`` true (each parser
-  states its switch: ``parsers/reasoning.py``). A constrained reply is never split: the grammar applies from the first token, so it
-  has no thinking part (SGLang's reasoner grammar, which lets the model think first, is not here).
+  states its switch: ``parsers/reasoning.py``). A constrained reply is never split: the grammar
+  applies from the first token, so it has no thinking part (SGLang's reasoner grammar, which lets
+  the model think first, is not here).
 """
 
 from __future__ import annotations
