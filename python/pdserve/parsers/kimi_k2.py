@@ -16,6 +16,8 @@ offer, is dropped, special tokens and all; so are this format's tokens met outsi
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from pdserve.parsers.base import ToolCall
 from pdserve.parsers.tagged import TaggedToolParser
@@ -34,6 +36,11 @@ class KimiK2ToolParser(TaggedToolParser):
     stray_tags = (ARGUMENT_BEGIN, "<|tool_call_end|>")
     unmatched_is_content = False
 
+    def __init__(self, tools: Iterable[Any] | Mapping[str, Any]):
+        super().__init__(tools)
+        # a stream rescans every complete call on each token: each one's arguments are matched once
+        self._inferred: dict[str, str | None] = {}
+
     def read_call(self, body: str, complete: bool) -> ToolCall | None:
         at = body.find(ARGUMENT_BEGIN)
         if at < 0:
@@ -46,11 +53,18 @@ class KimiK2ToolParser(TaggedToolParser):
             if name not in self.tools:
                 return None
             return ToolCall(name, _arguments(args, complete), id=f"functions.{name}:{named['index']}")
-        inferred = infer_tool(self.schemas, self.tools, args if complete else None)
+        inferred = self._infer(args if complete else None)
         if inferred is None:
             return None
         own_id = f"functions.{inferred}:{call_id}" if _COUNTER.fullmatch(call_id) else call_id or None
         return ToolCall(inferred, _arguments(args, complete), id=own_id)
+
+    def _infer(self, args: str | None) -> str | None:
+        if args is None or len(self.tools) < 2:
+            return infer_tool(self.schemas, self.tools, args)
+        if args not in self._inferred:
+            self._inferred[args] = infer_tool(self.schemas, self.tools, args)
+        return self._inferred[args]
 
 
 def _arguments(args: str, complete: bool) -> str:
