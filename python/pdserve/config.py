@@ -29,8 +29,8 @@ HICACHE_MEM_LAYOUTS = ("layer_first", "page_first")
 HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 # --tool-call-parser / --reasoning-parser (SGLang's names; the parsers themselves: pdserve/parsers/)
-TOOL_CALL_PARSERS = ("deepseekv3", "qwen25", "llama3", "kimi_k2")
-REASONING_PARSERS = ("deepseek-r1", "qwen3")
+TOOL_CALL_PARSERS = ("deepseekv3", "qwen25", "llama3", "kimi_k2", "deepseekv31", "deepseekv32", "deepseekv4")
+REASONING_PARSERS = ("deepseek-r1", "qwen3", "deepseek-v3", "kimi_k2")
 # Extra config keys the engine reads itself (SGLang's names for the first two); never passed to a store.
 HICACHE_ENGINE_EXTRA_KEYS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefill_tokens_per_s")
 # Storage objects smaller than this cost more in per-object overhead than they save.
@@ -975,6 +975,9 @@ class ServerArgs:
             raise ValueError(f"max_logprobs: must be >= 0, or -1 (no cap but the vocabulary), got {self.max_logprobs}")
         if self.max_seqs_per_request < 1:
             raise ValueError(f"max_seqs_per_request: must be >= 1, got {self.max_seqs_per_request}")
+        for parser_field in ("tool_call_parser", "reasoning_parser"):  # case-insensitive, as in SGLang
+            if getattr(self, parser_field) is not None:
+                object.__setattr__(self, parser_field, getattr(self, parser_field).lower())
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser: {self.tool_call_parser!r} is not one of {TOOL_CALL_PARSERS}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):

@@ -7,12 +7,25 @@ from __future__ import annotations
 import random
 
 import pytest
-from recorded_outputs import CASES, MALFORMED, REASONING, TOOLS
+from recorded_outputs import (
+    CASES,
+    DS_BEGIN,
+    DS_CALL,
+    DS_SEP,
+    DSML_BEGIN,
+    KIMI_BEGIN,
+    MALFORMED,
+    REASONING,
+    REQUEST_REASONING,
+    SCHEMAS,
+    TOOLS,
+    kimi_call,
+)
 
-from pdserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+from pdserve.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerArgs
 from pdserve.parsers.output import ChatOutput, ChatOutputParser
 from pdserve.parsers.registry import REASONING_PARSERS as REASONING_REGISTRY
-from pdserve.parsers.registry import TOOL_PARSERS, reasoning_parser, tool_parser
+from pdserve.parsers.registry import TOOL_PARSERS, reasoning_parser, request_reasoning, tool_parser
 
 FORCED_ARRAY = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
                 '{"name": "get_time", "arguments": {"timezone": "UTC"}}]')
@@ -44,9 +57,9 @@ def splits(text: str):
     yield list(text)
 
 
-def make(tool: str | None = None, reasoning: str | None = None) -> ChatOutputParser:
+def make(tool: str | None = None, reasoning: str | None = None, tools=SCHEMAS) -> ChatOutputParser:
     return ChatOutputParser(reasoning_parser(reasoning) if reasoning else None,
-                            tool_parser(tool, TOOLS) if tool else None)
+                            tool_parser(tool, tools) if tool else None)
 
 
 def expected(content: str, calls: list) -> tuple:
@@ -132,3 +145,103 @@ def test_mangled_outputs_never_diverge(seed):
             cut = sorted(rng.sample(range(len(mangled) + 1), min(6, len(mangled) + 1)))
             chunks = [mangled[a:b] for a, b in zip([0, *cut], [*cut, len(mangled)])]
             assert assemble(make(tool, reasoning), chunks) == whole, (tool, reasoning, mangled, chunks)
+
+
+def test_parser_names_are_case_insensitive():
+    """As in SGLang: --reasoning-parser DeepSeek-R1 is deepseek-r1, on the flag and in the registry."""
+    assert reasoning_parser("DeepSeek-R1").name == "deepseek-r1"
+    assert tool_parser("DeepSeekV31", TOOLS).name == "deepseekv31"
+    args = ServerArgs(model_path="tiny-llama", tool_call_parser="Kimi_K2", reasoning_parser="DeepSeek-V3")
+    assert (args.tool_call_parser, args.reasoning_parser) == ("kimi_k2", "deepseek-v3")
+    with pytest.raises(ValueError, match="reasoning_parser: unknown parser 'DeepSeek-R2'"):
+        reasoning_parser("DeepSeek-R2")
+
+
+@pytest.mark.parametrize("name,kwargs,text,reasoning,content", REQUEST_REASONING,
+                         ids=[f"{r[0]}-{i}" for i, r in enumerate(REQUEST_REASONING)])
+def test_reasoning_as_the_request_switches_it(name, kwargs, text, reasoning, content):
+    parser = request_reasoning(name, kwargs)
+    if reasoning is None:
+        assert parser is None
+        return
+    assert parser is not None
+    for chunks in [[text], *splits(text)]:
+        out = assemble(ChatOutputParser(request_reasoning(name, kwargs), None), chunks)
+        assert (out.reasoning, out.content) == (reasoning, content), chunks
+
+
+def test_reasoning_parsers_state_their_markers():
+    """What a grammar that waits for the thinking part to end needs: the marker that ends it and
+    whether a reply starts inside it."""
+    assert {n: (c.think_close, c.tool_start) for n, c in REASONING_REGISTRY.items()} == {
+        "deepseek-r1": ("</think>", None), "qwen3": ("</think>", None), "deepseek-v3": ("</think>", None),
+        "kimi_k2": ("</think>", "<|tool_calls_section_begin|>")}
+    assert reasoning_parser("deepseek-r1").forced and not reasoning_parser("qwen3").forced
+    assert request_reasoning("deepseek-v3", {"thinking": True}).forced
+    assert not reasoning_parser("deepseek-v3").forced and reasoning_parser("kimi_k2", forced=True).forced
+
+
+def test_kimi_thinking_then_tool_call_without_think_close():
+    """Kimi-K2 goes from thinking straight to a tool section: the thinking part stays clean and the
+    call is read, whole and at every split."""
+    call = kimi_call("call_0", '{"timezone": "Europe/Paris"}')
+    text = "<think>The user wants the time in Paris." + KIMI_BEGIN + call + "<|tool_calls_section_end|>"
+    for chunks in [[text], *splits(text)]:
+        out = assemble(make("kimi_k2", "kimi_k2"), chunks)
+        assert out.reasoning == "The user wants the time in Paris."
+        assert got(out) == ("", [("get_time", '{"timezone": "Europe/Paris"}', "call_0")]), chunks
+
+
+def first_call_at(parser: ChatOutputParser, text: str) -> tuple[int, list[str]]:
+    """Fed one character at a time: how much text was in when the first call opened, and the
+    argument fragments after it."""
+    opened, fragments = -1, []
+    for i, ch in enumerate(text):
+        for c in parser.feed(ch).calls:
+            if c.name is not None and opened < 0:
+                opened = i + 1
+            elif c.arguments:
+                fragments.append(c.arguments)
+    return opened, fragments
+
+
+def test_kimi_foreign_id_is_named_once_certain():
+    """A client-style id among several tools: nothing until the call ends (the arguments decide the
+    function); with one tool offered, the name is certain at once and the arguments stream."""
+    text = KIMI_BEGIN + kimi_call("call_3", '{"city": "Tokyo"}') + "<|tool_calls_section_end|>"
+    opened, _ = first_call_at(make("kimi_k2"), text)
+    assert opened == text.index("<|tool_call_end|>") + len("<|tool_call_end|>")
+    alone = make("kimi_k2", tools={"get_weather": SCHEMAS["get_weather"]})
+    opened, fragments = first_call_at(alone, text)
+    assert opened == text.index("{")
+    assert len(fragments) > 5 and "".join(fragments) == '{"city": "Tokyo"}'
+
+
+@pytest.mark.parametrize("name,text,args", [
+    ("deepseekv31", DS_BEGIN + DS_CALL + "get_weather" + DS_SEP + '{"city": "Tokyo", "unit": "celsius"}',
+     '{"city": "Tokyo", "unit": "celsius"}'),
+    ("deepseekv32", DSML_BEGIN + '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">'
+     'San Francisco</｜DSML｜parameter>\n<｜DSML｜parameter name="unit" string="false">"celsius"</｜DSML｜parameter>'
+     "\n</｜DSML｜invoke>", '{"city": "San Francisco", "unit": "celsius"}'),
+])
+def test_arguments_stream_as_they_come(name, text, args):
+    """V3.1's JSON and DSML's text parameters reach the client while the model writes them."""
+    opened, fragments = first_call_at(make(name), text)
+    assert 0 < opened < text.index("Tokyo" if name == "deepseekv31" else "San")
+    assert len(fragments) > 10 and "".join(fragments) == args
+
+
+def test_tools_as_names_schemas_or_the_requests_own():
+    """A parser takes the offered functions as names, as name -> parameters schema, or as the
+    request's tools (OpenAI's dicts or the API's models); only the last two let Kimi-K2 tell a
+    call by its arguments."""
+    from pdserve.entrypoints.protocol import Tool
+
+    dicts = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+    text = KIMI_BEGIN + kimi_call("call_9", '{"timezone": "UTC"}') + "<|tool_calls_section_end|>"
+    for tools in (SCHEMAS, dicts, [Tool.model_validate(d) for d in dicts], iter(dicts)):
+        assert got(make("kimi_k2", tools=tools).parse(text)) == ("", [("get_time", '{"timezone": "UTC"}', "call_9")])
+    assert got(make("kimi_k2", tools=TOOLS).parse(text)) == ("", [])  # names alone: no schema tells
+    assert make("qwen25", tools=iter(TOOLS)).tools.tools == frozenset(TOOLS)
+    with pytest.raises(ValueError, match="tools: 7 is neither"):
+        tool_parser("kimi_k2", [dicts[0], 7])

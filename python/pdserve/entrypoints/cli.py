@@ -225,8 +225,9 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
 def add_parser_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("OpenAI API output parsing (docs/structured-outputs.md)")
     _flag(g, "--tool-call-parser", "the model family's tool-call format, parsed into message.tool_calls under "
-          "tool_choice auto (required and named choices need none)", choices=TOOL_CALL_PARSERS)
-    _flag(g, "--reasoning-parser", "split the model's thinking part into reasoning_content", choices=REASONING_PARSERS)
+          "tool_choice auto (required and named choices need none)", choices=TOOL_CALL_PARSERS, type=str.lower)
+    _flag(g, "--reasoning-parser", "split the model's thinking part into reasoning_content", choices=REASONING_PARSERS,
+          type=str.lower)
 
 
 SERVER_ARG_GROUPS = (add_model_args, add_http_args, add_memory_args, add_hicache_args, add_parallel_args,

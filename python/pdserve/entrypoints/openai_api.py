@@ -56,6 +56,7 @@ from pdserve.entrypoints.parallel_sampling import (
 )
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+from pdserve.parsers.registry import request_reasoning
 from pdserve.web.chat import chat_prompt_text
 from pdserve.web.errors import RequestError, parse_body, read_body
 from pdserve.web.streaming import (
@@ -141,13 +142,20 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     (boot,) = tm.bootstraps(req, 1, sampling.n)
     job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group())
     call = _call("chat", model_name, req, [job], top, None, tm)
-    call.output = OutputPlan(reasoning_parser_name(req, tm.args.reasoning_parser, grammar is not None), plan.parser,
-                             plan.names, req.stream_reasoning)
+    reasoning = reasoning_parser_name(req, tm.args.reasoning_parser, grammar is not None)
+    call.output = OutputPlan(reasoning, plan.parser, plan.names, req.stream_reasoning, plan.schemas,
+                             _reasoning_forced(reasoning, req))
     call.renames = _renames(grammar)
     return await _run(tm, request, call)
 
 
 # ------------------------------------------------------------------- chat
+def _reasoning_forced(name: str | None, req: ChatCompletionRequest) -> bool | None:
+    """Whether this request's reply starts inside the thinking part (its template opened it)."""
+    parser = None if name is None else request_reasoning(name, req.chat_template_kwargs)
+    return None if parser is None else parser.forced
+
+
 async def _chat_ids(tm: TokenizerManager, messages: list[dict], tools: list[dict] | None,
                     kwargs: dict) -> list[int]:
     """``chat_prompt_ids``, tokenized off the event loop when long."""

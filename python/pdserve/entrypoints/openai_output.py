@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.parsers.output import CallDelta, ChatDelta, ChatOutputParser
 from pdserve.parsers.registry import reasoning_parser, tool_parser
@@ -20,14 +22,17 @@ class OutputPlan:
     tools: str | None = None  # tool parser name
     tool_names: tuple[str, ...] = ()
     stream_reasoning: bool = True  # stream the thinking part as it comes, else once it ends
+    tool_schemas: Mapping[str, Any] | None = None  # each tool's parameters schema, where known
+    reasoning_forced: bool | None = None  # the reply starts inside thinking (None: the parser's default)
 
     @property
     def active(self) -> bool:
         return self.reasoning is not None or self.tools is not None
 
     def parser(self) -> ChatOutputParser:
-        return ChatOutputParser(reasoning_parser(self.reasoning) if self.reasoning else None,
-                                tool_parser(self.tools, self.tool_names) if self.tools else None)
+        tools = self.tool_schemas if self.tool_schemas is not None else self.tool_names
+        return ChatOutputParser(reasoning_parser(self.reasoning, self.reasoning_forced) if self.reasoning else None,
+                                tool_parser(self.tools, tools) if self.tools else None)
 
 
 def new_call_id() -> str:

@@ -14,17 +14,21 @@ chat template is shown, and which parsers read the reply (``parsers/``).
   ``parallel_tool_calls`` false caps that array at one call.
 - Reasoning: with ``--reasoning-parser`` and ``separate_reasoning`` (default true), the thinking
   part goes to ``reasoning_content``; qwen3 with ``chat_template_kwargs.enable_thinking`` false
-  has none. A constrained reply is never split: the grammar applies from the first token, so it
-  has no thinking part (SGLang's reasoner grammar, which lets the model think first, is not here).
+  has none, nor has deepseek-v3 without ``chat_template_kwargs.thinking`` true (each parser
+  states its switch: ``parsers/reasoning.py``). A constrained reply is never split: the grammar
+  applies from the first token, so it has no thinking part (SGLang's reasoner grammar, which lets
+  the model think first, is not here).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, Tool
 from pdserve.parsers import json_array
+from pdserve.parsers.registry import request_reasoning
 from pdserve.web.errors import RequestError
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -53,6 +57,7 @@ class ToolPlan:
     parser: str | None = None  # the tool parser reading the reply ("json_array": the forced form)
     names: tuple[str, ...] = ()  # function names a call may have
     forced: Constraint | None = None  # required / named: the grammar of the JSON array
+    schemas: dict[str, Any] | None = None  # auto: each name's parameters schema (parsers that infer names)
 
 
 def tool_plan(req: ChatCompletionRequest, configured_parser: str | None) -> ToolPlan:
@@ -65,7 +70,8 @@ def tool_plan(req: ChatCompletionRequest, configured_parser: str | None) -> Tool
     if not tools:
         raise RequestError("tool_choice: needs tools (the request has none)", param="tool_choice")
     if choice == "auto":
-        return ToolPlan(_template_tools(tools), configured_parser, names)
+        return ToolPlan(_template_tools(tools), configured_parser, names,
+                        schemas={t.function.name: t.function.parameters for t in tools})
     chosen = tools
     if isinstance(choice, NamedToolChoice):
         chosen = [t for t in tools if t.function.name == choice.function.name]
@@ -125,8 +131,8 @@ def reasoning_parser_name(req: ChatCompletionRequest, configured: str | None, co
     """The reasoning parser for this request, or None (see the module docstring)."""
     if configured is None or not req.separate_reasoning or constrained:
         return None
-    if configured == "qwen3" and (req.chat_template_kwargs or {}).get("enable_thinking") is False:
-        return None
+    if request_reasoning(configured, req.chat_template_kwargs) is None:
+        return None  # the request turned thinking off (qwen3 enable_thinking, deepseek-v3 thinking)
     return configured
 
 

@@ -21,9 +21,9 @@ reaches the client as such), so the API never invents or reorders a byte of them
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,20 @@ class Scan:
 
 class ToolParser(ABC):
     """A model family's tool-call format. Subclasses set ``name`` (SGLang's ``--tool-call-parser``
-    value) and implement ``scan`` under the rules of this module's docstring."""
+    value) and implement ``scan`` under the rules of this module's docstring.
+
+    ``tools``: the function names the request offers; or what they take as well, which formats
+    whose calls may lack a name (Kimi-K2's foreign call ids) need to tell the function from the
+    arguments: a mapping of each name to its parameters schema (None: the tool takes none), or the
+    request's tools themselves (OpenAI's ``{"type": "function", "function": {...}}``, as dicts or
+    as the API's models)."""
 
     name: ClassVar[str]
 
-    def __init__(self, tools: Iterable[str]):
-        self.tools = frozenset(tools)  # the function names this request offers
+    def __init__(self, tools: Iterable[Any] | Mapping[str, Any]):
+        offered = tools if isinstance(tools, Mapping) else list(tools)
+        self.schemas = tool_schemas(offered)
+        self.tools = frozenset(self.schemas if self.schemas is not None else offered)
 
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
@@ -60,6 +68,22 @@ class ToolParser(ABC):
 
     def parse(self, text: str) -> Scan:
         return self.scan(text, final=True)
+
+
+def tool_schemas(tools: list[Any] | Mapping[str, Any]) -> dict[str, Any] | None:
+    """Each offered function's parameters schema, or None when ``tools`` are bare names."""
+    if isinstance(tools, Mapping):
+        return dict(tools)
+    if all(isinstance(t, str) for t in tools):
+        return None
+    out: dict[str, Any] = {}
+    for tool in tools:
+        spec = tool.model_dump(by_alias=True) if hasattr(tool, "model_dump") else tool
+        function = spec.get("function", spec) if isinstance(spec, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tools: {tool!r} is neither a function name nor a function tool")
+        out[function["name"]] = function.get("parameters")
+    return out
 
 
 def partial_marker_len(text: str, markers: Iterable[str]) -> int:

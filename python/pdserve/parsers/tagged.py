@@ -11,12 +11,17 @@ from pdserve.parsers.base import ContentBuilder, Scan, ToolCall, ToolParser, fin
 
 class TaggedToolParser(ToolParser):
     """``call_open`` BODY ``call_close``, anywhere in the text; ``section_tags`` (the tags some
-    formats wrap a run of calls in) are layout and dropped. A region whose body yields no call
-    (``read_call`` None once the region is closed or the text final) is content, tags and all."""
+    formats wrap a run of calls in) are layout and dropped, and so are ``stray_tags`` (a format's
+    special tokens met outside a call: an argument marker, a lone end). A region whose body yields
+    no call (``read_call`` None once the region is closed or the text final) is content, tags and
+    all, unless ``unmatched_is_content`` is false: then it is dropped, as SGLang drops a call it
+    cannot attribute, so that a format's special tokens never reach the content."""
 
     call_open: ClassVar[str]
     call_close: ClassVar[str]
     section_tags: ClassVar[tuple[str, ...]] = ()
+    stray_tags: ClassVar[tuple[str, ...]] = ()
+    unmatched_is_content: ClassVar[bool] = True
 
     @abstractmethod
     def read_call(self, body: str, complete: bool) -> ToolCall | None:
@@ -26,7 +31,7 @@ class TaggedToolParser(ToolParser):
 
     def scan(self, text: str, final: bool) -> Scan:
         out = ContentBuilder()
-        markers = (self.call_open, *self.section_tags)
+        markers = (self.call_open, *self.section_tags, *self.stray_tags)
         pos = 0
         while True:
             hit = find_first(text, markers, pos)
@@ -61,5 +66,8 @@ class TaggedToolParser(ToolParser):
         if call is not None:
             out.call(call)
         elif end is not None:
-            out.text(text[at:end])
+            if self.unmatched_is_content:
+                out.text(text[at:end])
+            else:
+                out.boundary()
         return end
