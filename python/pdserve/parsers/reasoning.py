@@ -26,10 +26,19 @@ THINK_CLOSE = "</think>"
 
 
 class ReasoningParser:
-    """Splits ``<think>``-style output; ``forced``: the output starts inside the thinking part."""
+    """Splits ``<think>``-style output; ``forced``: the output starts inside the thinking part.
+
+    What constrained decoding needs to know (engine/grammar.py): ``think_end``, the text that ends
+    the thinking part, and ``thinks(template_kwargs)``, whether a request's reply starts with one
+    (then its grammar constrains only what follows ``think_end``)."""
 
     name: ClassVar[str]
     forced: ClassVar[bool]
+    think_end: ClassVar[str] = THINK_CLOSE
+
+    def thinks(self, template_kwargs: dict) -> bool:
+        """Whether a reply to a request rendered with ``template_kwargs`` starts by thinking."""
+        return True
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of ``text``; with ``final`` false, only what a longer text keeps."""
@@ -59,3 +68,6 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
     forced = False
+
+    def thinks(self, template_kwargs: dict) -> bool:
+        return template_kwargs.get("enable_thinking") is not False
