@@ -257,10 +257,10 @@ class ReqGrammars:
     def advance_all(self, reqs: Sequence[Req], tokens: Sequence[int]) -> list[bool]:
         """``advance`` of each request by its token (one batched call into the backend)."""
         out = [True] * len(reqs)
+        rows = self._rows(reqs)  # before the thinking parts move: the token that ends one is not the grammar's
         for i, r in enumerate(reqs):  # a thinking part takes any token (and may end with it)
             if r.grammar is not None and _thinking(r.grammar):
                 r.grammar.accept_token(tokens[i])
-        rows = self._rows(reqs)
         if rows:
             accepted = self.service.backend().accept_each([g for _, g in _grammars(reqs, rows)],
                                                           [tokens[i] for i in rows])
