@@ -69,12 +69,12 @@ def jump_forward_cost(engine, batch: int, args) -> dict:
     params = {"max_new_tokens": 512, "temperature": 0, "json_schema": record_schema()}
     grammars = engine.scheduler.grammar
     config = grammars.config
-    sides = {"off": dataclasses.replace(config, jump_forward=False), "on": dataclasses.replace(config, jump_forward=True)}
+    sides = {side: dataclasses.replace(config, jump_forward=side == "on") for side in ("off", "on")}
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
     doc_s: dict[str, list[float]] = {"off": [], "on": []}
     tokens: dict[str, list[float]] = {"off": [], "on": []}
     try:
-        for side, c in sides.items():  # warm-up (and compile once)
+        for c in sides.values():  # warm-up (and compile once)
             grammars.config = c
             timed(engine, prompts, params)
         for _ in range(args.repeats):

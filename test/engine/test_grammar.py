@@ -19,7 +19,11 @@ import torch
 
 import pdserve
 from constrained.grammar_fixtures import CONSTRAINTS, INSTALLED, THINK_END, check_output, end_thinking_at
+from constrained.grammar_fixtures import tokenizer as load_tokenizer
+from pdserve.config import GrammarConfig
+from pdserve.constrained import bitmask as bm
 from pdserve.constrained.service import CompileService
+from pdserve.engine.grammar import ReqGrammars, ThinkingGrammar
 
 PROMPTS = ["Give me a record:", "Once upon a time", "1, 2, 3,", "The answer is"]
 GREEDY = {"max_new_tokens": 96, "temperature": 0.0}
@@ -258,14 +262,8 @@ def test_a_thinking_part_is_free_then_the_grammar_holds(engines, jump_forward):
 def test_a_thinking_grammar_rolls_back_across_its_end():
     """Speculative walks roll a grammar back over tokens that ended its thinking part: it thinks
     again, unmasked, and the grammar is where it was."""
-    from constrained.grammar_fixtures import tokenizer as load_tokenizer
-
-    from pdserve.config import GrammarConfig
-    from pdserve.constrained import bitmask as bm
-    from pdserve.engine.grammar import ThinkingGrammar
-
     tok = load_tokenizer()
-    grammars = pdserve.engine.grammar.ReqGrammars(GrammarConfig(), tok, 2048, [1])
+    grammars = ReqGrammars(GrammarConfig(), tok, 2048, [1])
     backend = grammars.service.backend()
     g = ThinkingGrammar(backend.matcher(backend.compile("regex", "(cat|dog)")), THINK_END, tok.decode)
     thought = tok.encode("hmm" + THINK_END, add_special_tokens=False)

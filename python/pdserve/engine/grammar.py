@@ -41,10 +41,9 @@ import torch
 from pdserve.config import GrammarConfig
 from pdserve.constrained import Grammar, GrammarError, create_grammar_backend
 from pdserve.constrained import bitmask as bm
+from pdserve.constrained.base import MAX_ROLLBACK
 from pdserve.constrained.service import CompileService, timeout_error
 from pdserve.constrained.stats import GrammarStats
-
-from pdserve.constrained.base import MAX_ROLLBACK
 
 if TYPE_CHECKING:
     from pdserve.engine.request import Req, SamplingParams
