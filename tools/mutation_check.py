@@ -116,8 +116,9 @@ MUTATIONS = (
     Mutation(
         "cached_tokens_from_readmission", "cached_tokens reports the re-admission's hit after a retraction",
         SCHED,
-        "        if req.num_retractions == 0:\n            req.cached_tokens_reported = req.cached_len\n",
-        "        req.cached_tokens_reported = req.cached_len\n",
+        "        if req.num_retractions == 0 and not req.output_ids:  # not back from a retraction or a jump-forward\n"
+        "            req.cached_tokens_reported = req.cached_len\n",
+        "        if True:\n            req.cached_tokens_reported = req.cached_len\n",
         (f"{T_PATHS}::test_retraction_keeps_seeded_sampling_logprobs_stop_strings_and_cached_tokens",)),
     Mutation(
         "evict_locked_parent", "eviction climbs into a parent that running requests still lock",
@@ -626,8 +627,9 @@ MUTATIONS = (
         "grammar_mask_skips_second_row", "the token bitmask skips the second request with a grammar in a "
         "decode batch (it samples unconstrained)",
         GRAMMAR,
-        "        return [i for i, r in enumerate(reqs) if r.grammar is not None]\n",
-        "        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]\n        return rows[:1] + rows[2:]\n",
+        "        return [i for i, r in enumerate(reqs) if r.grammar is not None and not _thinking(r.grammar)]\n",
+        "        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not _thinking(r.grammar)]\n"
+        "        return rows[:1] + rows[2:]\n",
         (f"{T_GRAMMAR}::test_a_batch_mixes_grammar_and_plain_requests[inline]",)),
     Mutation(
         "grammar_not_advanced", "a sampled token is appended but the request's grammar is not moved past it",
