@@ -650,6 +650,20 @@ MUTATIONS = (
         "        if p < stop and text[p] == \",\":\n            out.members.setdefault(key, member)\n",
         ("test/parsers/test_tool_parsers.py::test_whole_output[qwen25-5]",
          "test/parsers/test_tool_parsers.py::test_stream_at_every_split_point[llama3-11]")),
+    # issue 32, structured output flow
+    Mutation(
+        "thinking_end_token_fed_to_grammar", "the token that ends a thinking part is also fed to the grammar, "
+        "which refuses it: the request aborts right after </think>",
+        GRAMMAR,
+        "                r.grammar.accept_token(tokens[i])\n        if rows:\n",
+        "                r.grammar.accept_token(tokens[i])\n        rows = self._rows(reqs)\n        if rows:\n",
+        (f"{T_GRAMMAR}::test_a_thinking_part_is_free_then_the_grammar_holds[sampled]",)),
+    Mutation(
+        "forced_call_invents_arguments", "a forced call cut before its arguments began reports \"{}\"",
+        "python/pdserve/parsers/json_array.py",
+        "ARGUMENT_KEYS, complete=False)",
+        "ARGUMENT_KEYS, complete=final)",
+        ("test/parsers/test_json_array.py",)),
 )
 
 
