@@ -239,6 +239,10 @@ def test_a_constrained_reply_thinks_first(client):
     assert r.message.reasoning_content == free.reasoning_content and not free.reasoning_content.startswith("{")
     plain = client.chat.completions.create(response_format=person_schema_format(), extra_body=PLAIN, **kw)
     assert plain.choices[0].message.content.startswith('{"name": "')
+    # a forced tool choice too: thinking first, the call (never reached here) after it
+    tool = client.chat.completions.create(tools=TOOLS, tool_choice="required", **kw).choices[0]
+    assert tool.finish_reason == "length" and tool.message.tool_calls is None
+    assert tool.message.reasoning_content and not tool.message.reasoning_content.startswith("[")
 
 def test_logprobs_ride_the_parsed_deltas(client):
     """With a parser holding text back, every token's logprob still reaches the client, once."""
