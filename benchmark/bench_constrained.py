@@ -16,6 +16,12 @@ time. The grammar is
 compiled (and cached) before the first timed round: the decode cost is measured, compile apart.
 Each constrained output is checked to be a valid prefix of the schema's language.
 
+Jump-forward (``--grammar-jump-forward``): a record schema whose keys and punctuation are forced
+(``record_schema``: enums, booleans, bounded integers under long keys), generated to completion
+with jump-forward off and on, alternating rounds on the same engine: output tokens/s (each side's
+own tokens: jump-forward tokenizes the forced text itself, so the counts differ), documents/s (the
+fair comparison: the same schema, completed) and tokens per document, medians over ``--repeats``.
+
 Compile: a schema of ``--schema-fields`` properties (strings with patterns, bounded integers,
 enums, nested objects and arrays) compiled by a fresh compile service with the backend already
 built (cold: ``--compile-repeats`` distinct variants, median), then the same again (cached).
@@ -24,6 +30,7 @@ built (cold: ``--compile-repeats`` distinct variants, median), then the same aga
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -40,6 +47,51 @@ def long_schema(items: int) -> str:
             "id": {"type": "integer", "minimum": 0, "maximum": 999},
             "tag": {"enum": ["alpha", "beta", "gamma"]}}, "required": ["id", "tag"]}}},
         "required": ["rows"]})
+
+
+def record_schema() -> str:
+    """A record that completes, mostly forced text: long keys, enums, booleans, bounded integers."""
+    props = {
+        "customer_account_status": {"enum": ["active", "suspended", "closed"]},
+        "preferred_contact_channel": {"enum": ["email", "telephone", "postal_mail"]},
+        "marketing_consent_given": {"type": "boolean"},
+        "loyalty_programme_tier": {"enum": ["bronze", "silver", "gold", "platinum"]},
+        "outstanding_invoice_count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "requires_manual_review": {"type": "boolean"},
+    }
+    return json.dumps({"type": "object", "properties": props, "required": list(props),
+                       "additionalProperties": False})
+
+
+def jump_forward_cost(engine, batch: int, args) -> dict:
+    """Documents of ``record_schema`` with jump-forward off and on (module docstring)."""
+    prompts = make_prompts(batch, args.prompt_len, seed=100 + batch)
+    params = {"max_new_tokens": 512, "temperature": 0, "json_schema": record_schema()}
+    grammars = engine.scheduler.grammar
+    config = grammars.config
+    sides = {side: dataclasses.replace(config, jump_forward=side == "on") for side in ("off", "on")}
+    tok_s: dict[str, list[float]] = {"off": [], "on": []}
+    doc_s: dict[str, list[float]] = {"off": [], "on": []}
+    tokens: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for c in sides.values():  # warm-up (and compile once)
+            grammars.config = c
+            timed(engine, prompts, params)
+        for _ in range(args.repeats):
+            for side, c in sides.items():
+                grammars.config = c
+                dt, _, out = timed(engine, prompts, params)
+                for o in out:
+                    assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+                    json.loads(o["text"])
+                n = sum(len(o["output_ids"]) for o in out)
+                tok_s[side].append(n / dt)
+                doc_s[side].append(batch / dt)
+                tokens[side].append(n / batch)
+    finally:
+        grammars.config = config
+    return {"batch": batch, **{f"{k}_{side}": statistics.median(v[side]) for k, v in
+                               (("tok_s", tok_s), ("doc_s", doc_s), ("tokens_per_doc", tokens)) for side in sides}}
 
 
 def large_schema(fields: int, variant: int = 0) -> str:
@@ -159,12 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         schema = long_schema(items=10 * args.output_len)
         decode = [decode_cost(engine, b, args, schema) for b in args.batch_sizes]
+        jumps = [jump_forward_cost(engine, b, args) for b in args.batch_sizes]
         compiles = [compile_times(engine.tokenizer, engine.scheduler.model_config.vocab_size, b, args)
                     for b in args.compile_backends]
     finally:
         engine.shutdown()
     if args.json:
-        print(json.dumps({"decode": decode, "compile": compiles}))
+        print(json.dumps({"decode": decode, "jump_forward": jumps, "compile": compiles}))
         return
     print(f"decode ({args.model}, {args.grammar_backend}, {args.output_len} tokens per request, "
           f"median of {args.repeats} alternating rounds)")
@@ -175,6 +228,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{d['batch']:>5} {d['plain_tok_s']:>12.1f} {d['constrained_tok_s']:>18.1f} {d['ratio']:>6.3f} "
               f"{d['cost_pct']:>6.1f}% {d['mask_ms_per_step']:>13.3f} {d['thread_tok_s']:>18.1f} "
               f"{d['thread_cost_pct']:>8.1f}%   {c['plain']:.3f} / {c['constrained']:.3f} / {c['thread']:.3f}")
+    print(f"\njump-forward on a record schema (median of {args.repeats} alternating rounds)")
+    print(f"{'batch':>5} {'tok/s off':>10} {'tok/s on':>10} {'docs/s off':>11} {'docs/s on':>10} {'speedup':>8} "
+          f"{'tokens/doc off':>15} {'on':>5}")
+    for j in jumps:
+        print(f"{j['batch']:>5} {j['tok_s_off']:>10.1f} {j['tok_s_on']:>10.1f} {j['doc_s_off']:>11.2f} "
+              f"{j['doc_s_on']:>10.2f} {j['doc_s_on'] / j['doc_s_off']:>7.2f}x {j['tokens_per_doc_off']:>15.1f} "
+              f"{j['tokens_per_doc_on']:>5.1f}")
     print(f"\ncompile of a {args.schema_fields}-field schema (median of {args.compile_repeats})")
     print(f"{'backend':>10} {'chars':>7} {'cold ms':>9} {'cached ms':>10}")
     for c in compiles:

@@ -116,8 +116,9 @@ MUTATIONS = (
     Mutation(
         "cached_tokens_from_readmission", "cached_tokens reports the re-admission's hit after a retraction",
         SCHED,
-        "        if req.num_retractions == 0:\n            req.cached_tokens_reported = req.cached_len\n",
-        "        req.cached_tokens_reported = req.cached_len\n",
+        "        if req.num_retractions == 0 and not req.output_ids:  # not back from a retraction or a jump-forward\n"
+        "            req.cached_tokens_reported = req.cached_len\n",
+        "        if True:\n            req.cached_tokens_reported = req.cached_len\n",
         (f"{T_PATHS}::test_retraction_keeps_seeded_sampling_logprobs_stop_strings_and_cached_tokens",)),
     Mutation(
         "evict_locked_parent", "eviction climbs into a parent that running requests still lock",
@@ -626,8 +627,9 @@ MUTATIONS = (
         "grammar_mask_skips_second_row", "the token bitmask skips the second request with a grammar in a "
         "decode batch (it samples unconstrained)",
         GRAMMAR,
-        "        return [i for i, r in enumerate(reqs) if r.grammar is not None]\n",
-        "        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]\n        return rows[:1] + rows[2:]\n",
+        "        return [i for i, r in enumerate(reqs) if r.grammar is not None and not _thinking(r.grammar)]\n",
+        "        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not _thinking(r.grammar)]\n"
+        "        return rows[:1] + rows[2:]\n",
         (f"{T_GRAMMAR}::test_a_batch_mixes_grammar_and_plain_requests[inline]",)),
     Mutation(
         "grammar_not_advanced", "a sampled token is appended but the request's grammar is not moved past it",
@@ -720,6 +722,20 @@ MUTATIONS = (
         "name, msg = json.loads(payload) if len(payload) <= MAX_NOTIFY_BYTES else (None, None)",
         "name, msg = json.loads(payload)",
         (f"{T_TRANSFER}::test_nixl_drops_a_notify_over_the_size_bound_and_still_lands_its_data",)),
+    # issue 32, structured output flow
+    Mutation(
+        "thinking_end_token_fed_to_grammar", "the token that ends a thinking part is also fed to the grammar, "
+        "which refuses it: the request aborts right after </think>",
+        GRAMMAR,
+        "                r.grammar.accept_token(tokens[i])\n        if rows:\n",
+        "                r.grammar.accept_token(tokens[i])\n        rows = self._rows(reqs)\n        if rows:\n",
+        (f"{T_GRAMMAR}::test_a_thinking_part_is_free_then_the_grammar_holds[sampled]",)),
+    Mutation(
+        "forced_call_invents_arguments", "a forced call cut before its arguments began reports \"{}\"",
+        "python/pdserve/parsers/json_array.py",
+        "ARGUMENT_KEYS, complete=False)",
+        "ARGUMENT_KEYS, complete=final)",
+        ("test/parsers/test_json_array.py",)),
 )
 
 

@@ -463,6 +463,9 @@ class GrammarConfig:
     cache_size: int = 256
     compile_threads: int = 2
     disable_any_whitespace: bool = False
+    # jump-forward (--grammar-jump-forward): where the grammar allows one continuation only, append
+    # its tokens without sampling them (docs/structured-outputs.md)
+    jump_forward: bool = False
 
     def __post_init__(self):
         _check_choice("grammar_backend", self.backend, GRAMMAR_BACKENDS)
@@ -964,6 +967,7 @@ class ServerArgs:
     grammar_compile_timeout: float = 60.0
     grammar_cache_size: int = 256
     constrained_json_disable_any_whitespace: bool = False
+    grammar_jump_forward: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -1083,7 +1087,8 @@ class ServerArgs:
     @_built_once
     def grammar_config(self) -> GrammarConfig:
         return GrammarConfig(self.grammar_backend, self.grammar_compile_timeout, self.grammar_cache_size,
-                             disable_any_whitespace=self.constrained_json_disable_any_whitespace)
+                             disable_any_whitespace=self.constrained_json_disable_any_whitespace,
+                             jump_forward=self.grammar_jump_forward)
 
     def _check_speculative(self) -> None:
         """What speculation does not run with yet, refused naming the flag."""

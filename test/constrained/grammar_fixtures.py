@@ -51,3 +51,24 @@ def check_output(kind: str, text: str, backend: str = "xgrammar") -> None:
 
 
 CONSTRAINTS = {"json_schema": json.dumps(PERSON), "regex": REGEX, "ebnf": EBNF}
+
+
+THINK_END = "</think>"
+
+
+def end_thinking_at(scheduler, k: int) -> None:
+    """Make ``scheduler``'s model end its thinking part on purpose (a random model never does):
+    a request with ``sampling.think_end`` THINK_END writes that marker's tokens as its output tokens k, k+1, ...
+    (its logits there are raised before any grammar mask, as a model's own would be)."""
+    marker = scheduler.tokenizer.encode(THINK_END, add_special_tokens=False)
+    sample = scheduler._sample_and_append
+
+    def biased(reqs, logits, mask=None):
+        logits = logits.clone()  # the forward's own is an inference tensor
+        for i, r in enumerate(reqs):
+            n = len(r.output_ids) - k
+            if r.sampling.think_end == THINK_END and 0 <= n < len(marker):
+                logits[i, marker[n]] = logits[i].max() + 100
+        return sample(reqs, logits, mask)
+
+    scheduler._sample_and_append = biased

@@ -2,7 +2,8 @@
 transfer backend): the grammar lives on decode alone (prefill compiles nothing), decode's first
 token is sampled under it, outputs equal a colocated engine's under the same grammar (with NEXTN
 speculation too); a request whose KV lands before its grammar compiled waits, holding its pages,
-until it has; a grammar that fails on decode aborts that request alone, cleanly, and prefill's half with it."""
+until it has; a grammar that fails on decode aborts that request alone, cleanly, and prefill's half with it.
+A thinking part (``think_end``) and jump-forward work on decode alone and give colocated's outputs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from pd_pair import PDPair
 
 import pdserve
-from constrained.grammar_fixtures import CONSTRAINTS, check_output
+from constrained.grammar_fixtures import CONSTRAINTS, THINK_END, check_output, end_thinking_at
 from pdserve.constrained.service import CompileService
 from pdserve.engine.request import ReqState, SamplingParams
 
@@ -132,4 +133,30 @@ def test_a_grammar_failing_on_decode_aborts_that_request_alone(pairs):
     why = pair.prefill_finals["bad"].finish_reason
     assert why["type"] == "abort" and why["message"].startswith("decode gave up on the room: sampling_params.regex")
     assert pair.decode.mode.owed_aborts == []
+    pair.assert_idle_and_accounted()
+
+
+@pytest.mark.parametrize("jump_forward", [False, True], ids=["sampled", "jump-forward"])
+def test_1p1d_thinks_then_constrains_on_decode_as_colocated(pairs, jump_forward):
+    """The thinking part is free and the grammar holds after its end (the model writes it at token
+    5, on purpose) on decode, with or without jump-forward (whose appended tokens decode prefills
+    itself): the same ids as a colocated engine's."""
+    prompts = _prompts([9, 14, 23], seed=7)
+    kinds = list(CONSTRAINTS)
+    eng = pdserve.Engine(model_path="tiny-llama", num_threads=1, grammar_jump_forward=jump_forward, **KW)
+    end_thinking_at(eng.scheduler, 5)
+    ref = eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": NEW, "temperature": 0.0,
+                                                            k: CONSTRAINTS[k], "think_end": THINK_END} for k in kinds])
+    eng.shutdown()
+    pair = pairs(grammar_jump_forward=jump_forward)
+    end_thinking_at(pair.decode, 5)
+    for i, (p, kind) in enumerate(zip(prompts, kinds)):
+        pair.submit(f"r{i}", p, _sampling(kind, think_end=THINK_END))
+    pair.run()
+    assert [pair.outputs[f"r{i}"]["ids"] for i in range(len(prompts))] == [o["output_ids"] for o in ref]
+    for o, kind in zip(ref, kinds):
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+        check_output(kind, o["text"].split(THINK_END, 1)[1])
+    assert pair.prefill.grammar._service is None
+    assert (pair.decode.grammar.jumped_tokens > 0) == jump_forward
     pair.assert_idle_and_accounted()

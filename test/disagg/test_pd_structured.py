@@ -92,3 +92,21 @@ def test_regex(pd, client):
 
 def test_ebnf(pd, client):
     _disaggregated(pd, check_ebnf, client)
+
+
+def test_a_thinking_part_stays_free_on_decode(pd):
+    """``think_end`` (what the OpenAI API sets under a reasoning parser) through the pair: decode
+    leaves the thinking part free, so a constrained request whose model never writes the marker
+    decodes the unconstrained request's tokens (greedy); without it the grammar holds at once.
+    (engine/test_grammar.py and test_pd_grammar.py make the model write it and check what follows.)"""
+    def generate(**sp) -> dict:
+        body = {"text": "Describe an engineer as JSON.", "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                                            **sp}}
+        r = httpx.post(pd.router.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    free = generate()
+    thinking = generate(regex="(yes|no)", think_end="</think>")
+    assert thinking["output_ids"] == free["output_ids"] and not free["text"].startswith("{")
+    assert generate(regex="(yes|no)")["text"] in ("yes", "no")

@@ -4,7 +4,9 @@ outputs fullmatch, EBNF outputs parse, for each backend; requests without a gram
 batch decode exactly as alone; every sampling mode stays inside the grammar and logprobs are
 those of the masked distribution (as SGLang reports them); a constraint that fails or times out
 in the scheduler fails its own request alone (status 400 in its finish reason) while the batch
-goes on; retraction and the hierarchical cache keep grammar outputs unchanged."""
+goes on; retraction and the hierarchical cache keep grammar outputs unchanged. A request with a
+thinking part (``think_end``) is free until its marker, then constrained; jump-forward appends the
+text a grammar forces without sampling it, and changes nothing for the requests it does not serve."""
 
 from __future__ import annotations
 
@@ -16,8 +18,12 @@ import pytest
 import torch
 
 import pdserve
-from constrained.grammar_fixtures import CONSTRAINTS, INSTALLED, check_output
+from constrained.grammar_fixtures import CONSTRAINTS, INSTALLED, THINK_END, check_output, end_thinking_at
+from constrained.grammar_fixtures import tokenizer as load_tokenizer
+from pdserve.config import GrammarConfig
+from pdserve.constrained import bitmask as bm
 from pdserve.constrained.service import CompileService
+from pdserve.engine.grammar import ReqGrammars, ThinkingGrammar
 
 PROMPTS = ["Give me a record:", "Once upon a time", "1, 2, 3,", "The answer is"]
 GREEDY = {"max_new_tokens": 96, "temperature": 0.0}
@@ -224,4 +230,86 @@ def test_grammar_backend_none_refuses_a_constraint_naming_the_field(engines):
     with pytest.raises(ValueError, match="^sampling_params.regex: this server runs --grammar-backend none"):
         engine.generate(prompt=PROMPTS[0], sampling_params={"regex": "[a-z]+"})
     assert engine.generate(prompt=PROMPTS[0], sampling_params={"max_new_tokens": 2})["output_ids"]
+    _no_leak(engine)
+
+
+@pytest.mark.parametrize("jump_forward", [False, True], ids=["sampled", "jump-forward"])
+def test_a_thinking_part_is_free_then_the_grammar_holds(engines, jump_forward):
+    """think_end: the tokens up to the marker are the unconstrained run's own (greedy: the same ids),
+    the marker ends the thinking part (the model here writes it at token 6, on purpose), and what
+    follows satisfies the grammar; a request that never writes it stays free to the end."""
+    engine = engines(grammar_jump_forward=jump_forward)
+    k = 6
+    free = engine.generate(prompt=PROMPTS[:3], sampling_params={**GREEDY, "max_new_tokens": 24})
+    end_thinking_at(engine.scheduler, k)
+    try:
+        out = engine.generate(prompt=PROMPTS[:3], sampling_params=[_sp(kind, think_end=THINK_END)
+                                                                  for kind in CONSTRAINTS])
+        unended = engine.generate(prompt=PROMPTS[0], sampling_params={
+            **_sp("json_schema", think_end="<never written>"), "max_new_tokens": 24})
+    finally:
+        del engine.scheduler._sample_and_append  # the class's own again
+    for o, f, kind in zip(out, free, CONSTRAINTS):
+        assert o["output_ids"][:k] == f["output_ids"][:k]
+        thinking, answer = o["text"].split(THINK_END, 1)
+        assert thinking == engine.tokenizer.decode(f["output_ids"][:k])
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+        check_output(kind, answer)
+    assert unended["output_ids"] == free[0]["output_ids"]
+    _no_leak(engine)
+
+
+def test_a_thinking_grammar_rolls_back_across_its_end():
+    """Speculative walks roll a grammar back over tokens that ended its thinking part: it thinks
+    again, unmasked, and the grammar is where it was."""
+    tok = load_tokenizer()
+    grammars = ReqGrammars(GrammarConfig(), tok, 2048, [1])
+    backend = grammars.service.backend()
+    g = ThinkingGrammar(backend.matcher(backend.compile("regex", "(cat|dog)")), THINK_END, tok.decode)
+    thought = tok.encode("hmm" + THINK_END, add_special_tokens=False)
+    mask = bm.allocate(1, 2048)
+    assert g.accept_tokens(thought) == len(thought) and not g.thinking
+    g.fill_bitmask(mask, 0)
+    allowed = {t for t in range(2000) if mask[0, t // 32] >> (t % 32) & 1}
+    assert allowed and all(tok.decode([t]) and ("cat".startswith(tok.decode([t])) or "dog".startswith(tok.decode([t])))
+                           for t in allowed)
+    cat = tok.encode("cat", add_special_tokens=False)
+    assert g.accept_tokens(cat) == len(cat) and g.jump_forward_string() == ""
+    g.rollback(len(cat) + 1)  # back past the marker's last token
+    assert g.thinking
+    g.fill_bitmask(mask, 0)
+    assert bool((mask[0] == -1).all())
+    assert g.accept_tokens(thought[-1:]) == 1 and not g.thinking
+    assert g.accept_tokens(cat) == len(cat)
+    grammars.close()
+
+
+def test_jump_forward_appends_the_forced_text_and_changes_nothing_else(engines):
+    """With jump-forward every constraint still holds, forced text is appended unsampled (counted),
+    and plain requests, and grammar requests asking for logprobs (never jumped), decode exactly as
+    on an engine without it."""
+    jf, ref = engines(grammar_jump_forward=True), engines()
+    plain = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    sps = [_sp(kind) for kind in CONSTRAINTS] + [plain]
+    before = jf.scheduler.grammar.jumped_tokens
+    out = jf.generate(prompt=PROMPTS, sampling_params=sps)
+    for o, kind in zip(out, CONSTRAINTS):
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", o
+        check_output(kind, o["text"])
+    assert jf.scheduler.grammar.jumped_tokens > before
+    assert jf.scheduler.stats()["grammar"]["jump_forward_tokens"] == jf.scheduler.grammar.jumped_tokens
+    assert out[-1]["output_ids"] == ref.generate(prompt=PROMPTS[-1], sampling_params=plain)["output_ids"]
+    with_lp = [jf.generate(prompt=PROMPTS[0], sampling_params=_sp("json_schema"), return_logprob=True)
+               for _ in range(1)] + [ref.generate(prompt=PROMPTS[0], sampling_params=_sp("json_schema"),
+                                                  return_logprob=True)]
+    assert with_lp[0]["output_ids"] == with_lp[1]["output_ids"]
+    _no_leak(jf)
+
+
+def test_jump_forward_stops_at_max_new_tokens(engines):
+    engine = engines(grammar_jump_forward=True)
+    for n in (3, 9, 17):
+        o = engine.generate(prompt=PROMPTS[0], sampling_params=_sp("json_schema", max_new_tokens=n))
+        assert len(o["output_ids"]) == n and o["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+        assert o["meta_info"]["completion_tokens"] == n
     _no_leak(engine)

@@ -61,10 +61,11 @@ def streamed_chat(client, **kw) -> tuple[str, list[dict], str | None, list]:
     return content, [calls[i] for i in sorted(calls)], reason, chunks
 
 
-def check_json_schema(client, model: str) -> dict:
-    """A response_format json_schema reply validates, streamed and not, and both agree (greedy)."""
+def check_json_schema(client, model: str, extra: dict | None = None) -> dict:
+    """A response_format json_schema reply validates, streamed and not, and both agree (greedy).
+    ``extra``: more body fields (extra_body), in each check here."""
     kw = dict(model=model, messages=[{"role": "user", "content": "Describe an engineer as JSON."}],
-              response_format=person_schema_format(), **GREEDY)
+              response_format=person_schema_format(), extra_body=extra or {}, **GREEDY)
     r = client.chat.completions.create(**kw)
     assert r.choices[0].finish_reason == "stop", r
     doc = json.loads(r.choices[0].message.content)
@@ -74,10 +75,10 @@ def check_json_schema(client, model: str) -> dict:
     return doc
 
 
-def check_required_tool_call(client, model: str, stream: bool = True) -> list[dict]:
+def check_required_tool_call(client, model: str, stream: bool = True, extra: dict | None = None) -> list[dict]:
     """tool_choice required: calls of the offered tools whose arguments validate against the
     tool's parameters, finish_reason tool_calls; the stream's deltas assemble to the same calls."""
-    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", **GREEDY)
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", extra_body=extra or {}, **GREEDY)
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -105,10 +106,10 @@ def check_regex(client, model: str) -> str:
     return text
 
 
-def check_ebnf(client, model: str) -> str:
+def check_ebnf(client, model: str, extra: dict | None = None) -> str:
     """SGLang's ``ebnf`` extra (extra_body) on chat: the reply is a sentence of the grammar."""
     kw = dict(model=model, messages=[{"role": "user", "content": "What is six times seven?"}],
-              extra_body={"ebnf": EBNF}, **GREEDY)
+              extra_body={"ebnf": EBNF, **(extra or {})}, **GREEDY)
     text = client.chat.completions.create(**kw).choices[0].message.content
     assert re.fullmatch(EBNF_MATCH, text), text
     content, _, _, _ = streamed_chat(client, **kw)

@@ -1,10 +1,13 @@
 """response_format, tools and reasoning through the real ``openai`` client against one real server
 (tiny-llama, random weights: only the grammar can make its replies valid), started with
-``--tool-call-parser qwen25 --reasoning-parser deepseek-r1``.
+``--tool-call-parser qwen25 --reasoning-parser deepseek-r1``, compact JSON and jump-forward.
 
-deepseek-r1 reads an unconstrained reply as thinking until ``</think>``, which a random model never
-writes: every free reply here is all reasoning, which is what the reasoning tests check; constrained
-replies are never split (openai_tools' docstring), which is what the grammar tests rely on.
+deepseek-r1 reads a reply as thinking until ``</think>``, which a random model never writes: every
+reply read by it here is all reasoning, which is what the reasoning tests check, and a constrained
+one thinks first, unconstrained (the grammar waits for ``</think>``: openai_tools' docstring). The
+grammar tests send ``separate_reasoning`` false (``PLAIN``): no reasoning parser reads the reply, so
+the grammar constrains it from its first token. engine/test_grammar.py and
+disagg/test_pd_grammar.py end the thinking part on purpose and check the grammar after it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pdserve.assets import preset_dir
 from pdserve.web.chat import chat_prompt_ids
 
 MODEL = "tiny-llama"
+PLAIN = {"separate_reasoning": False}  # no reasoning parser reads the reply: the grammar holds from its first token
 # The qwen25 format, forced by a regex so that the auto path's native parser has a call to read.
 QWEN_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", '
              r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
@@ -43,7 +47,7 @@ QWEN_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Pa
 @pytest.fixture(scope="module")
 def server():
     s = Server("--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1", "--max-total-tokens", "8192",
-               model=MODEL)
+               "--constrained-json-disable-any-whitespace", "--grammar-jump-forward", model=MODEL)
     try:
         yield s.start()
     finally:
@@ -68,11 +72,12 @@ def bad_request(server: Server, path: str, body: dict) -> dict:
 
 # ------------------------------------------------------------- response_format
 def test_json_schema(client):
-    check_json_schema(client, MODEL)
+    check_json_schema(client, MODEL, PLAIN)
 
 
 def test_json_object_and_completions(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"}, **GREEDY)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"},
+                                       extra_body=PLAIN, **GREEDY)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # a random model may fill any object until max_tokens; what it wrote is still a JSON prefix
@@ -84,24 +89,25 @@ def test_json_object_and_completions(client):
 
 def test_json_schema_with_n(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=person_schema_format(), n=2,
-                                       temperature=1.0, seed=5, max_tokens=160)
+                                       temperature=1.0, seed=5, max_tokens=160, extra_body=PLAIN)
     for choice in r.choices:
         jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
 def test_regex_and_ebnf(client):
     check_regex(client, MODEL)
-    check_ebnf(client, MODEL)
+    check_ebnf(client, MODEL, PLAIN)
 
 
 # ------------------------------------------------------------------- tools
 def test_tool_choice_required(client):
-    check_required_tool_call(client, MODEL)
+    check_required_tool_call(client, MODEL, extra=PLAIN)
 
 
 def test_tool_choice_named_and_not_parallel(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False,
-                                       tool_choice={"type": "function", "function": {"name": "get_time"}}, **GREEDY)
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                       extra_body=PLAIN, **GREEDY)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS["get_time"])
@@ -110,7 +116,7 @@ def test_tool_choice_named_and_not_parallel(client):
 def test_tool_choice_auto_reads_the_models_own_format(client):
     """Under auto, --tool-call-parser qwen25 reads the model's <tool_call> block (forced here by a
     regex, the only way a random model writes one) into tool_calls, streamed and not."""
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, extra_body={"regex": QWEN_CALL}, **GREEDY)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, extra_body={"regex": QWEN_CALL, **PLAIN}, **GREEDY)
     r = client.chat.completions.create(**kw)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
@@ -145,6 +151,61 @@ def test_tool_results_are_rendered_by_the_template(client, tokenizer):
     assert "<tools>" in text and r.usage.prompt_tokens == len(ids)
 
 
+
+WEATHER_NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice,parallel", [(WEATHER_NAMED, True), ("required", False)], ids=["named", "required"])
+def test_forced_tool_calls_end_with_the_call(client, choice, parallel):
+    """A named function is called once, a required array without parallel calls holds one: the
+    grammar ends the reply with the call (a two-enum schema, compact JSON, jump-forward), well
+    inside 64 tokens, for every seed."""
+    for seed in range(20 if choice == "required" else 10):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=64,
+                                           extra_body=PLAIN)
+        choice0 = r.choices[0]
+        assert choice0.finish_reason == "tool_calls" and r.usage.completion_tokens < 64, (seed, choice0)
+        (call,) = choice0.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_truncated_forced_call_keeps_what_it_wrote_and_can_be_echoed_back(client, tokenizer):
+    """A named call cut by max_tokens reports the arguments written so far (none yet: "", never an
+    invented "{}"), and an agent sending that call back in the history is served, not refused."""
+    partial = []
+    for max_tokens in range(16, 46, 3):  # the name is written by token 15 (tiny-llama spells it in pieces)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=WEATHER_NAMED,
+                                           max_tokens=max_tokens, temperature=0, extra_body=PLAIN)
+        assert r.choices[0].finish_reason == "length", r
+        (call,) = r.choices[0].message.tool_calls
+        args = call.function.arguments
+        assert '{"city": "'.startswith(args) or args.startswith('{"city": "'), args  # "" included
+        with pytest.raises(ValueError):
+            json.loads(args)  # cut short: not a whole object
+        partial.append(args)
+        echoed = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id, "content": "cut short"}]
+        again = client.chat.completions.create(model=MODEL, messages=echoed, tools=TOOLS, max_tokens=2)
+        assert again.choices[0].finish_reason == "length"
+    assert "" in partial and any(len(a) > 1 for a in partial), partial
+
+
+def test_parallel_tool_calls_false_holds_under_auto(client):
+    """Under auto the model may write several calls (two here, forced by a regex); with
+    parallel_tool_calls false only the first is returned, streamed and not."""
+    two = QWEN_CALL + r"\n" + QWEN_CALL
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, extra_body={"regex": two, **PLAIN}, **GREEDY)
+    both = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert len(both) == 2
+    r = client.chat.completions.create(parallel_tool_calls=False, **kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == (both[0].function.name, both[0].function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
+    content, calls, reason, _ = streamed_chat(client, parallel_tool_calls=False, **kw)
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
+    assert reason == "tool_calls"
+
 # --------------------------------------------------------------- reasoning
 def test_reasoning_is_split_streamed_and_kept_on_request(client, tokenizer):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Think about the sea."}], max_tokens=24,
@@ -164,6 +225,24 @@ def test_reasoning_is_split_streamed_and_kept_on_request(client, tokenizer):
     kept = client.chat.completions.create(extra_body={"separate_reasoning": False}, **kw).choices[0].message
     assert kept.content.strip() == whole.reasoning_content and getattr(kept, "reasoning_content", None) is None
 
+
+
+def test_a_constrained_reply_thinks_first(client):
+    """With the reasoning parser reading it, a constrained reply's thinking part is free: the same
+    tokens as without the grammar (greedy), all reasoning (a random model never closes it); the
+    grammar is waiting for </think>. Read unsplit (separate_reasoning false) the grammar holds at once."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe an engineer as JSON."}], max_tokens=24,
+              temperature=0)
+    free = client.chat.completions.create(**kw).choices[0].message
+    r = client.chat.completions.create(response_format=person_schema_format(), **kw).choices[0]
+    assert r.finish_reason == "length" and not r.message.content
+    assert r.message.reasoning_content == free.reasoning_content and not free.reasoning_content.startswith("{")
+    plain = client.chat.completions.create(response_format=person_schema_format(), extra_body=PLAIN, **kw)
+    assert plain.choices[0].message.content.startswith('{"name": "')
+    # a forced tool choice too: thinking first, the call (never reached here) after it
+    tool = client.chat.completions.create(tools=TOOLS, tool_choice="required", **kw).choices[0]
+    assert tool.finish_reason == "length" and tool.message.tool_calls is None
+    assert tool.message.reasoning_content and not tool.message.reasoning_content.startswith("[")
 
 def test_logprobs_ride_the_parsed_deltas(client):
     """With a parser holding text back, every token's logprob still reaches the client, once."""

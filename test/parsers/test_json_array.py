@@ -39,6 +39,9 @@ CASES = [
     ('  [ {"parameters": {"city": "Lima"}, "name": "get_weather"} ]  ', "",
      [("get_weather", '{"city": "Lima"}', None)]),
     ('[{"name": "get_weather", "parameters": {"city": "Li', "", [("get_weather", '{"city": "Li', None)]),  # max_tokens
+    # cut before its arguments began: they are what was written (nothing), not an invented "{}"
+    ('[{"name": "get_weather", "para', "", [("get_weather", "", None)]),
+    ('[{"name": "get_weather", ', "", [("get_weather", "", None)]),
     ("I cannot call tools.", "I cannot call tools.", []),  # not the forced form: content
     ('[{"name": "nope", "parameters": {}}]', '[{"name": "nope", "parameters": {}}]', []),
     ('[{"name": "get_time", "parameters": {}}, {"name": "nope"}]', '{"name": "nope"}]', [("get_time", "{}", None)]),

@@ -73,6 +73,11 @@ class Grammar(ABC):
     @abstractmethod
     def copy(self) -> Grammar: ...
 
+    def jump_forward_string(self) -> str:
+        """The text the grammar allows as the only continuation from here ("" when there is a
+        choice, or for a backend that cannot tell), without changing the state (jump-forward)."""
+        return ""
+
 
 # Speculative verification rolls back at most its draft length; backends keep this many states.
 MAX_ROLLBACK = 64

@@ -31,6 +31,9 @@ class XGrammarGrammar(Grammar):
     def copy(self) -> Grammar:
         return XGrammarGrammar(self.matcher.fork())
 
+    def jump_forward_string(self) -> str:
+        return "" if self.matcher.is_terminated() else self.matcher.find_jump_forward_string()
+
 
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"

@@ -14,6 +14,16 @@ With several scheduler ranks in lock step (``lockstep``), a compile runs to comp
 ``submit``: ranks must admit the same requests in the same step, and a compile thread's timing
 is not something ranks agree on.
 
+Reasoning (``sampling.think_end``, set by the API from the reasoning parser): the request's grammar
+sits behind a ``ThinkingGrammar`` that lets every token through, unmasked and unaccepted, until the
+output's text contains the end-of-thinking marker; from the next token on the grammar constrains.
+
+Jump-forward (``GrammarConfig.jump_forward``): where a grammar allows one continuation only (a
+schema's next key, ``": "``), ``jump`` returns that text's tokens, accepted into the grammar, for the
+scheduler to append unsampled (the text is tokenized alone: the tokens around its edges are not
+merged with the sampled ones, so the token ids differ from a run without it, never the text's
+validity).
+
 Legend: B requests (rows), T verify rows, V logits width, W = ceil(V / 32).
 """
 
@@ -29,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdserve.config import GrammarConfig
-from pdserve.constrained import GrammarError, create_grammar_backend
+from pdserve.constrained import Grammar, GrammarError, create_grammar_backend
 from pdserve.constrained import bitmask as bm
+from pdserve.constrained.base import MAX_ROLLBACK
 from pdserve.constrained.service import CompileService, timeout_error
 from pdserve.constrained.stats import GrammarStats
 
 if TYPE_CHECKING:
-    from pdserve.constrained import Grammar
     from pdserve.engine.request import Req, SamplingParams
 
 
@@ -83,6 +93,7 @@ class ReqGrammars:
         self.overlap = False
         self._service: CompileService | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
+        self.jumped_tokens = 0  # tokens jump-forward appended
 
     # ------------------------------------------------------------ compile
     def check(self, sampling: SamplingParams) -> None:
@@ -148,7 +159,10 @@ class ReqGrammars:
         return failed
 
     def _hold(self, req: Req, compiled: Any) -> None:
-        req.grammar = self.service.backend().matcher(compiled)
+        grammar = self.service.backend().matcher(compiled)
+        if req.sampling.think_end is not None:
+            grammar = ThinkingGrammar(grammar, req.sampling.think_end, self.tokenizer.decode)
+        req.grammar = grammar
         self.live += 1
 
     def wait(self, timeout: float) -> None:
@@ -217,8 +231,8 @@ class ReqGrammars:
 
     @staticmethod
     def _rows(reqs: Sequence[Req]) -> list[int]:
-        """The batch rows whose request holds a grammar (the rows a mask covers)."""
-        return [i for i, r in enumerate(reqs) if r.grammar is not None]
+        """The batch rows whose request's grammar constrains its next token (the rows a mask covers)."""
+        return [i for i, r in enumerate(reqs) if r.grammar is not None and not _thinking(r.grammar)]
 
     def _fill_now(self, reqs: Sequence[Req]) -> StepMask | None:
         rows = self._rows(reqs)
@@ -242,7 +256,10 @@ class ReqGrammars:
     def advance_all(self, reqs: Sequence[Req], tokens: Sequence[int]) -> list[bool]:
         """``advance`` of each request by its token (one batched call into the backend)."""
         out = [True] * len(reqs)
-        rows = self._rows(reqs)
+        rows = self._rows(reqs)  # before the thinking parts move: the token that ends one is not the grammar's
+        for i, r in enumerate(reqs):  # a thinking part takes any token (and may end with it)
+            if r.grammar is not None and _thinking(r.grammar):
+                r.grammar.accept_token(tokens[i])
         if rows:
             accepted = self.service.backend().accept_each([g for _, g in _grammars(reqs, rows)],
                                                           [tokens[i] for i in rows])
@@ -254,8 +271,25 @@ class ReqGrammars:
     def terminated(req: Req) -> bool:
         return req.grammar is not None and req.grammar.is_terminated()
 
+    def jump(self, req: Req, room: int) -> list[int]:
+        """Jump-forward (module docstring): the tokens, at most ``room``, of the text ``req``'s grammar
+        allows as its only continuation, already accepted into it; [] when there is a choice."""
+        grammar = req.grammar
+        if not self.config.jump_forward or grammar is None or room <= 0:
+            return []
+        text = grammar.jump_forward_string()
+        if not text:
+            return []
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)[:room]
+        # a tokenizer that adds a prefix space (SentencePiece) makes tokens the grammar refuses: keep
+        # the accepted ones (none at worst: the model samples as without jump-forward)
+        tokens = tokens[:grammar.accept_tokens(tokens)]
+        self.jumped_tokens += len(tokens)
+        return tokens
+
     def stats_dict(self) -> dict:
-        return {"grammar": self.stats.to_dict(), "num_grammar_queue_reqs": len(self.pending)}
+        return {"grammar": {**self.stats.to_dict(), "jump_forward_tokens": self.jumped_tokens},
+                "num_grammar_queue_reqs": len(self.pending)}
 
     def close(self) -> None:
         if self._service is not None:
@@ -271,12 +305,81 @@ def _timed(fill, *args) -> float:
 
 
 def _grammars(reqs: Sequence[Req], rows: list[int]) -> list[tuple[int, Grammar]]:
+    """The backend's own grammar of each row (past its thinking part: a batched backend call takes
+    only its own kind)."""
     out = []
     for i in rows:
         grammar = reqs[i].grammar
         assert grammar is not None, reqs[i]
-        out.append((i, grammar))
+        out.append((i, grammar.inner if isinstance(grammar, ThinkingGrammar) else grammar))
     return out
+
+
+def _thinking(grammar: Grammar) -> bool:
+    return isinstance(grammar, ThinkingGrammar) and grammar.thinking
+
+
+class ThinkingGrammar(Grammar):
+    """``inner`` behind a thinking part that ends with the text ``end``: while thinking, every token
+    is allowed and ``inner`` does not move; the token whose text completes ``end`` is the last one
+    thinking, and the grammar constrains from the next (text that same token carries past ``end`` is
+    outside the grammar: models put a newline there, which the reasoning parser strips).
+
+    The end is looked for in the text of the last few tokens (``decode``), enough to hold ``end``
+    however it is split: every token of an occurrence carries at least one of its bytes. Rollback
+    (speculative walks) undoes thinking tokens too, up to ``MAX_ROLLBACK``."""
+
+    def __init__(self, inner: Grammar, end: str, decode: Any):
+        self.inner = inner
+        self.end = end
+        self.decode = decode
+        self.window = len(end.encode()) + 1
+        self.thinking = True
+        self.tail: list[int] = []  # the last ``window`` tokens while thinking
+        self.history: list[list[int] | None] = []  # per accepted token: the tail before it, None: inner took it
+
+    def accept_token(self, token: int) -> bool:
+        if not self.thinking:
+            if not self.inner.accept_token(token):
+                return False
+            self._remember(None)
+            return True
+        self._remember(self.tail)
+        self.tail = (self.tail + [token])[-self.window:]
+        self.thinking = self.end not in self.decode(self.tail)
+        return True
+
+    def _remember(self, tail: list[int] | None) -> None:
+        self.history.append(tail)
+        if len(self.history) > MAX_ROLLBACK:
+            del self.history[0]
+
+    def rollback(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        undone = self.history[-num_tokens:]
+        del self.history[-num_tokens:]
+        self.inner.rollback(sum(t is None for t in undone))
+        first_thinking = next((t for t in undone if t is not None), None)
+        if first_thinking is not None:
+            self.thinking, self.tail = True, first_thinking
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.thinking:
+            bitmask[row].fill_(-1)  # all bits: every token
+        else:
+            self.inner.fill_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return not self.thinking and self.inner.is_terminated()
+
+    def jump_forward_string(self) -> str:
+        return "" if self.thinking else self.inner.jump_forward_string()
+
+    def copy(self) -> Grammar:
+        twin = ThinkingGrammar(self.inner.copy(), self.end, self.decode)
+        twin.thinking, twin.tail, twin.history = self.thinking, list(self.tail), list(self.history)
+        return twin
 
 
 @dataclass

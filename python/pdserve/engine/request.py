@@ -51,6 +51,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # The output starts in a thinking part that ends with this text (the reasoning parser's marker,
+    # e.g. "</think>"): the grammar above constrains only what follows it (SGLang's reasoner grammar).
+    think_end: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -124,6 +127,8 @@ class SamplingParams:
                 json.loads(self.json_schema)
             except ValueError as e:
                 raise ValueError(f"sampling_params.json_schema: not a JSON document ({e})") from None
+        if self.think_end is not None and (not isinstance(self.think_end, str) or not 0 < len(self.think_end) <= 64):
+            bad("think_end", "must be a non-empty string of at most 64 characters")
         set_fields = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(set_fields) > 1:
             raise ValueError(f"sampling_params.{set_fields[1]}: at most one of json_schema, regex, ebnf may be "

@@ -297,7 +297,7 @@ class Scheduler:
             return False
         if not self.kv_manager.admit(req, self._matchable(req)):
             return False
-        if req.num_retractions == 0:
+        if req.num_retractions == 0 and not req.output_ids:  # not back from a retraction or a jump-forward
             req.cached_tokens_reported = req.cached_len
             req.cached_by_tier_reported = dict(req.cached_by_tier)
             self.kv_manager.count_hit(req.cached_by_tier)
@@ -482,6 +482,34 @@ class Scheduler:
             if len(req.output_ids) == 1:
                 out.timeline = req.stage_clock.breakdown()
             self._pending.append(out)
+        if self.grammar.live and self.grammar.config.jump_forward:
+            self._jump_forward(reqs)
+
+    def _jump_forward(self, reqs: list[Req]) -> None:
+        """Jump-forward (--grammar-jump-forward, engine/grammar.py): a running request whose grammar
+        now allows one continuation only gets its tokens appended unsampled, then goes back to the
+        front of the queue to prefill them in one extend (its KV so far stays in the radix cache), as
+        SGLang did. Not with logprobs (the tokens were never sampled) nor speculation."""
+        for req in reqs:
+            if req.finished or req.return_logprob or req.spec_stats is not None or req not in self.running:
+                continue
+            tokens = self.grammar.jump(req, req.sampling.max_new_tokens - len(req.output_ids))
+            reason = None
+            for n, tok in enumerate(tokens, 1):
+                req.append_output(tok)
+                reason = self._check_finish(req, tok)
+                if reason is not None:
+                    tokens = tokens[:n]
+                    break
+            if not tokens:
+                continue
+            if reason is not None:
+                self._finish(req, reason, emit=False)
+            else:
+                self.running.remove(req)
+                self._release(req)
+                self.enqueue(req, front=True)
+            self._pending.append(self._output(req, tokens, None))
 
     def _check_finish(self, req: Req, tok: int) -> dict | None:
         sp = req.sampling

@@ -160,6 +160,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
           type=int)
     _flag(g, "--constrained-json-disable-any-whitespace", "JSON output without free whitespace between tokens",
           action="store_true")
+    _flag(g, "--grammar-jump-forward", "append the text a grammar allows as its only continuation without "
+          "sampling it (fewer steps, other tokens; docs/structured-outputs.md)", action="store_true")
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 

@@ -45,6 +45,7 @@ from pdserve.entrypoints.openai_tools import (
     reasoning_parser_name,
     template_kwargs,
     template_messages,
+    think_end,
     tool_plan,
 )
 from pdserve.entrypoints.parallel_sampling import (
@@ -137,14 +138,15 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # A model's tool-call tags may be special tokens (Kimi's): keep them in the text its parser reads.
     native = plan.parser is not None and plan.forced is None
+    reasoning = reasoning_parser_name(req, tm.args.reasoning_parser)
     sampling = _sampling(tm, req, ids, max_tokens, name, "messages", grammar, keep_special=native)
+    sampling.think_end = think_end(reasoning, grammar)
     check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
     (boot,) = tm.bootstraps(req, 1, sampling.n)
     job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group())
     call = _call("chat", model_name, req, [job], top, None, tm)
-    reasoning = reasoning_parser_name(req, tm.args.reasoning_parser, grammar is not None)
     call.output = OutputPlan(reasoning, plan.parser, plan.names, req.stream_reasoning, plan.schemas,
-                             _reasoning_forced(reasoning, req))
+                             _reasoning_forced(reasoning, req), req.parallel_tool_calls)
     call.renames = _renames(grammar)
     return await _run(tm, request, call)
 

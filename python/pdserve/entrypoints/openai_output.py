@@ -1,7 +1,9 @@
 """A chat choice's reply in OpenAI's shape once parsers apply: ``reasoning_content``,
 ``tool_calls`` (ids ``call_...``, or the model's own where its format has one),
 ``finish_reason`` "tool_calls" when the model stopped after calling tools (a reply cut by
-``max_tokens`` keeps "length"), and the same as stream deltas (``ChoiceStream``)."""
+``max_tokens`` keeps "length"), and the same as stream deltas (``ChoiceStream``). With
+``parallel_tool_calls`` false only the first call is returned, under any tool choice (the forced
+ones' grammar allows one call; under auto the model may write more, which are dropped)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class OutputPlan:
     stream_reasoning: bool = True  # stream the thinking part as it comes, else once it ends
     tool_schemas: Mapping[str, Any] | None = None  # each tool's parameters schema, where known
     reasoning_forced: bool | None = None  # the reply starts inside thinking (None: the parser's default)
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call alone (whatever the tool choice)
 
     @property
     def active(self) -> bool:
@@ -51,10 +54,11 @@ def chat_message(plan: OutputPlan, text: str, reason: str | None) -> tuple[dict,
     message: dict = {"role": "assistant", "content": out.content if out.content or not out.calls else None}
     if out.reasoning is not None:
         message["reasoning_content"] = out.reasoning or None
-    if out.calls:
+    calls = out.calls if plan.parallel else out.calls[:1]
+    if calls:
         message["tool_calls"] = [{"id": c.id or new_call_id(), "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in out.calls]
-    return message, final_reason(reason, bool(out.calls))
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return message, final_reason(reason, bool(calls))
 
 
 class ChoiceStream:
@@ -63,6 +67,7 @@ class ChoiceStream:
     def __init__(self, plan: OutputPlan):
         self.parser = plan.parser()
         self.stream_reasoning = plan.stream_reasoning
+        self.parallel = plan.parallel
         self.held = ""  # thinking not sent yet (stream_reasoning false)
         self.ids: dict[int, str] = {}  # call index -> the id its first delta carried
 
@@ -81,7 +86,7 @@ class ChoiceStream:
             out.append({"reasoning_content": reasoning})
         if d.content:
             out.append({"content": d.content})
-        out += [{"tool_calls": [self._call(c)]} for c in d.calls]
+        out += [{"tool_calls": [self._call(c)]} for c in d.calls if self.parallel or c.index == 0]
         return out
 
     def _reasoning(self, d: ChatDelta, finished: bool) -> str:

@@ -11,24 +11,28 @@ chat template is shown, and which parsers read the reply (``parsers/``).
   prompt. required, or a named function: a grammar forces a JSON array of
   ``{"name", "parameters"}`` objects built from the tools' parameter schemas (only the named one,
   which alone reaches the template), read back by ``parsers/json_array.py``; no parser needed.
-  ``parallel_tool_calls`` false caps that array at one call.
+  A named function is called once, and ``parallel_tool_calls`` false caps a required array at one
+  call: the grammar then ends the reply with the call (finish_reason "tool_calls").
 - Reasoning: with ``--reasoning-parser`` and ``separate_reasoning`` (default true), the thinking
   part goes to ``reasoning_content``; qwen3 with ``chat_template_kwargs.enable_thinking`` false
   has none, nor has deepseek-v3 without ``chat_template_kwargs.thinking`` true (each parser
-  states its switch: ``parsers/reasoning.py``). A constrained reply is never split: the grammar
-  applies from the first token, so it has no thinking part (SGLang's reasoner grammar, which lets
-  the model think first, is not here).
+  states its switch: ``parsers/reasoning.py``). A constrained reply to a request a reasoning
+  parser reads thinks freely first: the grammar constrains only what follows the parser's
+  end-of-thinking marker (``think_close``: SGLang's reasoner grammar). Where no reasoning parser
+  reads the reply (none configured, ``separate_reasoning`` false, thinking off), the grammar
+  constrains it from its first token.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, Tool
 from pdserve.parsers import json_array
-from pdserve.parsers.registry import request_reasoning
+from pdserve.parsers.registry import reasoning_class, request_reasoning
 from pdserve.web.errors import RequestError
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -73,12 +77,14 @@ def tool_plan(req: ChatCompletionRequest, configured_parser: str | None) -> Tool
         return ToolPlan(_template_tools(tools), configured_parser, names,
                         schemas={t.function.name: t.function.parameters for t in tools})
     chosen = tools
+    parallel = req.parallel_tool_calls
     if isinstance(choice, NamedToolChoice):
+        parallel = False  # one call of the named function: the reply ends with it
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
             raise RequestError(f"tool_choice.function.name: no tool named {choice.function.name!r} in tools "
                                f"(tools: {', '.join(names)})", param="tool_choice.function.name")
-    schema = json_array.schema([(t.function.name, t.function.parameters) for t in chosen], req.parallel_tool_calls)
+    schema = json_array.schema([(t.function.name, t.function.parameters) for t in chosen], parallel)
     forced = Constraint("tools", "json_schema", json.dumps(schema))
     return ToolPlan(_template_tools(chosen), json_array.JsonArrayToolParser.name,
                     tuple(t.function.name for t in chosen), forced)
@@ -127,13 +133,19 @@ def _extra(req: ChatCompletionRequest | CompletionRequest, name: str) -> Constra
     return None if value is None else Constraint(name, name, value)
 
 
-def reasoning_parser_name(req: ChatCompletionRequest, configured: str | None, constrained: bool) -> str | None:
+def reasoning_parser_name(req: ChatCompletionRequest, configured: str | None) -> str | None:
     """The reasoning parser for this request, or None (see the module docstring)."""
-    if configured is None or not req.separate_reasoning or constrained:
+    if configured is None or not req.separate_reasoning:
         return None
     if request_reasoning(configured, req.chat_template_kwargs) is None:
         return None  # the request turned thinking off (qwen3 enable_thinking, deepseek-v3 thinking)
     return configured
+
+
+def think_end(reasoning: str | None, grammar: Constraint | None) -> str | None:
+    """``SamplingParams.think_end`` of a request read by the ``reasoning`` parser: its grammar, if
+    any, waits for the end of the thinking part."""
+    return None if reasoning is None or grammar is None else reasoning_class(reasoning).think_close
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict:
@@ -162,11 +174,110 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def _call_for_template(i: int, j: int, call: dict) -> dict:
+    """Arguments that are a JSON object go to the template as an object; a JSON object cut short
+    (a call this server returned with finish_reason "length", echoed back by an agent) as the text
+    it is (a template's ``tojson`` prints it as a JSON string); anything else is a 400 naming the field."""
+    text = call["function"]["arguments"]
     try:
-        args = json.loads(call["function"]["arguments"])
+        args = json.loads(text)
     except ValueError:
-        args = None
-    if not isinstance(args, dict):
+        args = text if is_json_object_prefix(text) else None
+    if not isinstance(args, (dict, str)):
         field = f"messages[{i}].tool_calls[{j}].function.arguments"
-        raise RequestError(f"{field}: must be a JSON object, as a string", param=field)
+        raise RequestError(f"{field}: must be a JSON object (or one cut short), as a string", param=field)
     return {**call, "function": {**call["function"], "arguments": args}}
+
+
+_NUMBER_PREFIX = re.compile(r"-?(0|[1-9][0-9]*)?(\.[0-9]*)?([eE][-+]?[0-9]*)?")
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"?')
+_STRING_TAIL = re.compile(r'\\(u[0-9a-fA-F]{0,3})?')  # an escape cut short at the end
+
+
+class _End(Exception):
+    """The text ended inside a value: it is a prefix so far."""
+
+
+def is_json_object_prefix(text: str) -> bool:
+    """Whether ``text`` is the beginning of a JSON object (the whole object included)."""
+    s = text.strip()
+    if not s or s[0] != "{":
+        return not s
+    try:
+        end = _JsonPrefix(s).value(0)
+    except _End:
+        return True
+    except ValueError:
+        return False
+    return end == len(s)
+
+
+class _JsonPrefix:
+    """A JSON value read from ``s``; raises _End where ``s`` ends inside it, ValueError where it breaks."""
+
+    def __init__(self, s: str):
+        self.s = s
+
+    def ws(self, i: int) -> int:
+        while i < len(self.s) and self.s[i] in " \t\r\n":
+            i += 1
+        if i == len(self.s):
+            raise _End
+        return i
+
+    def value(self, i: int) -> int:
+        i = self.ws(i)
+        c = self.s[i]
+        if c == "{":
+            return self.items(i, "}", key=True)
+        if c == "[":
+            return self.items(i, "]", key=False)
+        if c == '"':
+            return self.string(i)
+        for word in ("true", "false", "null"):
+            if c == word[0]:
+                piece = self.s[i:i + len(word)]
+                if not word.startswith(piece):
+                    raise ValueError(i)
+                if len(piece) < len(word):
+                    raise _End
+                return i + len(word)
+        return self.number(i)
+
+    def items(self, i: int, close: str, key: bool) -> int:
+        i = self.ws(i + 1)
+        if self.s[i] == close:
+            return i + 1
+        while True:
+            if key:
+                if self.s[i] != '"':
+                    raise ValueError(i)
+                i = self.ws(self.string(i))
+                if self.s[i] != ":":
+                    raise ValueError(i)
+                i += 1
+            i = self.ws(self.value(i))
+            if self.s[i] == close:
+                return i + 1
+            if self.s[i] != ",":
+                raise ValueError(i)
+            i = self.ws(i + 1)
+
+    def string(self, i: int) -> int:
+        m = _STRING.match(self.s, i)
+        assert m is not None  # it matches the opening quote at least
+        if m.group().endswith('"') and m.end() > i + 1:
+            return m.end()
+        if m.end() == len(self.s) or _STRING_TAIL.fullmatch(self.s, m.end()):
+            raise _End
+        raise ValueError(i)
+
+    def number(self, i: int) -> int:
+        j = i
+        while j < len(self.s) and self.s[j] in "+-.eE0123456789":
+            j += 1
+        if j == len(self.s) and _NUMBER_PREFIX.fullmatch(self.s, i):
+            raise _End
+        if j == i or not _NUMBER.fullmatch(self.s, i, j):
+            raise ValueError(i)
+        return j

@@ -53,7 +53,8 @@ class JsonArrayToolParser(ToolParser):
             if text[q] != "{":
                 return q
             obj = scan_object(text, q, n)
-            call = object_call(text, n, obj, self.tools, ARGUMENT_KEYS, final)
+            # an object cut short (max_tokens) keeps the arguments it wrote, none yet: "", never an invented "{}"
+            call = object_call(text, n, obj, self.tools, ARGUMENT_KEYS, complete=False)
             if call is not None:
                 out.call(call)
             if obj.end is None:
