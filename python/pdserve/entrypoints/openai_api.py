@@ -53,6 +53,7 @@ from pdserve.entrypoints.parallel_sampling import (
     check_sequences,
     new_group,
     run_job,
+    samples_here,
 )
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
@@ -115,9 +116,9 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
     check_sequences([best_of] * len(prompts), tm.args.max_seqs_per_request, "prompt",
                     "best_of" if best_of > samplings[0].n else "n")
     echo_lp = req.echo and req.logprobs is not None
-    boots = tm.bootstraps(req, len(prompts), best_of)
+    boots = tm.bootstraps(req, len(prompts))
     group = new_group()
-    jobs = [PromptJob(ids, sp, best_of, req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
+    jobs = [PromptJob(ids, sp, samples_here(tm.role, best_of, boot), req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
                       req.logprobs or 0, bootstrap=boot, group=group)
             for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
@@ -138,8 +139,8 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     native = plan.parser is not None and plan.forced is None
     sampling = _sampling(tm, req, ids, max_tokens, name, "messages", grammar, keep_special=native)
     check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
-    (boot,) = tm.bootstraps(req, 1, sampling.n)
-    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group())
+    (boot,) = tm.bootstraps(req, 1)
+    job = PromptJob(ids, sampling, samples_here(tm.role, sampling.n, boot), top is not None, None, top or 0, bootstrap=boot, group=new_group())
     call = _call("chat", model_name, req, [job], top, None, tm)
     call.output = OutputPlan(reasoning_parser_name(req, tm.args.reasoning_parser, grammar is not None), plan.parser,
                              plan.names, req.stream_reasoning)
