@@ -109,7 +109,8 @@ def batch_size(body: dict) -> int | None:
     Batches: ``/generate`` with ``text`` a list or ``input_ids`` a list of lists;
     ``/v1/completions`` with ``prompt`` a list of strings or of token lists (a flat
     list of ints is one tokenized prompt). An empty list counts as a single request:
-    the worker rejects it with its own error. ``n`` is not a batch (pdserve takes n=1).
+    the worker rejects it with its own error. ``n`` is not a batch: a prompt's samples share its
+    room (decode forks them from the KV it received).
     """
     for name in ("text", "input_ids", "prompt"):
         value = body.get(name)

@@ -114,7 +114,7 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
     samplings = [_sampling(sp, tm.request_limits.vocab_size) for sp in sps]
     check_sequences([s.n for s in samplings], tm.args.max_seqs_per_request, field_name, "sampling_params.n")
     _check_sample_rids(tm, rids, [s.n for s in samplings])
-    boots = tm.bootstraps(req, n)
+    boots = tm.bootstraps(req, n, samplings[0].n)
     group = new_group()
     items = []
     for ids, sampling, lp, start, top, rid, boot in zip(ids_list, samplings, lps, starts, tops, rids, boots):

@@ -276,14 +276,14 @@ class TokenizerManager:
             raise RequestError(f"rid: {rid!r} is already in use", param="rid")
         return rid
 
-    def bootstraps(self, body, n: int) -> list[BootstrapRef | None]:
+    def bootstraps(self, body, n: int, samples: int = 1) -> list[BootstrapRef | None]:
         """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
         checked against this server's mode: a prefill server needs it; a colocated one ignores it.
-        A room pairs one prefill of its prompt, whatever the samples (``parallel_sampling``)."""
+        A room pairs one prefill of its prompt, whatever its ``samples`` (``parallel_sampling``)."""
         mode = self.role
         if mode == "null":
             return [None] * n
-        refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port)
+        refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port, samples)
         if mode == "prefill" and refs[0] is None:
             raise RequestError("bootstrap_room: a prefill server serves only requests routed with "
                                "bootstrap_host/bootstrap_port/bootstrap_room (put a P/D router in front)",
