@@ -129,6 +129,30 @@ def test_up_takes_secrets_off_the_servers_flags():
     assert not any("token-456" in f or "key-123" in f for f in args.server_flags)
 
 
+def _options(command: str) -> set[str]:
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # noqa: SLF001 - argparse's own
+    return {o for a in sub._actions for o in a.option_strings if o.startswith("--")}  # noqa: SLF001
+
+
+def test_every_serve_flag_passes_through_up_but_the_documented_exclusions():
+    """A server flag added to ``serve`` alone (the parser, TP and events flags once were) fails
+    here until ``up`` takes it too, or ``UP_EXCLUDED_FLAGS`` says why it cannot."""
+    from pdserve.entrypoints.cli import UP_EXCLUDED_FLAGS
+
+    serve, up = _options("serve"), _options("up")
+    assert serve - up == set(UP_EXCLUDED_FLAGS)
+    assert not set(UP_EXCLUDED_FLAGS) & up
+    passed = ["--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3", "--tp-size", "2",
+              "--max-request-bytes", "5000", "--kv-events-config", '{"publisher": "zmq"}']
+    ns = build_parser().parse_args(["up", "--model-path", "tiny-llama", *passed])
+    from pdserve.entrypoints.cli import up_args_from_namespace
+
+    args = up_args_from_namespace(ns, ns.subparser)
+    for server in plan(args)[:-1]:
+        for flag, value in zip(passed[::2], passed[1::2]):
+            assert _flag(server.cmd, flag) == value, (flag, server.cmd)
+
+
 def test_a_probe_answered_by_something_else_than_http_is_not_healthy():
     import socket
     import threading
