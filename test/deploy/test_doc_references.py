@@ -41,8 +41,9 @@ DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 SUBCOMMANDS = ("serve", "router", "up", "bench", "plan")
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.M | re.S)
 SHELL = ("", "bash", "sh", "shell", "console")
-COMMAND = re.compile(r"(?:^|&&|;|\|\||\$ )\s*(?:python3? -m )?(pdserve (?:%s)\b[^\n;&|#]*)" % "|".join(SUBCOMMANDS))
-INLINE = re.compile(r"`(pdserve (?:%s) [^`]*--[^`]*)`" % "|".join(SUBCOMMANDS))
+_SUB = "|".join(SUBCOMMANDS)
+COMMAND = re.compile(rf"(?:^|&&|;|\|\||\$ )\s*(?:python3? -m )?(pdserve (?:{_SUB})\b[^\n;&|#]*)")
+INLINE = re.compile(rf"`(pdserve (?:{_SUB}) [^`]*--[^`]*)`")
 IMAGES = {p.name.split(".", 1)[1] for p in (ROOT / "docker").glob("Dockerfile.*")}  # pdserve:cpu is an image
 
 

@@ -565,7 +565,8 @@ def test_a_clean_up_run_logs_nothing_at_warning_or_above():
                      {"role": "user", "content": "And in winter?"}]
         assert client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8).choices
         assert len(_ask(url, "A streamed request", True, {"max_new_tokens": 4, "temperature": 0})) == 4
-        too_long = "word " * 5000  # > 1024 (the context; a chat with tools needs ~450) and > 4096 (tiny-llama's model_max_length)
+        # > 1024 (the context; a chat with tools needs ~450) and > 4096 (tiny-llama's model_max_length)
+        too_long = "word " * 5000
         r = httpx.post(url + "/generate", json={"text": too_long, "sampling_params": {"max_new_tokens": 4}},
                        timeout=120)
         assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text

@@ -38,7 +38,8 @@ def _send(method: str, path: str) -> httpx.Response:
 @pytest.mark.parametrize("method, path, status, param, code, says", [
     ("GET", "/no/such/route", 404, "path", "not_found", "path: /no/such/route is not a route of this server"),
     ("POST", "/v1/nothing", 404, "path", "not_found", "path: /v1/nothing is not a route"),
-    ("GET", "/generate", 405, "method", "method_not_allowed", "method: GET is not allowed on /generate (allowed: POST)"),
+    ("GET", "/generate", 405, "method", "method_not_allowed",
+     "method: GET is not allowed on /generate (allowed: POST)"),
     ("DELETE", "/health", 405, "method", "method_not_allowed", "method: DELETE is not allowed on /health"),
 ])
 def test_framework_refusals_answer_in_openai_s_shape(method, path, status, param, code, says):

@@ -122,7 +122,8 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
         start, top = -1 if start is None else start, top or 0
         if lp:
             _check_logprobs(ids, start, top, tm)
-        job = PromptJob(ids, sampling.for_copy(0), samples_here(tm.role, sampling.n, boot), bool(lp), resolve_start(start, len(ids)) if lp else None,
+        count = samples_here(tm.role, sampling.n, boot)
+        job = PromptJob(ids, sampling.for_copy(0), count, bool(lp), resolve_start(start, len(ids)) if lp else None,
                         top if lp else 0, rid, boot, group)
         items.append(_Item(job, top if lp else 0))
     return items, single

@@ -118,8 +118,8 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
     echo_lp = req.echo and req.logprobs is not None
     boots = tm.bootstraps(req, len(prompts), samplings[0].n)
     group = new_group()
-    jobs = [PromptJob(ids, sp, samples_here(tm.role, best_of, boot), req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
-                      req.logprobs or 0, bootstrap=boot, group=group)
+    jobs = [PromptJob(ids, sp, samples_here(tm.role, best_of, boot), req.logprobs is not None or best_of > sp.n,
+                      0 if echo_lp else None, req.logprobs or 0, bootstrap=boot, group=group)
             for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
     call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
@@ -140,7 +140,8 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     sampling = _sampling(tm, req, ids, max_tokens, name, "messages", grammar, keep_special=native)
     check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
     (boot,) = tm.bootstraps(req, 1, sampling.n)
-    job = PromptJob(ids, sampling, samples_here(tm.role, sampling.n, boot), top is not None, None, top or 0, bootstrap=boot, group=new_group())
+    job = PromptJob(ids, sampling, samples_here(tm.role, sampling.n, boot), top is not None, None, top or 0,
+                    bootstrap=boot, group=new_group())
     call = _call("chat", model_name, req, [job], top, None, tm)
     call.output = OutputPlan(reasoning_parser_name(req, tm.args.reasoning_parser, grammar is not None), plan.parser,
                              plan.names, req.stream_reasoning)
