@@ -255,6 +255,16 @@ def test_cancel_before_either_half_leaves_a_tombstone():
     assert t.add_http(4, "new life", now=7) is None and len(t) == 1
 
 
+def test_a_cancelled_room_fails_a_late_http_half_with_decode_s_reason():
+    """Decode gave up (a grammar it cannot compile) before the HTTP half arrived: the half is
+    failed with decode's reason, not finished as a room decode prefills itself (DropRoom)."""
+    t = RoomTable(timeout_s=5)
+    t.cancel(6, now=0, reason="decode gave up on the room: sampling_params.regex: bad")
+    assert t.add_http(6, "h6", now=1) == Dropped(6, "h6", "decode gave up on the room: sampling_params.regex: bad")
+    t.drop(7, now=0)
+    assert t.add_http(7, "h7", now=1) == Dropped(7, "h7", None)
+
+
 def test_unpaired_halves_expire_and_tombstones_are_forgotten():
     t = RoomTable(timeout_s=5)
     t.add_http(1, "h1", now=0)

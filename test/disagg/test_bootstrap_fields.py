@@ -8,6 +8,9 @@ import random
 import pytest
 
 from pdserve.disagg.bootstrap import batch_size, bootstrap_host, with_bootstrap
+from pdserve.engine.io_struct import BootstrapRef
+from pdserve.entrypoints.protocol import GenerateRequest
+from pdserve.web.errors import RequestError
 
 
 @pytest.mark.parametrize("body,size", [
@@ -62,3 +65,28 @@ def test_rooms_use_all_63_bits_and_are_reproducible():
 ])
 def test_bootstrap_host(url, host):
     assert bootstrap_host(url) == host
+
+
+# --- what a server reads back (entrypoints/protocol.py) -----------------------------------------
+def _refs(body: dict, prompts: int, samples: int = 1):
+    return GenerateRequest.model_validate(body).bootstraps(prompts, 8998, samples)
+
+
+def test_a_single_prompt_s_room_per_sample_pairs_its_first_room():
+    """sglang-router gives chat n=3 a room per sample; the prompt is prefilled once, in the first."""
+    body = {"text": "hi", "bootstrap_host": ["h"] * 3, "bootstrap_port": [9000] * 3, "bootstrap_room": [7, 8, 9]}
+    assert _refs(body, 1, samples=3) == [BootstrapRef("h", 9000, 7)]
+    assert _refs({"text": "hi", "bootstrap_host": "h", "bootstrap_room": 5}, 1, samples=3) == [
+        BootstrapRef("h", 8998, 5)]
+
+
+@pytest.mark.parametrize("rooms, prompts, samples, field", [
+    ([7, 8], 1, 3, "bootstrap_room"),  # neither one per prompt nor one per sample
+    ([7, 8, 9], 2, 3, "bootstrap_room"),  # a batch: one per prompt only
+    ([7, 7, 8], 1, 3, "bootstrap_room"),  # rooms repeat
+])
+def test_room_lists_that_fit_neither_reading_are_refused(rooms, prompts, samples, field):
+    body = {"text": ["a"] * prompts, "bootstrap_host": "h", "bootstrap_room": rooms}
+    with pytest.raises(RequestError) as e:
+        _refs(body, prompts, samples)
+    assert e.value.param == field

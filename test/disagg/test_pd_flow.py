@@ -6,6 +6,7 @@ quarantine, conditional disaggregation, fallback."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -16,7 +17,7 @@ import pdserve
 from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig
 from pdserve.disagg.layout import page_runs
-from pdserve.engine.request import ReqState
+from pdserve.engine.request import ReqState, SamplingParams
 from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.transfer import (
     FaultInjectingBackend,
@@ -101,6 +102,36 @@ def test_a_prompt_decode_already_caches_needs_no_transfer(pair_factory):
     assert pair.decode.stats()["local_prefills"] == 1
     assert pair.outputs["b"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
     pair.assert_idle_and_accounted()
+
+
+def test_a_shared_prompt_lands_in_decode_s_cache_and_its_samples_fork_from_it(pair_factory):
+    """n > 1 disaggregated (entrypoints/parallel_sampling.py): the room's request asks for no new
+    token, ends once its KV landed, and the samples run on decode as local requests hitting that
+    KV; each sample's tokens are a colocated engine's with the same per-sample seed."""
+    pair = pair_factory("tiny-llama", page_size=4)
+    (prompt,) = _prompts([22], seed=3)
+    sampling = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=11, ignore_eos=True).validate()
+    pair.submit("shared", prompt, dataclasses.replace(sampling.for_copy(0), max_new_tokens=0))
+    pair.run()
+    assert pair.outputs["shared"]["ids"] == [] and pair.outputs["shared"]["final"].finish_reason["type"] == "length"
+    assert pair.decode.stats()["kv_received"] == 1 and pair.prefill.stats()["rooms_completed"] == 1
+    before = pair.prefill.stats()["forward_steps"]
+    for j in range(3):
+        pair.submit_local(f"s{j}", prompt, sampling.for_copy(j))
+    pair.run()
+    assert pair.prefill.stats()["forward_steps"] == before  # the samples never reached prefill
+    got = [pair.outputs[f"s{j}"] for j in range(3)]
+    assert all(g["final"].cached_tokens == 20 for g in got)  # prompt[:-1]'s whole pages, received from prefill
+    eng = pdserve.Engine(model_path="tiny-llama", num_threads=1, page_size=4)
+    want = eng.generate(input_ids=prompt, sampling_params={**_seeded(sampling), "n": 3})
+    assert [g["ids"] for g in got] == [w["output_ids"] for w in want]
+    assert len({tuple(g["ids"]) for g in got}) > 1  # the seeds differ per sample
+    pair.assert_idle_and_accounted()
+
+
+def _seeded(sampling: SamplingParams) -> dict:
+    return {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "seed": sampling.seed,
+            "ignore_eos": True}
 
 
 # ------------------------------------------------------------ layer by layer

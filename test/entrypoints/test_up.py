@@ -129,6 +129,30 @@ def test_up_takes_secrets_off_the_servers_flags():
     assert not any("token-456" in f or "key-123" in f for f in args.server_flags)
 
 
+def _options(command: str) -> set[str]:
+    sub = build_parser()._subparsers._group_actions[0].choices[command]  # noqa: SLF001 - argparse's own
+    return {o for a in sub._actions for o in a.option_strings if o.startswith("--")}  # noqa: SLF001
+
+
+def test_every_serve_flag_passes_through_up_but_the_documented_exclusions():
+    """A server flag added to ``serve`` alone (the parser, TP and events flags once were) fails
+    here until ``up`` takes it too, or ``UP_EXCLUDED_FLAGS`` says why it cannot."""
+    from pdserve.entrypoints.cli import UP_EXCLUDED_FLAGS
+
+    serve, up = _options("serve"), _options("up")
+    assert serve - up == set(UP_EXCLUDED_FLAGS)
+    assert not set(UP_EXCLUDED_FLAGS) & up
+    passed = ["--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3", "--tp-size", "2",
+              "--max-request-bytes", "5000", "--kv-events-config", '{"publisher": "zmq"}']
+    ns = build_parser().parse_args(["up", "--model-path", "tiny-llama", *passed])
+    from pdserve.entrypoints.cli import up_args_from_namespace
+
+    args = up_args_from_namespace(ns, ns.subparser)
+    for server in plan(args)[:-1]:
+        for flag, value in zip(passed[::2], passed[1::2]):
+            assert _flag(server.cmd, flag) == value, (flag, server.cmd)
+
+
 def test_a_probe_answered_by_something_else_than_http_is_not_healthy():
     import socket
     import threading
@@ -517,15 +541,16 @@ def test_noisy_lines_are_told_apart():
 
 
 def test_a_clean_up_run_logs_nothing_at_warning_or_above():
-    """pdserve up (1P1D and its router, every process at its default log level): requests served,
-    a prompt past the context (and past the tokenizer's model_max_length) and a bad sampling
-    parameter refused with a 400 naming the field, then Ctrl-C: nothing logged at WARNING or above
-    by up, the router or either server, and nothing that is not a log record."""
+    """pdserve up (1P1D and its router, every process at its default log level, the output parsers
+    passed through up): requests served, a prompt past the context (and past the tokenizer's
+    model_max_length) and a bad sampling parameter refused with a 400 naming the field, n > 1 on
+    every route, the parsers at work, a truncated forced call, then Ctrl-C: nothing logged at
+    WARNING or above by up, the router or either server, and nothing that is not a log record."""
     openai = pytest.importorskip("openai")
     port = free_port_block(4)  # router, prefill, decode, then the prefill's bootstrap registry
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-quiet-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--model-path", "tiny-llama", "--port", str(port),
-           "--bootstrap-port", str(port + 3), "--context-length", "256"]
+           "--bootstrap-port", str(port + 3), "--context-length", "1024", *PARSER_FLAGS]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait(lambda: "pdserve is up" in Path(log.name).read_text(errors="replace") or proc.poll() is not None,
@@ -534,12 +559,14 @@ def test_a_clean_up_run_logs_nothing_at_warning_or_above():
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         messages = [{"role": "user", "content": "Tell me about the sea birds of the north."}]
-        first = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0)
+        first = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"separate_reasoning": False})
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "And in winter?"}]
         assert client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8).choices
         assert len(_ask(url, "A streamed request", True, {"max_new_tokens": 4, "temperature": 0})) == 4
-        too_long = "word " * 5000  # > 256 (the context) and > 4096 (tiny-llama's model_max_length)
+        # > 1024 (the context; a chat with tools needs ~450) and > 4096 (tiny-llama's model_max_length)
+        too_long = "word " * 5000
         r = httpx.post(url + "/generate", json={"text": too_long, "sampling_params": {"max_new_tokens": 4}},
                        timeout=120)
         assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
@@ -548,6 +575,10 @@ def test_a_clean_up_run_logs_nothing_at_warning_or_above():
                                            max_tokens=4)
         r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"temperature": -3}}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.temperature", r.text
+        check_n_samples(url, client, port + 1, port + 2)
+        check_parsers(client)
+        check_framework_errors(url)
+        check_a_truncated_forced_call(client)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(60) == 0
         output = Path(log.name).read_text(errors="replace")
@@ -558,3 +589,104 @@ def test_a_clean_up_run_logs_nothing_at_warning_or_above():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         Path(log.name).unlink()
+
+
+# --------------------------------------------- through up: n > 1, the parsers, error shapes
+# Passed through up to every server (up once refused them as unrecognized arguments); deepseek-r1's
+# output starts inside the thinking part, so a random-weight model's reply is all reasoning.
+PARSER_FLAGS = ["--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1"]
+SEEDED = {"max_new_tokens": 8, "temperature": 1.0, "seed": 77, "ignore_eos": True}
+RAW = {"separate_reasoning": False}  # the reply as written, without the reasoning parser
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _info(url: str) -> dict:
+    return httpx.get(url + "/get_server_info", timeout=30).json()
+
+
+def check_n_samples(url: str, client, prefill_port: int, decode_port: int) -> None:
+    """n > 1 disaggregated on every route: the prompt moves from prefill once, each sample is the
+    colocated engine's with the same seeds, greedy samples are equal."""
+    reference = pdserve.Engine(model_path="tiny-llama", num_threads=1)
+    prompt = list(range(300, 340))
+    prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
+    before = (_info(prefill)["rooms_completed"], _info(decode)["kv_received"])
+    r = httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {**SEEDED, "n": 3}}, timeout=120)
+    assert r.status_code == 200, r.text
+    want = reference.generate(input_ids=prompt, sampling_params={**SEEDED, "n": 3})
+    assert [g["output_ids"] for g in r.json()] == [w["output_ids"] for w in want]
+    assert (_info(prefill)["rooms_completed"], _info(decode)["kv_received"]) == (before[0] + 1, before[1] + 1)
+    text = "The lighthouse keeper wrote in his log that night"
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": text, "max_tokens": 8, "n": 2,
+                                                 "temperature": 1.0, "seed": 77, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert got == [w["text"] for w in reference.generate(prompt=text, sampling_params={**SEEDED, "n": 2})]
+    one = client.chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=8, temperature=0,
+                                         extra_body=RAW)
+    two = client.chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=8, temperature=0, n=2,
+                                         extra_body=RAW)
+    assert [c.message.content for c in two.choices] == [one.choices[0].message.content] * 2
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=8, temperature=0, n=2,
+                                                stream=True, extra_body=RAW):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {0: one.choices[0].message.content, 1: one.choices[0].message.content}
+
+
+def check_parsers(client) -> None:
+    """--reasoning-parser: the reply goes to reasoning_content (deepseek-r1 starts thinking);
+    --tool-call-parser: a reply in Qwen's format (forced here by a regex) becomes tool_calls."""
+    raw = client.chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=8, temperature=0,
+                                         extra_body=RAW).choices[0].message
+    split = client.chat.completions.create(model="tiny-llama", messages=ASK, max_tokens=8,
+                                           temperature=0).choices[0].message
+    assert raw.content and not split.content and split.model_extra["reasoning_content"] == raw.content
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    reply = client.chat.completions.create(model="tiny-llama", messages=ASK, tools=[WEATHER], max_tokens=100,
+                                           temperature=0, extra_body={"regex": _literal(call)}).choices[0]
+    assert reply.finish_reason == "tool_calls", reply
+    (got,) = reply.message.tool_calls
+    assert got.function.name == "get_weather"
+    assert json.loads(got.function.arguments) == {"city": "Paris", "unit": "celsius"}
+
+
+def _literal(text: str) -> str:
+    """A regex matching ``text`` alone, escaping only what the grammar backend takes as syntax."""
+    return re.sub(r"([\\{}\[\]().*+?^$|])", r"\\\1", text)
+
+
+def check_a_truncated_forced_call(client) -> None:
+    """A named tool_choice cut by max_tokens, at every length from the name on: finish_reason
+    length, and the arguments written so far (a prefix of the whole call's, "" when they had not
+    begun), never an invented empty object."""
+    kw = {"model": "tiny-llama", "messages": ASK, "tools": [WEATHER], "temperature": 0,
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    whole = client.chat.completions.create(max_tokens=200, **kw)
+    assert whole.choices[0].finish_reason in ("stop", "tool_calls"), whole
+    full = "".join(whole.choices[0].message.tool_calls[0].function.arguments.split())
+    cuts = []
+    for max_tokens in range(1, whole.usage.completion_tokens - 1):
+        cut = client.chat.completions.create(max_tokens=max_tokens, **kw).choices[0]
+        assert cut.finish_reason == "length", cut
+        for call in cut.message.tool_calls or []:
+            assert call.function.name == "get_weather" and call.function.arguments != "{}", (max_tokens, call)
+            assert full.startswith("".join(call.function.arguments.split())), (max_tokens, call, full)
+            cuts.append(call.function.arguments)
+    assert cuts and "{" not in cuts[0] and "city" in cuts[-1], cuts  # cut before the arguments and inside them
+
+
+def check_framework_errors(url: str) -> None:
+    """No such route, or a method the route does not take: OpenAI's error shape, from the router
+    and from a server behind it."""
+    for base in (url, url.rsplit(":", 1)[0] + f":{int(url.rsplit(':', 1)[1]) + 2}"):
+        r = httpx.get(base + "/v1/no-such-route", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "path", r.text
+        r = httpx.get(base + "/v1/chat/completions", timeout=30)
+        assert r.status_code == 405 and r.json()["error"]["param"] == "method" and "POST" in r.headers["allow"], r.text

@@ -109,7 +109,8 @@ def batch_size(body: dict) -> int | None:
     Batches: ``/generate`` with ``text`` a list or ``input_ids`` a list of lists;
     ``/v1/completions`` with ``prompt`` a list of strings or of token lists (a flat
     list of ints is one tokenized prompt). An empty list counts as a single request:
-    the worker rejects it with its own error. ``n`` is not a batch (pdserve takes n=1).
+    the worker rejects it with its own error. ``n`` is not a batch: a prompt's samples share its
+    room (decode forks them from the KV it received).
     """
     for name in ("text", "input_ids", "prompt"):
         value = body.get(name)
@@ -596,10 +597,12 @@ class Paired(Generic[H, K]):
 
 @dataclass
 class Dropped(Generic[H]):
-    """Decode prefills the room itself (DropRoom): the HTTP half, to finish without work."""
+    """Decode prefills the room itself (DropRoom): the HTTP half, to finish without work; or,
+    with ``reason``, decode gave up on the request (``RoomTable.cancel``): to fail with it."""
 
     room: int
     http: H
+    reason: str | None = None
 
 
 @dataclass
@@ -618,6 +621,7 @@ class _Entry(Generic[H, K]):
     kv: dict[int, K] = field(default_factory=dict)
     parts: int | None = None
     state: str = "waiting"  # "waiting", or a tombstone: "paired", "dropped"
+    reason: str | None = None  # a dropped room's: why decode gave up on it (None: decode prefills it)
 
 
 class RoomTable(Generic[H, K]):
@@ -646,7 +650,7 @@ class RoomTable(Generic[H, K]):
             if e.http is not None:
                 raise RoomError(f"room {room}: HTTP half already arrived")
             e.http = item
-            return Dropped(room, item)
+            return Dropped(room, item, e.reason)
         if e.http is not None:
             raise RoomError(f"room {room}: HTTP half already arrived")
         e.http = item
@@ -675,16 +679,17 @@ class RoomTable(Generic[H, K]):
         e.state, e.since = "dropped", now
         return Dropped(room, e.http) if e.http is not None else None
 
-    def cancel(self, room: int, now: float) -> Expired[H, K] | None:
+    def cancel(self, room: int, now: float, reason: str | None = None) -> Expired[H, K] | None:
         """Either side gave up on a room that is not paired yet: returns its waiting halves (to
-        fail) and leaves a tombstone, so a half arriving later is answered ``Dropped``. A room not
+        fail) and leaves a tombstone, so a half arriving later is answered ``Dropped`` (with
+        ``reason``, to fail with). A room not
         seen yet gets the tombstone too: decode may give up (a grammar it cannot compile) before
         the router's HTTP half reaches prefill, which would otherwise wait for the KV half until
         ``timeout_s``."""
         e = self._rooms.get(room)
         if e is not None and e.state != "waiting":
             return None
-        self._rooms[room] = _Entry(now, state="dropped")
+        self._rooms[room] = _Entry(now, state="dropped", reason=reason)
         return Expired(room, e.http, e.kv) if e is not None else None
 
     def expire(self, now: float) -> list[Expired[H, K]]:

@@ -1,5 +1,7 @@
 """The decode server's scheduler mode (docs/disaggregation.md): pre-allocate pages, ask prefill for the KV,
-wait until every write has landed, then decode; fall back to a local prefill when it fails.
+wait until every write has landed, then decode; fall back to a local prefill when it fails. A
+request asking for no new token (the shared prompt of ``n`` samples) ends once its KV landed,
+leaving it in the radix cache.
 
 A request's life here: it waits (``pending``) until its prefill's bootstrap records are known
 and pages are free -> decode pins pages for ``prompt[:-1]`` minus what its own radix cache
@@ -56,7 +58,7 @@ from pdserve.disagg.receiver import (
 from pdserve.disagg.staging import StagingPool, unpack_room
 from pdserve.engine.modes import SchedulerMode
 from pdserve.engine.modes import balance as _balance
-from pdserve.engine.request import Req, ReqState, finish_abort
+from pdserve.engine.request import Req, ReqState, finish_abort, finish_length
 from pdserve.transfer import TransferBackend, TransferError
 
 logger = logging.getLogger(__name__)
@@ -383,6 +385,8 @@ class DecodeMode(SchedulerMode):
         req.cached_by_tier_reported = inc.remote_cached_by_tier()
         clock.transferred = True
         self.scheduler.activate(req)
+        if req.sampling.max_new_tokens == 0:  # a shared prompt (n > 1): its KV goes to the radix cache for the samples
+            self.scheduler.finish_request(req, finish_length(0))
         self.counters["kv_received"] += 1
         self.outcomes.append(False)
         self.counters["kv_pages_received"] += len(req.pages) - req.num_cached_pages
@@ -472,6 +476,13 @@ class DecodeMode(SchedulerMode):
         self._send_abort(w.incoming.peer, room, message, w.incoming.nonce)
         self.scheduler.finish_request(req, finish_abort(message))
         return True
+
+    def refused(self, bootstrap, message: str) -> None:
+        """Refused at the frontend (a grammar it cannot compile): prefill's half is told as an
+        aborted pending request's is, or it would wait for decode until the disaggregation timeout."""
+        now = self.io.now()
+        self.owed_aborts.append(OwedAbort((bootstrap.host, bootstrap.port), bootstrap.room, message, now))
+        self._pay_owed_aborts(now)
 
     # ------------------------------------------------------------- inspection
     def before_extend(self, reqs: list[Req], lens: list[int]) -> None:

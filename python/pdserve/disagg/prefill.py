@@ -104,6 +104,9 @@ class PrefillMode(SchedulerMode):
     def _on_pairing(self, result: Paired[Req, KVRequest] | Dropped[Req] | None) -> None:
         if isinstance(result, Paired):
             self._start(result.http, result.kv)
+        elif isinstance(result, Dropped) and result.http is not None and result.reason is not None:
+            self.counters["rooms_aborted"] += 1  # decode gave up on it before this half arrived
+            self._finish(result.http, finish_abort(result.reason))
         elif isinstance(result, Dropped) and result.http is not None:
             self.counters["rooms_dropped"] += 1
             self._finish(result.http, finish_length(0))
@@ -233,11 +236,13 @@ class PrefillMode(SchedulerMode):
             logger.warning("prefill: %s", e)
 
     def _on_decode_abort(self, msg: KVAbort, now: float) -> None:
-        cancelled = self.rooms.cancel(msg.room, now)
+        why = f"decode gave up on the room: {msg.reason}"
+        cancelled = self.rooms.cancel(msg.room, now, why)
         if cancelled is not None:  # never paired: nothing was posted
             self.kv_arrival.pop(msg.room, None)
             if cancelled.http is not None:
-                self._finish(cancelled.http, finish_abort(f"decode gave up on the room: {msg.reason}"))
+                self.counters["rooms_aborted"] += 1
+                self._finish(cancelled.http, finish_abort(why))
             for reply, nonce in _endpoints(cancelled.kv):
                 self.io.send(reply, KVAbortAck(msg.room, nonce, self.sender.rank))  # each rank for itself
             return
@@ -251,7 +256,7 @@ class PrefillMode(SchedulerMode):
             return
         self.counters["rooms_aborted"] += 1
         self.closing[msg.room] = open_room
-        self.scheduler.abort(req.rid, f"decode gave up on the room: {msg.reason}")
+        self.scheduler.abort(req.rid, why)
 
     def _ack_unknown(self, msg: KVAbort) -> None:
         """A room this server holds nothing of: nothing of it can be in flight, so say so at once

@@ -33,10 +33,14 @@ class TokenizedGenerateReq:
 
 @dataclass
 class AbortReq:
-    """Abort one request (``rid``), or every request the scheduler holds (``abort_all``)."""
+    """Abort one request (``rid``), or every request the scheduler holds (``abort_all``); or, with
+    ``refused``, tell the mode about a disaggregated request the frontend refused before it reached
+    the scheduler (``message``: why), whose other half must not wait for it."""
 
     rid: str
     abort_all: bool = False
+    refused: BootstrapRef | None = None
+    message: str = ""
 
 
 @dataclass

@@ -88,6 +88,10 @@ class SchedulerMode:
         """Abort a request the mode holds; False if it is not the mode's."""
         return False
 
+    def refused(self, bootstrap: BootstrapRef, message: str) -> None:
+        """The frontend refused a request routed with ``bootstrap`` before it reached the scheduler
+        (``message``: why): its other half, if the mode has one, must not wait for it."""
+
     def on_finish(self, req: Req) -> None:
         """``req`` is finishing (any reason, any state), before its pages are released."""
 

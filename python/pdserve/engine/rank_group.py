@@ -412,6 +412,9 @@ class RankSchedulerLoop:
                 send_message(self.outbox, io.RejectedReq(msg.rid, str(e)))
 
     def _abort(self, msg: io.AbortReq) -> None:
+        if msg.refused is not None:
+            self.scheduler.mode.refused(msg.refused, msg.message)
+            return
         for rid in list(self.scheduler.reqs) if msg.abort_all else [msg.rid]:
             self.scheduler.abort(rid)
 

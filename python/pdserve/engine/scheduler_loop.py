@@ -169,6 +169,9 @@ class SchedulerLoop:
             send_message(self.send, io_struct.RejectedReq(msg.rid, str(e)))
 
     def _abort(self, msg: io_struct.AbortReq) -> None:
+        if msg.refused is not None:
+            self.scheduler.mode.refused(msg.refused, msg.message)
+            return
         rids = list(self.scheduler.reqs) if msg.abort_all else [msg.rid]
         for rid in rids:
             self.scheduler.abort(rid)

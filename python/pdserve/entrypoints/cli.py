@@ -85,13 +85,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--skip-tokenizer-init", "serve input_ids only; no tokenizer is loaded", action="store_true")
 
 
-def add_http_args(parser: argparse.ArgumentParser) -> None:
+def add_http_args(parser: argparse.ArgumentParser, per_server: bool = True) -> None:
+    """``per_server`` False (``pdserve up``): without the flags up has its own of."""
     g = parser.add_argument_group("HTTP server")
-    _flag(g, "--host", "interface to listen on")
-    _flag(g, "--port", "port to listen on", type=int)
-    _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call (default: $PDSERVE_API_KEY, "
-          "which ps does not show)")
-    _admin_key_flag(g)
+    if per_server:
+        _flag(g, "--host", "interface to listen on")
+        _flag(g, "--port", "port to listen on", type=int)
+        _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call (default: $PDSERVE_API_KEY, "
+              "which ps does not show)")
+        _admin_key_flag(g)
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
     _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
           'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
@@ -166,7 +168,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
 
-def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+def add_parallel_args(parser: argparse.ArgumentParser, per_server: bool = True) -> None:
+    """``per_server`` False (``pdserve up``): without the flags of a server over several nodes."""
     g = parser.add_argument_group("parallelism (one scheduler process per rank)")
     _flag(g, "--tp-size", "tensor-parallel ranks (with --enable-dp-attention: every rank)", type=int)
     _flag(g, "--dp-size", "data-parallel replicas, or attention groups with --enable-dp-attention", type=int)
@@ -175,6 +178,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--ep-size", "expert-parallel ranks: 1, or --tp-size to place routed experts whole", type=int)
     _flag(g, "--moe-a2a-backend", "how EP moves tokens to experts: torch.distributed all-to-all, or DeepEP "
           "(CUDA only)", choices=MOE_A2A_BACKENDS)
+    if not per_server:
+        return
     _flag(g, "--dist-init-addr", "host:port of node 0 for the ranks' rendezvous (needed with --nnodes > 1)")
     _flag(g, "--nnodes", "nodes the ranks are spread over", type=int)
     _flag(g, "--node-rank", "this node's index; nodes > 0 run their ranks only, node 0 the server too", type=int)
@@ -403,7 +408,17 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # --------------------------------------------------------------------- up
-UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_hicache_args, add_runtime_args, add_device_args)
+UP_SERVER_GROUPS = (add_model_args, add_memory_args, add_hicache_args, add_runtime_args, add_device_args,
+                    add_parser_args)
+# Server flags up does not take (test/entrypoints/test_cli.py checks every other serve flag passes
+# through up), and why; --host, --port, --api-key and --admin-api-key are up's own, for every child.
+UP_EXCLUDED_FLAGS = {
+    "--disaggregation-mode": "up gives each server its role",
+    "--disaggregation-bootstrap-port": "up gives prefill i --bootstrap-port + i",
+    "--dist-init-addr": "up runs on one machine: a server over several nodes is started by hand",
+    "--nnodes": "up runs on one machine",
+    "--node-rank": "up runs on one machine",
+}
 # Set per server by up (its own file directory, the shared Mooncake master): not passed through as given.
 UP_STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_dir", "hicache_storage_backend_extra_config")
 UP_SECRET_FIELDS = ("disaggregation_auth_token",)  # to the servers by environment, never a command line
@@ -433,6 +448,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     add_elastic_args(parser)
     for add in UP_SERVER_GROUPS:
         add(parser)
+    add_http_args(parser, per_server=False)
+    add_parallel_args(parser, per_server=False)
     add_disagg_args(parser, per_server=False)
 
 

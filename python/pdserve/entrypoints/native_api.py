@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs is 3.13+
 from pdserve.engine.request import SamplingParams
 from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, check_top_logprobs, sglang_meta
-from pdserve.entrypoints.parallel_sampling import PromptJob, check_sequences, new_group, run_job
+from pdserve.entrypoints.parallel_sampling import PromptJob, check_sequences, new_group, run_job, samples_here
 from pdserve.entrypoints.protocol import GenerateRequest
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
 from pdserve.web.errors import RequestError, parse_body, read_body
@@ -114,7 +114,7 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
     samplings = [_sampling(sp, tm.request_limits.vocab_size) for sp in sps]
     check_sequences([s.n for s in samplings], tm.args.max_seqs_per_request, field_name, "sampling_params.n")
     _check_sample_rids(tm, rids, [s.n for s in samplings])
-    boots = tm.bootstraps(req, n, max(s.n for s in samplings))
+    boots = tm.bootstraps(req, n, samplings[0].n)
     group = new_group()
     items = []
     for ids, sampling, lp, start, top, rid, boot in zip(ids_list, samplings, lps, starts, tops, rids, boots):
@@ -122,7 +122,8 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
         start, top = -1 if start is None else start, top or 0
         if lp:
             _check_logprobs(ids, start, top, tm)
-        job = PromptJob(ids, sampling.for_copy(0), sampling.n, bool(lp), resolve_start(start, len(ids)) if lp else None,
+        count = samples_here(tm.role, sampling.n, boot)
+        job = PromptJob(ids, sampling.for_copy(0), count, bool(lp), resolve_start(start, len(ids)) if lp else None,
                         top if lp else 0, rid, boot, group)
         items.append(_Item(job, top if lp else 0))
     return items, single

@@ -54,6 +54,7 @@ from pdserve.entrypoints.parallel_sampling import (
     check_sequences,
     new_group,
     run_job,
+    samples_here,
 )
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
@@ -117,10 +118,10 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
     check_sequences([best_of] * len(prompts), tm.args.max_seqs_per_request, "prompt",
                     "best_of" if best_of > samplings[0].n else "n")
     echo_lp = req.echo and req.logprobs is not None
-    boots = tm.bootstraps(req, len(prompts), best_of)
+    boots = tm.bootstraps(req, len(prompts), samplings[0].n)
     group = new_group()
-    jobs = [PromptJob(ids, sp, best_of, req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
-                      req.logprobs or 0, bootstrap=boot, group=group)
+    jobs = [PromptJob(ids, sp, samples_here(tm.role, best_of, boot), req.logprobs is not None or best_of > sp.n,
+                      0 if echo_lp else None, req.logprobs or 0, bootstrap=boot, group=group)
             for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
     call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
@@ -143,7 +144,8 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     sampling.think_end = think_end(reasoning, grammar)
     check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
     (boot,) = tm.bootstraps(req, 1, sampling.n)
-    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group())
+    job = PromptJob(ids, sampling, samples_here(tm.role, sampling.n, boot), top is not None, None, top or 0,
+                    bootstrap=boot, group=new_group())
     call = _call("chat", model_name, req, [job], top, None, tm)
     call.output = OutputPlan(reasoning, plan.parser, plan.names, req.stream_reasoning, plan.schemas,
                              _reasoning_forced(reasoning, req), req.parallel_tool_calls)

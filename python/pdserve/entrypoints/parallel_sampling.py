@@ -8,6 +8,12 @@ parallel sampling. One sample needs no such step.
 Every sequence of one API call (each prompt's samples and shared prefill) carries the
 call's ``group``, so the scheduler lets calls take turns at admission; the call's
 sequences in all are capped by ``--max-seqs-per-request`` (``check_sequences``).
+
+Disaggregated (a router's bootstrap fields on the job), the prompt still runs once: a prefill
+server serves the room once, whatever ``n`` (it never samples); on decode the shared prefill is
+the one request of the room, so its KV comes from prefill and lands in decode's radix cache, and
+the samples then run there as local requests, each a cache hit of that KV, as colocated samples
+are of their shared prefill (the same seeds, ``SamplingParams.for_copy``, the same tokens).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class PromptJob:
     input_start: int | None = None  # prompt logprobs from this position on (None: none)
     top_logprobs_num: int = 0
     rid: str | None = None
-    bootstrap: BootstrapRef | None = None  # a disaggregated request (then count is 1)
+    bootstrap: BootstrapRef | None = None  # a disaggregated request: the shared prefill's (or the one sample's)
     group: str | None = None  # the API call this prompt belongs to (new_group): admission takes turns by it
 
     @property
@@ -43,21 +49,24 @@ class PromptJob:
         return self.count > 1
 
     async def prefill(self, tm: TokenizerManager) -> GenerateChunk:
-        """The prompt alone; carries the prompt's logprobs when ``input_start`` is set."""
+        """The prompt alone; carries the prompt's logprobs when ``input_start`` is set. Disaggregated,
+        it is the room's request: decode receives the prompt's KV for it."""
         sampling = dataclasses.replace(self.sampling.for_copy(0), max_new_tokens=0)
         rid = None if self.rid is None else f"{self.rid}-prefill"
         gen = tm.generate(self.input_ids, sampling, self.input_start is not None, rid, stream=False,
                           logprob_start_len=self._start(True), top_logprobs_num=self.top_logprobs_num,
-                          group=self.group)
+                          bootstrap=self.bootstrap, group=self.group)
         return await final_chunk(gen)
 
     def generators(self, tm: TokenizerManager, stream: bool) -> list[AsyncGenerator[GenerateChunk, None]]:
-        """One generator per sample; after a shared prefill they skip the prompt's logprobs."""
+        """One generator per sample; after a shared prefill they skip the prompt's logprobs and run
+        here, from the KV it left in the radix cache (its room is spent)."""
         with_input = not self.shares_prefill
         want = self.return_logprob or (with_input and self.input_start is not None)
+        bootstrap = None if self.shares_prefill else self.bootstrap
         return [tm.generate(self.input_ids, self.sampling.for_copy(j), want, self._rid(j), stream,
                             logprob_start_len=self._start(with_input), top_logprobs_num=self.top_logprobs_num,
-                            bootstrap=self.bootstrap, group=self.group)
+                            bootstrap=bootstrap, group=self.group)
                 for j in range(self.count)]
 
     def _start(self, with_input: bool) -> int:
@@ -67,6 +76,12 @@ class PromptJob:
         if self.rid is None or self.count == 1:
             return self.rid
         return f"{self.rid}-{j}"
+
+
+def samples_here(role: str, count: int, bootstrap: BootstrapRef | None) -> int:
+    """The samples of one prompt this server runs: a prefill server serves a disaggregated prompt
+    once, for its room, whatever ``count`` (decode samples every token, so the samples are decode's)."""
+    return 1 if role == "prefill" and bootstrap is not None else count
 
 
 def new_group() -> str:

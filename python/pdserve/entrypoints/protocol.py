@@ -31,8 +31,11 @@ class _Bootstrap(_Body):
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
 
-    def bootstraps(self, n: int, default_port: int) -> list[BootstrapRef | None]:
-        """One BootstrapRef per prompt (None for all when the request was not routed)."""
+    def bootstraps(self, n: int, default_port: int, samples: int = 1) -> list[BootstrapRef | None]:
+        """One BootstrapRef per prompt (None for all when the request was not routed). sglang-router
+        gives the ``samples`` (``n``) of a single prompt a room each; pdserve prefills the prompt
+        once (``parallel_sampling``), so the first room pairs it and the others are never opened:
+        both servers read the body alike."""
         if self.bootstrap_room is None and self.bootstrap_host is None:
             return [None] * n
         if n > 1 and not isinstance(self.bootstrap_room, list):
@@ -41,7 +44,7 @@ class _Bootstrap(_Body):
                                param="bootstrap_room")
         if isinstance(self.bootstrap_room, list) and len(set(self.bootstrap_room)) != len(self.bootstrap_room):
             raise RequestError("bootstrap_room: the rooms of a batch must be distinct", param="bootstrap_room")
-        hosts, ports, rooms = (_per_prompt(v, n, name) for v, name in (
+        hosts, ports, rooms = (_per_prompt(_first_of_samples(v, n, samples), n, name) for v, name in (
             (self.bootstrap_host, "bootstrap_host"), (self.bootstrap_port, "bootstrap_port"),
             (self.bootstrap_room, "bootstrap_room")))
         out: list[BootstrapRef | None] = []
@@ -57,6 +60,13 @@ class _Bootstrap(_Body):
                 raise RequestError(f"bootstrap_port{at}: must be in 1..65535, got {port}", param="bootstrap_port")
             out.append(BootstrapRef(host.strip("[]"), port, room))
         return out
+
+
+def _first_of_samples(value, n: int, samples: int):
+    """A single prompt's list of one entry per sample (sglang-router's): its first entry."""
+    if n == 1 and samples > 1 and isinstance(value, list) and len(value) == samples:
+        return value[:1]
+    return value
 
 
 def _per_prompt(value, n: int, name: str) -> list:

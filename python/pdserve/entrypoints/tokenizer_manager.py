@@ -276,20 +276,18 @@ class TokenizerManager:
             raise RequestError(f"rid: {rid!r} is already in use", param="rid")
         return rid
 
-    def bootstraps(self, body, n: int, samples: int) -> list[BootstrapRef | None]:
+    def bootstraps(self, body, n: int, samples: int = 1) -> list[BootstrapRef | None]:
         """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
-        checked against this server's mode: a prefill server needs it; a colocated one ignores it;
-        a disaggregated request is one sample (its room pairs exactly one prefill)."""
+        checked against this server's mode: a prefill server needs it; a colocated one ignores it.
+        A room pairs one prefill of its prompt, whatever its ``samples`` (``parallel_sampling``)."""
         mode = self.role
         if mode == "null":
             return [None] * n
-        refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port)
+        refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port, samples)
         if mode == "prefill" and refs[0] is None:
             raise RequestError("bootstrap_room: a prefill server serves only requests routed with "
                                "bootstrap_host/bootstrap_port/bootstrap_room (put a P/D router in front)",
                                param="bootstrap_room")
-        if refs[0] is not None and samples > 1:
-            raise RequestError("n: a disaggregated request runs one sample; send n requests", param="n")
         return refs
 
     def check_input(self, input_ids: list[int], max_new_tokens: int, prompt_field: str,
@@ -313,7 +311,12 @@ class TokenizerManager:
         """
         await self._pass_role_gate(bootstrap)
         self._check_healthy()
-        await self.grammar.check(sampling, self.role, self.request_limits.vocab_size)
+        try:
+            await self.grammar.check(sampling, self.role, self.request_limits.vocab_size)
+        except RequestError as e:
+            if bootstrap is not None:  # whatever router is in front, prefill's half must not wait for ours
+                self._try_send(AbortReq("", refused=bootstrap, message=e.message))
+            raise
         rid = self.new_rid(rid)
         room = bootstrap.room if bootstrap is not None else None
         if room is not None and room in self._rooms:  # checked and taken with no await in between

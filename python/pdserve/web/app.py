@@ -1,5 +1,6 @@
 """What both HTTP programs (the server and the router) put around their routes: the error handlers
-(OpenAI's error shape for a ``RequestError``, a 500 naming the exception for anything else) and,
+(OpenAI's error shape for a ``RequestError`` and for the framework's own 404 and 405, a 500 naming
+the exception for anything else) and,
 once every route is added, the check that each has an access class and the API-key middleware."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from pdserve.web.api_key import AccessMiddleware, check_classified
 from pdserve.web.errors import RequestError, error_body, error_response
@@ -28,6 +30,7 @@ def add_error_handlers(app: FastAPI, timeout_message: str | None = None) -> None
 
     # Starlette types every handler as taking Exception; this one is registered for RequestError only.
     app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal_error)
 
 
@@ -39,3 +42,19 @@ def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None) -
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
     return error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """The framework's answers (no such route, a method the route does not take) in OpenAI's shape,
+    not FastAPI's ``{"detail": ...}``; a 405 keeps its Allow header."""
+    path, method = request.url.path, request.method
+    if exc.status_code == 404:
+        message, code = f"path: {path} is not a route of this server", "not_found"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message, code = f"method: {method} is not allowed on {path} (allowed: {allowed})", "method_not_allowed"
+    else:
+        message, code = f"{path}: {exc.detail}", None
+    param = {404: "path", 405: "method"}.get(exc.status_code)
+    return JSONResponse(error_body(message, exc.status_code, param, code), status_code=exc.status_code,
+                        headers=exc.headers)
