@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -47,7 +48,8 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, kind: str, text: str) -> Any:
         try:
             if kind == "json_schema":
-                return self.compiler.compile_json_schema(text, any_whitespace=not self.config.disable_any_whitespace)
+                grammar = xgr.Grammar.from_json_schema(text, any_whitespace=self.config.any_whitespace)
+                return self.compiler.compile_grammar(without_raw_control_chars(str(grammar)))
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             if kind == "ebnf":
@@ -67,6 +69,32 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> Grammar:
         return XGrammarGrammar(xgr.GrammarMatcher(compiled))  # rollback is unlimited
+
+
+# An EBNF token: a quoted literal (group 1) or a character class (group 2 holds a negated one's members).
+_CONTROL = r"\0-\x1f"
+_EBNF_LITERAL_OR_CLASS = re.compile(r'("(?:\\.|[^"\\])*")|\[\^((?:\\.|[^\]\\])*)\]|\[(?:\\.|[^\]\\])*\]')
+
+
+def without_raw_control_chars(ebnf: str) -> str:
+    r"""The EBNF xgrammar converted from a JSON schema, with U+0000-U+001F taken out of every negated
+    character class.
+
+    Why: xgrammar (0.2.8, 0.2.9) writes a string with ``minLength`` / ``maxLength`` (values, and keys
+    under ``propertyNames``) as a counted repeat of ``[^"\\\r\n]``, which lets every other control
+    character (the tab, U+0013 ...) into the output raw: RFC 8259 forbids them unescaped and strict
+    parsers (json.loads) refuse the document. Its other string rules exclude them already. In a
+    grammar converted from JSON schema a negated class only ever matches inside a string (outside
+    one JSON is literals and positive classes: digits, whitespace, signs), and no character of a
+    JSON string may be a raw control character, so the change removes exactly the invalid outputs.
+    Quoted literals (enum and const values, property names) and ``Regex("...")`` patterns (xgrammar
+    escapes those itself) are left as they are; positive classes too."""
+    def fix(m: re.Match) -> str:
+        if m.group(2) is None or m.group(2).startswith(_CONTROL):  # a literal, a positive class, done already
+            return m.group(0)
+        return "[^" + _CONTROL + m.group(2) + "]"
+
+    return _EBNF_LITERAL_OR_CLASS.sub(fix, ebnf)
 
 
 def _matcher(grammar: Grammar) -> xgr.GrammarMatcher:

@@ -1,0 +1,224 @@
+"""JSON from every grammar backend is strict JSON, for every tokenizer family (byte-level BPE,
+SentencePiece-style byte fallback, raw pieces: constrained/tokenizer_families.py).
+
+- The bytes each backend believes a token stands for are the bytes the tokenizer decodes it to
+  (else the grammar checks text the client never sees).
+- Property over the token table: at every step of random walks through each schema, EVERY token the
+  mask allows, appended to the text so far, is still lexically valid JSON there: no raw control
+  character inside a string (RFC 8259; xgrammar's maxLength strings let them in), only valid
+  escapes, nothing outside a string but JSON's own characters; in the compact default no whitespace
+  but one space after ``:`` or ``,``. Walks that end parse with json.loads and validate.
+- The compact default and the permissive flag (--constrained-json-any-whitespace) both hold it."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from constrained.grammar_fixtures import EOS, FUZZ_SCHEMAS, INSTALLED, VOCAB, check_json
+from constrained.tokenizer_families import FAMILIES, build
+from pdserve.config import GrammarConfig
+from pdserve.constrained import bitmask as bm
+from pdserve.constrained import create_grammar_backend
+from pdserve.constrained.vocab import token_bytes
+
+# lexer states of a JSON text: outside strings, inside one, after a backslash, inside \uXXXX (4..1 left)
+OUT, IN, ESC, HEX4, HEX3, HEX2, HEX1 = range(7)
+STATES = 7
+BAD = -1
+JSON_CHARS = set(b"{}[],:-+.0123456789eEtrufalsn")  # every byte JSON may have outside a string but whitespace
+ANY_WS = set(b" \t\n\r")
+HEXDIGITS = set(b"0123456789abcdefABCDEF")
+WALKS = 3
+STEPS = 60
+
+
+def step(state: int, byte: int, whitespace: set[int]) -> int:
+    """The lexer state after ``byte``; BAD where strict JSON cannot have it."""
+    if state == OUT:
+        return IN if byte == ord('"') else OUT if byte in JSON_CHARS or byte in whitespace else BAD
+    if state == IN:
+        return OUT if byte == ord('"') else ESC if byte == ord("\\") else BAD if byte < 0x20 else IN
+    if state == ESC:
+        return HEX4 if byte == ord("u") else IN if byte in b'"\\/bfnrt' else BAD
+    return (IN if state == HEX1 else state + 1) if byte in HEXDIGITS else BAD
+
+
+def run(state: int, data: bytes, whitespace: set[int]) -> int:
+    for byte in data:
+        state = step(state, byte, whitespace)
+        if state == BAD:
+            return BAD
+    return state
+
+
+def transitions(table: dict[int, bytes], whitespace: set[int]) -> np.ndarray:
+    """[STATES, VOCAB]: the state after each token from each state (BAD: invalid there; specials,
+    which are not text, are left BAD and checked apart)."""
+    out = np.full((STATES, VOCAB), BAD, dtype=np.int8)
+    for t, data in table.items():
+        for s in range(STATES):
+            out[s, t] = run(s, data, whitespace)
+    return out
+
+
+def compact_spacing(text: str) -> bool:
+    """Outside strings, whitespace is at most one space, right after ':' or ','."""
+    state, prev = OUT, ""
+    for ch in text:
+        if state == OUT and ch in " \t\n\r" and not (ch == " " and prev in ":,"):
+            return False
+        state = run(state, ch.encode(), ANY_WS)
+        prev = ch
+    return True
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    made = {f: AutoTokenizer.from_pretrained(str(build(f, root / f))) for f in FAMILIES}
+    return made
+
+
+def backend_bytes(backend: str, tok) -> dict[int, bytes]:
+    """The bytes ``backend`` believes each text token stands for."""
+    import llguidance.hf
+    import xgrammar as xgr
+
+    ids = sorted(token_bytes(tok))
+    if backend == "xgrammar":
+        vocab = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=[EOS]).decoded_vocab
+        return {t: vocab[t] for t in ids}
+    if backend == "llguidance":
+        ll = llguidance.hf.from_tokenizer(tok, n_vocab=VOCAB, eos_token=[EOS])
+        return {t: ll.decode_bytes([t]) for t in ids}
+    return token_bytes(tok)  # outlines' vocabulary is built from it
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+# llguidance keeps byte 0xff for its own use (never valid UTF-8): that one token maps to nothing,
+# and it must then never be allowed (the property test checks the masks)
+UNMAPPED_OK = {"llguidance": {b"\xff"}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_backend_maps_tokens_to_the_bytes_the_tokenizer_decodes(families, family):
+    tok = families[family]
+    table = token_bytes(tok)
+    ids = sorted(table)
+    backends = [b for b in INSTALLED if not (b == "llguidance" and family == "raw")]
+    tables = {b: backend_bytes(b, tok) for b in backends}
+    if family == "raw":  # llguidance reads ByteLevel / ByteFallback vocabularies only: refused, clearly
+        with pytest.raises(ValueError, match="^grammar_backend: llguidance cannot map"):
+            create_grammar_backend(GrammarConfig("llguidance"), tok, VOCAB, [EOS])
+    # byte tokens (<0xC3>, a byte-level 0x80-0xff) are parts of characters: compare runs of tokens
+    rng = random.Random(0)
+    control = [t for t in ids if any(b < 0x20 for b in table[t])]
+    assert control, "every family can spell raw control characters (the property test needs them)"
+    for _ in range(300):
+        seq = [rng.choice(ids) for _ in range(rng.randint(1, 8))] + [rng.choice(control)]
+        rng.shuffle(seq)
+        joined = b"".join(table[i] for i in seq)
+        if _utf8(joined):  # else tokenizers and Python replace broken bytes differently (by token / by run)
+            assert joined.decode() == tok.decode(seq), seq
+    # byte tokens (<0xC3>, a byte-level 0x80-0xff) spell characters together
+    text = '{"tag": "a\x13b\tc\x00"}' + ("" if family == "raw" else ' é€😀 \u0301')
+    seq = tok.encode(text, add_special_tokens=False)
+    assert b"".join(table[i] for i in seq) == text.encode() and tok.decode(seq) == text
+    for name, t in tables.items():
+        differ = {table[i] for i in ids if t[i] != table[i]}
+        assert differ <= UNMAPPED_OK.get(name, set()), (name, sorted(differ)[:8])
+
+
+CASES = [(b, f, ws) for b in INSTALLED for f in FAMILIES for ws in (False, True)
+         if not (b == "llguidance" and f == "raw")]
+
+
+@pytest.mark.parametrize("backend, family, any_whitespace", CASES)
+def test_every_token_the_grammar_allows_is_valid_json_there(families, backend, family, any_whitespace):
+    tok = families[family]
+    b = create_grammar_backend(GrammarConfig(backend, any_whitespace=any_whitespace), tok, VOCAB, [EOS])
+    table = token_bytes(tok)
+    seen_by_backend = backend_bytes(backend, tok)
+    unmapped = np.array([t for t in table if seen_by_backend[t] != table[t]], dtype=np.int64)
+    moves = transitions(table, ANY_WS if any_whitespace else {ord(" ")})
+    rng = random.Random(f"{backend}-{family}-{any_whitespace}")
+    mask = bm.allocate(1, VOCAB)
+    ended = 0
+    for name, schema in FUZZ_SCHEMAS.items():
+        compiled = b.compile("json_schema", json.dumps(schema))
+        for _ in range(WALKS):
+            g, ids, state = b.matcher(compiled), [], OUT
+            for _ in range(STEPS):
+                if g.is_terminated():  # llguidance ends by itself where only EOS may follow
+                    break
+                g.fill_bitmask(mask, 0)
+                allowed = np.array(bm.allowed_tokens(mask, 0, VOCAB), dtype=np.int64)
+                text_ids = allowed[allowed != EOS]
+                assert all(t in table for t in text_ids.tolist()), "only text tokens besides EOS"
+                assert not np.isin(unmapped, text_ids).any(), "a token the backend cannot spell is never allowed"
+                bad = text_ids[moves[state, text_ids] == BAD]
+                assert not bad.size, (name, tok.decode(ids), [table[t] for t in bad[:8].tolist()])
+                if not text_ids.size or (EOS in allowed and rng.random() < 0.15):
+                    assert state == OUT and g.accept_token(EOS)
+                    break
+                t = int(rng.choice(text_ids.tolist()))
+                assert g.accept_token(t)
+                ids.append(t)
+                state = int(moves[state, t])
+            else:
+                continue
+            ended += 1
+            text = tok.decode(ids)
+            check_json(text, name, backend)
+            if not any_whitespace:
+                assert compact_spacing(text), text
+    assert ended >= len(FUZZ_SCHEMAS), "most walks end: their outputs were parsed"
+
+
+@pytest.mark.parametrize("text", ['{"a": "x\x13"}', '{"a": "\t"}', '{"a": "\\q"}', '{"a": "\\u12G4"}', "{'a': 1}"])
+def test_the_lexer_refuses_what_strict_parsers_refuse(text):
+    """The property's oracle agrees with json.loads where it matters."""
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    assert run(OUT, text.encode(), ANY_WS) == BAD
+
+
+def test_the_lexer_takes_strict_json_and_tells_compact_spacing():
+    text = '{"a": "x\\u0013\\n\\"", "b": [1, -2.5e3, true, null], "c": "\x7f\u00e9"}'
+    json.loads(text)
+    assert run(OUT, text.encode(), {ord(" ")}) == OUT and compact_spacing(text)
+    assert compact_spacing('{"a":1,"b":2}') and not compact_spacing('{"a":\n1}')
+    assert not compact_spacing('{"a" : 1}') and not compact_spacing('{"a":  1}')
+
+
+@pytest.mark.parametrize("flags, any_whitespace", [
+    ([], False),  # compact by default
+    (["--constrained-json-disable-any-whitespace"], False),  # SGLang's flag: still accepted, the default
+    (["--constrained-json-any-whitespace"], True),  # the permissive grammar, asked for
+])
+def test_whitespace_flags_reach_the_grammar_config(flags, any_whitespace):
+    from pdserve.entrypoints.cli import build_parser, server_args_from_namespace
+
+    ns = build_parser().parse_args(["serve", "--model-path", "tiny-llama", *flags])
+    assert server_args_from_namespace(ns).grammar_config().any_whitespace is any_whitespace
+
+
+def test_both_whitespace_flags_at_once_are_refused_naming_them():
+    from pdserve.config import ServerArgs
+
+    with pytest.raises(ValueError, match="^constrained_json_any_whitespace: .*constrained_json_disable_any_whitespace"):
+        ServerArgs(model_path="tiny-llama", constrained_json_any_whitespace=True,
+                   constrained_json_disable_any_whitespace=True)
