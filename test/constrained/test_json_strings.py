@@ -7,7 +7,9 @@ SentencePiece-style byte fallback, raw pieces: constrained/tokenizer_families.py
   mask allows, appended to the text so far, is still lexically valid JSON there: no raw control
   character inside a string (RFC 8259; xgrammar's maxLength strings let them in), only valid
   escapes, nothing outside a string but JSON's own characters; in the compact default no whitespace
-  but one space after ``:`` or ``,``. Walks that end parse with json.loads and validate.
+  but one space after ``:`` or ``,``; and the bytes stay valid UTF-8 (xgrammar takes encoded
+  surrogates, which decode to three U+FFFD and break maxLength). Walks that end parse with
+  json.loads and validate.
 - The compact default and the permissive flag (--constrained-json-any-whitespace) both hold it."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from constrained.tokenizer_families import FAMILIES, build
 from pdserve.config import GrammarConfig
 from pdserve.constrained import bitmask as bm
 from pdserve.constrained import create_grammar_backend
-from pdserve.constrained.vocab import token_bytes
+from pdserve.constrained.vocab import AFTER_E0, ANY, UTF8_BAD, UTF8_STATES, token_bytes, utf8_run
 
 # lexer states of a JSON text: outside strings, inside one, after a backslash, inside \uXXXX (4..1 left)
 OUT, IN, ESC, HEX4, HEX3, HEX2, HEX1 = range(7)
@@ -62,6 +64,16 @@ def transitions(table: dict[int, bytes], whitespace: set[int]) -> np.ndarray:
     for t, data in table.items():
         for s in range(STATES):
             out[s, t] = run(s, data, whitespace)
+    return out
+
+
+def utf8_transitions(table: dict[int, bytes]) -> np.ndarray:
+    """[UTF-8 states, VOCAB]: the UTF-8 automaton's state after each text token (UTF8_BAD: no valid
+    UTF-8 text continues so: a surrogate, an overlong form, a stray continuation byte)."""
+    out = np.full((len(UTF8_STATES), VOCAB), UTF8_BAD, dtype=np.int8)
+    for t, data in table.items():
+        for s in range(len(UTF8_STATES)):
+            out[s, t] = utf8_run(s, data)
     return out
 
 
@@ -154,13 +166,14 @@ def test_every_token_the_grammar_allows_is_valid_json_there(families, backend, f
     seen_by_backend = backend_bytes(backend, tok)
     unmapped = np.array([t for t in table if seen_by_backend[t] != table[t]], dtype=np.int64)
     moves = transitions(table, ANY_WS if any_whitespace else {ord(" ")})
+    utf8 = utf8_transitions(table)
     rng = random.Random(f"{backend}-{family}-{any_whitespace}")
     mask = bm.allocate(1, VOCAB)
     ended = 0
     for name, schema in FUZZ_SCHEMAS.items():
         compiled = b.compile("json_schema", json.dumps(schema))
         for _ in range(WALKS):
-            g, ids, state = b.matcher(compiled), [], OUT
+            g, ids, state, chars = b.matcher(compiled), [], OUT, ANY
             for _ in range(STEPS):
                 if g.is_terminated():  # llguidance ends by itself where only EOS may follow
                     break
@@ -171,13 +184,18 @@ def test_every_token_the_grammar_allows_is_valid_json_there(families, backend, f
                 assert not np.isin(unmapped, text_ids).any(), "a token the backend cannot spell is never allowed"
                 bad = text_ids[moves[state, text_ids] == BAD]
                 assert not bad.size, (name, tok.decode(ids), [table[t] for t in bad[:8].tolist()])
+                broken = text_ids[utf8[chars, text_ids] == UTF8_BAD]
+                assert not broken.size, ("not UTF-8", name, tok.decode(ids), [table[t] for t in broken[:8].tolist()])
                 if not text_ids.size or (EOS in allowed and rng.random() < 0.15):
-                    assert state == OUT and g.accept_token(EOS)
+                    assert state == OUT and chars == ANY and g.accept_token(EOS)
                     break
-                t = int(rng.choice(text_ids.tolist()))
+                # now and then a lead byte that narrows what may follow (E0, ED, F0, F4): the property is
+                # then checked where a surrogate or an overlong form could slip in
+                narrow = text_ids[utf8[chars, text_ids] >= AFTER_E0]
+                t = int(rng.choice((narrow if narrow.size and rng.random() < 0.3 else text_ids).tolist()))
                 assert g.accept_token(t)
                 ids.append(t)
-                state = int(moves[state, t])
+                state, chars = int(moves[state, t]), int(utf8[chars, t])
             else:
                 continue
             ended += 1
