@@ -20,7 +20,13 @@ import pytest
 from pd_servers import RoutedPair
 
 from entrypoints.server_utils import free_port
-from entrypoints.structured_checks import check_ebnf, check_json_schema, check_regex, check_required_tool_call
+from entrypoints.structured_checks import (
+    check_ebnf,
+    check_json_fuzz,
+    check_json_schema,
+    check_regex,
+    check_required_tool_call,
+)
 from router.router_utils import wait_for
 
 MODEL = "tiny-llama"
@@ -92,3 +98,8 @@ def test_regex(pd, client):
 
 def test_ebnf(pd, client):
     _disaggregated(pd, check_ebnf, client)
+
+
+def test_random_samples_are_strict_compact_json(pd, client):
+    """Issue 32 through P/D: sampled json_schema replies, streamed and not, are strict compact JSON."""
+    _disaggregated(pd, lambda c, m: check_json_fuzz(c, m, per_request=5), client)

@@ -16,7 +16,7 @@ import pytest
 
 import pdserve
 from constrained.grammar_fixtures import FUZZ_MAX_TOKENS, FUZZ_SCHEMAS, check_json
-from constrained.test_json_strings import compact_spacing
+from constrained.json_lexer import compact_spacing
 from constrained.tokenizer_families import FAMILIES, build
 
 PROMPTS = ["Give me a record:", "Once upon a time", "1, 2, 3,", "{", "The answer is", '"\\u00', "\t\n"]
@@ -34,9 +34,11 @@ def tokenizer_dirs(tmp_path_factory):
     return {f: str(build(f, root / f)) for f in FAMILIES}
 
 
-def _requests(n: int, seed: int) -> tuple[list[str], list[dict], list[str]]:
+def _requests(n: int, seed: int, backend: str = "xgrammar") -> tuple[list[str], list[dict], list[str]]:
     rng = random.Random(seed)
-    names = [list(FUZZ_SCHEMAS)[i % len(FUZZ_SCHEMAS)] for i in range(n)]
+    # outlines-core does not bound integers (docs/structured-outputs.md): its numbers never need to end
+    schemas = [name for name in FUZZ_SCHEMAS if not (backend == "outlines" and name == "numbers")]
+    names = [schemas[i % len(schemas)] for i in range(n)]
     params = [{"max_new_tokens": FUZZ_MAX_TOKENS, "temperature": rng.uniform(0.7, 1.2), "seed": rng.getrandbits(32),
                "json_schema": json.dumps(FUZZ_SCHEMAS[name])} for name in names]
     return [rng.choice(PROMPTS) for _ in range(n)], params, names
@@ -47,7 +49,7 @@ def test_every_sample_is_strict_json_valid_under_its_schema(tokenizer_dirs, back
     engine = pdserve.Engine(model_path="tiny-llama", tokenizer_path=tokenizer_dirs[family], grammar_backend=backend,
                             max_running_requests=BATCH, random_seed=sum(map(ord, family)))
     try:
-        prompts, params, names = _requests(SAMPLES[backend, family], seed=len(backend) * 31 + len(family))
+        prompts, params, names = _requests(SAMPLES[backend, family], len(backend) * 31 + len(family), backend)
         outs = engine.generate(prompt=prompts, sampling_params=params)
     finally:
         engine.shutdown()

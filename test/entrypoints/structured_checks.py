@@ -114,3 +114,41 @@ def check_ebnf(client, model: str) -> str:
     content, _, _, _ = streamed_chat(client, **kw)
     assert content == text
     return text
+
+
+def check_json_fuzz(client, model: str, per_request: int = 10) -> int:
+    """Random-weight samples of json_schema replies (issue 32's request: temperature 0.8, seed 4, a
+    maxLength string, then every fuzz schema at temperatures 0.7-1.2), ``per_request`` samples (n)
+    per request, streamed and not: each is strict JSON valid under its schema and compact (no
+    whitespace but one space after ':' and ','). Returns how many samples were checked."""
+    from constrained.grammar_fixtures import FUZZ_MAX_TOKENS, FUZZ_SCHEMAS, check_json
+    from constrained.json_lexer import compact_spacing
+
+    checked = 0
+    for i, name in enumerate(FUZZ_SCHEMAS):
+        for stream in (False, True):
+            temperature, seed = (0.8, 4) if i == 0 else (0.7 + 0.1 * i, 1000 * i + stream)
+            kw = dict(model=model, messages=[{"role": "user", "content": f"A {name} record as JSON."}],
+                      response_format={"type": "json_schema", "json_schema": {
+                          "name": name, "schema": FUZZ_SCHEMAS[name], "strict": True}},
+                      temperature=temperature, seed=seed, n=per_request, max_tokens=FUZZ_MAX_TOKENS)
+            for content, reason in _samples(client, stream, kw):
+                assert reason == "stop", (name, stream, content)
+                check_json(content, name)
+                assert compact_spacing(content), content
+                checked += 1
+    return checked
+
+
+def _samples(client, stream: bool, kw: dict) -> list[tuple[str, str | None]]:
+    """(content, finish_reason) of each of the ``n`` choices, streamed (assembled by index) or not."""
+    if not stream:
+        return [(c.message.content, c.finish_reason) for c in client.chat.completions.create(**kw).choices]
+    content: dict[int, str] = {}
+    reason: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
+            reason[choice.index] = choice.finish_reason or reason.get(choice.index)
+    assert sorted(content) == list(range(kw["n"])), sorted(content)
+    return [(content[i], reason[i]) for i in sorted(content)]
