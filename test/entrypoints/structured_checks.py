@@ -118,9 +118,12 @@ def check_ebnf(client, model: str) -> str:
 
 def check_json_fuzz(client, model: str, per_request: int = 10) -> int:
     """Random-weight samples of json_schema replies (issue 32's request: temperature 0.8, seed 4, a
-    maxLength string, then every fuzz schema at temperatures 0.7-1.2), ``per_request`` samples (n)
-    per request, streamed and not: each is strict JSON valid under its schema and compact (no
-    whitespace but one space after ':' and ','). Returns how many samples were checked."""
+    maxLength string, then every fuzz schema at temperatures 0.7-1.2), ``per_request`` concurrent
+    requests (one sample each, seeds apart: a disaggregated request runs one sample) per schema,
+    streamed and not: each is strict JSON valid under its schema and compact (no whitespace but one
+    space after ':' and ','). Returns how many samples were checked."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from constrained.grammar_fixtures import FUZZ_MAX_TOKENS, FUZZ_SCHEMAS, check_json
     from constrained.json_lexer import compact_spacing
 
@@ -131,8 +134,11 @@ def check_json_fuzz(client, model: str, per_request: int = 10) -> int:
             kw = dict(model=model, messages=[{"role": "user", "content": f"A {name} record as JSON."}],
                       response_format={"type": "json_schema", "json_schema": {
                           "name": name, "schema": FUZZ_SCHEMAS[name], "strict": True}},
-                      temperature=temperature, seed=seed, n=per_request, max_tokens=FUZZ_MAX_TOKENS)
-            for content, reason in _samples(client, stream, kw):
+                      temperature=temperature, max_tokens=FUZZ_MAX_TOKENS)
+            requests = [{**kw, "seed": seed + j} for j in range(per_request)]
+            with ThreadPoolExecutor(per_request) as pool:
+                replies = list(pool.map(_sample, [client] * per_request, [stream] * per_request, requests))
+            for content, reason in replies:
                 assert reason == "stop", (name, stream, content)
                 check_json(content, name)
                 assert compact_spacing(content), content
@@ -140,15 +146,10 @@ def check_json_fuzz(client, model: str, per_request: int = 10) -> int:
     return checked
 
 
-def _samples(client, stream: bool, kw: dict) -> list[tuple[str, str | None]]:
-    """(content, finish_reason) of each of the ``n`` choices, streamed (assembled by index) or not."""
+def _sample(client, stream: bool, kw: dict) -> tuple[str, str | None]:
+    """(content, finish_reason) of one chat reply, streamed or not."""
     if not stream:
-        return [(c.message.content, c.finish_reason) for c in client.chat.completions.create(**kw).choices]
-    content: dict[int, str] = {}
-    reason: dict[int, str | None] = {}
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for choice in chunk.choices:
-            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
-            reason[choice.index] = choice.finish_reason or reason.get(choice.index)
-    assert sorted(content) == list(range(kw["n"])), sorted(content)
-    return [(content[i], reason[i]) for i in sorted(content)]
+        choice = client.chat.completions.create(**kw).choices[0]
+        return choice.message.content, choice.finish_reason
+    content, _, reason, _ = streamed_chat(client, **kw)
+    return content, reason
