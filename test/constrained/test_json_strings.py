@@ -26,7 +26,7 @@ from constrained.tokenizer_families import FAMILIES, build
 from pdserve.config import GrammarConfig
 from pdserve.constrained import bitmask as bm
 from pdserve.constrained import create_grammar_backend
-from pdserve.constrained.vocab import AFTER_E0, ANY, UTF8_BAD, token_bytes
+from pdserve.constrained.vocab import AFTER_E0, ANY, UTF8_BAD, token_bytes, utf8_run
 
 WALKS = 3
 STEPS = 60
@@ -184,3 +184,19 @@ def test_both_whitespace_flags_at_once_are_refused_naming_them():
     with pytest.raises(ValueError, match="^constrained_json_any_whitespace: .*constrained_json_disable_any_whitespace"):
         ServerArgs(model_path="tiny-llama", constrained_json_any_whitespace=True,
                    constrained_json_disable_any_whitespace=True)
+
+
+def test_the_utf8_automaton_agrees_with_pythons_decoder():
+    """vocab.utf8_run (xgrammar's guard and this file's oracle): a byte string is a valid prefix iff
+    some continuation makes it decode whole in Python, and complete iff it decodes whole already."""
+    rng = random.Random(5)
+    lead = [0x41, 0x7F, 0x80, 0xBF, 0xC0, 0xC1, 0xC2, 0xDF, 0xE0, 0xE1, 0xED, 0xEE, 0xEF, 0xF0, 0xF3, 0xF4, 0xF5, 0xFF]
+    cont = [0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0x41]
+    for _ in range(20000):
+        data = bytes([rng.choice(lead)] + [rng.choice(cont + lead) for _ in range(rng.randint(0, 4))])
+        state = utf8_run(ANY, data)
+        # what may complete a pending character: after E0 the next byte is A0-BF, after F0 90-BF
+        endings = [b""] + [bytes([first]) + b"\x80" * k for first in (0x80, 0x90, 0xA0) for k in range(3)]
+        prefix = any(_utf8(data + end) for end in endings)
+        assert (state != UTF8_BAD) == prefix, data
+        assert (state == ANY) == _utf8(data), data

@@ -27,15 +27,12 @@ class Utf8Guard:
     boundary only and leave it there."""
 
     def __init__(self, table: dict[int, bytes], vocab_size: int):
+        # ASCII tokens (most of a vocabulary), special and padded ids: from a character boundary only,
+        # staying there (xgrammar never allows the padded ones)
         nxt = np.full((len(UTF8_STATES), vocab_size), UTF8_BAD, dtype=np.int8)  # [S, V]
-        nxt[ANY, :] = ANY  # special and padded ids (xgrammar never allows the padded ones)
+        nxt[ANY, :] = ANY
         for token, data in table.items():
-            if token >= vocab_size:
-                continue
-            if data.isascii():  # most of a vocabulary: only from a character boundary, staying there
-                nxt[:, token] = UTF8_BAD
-                nxt[ANY, token] = ANY
-            else:
+            if token < vocab_size and not data.isascii():
                 nxt[:, token] = [utf8_run(state, data) for state in range(len(UTF8_STATES))]
         self.next = nxt
         self.masks = bm.from_bools(torch.from_numpy(nxt != UTF8_BAD))  # [S, W]
