@@ -736,6 +736,24 @@ MUTATIONS = (
         "ARGUMENT_KEYS, complete=False)",
         "ARGUMENT_KEYS, complete=final)",
         ("test/parsers/test_json_array.py",)),
+    Mutation(
+        "json_string_control_chars", "xgrammar's converted JSON-schema grammar is compiled as it comes: its "
+        "min/maxLength strings let raw control characters (U+0000-U+001F) into the output (issue 32)",
+        "python/pdserve/constrained/xgrammar_backend.py",
+        "    return _EBNF_LITERAL_OR_CLASS.sub(fix, ebnf)\n",
+        "    return ebnf\n",
+        ("test/constrained/test_json_strings.py::test_every_token_the_grammar_allows_is_valid_json_there"
+         "[xgrammar-byte_level-False]",
+         "test/engine/test_json_fuzz.py::test_every_sample_is_strict_json_valid_under_its_schema"
+         "[xgrammar-byte_fallback]")),
+    Mutation(
+        "xgrammar_batch_fill_without_utf8_guard", "the batched mask fill skips the UTF-8 guard: xgrammar lets "
+        "an encoded surrogate through, which the client reads as three U+FFFD (a maxLength broken)",
+        "python/pdserve/constrained/xgrammar_backend.py",
+        "        bitmask[rows] &= self.guard.masks[[g.states[-1] for g in mine]]  # Utf8Guard: [R, W]\n",
+        "",
+        ("test/engine/test_json_fuzz.py::test_every_sample_is_strict_json_valid_under_its_schema"
+         "[xgrammar-byte_level]",)),
 )
 
 

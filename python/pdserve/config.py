@@ -456,13 +456,15 @@ class GrammarConfig:
     backend compiles a request's json_schema / regex / ebnf, how long a compile may take before
     only that request fails, how many compiled grammars are kept (LRU by kind and text), how many
     threads compile (never the scheduler's), and whether JSON may carry free whitespace between
-    its tokens (SGLang's ``--constrained-json-disable-any-whitespace``)."""
+    its tokens (``--constrained-json-any-whitespace``; compact JSON by default, as SGLang's
+    ``--constrained-json-disable-any-whitespace`` asks: a permissive grammar lets a model pad with
+    newlines until ``max_tokens``)."""
 
     backend: str = "xgrammar"
     compile_timeout_s: float = 60.0
     cache_size: int = 256
     compile_threads: int = 2
-    disable_any_whitespace: bool = False
+    any_whitespace: bool = False
     # jump-forward (--grammar-jump-forward): where the grammar allows one continuation only, append
     # its tokens without sampling them (docs/structured-outputs.md)
     jump_forward: bool = False
@@ -966,7 +968,8 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 60.0
     grammar_cache_size: int = 256
-    constrained_json_disable_any_whitespace: bool = False
+    constrained_json_disable_any_whitespace: bool = False  # accepted (SGLang's flag); compact is the default
+    constrained_json_any_whitespace: bool = False
     grammar_jump_forward: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -1086,8 +1089,11 @@ class ServerArgs:
 
     @_built_once
     def grammar_config(self) -> GrammarConfig:
+        if self.constrained_json_any_whitespace and self.constrained_json_disable_any_whitespace:
+            raise ValueError("constrained_json_any_whitespace: cannot be set with "
+                             "constrained_json_disable_any_whitespace (pick one)")
         return GrammarConfig(self.grammar_backend, self.grammar_compile_timeout, self.grammar_cache_size,
-                             disable_any_whitespace=self.constrained_json_disable_any_whitespace,
+                             any_whitespace=self.constrained_json_any_whitespace,
                              jump_forward=self.grammar_jump_forward)
 
     def _check_speculative(self) -> None:

@@ -16,8 +16,7 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "python" / "pdserve" / "asset
 VOCAB = 2048  # tiny-llama's lm_head; its tokenizer has 2000 tokens
 EOS = 1
 
-# Bounded so a random walk ends (xgrammar lets control characters into a maxLength string, so
-# strings are bounded by a pattern instead: JSON may not carry them raw).
+# Bounded so a random walk ends.
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
     "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -72,3 +71,54 @@ def end_thinking_at(scheduler, k: int) -> None:
         return sample(reqs, logits, mask)
 
     scheduler._sample_and_append = biased
+
+
+# JSON schemas for the strict-parser fuzz (test/engine/test_json_fuzz.py) and the token-table
+# property test (test/constrained/test_json_strings.py): every string, array and number is bounded,
+# so a random-weight model's sample ends within FUZZ_MAX_TOKENS tokens however it spells the text
+# (a byte-level tokenizer may spend one token per byte, four per character).
+FUZZ_SCHEMAS = {
+    # the issue's schema: a maxLength string let raw control characters through (xgrammar)
+    "issue": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+        "tag": {"type": "string", "maxLength": 6}},
+        "required": ["color", "ok", "tag"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 4},
+            "id": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["name", "id"], "additionalProperties": False},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        "note": {"type": "string", "maxLength": 3}},
+        "required": ["user"], "additionalProperties": False},
+    "numbers": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": -5, "maximum": 5},
+        "ids": {"type": "array", "items": {"type": "integer", "minimum": 10, "maximum": 99},
+                "minItems": 1, "maxItems": 3},
+        "level": {"enum": [1, 2.5, "x", None]}},
+        "required": ["n", "ids", "level"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"},
+        "alias": {"type": "string", "minLength": 2, "maxLength": 3},
+        "mode": {"const": "on"}},
+        "required": ["code", "alias"], "additionalProperties": False},
+    "keys": {"type": "array", "maxItems": 2, "items": {
+        "type": "string", "minLength": 1, "maxLength": 2}},
+}
+FUZZ_MAX_TOKENS = 96
+
+
+def without_bounds(schema):
+    """``schema`` without minimum / maximum: outlines-core does not enforce them on integers
+    (docs/structured-outputs.md), so its outputs are checked against the rest."""
+    if isinstance(schema, dict):
+        return {k: without_bounds(v) for k, v in schema.items() if k not in ("minimum", "maximum")}
+    if isinstance(schema, list):
+        return [without_bounds(v) for v in schema]
+    return schema
+
+
+def check_json(text: str, name: str, backend: str = "xgrammar") -> None:
+    """Raise unless ``text`` is one strict JSON document valid under FUZZ_SCHEMAS[name]."""
+    schema = without_bounds(FUZZ_SCHEMAS[name]) if backend == "outlines" else FUZZ_SCHEMAS[name]
+    jsonschema.validate(json.loads(text), schema)

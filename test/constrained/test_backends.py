@@ -28,15 +28,15 @@ def tok():
 
 @pytest.fixture(scope="module")
 def backends(tok):
-    config = GrammarConfig(disable_any_whitespace=True)
+    config = GrammarConfig()
     made = {}
 
     def get(name):
         if name not in made:
-            made[name] = create_grammar_backend(GrammarConfig(name, disable_any_whitespace=True), tok, VOCAB, [EOS])
+            made[name] = create_grammar_backend(GrammarConfig(name), tok, VOCAB, [EOS])
         return made[name]
 
-    assert config.backend == "xgrammar"
+    assert config.backend == "xgrammar" and not config.any_whitespace, "compact JSON by default"
     return get
 
 

@@ -27,7 +27,13 @@ from pd_servers import RoutedPair
 
 import pdserve
 from entrypoints.server_utils import free_port
-from entrypoints.structured_checks import check_ebnf, check_json_schema, check_regex, check_required_tool_call
+from entrypoints.structured_checks import (
+    check_ebnf,
+    check_json_fuzz,
+    check_json_schema,
+    check_regex,
+    check_required_tool_call,
+)
 from router.router_utils import wait_for
 
 MODEL = "tiny-llama"
@@ -214,3 +220,8 @@ def test_a_grammar_decode_refuses_ends_prefill_s_half_at_once(pd, sglang_router)
     after = pd.prefill.wait_idle()
     assert after["rooms_waiting"] == 0 and after["rooms_expired"] == before["rooms_expired"]
     assert after["rooms_aborted"] == before["rooms_aborted"] + 1
+
+
+def test_random_samples_are_strict_compact_json(pd, client):
+    """Issue 32 through P/D: sampled json_schema replies, streamed and not, are strict compact JSON."""
+    _disaggregated(pd, lambda c, m: check_json_fuzz(c, m, per_request=5), client)

@@ -115,3 +115,42 @@ def check_ebnf(client, model: str, extra: dict | None = None) -> str:
     content, _, _, _ = streamed_chat(client, **kw)
     assert content == text
     return text
+
+
+def check_json_fuzz(client, model: str, per_request: int = 10) -> int:
+    """Random-weight samples of json_schema replies (issue 32's request: temperature 0.8, seed 4, a
+    maxLength string, then every fuzz schema at temperatures 0.7-1.2), ``per_request`` concurrent
+    requests (one sample each, seeds apart: a disaggregated request runs one sample) per schema,
+    streamed and not: each is strict JSON valid under its schema and compact (no whitespace but one
+    space after ':' and ','). Returns how many samples were checked."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from constrained.grammar_fixtures import FUZZ_MAX_TOKENS, FUZZ_SCHEMAS, check_json
+    from constrained.json_lexer import compact_spacing
+
+    checked = 0
+    for i, name in enumerate(FUZZ_SCHEMAS):
+        for stream in (False, True):
+            temperature, seed = (0.8, 4) if i == 0 else (0.7 + 0.1 * i, 1000 * i + stream)
+            kw = dict(model=model, messages=[{"role": "user", "content": f"A {name} record as JSON."}],
+                      response_format={"type": "json_schema", "json_schema": {
+                          "name": name, "schema": FUZZ_SCHEMAS[name], "strict": True}},
+                      temperature=temperature, max_tokens=FUZZ_MAX_TOKENS)
+            requests = [{**kw, "seed": seed + j} for j in range(per_request)]
+            with ThreadPoolExecutor(per_request) as pool:
+                replies = list(pool.map(_sample, [client] * per_request, [stream] * per_request, requests))
+            for content, reason in replies:
+                assert reason == "stop", (name, stream, content)
+                check_json(content, name)
+                assert compact_spacing(content), content
+                checked += 1
+    return checked
+
+
+def _sample(client, stream: bool, kw: dict) -> tuple[str, str | None]:
+    """(content, finish_reason) of one chat reply, streamed or not."""
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        return choice.message.content, choice.finish_reason
+    content, _, reason, _ = streamed_chat(client, **kw)
+    return content, reason

@@ -87,3 +87,12 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[i
         logits.add_(bias[:, :V])
     else:
         logits[idx] += bias[:, :V]
+
+
+def from_bools(allowed: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool -> [R, W] int32 bitmask rows (ids past V disallowed)."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, words(vocab) * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    packed = (padded.view(rows, -1, 32) << torch.arange(32)).sum(-1)  # [R, W] in 0 .. 2^32 - 1
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)

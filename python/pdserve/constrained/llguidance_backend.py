@@ -42,11 +42,16 @@ class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size, stop_token_ids, config):
         super().__init__(tokenizer, vocab_size, stop_token_ids, config)
         # n_vocab: the model's width, so a mask row covers the padded ids (never allowed)
-        self.tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None)
+        try:
+            self.tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                    eos_token=list(stop_token_ids) or None)
+        except ValueError as e:  # e.g. a vocabulary of raw pieces (no ByteLevel / ByteFallback decoder)
+            raise ValueError(f"grammar_backend: llguidance cannot map this tokenizer's tokens to bytes "
+                             f"({short_error(e, 120)}); use xgrammar") from None
 
     def _grammar(self, kind: str, text: str) -> str:
         if kind == "json_schema":
-            options = {"whitespace_flexible": not self.config.disable_any_whitespace}
+            options = {"whitespace_flexible": self.config.any_whitespace}
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)  # type: ignore[arg-type]
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(text)

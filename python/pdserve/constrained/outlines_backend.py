@@ -85,8 +85,9 @@ class OutlinesBackend(GrammarBackend):
                 pieces.setdefault(b, []).append(i)
         self.vocabulary = outlines_core.Vocabulary(stop_token_ids[0], pieces)
         self.vocab_end = max((i for ids in pieces.values() for i in ids), default=0) + 1
-        # one optional space between JSON tokens, as outlines' default pattern would allow any run
-        self.whitespace = r"" if config.disable_any_whitespace else r"[ ]?"
+        # compact JSON by default; the permissive grammar allows one optional space between JSON tokens (a
+        # pattern allowing any run, outlines' own default, would let a model pad until max_tokens)
+        self.whitespace = r"[ ]?" if config.any_whitespace else r""
 
     def compile(self, kind: str, text: str) -> Any:
         if kind == "ebnf":

@@ -54,3 +54,41 @@ def token_bytes(tokenizer: Any) -> dict[int, bytes]:
         m = _BYTE_TOKEN.match(piece)
         out[i] = bytes([int(m.group(1), 16)]) if m else piece.replace("▁", " ").encode()
     return out
+
+
+# UTF-8 as a byte automaton (RFC 3629 table 4): the state says what the next byte may be. ANY: at a
+# character boundary; CONT1..3: that many continuation bytes (80-BF) still owed; the others owe
+# more, the first of them from a narrower range (no overlong forms, no surrogates D800-DFFF, nothing
+# past U+10FFFF).
+UTF8_STATES = ("ANY", "CONT1", "CONT2", "CONT3", "E0", "ED", "F0", "F4")
+ANY, CONT1, CONT2, CONT3, AFTER_E0, AFTER_ED, AFTER_F0, AFTER_F4 = range(len(UTF8_STATES))
+UTF8_BAD = -1
+_FIRST_CONT = {CONT1: (0x80, 0xBF, ANY), CONT2: (0x80, 0xBF, CONT1), CONT3: (0x80, 0xBF, CONT2),
+               AFTER_E0: (0xA0, 0xBF, CONT1), AFTER_ED: (0x80, 0x9F, CONT1),
+               AFTER_F0: (0x90, 0xBF, CONT2), AFTER_F4: (0x80, 0x8F, CONT2)}
+
+
+def utf8_step(state: int, byte: int) -> int:
+    """The state after ``byte``; UTF8_BAD where no valid UTF-8 text continues so."""
+    if state != ANY:
+        low, high, then = _FIRST_CONT[state]
+        return then if low <= byte <= high else UTF8_BAD
+    if byte < 0x80:
+        return ANY
+    if 0xC2 <= byte <= 0xDF:
+        return CONT1
+    if byte in (0xE0, 0xED):
+        return AFTER_E0 if byte == 0xE0 else AFTER_ED
+    if 0xE1 <= byte <= 0xEF:
+        return CONT2
+    if byte in (0xF0, 0xF4):
+        return AFTER_F0 if byte == 0xF0 else AFTER_F4
+    return CONT3 if 0xF1 <= byte <= 0xF3 else UTF8_BAD
+
+
+def utf8_run(state: int, data: bytes) -> int:
+    for byte in data:
+        state = utf8_step(state, byte)
+        if state == UTF8_BAD:
+            break
+    return state

@@ -160,8 +160,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
           type=float)
     _flag(g, "--grammar-cache-size", "compiled grammars kept, by kind and text (least recently used dropped)",
           type=int)
-    _flag(g, "--constrained-json-disable-any-whitespace", "JSON output without free whitespace between tokens",
-          action="store_true")
+    _flag(g, "--constrained-json-disable-any-whitespace", "JSON output without free whitespace between tokens "
+          "(SGLang's flag; the default now)", action="store_true")
+    _flag(g, "--constrained-json-any-whitespace", "JSON output may carry any whitespace between its tokens (a "
+          "model may pad with newlines until max_tokens; docs/structured-outputs.md)", action="store_true")
     _flag(g, "--grammar-jump-forward", "append the text a grammar allows as its only continuation without "
           "sampling it (fewer steps, other tokens; docs/structured-outputs.md)", action="store_true")
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
