@@ -466,8 +466,9 @@ class GrammarConfig:
     compile_threads: int = 2
     any_whitespace: bool = False
     # jump-forward (--grammar-jump-forward): where the grammar allows one continuation only, append
-    # its tokens without sampling them (docs/structured-outputs.md)
-    jump_forward: bool = False
+    # its tokens without sampling them (docs/structured-outputs.md); on by default: a forced tool call's
+    # fixed text takes a few steps instead of one per spelled piece
+    jump_forward: bool = True
 
     def __post_init__(self):
         _check_choice("grammar_backend", self.backend, GRAMMAR_BACKENDS)
@@ -970,7 +971,7 @@ class ServerArgs:
     grammar_cache_size: int = 256
     constrained_json_disable_any_whitespace: bool = False  # accepted (SGLang's flag); compact is the default
     constrained_json_any_whitespace: bool = False
-    grammar_jump_forward: bool = False
+    grammar_jump_forward: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

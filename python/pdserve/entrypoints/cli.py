@@ -165,7 +165,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--constrained-json-any-whitespace", "JSON output may carry any whitespace between its tokens (a "
           "model may pad with newlines until max_tokens; docs/structured-outputs.md)", action="store_true")
     _flag(g, "--grammar-jump-forward", "append the text a grammar allows as its only continuation without "
-          "sampling it (fewer steps, other tokens; docs/structured-outputs.md)", action="store_true")
+          "sampling it (fewer steps, other tokens; --no-grammar-jump-forward samples every token; "
+          "docs/structured-outputs.md)", action=argparse.BooleanOptionalAction)
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 
@@ -526,6 +527,9 @@ def server_flags_from_namespace(ns: argparse.Namespace, parser: argparse.Argumen
         if value == action.default:
             continue
         flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            out.append(flag if value else action.option_strings[1])
+            continue
         out += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]  # noqa: SLF001
     return tuple(out)
 
