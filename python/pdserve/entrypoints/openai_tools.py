@@ -158,7 +158,7 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
 def _call_for_template(i: int, j: int, call: dict) -> dict:
     try:
         args = json.loads(call["function"]["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the stack: the request's fault, like bad JSON
         args = None
     if not isinstance(args, dict):
         field = f"messages[{i}].tool_calls[{j}].function.arguments"

@@ -1,5 +1,6 @@
 """What both HTTP programs (the server and the router) put around their routes: the error handlers
-(OpenAI's error shape for a ``RequestError``, a 500 naming the exception for anything else) and,
+(OpenAI's error shape for a ``RequestError``, a 400 for a value nested past Python's stack, a 500
+naming the exception for anything else) and,
 once every route is added, the check that each has an access class and the API-key middleware."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def add_error_handlers(app: FastAPI, timeout_message: str | None = None) -> None
 
     # Starlette types every handler as taking Exception; this one is registered for RequestError only.
     app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RecursionError, _too_deep)
     app.add_exception_handler(Exception, internal_error)
 
 
@@ -39,3 +41,10 @@ def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None) -
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
     return error_response(exc)
+
+
+async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
+    """The net under the per-field limits: a value nested past Python's stack is the request's doing
+    (a 400, never a 500 a router's breaker would count against the worker, issue 33)."""
+    logger.warning("a request to %s nested too deeply for a parser (%s)", request.url.path, exc)
+    return error_response(RequestError("request body: a value is nested too deeply to parse", param=None))
