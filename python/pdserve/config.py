@@ -913,6 +913,9 @@ class ServerArgs:
     random_seed: int = 0
     api_key: str | None = None
     admin_api_key: str | None = field(default=None, repr=False)  # admin routes (web/api_key.py)
+    # Host / Origin names a browser's request may carry beyond the bind's own (web/origin.py; "*": any)
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     log_level: str = "info"
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from pdserve.web.api_key import AccessMiddleware, check_classified
 from pdserve.web.errors import RequestError, error_body, error_response
+from pdserve.web.origin import OriginMiddleware, OriginPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +34,15 @@ def add_error_handlers(app: FastAPI, timeout_message: str | None = None) -> None
     app.add_exception_handler(Exception, internal_error)
 
 
-def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None) -> None:
-    """After the last route: every route has an access class (``web/api_key.py``), and the keys are checked."""
+def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None,
+                 origin: OriginPolicy | None = None) -> None:
+    """After the last route: every route has an access class (``web/api_key.py``), and the keys are checked;
+    before them (outermost), foreign Host / Origin headers and bodies that are not JSON are refused
+    (``web/origin.py``)."""
     check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]
     app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    if origin is not None:
+        app.add_middleware(OriginMiddleware, policy=origin)
 
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
