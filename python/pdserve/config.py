@@ -463,6 +463,7 @@ class GrammarConfig:
     cache_size: int = 256
     compile_threads: int = 2
     disable_any_whitespace: bool = False
+    max_compiles_per_client: int = 4  # new compiles one client may have queued or running (constrained/service.py)
 
     def __post_init__(self):
         _check_choice("grammar_backend", self.backend, GRAMMAR_BACKENDS)
@@ -470,6 +471,7 @@ class GrammarConfig:
             raise ValueError(f"grammar_compile_timeout: must be > 0 seconds, got {self.compile_timeout_s}")
         _check_at_least("grammar_cache_size", self.cache_size, 1)
         _check_at_least("grammar_compile_threads", self.compile_threads, 1)
+        _check_at_least("grammar_max_compiles_per_client", self.max_compiles_per_client, 1)
 
     @property
     def enabled(self) -> bool:
@@ -966,6 +968,7 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 60.0
     grammar_cache_size: int = 256
+    grammar_max_compiles_per_client: int = 4
     constrained_json_disable_any_whitespace: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -1083,7 +1086,8 @@ class ServerArgs:
     @_built_once
     def grammar_config(self) -> GrammarConfig:
         return GrammarConfig(self.grammar_backend, self.grammar_compile_timeout, self.grammar_cache_size,
-                             disable_any_whitespace=self.constrained_json_disable_any_whitespace)
+                             disable_any_whitespace=self.constrained_json_disable_any_whitespace,
+                             max_compiles_per_client=self.grammar_max_compiles_per_client)
 
     def _check_speculative(self) -> None:
         """What speculation does not run with yet, refused naming the flag."""

@@ -142,6 +142,7 @@ class ReqGrammars:
                     failed.append(p.req)
             elif now - p.since > self.config.compile_timeout_s:
                 del self.pending[uid]
+                self.service.release(p.kind, p.req.sampling.grammar[1])  # type: ignore[index]
                 self.stats.count("timeouts")
                 p.req.grammar_error = str(timeout_error(p.kind, self.config.compile_timeout_s))
                 failed.append(p.req)
@@ -157,8 +158,10 @@ class ReqGrammars:
             wait_futures([p.future for p in self.pending.values()], timeout, return_when="FIRST_COMPLETED")
 
     def release(self, req: Req) -> None:
-        """``req`` finished: forget its compile or its Grammar."""
-        self.pending.pop(req.uid, None)  # type: ignore[arg-type]
+        """``req`` finished: forget its compile (dropped unless someone else waits for it) or its Grammar."""
+        pending = self.pending.pop(req.uid, None)  # type: ignore[arg-type]
+        if pending is not None and req.sampling.grammar is not None:
+            self.service.release(*req.sampling.grammar)
         if req.grammar is not None:
             req.grammar = None
             self.live -= 1

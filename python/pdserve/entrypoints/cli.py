@@ -172,6 +172,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
           type=float)
     _flag(g, "--grammar-cache-size", "compiled grammars kept, by kind and text (least recently used dropped)",
           type=int)
+    _flag(g, "--grammar-max-compiles-per-client", "new grammar compiles one client (API key, X-Client-Token, peer) "
+          "may have queued or running; one more is a 429", type=int)
     _flag(g, "--constrained-json-disable-any-whitespace", "JSON output without free whitespace between tokens",
           action="store_true")
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)

@@ -23,6 +23,7 @@ switch its role. So (``OriginPolicy``):
 
 from __future__ import annotations
 
+import contextvars
 import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -119,8 +120,17 @@ def _is_json(content_type: str) -> bool:
     return main == "application/json" or (main.startswith("application/") and main.endswith("+json"))
 
 
+_PEER: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_request_peer", default="")
+
+
+def request_peer() -> str:
+    """The address the HTTP request being served came from (set by ``OriginMiddleware``); "" outside one."""
+    return _PEER.get()
+
+
 class OriginMiddleware:
-    """Refuses what ``OriginPolicy.refusal`` names, in OpenAI's error shape, before any route runs."""
+    """Refuses what ``OriginPolicy.refusal`` names, in OpenAI's error shape, before any route runs;
+    notes the request's peer address for ``request_peer``."""
 
     def __init__(self, app: ASGIApp, policy: OriginPolicy):
         self.app = app
@@ -132,6 +142,13 @@ class OriginMiddleware:
             if refused is not None:
                 await _send_error(send, *refused)
                 return
+            client = scope.get("client")
+            token = _PEER.set(client[0] if client else "")
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                _PEER.reset(token)
+            return
         await self.app(scope, receive, send)
 
 
