@@ -17,7 +17,8 @@ up made a later trivial schema time out behind them). So:
 * a caller that stops waiting (timed out, disconnected, its request aborted) says so with
   ``release``; a compile nobody waits for any more is dropped before it starts. One that is
   already running finishes on its thread (a thread cannot be stopped; see
-  docs/structured-outputs.md, "Limits", for what bounds it) and is cached for the next asker.
+  docs/structured-outputs.md, "Limits", for what bounds it) and is cached for the next asker;
+* the compile threads run at a lower CPU priority (nice +10) than the threads that serve requests.
 
 ``owner=None`` (the scheduler, which compiles only what its frontend already accepted) is never
 refused and shares one queue.
@@ -25,6 +26,7 @@ refused and shares one queue.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -166,6 +168,7 @@ class CompileService:
         return None
 
     def _work(self) -> None:
+        _lower_priority()
         while True:
             with self._lock:
                 job = self._next()
@@ -223,6 +226,19 @@ class CompileService:
             self._lock.notify_all()
         for job in dropped:
             job.future.cancel()
+
+
+COMPILE_NICE = 10  # compile threads yield the CPU to the event loop and the scheduler
+
+
+def _lower_priority() -> None:
+    """Run this thread at ``COMPILE_NICE`` (Linux sets nice per thread): a compile uses what CPU the
+    serving threads leave, so large schemas cannot slow other clients' requests. The backends release
+    the GIL while they compile, so the CPU is what they would take. Best effort elsewhere."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def timeout_error(kind: str, seconds: float) -> GrammarTimeout:
