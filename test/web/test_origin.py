@@ -35,6 +35,8 @@ def test_allowed_hosts_and_wildcard_binds():
     # a wildcard bind cannot know its names (Kubernetes Services): Host is checked only when listed
     assert OriginPolicy("0.0.0.0").refusal(scope(host="pdserve-decode-0.pdserve-decode:30000")) is None
     assert OriginPolicy("0.0.0.0", ("api.example",)).refusal(scope(host="evil.example"))[0] == 403
+    # bound to a pod's address and reached by its Service name (docker/k8s): not checked unless names are given
+    assert OriginPolicy("10.0.0.5").refusal(scope(host="pdserve-prefill-0.pdserve-prefill:30000")) is None
     # bound to one address, given names: the address and the names
     ip = OriginPolicy("10.0.0.5", ("prefill-0.svc",))
     assert ip.refusal(scope(host="10.0.0.5:30000")) is None and ip.refusal(scope(host="prefill-0.svc")) is None

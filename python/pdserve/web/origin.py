@@ -66,9 +66,11 @@ class OriginPolicy:
 
     @property
     def checks_host(self) -> bool:
+        """Loopback binds always (the names are known); others only when ``--allowed-hosts`` names them."""
         if "*" in self.allowed_hosts:
             return False
-        return bool(self.allowed_hosts) or self.bind_host not in WILDCARD_HOSTS
+        return bool(self.allowed_hosts) or (self.bind_host not in WILDCARD_HOSTS and is_loopback(
+            self.bind_host.strip("[]")))
 
     def host_allowed(self, name: str) -> bool:
         if not self.checks_host:
