@@ -142,7 +142,7 @@ class ReqGrammars:
                     failed.append(p.req)
             elif now - p.since > self.config.compile_timeout_s:
                 del self.pending[uid]
-                self.service.release(p.kind, p.req.sampling.grammar[1])  # type: ignore[index]
+                self._release_compile(p.req)
                 self.stats.count("timeouts")
                 p.req.grammar_error = str(timeout_error(p.kind, self.config.compile_timeout_s))
                 failed.append(p.req)
@@ -159,12 +159,16 @@ class ReqGrammars:
 
     def release(self, req: Req) -> None:
         """``req`` finished: forget its compile (dropped unless someone else waits for it) or its Grammar."""
-        pending = self.pending.pop(req.uid, None)  # type: ignore[arg-type]
-        if pending is not None and req.sampling.grammar is not None:
-            self.service.release(*req.sampling.grammar)
+        if self.pending.pop(req.uid, None) is not None:  # type: ignore[arg-type]
+            self._release_compile(req)
         if req.grammar is not None:
             req.grammar = None
             self.live -= 1
+
+    def _release_compile(self, req: Req) -> None:
+        """``req`` no longer waits for its compile (constrained/service.py drops one nobody waits for)."""
+        if req.sampling.grammar is not None:
+            self.service.release(*req.sampling.grammar)
 
     # -------------------------------------------------------------- masks
     def start_mask(self, reqs: Sequence[Req]) -> StepMask | None:
