@@ -64,7 +64,11 @@ LOSSY = "fail_rate=0.05,delay_rate=0.05,delay_s=2,seed=7"
 IDLE_ZERO = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "quarantine_entries", "aux_rows_in_use",
              "transfer_batches_in_flight", "rooms_waiting", "rooms_transferring", "rooms_open")
 SCENARIOS = ("prefill_kill9", "prefill_sigstop", "decode_sigstop", "decode_kill9", "malformed", "duplicate_rooms",
-             "lossy_writes", "soak", "replayed_bootstrap", "replayed_control_frame", "api_abuse")
+             "lossy_writes", "soak", "replayed_bootstrap", "replayed_control_frame", "api_abuse", "hostile_client")
+HOSTILE_DEPTH = 3000  # a json_schema nested past Python's stack (issue 33)
+HOSTILE_STOPS = 16, 256  # the most and longest stop strings a request may have (engine/request.py)
+HOSTILE_SCHEMAS = 10  # clients that each send a large schema and hang up at once
+VICTIM_SAMPLES = 5  # victim requests per phase (their median latency is reported)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -265,6 +269,13 @@ def counter_notes(before: dict, after: dict) -> list[str]:
         notes.append(f"{name} counters{' (restarted: since its restart)' if restarted else ''}: "
                      + (", ".join(moved) or "no change"))
     return notes
+
+
+def _large_schema(fields: int, variant: str) -> str:
+    """An object of ``fields`` properties (strings with a pattern, bounded integers) that each compile anew."""
+    props = {f"{variant}_{i}": {"type": "string", "pattern": "^[a-z]{1,12}$"} if i % 2 else
+             {"type": "integer", "minimum": 0, "maximum": 10_000} for i in range(fields)}
+    return json.dumps({"type": "object", "properties": props, "required": list(props)})
 
 
 def _faults_env(spec: str) -> dict:
@@ -711,6 +722,95 @@ class Drills:
         row.hit = list(row.outcomes)
         self._after(row)
         return row
+
+    def hostile_client(self) -> Row:
+        """Issue 33: one client tries to take the deployment down for everyone: requests that crashed a
+        parser (to open the router's breakers), the most and longest stop strings on streams (to stall
+        the frontend's loop), large schemas sent by clients that hang up at once (to starve the grammar
+        compiles). A second client's latency is measured idle and under each; it should stay within 2x."""
+        row = Row("hostile_client", "one client sends requests that crash parsers, the most stop strings and "
+                                    f"{HOSTILE_SCHEMAS} large schemas it abandons, while another client's latency "
+                                    "is measured")
+        self._prefill_faults("")  # the victim's latency is the router's and servers', not a fault's
+        router = self.cluster.router.url
+        latency = {"idle": self._victim(row)}
+        deep = {"input_ids": self.prompts[0], "sampling_params": {
+            **_greedy(2), "json_schema": '{"a": ' * HOSTILE_DEPTH + "1" + "}" * HOSTILE_DEPTH}}
+        codes = [httpx.post(router + "/generate", json=deep, timeout=60).status_code for _ in range(12)]
+        if set(codes) != {400}:
+            row.unrefused.append(f"a json_schema nested {HOSTILE_DEPTH} deep: HTTP {sorted(set(codes))}")
+        info = httpx.get(router + "/get_server_info", timeout=10).json()
+        breakers = sorted({w.get("circuit_breaker") for w in info["prefill"] + info["decode"]})
+        row.notes.append(f"12 requests with a json_schema nested {HOSTILE_DEPTH} deep: HTTP {sorted(set(codes))}; "
+                         f"breakers after them: {breakers}")
+        latency["after parser crashes"] = self._victim(row)
+        latency["stop-string streams"] = self._under(row, self._stop_streams)
+        latency["abandoned schema compiles"] = self._under(row, self._abandoned_schemas)
+        idle = latency["idle"]
+        row.extra["victim_latency_s"] = latency
+        row.notes.append("victim's median latency (s): " + ", ".join(
+            f"{k} {v:.3f}" + ("" if k == "idle" or not idle else f" ({v / idle:.2f}x idle)")
+            for k, v in latency.items()))
+        row.hit = list(row.outcomes)
+        self._after(row)
+        return row
+
+    def _victim(self, row: Row) -> float:
+        """The median latency of VICTIM_SAMPLES requests of the second client, one after another."""
+        outs = [self.client.generate(self.cluster.router.url, self.prompts[1 + i % (len(self.prompts) - 1)])
+                for i in range(VICTIM_SAMPLES)]
+        row.outcomes += outs
+        return sorted(o.end - o.start for o in outs)[len(outs) // 2]
+
+    def _under(self, row: Row, attack) -> float:
+        stop = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            hostile = pool.submit(attack, row, stop)
+            time.sleep(0.5)
+            try:
+                return self._victim(row)
+            finally:
+                stop.set()
+                hostile.result()
+
+    def _stop_streams(self, row: Row, stop: threading.Event) -> None:
+        router = self.cluster.router.url
+        count, length = HOSTILE_STOPS
+        over = {"input_ids": self.prompts[0], "sampling_params": {**_greedy(2), "stop": ["x" * 1000] * 3000}}
+        r = httpx.post(router + "/generate", json=over, timeout=60)
+        if r.status_code != 400:
+            row.unrefused.append(f"3000 stop strings of 1000 characters: HTTP {r.status_code}")
+        row.notes.append(f"3000 stop strings of 1000 characters: HTTP {r.status_code} {_error_message(r)[:120]}")
+        body = {"input_ids": self.streams[0], "stream": True, "sampling_params": {
+            **_greedy(STREAM_NEW), "stop": [("ab" * length)[:length - 1] + str(i % 10) for i in range(count)]}}
+        sent = 0
+        while not stop.is_set():
+            with httpx.stream("POST", router + "/generate", json=body, timeout=self.client.hung_s) as s:
+                for _ in s.iter_bytes():
+                    pass
+            sent += 1
+        row.notes.append(f"streams with {count} stop strings of {length} characters sent meanwhile: {sent}")
+
+    def _abandoned_schemas(self, row: Row, stop: threading.Event) -> None:
+        router = self.cluster.router.url
+        gone = 0
+        for i in range(HOSTILE_SCHEMAS):
+            body = {"input_ids": self.prompts[0], "sampling_params": {**_greedy(2), "json_schema": _large_schema(
+                400, f"h{i}-{random.getrandbits(32):x}")}}
+            try:
+                httpx.post(router + "/generate", json=body, headers={CLIENT_TOKEN: f"hostile-{i}"}, timeout=0.3)
+            except httpx.TimeoutException:
+                gone += 1
+        row.notes.append(f"clients that sent a large schema and hung up: {gone} of {HOSTILE_SCHEMAS}")
+        # the issue's symptom: a trivial schema sent after them timed out behind their compiles
+        trivial = {"input_ids": self.prompts[1], "sampling_params": {**_greedy(2), "json_schema": json.dumps(
+            {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})}}
+        t0 = time.monotonic()
+        r = httpx.post(router + "/generate", json=trivial, timeout=self.client.hung_s)
+        row.notes.append(f"a trivial schema right after them: HTTP {r.status_code} in {time.monotonic() - t0:.2f} s")
+        if r.status_code != 200:
+            row.unrefused.append(f"a trivial schema after abandoned compiles: HTTP {r.status_code}")
+        stop.wait(60)
 
     def _over_caps(self) -> dict[str, dict]:
         prompt = self.rng.choice(self.prompts)

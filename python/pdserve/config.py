@@ -469,6 +469,7 @@ class GrammarConfig:
     # its tokens without sampling them (docs/structured-outputs.md); on by default: a forced tool call's
     # fixed text takes a few steps instead of one per spelled piece
     jump_forward: bool = True
+    max_compiles_per_client: int = 4  # new compiles one client may have queued or running (constrained/service.py)
 
     def __post_init__(self):
         _check_choice("grammar_backend", self.backend, GRAMMAR_BACKENDS)
@@ -476,6 +477,7 @@ class GrammarConfig:
             raise ValueError(f"grammar_compile_timeout: must be > 0 seconds, got {self.compile_timeout_s}")
         _check_at_least("grammar_cache_size", self.cache_size, 1)
         _check_at_least("grammar_compile_threads", self.compile_threads, 1)
+        _check_at_least("grammar_max_compiles_per_client", self.max_compiles_per_client, 1)
 
     @property
     def enabled(self) -> bool:
@@ -919,6 +921,9 @@ class ServerArgs:
     random_seed: int = 0
     api_key: str | None = None
     admin_api_key: str | None = field(default=None, repr=False)  # admin routes (web/api_key.py)
+    # Host / Origin names a browser's request may carry beyond the bind's own (web/origin.py; "*": any)
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     log_level: str = "info"
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
@@ -969,6 +974,7 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 60.0
     grammar_cache_size: int = 256
+    grammar_max_compiles_per_client: int = 4
     constrained_json_disable_any_whitespace: bool = False  # accepted (SGLang's flag); compact is the default
     constrained_json_any_whitespace: bool = False
     grammar_jump_forward: bool = True
@@ -1095,7 +1101,8 @@ class ServerArgs:
                              "constrained_json_disable_any_whitespace (pick one)")
         return GrammarConfig(self.grammar_backend, self.grammar_compile_timeout, self.grammar_cache_size,
                              any_whitespace=self.constrained_json_any_whitespace,
-                             jump_forward=self.grammar_jump_forward)
+                             jump_forward=self.grammar_jump_forward,
+                             max_compiles_per_client=self.grammar_max_compiles_per_client)
 
     def _check_speculative(self) -> None:
         """What speculation does not run with yet, refused naming the flag."""

@@ -1,17 +1,19 @@
 """constrained/service.py: compiles run on the service's threads (never the caller's), the same
 constraint compiles once (later requests hit the cache, even while it still compiles), failures
 are cached as failures, the cache is bounded (least recently used dropped), a compile past the
-timeout raises GrammarTimeout naming the field."""
+timeout raises GrammarTimeout naming the field; clients take turns, each with a bounded queue,
+and a compile nobody waits for is dropped before it starts (issue 33)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from pdserve.config import GrammarConfig
 from pdserve.constrained import Grammar, GrammarBackend, GrammarError, GrammarTimeout
-from pdserve.constrained.service import CompileService
+from pdserve.constrained.service import CompileBusy, CompileService
 
 
 class CountingBackend(GrammarBackend):
@@ -111,4 +113,96 @@ def test_the_cache_keys_on_the_exact_constraint_text():
         assert [s.compile("regex", t) for t in texts] == texts  # and each is its own cache entry
         assert [c[1] for c in b.calls] == texts and len(s) == len(texts)
     finally:
+        s.close()
+
+
+class GatedBackend(CountingBackend):
+    """Each text compiles once its own gate is opened ("slow*" texts wait; others pass at once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gates: dict[str, threading.Event] = {}
+        self.started: list[str] = []
+        self.all_open = threading.Event()
+
+    def compile(self, kind, text):
+        gate = self.gates.setdefault(text, threading.Event())
+        self.started.append(text)
+        deadline = time.monotonic() + 10
+        while text.startswith("slow") and not (gate.is_set() or self.all_open.is_set()) \
+                and time.monotonic() < deadline:
+            gate.wait(0.01)
+        return text
+
+    def open_all(self):
+        self.all_open.set()
+
+
+def _wait_started(b: GatedBackend, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(b.started) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(b.started) >= n, b.started
+
+
+def test_one_client_cannot_queue_more_than_its_share():
+    """Issue 33: a client gets at most max_compiles_per_client new compiles queued or running; one more is
+    refused at once (CompileBusy), while another client and cached or shared constraints still go."""
+    b = GatedBackend()
+    s = _service(b, compile_threads=1, max_compiles_per_client=2)
+    try:
+        s.submit("regex", "slow-1", "mallory")
+        s.submit("regex", "slow-2", "mallory")
+        with pytest.raises(CompileBusy, match="^sampling_params.regex: this client already has 2 grammars"):
+            s.submit("regex", "slow-3", "mallory")
+        assert s.submit("regex", "slow-1", "mallory") is not None  # the same constraint is shared, not new
+        assert s.queued("mallory") == 2 and s.stats.to_dict()["busy"] == 1
+        alice = s.submit("regex", "a+", "alice")
+        _wait_started(b, 1)
+        b.open_all()
+        assert alice.result(10) == "a+"
+    finally:
+        b.open_all()
+        s.close()
+
+
+def test_owners_take_turns_not_arrival_order():
+    """Ten queued compiles of one client do not hold a later client's compile behind them all."""
+    b = GatedBackend()
+    s = _service(b, compile_threads=1, max_compiles_per_client=10)
+    try:
+        hostile = [s.submit("regex", f"slow-{i}", "mallory") for i in range(10)]
+        _wait_started(b, 1)  # mallory's first holds the only thread
+        alice = s.submit("regex", "a+", "alice")
+        b.gates["slow-0"].set()
+        assert alice.result(10) == "a+"
+        assert b.started[:2] == ["slow-0", "a+"]  # alice's went next, before mallory's nine others
+    finally:
+        b.open_all()
+        for f in hostile:
+            f.cancel()
+        s.close()
+
+
+def test_a_compile_nobody_waits_for_is_dropped_before_it_starts():
+    """Clients that sent a schema and left: their queued compiles never run, nothing is cached for them,
+    and a compile still wanted by a second caller is kept."""
+    b = GatedBackend()
+    s = _service(b, compile_threads=1)
+    try:
+        s.submit("regex", "slow-running", "a")
+        _wait_started(b, 1)
+        gone = s.submit("regex", "slow-gone", "b")
+        shared = s.submit("regex", "slow-shared", "c")
+        assert s.submit("regex", "slow-shared", "d") is shared
+        s.release("regex", "slow-gone")
+        s.release("regex", "slow-shared")  # "d" still waits for it
+        assert gone.cancelled() and not shared.cancelled()
+        assert s.queued("b") == 0 and s.stats.to_dict()["abandoned"] == 1
+        b.open_all()
+        assert shared.result(10) == "slow-shared"
+        _wait_started(b, 2)
+        assert "slow-gone" not in b.started and ("regex", "slow-gone") not in s._cache
+    finally:
+        b.open_all()
         s.close()

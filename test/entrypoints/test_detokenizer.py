@@ -74,3 +74,51 @@ def test_text_decoder_equals_tokenizer_decode(preset):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 10))]
         for skip in (True, False):
             assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+class _SlowDetokenizer(IncrementalDetokenizer):
+    """The slow twin: every stop searched over the whole text, every proper prefix of every stop
+    tried against its end."""
+
+    def add(self, new_ids):
+        self.ids.extend(new_ids)
+        self._text = self._decode(self.ids)
+        text = self._text
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        hold = max((k for s in self.stop for k in range(1, min(len(s) - 1, len(text)) + 1)
+                    if text.endswith(s[:k])), default=0)
+        delta = text[len(self.emitted):len(text) - hold]
+        self.emitted += delta
+        return delta
+
+
+class _CharTokenizer:
+    """One character per token id (ids index ``alphabet``), so the text is known exactly."""
+
+    def __init__(self, alphabet: str):
+        self.alphabet = alphabet
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.alphabet[i] for i in ids)
+
+
+def test_windowed_stop_search_and_holdback_agree_with_the_slow_twins():
+    """The stream's stop search looks only near the emitted end and its hold-back only where a
+    stop's first character is: after every token, what it has emitted is what searching and
+    holding back over the whole text would have emitted."""
+    rng = random.Random(7)
+    alphabet = "ab c"
+    tok = _CharTokenizer(alphabet)
+    for _ in range(300):
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 7))) for _ in range(rng.randrange(1, 4))]
+        ids = [rng.randrange(len(alphabet)) for _ in range(rng.randrange(1, 60))]
+        fast, slow = IncrementalDetokenizer(tok, stop=stop), _SlowDetokenizer(tok, stop=stop)
+        fast._decoder = slow._decoder = lambda ids, skip: tok.decode(ids)
+        i = 0
+        while i < len(ids):
+            k = rng.randrange(1, 4)
+            assert fast.add(ids[i:i + k]) == slow.add(ids[i:i + k]), (stop, ids[:i + k])
+            i += k

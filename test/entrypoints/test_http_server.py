@@ -130,7 +130,8 @@ def test_generate_stream_logprobs_and_batch(server, engine):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     last = events[-1]
     assert last["output_ids"] == want["output_ids"] and last["text"] == want["text"]
-    lps = [lp for lp, _, _ in last["meta_info"]["output_token_logprobs"]]
+    # logprobs are incremental (each event its own tokens'): joined, they are the engine's
+    lps = [lp for e in events for lp, _, _ in e["meta_info"]["output_token_logprobs"]]
     assert lps == pytest.approx([lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]], abs=1e-4)
     assert [len(e["output_ids"]) for e in events] == sorted(len(e["output_ids"]) for e in events)
     # A batch: one seeded sampled request, one greedy; each equals the engine's run of it.

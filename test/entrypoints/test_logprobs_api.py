@@ -78,13 +78,19 @@ def test_generate_input_output_and_top_logprobs(server, model):
         vals, ids = ref[p - 1].topk(3)
         assert [t for _, t, _ in top] == ids.tolist()
         assert [lp for lp, _, _ in top] == pytest.approx(vals.tolist(), abs=TOL)
-    # The same through a stream: the last event carries everything, cumulatively.
+    # The same through a stream, incrementally (issue 33): each event carries its own tokens' entries
+    # and the prompt's come once, in the first event; joined, they are the unstreamed answer's.
     with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}, timeout=60) as s:
-        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    last = events[-1]["meta_info"]
-    assert last["input_token_logprobs"] == meta["input_token_logprobs"]
-    assert [x[1] for x in last["output_token_logprobs"]] == [x[1] for x in meta["output_token_logprobs"]]
-    assert_close([x[0] for x in last["output_token_logprobs"]], [x[0] for x in meta["output_token_logprobs"]])
+        events = [json.loads(line[6:])["meta_info"] for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["input_token_logprobs"] == meta["input_token_logprobs"]
+    assert events[0]["input_top_logprobs"] == meta["input_top_logprobs"]
+    assert all(e["input_token_logprobs"] == [] == e["input_top_logprobs"] for e in events[1:])
+    joined = [x for e in events for x in e["output_token_logprobs"]]
+    assert [x[1] for x in joined] == [x[1] for x in meta["output_token_logprobs"]]
+    assert_close([x[0] for x in joined], [x[0] for x in meta["output_token_logprobs"]])
+    tops = [t for e in events for t in e["output_top_logprobs"]]
+    assert [[x[1] for x in t] for t in tops] == [[x[1] for x in t] for t in meta["output_top_logprobs"]]
+    assert_close([x[0] for t in tops for x in t], [x[0] for t in meta["output_top_logprobs"] for x in t])
 
 
 def test_generate_default_start_and_n(server, model):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pdserve.router.breaker import Backoff, BreakerConfig, BreakerState, CircuitBreaker
+from pdserve.router.breaker import Backoff, BreakerConfig, BreakerState, CircuitBreaker, answer_verdict
 from pdserve.router.policy import RoundRobinPolicy
 from pdserve.router.workers import NoHealthyWorker, Role, make_worker_set
 
@@ -95,3 +95,11 @@ def test_backoff_grows_caps_and_jitters_within_its_factor():
     assert max(delays) - min(delays) > 0.3  # it does spread them
     with pytest.raises(ValueError):
         Backoff(jitter=1.5)
+
+
+@pytest.mark.parametrize(("status", "verdict"), [(200, True), (400, True), (413, True), (422, True), (429, True),
+                                                 (500, None), (501, None), (502, False), (503, False),
+                                                 (504, False), (505, None)])
+def test_only_gateway_answers_count_against_a_worker(status, verdict):
+    """A 4xx is the client's, a 500 what one request did: neither opens a breaker (issue 33)."""
+    assert answer_verdict(status) is verdict

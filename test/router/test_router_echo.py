@@ -306,6 +306,33 @@ def test_flush_cache_reaches_every_worker(echo, make_router):
     assert r.json()["error"]["message"] == f"flush_cache: failed on decode {d1.url} (400: d1 is busy)"
 
 
+def test_a_body_nested_past_the_stack_is_a_400_at_the_router(echo, make_router):
+    """Issue 33: never a 500 (which a breaker in front of this router would count)."""
+    router = make_router([echo["p1"].url], [echo["d1"].url])
+    deep = b'{"text": "x", "sampling_params": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3001
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        r = router.post(path, content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+    assert echo["p1"].generation_bodies() == [] and echo["d1"].generation_bodies() == []
+
+
+def test_cross_site_requests_never_reach_a_worker(echo, make_router):
+    """Issue 33: the router refuses bodies that are not JSON (415), a foreign Origin on a POST and a
+    foreign Host (403) before any worker sees them; its own clients pass."""
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url])
+    for headers, status in [({"Content-Type": "text/plain", "Origin": "http://evil.example"}, 403),
+                            ({"Content-Type": "text/plain"}, 415), ({"Host": "evil.example"}, 403)]:
+        for path in ("/flush_cache", "/generate"):
+            r = httpx.post(router.url + path, content=b'{"text": "x"}', headers=headers, timeout=30)
+            assert r.status_code == status, (path, headers, r.text)
+    assert d1.generation_bodies() == [] and p1.generation_bodies() == []
+    assert not [x for w in (p1, d1) for x in w.received if x.path == "/flush_cache"]
+    assert router.post("/generate", json={"text": "x"}).status_code == 200
+    r = httpx.post(f"http://localhost:{router.port}/flush_cache", timeout=30)
+    assert r.status_code == 200
+
+
 def test_metrics_count_requests_per_worker(echo, make_router):
     p1, d1 = echo["p1"], echo["d1"]
     router = make_router([p1.url], [d1.url])

@@ -91,6 +91,25 @@ def test_a_breaker_opens_on_a_dead_worker_and_closes_on_its_return(echo, make_ro
                              to=to) == n
 
 
+def test_a_client_whose_requests_crash_the_worker_cannot_open_its_breaker(echo, make_router):
+    """Issue 33: 500s one client's requests cause (and 4xx) never open a breaker; a 502 still does."""
+    p1, d1 = echo["p1"], echo["d1"]
+    router = make_router([p1.url], [d1.url], "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "600",
+                         "--retry-max-retries", "0", *FAST_HEALTH)
+    for status in (500, 400, 422):
+        d1.fail_status = status
+        for i in range(4):
+            assert router.post("/generate", json={"text": f"hostile{i}"}).status_code == status
+    assert cb_state(router, d1) == 0 and router.worker_state(d1.url)["circuit_breaker"] == "closed"
+    d1.fail_status = None
+    r = router.post("/generate", json={"text": "the next client"})
+    assert r.status_code == 200 and r.json()["worker"] == "d1"
+    d1.fail_status = 502  # a gateway failure is the worker's: two in a row open it
+    for i in range(2):
+        router.post("/generate", json={"text": f"gw{i}"})
+    assert cb_state(router, d1) == 1
+
+
 # --------------------------------------------------------------- retries
 def test_a_decode_dead_before_its_first_byte_is_retried_on_a_new_pair(echo, make_router):
     p1, d1, d2 = echo["p1"], echo["d1"], echo["d2"]

@@ -50,12 +50,16 @@ def test_events_pass_through_until_a_resume_then_continue_the_stream():
     assert s.finished and s.done
 
 
-def test_logprobs_of_the_output_are_joined_and_input_ones_kept():
-    base = event([1], "x", output_token_logprobs=[[-0.1, 1, None]], input_token_logprobs=[[None, 7, None]])
-    new = event([2], "y", output_token_logprobs=[[-0.2, 2, None]], input_token_logprobs=[[None, 7, None]] * 2)
+def test_streamed_logprobs_stay_incremental_across_a_resume():
+    """A stream's logprobs are each event's own (issue 33): the resumed decode's output entries pass
+    as they are, never prefixed with the last event's again; its prompt entries (the first prompt
+    plus the tokens already sent) are dropped, the client had the prompt's in its first event."""
+    base = event([1], "x", output_token_logprobs=[[-0.1, 1, None]], input_token_logprobs=[])
+    new = event([2], "y", output_token_logprobs=[[-0.2, 2, None]], input_token_logprobs=[[None, 7, None]] * 2,
+                input_top_logprobs=[None, [[-0.5, 3, None]]])
     meta = continued(base, new)["meta_info"]
-    assert meta["output_token_logprobs"] == [[-0.1, 1, None], [-0.2, 2, None]]
-    assert meta["input_token_logprobs"] == [[None, 7, None]]
+    assert meta["output_token_logprobs"] == [[-0.2, 2, None]]
+    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
 
 
 def test_prompt_ids_come_from_the_probe_answer():

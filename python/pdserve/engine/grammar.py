@@ -153,6 +153,7 @@ class ReqGrammars:
                     failed.append(p.req)
             elif now - p.since > self.config.compile_timeout_s:
                 del self.pending[uid]
+                self._release_compile(p.req)
                 self.stats.count("timeouts")
                 p.req.grammar_error = str(timeout_error(p.kind, self.config.compile_timeout_s))
                 failed.append(p.req)
@@ -171,11 +172,17 @@ class ReqGrammars:
             wait_futures([p.future for p in self.pending.values()], timeout, return_when="FIRST_COMPLETED")
 
     def release(self, req: Req) -> None:
-        """``req`` finished: forget its compile or its Grammar."""
-        self.pending.pop(req.uid, None)  # type: ignore[arg-type]
+        """``req`` finished: forget its compile (dropped unless someone else waits for it) or its Grammar."""
+        if self.pending.pop(req.uid, None) is not None:  # type: ignore[arg-type]
+            self._release_compile(req)
         if req.grammar is not None:
             req.grammar = None
             self.live -= 1
+
+    def _release_compile(self, req: Req) -> None:
+        """``req`` no longer waits for its compile (constrained/service.py drops one nobody waits for)."""
+        if req.sampling.grammar is not None:
+            self.service.release(*req.sampling.grammar)
 
     # -------------------------------------------------------------- masks
     def start_mask(self, reqs: Sequence[Req]) -> StepMask | None:

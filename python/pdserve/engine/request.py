@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from pdserve.constrained.limits import check_constraint
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,10 @@ MAX_N = 128  # parallel samples of one prompt (n, best_of)
 # document from tying up a compile worker; a real schema of hundreds of fields is a few KiB.
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 MAX_GRAMMAR_CHARS = 256 << 10
+# Every stop string is looked for after every token, by the scheduler and by the frontend's stream;
+# OpenAI takes 4, these bounds leave room for templates' own stops and keep that work small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -99,6 +104,7 @@ class SamplingParams:
                 bad(name, "must be a boolean")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
+        self._validate_stop()
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of token ids >= 0")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
@@ -111,6 +117,13 @@ class SamplingParams:
         self._validate_grammar(bad)
         return self
 
+    def _validate_stop(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"sampling_params.stop: {len(self.stop)} stop strings, at most {MAX_STOP_STRINGS}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"sampling_params.stop: a stop string of {longest} characters, at most {MAX_STOP_CHARS}")
+
     def _validate_grammar(self, bad) -> None:
         for name in GRAMMAR_FIELDS:
             value = getattr(self, name)
@@ -122,11 +135,10 @@ class SamplingParams:
             if len(value) > MAX_GRAMMAR_CHARS:
                 raise ValueError(f"sampling_params.{name}: too large ({len(value)} characters, at most "
                                  f"{MAX_GRAMMAR_CHARS})")
-        if isinstance(self.json_schema, str):
-            try:
-                json.loads(self.json_schema)
+            try:  # depth, counts and repetitions, before anything parses it (constrained/limits.py)
+                check_constraint(name, value)
             except ValueError as e:
-                raise ValueError(f"sampling_params.json_schema: not a JSON document ({e})") from None
+                raise ValueError(f"sampling_params.{e}") from None
         if self.think_end is not None and (not isinstance(self.think_end, str) or not 0 < len(self.think_end) <= 64):
             bad("think_end", "must be a non-empty string of at most 64 characters")
         set_fields = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]

@@ -83,6 +83,7 @@ class IncrementalDetokenizer:
         self._decoder = text_decoder(tokenizer)
         self.skip = skip_special_tokens
         self.stop = stop or []
+        self._longest_stop = max(map(len, self.stop), default=0)
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -101,8 +102,11 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self._text += full[len(prefix):]
         text = self._text
+        # A stop string found earlier would have cut the text, and none can start before what was
+        # emitted minus the longest stop: look only there, so a token costs O(stops x window), not O(text).
+        start = max(0, len(self.emitted) - self._longest_stop)
         for s in self.stop:
-            cut = text.find(s)
+            cut = text.find(s, start)
             if cut >= 0:
                 text = text[:cut]
         safe = len(text) - self._stop_holdback(text)
@@ -111,13 +115,18 @@ class IncrementalDetokenizer:
         return delta
 
     def _stop_holdback(self, text: str) -> int:
-        """Chars at the end of ``text`` that could be the start of a stop string."""
+        """Chars at the end of ``text`` that could be the start of a stop string: for each stop,
+        the longest of its proper prefixes ``text`` ends with (tried only where its first character
+        is, in the last ``len(stop) - 1`` characters)."""
         hold = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
+            tail = text[max(0, len(text) - len(s) + 1):] if len(s) > 1 else ""
+            at = tail.find(s[0])
+            while at >= 0 and len(tail) - at > hold:
+                if s.startswith(tail[at:]):
+                    hold = len(tail) - at
                     break
+                at = tail.find(s[0], at + 1)
         return hold
 
     def add_last(self, new_ids: list[int], finish_reason: dict | None) -> str:

@@ -51,12 +51,24 @@ def _default(name: str):
     return _FIELDS[name].default
 
 
+ORIGIN_HELP = {
+    "hosts": "comma-separated Host names a request may carry besides the bound address (and loopback names on a "
+             "loopback bind); '*': any. Bound to 0.0.0.0 without it, Host is not checked (docs/security.md)",
+    "origins": "comma-separated origins (scheme://host:port) a browser's POST may come from besides the server's "
+               "own; '*': any (docs/security.md)"}
+
+
+def names_list(text: str) -> tuple[str, ...]:
+    """``a.example,b.example`` -> ("a.example", "b.example")."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _flag(group, name: str, help: str, **kw) -> None:
     """``--page-size`` -> ServerArgs.page_size, defaulting to the dataclass default."""
     dest = name.lstrip("-").replace("-", "_")
     if kw.get("action") != "store_true":
         kw.setdefault("default", _default(dest))
-        if kw["default"] is not None:
+        if kw["default"] not in (None, ()):
             help += " (default: %(default)s)"
     group.add_argument(name, dest=dest, help=help, **kw)
 
@@ -94,6 +106,8 @@ def add_http_args(parser: argparse.ArgumentParser, per_server: bool = True) -> N
         _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call (default: $PDSERVE_API_KEY, "
               "which ps does not show)")
         _admin_key_flag(g)
+    _flag(g, "--allowed-hosts", ORIGIN_HELP["hosts"], type=names_list)
+    _flag(g, "--allowed-origins", ORIGIN_HELP["origins"], type=names_list)
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
     _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
           'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
@@ -160,6 +174,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
           type=float)
     _flag(g, "--grammar-cache-size", "compiled grammars kept, by kind and text (least recently used dropped)",
           type=int)
+    _flag(g, "--grammar-max-compiles-per-client", "new grammar compiles one client (API key, X-Client-Token, peer) "
+          "may have queued or running; one more is a 429", type=int)
     _flag(g, "--constrained-json-disable-any-whitespace", "JSON output without free whitespace between tokens "
           "(SGLang's flag; the default now)", action="store_true")
     _flag(g, "--constrained-json-any-whitespace", "JSON output may carry any whitespace between its tokens (a "
@@ -329,6 +345,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _admin_key_flag(g, "; also sent to the workers for admin calls (give them the same key)")
     _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
                  "--api-key, or else the client's own Authorization header")
+    _router_flag(g, "--allowed-hosts", ORIGIN_HELP["hosts"], type=names_list)
+    _router_flag(g, "--allowed-origins", ORIGIN_HELP["origins"], type=names_list)
     _add_fleet_flags(parser)
 
 

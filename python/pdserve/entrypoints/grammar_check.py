@@ -1,7 +1,8 @@
 """The frontend's check of a request's json_schema / regex / ebnf: compiled with the server's
 backend (on the compile threads, cached by kind and text) before the request reaches the
 scheduler, so a constraint that does not compile, or compiles too slowly, is a 400 naming the
-field. A prefill server skips it: prefill never samples, the grammar is decode's alone."""
+field. A prefill server skips it: prefill never samples, the grammar is decode's alone. Compiles
+queue per client (``owner``) and are dropped when the request stops waiting (constrained/service.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ from typing import Any
 
 from pdserve.config import GrammarConfig
 from pdserve.constrained import GrammarError, create_grammar_backend
-from pdserve.constrained.service import CompileService, timeout_error
+from pdserve.constrained.service import CompileBusy, CompileService, timeout_error
 from pdserve.constrained.stats import GrammarStats
 from pdserve.engine.request import SamplingParams
+from pdserve.web.api_key import request_owner
 from pdserve.web.errors import RequestError
+from pdserve.web.origin import request_peer
+
+
+def compile_owner() -> str:
+    """Whose compile queue a request's grammar joins: its key and X-Client-Token (``request_owner``) and
+    the address it came from, so keyless clients are apart too (behind a router they share its address)."""
+    return f"{request_owner()}@{request_peer()}"
 
 
 class GrammarCheck:
@@ -31,8 +40,9 @@ class GrammarCheck:
                 lambda: create_grammar_backend(self.config, self.tokenizer, vocab_size, stop), self.config, self.stats)
         return self._service
 
-    async def check(self, sampling: SamplingParams, role: str, vocab_size: int) -> None:
-        """Raise RequestError (400, ``param`` the field) unless ``sampling``'s constraint compiles."""
+    async def check(self, sampling: SamplingParams, role: str, vocab_size: int, owner: str = "") -> None:
+        """Raise RequestError (400, ``param`` the field) unless ``sampling``'s constraint compiles; 429
+        when ``owner`` (the client) already has its most compiles queued (constrained/service.py)."""
         constraint = sampling.grammar
         if constraint is None or role == "prefill":
             return
@@ -44,14 +54,21 @@ class GrammarCheck:
         if self.tokenizer is None:
             raise RequestError(f"{field}: needs the tokenizer (the server runs --skip-tokenizer-init)", param=field)
         self.stats.count("requests")
-        future = asyncio.wrap_future(self._compile_service(vocab_size).submit(kind, text))
-        # asyncio.wait, not wait_for: a timeout must not cancel the shared compile
-        done, _ = await asyncio.wait({future}, timeout=self.config.compile_timeout_s)
+        service = self._compile_service(vocab_size)
+        try:
+            compiled = service.submit(kind, text, owner)
+        except CompileBusy as e:
+            raise RequestError(str(e), param=field, status=429, code="grammar_compiles_busy") from None
+        try:
+            # asyncio.wait, not wait_for: a timeout must not cancel the shared compile
+            done, _ = await asyncio.wait({asyncio.wrap_future(compiled)}, timeout=self.config.compile_timeout_s)
+        finally:  # answered, timed out or cancelled (the client left): this request no longer waits
+            service.release(kind, text)
         if not done:
             self.stats.count("timeouts")
             raise RequestError(str(timeout_error(kind, self.config.compile_timeout_s)), param=field)
         try:
-            future.result()
+            done.pop().result()
         except GrammarError as e:
             raise RequestError(str(e), param=field) from None
 

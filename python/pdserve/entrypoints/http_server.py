@@ -53,6 +53,7 @@ from pdserve.web.errors import (
 )
 from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
 from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
+from pdserve.web.origin import OriginPolicy
 from pdserve.web.streaming import collect
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
-    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key)
+    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key,
+                 OriginPolicy(ctx.args.host, ctx.args.allowed_hosts, ctx.args.allowed_origins))
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
     return app
 

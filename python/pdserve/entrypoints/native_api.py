@@ -4,7 +4,9 @@
 ``input_token_logprobs`` / ``output_token_logprobs`` and, with ``top_logprobs_num``,
 ``input_top_logprobs`` / ``output_top_logprobs``). ``sampling_params.n`` > 1 returns
 n bodies per prompt. Streaming sends SGLang's shape: every event carries the
-cumulative text, output ids and logprobs so far, then ``data: [DONE]``.
+cumulative text and output ids so far, then ``data: [DONE]``; logprobs are incremental (an
+event's ``output_*`` entries are its own tokens', the prompt's ``input_*`` come once, in the
+first event), so a stream carries each entry once, as an unstreamed answer does (issue 33).
 """
 
 from __future__ import annotations
@@ -65,24 +67,25 @@ async def _stream(tm: TokenizerManager, request: Request, item: _Item, texts: To
 
 
 class _Cumulative:
-    """Running text / ids / logprobs of one streamed request (SGLang streams cumulative bodies)."""
+    """Running text / ids of one streamed request (SGLang streams them cumulative); each event's
+    logprobs are the chunk's own (resending them all would make a stream of n tokens carry
+    O(n^2) entries: 126 MiB for 400 tokens at top-20 of a 2,000-token prompt)."""
 
     def __init__(self, item: _Item, texts: TokenTexts | None):
         self.item = item
         self.texts = texts
         self.text = ""
         self.ids: list[int] = []
-        self.data = LogprobData()
 
     def add(self, c: GenerateChunk) -> dict:
         self.text += c.text
         self.ids += c.token_ids
-        return _body(self.item, c, self.text, self.ids, self.texts, self.data)
+        return _body(self.item, c, self.text, self.ids, self.texts)
 
 
-def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: TokenTexts | None,
-          data: LogprobData | None = None) -> dict:
-    """SGLang's response body; ``data`` accumulates a stream's logprobs (None: ``c`` holds them all)."""
+def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: TokenTexts | None) -> dict:
+    """SGLang's response body; its logprobs are those ``c`` holds (all of them unstreamed, a
+    stream event's own)."""
     meta = {"id": c.rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "cached_tokens": c.cached_tokens, "finish_reason": c.finish_reason}
     if c.cached_tokens_by_tier is not None:
@@ -94,7 +97,7 @@ def _body(item: _Item, c: GenerateChunk, text: str, ids: list[int], texts: Token
     if c.timeline is not None:
         meta["timeline"] = c.timeline
     if item.job.return_logprob:
-        data = data if data is not None else LogprobData()
+        data = LogprobData()
         data.extend(c.token_ids, c.logprobs, c.top_logprobs)
         data.set_input(c.input_logprobs, c.input_top_logprobs)
         meta.update(sglang_meta(data, item.job.input_ids, texts, item.top_logprobs_num))

@@ -180,7 +180,7 @@ def _call_for_template(i: int, j: int, call: dict) -> dict:
     text = call["function"]["arguments"]
     try:
         args = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the stack: the request's fault, like bad JSON
         args = text if is_json_object_prefix(text) else None
     if not isinstance(args, (dict, str)):
         field = f"messages[{i}].tool_calls[{j}].function.arguments"

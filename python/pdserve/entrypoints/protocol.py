@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pdserve.engine.io_struct import BootstrapRef
-from pdserve.engine.request import MAX_GRAMMAR_CHARS, MAX_N, SEED_MAX, SEED_MIN
+from pdserve.engine.request import MAX_GRAMMAR_CHARS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN
 from pdserve.web.errors import RequestError
 
 
@@ -77,7 +77,7 @@ def _per_prompt(value, n: int, name: str) -> list:
     return value
 
 
-_StopString = Annotated[str, Field(min_length=1)]
+_StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class GenerateSamplingParams(BaseModel):
@@ -93,7 +93,7 @@ class GenerateSamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: _StopString | list[_StopString] | None = None
+    stop: _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True

@@ -60,7 +60,7 @@ from pdserve.engine.node_sockets import FrontendSockets, frontend_sockets
 from pdserve.engine.request import RequestLimits, SamplingParams, check_request, finish_abort
 from pdserve.engine.scheduler_loop import SchedulerEndpoints, decode_frame, send_message
 from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
-from pdserve.entrypoints.grammar_check import GrammarCheck
+from pdserve.entrypoints.grammar_check import GrammarCheck, compile_owner
 from pdserve.entrypoints.logprobs import TokenTexts
 from pdserve.entrypoints.scheduler_process import RankProcesses, SchedulerProcess, scheduler_processes
 from pdserve.obs.metrics import ServerMetrics
@@ -312,7 +312,7 @@ class TokenizerManager:
         await self._pass_role_gate(bootstrap)
         self._check_healthy()
         try:
-            await self.grammar.check(sampling, self.role, self.request_limits.vocab_size)
+            await self.grammar.check(sampling, self.role, self.request_limits.vocab_size, compile_owner())
         except RequestError as e:
             if bootstrap is not None:  # whatever router is in front, prefill's half must not wait for ours
                 self._try_send(AbortReq("", refused=bootstrap, message=e.message))

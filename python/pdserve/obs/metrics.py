@@ -115,6 +115,8 @@ GRAMMAR_COUNTERS = {
     "cache_misses": ("num_grammar_cache_miss", "Grammar compiles started (not in the cache)"),
     "compile_failures": ("num_grammar_aborted", "Constraints that did not compile (the request got a 400)"),
     "timeouts": ("num_grammar_timeout", "Grammar compiles past --grammar-compile-timeout"),
+    "busy": ("num_grammar_busy", "Compiles refused (429): the client had --grammar-max-compiles-per-client queued"),
+    "abandoned": ("num_grammar_abandoned", "Queued compiles dropped before they started: nobody waited any more"),
 }
 GRAMMAR_HISTOGRAMS = {
     "compile_seconds": ("grammar_compilation_time_seconds", "Grammar compile time"),

@@ -45,6 +45,7 @@ from pdserve.web.api_key import (
 from pdserve.web.app import add_error_handlers, guard_routes
 from pdserve.web.errors import ServerError, error_body
 from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
+from pdserve.web.origin import OriginPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,8 @@ def create_app(ctx: RouterContext) -> FastAPI:
     _add_control_routes(app, ctx)
     # inside the key check (added after it, so it runs after it): a refused key takes no slot
     app.add_middleware(AdmissionMiddleware, admission=ctx.admission, paths=GENERATION_PATHS)
-    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key)
+    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key,
+                 OriginPolicy(ctx.args.host, ctx.args.allowed_hosts, ctx.args.allowed_origins))
     return app
 
 

@@ -7,6 +7,13 @@ A breaker watches the outcomes of the requests sent to one worker (sgl-model-gat
 * half-open: requests flow again as probes; ``success_threshold`` successes in a row close it, any
   failure opens it again for another ``timeout_s``.
 
+What counts (``answer_verdict``): connection failures, timeouts and answers 502, 503 and 504 (the
+worker or what stands behind it is down, overloaded or gone) are failures. A 4xx is the client's
+fault and a 500 is what one request made the worker do (a request that crashed a parser): neither
+says the worker is unwell, and counting them would let one client open every breaker and deny
+the deployment to everyone (issue 33). A 4xx is a success (the worker answered); a 500 or another
+5xx leaves the breaker as it is.
+
 It complements the health checks: ``GET /health`` can pass while requests fail (a wedged
 scheduler behind a live frontend, a proxy whose backend died), and only the requests see that.
 
@@ -46,6 +53,18 @@ class BreakerConfig:
             raise ValueError("breaker thresholds must be >= 1")
         if not self.timeout_s > 0:
             raise ValueError(f"breaker timeout_s: must be > 0, got {self.timeout_s}")
+
+
+# the answers that are the worker's failure, not the request's
+WORKER_FAILURE_STATUSES = frozenset({502, 503, 504})
+
+
+def answer_verdict(status: int) -> bool | None:
+    """What an HTTP answer says about the worker: True (it served), False (it failed), None (nothing:
+    a 500 or other 5xx one request caused)."""
+    if status in WORKER_FAILURE_STATUSES:
+        return False
+    return True if status < 500 else None
 
 
 # called with (old state, new state, why) on every transition

@@ -66,6 +66,9 @@ class RouterArgs:
     worker_api_key: str | None = field(default=None, repr=False)  # sent to the workers instead of api_key
     # admin routes need it from clients (web/api_key.py); sent to the workers for admin calls
     admin_api_key: str | None = field(default=None, repr=False)
+    # Host / Origin names a browser's request may carry beyond the bind's own (web/origin.py; "*": any)
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     # ---- a fleet: breakers, retries, admission, health thresholds, discovery (sglang-router's names
     # and defaults, checked by _check_fleet). The cap is off unless --max-concurrent-requests is given.
     cb_failure_threshold: int = 10  # consecutive failed requests that open a worker's breaker

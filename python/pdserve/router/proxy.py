@@ -40,7 +40,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pdserve.disagg.bootstrap import with_bootstrap
-from pdserve.router.breaker import Backoff
+from pdserve.router.breaker import Backoff, answer_verdict
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState
@@ -406,9 +406,11 @@ class PDProxy:
 
     @staticmethod
     def _answered(worker: Worker, status: int) -> None:
-        """``worker`` answered a generation request: a 5xx is its failure, anything else its success."""
-        if worker.breaker is not None:
-            worker.breaker.record(status < 500, f"answered {status}")
+        """``worker`` answered a generation request: 502-504 are its failure, a 500 nothing, the rest success
+        (``breaker.answer_verdict``)."""
+        verdict = answer_verdict(status)
+        if worker.breaker is not None and verdict is not None:
+            worker.breaker.record(verdict, f"answered {status}")
 
     def _count_status(self, worker: Worker, status: int) -> None:
         if status >= 400:

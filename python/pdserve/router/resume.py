@@ -4,8 +4,11 @@ SGLang's ``/generate`` stream is cumulative: every event carries the text and ``
 so far. So the last event relayed says exactly what the client has: the resumed request is
 the prompt's token ids followed by those output ids, with ``max_new_tokens`` (and
 ``min_new_tokens``) reduced by their count. The new decode's events are rewritten to continue
-the first stream: output ids, text and output logprobs prefixed with what was sent,
-``completion_tokens`` counted from the start, the first stream's id and prompt figures kept.
+the first stream: output ids and text prefixed with what was sent, ``completion_tokens``
+counted from the start, the first stream's id and prompt figures kept. Logprobs are incremental
+(each event's own tokens', the prompt's once in the first event): the new decode's output
+logprobs pass as they are, its prompt logprobs (the first stream's prompt plus the tokens sent)
+are dropped, the client has the prompt's.
 For greedy sampling the client's tokens are those of an undisturbed run.
 
 Limits: a stop string that would span the resume point is not seen (the new decode does not
@@ -138,11 +141,11 @@ class GenerateStream:
 def continued(base: dict, event: dict) -> dict:
     """``event`` of the resumed stream as the continuation of ``base`` (the client's last event)."""
     meta_base, meta = base.get("meta_info") or {}, dict(event.get("meta_info") or {})
-    for key, value in meta_base.items():
-        if key.startswith("output_") and isinstance(value, list):
-            meta[key] = value + list(meta.get(key) or [])
-        elif key.startswith("input_") or key in ("id", "prompt_tokens"):
-            meta[key] = value
+    for key in [k for k in meta if k.startswith("input_") and isinstance(meta[k], list)]:
+        meta[key] = []
+    for key in ("id", "prompt_tokens"):
+        if key in meta_base:
+            meta[key] = meta_base[key]
     meta["completion_tokens"] = meta_base.get("completion_tokens", len(base["output_ids"])) + \
         meta.get("completion_tokens", len(event.get("output_ids", [])))
     return {**event, "text": base.get("text", "") + event.get("text", ""),

@@ -1,6 +1,6 @@
 """What both HTTP programs (the server and the router) put around their routes: the error handlers
-(OpenAI's error shape for a ``RequestError`` and for the framework's own 404 and 405, a 500 naming
-the exception for anything else) and,
+(OpenAI's error shape for a ``RequestError`` and for the framework's own 404 and 405, a 400 for a
+value nested past Python's stack, a 500 naming the exception for anything else) and,
 once every route is added, the check that each has an access class and the API-key middleware."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from pdserve.web.api_key import AccessMiddleware, check_classified
 from pdserve.web.errors import RequestError, error_body, error_response
+from pdserve.web.origin import OriginMiddleware, OriginPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,19 @@ def add_error_handlers(app: FastAPI, timeout_message: str | None = None) -> None
     # Starlette types every handler as taking Exception; this one is registered for RequestError only.
     app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RecursionError, _too_deep)
     app.add_exception_handler(Exception, internal_error)
 
 
-def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None) -> None:
-    """After the last route: every route has an access class (``web/api_key.py``), and the keys are checked."""
+def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None,
+                 origin: OriginPolicy | None = None) -> None:
+    """After the last route: every route has an access class (``web/api_key.py``), and the keys are checked;
+    before them (outermost), foreign Host / Origin headers and bodies that are not JSON are refused
+    (``web/origin.py``)."""
     check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]
     app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    if origin is not None:
+        app.add_middleware(OriginMiddleware, policy=origin)
 
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
@@ -58,3 +65,10 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     param = {404: "path", 405: "method"}.get(exc.status_code)
     return JSONResponse(error_body(message, exc.status_code, param, code), status_code=exc.status_code,
                         headers=exc.headers)
+
+
+async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
+    """The net under the per-field limits: a value nested past Python's stack is the request's doing
+    (a 400, never a 500 a router's breaker would count against the worker, issue 33)."""
+    logger.warning("a request to %s nested too deeply for a parser (%s)", request.url.path, exc)
+    return error_response(RequestError("request body: a value is nested too deeply to parse", param=None))
