@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import pdserve
+from entrypoints.server_utils import Server
 from fixtures.tiny_models import _copy_tokenizer, build_tiny_hf_model, check_not_degenerate, greedy_continuation
 from pdserve.config import ServerArgs
 
@@ -44,15 +48,17 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 400, (n,), generator=g).tolist()
 
 
+def _serve(model_path: str, *argv: str) -> subprocess.CompletedProcess:
+    with socket.socket() as s:  # a port nobody listens on; the server is expected not to start
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run([sys.executable, "-m", "pdserve", "serve", "--model-path", model_path,
+                           "--port", str(port), *argv], capture_output=True, text=True, timeout=180)
+
+
 def _hf_logprobs(hf, seq: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return torch.log_softmax(hf(input_ids=torch.tensor([seq])).logits[0].float(), -1)  # [L, V]
-
-
-def _assert_no_leak(engine) -> None:
-    check = engine.scheduler.cache.check_invariants if hasattr(engine, "scheduler") else None
-    if check is not None:
-        check()
 
 
 @pytest.mark.parametrize("length", [5, 3 * TOPK + 1, 6 * TOPK])
@@ -145,3 +151,27 @@ def test_fp8_checkpoint_is_refused(tiny, tmp_path):
     (fp8 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantization_config: FP8 DeepSeek-V3.2 checkpoints are not supported"):
         ServerArgs(model_path=str(fp8)).model_config()
+
+
+def test_refusal_reaches_the_cli_as_one_line():
+    proc = _serve("tiny-deepseek-v32", "--disaggregation-mode", "decode")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "disaggregation_mode (--disaggregation-mode): decode: DeepSeek-V3.2's index keys do not move in P/D yet" \
+        in proc.stderr
+
+
+def test_preset_serves_a_chat_request():
+    """``pdserve serve --model-path tiny-deepseek-v32`` (random weights from the config) answers
+    a chat completion long enough to pass index_topk (32) tokens of context."""
+    server = Server(model="tiny-deepseek-v32").start()
+    try:
+        r = server.post("/v1/chat/completions", json={
+            "model": "tiny-deepseek-v32", "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about the lighthouse keeper and the 112 steps. " * 3}]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] > 32
+        assert body["usage"]["completion_tokens"] >= 1 and isinstance(body["choices"][0]["message"]["content"], str)
+        server.wait_idle()
+    finally:
+        server.stop()

@@ -85,3 +85,7 @@ class MLASparseAttention(MLAAttention):
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     attention_class = MLASparseAttention
+
+    @staticmethod
+    def rope_interleaved(c) -> bool:
+        return True  # transformers' V3.2 always rotates MLA's rope dims interleaved (rope_interleave unread)
