@@ -15,7 +15,7 @@ import torch
 
 import pdserve
 from entrypoints.server_utils import Server
-from fixtures.tiny_models import _copy_tokenizer, build_tiny_hf_model, check_not_degenerate, greedy_continuation
+from fixtures.tiny_models import greedy_continuation, make_hf_model_and_dir
 from pdserve.config import ServerArgs
 
 ARCH = "DeepseekV32ForCausalLM"
@@ -27,20 +27,9 @@ GREEDY = {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny checkpoint, with positive indexer head weights: a token every index head ReLUs to
-    zero scores exactly 0, and with mixed-sign weights such ties can straddle the top-k cut, where
-    which tokens torch.topk keeps is implementation-defined (transformers' and ours may differ).
-    Positive weights put the zeros last, so the selected set is unambiguous."""
-    out = tmp_path_factory.mktemp("v32")
-    hf = build_tiny_hf_model(ARCH)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.indexer.weights_proj.weight.abs_()
-    check_not_degenerate(hf)
-    hf.save_pretrained(str(out), safe_serialization=True)
-    _copy_tokenizer(out)
+    hf, path = make_hf_model_and_dir(ARCH, tmp_path_factory.mktemp("v32"))
     assert hf.config.index_topk == TOPK
-    return hf, str(out)
+    return hf, path
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
