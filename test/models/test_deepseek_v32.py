@@ -164,3 +164,13 @@ def test_preset_serves_a_chat_request():
         server.wait_idle()
     finally:
         server.stop()
+
+
+def test_pd_layout_refuses_a_pool_with_index_keys():
+    """Defence in depth behind the start-up refusal: the P/D layout names the extra region."""
+    from pdserve.disagg.layout import KVLayout, LayoutError
+    from pdserve.mem.kv_pool import MLAKVPool
+
+    pool = MLAKVPool(4, 2, 2, kv_lora_rank=8, rope_dim=4, dtype=torch.float32, index_head_dim=8)
+    with pytest.raises(LayoutError, match=r"a mla pool has buffers \('latent',\), got \('latent', 'index_k'\)"):
+        KVLayout.from_descriptors("mla", 1, 1, 2, "float32", pool.buffer_descriptors())
