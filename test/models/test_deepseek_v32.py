@@ -174,3 +174,28 @@ def test_pd_layout_refuses_a_pool_with_index_keys():
     pool = MLAKVPool(4, 2, 2, kv_lora_rank=8, rope_dim=4, dtype=torch.float32, index_head_dim=8)
     with pytest.raises(LayoutError, match=r"a mla pool has buffers \('latent',\), got \('latent', 'index_k'\)"):
         KVLayout.from_descriptors("mla", 1, 1, 2, "float32", pool.buffer_descriptors())
+
+
+def test_attention_reads_only_the_selected_latent_rows(tiny, monkeypatch):
+    """Sparse, not masked: no whole-context latent read; each query gathers at most index_topk rows."""
+    from pdserve.mem.kv_pool import MLAKVPool
+
+    hf, path = tiny
+    shapes = []
+    gather = MLAKVPool.get_latent_slots
+
+    def no_dense(*_):
+        raise AssertionError("a dense latent read in DeepSeek-V3.2's attention")
+
+    def recording(self, layer, slots):
+        shapes.append(tuple(slots.shape))
+        return gather(self, layer, slots)
+
+    monkeypatch.setattr(MLAKVPool, "get_latent_pages", no_dense)
+    monkeypatch.setattr(MLAKVPool, "get_latent_slots", recording)
+    engine = pdserve.Engine(model_path=path, page_size=4)
+    prompt = _prompt(5 * TOPK, seed=3)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert shapes and all(s[-1] == TOPK for s in shapes)  # [B, Q, k]: k rows per query, never the context
+    assert (1, len(prompt), TOPK) in shapes and (1, 1, TOPK) in shapes  # the prefill and a decode step
