@@ -103,6 +103,13 @@ PRESETS |= {
         num_key_value_heads=2, head_dim=64, use_sliding_window=False, rope_parameters=_DEFAULT_ROPE,
         attention_bias=False, quantization_config=_FP8)),
 }
+# DeepSeek-V3.2: tiny-deepseek's shapes plus DSA's lightning indexer; an index_topk of 32 so that
+# prompts past 32 tokens attend to a strict subset of their tokens.
+PRESETS |= {
+    "tiny-deepseek-v32": ("DeepseekV32ForCausalLM", dict(
+        {k: v for k, v in PRESETS["tiny-deepseek"][1].items() if k not in ("num_mtp_layers", "rope_interleave")},
+        index_topk=32, index_head_dim=32, index_n_heads=4)),
+}
 # Draft architectures transformers has no config class of their own for.
 CONFIG_CLASSES = {"LlamaForCausalLMEagle": "LlamaConfig"}
 

@@ -754,6 +754,24 @@ MUTATIONS = (
         "",
         ("test/engine/test_json_fuzz.py::test_every_sample_is_strict_json_valid_under_its_schema"
          "[xgrammar-byte_level]",)),
+    # issue 34: DeepSeek-V3.2 (MLA + DSA)
+    Mutation(
+        "v32_index_keys_not_stored", "DeepSeek-V3.2's index keys are never written to the pool, so later "
+        "chunks and decode steps score zeros for every earlier token",
+        "python/pdserve/layers/attention/torch_native.py",
+        "        pool.set_index_k(layer_id, fb.out_cache_loc, index.k)\n", "",
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v32_indexer_sees_the_next_token", "the indexer's causal mask lets a query select the token after it",
+        "python/pdserve/layers/attention/torch_native.py",
+        "fb.prefix_lens[:, None, None] + qi[None, :, None])",
+        "fb.prefix_lens[:, None, None] + qi[None, :, None] + 1)",
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v32_pd_not_refused", "a DeepSeek-V3.2 server starts in P/D mode, whose transfer leaves the index keys behind",
+        "python/pdserve/config.py",
+        "(self.disaggregation_mode != \"null\",", "(False,",
+        ("test/models/test_deepseek_v32.py::test_unsupported_modes_are_refused_at_start_up",)),
 )
 
 

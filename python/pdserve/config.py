@@ -55,6 +55,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "gqa", "qwen3_moe"),
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", "mla", "deepseek"),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "mla", "deepseek"),
+    Architecture("DeepseekV32ForCausalLM", "deepseek_v32", "mla", "deepseek_v32"),
 )}
 
 
@@ -225,6 +226,11 @@ class ModelConfig:
         return ARCHITECTURES[self.architecture].attention == "mla"
 
     @property
+    def index_head_dim(self) -> int:
+        """Width of DeepSeek-V3.2's index key (one more region of the latent's pages); 0 without one."""
+        return int(getattr(self.hf_config, "index_head_dim", 0) or 0) if self.is_mla else 0
+
+    @property
     def num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
@@ -258,7 +264,7 @@ class ModelConfig:
         _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
-        return self.num_layers * per_layer * itemsize
+        return self.num_layers * (per_layer + self.index_head_dim) * itemsize
 
 
 def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
@@ -1042,7 +1048,35 @@ class ServerArgs:
         model = ModelConfig.from_path(self.model_path, self.device_config().dtype, self.load_format,
                                       self.context_length)
         self.parallel_config().check_model(model)
+        if model.index_head_dim:
+            self._check_sparse_index(model)
         return model
+
+    def _check_sparse_index(self, model: ModelConfig) -> None:
+        """DeepSeek-V3.2 (MLA + DSA) runs colocated, on one rank, over torch_native, with a full-precision
+        checkpoint and pool for now (docs/models.md); everything else is refused here, naming it."""
+        v32 = "DeepSeek-V3.2"
+        refusals = {
+            "disaggregation_mode": (self.disaggregation_mode != "null",
+                                    f"{self.disaggregation_mode}: {v32}'s index keys do not move in P/D yet"),
+            "enable_hierarchical_cache": (self.enable_hierarchical_cache,
+                                          f"{v32}'s index keys have no host or storage tier yet"),
+            "speculative_algorithm": (self.speculative_algorithm is not None,
+                                      f"{self.speculative_algorithm}: {v32} has no draft (NEXTN) support yet"),
+            "attention_backend": (self.device_config().attention_backend != "torch_native",
+                                  f"{self.device_config().attention_backend}: {v32}'s sparse attention runs on "
+                                  f"torch_native only (no Triton or flashinfer sparse kernels yet)"),
+            "tp_size": (self.parallel_config().world_size > 1,
+                        f"{v32} runs on one rank for now (tp_size, dp_size and ep_size 1)"),
+            "kv_cache_dtype": (self.kv_cache_dtype != "auto", f"{self.kv_cache_dtype}: {v32}'s pool stays in the "
+                                                             f"model dtype (no FP8 latent or index keys yet)"),
+            "enable_torch_compile": (self.enable_torch_compile, f"{v32}'s sparse attention runs eagerly"),
+        }
+        for field_name, (refused, why) in refusals.items():
+            if refused:
+                raise _flag_error(field_name, why)
+        if model.quantization is not None:
+            raise ValueError(f"quantization_config: FP8 {v32} checkpoints are not supported yet")
 
     @_built_once
     def cache_config(self) -> CacheConfig:

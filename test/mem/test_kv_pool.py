@@ -108,3 +108,27 @@ def test_fp8_mla_pool_round_trip_and_a_quarter_of_the_bytes():
 def test_pool_refuses_meaningless_scales_and_an_fp8_compute_dtype(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         GQAKVPool(2, 2, 1, 1, 2, **kw)
+
+
+def test_mla_pool_index_keys_are_a_second_region_of_the_same_pages():
+    """DeepSeek-V3.2: slot s holds token s's latent and its index key; both regions are listed."""
+    pool = MLAKVPool(num_pages=5, page_size=2, num_layers=2, kv_lora_rank=6, rope_dim=2, dtype=torch.float32,
+                     index_head_dim=4)
+    loc = torch.tensor([6, 7])  # page 3
+    lat, idx = torch.randn(2, 8), torch.randn(2, 4)
+    pool.set_latent(1, loc, lat)
+    pool.set_index_k(1, loc, idx)
+    assert [name for name, _ in pool.page_buffers()] == ["latent", "index_k"]
+    latent_d, index_d = pool.buffer_descriptors()
+    assert index_d.name == "index_k" and index_d.page_bytes == 2 * 4 * 4 and index_d.num_pages == latent_d.num_pages
+    raw = torch.frombuffer(bytearray(_bytes_at(index_d.page_addr(1, 3), index_d.page_bytes)), dtype=torch.float32)
+    assert torch.equal(raw.view(2, 4), idx)
+    assert torch.equal(pool.get_index_k_slots(1, loc), idx) and torch.equal(pool.get_latent_slots(1, loc), lat)
+    assert not pool.get_index_k_slots(0, loc).any()  # another layer's region is untouched
+
+
+def test_mla_pool_without_index_keys_refuses_them():
+    pool = MLAKVPool(num_pages=2, page_size=2, num_layers=1, kv_lora_rank=4, rope_dim=2, dtype=torch.float32)
+    assert [d.name for d in pool.buffer_descriptors()] == ["latent"]
+    with pytest.raises(RuntimeError, match="index_k: this MLA pool was built without index keys"):
+        pool.set_index_k(0, torch.tensor([0]), torch.zeros(1, 4))

@@ -47,7 +47,8 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     store = kv_storage_dtype(cache.kv_cache_dtype, model.torch_dtype)  # fp8: scales stay 1.0 (mem/kv_pool.py)
     if model.is_mla:
         return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,
-                         c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype)
+                         c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype,
+                         index_head_dim=model.index_head_dim)
     heads = model.num_kv_heads
     # KV heads split over attention TP; replicated when there are fewer heads than ranks.
     local = max(1, heads // parallel.attention.tp_size)

@@ -160,17 +160,30 @@ class GQAKVPool(KVPool):
 
 
 class MLAKVPool(KVPool):
-    """One latent row per token per layer ``[P, S, C + R]``, the same on every attention-TP rank."""
+    """One latent row per token per layer ``[P, S, C + R]``, the same on every attention-TP rank.
+
+    DeepSeek-V3.2 (``index_head_dim`` Di > 0) adds its indexer's keys as a second region of the
+    same pages, ``index_k`` ``[N, P, S, Di]``: slot ``s`` holds both the latent and the index key
+    of one token, so the allocator, page table and radix cache carry them with no branch of their
+    own (docs/kv-cache.md, "One layout, many kinds of state"). Index keys stay in the compute dtype.
+    """
 
     def __init__(self, num_pages, page_size, num_layers, kv_lora_rank, rope_dim, dtype, device="cpu",
-                 compute_dtype=None, latent_scale: float = 1.0):
+                 compute_dtype=None, latent_scale: float = 1.0, index_head_dim: int = 0):
         super().__init__(num_pages, page_size, num_layers, dtype, device, compute_dtype)
         self._check_scales(latent_scale=latent_scale)
+        if index_head_dim < 0:
+            raise ValueError(f"index_head_dim: must be >= 0, got {index_head_dim}")
         self.latent_scale = float(latent_scale)  # one scale: the latent is both K and V
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
         self.latent = torch.zeros((num_layers, num_pages, page_size, kv_lora_rank + rope_dim),
                                   dtype=dtype, device=self.device)  # [N, P, S, C+R]
+        self.index_head_dim = index_head_dim
+        self.index_k: torch.Tensor | None = None  # [N, P, S, Di] for DeepSeek-V3.2
+        if index_head_dim:
+            self.index_k = torch.zeros((num_layers, num_pages, page_size, index_head_dim),
+                                       dtype=self.compute_dtype, device=self.device)
 
     def _flat(self, layer: int) -> torch.Tensor:
         return self.latent[layer].view(self.num_slots, -1)  # [P*S, C+R]
@@ -189,11 +202,33 @@ class MLAKVPool(KVPool):
         g = dequantize(self.latent[layer][pages], self.compute_dtype, self.latent_scale)  # [B, Lp, S, C+R]
         return g.view(B, Lp * self.page_size, -1)
 
+    def _index_k(self) -> torch.Tensor:
+        if self.index_k is None:
+            raise RuntimeError("index_k: this MLA pool was built without index keys (index_head_dim 0)")
+        return self.index_k
+
+    def set_index_k(self, layer: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+        """loc [T]; k [T, Di]: the indexer's keys of the tokens whose latent goes to the same slots."""
+        self._index_k()[layer].view(self.num_slots, -1)[loc] = k.to(self.compute_dtype)
+
+    def get_index_k_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """slots [...] -> the index keys stored there, [..., Di]."""
+        return self._index_k()[layer].view(self.num_slots, -1)[slots]
+
+    def get_latent_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """slots [...] -> the latent rows stored there, [..., C + R] in the compute dtype (sparse reads)."""
+        return dequantize(self._flat(layer)[slots], self.compute_dtype, self.latent_scale)
+
     def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [("latent", self.latent)]
+        regions = [("latent", self.latent)]
+        if self.index_k is not None:
+            regions.append(("index_k", self.index_k))
+        return regions
 
     def buffer_descriptors(self) -> list[BufferDescriptor]:
-        buf = self.latent
-        item = buf.element_size()
-        return [BufferDescriptor("latent", buf.data_ptr(), buf.stride(1) * item,
-                                 buf.stride(0) * item, self.num_layers, self.num_pages)]
+        out = []
+        for name, buf in self.page_buffers():
+            item = buf.element_size()
+            out.append(BufferDescriptor(name, buf.data_ptr(), buf.stride(1) * item,
+                                        buf.stride(0) * item, self.num_layers, self.num_pages))
+        return out

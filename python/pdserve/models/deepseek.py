@@ -85,13 +85,15 @@ def deepseek_layer_is_sparse(c, layer_id: int) -> bool:
 
 
 class DeepseekV2ForCausalLM(CausalLM):
+    attention_class: type[MLAAttention] = MLAAttention
+
     def __init__(self, hf_config, parallel: ParallelState, dtype: torch.dtype):
         super().__init__()
         self.config = c = hf_config
         params = rope_parameters_of(c)
         rope = get_rope(c.qk_rope_head_dim, c.max_position_embeddings, params,
                         interleaved=self.rope_interleaved(c), dtype=dtype)
-        layers = [DecoderLayer(MLAAttention(c, i, parallel.attention, dtype), self.make_mlp(i, parallel, dtype),
+        layers = [DecoderLayer(self.attention_class(c, i, parallel.attention, dtype), self.make_mlp(i, parallel, dtype),
                                c.hidden_size, c.rms_norm_eps, dtype, parallel) for i in range(c.num_hidden_layers)]
         embed = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel.attention, dtype)
         self.model = DecoderStack(embed, layers, RMSNorm(c.hidden_size, c.rms_norm_eps, dtype), rope)

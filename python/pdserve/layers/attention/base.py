@@ -27,6 +27,22 @@ class AttentionMetadata:
 M = TypeVar("M", bound=AttentionMetadata)
 
 
+@dataclass(frozen=True)
+class SparseIndex:
+    """DeepSeek-V3.2's lightning indexer for one layer's tokens (DSA): which earlier tokens each
+    query attends to. Token j's score for query t is ``sum_h weights[t, h] * relu(scale * q[t, h] . k_j)``
+    over every visible j (the k_j of earlier tokens are read back from the pool's ``index_k``);
+    the query keeps its ``topk`` best, or every visible token when it sees fewer.
+    Legend: T tokens, Hi index heads, Di index head dim.
+    """
+
+    q: torch.Tensor  # [T, Hi, Di] rotated index queries
+    weights: torch.Tensor  # [T, Hi] float32 per-head weights (already times Hi^-0.5)
+    k: torch.Tensor  # [T, Di] this step's index keys (normed, rotated), stored beside the latent
+    scale: float  # Di^-0.5, applied before the ReLU
+    topk: int  # index_topk
+
+
 class AttentionBackend(ABC):
     """Contract shared by every backend (torch_native here; flashinfer and Triton plug in here).
 
@@ -91,6 +107,17 @@ class AttentionBackend(ABC):
         k_pe [T, R] (rotated), w_kc [H, Dn, C], w_vc [H, C, Dv] -> [T, H, Dv].
         ``absorbed=None`` picks absorbed for decode and non-absorbed for extend.
         """
+
+    def forward_mla_sparse(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                           k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, layer_id: int,
+                           scale: float, index: SparseIndex, fb: ForwardBatch) -> torch.Tensor:
+        """MLA over the latent pool attending only to the tokens ``index`` selects (DeepSeek-V3.2).
+
+        Writes the latent and ``index.k`` at ``fb.out_cache_loc`` (the same slots: two regions of
+        one page), then ``fb.kv_written``, then attends; shapes as ``forward_mla``. Backends
+        without sparse kernels keep this default; the server refuses them for V3.2 at start-up.
+        """
+        raise NotImplementedError(f"attention_backend: {self.name} has no sparse MLA (DeepSeek-V3.2) kernels")
 
     @staticmethod
     def metadata_of(fb: ForwardBatch, kind: type[M]) -> M:

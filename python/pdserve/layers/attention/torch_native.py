@@ -1,6 +1,7 @@
 """Reference paged attention in plain torch (CPU and GPU), batched with padding + masks.
 
 Legend: T tokens, B requests, Q longest new-token run, L longest KV length, Lp pages per row,
+k tokens a sparse (DeepSeek-V3.2) query keeps, Hi/Di index heads and head dim,
 K keys attention reads (L from the decode stage, Lp * S when gathering whole pages),
 S page size, Hq query heads, Hkv kv heads, D head dim, Dn/R/Dv MLA nope/rope/value dims, C kv_lora_rank.
 """
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata, SparseIndex
 from pdserve.layers.forward_batch import ForwardBatch
 
 
@@ -210,3 +211,49 @@ class TorchNativeBackend(AttentionBackend):
         k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, H, -1, -1)], dim=-1)  # [B, H, K, Dn+R]
         qp = _pad_q(torch.cat([q_nope, q_pe], dim=-1), md)  # [B, H, Q, Dn+R]
         return F.scaled_dot_product_attention(qp, k, v, attn_mask=md.mask, scale=scale)
+
+    def forward_mla_sparse(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, index, fb):
+        pool = fb.kv_pool
+        pool.set_latent(layer_id, fb.out_cache_loc, torch.cat([latent, k_pe], dim=-1))
+        pool.set_index_k(layer_id, fb.out_cache_loc, index.k)
+        fb.kv_written(layer_id)
+        md = self.metadata_of(fb, TorchNativeMetadata)
+        slots = fb.kv_slots  # [B, L]: token j of request b sits at slot slots[b, j]
+        chosen, valid = select_top_tokens(index, pool.get_index_k_slots(layer_id, slots), md, fb)  # [B, Q, k]
+        # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
+        rows = pool.get_latent_slots(layer_id, slots.gather(1, chosen.flatten(1)).view(chosen.shape))
+        o = _mla_sparse(q_nope, q_pe, rows.to(q_nope.dtype), valid, latent.shape[-1], w_kc, w_vc, scale, md)
+        return _unpad(o, md)  # [T, H, Dv]
+
+
+def _visible(fb: ForwardBatch, Q: int, L: int) -> torch.Tensor:
+    """[B, Q, L]: key j visible to new token i (causal, inside the request)."""
+    dev = fb.seq_lens.device
+    qi, kj = torch.arange(Q, device=dev), torch.arange(L, device=dev)
+    return ((kj[None, None, :] <= fb.prefix_lens[:, None, None] + qi[None, :, None])
+            & (kj[None, None, :] < fb.seq_lens[:, None, None]))
+
+
+def select_top_tokens(index: SparseIndex, keys: torch.Tensor, md: TorchNativeMetadata,
+                      fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [B, L, Di] (every token's index key) -> chosen [B, Q, k] token positions and valid [B, Q, k]
+    (False for padding picks where a query sees fewer than ``topk`` tokens)."""
+    q = _pad_q(index.q, md).transpose(1, 2).float()  # [B, Q, Hi, Di]
+    w = _pad_q(index.weights.unsqueeze(-1), md)[..., 0].transpose(1, 2).float()  # [B, Q, Hi]
+    s = torch.relu(torch.einsum("bqhd,bld->bqhl", q, keys.float()) * index.scale)  # [B, Q, Hi, L]
+    score = torch.einsum("bqh,bqhl->bql", w, s)  # [B, Q, L]
+    visible = _visible(fb, q.shape[1], keys.shape[1])
+    score.masked_fill_(visible.logical_not(), float("-inf"))
+    chosen = score.topk(min(index.topk, keys.shape[1]), dim=-1).indices  # [B, Q, k]
+    return chosen, visible.gather(-1, chosen)
+
+
+def _mla_sparse(q_nope, q_pe, rows, valid, C, w_kc, w_vc, scale, md):
+    """Absorbed MLA of each query over its own k gathered latent rows [B, Q, k, C+R] -> [B, H, Q, Dv]."""
+    q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
+    qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md).transpose(1, 2)  # [B, Q, H, C+R]
+    scores = torch.einsum("bqhx,bqkx->bqhk", qp, rows).float().mul_(scale)  # [B, Q, H, k]
+    scores.masked_fill_(valid.logical_not()[:, :, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(rows.dtype)
+    o_lat = torch.einsum("bqhk,bqkc->bqhc", p, rows[..., :C])  # [B, Q, H, C]
+    return torch.einsum("bqhc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
