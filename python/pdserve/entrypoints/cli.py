@@ -771,11 +771,19 @@ def cmd_plan(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if result.recommendation else 1
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line naming the subcommand and the flag (argparse prints the whole usage
+    first: 70 lines, with the error last, where a reader misses it)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: an SGLang-style LLM server "
-                                     "built around prefill/decode disaggregation.")
+    parser = OneLineErrors(prog="pdserve", description="pdserve: an SGLang-style LLM server "
+                           "built around prefill/decode disaggregation.")
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineErrors)
     commands = (
         ("serve", add_server_args, cmd_serve, "launch an HTTP server (frontend + scheduler process)",
          "Launch an HTTP server: OpenAI and SGLang-native APIs."),
@@ -803,7 +811,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return ns.handler(ns, ns.subparser) or 0
+    try:
+        return ns.handler(ns, ns.subparser) or 0
+    except KeyboardInterrupt:
+        # Ctrl-C before the command's own signal handling is armed (imports, model loading):
+        # one line, not the traceback of whatever was being imported
+        print(f"{ns.subparser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
