@@ -356,7 +356,7 @@ def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--prefill-selector", "labels of the prefill pods (key=value ...)", nargs="+",
                  metavar="KEY=VALUE")
     _router_flag(g, "--decode-selector", "labels of the decode pods (key=value ...)", nargs="+", metavar="KEY=VALUE")
-    _router_flag(g, "--service-discovery-namespace", "the namespace to watch (default: every namespace)")
+    _router_flag(g, "--service-discovery-namespace", "the namespace of the worker pods (required with --service-discovery)")
     _router_flag(g, "--service-discovery-port", "the workers' HTTP port in their pods", type=int)
     _router_flag(g, "--bootstrap-port-annotation", "pod annotation holding a prefill's bootstrap port")
     _router_flag(g, "--workers-file", "a JSON or YAML file {prefill: [{url, bootstrap_port}], decode: [url]}, "

@@ -90,7 +90,7 @@ class RouterArgs:
     selector: tuple[str, ...] = ()  # key=value labels every worker pod has
     prefill_selector: tuple[str, ...] = ()
     decode_selector: tuple[str, ...] = ()
-    service_discovery_namespace: str | None = None  # None: every namespace
+    service_discovery_namespace: str | None = None  # required with service_discovery
     service_discovery_port: int = 80
     bootstrap_port_annotation: str = BOOTSTRAP_PORT_ANNOTATION
     workers_file: str | None = None  # a JSON/YAML file of workers, watched for changes
@@ -178,6 +178,9 @@ def _check_fleet(a: RouterArgs) -> None:
     if a.service_discovery and not (a.prefill_selector and a.decode_selector):
         raise ValueError("prefill_selector: --service-discovery needs --prefill-selector and --decode-selector "
                          "(key=value labels of each role's pods)")
+    if a.service_discovery and not a.service_discovery_namespace:
+        raise ValueError("service_discovery_namespace: --service-discovery needs the namespace of the worker pods "
+                         "(the router sends its worker key and every prompt to the pods it finds)")
     if a.workers_file == "":
         raise ValueError("workers_file: must not be empty")
 
