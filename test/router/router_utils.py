@@ -158,6 +158,7 @@ class EchoWorker:
     bootstrap_port: int | None = None  # and, as prefill, its registry's port (X-PD-Bootstrap-Port)
     switched_to_prefill: bool = False  # answer generation requests as a server that just became prefill
     drop_requests: bool = False
+    info: dict = field(default_factory=dict)  # more fields of its /get_server_info (page_size, context_length ...)
     received: list[Received] = field(default_factory=list)
     disconnects: list[dict] = field(default_factory=list)  # bodies of streams whose client left
     open_holds: int = 0
@@ -228,7 +229,7 @@ class EchoWorker:
     async def _info(self, request: web.Request) -> web.Response:
         self._record(request, None)
         return web.json_response({"worker": self.name, "path": request.path,
-                                  "internal_states": [{"worker": self.name}]})
+                                  "internal_states": [{"worker": self.name}], **self.info})
 
     async def _flush(self, request: web.Request) -> web.Response:
         self._record(request, await request.json() if request.can_read_body else None)

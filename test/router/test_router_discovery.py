@@ -104,7 +104,8 @@ def test_kubernetes_discovery_follows_recorded_pod_events(pods, tmp_path):
 
 def test_kubernetes_discovery_without_a_configuration_exits_1_saying_why(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pdserve", "router", "--service-discovery", *SELECTORS,
-                           "--service-discovery-namespace", "llm", "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+                           "--service-discovery-namespace", "llm", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120,
                           env=_env(KUBECONFIG=str(tmp_path / "missing"), HOME=str(tmp_path)))
     assert proc.returncode == 1, proc.stderr
     assert "service_discovery: no Kubernetes configuration" in proc.stderr and "Traceback" not in proc.stderr

@@ -304,6 +304,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="cache_aware: do not guess what a prefill worker caches from the requests routed to it (a "
                    "worker without fresh KV events then counts as caching nothing)")
     _router_flag(g, "--request-timeout-secs", "longest a request (a whole stream) may take", type=float)
+    _router_flag(g, "--max-request-bytes", "refuse larger request bodies with a 413 as they arrive (the servers' "
+                 "flag and default)", type=int)
     g = parser.add_argument_group("health")
     _router_flag(g, "--health-check-interval-secs", "seconds between GET /health of every worker", type=float)
     _router_flag(g, "--health-check-timeout-secs", "a health check slower than this fails", type=float)
@@ -356,7 +358,8 @@ def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--prefill-selector", "labels of the prefill pods (key=value ...)", nargs="+",
                  metavar="KEY=VALUE")
     _router_flag(g, "--decode-selector", "labels of the decode pods (key=value ...)", nargs="+", metavar="KEY=VALUE")
-    _router_flag(g, "--service-discovery-namespace", "the namespace of the worker pods (required with --service-discovery)")
+    _router_flag(g, "--service-discovery-namespace", "the namespace of the worker pods (required with "
+                 "--service-discovery)")
     _router_flag(g, "--service-discovery-port", "the workers' HTTP port in their pods", type=int)
     _router_flag(g, "--bootstrap-port-annotation", "pod annotation holding a prefill's bootstrap port")
     _router_flag(g, "--workers-file", "a JSON or YAML file {prefill: [{url, bootstrap_port}], decode: [url]}, "

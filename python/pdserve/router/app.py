@@ -43,7 +43,7 @@ from pdserve.web.api_key import (
     warn_if_unauthenticated,
 )
 from pdserve.web.app import add_error_handlers, guard_routes
-from pdserve.web.errors import ServerError, error_body
+from pdserve.web.errors import ServerError, error_body, read_body
 from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     metrics = RouterMetrics()
     state = RouterState(prefill, decode, args.worker_startup_timeout_secs)
     proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
-                    args.worker_key, state, _backoff(args), args.health_check_endpoint)
+                    args.worker_key, state, _backoff(args), args.health_check_endpoint, args.max_request_bytes)
     checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs,
                             args.health_failure_threshold, args.health_success_threshold)
     proxy.refresh_roles = checker.check_all
@@ -301,7 +301,7 @@ def _add_control_routes(app: FastAPI, ctx: RouterContext) -> None:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         # the rid reached both halves of a request in its body, so every worker may hold it
-        body = parse_json_object(await request.body())
+        body = parse_json_object(await read_body(request, ctx.args.max_request_bytes))
         if body.get("abort_all") and not may_administer(request.scope):
             raise admin_refusal("abort_all")
         # a client's own abort goes with its token and the worker key, so the workers check that it

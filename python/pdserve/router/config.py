@@ -60,6 +60,7 @@ class RouterArgs:
     worker_startup_timeout_secs: float = 600.0
     worker_startup_check_interval: float = 1.0
     request_timeout_secs: float = 1800.0
+    max_request_bytes: int = 32 << 20  # the servers' default: larger bodies get a 413 as they arrive
     log_level: str = "info"
     # repr=False: keys stay out of logs and tracebacks
     api_key: str | None = field(default=None, repr=False)  # clients must send it; the workers get it too
@@ -120,6 +121,8 @@ class RouterArgs:
                      "worker_startup_check_interval", "request_timeout_secs", "kv_events_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
         for name in ("api_key", "worker_api_key", "admin_api_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty")

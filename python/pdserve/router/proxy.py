@@ -32,6 +32,7 @@ import logging
 import random
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,12 +47,12 @@ from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_
 from pdserve.router.state import RouterState
 from pdserve.router.workers import Lease, NoHealthyWorker, Role, Worker, WorkerSet
 from pdserve.web.api_key import CLIENT_TOKEN_HEADER
-from pdserve.web.errors import RequestError, ServerError, error_body
+from pdserve.web.errors import RequestError, ServerError, error_body, read_body
 from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
 from pdserve.web.streaming import SSE_DONE, sse, until_disconnect
 
 if TYPE_CHECKING:
-    from pdserve.router.cache_view import CacheView
+    from pdserve.router.cache_view import CacheView, Placement
 
 logger = logging.getLogger(__name__)
 CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
@@ -98,8 +99,10 @@ class PDProxy:
 
     def __init__(self, prefill: WorkerSet, decode: WorkerSet, metrics: RouterMetrics, rng: random.Random,
                  request_timeout_s: float, health_timeout_s: float, worker_api_key: str | None = None,
-                 state: RouterState | None = None, backoff: Backoff | None = None, health_path: str = "/health"):
+                 state: RouterState | None = None, backoff: Backoff | None = None, health_path: str = "/health",
+                 max_request_bytes: int = 32 << 20):
         self.prefill = prefill
+        self.max_request_bytes = max_request_bytes
         self.backoff = backoff or Backoff()
         self.health_path = health_path
         self.cache: CacheView | None = None  # cache_aware: the prompt's page hashes for the prefill choice
@@ -113,6 +116,8 @@ class PDProxy:
         self.request_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self.session: aiohttp.ClientSession | None = None
+        # one thread: a tokenizer is not safe to share between threads, and hashing is CPU work anyway
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-hash")
         self.background: set[asyncio.Task] = set()
         # One round of health checks now (set by the app): a decode answered that it switched roles.
         self.refresh_roles: Callable[[], Awaitable[None]] | None = None
@@ -132,6 +137,7 @@ class PDProxy:
         for task in list(self.background):
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
+        self.hasher.shutdown(wait=False, cancel_futures=True)
         if self.session is not None:
             await self.session.close()
 
@@ -150,15 +156,22 @@ class PDProxy:
     # ------------------------------------------------------------ generation
     async def generate(self, request: Request, path: str) -> Response:
         """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions)."""
-        body = parse_json_object(await request.body())
+        body = parse_json_object(await read_body(request, self.max_request_bytes))
         headers = self.upstream_headers(request)
-        hashes = self.cache.prompt_hashes(path, body) if self.cache is not None else []
+        hashes = await self._prompt_hashes(path, body)
         try:
             return await self._generate(request, path, body, headers, hashes)
         except RequestError as e:
             if e.status == 499:
                 self.metrics.client_disconnects.inc()
             raise
+
+    async def _prompt_hashes(self, path: str, body: dict) -> list[int]:
+        """The prompt's page hashes for cache_aware, computed on the hashing thread: a long prompt's
+        tokenization and hashing never hold up the event loop (health checks, other requests)."""
+        if self.cache is None or not self.cache.hashes_prompts:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(self.hasher, self.cache.prompt_hashes, path, body)
 
     async def _generate(self, request: Request, path: str, body: dict, headers: dict, hashes: list[int]) -> Response:
         """A decode that breaks off before a whole JSON answer is retried on another decode (nothing
@@ -186,6 +199,8 @@ class PDProxy:
 
     async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
         try:
+            if ex.response.status == 200 and ex.placement is not None and self.cache is not None:
+                self.cache.accepted(ex.placement)  # decode took it, so prefill did too (both check it alike)
             if ex.response.status == 503 and ex.response.headers.get(ROLE_HEADER) == "prefill":
                 # it switched to prefill as the request arrived (its next health check moves it)
                 worker = ex.decode.worker
@@ -227,8 +242,9 @@ class PDProxy:
         attempts = attempts or _Attempts(self.backoff, self.rng, self.metrics)
         while True:
             prefill, decode = self._pick_pair(avoid, hashes)
+            placement = self.cache.take_placement() if self.cache is not None else None
             try:
-                return await self._start_exchange(path, body, headers, prefill, decode)
+                return await self._start_exchange(path, body, headers, prefill, decode, placement)
             except WorkerUnreachable:
                 if not await attempts.retry(decode.worker, "connect"):
                     raise ServerError(f"decode worker {decode.worker.url}: connection failed ({attempts.spent}; "
@@ -260,7 +276,7 @@ class PDProxy:
                 lease.cached_blocks * self.cache.page_size)
 
     async def _start_exchange(self, path: str, body: dict, headers: dict, prefill: Lease | None,
-                              decode: Lease) -> _Exchange:
+                              decode: Lease, placement: Placement | None = None) -> _Exchange:
         if prefill is None:  # degraded: decode serves it as a colocated request
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
@@ -268,6 +284,7 @@ class PDProxy:
             payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)).encode()
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
         ex = _Exchange(decode, task, self.metrics, prefill.worker if prefill is not None else None)
+        ex.placement = placement if prefill is not None else None
         try:
             ex.resp = await self._open_decode(decode.worker, path, payload, headers)
         except BaseException:
@@ -504,6 +521,7 @@ class _Exchange:
         self.metrics = metrics
         self.prefill = prefill
         self.cached_tokens: int | None = None  # the last cached_tokens the answer carried
+        self.placement: Placement | None = None  # cache_aware's choice, told the cache view once accepted
         self.resp: aiohttp.ClientResponse | None = None
         self.streaming = False  # a streaming response owns the exchange
         self.completed = False  # decode's whole answer reached the router
