@@ -38,6 +38,7 @@ from pdserve.config import (
     TOOL_CALL_PARSERS,
     TRANSFER_BACKENDS,
     ServerArgs,
+    resolve_token,
 )
 from pdserve.router.config import PrefillSpec, RouterArgs, normalize_url
 from pdserve.router.policy import POLICIES
@@ -186,6 +187,9 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
               choices=DISAGG_MODES)
         _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
               type=int)
+        _flag(g, "--disaggregation-bootstrap-allow", "decode: prefill registries (HOST:PORT ...) a request may "
+              "name without the router's signature (sglang-router); otherwise only a router holding the P/D token, "
+              "or on a server without one the loopback", nargs="+", metavar="HOST:PORT")
     _flag(g, "--disaggregation-transfer-backend", "KV transfer engine (mooncake or nixl; memory: in-process test "
           "pairs only, refused by servers)", choices=TRANSFER_BACKENDS)
     _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
@@ -320,6 +324,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _admin_key_flag(g, "; also sent to the workers for admin calls (give them the same key)")
     _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
                  "--api-key, or else the client's own Authorization header")
+    _router_flag(g, "--disaggregation-auth-token", "the servers' P/D token: the router signs the bootstrap fields it "
+                 "adds, and decode servers holding it act on no others (prefer the file or "
+                 "PDSERVE_DISAGGREGATION_AUTH_TOKEN: a flag shows in the process list)")
+    g.add_argument("--disaggregation-auth-token-file", dest="disaggregation_auth_token_file",
+                   help="file whose first line is the P/D token")
     _add_fleet_flags(parser)
 
 
@@ -370,6 +379,8 @@ def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
     """RouterArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
     kwargs = {k: v for k, v in vars(ns).items() if k in _ROUTER_FIELDS}
     kwargs["api_key"] = _api_key(kwargs.get("api_key"))
+    kwargs["disaggregation_auth_token"] = resolve_token(ns.disaggregation_auth_token,
+                                                        ns.disaggregation_auth_token_file)
     kwargs["prefill"] = tuple(PrefillSpec.parse(values) for values in ns.prefill or ())
     kwargs["decode"] = tuple(normalize_url(url) for url in ns.decode or ())
     for name in ("selector", "prefill_selector", "decode_selector"):

@@ -51,7 +51,7 @@ from pdserve.web.errors import (
     parse_body,
     read_body,
 )
-from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, INSTANCE_HEADER, ROLE_HEADER
 from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
 from pdserve.web.streaming import collect
 
@@ -208,7 +208,8 @@ def _role_headers(ctx: ServerContext) -> dict[str, str]:
     prefill and decode workers) and where the registry of a prefill server listens."""
     if ctx.tm.role == "null":
         return {}
-    return {ROLE_HEADER: ctx.tm.role, BOOTSTRAP_PORT_HEADER: str(ctx.args.disaggregation_bootstrap_port)}
+    return {ROLE_HEADER: ctx.tm.role, BOOTSTRAP_PORT_HEADER: str(ctx.args.disaggregation_bootstrap_port),
+            INSTANCE_HEADER: ctx.tm.bootstrap_gate.instance}
 
 
 def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:

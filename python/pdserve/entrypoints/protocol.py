@@ -30,6 +30,8 @@ class _Bootstrap(_Body):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
+    # the router's MAC over the three (disagg/routed.py); decode acts on unsigned ones only when allowed
+    bootstrap_signature: str | None = Field(None, max_length=1000)
 
     def bootstraps(self, n: int, default_port: int) -> list[BootstrapRef | None]:
         """One BootstrapRef per prompt (None for all when the request was not routed)."""

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
+from pdserve.disagg.auth import PeerAuth
 from pdserve.router.admission import Admission, AdmissionMiddleware
 from pdserve.router.breaker import Backoff, BreakerConfig, BreakerState, CircuitBreaker
 from pdserve.router.cache_view import CacheView, PrefixView
@@ -86,7 +87,8 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     metrics = RouterMetrics()
     state = RouterState(prefill, decode, args.worker_startup_timeout_secs)
     proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
-                    args.worker_key, state, _backoff(args), args.health_check_endpoint, args.max_request_bytes)
+                    args.worker_key, state, _backoff(args), args.health_check_endpoint, args.max_request_bytes,
+                    PeerAuth(args.disaggregation_auth_token))
     checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs,
                             args.health_failure_threshold, args.health_success_threshold)
     proxy.refresh_roles = checker.check_all

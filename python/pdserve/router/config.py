@@ -67,6 +67,8 @@ class RouterArgs:
     worker_api_key: str | None = field(default=None, repr=False)  # sent to the workers instead of api_key
     # admin routes need it from clients (web/api_key.py); sent to the workers for admin calls
     admin_api_key: str | None = field(default=None, repr=False)
+    # the P/D token (the servers'): the router signs the bootstrap fields it adds (disagg/routed.py)
+    disaggregation_auth_token: str | None = field(default=None, repr=False)
     # ---- a fleet: breakers, retries, admission, health thresholds, discovery (sglang-router's names
     # and defaults, checked by _check_fleet). The cap is off unless --max-concurrent-requests is given.
     cb_failure_threshold: int = 10  # consecutive failed requests that open a worker's breaker

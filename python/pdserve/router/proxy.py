@@ -40,7 +40,9 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.bootstrap import with_bootstrap
+from pdserve.disagg.routed import route_refs
 from pdserve.router.breaker import Backoff
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
@@ -48,7 +50,7 @@ from pdserve.router.state import RouterState
 from pdserve.router.workers import Lease, NoHealthyWorker, Role, Worker, WorkerSet
 from pdserve.web.api_key import CLIENT_TOKEN_HEADER
 from pdserve.web.errors import RequestError, ServerError, error_body, read_body
-from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, INSTANCE_HEADER, ROLE_HEADER
 from pdserve.web.streaming import SSE_DONE, sse, until_disconnect
 
 if TYPE_CHECKING:
@@ -71,10 +73,11 @@ class WorkerUnreachable(Exception):
 class _BrokeOff(Exception):
     """A decode's whole-JSON answer broke off before it was read: the client has nothing yet."""
 
-    def __init__(self, worker: Worker, switched: bool = False):
+    def __init__(self, worker: Worker, switched: bool = False, misdirected: bool = False):
         super().__init__(worker.url)
         self.worker = worker
         self.switched = switched  # it answered that it had become prefill
+        self.misdirected = misdirected  # it answered 421: signed for another instance (it restarted)
 
 
 @dataclass
@@ -100,8 +103,9 @@ class PDProxy:
     def __init__(self, prefill: WorkerSet, decode: WorkerSet, metrics: RouterMetrics, rng: random.Random,
                  request_timeout_s: float, health_timeout_s: float, worker_api_key: str | None = None,
                  state: RouterState | None = None, backoff: Backoff | None = None, health_path: str = "/health",
-                 max_request_bytes: int = 32 << 20):
+                 max_request_bytes: int = 32 << 20, route_auth: PeerAuth | None = None):
         self.prefill = prefill
+        self.route_auth = route_auth or PeerAuth()  # with the P/D token: bootstrap fields are signed
         self.max_request_bytes = max_request_bytes
         self.backoff = backoff or Backoff()
         self.health_path = health_path
@@ -181,14 +185,21 @@ class PDProxy:
         be an interval away."""
         attempts = _Attempts(self.backoff, self.rng, self.metrics)
         tried: list[Worker] = []
+        resigned: set[str] = set()  # decodes the request was signed again for (once each)
         while True:
             try:
                 ex = await until_disconnect(request, self._open_exchange(path, body, headers, tried, hashes,
                                                                          attempts))
                 return await self._answer(request, ex, path, body, headers)
             except _BrokeOff as e:
-                tried.append(e.worker)
                 switched = e.switched
+                if e.misdirected and e.worker.url not in resigned:
+                    # it restarted since the last health check: learn its new instance, sign again
+                    resigned.add(e.worker.url)
+                    if self.refresh_roles is not None:
+                        await self.refresh_roles()
+                    continue
+                tried.append(e.worker)
             if switched and self.refresh_roles is not None:
                 await self.refresh_roles()
             where = f"decode worker {tried[-1].url}: answer broke off"
@@ -207,6 +218,12 @@ class PDProxy:
                 logger.info("decode worker %s: switched to prefill; sending the request elsewhere", worker.url)
                 worker.reported_role = Role.PREFILL
                 raise _BrokeOff(worker, switched=True)
+            if ex.response.status == 421 and ex.decode.worker.instance is not None:
+                worker = ex.decode.worker
+                logger.info("decode worker %s: refused a signature for its previous run; checking it again",
+                            worker.url)
+                worker.instance = None
+                raise _BrokeOff(worker, switched=True, misdirected=True)
             if ex.response.status == 200 and ex.response.content_type == "text/event-stream":
                 relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
@@ -281,7 +298,8 @@ class PDProxy:
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
             p = prefill.worker
-            payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)).encode()
+            routed = with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)
+            payload = json.dumps(self._signed(routed, decode.worker)).encode()
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
         ex = _Exchange(decode, task, self.metrics, prefill.worker if prefill is not None else None)
         ex.placement = placement if prefill is not None else None
@@ -291,6 +309,13 @@ class PDProxy:
             ex.finish()
             raise
         return ex
+
+    def _signed(self, routed: dict, decode: Worker) -> dict:
+        """``routed`` with the router's ``bootstrap_signature`` for ``decode`` (disagg/routed.py): with
+        the P/D token, for a decode that names its instance (a pdserve server; sglang's take none)."""
+        if self.route_auth.token is None or decode.instance is None:
+            return routed
+        return {**routed, "bootstrap_signature": self.route_auth.sign_route(route_refs(routed), decode.instance)}
 
     async def _open_decode(self, worker: Worker, path: str, payload: bytes, headers: dict) -> aiohttp.ClientResponse:
         self.metrics.request(worker)
@@ -474,6 +499,7 @@ def _learn_role(worker: Worker, headers: Mapping[str, str]) -> None:
     """A P/D server names its role (and its registry's port) in /health's headers."""
     role = headers.get(ROLE_HEADER)
     worker.reported_role = Role(role) if role in ("prefill", "decode") else None
+    worker.instance = headers.get(INSTANCE_HEADER)
     port = headers.get(BOOTSTRAP_PORT_HEADER, "")
     if worker.reported_role is Role.PREFILL and port.isdigit():
         worker.bootstrap_port = int(port)
