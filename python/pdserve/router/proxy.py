@@ -34,7 +34,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from fastapi import Request
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from pdserve.router.cache_view import CacheView, Placement
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 CONNECT_TIMEOUT_S = 10.0
@@ -68,6 +69,15 @@ DRAINING = "draining: switching"  # a P/D server's /health during POST /pd_role_
 
 class WorkerUnreachable(Exception):
     """The connection to a worker failed: the request never reached it."""
+
+
+class _PrefillBroke(Exception):
+    """Prefill's half failed (its connection refused or dropped) before decode's answer began: decode
+    would wait for KV that never comes, until the disaggregation timeout."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(worker.url)
+        self.worker = worker
 
 
 class _BrokeOff(Exception):
@@ -200,6 +210,13 @@ class PDProxy:
                         await self.refresh_roles()
                     continue
                 tried.append(e.worker)
+            except _PrefillBroke as e:
+                logger.warning("prefill worker %s: its half broke before decode answered; sending the request to "
+                               "a new pair", e.worker.url)
+                if not await until_disconnect(request, attempts.retry(e.worker, "broken")):
+                    raise RequestError(f"prefill worker {e.worker.url}: connection broke ({attempts.spent})",
+                                       status=502, code="upstream_error") from None
+                continue
             if switched and self.refresh_roles is not None:
                 await self.refresh_roles()
             where = f"decode worker {tried[-1].url}: answer broke off"
@@ -225,11 +242,16 @@ class PDProxy:
                 worker.instance = None
                 raise _BrokeOff(worker, switched=True, misdirected=True)
             if ex.response.status == 200 and ex.response.content_type == "text/event-stream":
-                relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
+                try:
+                    first = await until_disconnect(request, self._unless_prefill_broke(ex,
+                                                                                      ex.response.content.readany()))
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    first = b""  # broken already: the relay meets it and resumes or says so
+                relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None, first)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
                 return _RelayResponse(self._relay(relay, path, headers), relay.finish)
             try:
-                content = await until_disconnect(request, ex.response.read())
+                content = await until_disconnect(request, self._unless_prefill_broke(ex, ex.response.read()))
             except aiohttp.ClientError as e:
                 ex.broken = True
                 self._failed(ex.decode.worker, "broken")
@@ -256,12 +278,13 @@ class PDProxy:
         refusing the connection is marked dead and the request sent to a new pair after the back-off,
         while ``attempts`` has retries left. ``avoid``: decodes not to pick; ``hashes``: the prompt's
         page hashes (cache_aware)."""
+        retry = attempts  # given (a new request, not a resume): a broken prefill half is resent
         attempts = attempts or _Attempts(self.backoff, self.rng, self.metrics)
         while True:
             prefill, decode = self._pick_pair(avoid, hashes)
             placement = self.cache.take_placement() if self.cache is not None else None
             try:
-                return await self._start_exchange(path, body, headers, prefill, decode, placement)
+                return await self._start_exchange(path, body, headers, prefill, decode, placement, retry)
             except WorkerUnreachable:
                 if not await attempts.retry(decode.worker, "connect"):
                     raise ServerError(f"decode worker {decode.worker.url}: connection failed ({attempts.spent}; "
@@ -293,7 +316,8 @@ class PDProxy:
                 lease.cached_blocks * self.cache.page_size)
 
     async def _start_exchange(self, path: str, body: dict, headers: dict, prefill: Lease | None,
-                              decode: Lease, placement: Placement | None = None) -> _Exchange:
+                              decode: Lease, placement: Placement | None = None,
+                              attempts: _Attempts | None = None) -> _Exchange:
         if prefill is None:  # degraded: decode serves it as a colocated request
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
@@ -303,12 +327,35 @@ class PDProxy:
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
         ex = _Exchange(decode, task, self.metrics, prefill.worker if prefill is not None else None)
         ex.placement = placement if prefill is not None else None
+        if attempts is not None:
+            ex.may_retry = lambda: attempts.left
         try:
-            ex.resp = await self._open_decode(decode.worker, path, payload, headers)
+            ex.resp = await self._unless_prefill_broke(ex, self._open_decode(decode.worker, path, payload, headers))
         except BaseException:
             ex.finish()
             raise
         return ex
+
+    async def _unless_prefill_broke(self, ex: _Exchange, step: Awaitable[T]) -> T:
+        """``step`` of decode's answer (its headers, its body, its first bytes), unless prefill's half
+        breaks first and the request may still be retried: then ``_PrefillBroke`` (decode's request is
+        closed by the caller, so decode aborts it). Without a retry left, decode is waited for (it
+        falls back to a local prefill at its disaggregation timeout)."""
+        task = asyncio.ensure_future(step)
+        prefill = ex.prefill_task
+        if prefill is None or prefill.done():
+            return await task
+        try:
+            await asyncio.wait({task, prefill}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done() and not prefill.cancelled() and prefill.result() and ex.prefill is not None \
+                and ex.may_retry():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise _PrefillBroke(ex.prefill)
+        return await task
 
     def _signed(self, routed: dict, decode: Worker) -> dict:
         """``routed`` with the router's ``bootstrap_signature`` for ``decode`` (disagg/routed.py): with
@@ -340,7 +387,7 @@ class PDProxy:
         while True:
             ex = relay.ex
             try:
-                async for chunk in ex.response.content.iter_any():
+                async for chunk in _after(relay, ex.response.content.iter_any()):
                     ex.note_cached(chunk)
                     out = relay.stream.feed(chunk) if relay.stream is not None else chunk
                     if out:
@@ -401,8 +448,9 @@ class PDProxy:
             raise ValueError(f"prompt probe on {decode.worker.url} answered {reply.status}")
         return prompt_ids_from_probe(reply.json())
 
-    async def _drain_prefill(self, lease: Lease, path: str, payload: bytes, headers: dict) -> None:
-        """Prefill's answer, read to the end and dropped; failures are logged and counted, never raised."""
+    async def _drain_prefill(self, lease: Lease, path: str, payload: bytes, headers: dict) -> bool:
+        """Prefill's answer, read to the end and dropped; failures are logged and counted, never raised.
+        True when its connection failed or broke (decode will not get the KV)."""
         worker = lease.worker
         self.metrics.request(worker)
         try:
@@ -414,18 +462,22 @@ class PDProxy:
                     # a 4xx is the client's error (decode answers it the same): no worker fault
                     logger.log(logging.DEBUG if resp.status < 500 else logging.WARNING,
                                "prefill worker %s: %s answered %d: %s", worker.url, path, resp.status, text)
-                    return
+                    return False
                 async for _ in resp.content.iter_any():
                     pass
                 self._answered(worker, resp.status)
+                return False
         except aiohttp.ClientConnectorError as e:
             self._unreachable(worker, e)
+            return True
         except asyncio.TimeoutError:
             self._failed(worker, "timeout")
             logger.warning("prefill worker %s: %s timed out", worker.url, path)
+            return False
         except aiohttp.ClientError as e:
             self._failed(worker, "broken")
             logger.warning("prefill worker %s: %s failed: %s: %s", worker.url, path, type(e).__name__, e)
+            return True
         finally:
             lease.release()
 
@@ -531,6 +583,10 @@ class _Attempts:
         return True
 
     @property
+    def left(self) -> bool:
+        return self.retries < self.backoff.max_retries
+
+    @property
     def spent(self) -> str:
         if not self.backoff.max_retries:
             return "retries disabled"
@@ -548,6 +604,7 @@ class _Exchange:
         self.prefill = prefill
         self.cached_tokens: int | None = None  # the last cached_tokens the answer carried
         self.placement: Placement | None = None  # cache_aware's choice, told the cache view once accepted
+        self.may_retry: Callable[[], bool] = lambda: False  # whether the request may go to a new pair
         self.resp: aiohttp.ClientResponse | None = None
         self.streaming = False  # a streaming response owns the exchange
         self.completed = False  # decode's whole answer reached the router
@@ -595,9 +652,10 @@ class _Relay:
     """A streamed answer to one client: the current exchange (a new one after each resume) and,
     for a resumable /generate, what the client has received."""
 
-    def __init__(self, ex: _Exchange, stream: GenerateStream | None):
+    def __init__(self, ex: _Exchange, stream: GenerateStream | None, first: bytes = b""):
         self.ex = ex
         self.stream = stream
+        self.first = first  # decode's first bytes, read before the response began
 
     def switch(self, ex: _Exchange) -> None:
         """Continue on ``ex``; the broken exchange is ended (its decode lease released)."""
@@ -621,6 +679,15 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_end()
+
+
+async def _after(relay: _Relay, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The relay's first bytes (once), then ``chunks``."""
+    first, relay.first = relay.first, b""
+    if first:
+        yield first
+    async for chunk in chunks:
+        yield chunk
 
 
 def parse_json_object(raw: bytes) -> dict:
