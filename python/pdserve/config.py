@@ -920,6 +920,7 @@ class ServerArgs:
     random_seed: int = 0
     api_key: str | None = None
     admin_api_key: str | None = field(default=None, repr=False)  # admin routes (web/api_key.py)
+    allow_no_api_key: bool = False  # listen beyond the loopback without --api-key (refused otherwise)
     log_level: str = "info"
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False

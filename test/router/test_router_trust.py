@@ -5,7 +5,10 @@ length, off the event loop, and enters the routing guess only once the workers a
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -115,3 +118,19 @@ def test_prompts_are_hashed_off_the_event_loop():
         return hashes
 
     assert len(asyncio.run(run())) == 9
+
+
+@pytest.mark.parametrize("command", [
+    ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"],
+    ["serve", "--model-path", "tiny-llama"],
+    ["up", "--model-path", "tiny-llama"],
+])
+def test_no_listener_beyond_the_loopback_without_a_key_unless_told(command):
+    """The shipped images and manifests listen on every interface: without --api-key that is refused,
+    in one line naming the way out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY")}
+    proc = subprocess.run([sys.executable, "-m", "pdserve", *command, "--host", "0.0.0.0", "--port", "1"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "--allow-no-api-key" in proc.stderr
+    assert "api_key: the" in proc.stderr and "0.0.0.0" in proc.stderr

@@ -42,7 +42,7 @@ from pdserve.config import (
 )
 from pdserve.router.config import PrefillSpec, RouterArgs, normalize_url
 from pdserve.router.policy import POLICIES
-from pdserve.web.api_key import ADMIN_KEY_ENV
+from pdserve.web.api_key import ADMIN_KEY_ENV, unauthenticated_refusal
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
@@ -93,6 +93,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call (default: $PDSERVE_API_KEY, "
           "which ps does not show)")
     _admin_key_flag(g)
+    _flag(g, "--allow-no-api-key", "listen beyond the loopback (--host) without --api-key: refused otherwise",
+          action="store_true")
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
     _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
           'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
@@ -324,6 +326,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     _admin_key_flag(g, "; also sent to the workers for admin calls (give them the same key)")
     _router_flag(g, "--worker-api-key", "key sent to the workers (servers started with --api-key); default: "
                  "--api-key, or else the client's own Authorization header")
+    _router_flag(g, "--allow-no-api-key", "listen beyond the loopback (--host) without --api-key: refused "
+                 "otherwise", action="store_true")
     _router_flag(g, "--disaggregation-auth-token", "the servers' P/D token: the router signs the bootstrap fields it "
                  "adds, and decode servers holding it act on no others (prefer the file or "
                  "PDSERVE_DISAGGREGATION_AUTH_TOKEN: a flag shows in the process list)")
@@ -394,6 +398,9 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args, model_config = _checked_args(ns)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    refusal = unauthenticated_refusal(args.host, args.api_key, args.allow_no_api_key, "the server")
+    if refusal and args.node_rank == 0:
+        parser.exit(2, f"{parser.prog}: error: {refusal}\n")
     if args.node_rank > 0:
         from pdserve.entrypoints.node_launcher import launch_ranks_only
 
@@ -408,6 +415,9 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args = router_args_from_namespace(ns)
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    refusal = unauthenticated_refusal(args.host, args.api_key, args.allow_no_api_key, "the router")
+    if refusal:
+        parser.exit(2, f"{parser.prog}: error: {refusal}\n")
     from pdserve.router.app import launch_router
 
     return launch_router(args)
@@ -438,6 +448,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-api-key", dest="up_admin_api_key", default=os.environ.get(ADMIN_KEY_ENV) or None,
                    help="admin routes of the router and every server need it (passed to them by the environment; "
                    f"default: ${ADMIN_KEY_ENV})")
+    g.add_argument("--allow-no-api-key", dest="up_allow_no_api_key", action="store_true",
+                   help="listen beyond the loopback (--host) without --api-key: refused otherwise")
     g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
                    help="the router's health checks: a restarted server is used again within this "
                    "(default: %(default)s)")
@@ -536,7 +548,8 @@ def up_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentPars
     flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS + UP_SECRET_FIELDS)
     return UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
                   _api_key(ns.up_api_key), ns.up_health_check_interval_secs, auth_token=ns.disaggregation_auth_token,
-                  elastic=elastic_from_namespace(ns), storage=storage, admin_api_key=ns.up_admin_api_key)
+                  elastic=elastic_from_namespace(ns), storage=storage, admin_api_key=ns.up_admin_api_key,
+                  allow_no_api_key=ns.up_allow_no_api_key)
 
 
 def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -546,6 +559,9 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args = up_args_from_namespace(ns, parser)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    refusal = unauthenticated_refusal(args.host, args.api_key, args.allow_no_api_key, "the deployment")
+    if refusal:
+        parser.exit(2, f"{parser.prog}: error: {refusal}\n")
     return launch_up(args)
 
 

@@ -67,6 +67,7 @@ class RouterArgs:
     worker_api_key: str | None = field(default=None, repr=False)  # sent to the workers instead of api_key
     # admin routes need it from clients (web/api_key.py); sent to the workers for admin calls
     admin_api_key: str | None = field(default=None, repr=False)
+    allow_no_api_key: bool = False  # listen beyond the loopback without --api-key (refused otherwise)
     # the P/D token (the servers'): the router signs the bootstrap fields it adds (disagg/routed.py)
     disaggregation_auth_token: str | None = field(default=None, repr=False)
     # ---- a fleet: breakers, retries, admission, health thresholds, discovery (sglang-router's names
