@@ -163,3 +163,32 @@ def test_a_prefill_connection_reset_mid_body_is_sent_to_a_new_pair(pd):
     assert after["kv_received"] == before["kv_received"] + 1
     assert after["fallbacks"] == before["fallbacks"] and after["transfer_failures"] == before["transfer_failures"]
     assert router.metric("pdserve_router:retries_total", role="prefill", worker=proxy.url, reason="broken") == 1
+
+
+def test_with_no_retry_left_decode_is_told_to_prefill_locally_at_once(pd):
+    """The same reset under --disable-retries: the router tells decode (signed) that prefill's half
+    broke, and decode prefills the request itself instead of waiting out its timeout."""
+    prefill, boot, decode, _, proxy = pd
+    router = Router([(proxy.url, boot)], [decode.url], "--health-check-interval-secs", "0.5", "--disable-retries",
+                    env={**os.environ, **ENV}).start()
+    try:
+        wait_for(lambda: router.get("/health").json()["status"] == "ok", 60, "router sees both workers")
+        ids = list(range(100, 140))  # not cached on decode
+        before, resets = decode.info(), proxy.resets
+        proxy.reset = 1
+        resp = _generate(router, ids)
+        assert resp.status_code == 200, resp.text
+        assert proxy.resets == resets + 1
+        after = decode.info()
+        assert after["fallbacks"] == before["fallbacks"] + 1  # prefilled here, told so by the router
+        assert after["kv_received"] == before["kv_received"]
+        assert resp.json()["output_ids"] == _generate(router, ids).json()["output_ids"]
+    finally:
+        router.stop()
+
+
+def test_only_the_router_may_say_prefill_broke(pd):
+    _, boot, decode, _, _ = pd
+    body = {"refs": [["127.0.0.1", boot, 12345]], "signature": None}
+    resp = httpx.post(decode.url + "/disaggregation/prefill_lost", json=body, timeout=60)
+    assert resp.status_code == 403 and resp.json()["error"]["param"] == "signature", resp.text

@@ -177,17 +177,18 @@ class PeerAuth:
 
     # ------------------------------------------------------------- routed bootstrap fields
     def sign_route(self, refs: list[tuple[str, int, int]], instance: str, now: float | None = None,
-                   nonce: str | None = None) -> str | None:
+                   nonce: str | None = None, purpose: str = "route") -> str | None:
         """A router's ``bootstrap_signature`` over a request's (host, port, room) per prompt, for the
-        decode server ``instance``; None without a token."""
+        decode server ``instance``; None without a token. ``purpose``: what the router asks with it
+        ("route": act on these fields; "prefill-lost": prefill their rooms locally now)."""
         if self.token is None:
             return None
         exp = int(time.time() if now is None else now) + ROUTE_TTL_S
         n = nonce or secrets.token_hex(NONCE_HEX // 2)
-        return f"e={exp},n={n},i={instance},mac={self._route_mac(refs, instance, exp, n)}"
+        return f"e={exp},n={n},i={instance},mac={self._route_mac(refs, instance, exp, n, purpose)}"
 
     def verify_route(self, signature: str, refs: list[tuple[str, int, int]], instance: str,
-                     now: float | None = None) -> Signed:
+                     now: float | None = None, purpose: str = "route") -> Signed:
         """The checked ``bootstrap_signature`` (its expiry as ``t``); AuthError unless it was made under
         this token for exactly these fields and this instance, and has not expired. The nonce's
         freshness is the caller's to check."""
@@ -204,14 +205,15 @@ class PeerAuth:
         if not now - MAX_CLOCK_SKEW_S <= int(e) <= now + ROUTE_TTL_S + MAX_CLOCK_SKEW_S:
             raise AuthError("bootstrap_signature: expired (or clocks more than "
                             f"{MAX_CLOCK_SKEW_S:.0f} s apart)")
-        if not hmac.compare_digest(mac.encode(), self._route_mac(refs, instance, int(e), n).encode()):
+        if not hmac.compare_digest(mac.encode(), self._route_mac(refs, instance, int(e), n, purpose).encode()):
             raise AuthError("bootstrap_signature: not valid for these bootstrap fields and this server (wrong "
                             "token, altered, or signed for another server)")
         return Signed(int(e), n, instance)
 
-    def _route_mac(self, refs: list[tuple[str, int, int]], instance: str, exp: int, nonce: str) -> str:
+    def _route_mac(self, refs: list[tuple[str, int, int]], instance: str, exp: int, nonce: str,
+                   purpose: str) -> str:
         fields = "".join(f"{host}\t{port}\t{room}\n" for host, port, room in refs)
-        msg = f"route\n{instance}\n{exp}\n{nonce}\n{fields}".encode()
+        msg = f"{purpose}\n{instance}\n{exp}\n{nonce}\n{fields}".encode()
         return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def _mac(self, method: str, path: str, target: str, t: int, nonce: str, body: bytes) -> str:

@@ -64,3 +64,17 @@ class BootstrapGate:
             why = ("not signed by the router (this server has a --disaggregation-auth-token: give the router the "
                    "same token)" if self.auth.token is not None else "not on the loopback")
             raise AuthError(f"bootstrap_host: {host}:{port} is {why} and not in --disaggregation-bootstrap-allow")
+
+    def check_lost(self, refs: list[Ref], signature: str | None, peer: str | None, now: float | None = None) -> None:
+        """AuthError unless the router may tell this server that the prefill halves of ``refs``
+        broke (``purpose`` "prefill-lost", signed under the token; without one, from the loopback)."""
+        if self.auth.token is None:
+            if not is_loopback(peer):
+                raise AuthError(f"signature: a report from {peer or 'an unknown address'} must be signed (this server "
+                                "has no --disaggregation-auth-token: loopback only)")
+            return
+        if signature is None:
+            raise AuthError("signature: required (this server has a --disaggregation-auth-token)")
+        signed = self.auth.verify_route(signature, refs, self.instance, now, purpose="prefill-lost")
+        if not self.nonces.add(signed.nonce, signed.t, now):
+            raise AuthError("signature: already used (a replayed report)")

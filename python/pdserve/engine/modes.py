@@ -88,6 +88,11 @@ class SchedulerMode:
         """Abort a request the mode holds; False if it is not the mode's."""
         return False
 
+    def prefill_lost(self, room: int, reason: str) -> bool:
+        """The other half of ``room`` will never come (the router saw it break): serve the request
+        without it now; False if the mode holds no such room."""
+        return False
+
     def on_finish(self, req: Req) -> None:
         """``req`` is finishing (any reason, any state), before its pages are released."""
 

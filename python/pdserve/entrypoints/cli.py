@@ -805,7 +805,7 @@ class OneLineErrors(argparse.ArgumentParser):
     """A bad flag is one line naming the subcommand and the flag (argparse prints the whole usage
     first: 70 lines, with the error last, where a reader misses it)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

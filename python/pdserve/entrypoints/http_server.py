@@ -30,7 +30,13 @@ from pdserve.config import ModelConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
-from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, AbortRequest, RoleSwitchRequest
+from pdserve.entrypoints.protocol import (
+    OPENAPI_BODIES,
+    OPENAPI_EXTRA_MODELS,
+    AbortRequest,
+    PrefillLostRequest,
+    RoleSwitchRequest,
+)
 from pdserve.entrypoints.role_switch import RoleSwitcher
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
 from pdserve.obs.metrics import ServerMetrics
@@ -219,6 +225,12 @@ def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
         if ctx.roles is None:
             raise RequestError("target_role: this server is not in P/D mode", param="target_role")
         return await ctx.roles.switch(req)
+
+    @app.post("/disaggregation/prefill_lost", include_in_schema=False)
+    async def prefill_lost(request: Request):
+        req: PrefillLostRequest = parse_body(PrefillLostRequest, await read_body(request, ctx.args.max_request_bytes))
+        ctx.tm.prefill_lost(req.refs, req.signature, request.client.host if request.client else None)
+        return {"success": True}
 
     @app.post("/flush_cache", responses=_errors(400, 401, 403, 503))
     async def flush_cache():

@@ -61,6 +61,14 @@ class _Bootstrap(_Body):
         return out
 
 
+class PrefillLostRequest(_Body):
+    """``POST /disaggregation/prefill_lost`` (the router's): the rooms whose prefill half broke, as
+    (host, port, room) of the bootstrap fields the router sent, signed for this server."""
+
+    refs: list[tuple[str, int, int]] = Field(min_length=1, max_length=1024)
+    signature: str | None = Field(None, max_length=1000)
+
+
 def _per_prompt(value, n: int, name: str) -> list:
     if not isinstance(value, list):
         return [value] * n

@@ -48,6 +48,7 @@ from pdserve.engine.io_struct import (
     GetStatsReq,
     KVEventsSnapshotReq,
     KVEventsSnapshotResp,
+    PrefillLostReq,
     RejectedReq,
     RoleSwitchReq,
     RoleSwitchResp,
@@ -308,6 +309,18 @@ class TokenizerManager:
         except AuthError as e:
             field = str(e).partition(":")[0]
             raise RequestError(str(e), param=field, status=403, code="bootstrap_not_allowed") from None
+
+    def prefill_lost(self, refs: list[tuple[str, int, int]], signature: str | None, peer: str | None) -> None:
+        """The router saw the prefill halves of ``refs`` break: decode prefills those rooms locally
+        now (disagg/routed.py says who may say so)."""
+        if self.role != "decode":
+            raise RequestError(f"refs: this server is {self.role}, not decode", param="refs")
+        try:
+            self.bootstrap_gate.check_lost(refs, signature, peer)
+        except AuthError as e:
+            raise RequestError(str(e), param=str(e).partition(":")[0], status=403,
+                               code="bootstrap_not_allowed") from None
+        self._send_or_fail(PrefillLostReq([room for _, _, room in refs], "the router saw prefill's half break"))
 
     def check_input(self, input_ids: list[int], max_new_tokens: int, prompt_field: str,
                     max_tokens_field: str) -> None:

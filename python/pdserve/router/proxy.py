@@ -318,15 +318,18 @@ class PDProxy:
     async def _start_exchange(self, path: str, body: dict, headers: dict, prefill: Lease | None,
                               decode: Lease, placement: Placement | None = None,
                               attempts: _Attempts | None = None) -> _Exchange:
+        refs: list = []
         if prefill is None:  # degraded: decode serves it as a colocated request
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
             p = prefill.worker
             routed = with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)
             payload = json.dumps(self._signed(routed, decode.worker)).encode()
+            refs = route_refs(routed)
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
         ex = _Exchange(decode, task, self.metrics, prefill.worker if prefill is not None else None)
         ex.placement = placement if prefill is not None else None
+        ex.refs, ex.headers = refs, headers
         if attempts is not None:
             ex.may_retry = lambda: attempts.left
         try:
@@ -350,12 +353,33 @@ class PDProxy:
         except asyncio.CancelledError:
             task.cancel()
             raise
-        if not task.done() and not prefill.cancelled() and prefill.result() and ex.prefill is not None \
-                and ex.may_retry():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise _PrefillBroke(ex.prefill)
+        if not task.done() and not prefill.cancelled() and prefill.result() and ex.prefill is not None:
+            if ex.may_retry():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise _PrefillBroke(ex.prefill)
+            await self._prefill_lost(ex)
         return await task
+
+    async def _prefill_lost(self, ex: _Exchange) -> None:
+        """Tell decode (signed under the P/D token, for its instance) that prefill's half broke, so
+        it prefills the request locally now; failures are logged (decode still falls back at its
+        timeout)."""
+        worker = ex.decode.worker
+        signature = self.route_auth.sign_route(ex.refs, worker.instance or "", purpose="prefill-lost")
+        body = {"refs": ex.refs, "signature": signature}
+        try:
+            reply = await self.call(worker, "POST", "/disaggregation/prefill_lost", timeout=self.health_timeout,
+                                    json_body=body, headers=ex.headers)
+        except (WorkerUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.warning("decode worker %s: could not tell it prefill's half broke: %s", worker.url, e)
+            return
+        if reply.status != 200:
+            logger.warning("decode worker %s: refused the news that prefill's half broke (%d): %s", worker.url,
+                           reply.status, str(reply.json())[:LOGGED_BODY_BYTES])
+        else:
+            logger.info("decode worker %s: prefills the request itself (prefill's half broke, no retry left)",
+                        worker.url)
 
     def _signed(self, routed: dict, decode: Worker) -> dict:
         """``routed`` with the router's ``bootstrap_signature`` for ``decode`` (disagg/routed.py): with
@@ -605,6 +629,8 @@ class _Exchange:
         self.cached_tokens: int | None = None  # the last cached_tokens the answer carried
         self.placement: Placement | None = None  # cache_aware's choice, told the cache view once accepted
         self.may_retry: Callable[[], bool] = lambda: False  # whether the request may go to a new pair
+        self.refs: list = []  # the (host, port, room) of the bootstrap fields sent (signed for decode)
+        self.headers: dict = {}  # the upstream headers the request went with
         self.resp: aiohttp.ClientResponse | None = None
         self.streaming = False  # a streaming response owns the exchange
         self.completed = False  # decode's whole answer reached the router

@@ -64,6 +64,7 @@ ROUTE_ACCESS: dict[str, Access] = {
     "/abort_request": Access.OWNED,
     "/flush_cache": Access.ADMIN,
     "/pd_role_switch": Access.ADMIN,
+    "/disaggregation/prefill_lost": Access.INFERENCE,  # the router's, signed under the P/D token
 }
 
 _OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_request_owner", default="")
