@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from pd_pair import PDPair, greedy
 
 from pdserve.disagg.auth import ROUTE_TTL_S, AuthError, Misdirected, PeerAuth
 from pdserve.disagg.bootstrap import with_bootstrap
@@ -88,3 +89,22 @@ def test_parse_endpoint_names_the_value():
     for bad in ("10.0.0.1", ":8998", "host:0", "host:x"):
         with pytest.raises(ValueError, match=repr(bad)):
             parse_endpoint(bad)
+
+
+def test_a_room_whose_prefill_half_broke_is_prefilled_locally_at_once():
+    """Decode's half alone, its wait far longer than the test: told that prefill's half broke
+    (``prefill_lost``), decode falls back now (a room waiting for KV, and the next one, waiting for
+    KV or still for pages)."""
+    pair = PDPair("tiny-llama", backend="memory", disaggregation_timeout_s=900.0)
+    try:
+        rooms = {rid: pair.submit(rid, list(range(10 + i, 40 + i)), greedy(4), to_prefill=False)
+                 for i, rid in enumerate(("waiting-for-kv", "pending"))}
+        pair.run(until=lambda: rooms["waiting-for-kv"] in pair.decode.mode.rooms)
+        assert pair.decode.mode.prefill_lost(rooms["waiting-for-kv"], "the router saw prefill's half break")
+        assert pair.decode.mode.prefill_lost(rooms["pending"], "the router saw prefill's half break")
+        assert not pair.decode.mode.prefill_lost(12345, "no such room")
+        pair.run(until=lambda: all(pair.outputs[r]["final"] is not None for r in rooms))
+        assert all(len(pair.outputs[r]["ids"]) == 4 for r in rooms)
+        assert pair.decode.stats()["fallbacks"] == 2
+    finally:
+        pair.close()
