@@ -134,3 +134,26 @@ def test_no_listener_beyond_the_loopback_without_a_key_unless_told(command):
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and "--allow-no-api-key" in proc.stderr
     assert "api_key: the" in proc.stderr and "0.0.0.0" in proc.stderr
+
+
+def test_bootstrap_fields_are_signed_for_decode_s_run_and_again_after_a_restart(echo):
+    """With the P/D token the router signs what it adds for the decode run its health check saw; a
+    decode that restarted since (421) is checked again and the request signed for its new run."""
+    d1, p1 = echo["d1"], echo["p1"]
+    d1.instance = "run-1"
+    r = Router([p1.url], [d1.url], *FAST_HEALTH, "--health-check-interval-secs", "30",
+               env={**os.environ, "PDSERVE_DISAGGREGATION_AUTH_TOKEN": "t0ken"}).start()
+    try:
+        d1.received.clear()
+        body = {"text": "hi", "bootstrap_host": "10.9.9.9", "bootstrap_signature": "e=1,n=2,i=run-1,mac=forged"}
+        assert r.post("/generate", json=body).status_code == 200
+        (sent,) = d1.generation_bodies()
+        assert sent["bootstrap_host"] == "127.0.0.1" and ",i=run-1," in sent["bootstrap_signature"]
+        assert "forged" not in sent["bootstrap_signature"]
+        d1.instance = "run-2"  # restarted between two health checks (30 s apart here)
+        assert r.post("/generate", json={"text": "hi"}).status_code == 200
+        signed_for = [b["bootstrap_signature"].split(",i=")[1].split(",")[0] for b in d1.generation_bodies()]
+        assert signed_for == ["run-1", "run-1", "run-2"]
+    finally:
+        d1.instance = None
+        assert r.stop() in (0, None), r.output()
