@@ -782,9 +782,16 @@ class DisaggConfig:
     # ("auto": where one write per forward replaces one per page), and each rank's staging buffer
     transfer_pack: str = "auto"
     pack_staging_mb: int = 64
+    # decode: prefill registries (HOST:PORT) it may be sent to without the router's signature
+    # (sglang-router), beyond the loopback of a server without a token (disagg/routed.py)
+    bootstrap_allow: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_choice("disaggregation_mode", self.mode, DISAGG_MODES)
+        for entry in self.bootstrap_allow:
+            host, sep, port = entry.rpartition(":")
+            if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"disaggregation_bootstrap_allow: {entry!r} is not HOST:PORT")
         _check_choice("disaggregation_transfer_backend", self.transfer_backend, TRANSFER_BACKENDS)
         if not 0 < self.bootstrap_port < 65536:
             raise ValueError(f"disaggregation_bootstrap_port: must be in 1..65535, got {self.bootstrap_port}")
@@ -930,6 +937,7 @@ class ServerArgs:
     # Host / Origin names a browser's request may carry beyond the bind's own (web/origin.py; "*": any)
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    allow_no_api_key: bool = False  # listen beyond the loopback without --api-key (refused otherwise)
     log_level: str = "info"
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
@@ -963,6 +971,7 @@ class ServerArgs:
     disaggregation_allow_unauthenticated: bool = False
     disaggregation_transfer_pack: str = "auto"
     disaggregation_pack_staging_mb: int = 64
+    disaggregation_bootstrap_allow: tuple[str, ...] = ()  # decode: HOST:PORT registries it may be sent to unsigned
     kv_events_config: str | None = None  # JSON, KVEventsConfig
     # GPU engine path (DeviceConfig): None resolves by what this host has.
     device: str | None = None
@@ -1120,7 +1129,8 @@ class ServerArgs:
                             self.disaggregation_timeout_s, self.disaggregation_heartbeat_s,
                             self.disaggregation_fallback, self.disaggregation_min_prefill_tokens,
                             self.auth_token(), self.disaggregation_allow_unauthenticated,
-                            self.disaggregation_transfer_pack, self.disaggregation_pack_staging_mb)
+                            self.disaggregation_transfer_pack, self.disaggregation_pack_staging_mb,
+                            tuple(self.disaggregation_bootstrap_allow))
 
     @_built_once
     def speculative_config(self) -> SpeculativeConfig:

@@ -92,3 +92,5 @@ def test_the_token_comes_from_the_env_file_only():
         assert "auth-token" not in path.read_text(), path.name
     example = (DOCKER / "pdserve.env.example").read_text()
     assert f"\n{TOKEN_ENV}=" in example
+    # the router listens on every interface: it refuses to start without the API key
+    assert "\nPDSERVE_API_KEY=" in example and "\nPDSERVE_ADMIN_API_KEY=" in example

@@ -178,6 +178,38 @@ def test_http_servers_are_probed_on_health_and_scraped(rendered):
             assert c["startupProbe"]["httpGet"]["path"] == c["livenessProbe"]["httpGet"]["path"] == "/health", name
 
 
+def test_every_http_listener_requires_the_api_key_from_the_secret(rendered):
+    """The servers listen on the node's address and the router on every interface: each takes the
+    API key and the admin key from the Secret (pdserve refuses such a bind without a key)."""
+    _, objects = rendered
+    for name, template in _serving_templates(objects):
+        if "mooncake" in name:
+            continue
+        (c,) = template_containers(template)
+        env = {e["name"]: e for e in c.get("env", [])}
+        for var, key in (("PDSERVE_API_KEY", "api-key"), ("PDSERVE_ADMIN_API_KEY", "admin-api-key")):
+            assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "pdserve-auth", "key": key}, name
+        assert "--allow-no-api-key" not in c["args"], name
+
+
+def test_only_the_discovering_router_holds_a_service_account_token(rendered):
+    where, objects = rendered
+    for obj in objects:
+        for template in pod_templates(obj):
+            discovers = "--service-discovery" in template_containers(template)[0].get("args", [])
+            assert template["spec"].get("automountServiceAccountToken") is discovers, \
+                f"{_id(where)}: {obj['kind']}/{obj['metadata']['name']}"
+
+
+def test_the_router_admits_clients_on_its_http_port_only(rendered):
+    _, objects = rendered
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    router = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "pdserve-router")
+    assert policy["spec"]["podSelector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 30000}]}]
+
+
 def test_every_group_has_a_disruption_budget(rendered):
     _, objects = rendered
     budgets = [o["spec"]["selector"]["matchLabels"] for o in objects if o["kind"] == "PodDisruptionBudget"]

@@ -86,4 +86,4 @@ def test_console_script_is_declared():
     import tomllib
 
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["pdserve"] == "pdserve.entrypoints.cli:main"
+    assert pyproject["project"]["scripts"]["pdserve"] == "pdserve.__main__:main"

@@ -110,7 +110,7 @@ def test_plan_gives_the_secrets_to_every_child_by_environment_not_command_line()
     for k in kids:
         assert "key-123" not in " ".join(k.cmd) and "token-456" not in " ".join(k.cmd) and "--api-key" not in k.cmd
         assert k.env[API_KEY_ENV] == "key-123"
-    assert [k.env.get(AUTH_TOKEN_ENV) for k in kids] == ["token-456", "token-456", None]  # the router needs none
+    assert [k.env.get(AUTH_TOKEN_ENV) for k in kids] == ["token-456"] * 3  # the router signs bootstrap fields
     assert kids[-1].cmd[kids[-1].cmd.index("--health-check-interval-secs") + 1] == "0.5"
     assert "secret-key" not in repr(UpArgs(api_key="secret-key", auth_token="secret-key")) + repr(kids)
 

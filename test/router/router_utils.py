@@ -22,7 +22,7 @@ import httpx
 from aiohttp import web
 
 from entrypoints.server_utils import free_port
-from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, INSTANCE_HEADER, ROLE_HEADER
 
 ROUTER_STARTUP_TIMEOUT_S = 60.0
 
@@ -158,6 +158,8 @@ class EchoWorker:
     bootstrap_port: int | None = None  # and, as prefill, its registry's port (X-PD-Bootstrap-Port)
     switched_to_prefill: bool = False  # answer generation requests as a server that just became prefill
     drop_requests: bool = False
+    info: dict = field(default_factory=dict)  # more fields of its /get_server_info (page_size, context_length ...)
+    instance: str | None = None  # the run its /health names (X-PD-Instance); 421 for a signature of another
     received: list[Received] = field(default_factory=list)
     disconnects: list[dict] = field(default_factory=list)  # bodies of streams whose client left
     open_holds: int = 0
@@ -221,6 +223,8 @@ class EchoWorker:
     async def _health(self, request: web.Request) -> web.Response:
         self._record(request, None)
         headers = {ROLE_HEADER: self.role} if self.role else {}
+        if self.instance is not None:
+            headers[INSTANCE_HEADER] = self.instance
         if self.bootstrap_port is not None:
             headers[BOOTSTRAP_PORT_HEADER] = str(self.bootstrap_port)
         return web.Response(status=self.health_status, headers=headers)
@@ -228,7 +232,7 @@ class EchoWorker:
     async def _info(self, request: web.Request) -> web.Response:
         self._record(request, None)
         return web.json_response({"worker": self.name, "path": request.path,
-                                  "internal_states": [{"worker": self.name}]})
+                                  "internal_states": [{"worker": self.name}], **self.info})
 
     async def _flush(self, request: web.Request) -> web.Response:
         self._record(request, await request.json() if request.can_read_body else None)
@@ -242,6 +246,9 @@ class EchoWorker:
         if self.fail_status:
             return web.json_response({"error": {"message": f"{self.name} failed", "worker": self.name}},
                                      status=self.fail_status)
+        signature = body.get("bootstrap_signature")
+        if self.instance is not None and signature and f",i={self.instance}," not in signature:
+            return web.json_response({"error": {"message": "signed for another run"}}, status=421)
         if self.switched_to_prefill:
             return web.json_response({"error": {"message": f"{self.name} is prefill now"}}, status=503,
                                      headers={ROLE_HEADER: "prefill"})

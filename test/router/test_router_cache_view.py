@@ -78,6 +78,9 @@ def route(ctx, body: dict, path: str = "/generate") -> tuple[str, str]:
     """(the prefill chosen, why) for one request, its lease released at once."""
     lease = ctx.prefill.pick(block_hashes=ctx.cache.prompt_hashes(path, body))
     lease.release()
+    placement = ctx.cache.take_placement()
+    if placement is not None:  # as the proxy does once the workers accepted the request
+        ctx.cache.accepted(placement)
     return lease.worker.url, ctx.prefill.policy.reason
 
 

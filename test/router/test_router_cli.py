@@ -100,6 +100,9 @@ P, D = ["--prefill", "http://p:1"], ["--decode", "http://d:2"]
      "prefill_selector: 'role' is not a key=value label"),
     (["--service-discovery", "--prefill-selector", "a=b", "--decode-selector", "c=d", "--service-discovery-port",
       "0"], "service_discovery_port: must be in 1..65535, got 0"),
+    # a labelled pod in any namespace would get the worker key and the prompts
+    (["--service-discovery", "--prefill-selector", "a=b", "--decode-selector", "c=d"],
+     "service_discovery_namespace: --service-discovery needs the namespace"),
 ])
 def test_bad_values_name_the_field(argv, message):
     with pytest.raises(ValueError) as e:

@@ -20,7 +20,7 @@ from kube_api import RECORDED, KubeAPI
 from router_utils import EchoWorker, Router, wait_for
 
 from entrypoints.server_utils import free_port
-from pdserve.router.discovery import Reconciler, Wanted, parse_workers, pod_worker
+from pdserve.router.discovery import Reconciler, Wanted, WorkersFile, parse_workers, pod_worker
 from pdserve.router.policy import RoundRobinPolicy
 from pdserve.router.workers import Fleet, Role, make_worker_set
 
@@ -104,7 +104,8 @@ def test_kubernetes_discovery_follows_recorded_pod_events(pods, tmp_path):
 
 def test_kubernetes_discovery_without_a_configuration_exits_1_saying_why(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pdserve", "router", "--service-discovery", *SELECTORS,
-                           "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+                           "--service-discovery-namespace", "llm", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120,
                           env=_env(KUBECONFIG=str(tmp_path / "missing"), HOME=str(tmp_path)))
     assert proc.returncode == 1, proc.stderr
     assert "service_discovery: no Kubernetes configuration" in proc.stderr and "Traceback" not in proc.stderr
@@ -173,6 +174,46 @@ def test_a_bad_workers_file_at_start_exits_1_naming_the_field(tmp_path):
                            "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "prefill[0].bootstrap_port: must be an integer port, got 'x'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("mode,owner,message", [
+    (0o666, None, "mode 666 lets others change it"),
+    (0o620, None, "mode 620 lets others change it"),
+    (0o644, 12345, "owned by uid 12345"),
+])
+def test_a_workers_file_others_may_change_is_refused(tmp_path, monkeypatch, mode, owner, message):
+    """The router sends its worker key and every prompt to the URLs the file names."""
+    path = tmp_path / "workers.json"
+    path.write_text('{"prefill": ["http://p:1"], "decode": ["http://d:2"]}')
+    os.chmod(path, mode)
+    if owner is not None:
+        real = os.stat
+
+        def stat(p, *a, **kw):
+            st = real(p, *a, **kw)
+            if str(p) != str(path):
+                return st
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, owner, *tuple(st)[5:]))
+
+        monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(ValueError) as e:
+        WorkersFile(str(path))._read()
+    assert message in str(e.value) and "refused" in str(e.value)
+    os.chmod(path, 0o644)
+    if owner is None:
+        assert WorkersFile(str(path))._read() == [Wanted(Role.PREFILL, "http://p:1", 8998),
+                                                  Wanted(Role.DECODE, "http://d:2")]
+
+
+def test_a_world_writable_workers_file_stops_the_router_at_start(tmp_path):
+    path = tmp_path / "workers.json"
+    path.write_text('{"prefill": ["http://p:1"], "decode": ["http://d:2"]}')
+    os.chmod(path, 0o666)
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "router", "--workers-file", str(path),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "workers_file:" in proc.stderr and "mode 666 lets others change it" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -481,8 +481,9 @@ def test_admin_routes_need_the_admin_key_and_it_is_what_the_workers_get(echo, ma
 
 
 def test_a_router_beyond_loopback_without_a_key_warns_once(echo, make_router):
+    """Only when told it may (--allow-no-api-key): without that it refuses to start (test_router_trust)."""
     p1, d1 = echo["p1"], echo["d1"]
-    open_router = make_router([p1.url], [d1.url], "--host", "0.0.0.0")  # reached through 127.0.0.1 only
+    open_router = make_router([p1.url], [d1.url], "--host", "0.0.0.0", "--allow-no-api-key")  # via 127.0.0.1
     keyed = make_router([p1.url], [d1.url], "--host", "0.0.0.0", "--api-key", "k")
     assert open_router.get("/health").status_code == 200
     warned = [line for line in open_router.output().splitlines() if "no --api-key and no --admin-api-key" in line]

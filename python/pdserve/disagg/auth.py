@@ -12,7 +12,11 @@ or later:
 - a bootstrap request's MAC covers method, path, the registry it is meant for (``target``, host:port), a random
   nonce, the time and the body; the registry refuses another target and a nonce it has seen (``NonceCache``);
 - a registry's answer carries a MAC over the request's nonce, its status and its body
-  (``ANSWER_HEADER``): a client under a token takes records only from a registry that proves the token.
+  (``ANSWER_HEADER``): a client under a token takes records only from a registry that proves the token;
+- a request's bootstrap fields (which registry decode fetches from, which room) carry the router's
+  ``bootstrap_signature``: a MAC over every (host, port, room), the decode server it was sent to (the
+  instance its ``/health`` names), an expiry and a nonce (``sign_route``); decode acts on no other
+  (``disagg/routed.py``), so an API client cannot point decode at a registry of its choosing.
 
 The token itself never crosses the network. Without a token, only loopback peers are accepted, unless the
 operator says ``--disaggregation-allow-unauthenticated`` (a private network they trust); nothing is bound then.
@@ -44,6 +48,7 @@ MAX_CLOCK_SKEW_S = 300.0
 NONCE_HEX = 32  # a bootstrap nonce: 128 random bits
 MAX_NONCES = 1 << 17  # a registry's replay cache: far above what every decode's heartbeats send in the window
 MAX_SENDERS = 4096  # control-frame senders whose sequence numbers a receiver remembers
+ROUTE_TTL_S = 60  # a router's bootstrap_signature is good this long after it was made (plus clock skew)
 
 
 def peer_auth(cfg) -> PeerAuth:
@@ -53,6 +58,10 @@ def peer_auth(cfg) -> PeerAuth:
 
 class AuthError(ValueError):
     """A peer's frame or request is not accepted; the text says why (never the token)."""
+
+
+class Misdirected(AuthError):
+    """Signed bootstrap fields meant for another server (or an earlier run of this one)."""
 
 
 def is_loopback(address: str | None) -> bool:
@@ -165,6 +174,47 @@ class PeerAuth:
         if not hmac.compare_digest(mac.encode(), self._answer_mac(nonce, status, body).encode()):
             raise AuthError(f"answer without a valid {ANSWER_HEADER}: the registry does not hold this "
                             f"deployment's --disaggregation-auth-token")
+
+    # ------------------------------------------------------------- routed bootstrap fields
+    def sign_route(self, refs: list[tuple[str, int, int]], instance: str, now: float | None = None,
+                   nonce: str | None = None, purpose: str = "route") -> str | None:
+        """A router's ``bootstrap_signature`` over a request's (host, port, room) per prompt, for the
+        decode server ``instance``; None without a token. ``purpose``: what the router asks with it
+        ("route": act on these fields; "prefill-lost": prefill their rooms locally now)."""
+        if self.token is None:
+            return None
+        exp = int(time.time() if now is None else now) + ROUTE_TTL_S
+        n = nonce or secrets.token_hex(NONCE_HEX // 2)
+        return f"e={exp},n={n},i={instance},mac={self._route_mac(refs, instance, exp, n, purpose)}"
+
+    def verify_route(self, signature: str, refs: list[tuple[str, int, int]], instance: str,
+                     now: float | None = None, purpose: str = "route") -> Signed:
+        """The checked ``bootstrap_signature`` (its expiry as ``t``); AuthError unless it was made under
+        this token for exactly these fields and this instance, and has not expired. The nonce's
+        freshness is the caller's to check."""
+        if self.token is None:
+            raise AuthError("bootstrap_signature: this server has no --disaggregation-auth-token to check it with")
+        parts = dict(p.partition("=")[::2] for p in signature.split(",")[:4])
+        e, n, i, mac = (parts.get(k, "") for k in ("e", "n", "i", "mac"))
+        if not e.isdigit() or len(e) > 12 or len(n) != NONCE_HEX or not set(n) <= set("0123456789abcdef"):
+            raise AuthError("bootstrap_signature: malformed")
+        if i != instance:
+            raise Misdirected(f"bootstrap_signature: made for server instance {i[:40]!r}, this is {instance!r} (it "
+                              "restarted since the router's last health check?)")
+        now = time.time() if now is None else now
+        if not now - MAX_CLOCK_SKEW_S <= int(e) <= now + ROUTE_TTL_S + MAX_CLOCK_SKEW_S:
+            raise AuthError("bootstrap_signature: expired (or clocks more than "
+                            f"{MAX_CLOCK_SKEW_S:.0f} s apart)")
+        if not hmac.compare_digest(mac.encode(), self._route_mac(refs, instance, int(e), n, purpose).encode()):
+            raise AuthError("bootstrap_signature: not valid for these bootstrap fields and this server (wrong "
+                            "token, altered, or signed for another server)")
+        return Signed(int(e), n, instance)
+
+    def _route_mac(self, refs: list[tuple[str, int, int]], instance: str, exp: int, nonce: str,
+                   purpose: str) -> str:
+        fields = "".join(f"{host}\t{port}\t{room}\n" for host, port, room in refs)
+        msg = f"{purpose}\n{instance}\n{exp}\n{nonce}\n{fields}".encode()
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
 
     def _mac(self, method: str, path: str, target: str, t: int, nonce: str, body: bytes) -> str:
         msg = f"{method.upper()}\n{path}\n{target}\n{t}\n{nonce}\n".encode() + body

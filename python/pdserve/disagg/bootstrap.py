@@ -69,7 +69,8 @@ DISCARD_IDLE_S = 5.0  # a client that stops sending what it declared gets its 41
 REFUSED_GRACE_S = 1.0  # how long a refused connection is retried (a registry restarting its listener)
 MAX_SNAPSHOT_BYTES = 64 << 20  # a snapshot holds at most layout.MAX_RANKS records
 KV_LAYOUTS = ("gqa-hnd", "mla")
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")  # what a router adds to a request
+# what a router adds to a request (a client's own are dropped: disagg/routed.py)
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_signature")
 ROOM_BITS = 63
 
 
@@ -124,7 +125,8 @@ def new_room(rng: random.Random) -> int:
 
 
 def with_bootstrap(body: dict, host: str, port: int, rng: random.Random) -> dict:
-    """A copy of ``body`` with the bootstrap fields of one prefill worker added (replacing any sent)."""
+    """A copy of ``body`` with the bootstrap fields of one prefill worker added (any sent are dropped)."""
+    body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
     n = batch_size(body)
     if n is None:
         fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room(rng)}

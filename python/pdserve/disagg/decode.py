@@ -422,6 +422,20 @@ class DecodeMode(SchedulerMode):
         req.stage_clock.restart()
         self.scheduler.enqueue(req, front=True)
 
+    def prefill_lost(self, room: int, reason: str) -> bool:
+        """Waiting for records or KV that prefill will never send: fall back now, not at the timeout."""
+        if room in self.rooms:
+            self._fail(room, reason)
+            return True
+        req = next((r for r in self.pending if r.bootstrap_room == room), None)
+        if req is None:
+            return False
+        self.pending.remove(req)
+        self.counters["transfer_failures"] += 1
+        self.outcomes.append(True)
+        self._fall_back(req, reason)
+        return True
+
     def _send_abort(self, peer: Peer, room: int, reason: str, nonce: int = 0) -> None:
         if peer.info is not None:
             for control in peer.controls(range(len(peer.info.ranks))):

@@ -181,8 +181,17 @@ class RoleSwitchResp:
     busy: bool = False
 
 
+@dataclass
+class PrefillLostReq:
+    """The router saw these rooms' prefill halves break (their connection failed): decode prefills
+    them locally now instead of waiting for KV that never comes."""
+
+    rooms: list[int]
+    reason: str
+
+
 # Every message above; the frontend and scheduler codecs carry these (scheduler_loop.FRONTEND_CODEC).
 MESSAGES: tuple[type, ...] = (
     TokenizedGenerateReq, AbortReq, FlushCacheReq, FlushCacheResp, GetStatsReq, KVEventsSnapshotReq,
     KVEventsSnapshotResp, StatsResp, RejectedReq, BatchTokenOutput, SchedulerReady, SchedulerFailed, ShutdownReq,
-    RoleSwitchReq, RoleSwitchResp)
+    RoleSwitchReq, RoleSwitchResp, PrefillLostReq)

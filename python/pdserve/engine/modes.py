@@ -92,6 +92,11 @@ class SchedulerMode:
         """The frontend refused a request routed with ``bootstrap`` before it reached the scheduler
         (``message``: why): its other half, if the mode has one, must not wait for it."""
 
+    def prefill_lost(self, room: int, reason: str) -> bool:
+        """The other half of ``room`` will never come (the router saw it break): serve the request
+        without it now; False if the mode holds no such room."""
+        return False
+
     def on_finish(self, req: Req) -> None:
         """``req`` is finishing (any reason, any state), before its pages are released."""
 

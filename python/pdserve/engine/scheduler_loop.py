@@ -155,6 +155,9 @@ class SchedulerLoop:
             send_message(self.send, io_struct.KVEventsSnapshotResp(self.scheduler.kv_events_snapshot()))
         elif isinstance(msg, io_struct.RoleSwitchReq):
             send_message(self.send, self._switch(msg.target_role))
+        elif isinstance(msg, io_struct.PrefillLostReq):
+            for room in msg.rooms:
+                self.scheduler.mode.prefill_lost(room, msg.reason)
         elif isinstance(msg, io_struct.ShutdownReq):
             self.stopped = True
         else:

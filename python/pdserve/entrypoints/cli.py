@@ -38,10 +38,11 @@ from pdserve.config import (
     TOOL_CALL_PARSERS,
     TRANSFER_BACKENDS,
     ServerArgs,
+    resolve_token,
 )
 from pdserve.router.config import PrefillSpec, RouterArgs, normalize_url
 from pdserve.router.policy import POLICIES
-from pdserve.web.api_key import ADMIN_KEY_ENV
+from pdserve.web.api_key import ADMIN_KEY_ENV, unauthenticated_refusal
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerArgs)}
@@ -106,6 +107,8 @@ def add_http_args(parser: argparse.ArgumentParser, per_server: bool = True) -> N
         _flag(g, "--api-key", "require 'Authorization: Bearer <key>' on every API call (default: $PDSERVE_API_KEY, "
               "which ps does not show)")
         _admin_key_flag(g)
+        _flag(g, "--allow-no-api-key", "listen beyond the loopback (--host) without --api-key: refused otherwise",
+              action="store_true")
     _flag(g, "--allowed-hosts", ORIGIN_HELP["hosts"], type=names_list)
     _flag(g, "--allowed-origins", ORIGIN_HELP["origins"], type=names_list)
     _flag(g, "--max-request-bytes", "refuse larger request bodies with a 413, before parsing them", type=int)
@@ -212,6 +215,9 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
               choices=DISAGG_MODES)
         _flag(g, "--disaggregation-bootstrap-port", "prefill: port of the bootstrap registry decode servers read",
               type=int)
+        _flag(g, "--disaggregation-bootstrap-allow", "decode: prefill registries (HOST:PORT ...) a request may "
+              "name without the router's signature (sglang-router); otherwise only a router holding the P/D token, "
+              "or on a server without one the loopback", nargs="+", metavar="HOST:PORT")
     _flag(g, "--disaggregation-transfer-backend", "KV transfer engine (mooncake or nixl; memory: in-process test "
           "pairs only, refused by servers)", choices=TRANSFER_BACKENDS)
     _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
@@ -331,6 +337,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="cache_aware: do not guess what a prefill worker caches from the requests routed to it (a "
                    "worker without fresh KV events then counts as caching nothing)")
     _router_flag(g, "--request-timeout-secs", "longest a request (a whole stream) may take", type=float)
+    _router_flag(g, "--max-request-bytes", "refuse larger request bodies with a 413 as they arrive (the servers' "
+                 "flag and default)", type=int)
     g = parser.add_argument_group("health")
     _router_flag(g, "--health-check-interval-secs", "seconds between GET /health of every worker", type=float)
     _router_flag(g, "--health-check-timeout-secs", "a health check slower than this fails", type=float)
@@ -347,6 +355,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                  "--api-key, or else the client's own Authorization header")
     _router_flag(g, "--allowed-hosts", ORIGIN_HELP["hosts"], type=names_list)
     _router_flag(g, "--allowed-origins", ORIGIN_HELP["origins"], type=names_list)
+    _router_flag(g, "--allow-no-api-key", "listen beyond the loopback (--host) without --api-key: refused "
+                 "otherwise", action="store_true")
+    _router_flag(g, "--disaggregation-auth-token", "the servers' P/D token: the router signs the bootstrap fields it "
+                 "adds, and decode servers holding it act on no others (prefer the file or "
+                 "PDSERVE_DISAGGREGATION_AUTH_TOKEN: a flag shows in the process list)")
+    g.add_argument("--disaggregation-auth-token-file", dest="disaggregation_auth_token_file",
+                   help="file whose first line is the P/D token")
     _add_fleet_flags(parser)
 
 
@@ -385,7 +400,8 @@ def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--prefill-selector", "labels of the prefill pods (key=value ...)", nargs="+",
                  metavar="KEY=VALUE")
     _router_flag(g, "--decode-selector", "labels of the decode pods (key=value ...)", nargs="+", metavar="KEY=VALUE")
-    _router_flag(g, "--service-discovery-namespace", "the namespace to watch (default: every namespace)")
+    _router_flag(g, "--service-discovery-namespace", "the namespace of the worker pods (required with "
+                 "--service-discovery)")
     _router_flag(g, "--service-discovery-port", "the workers' HTTP port in their pods", type=int)
     _router_flag(g, "--bootstrap-port-annotation", "pod annotation holding a prefill's bootstrap port")
     _router_flag(g, "--workers-file", "a JSON or YAML file {prefill: [{url, bootstrap_port}], decode: [url]}, "
@@ -396,6 +412,8 @@ def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
     """RouterArgs from parsed flags; raises ValueError (naming the field) if they are invalid."""
     kwargs = {k: v for k, v in vars(ns).items() if k in _ROUTER_FIELDS}
     kwargs["api_key"] = _api_key(kwargs.get("api_key"))
+    kwargs["disaggregation_auth_token"] = resolve_token(ns.disaggregation_auth_token,
+                                                        ns.disaggregation_auth_token_file)
     kwargs["prefill"] = tuple(PrefillSpec.parse(values) for values in ns.prefill or ())
     kwargs["decode"] = tuple(normalize_url(url) for url in ns.decode or ())
     for name in ("selector", "prefill_selector", "decode_selector"):
@@ -409,6 +427,9 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args, model_config = _checked_args(ns)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    refusal = unauthenticated_refusal(args.host, args.api_key, args.allow_no_api_key, "the server")
+    if refusal and args.node_rank == 0:
+        parser.exit(2, f"{parser.prog}: error: {refusal}\n")
     if args.node_rank > 0:
         from pdserve.entrypoints.node_launcher import launch_ranks_only
 
@@ -423,6 +444,9 @@ def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args = router_args_from_namespace(ns)
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    refusal = unauthenticated_refusal(args.host, args.api_key, args.allow_no_api_key, "the router")
+    if refusal:
+        parser.exit(2, f"{parser.prog}: error: {refusal}\n")
     from pdserve.router.app import launch_router
 
     return launch_router(args)
@@ -463,6 +487,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-api-key", dest="up_admin_api_key", default=os.environ.get(ADMIN_KEY_ENV) or None,
                    help="admin routes of the router and every server need it (passed to them by the environment; "
                    f"default: ${ADMIN_KEY_ENV})")
+    g.add_argument("--allow-no-api-key", dest="up_allow_no_api_key", action="store_true",
+                   help="listen beyond the loopback (--host) without --api-key: refused otherwise")
     g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
                    help="the router's health checks: a restarted server is used again within this "
                    "(default: %(default)s)")
@@ -566,7 +592,8 @@ def up_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentPars
     flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS + UP_SECRET_FIELDS)
     return UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
                   _api_key(ns.up_api_key), ns.up_health_check_interval_secs, auth_token=ns.disaggregation_auth_token,
-                  elastic=elastic_from_namespace(ns), storage=storage, admin_api_key=ns.up_admin_api_key)
+                  elastic=elastic_from_namespace(ns), storage=storage, admin_api_key=ns.up_admin_api_key,
+                  allow_no_api_key=ns.up_allow_no_api_key)
 
 
 def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -576,6 +603,9 @@ def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args = up_args_from_namespace(ns, parser)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    refusal = unauthenticated_refusal(args.host, args.api_key, args.allow_no_api_key, "the deployment")
+    if refusal:
+        parser.exit(2, f"{parser.prog}: error: {refusal}\n")
     return launch_up(args)
 
 
@@ -815,11 +845,19 @@ def cmd_plan(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if result.recommendation else 1
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line naming the subcommand and the flag (argparse prints the whole usage
+    first: 70 lines, with the error last, where a reader misses it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: an SGLang-style LLM server "
-                                     "built around prefill/decode disaggregation.")
+    parser = OneLineErrors(prog="pdserve", description="pdserve: an SGLang-style LLM server "
+                           "built around prefill/decode disaggregation.")
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineErrors)
     commands = (
         ("serve", add_server_args, cmd_serve, "launch an HTTP server (frontend + scheduler process)",
          "Launch an HTTP server: OpenAI and SGLang-native APIs."),
@@ -847,7 +885,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return ns.handler(ns, ns.subparser) or 0
+    try:
+        return ns.handler(ns, ns.subparser) or 0
+    except KeyboardInterrupt:
+        # Ctrl-C before the command's own signal handling is armed (imports, model loading):
+        # one line, not the traceback of whatever was being imported
+        print(f"{ns.subparser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -30,7 +30,13 @@ from pdserve.config import ModelConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
-from pdserve.entrypoints.protocol import OPENAPI_BODIES, OPENAPI_EXTRA_MODELS, AbortRequest, RoleSwitchRequest
+from pdserve.entrypoints.protocol import (
+    OPENAPI_BODIES,
+    OPENAPI_EXTRA_MODELS,
+    AbortRequest,
+    PrefillLostRequest,
+    RoleSwitchRequest,
+)
 from pdserve.entrypoints.role_switch import RoleSwitcher
 from pdserve.entrypoints.tokenizer_manager import StartupCancelled, StartupError, TokenizerManager
 from pdserve.obs.metrics import ServerMetrics
@@ -51,7 +57,7 @@ from pdserve.web.errors import (
     parse_body,
     read_body,
 )
-from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, INSTANCE_HEADER, ROLE_HEADER
 from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
 from pdserve.web.origin import OriginPolicy
 from pdserve.web.streaming import collect
@@ -210,7 +216,8 @@ def _role_headers(ctx: ServerContext) -> dict[str, str]:
     prefill and decode workers) and where the registry of a prefill server listens."""
     if ctx.tm.role == "null":
         return {}
-    return {ROLE_HEADER: ctx.tm.role, BOOTSTRAP_PORT_HEADER: str(ctx.args.disaggregation_bootstrap_port)}
+    return {ROLE_HEADER: ctx.tm.role, BOOTSTRAP_PORT_HEADER: str(ctx.args.disaggregation_bootstrap_port),
+            INSTANCE_HEADER: ctx.tm.bootstrap_gate.instance}
 
 
 def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -220,6 +227,12 @@ def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
         if ctx.roles is None:
             raise RequestError("target_role: this server is not in P/D mode", param="target_role")
         return await ctx.roles.switch(req)
+
+    @app.post("/disaggregation/prefill_lost", include_in_schema=False)
+    async def prefill_lost(request: Request):
+        req: PrefillLostRequest = parse_body(PrefillLostRequest, await read_body(request, ctx.args.max_request_bytes))
+        ctx.tm.prefill_lost(req.refs, req.signature, request.client.host if request.client else None)
+        return {"success": True}
 
     @app.post("/flush_cache", responses=_errors(400, 401, 403, 503))
     async def flush_cache():

@@ -30,6 +30,8 @@ class _Bootstrap(_Body):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
+    # the router's MAC over the three (disagg/routed.py); decode acts on unsigned ones only when allowed
+    bootstrap_signature: str | None = Field(None, max_length=1000)
 
     def bootstraps(self, n: int, default_port: int, samples: int = 1) -> list[BootstrapRef | None]:
         """One BootstrapRef per prompt (None for all when the request was not routed). sglang-router
@@ -67,6 +69,14 @@ def _first_of_samples(value, n: int, samples: int):
     if n == 1 and samples > 1 and isinstance(value, list) and len(value) == samples:
         return value[:1]
     return value
+
+
+class PrefillLostRequest(_Body):
+    """``POST /disaggregation/prefill_lost`` (the router's): the rooms whose prefill half broke, as
+    (host, port, room) of the bootstrap fields the router sent, signed for this server."""
+
+    refs: list[tuple[str, int, int]] = Field(min_length=1, max_length=1024)
+    signature: str | None = Field(None, max_length=1000)
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -36,6 +36,8 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.auth import AuthError, Misdirected, peer_auth
+from pdserve.disagg.routed import BootstrapGate
 from pdserve.engine.codec import DropCounter
 from pdserve.engine.io_struct import (
     AbortReq,
@@ -46,6 +48,7 @@ from pdserve.engine.io_struct import (
     GetStatsReq,
     KVEventsSnapshotReq,
     KVEventsSnapshotResp,
+    PrefillLostReq,
     RejectedReq,
     RoleSwitchReq,
     RoleSwitchResp,
@@ -164,6 +167,8 @@ class TokenizerManager:
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._snapshot_waiters: deque[asyncio.Future] = deque()
         self._switch_waiters: deque[asyncio.Future] = deque()
+        # which bootstrap fields decode acts on; its instance names this process on /health
+        self.bootstrap_gate = BootstrapGate(peer_auth(args.disagg_config()), args.disagg_config().bootstrap_allow)
         self.live_role = LiveRole(args.disaggregation_mode)  # POST /pd_role_switch changes it
         self.last_admit = 0.0  # time.monotonic() of the last request admitted (a role switch waits for quiet)
         self._role_gate: asyncio.Event | None = None  # cleared while the scheduler switches roles
@@ -284,11 +289,36 @@ class TokenizerManager:
         if mode == "null":
             return [None] * n
         refs = body.bootstraps(n, self.args.disaggregation_bootstrap_port, samples)
+        if mode == "decode" and refs[0] is not None:
+            self._check_routed(refs, body.bootstrap_signature)
         if mode == "prefill" and refs[0] is None:
             raise RequestError("bootstrap_room: a prefill server serves only requests routed with "
                                "bootstrap_host/bootstrap_port/bootstrap_room (put a P/D router in front)",
                                param="bootstrap_room")
         return refs
+
+    def _check_routed(self, refs: list, signature: str | None) -> None:
+        """Decode fetches from the registry a request names only when the router signed it or it is
+        allowed (disagg/routed.py): 403 naming the field, 421 when signed for another instance."""
+        try:
+            self.bootstrap_gate.check([(r.host, r.port, r.room) for r in refs], signature)
+        except Misdirected as e:
+            raise RequestError(str(e), param="bootstrap_signature", status=421, code="misdirected_request") from None
+        except AuthError as e:
+            field = str(e).partition(":")[0]
+            raise RequestError(str(e), param=field, status=403, code="bootstrap_not_allowed") from None
+
+    def prefill_lost(self, refs: list[tuple[str, int, int]], signature: str | None, peer: str | None) -> None:
+        """The router saw the prefill halves of ``refs`` break: decode prefills those rooms locally
+        now (disagg/routed.py says who may say so)."""
+        if self.role != "decode":
+            raise RequestError(f"refs: this server is {self.role}, not decode", param="refs")
+        try:
+            self.bootstrap_gate.check_lost(refs, signature, peer)
+        except AuthError as e:
+            raise RequestError(str(e), param=str(e).partition(":")[0], status=403,
+                               code="bootstrap_not_allowed") from None
+        self._send_or_fail(PrefillLostReq([room for _, _, room in refs], "the router saw prefill's half break"))
 
     def check_input(self, input_ids: list[int], max_new_tokens: int, prompt_field: str,
                     max_tokens_field: str) -> None:

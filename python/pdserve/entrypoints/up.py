@@ -133,6 +133,7 @@ class UpArgs:
     storage: StorageTier = field(default_factory=StorageTier)
     auth_token: str | None = field(default=None, repr=False)  # the P/D token, for the servers
     admin_api_key: str | None = field(default=None, repr=False)  # every child's, by the environment
+    allow_no_api_key: bool = False  # --host beyond the loopback without --api-key (every child told so)
 
     def __post_init__(self):
         for name in ("num_prefill", "num_decode"):
@@ -200,7 +201,7 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
         port = args.port + 1 + i
         url = f"http://{args.host}:{port}"
         cmd = [*py, "serve", *args.server_flags, "--host", args.host, "--port", str(port),
-               "--disaggregation-mode", role]
+               "--disaggregation-mode", role, *(["--allow-no-api-key"] if args.allow_no_api_key else [])]
         if "--num-threads" not in args.server_flags:
             cmd += ["--num-threads", str(len(shares[i]))]
         boot = args.bootstrap_port + i  # elastic: every server's, for when it becomes prefill
@@ -213,15 +214,16 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
             decode_urls.append(url)
         name = f"{role}-{i if role == 'prefill' else i - args.num_prefill}"
         cmd += storage_flags(args.storage, name, master)
-        children.append(Child(name, cmd, url, shares[i], env=secrets_env(args, server=True)))
+        children.append(Child(name, cmd, url, shares[i], env=secrets_env(args)))
     router = [*py, "router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
-              "--health-check-interval-secs", f"{args.health_check_interval_secs:g}"]
+              "--health-check-interval-secs", f"{args.health_check_interval_secs:g}",
+              *(["--allow-no-api-key"] if args.allow_no_api_key else [])]
     for url, boot in prefill_urls:
         router += ["--prefill", url, str(boot)]
     for url in decode_urls:
         router += ["--decode", url]
     children.append(Child("router", router, f"http://{args.host}:{args.port}", None,
-                          env=secrets_env(args, server=False)))
+                          env=secrets_env(args)))
     return children
 
 
@@ -242,13 +244,13 @@ def kv_events_flags(args: UpArgs) -> list[str]:
     return ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://{host}:*"})]
 
 
-def secrets_env(args: UpArgs, server: bool) -> dict[str, str]:
-    """A child's secrets, as environment variables: the API and admin keys for all, the P/D token for
-    servers."""
+def secrets_env(args: UpArgs) -> dict[str, str]:
+    """A child's secrets, as environment variables: the API and admin keys and the P/D token for all
+    (the router signs the bootstrap fields it adds with the token)."""
     env = {API_KEY_ENV: args.api_key} if args.api_key else {}
     if args.admin_api_key:  # the children take it as --admin-api-key's default
         env[ADMIN_KEY_ENV] = args.admin_api_key
-    if server and args.auth_token:
+    if args.auth_token:
         env[AUTH_TOKEN_ENV] = args.auth_token
     return env
 

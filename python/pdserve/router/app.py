@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
+from pdserve.disagg.auth import PeerAuth
 from pdserve.router.admission import Admission, AdmissionMiddleware
 from pdserve.router.breaker import Backoff, BreakerConfig, BreakerState, CircuitBreaker
 from pdserve.router.cache_view import CacheView, PrefixView
@@ -43,7 +44,7 @@ from pdserve.web.api_key import (
     warn_if_unauthenticated,
 )
 from pdserve.web.app import add_error_handlers, guard_routes
-from pdserve.web.errors import ServerError, error_body
+from pdserve.web.errors import ServerError, error_body, read_body
 from pdserve.web.listen import bind_socket, configure_logging, run_event_loop
 from pdserve.web.origin import OriginPolicy
 
@@ -87,7 +88,8 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     metrics = RouterMetrics()
     state = RouterState(prefill, decode, args.worker_startup_timeout_secs)
     proxy = PDProxy(prefill, decode, metrics, rng, args.request_timeout_secs, args.health_check_timeout_secs,
-                    args.worker_key, state, _backoff(args), args.health_check_endpoint)
+                    args.worker_key, state, _backoff(args), args.health_check_endpoint, args.max_request_bytes,
+                    PeerAuth(args.disaggregation_auth_token))
     checker = HealthChecker([prefill, decode], proxy.probe, args.health_check_interval_secs,
                             args.health_failure_threshold, args.health_success_threshold)
     proxy.refresh_roles = checker.check_all
@@ -303,7 +305,7 @@ def _add_control_routes(app: FastAPI, ctx: RouterContext) -> None:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         # the rid reached both halves of a request in its body, so every worker may hold it
-        body = parse_json_object(await request.body())
+        body = parse_json_object(await read_body(request, ctx.args.max_request_bytes))
         if body.get("abort_all") and not may_administer(request.scope):
             raise admin_refusal("abort_all")
         # a client's own abort goes with its token and the worker key, so the workers check that it

@@ -15,7 +15,8 @@
 
 The policy tells the view each choice (``PickObserver``): the candidates' views are asked for
 the prompt's hashes within one synchronous ``WorkerSet.pick``, so the last hashes asked are the
-prompt being placed, and ``placed`` records them in the chosen worker's guess.
+prompt being placed; ``placed`` notes the choice, and once the workers accept the request the
+proxy has it recorded in the chosen worker's guess (``accepted``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import threading
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,7 +46,18 @@ logger = logging.getLogger(__name__)
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "")
 LOAD_KEYS = ("num_running_reqs", "num_waiting_reqs", "free_pages", "total_pages")
 UNKNOWN_POOL_BLOCKS = 1 << 16  # a worker's guess holds this many blocks until it reports its pool
+# prompts are hashed up to the workers' context length (the most any of them reported); a worker that
+# reports none (sglang) leaves this bound
+UNKNOWN_CONTEXT_TOKENS = 1 << 17
 MATCH_TOKENS, MATCH_TEXT = "tokens", "text"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A prompt's block hashes and the prefill worker picked for it."""
+
+    url: str
+    hashes: Sequence[int]
 
 
 class PrefixView:
@@ -113,7 +126,9 @@ class CacheView:
         self.match_by: str | None = None  # MATCH_TOKENS or MATCH_TEXT once decided; None: routed by load
         self.page_size: int | None = None  # set once match_by is decided: prompts are hashed from then on
         self.views: dict[str, PrefixView] = {}
+        self.context_len: int | None = None  # the longest context a prefill worker reported
         self.asking: Sequence[int] | None = None
+        self.last_placed: Placement | None = None  # the pick's choice, until the proxy takes it
         self._said: set[str] = set()
         self._busy = False
         self._loading = False  # a tokenizer is loading on its thread
@@ -130,25 +145,43 @@ class CacheView:
                 prefill.policy.observer = self
 
     # ----------------------------------------------------------- requests
+    @property
+    def hashes_prompts(self) -> bool:
+        """Whether ``prompt_hashes`` would hash anything (else it answers [] at once)."""
+        return self.prefill_aware and self.page_size is not None
+
     def prompt_hashes(self, path: str, body: dict) -> list[int]:
-        """The block hashes of the request's prompt; [] when they cannot be known (routed by load)."""
+        """The block hashes of the request's prompt, up to the context length; [] when they cannot be
+        known (routed by load). Blocking (a tokenizer runs): the proxy calls it on its hashing thread."""
         if not self.prefill_aware or self.page_size is None:
             return []
-        ids = prompt_ids(self.tokenizer, path, body)
+        limit = self.context_len or UNKNOWN_CONTEXT_TOKENS
+        ids = prompt_ids(self.tokenizer, path, body, limit)
         if ids:
             return prompt_block_hashes(ids, self.page_size)
         text = prompt_text(path, body) if self.tokenizer is None else None
-        return text_block_hashes(text, CHARS_PER_TOKEN * self.page_size) if text else []
+        return text_block_hashes(text[:limit * CHARS_PER_TOKEN], CHARS_PER_TOKEN * self.page_size) if text else []
 
     # PickObserver (the prefill side's CacheAwarePolicy)
     def prompt_key(self) -> int | None:
         return self.asking[-1] if self.asking else None
 
     def placed(self, candidate: Candidate) -> None:
+        """Noted only: the guess learns the prompt once the request is accepted (``accepted``), so a
+        request the workers refuse (too long, malformed) leaves the guesses as they were."""
         hashes, self.asking = self.asking, None
-        view = self.views.get(candidate.url)
-        if hashes and view is not None and self.approximate:
-            view.guess.insert(hashes)
+        self.last_placed = Placement(candidate.url, hashes) if hashes else None
+
+    def take_placement(self) -> Placement | None:
+        """The last pick's choice (once): the proxy keeps it with the request until it is accepted."""
+        placement, self.last_placed = self.last_placed, None
+        return placement
+
+    def accepted(self, placement: Placement) -> None:
+        """The request placed by ``placement`` was accepted: its blocks become the worker's most recent."""
+        view = self.views.get(placement.url)
+        if view is not None and self.approximate:
+            view.guess.insert(placement.hashes)
 
     def forget(self) -> None:
         """The workers' caches were flushed: every guess is empty again (events say so themselves)."""
@@ -205,6 +238,9 @@ class CacheView:
             if info is None:
                 return
             view.set_pool(info.get("total_pages"))
+            context = info.get("context_length")
+            if isinstance(context, int) and context > 0 and context > (self.context_len or 0):
+                self.context_len = context
             if self.page_size is None and not await self._decide(w, info):
                 return
             if self.views.get(w.url) is not view:

@@ -60,6 +60,7 @@ class RouterArgs:
     worker_startup_timeout_secs: float = 600.0
     worker_startup_check_interval: float = 1.0
     request_timeout_secs: float = 1800.0
+    max_request_bytes: int = 32 << 20  # the servers' default: larger bodies get a 413 as they arrive
     log_level: str = "info"
     # repr=False: keys stay out of logs and tracebacks
     api_key: str | None = field(default=None, repr=False)  # clients must send it; the workers get it too
@@ -69,6 +70,9 @@ class RouterArgs:
     # Host / Origin names a browser's request may carry beyond the bind's own (web/origin.py; "*": any)
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    allow_no_api_key: bool = False  # listen beyond the loopback without --api-key (refused otherwise)
+    # the P/D token (the servers'): the router signs the bootstrap fields it adds (disagg/routed.py)
+    disaggregation_auth_token: str | None = field(default=None, repr=False)
     # ---- a fleet: breakers, retries, admission, health thresholds, discovery (sglang-router's names
     # and defaults, checked by _check_fleet). The cap is off unless --max-concurrent-requests is given.
     cb_failure_threshold: int = 10  # consecutive failed requests that open a worker's breaker
@@ -93,7 +97,7 @@ class RouterArgs:
     selector: tuple[str, ...] = ()  # key=value labels every worker pod has
     prefill_selector: tuple[str, ...] = ()
     decode_selector: tuple[str, ...] = ()
-    service_discovery_namespace: str | None = None  # None: every namespace
+    service_discovery_namespace: str | None = None  # required with service_discovery
     service_discovery_port: int = 80
     bootstrap_port_annotation: str = BOOTSTRAP_PORT_ANNOTATION
     workers_file: str | None = None  # a JSON/YAML file of workers, watched for changes
@@ -123,6 +127,8 @@ class RouterArgs:
                      "worker_startup_check_interval", "request_timeout_secs", "kv_events_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
         for name in ("api_key", "worker_api_key", "admin_api_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name}: must not be empty")
@@ -181,6 +187,9 @@ def _check_fleet(a: RouterArgs) -> None:
     if a.service_discovery and not (a.prefill_selector and a.decode_selector):
         raise ValueError("prefill_selector: --service-discovery needs --prefill-selector and --decode-selector "
                          "(key=value labels of each role's pods)")
+    if a.service_discovery and not a.service_discovery_namespace:
+        raise ValueError("service_discovery_namespace: --service-discovery needs the namespace of the worker pods "
+                         "(the router sends its worker key and every prompt to the pods it finds)")
     if a.workers_file == "":
         raise ValueError("workers_file: must not be empty")
 

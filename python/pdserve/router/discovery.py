@@ -8,7 +8,8 @@ A worker added starts unchecked and serves once a health check passes, as at sta
 
 Kubernetes (sglang-router's flags): one watch per role, with the label selector
 ``--selector`` + ``--prefill-selector`` (or ``--decode-selector``), in
-``--service-discovery-namespace`` (every namespace without it). A pod is a worker while it is
+``--service-discovery-namespace`` (required: a labelled pod in another namespace is no worker of
+ours). A pod is a worker while it is
 Running and Ready with a pod IP and not being deleted: ``http://<pod IP>:<--service-discovery-port>``;
 a prefill pod's bootstrap port is its ``--bootstrap-port-annotation`` (sglang.ai/bootstrap-port),
 else 8998. Each watch starts from a list (a pod gone meanwhile is dropped) and is listed again
@@ -18,6 +19,7 @@ kubeconfig (``$KUBECONFIG``, ``~/.kube/config``).
 
 Workers file (JSON, or YAML by its .yaml/.yml suffix):
 ``{"prefill": [{"url": U, "bootstrap_port": P} | U, ...], "decode": [U | {"url": U}, ...]}``.
+Its owner must be the router's user or root, and no group or other may write it (``check_private``).
 It is polled every ``FILE_POLL_S``; a change of its size, mtime or inode makes the router read it
 again. A file that does not parse or names a bad value is an error at start-up; later, the error is
 logged and the workers stay as they were.
@@ -30,6 +32,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -175,6 +178,21 @@ def _prefill_entry(entry: Any, field: str) -> Wanted:
     return Wanted(Role.PREFILL, spec.url, spec.bootstrap_port)
 
 
+def check_private(path: Path) -> None:
+    """ValueError unless ``path`` (symlinks followed, as a ConfigMap mounts it) is a regular file that
+    only this user or root owns and may change: the router sends the worker key and every prompt to
+    the URLs it names, so whoever may write it may read them."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ValueError(f"owned by uid {st.st_uid}, not by this user ({os.geteuid()}) or root: refused (the "
+                         f"router sends the worker key and the prompts to the URLs it names)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"mode {stat.S_IMODE(st.st_mode):o} lets others change it: refused (chmod go-w; the "
+                         f"router sends the worker key and the prompts to the URLs it names)")
+
+
 class WorkersFile(WorkerSource):
     """``--workers-file``: read at start (its errors stop the router), then polled."""
 
@@ -206,6 +224,7 @@ class WorkersFile(WorkerSource):
 
     def _read(self) -> list[Wanted]:
         stat = self._stat()
+        check_private(self.path)
         wanted = parse_workers(self.path.read_text(), self.path.suffix.lower() in (".yaml", ".yml"))
         self.seen = stat
         return wanted
@@ -279,7 +298,7 @@ class KubernetesDiscovery(WorkerSource):
         self.loop = asyncio.get_running_loop()
         self.reconciler = reconciler
         self.listed = {role: asyncio.Event() for role in self.selectors}
-        where = f"namespace {self.namespace}" if self.namespace else "every namespace"
+        where = f"namespace {self.namespace}"
         for role, selector in self.selectors.items():
             logger.info("discovering %s workers: pods with %s in %s, port %d", role.value, selector, where, self.port)
             thread = threading.Thread(target=self._follow, args=(role,), name=f"discovery {role.value}", daemon=True)
@@ -311,9 +330,7 @@ class KubernetesDiscovery(WorkerSource):
                 self.stopping.wait(RETRY_S)
 
     def _list_call(self) -> tuple[Callable[..., Any], dict]:
-        if self.namespace:
-            return self.api.list_namespaced_pod, {"namespace": self.namespace}
-        return self.api.list_pod_for_all_namespaces, {}
+        return self.api.list_namespaced_pod, {"namespace": self.namespace}
 
     def _list(self, role: Role, pods: dict[str, Wanted]) -> str | None:
         call, kwargs = self._list_call()

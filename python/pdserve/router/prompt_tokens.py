@@ -20,6 +20,9 @@ from pdserve.engine.tokenizer import has_tokenizer, load_tokenizer
 from pdserve.web.chat import chat_prompt_text
 
 logger = logging.getLogger(__name__)
+# A token is rarely longer than this many characters: a prompt cut at max_tokens * this keeps its
+# first max_tokens tokens (the last one may be split: only the last page hash can differ).
+MAX_CHARS_PER_TOKEN = 16
 
 
 def load_local_tokenizer(path: str | None) -> Any | None:
@@ -33,18 +36,24 @@ def load_local_tokenizer(path: str | None) -> Any | None:
         return None
 
 
-def prompt_ids(tokenizer: Any | None, path: str, body: dict) -> list[int] | None:
+def prompt_ids(tokenizer: Any | None, path: str, body: dict, max_tokens: int | None = None) -> list[int] | None:
     """Token ids of the single prompt of ``body`` sent to ``path``; None when there is not exactly one
-    or it cannot be read (or, without a tokenizer, when the request gives text)."""
+    or it cannot be read (or, without a tokenizer, when the request gives text). ``max_tokens``: at
+    most this many leading ids, from at most ``MAX_CHARS_PER_TOKEN`` times as many characters of text
+    (a prompt longer than the context is the server's to refuse; its prefix is all routing needs)."""
+    chars = None if max_tokens is None else max_tokens * MAX_CHARS_PER_TOKEN
     try:
         if path == "/generate":
-            return _one(tokenizer, body.get("input_ids"), body.get("text"))
-        if path == "/v1/completions":
+            ids = _one(tokenizer, body.get("input_ids"), body.get("text"), max_tokens, chars)
+        elif path == "/v1/completions":
             prompt = body.get("prompt")
-            return _one(tokenizer, prompt if isinstance(prompt, list) else None,
-                        prompt if isinstance(prompt, str) else None)
-        if path == "/v1/chat/completions":
-            return _chat(tokenizer, body.get("messages"))
+            ids = _one(tokenizer, prompt if isinstance(prompt, list) else None,
+                       prompt if isinstance(prompt, str) else None, max_tokens, chars)
+        elif path == "/v1/chat/completions":
+            ids = _chat(tokenizer, body.get("messages"), chars)
+        else:
+            return None
+        return ids if ids is None or max_tokens is None else ids[:max_tokens]
     except Exception as e:  # noqa: BLE001 - a template or tokenizer error is the server's to report
         logger.debug("prompt of a %s request not tokenized: %s", path, e)
     return None
@@ -68,19 +77,20 @@ def prompt_text(path: str, body: dict) -> str | None:
     return text if isinstance(text, str) and text else None
 
 
-def _one(tokenizer: Any | None, ids: Any, text: Any) -> list[int] | None:
-    if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        return ids
+def _one(tokenizer: Any | None, ids: Any, text: Any, max_tokens: int | None, chars: int | None) -> list[int] | None:
+    if isinstance(ids, list) and ids:
+        head = ids[:max_tokens]
+        return head if all(isinstance(t, int) and not isinstance(t, bool) for t in head) else None
     if tokenizer is not None and isinstance(text, str) and text:
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text[:chars]))
     return None
 
 
-def _chat(tokenizer: Any | None, messages: Any) -> list[int] | None:
+def _chat(tokenizer: Any | None, messages: Any, chars: int | None) -> list[int] | None:
     if tokenizer is None or not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return None
     plain = [{**m, "content": _text(m.get("content"))} for m in messages]
-    return list(tokenizer.encode(chat_prompt_text(tokenizer, plain), add_special_tokens=False))
+    return list(tokenizer.encode(chat_prompt_text(tokenizer, plain)[:chars], add_special_tokens=False))
 
 
 def _text(content: Any) -> str:

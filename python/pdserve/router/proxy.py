@@ -32,28 +32,32 @@ import logging
 import random
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.bootstrap import with_bootstrap
+from pdserve.disagg.routed import route_refs
 from pdserve.router.breaker import Backoff, answer_verdict
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.resume import GenerateStream, prompt_ids_from_probe, prompt_probe, resumable, without_bootstrap
 from pdserve.router.state import RouterState
 from pdserve.router.workers import Lease, NoHealthyWorker, Role, Worker, WorkerSet
 from pdserve.web.api_key import CLIENT_TOKEN_HEADER
-from pdserve.web.errors import RequestError, ServerError, error_body
-from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, ROLE_HEADER
+from pdserve.web.errors import RequestError, ServerError, error_body, read_body
+from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, INSTANCE_HEADER, ROLE_HEADER
 from pdserve.web.streaming import SSE_DONE, sse, until_disconnect
 
 if TYPE_CHECKING:
-    from pdserve.router.cache_view import CacheView
+    from pdserve.router.cache_view import CacheView, Placement
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 CONNECT_TIMEOUT_S = 10.0
@@ -67,13 +71,23 @@ class WorkerUnreachable(Exception):
     """The connection to a worker failed: the request never reached it."""
 
 
+class _PrefillBroke(Exception):
+    """Prefill's half failed (its connection refused or dropped) before decode's answer began: decode
+    would wait for KV that never comes, until the disaggregation timeout."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(worker.url)
+        self.worker = worker
+
+
 class _BrokeOff(Exception):
     """A decode's whole-JSON answer broke off before it was read: the client has nothing yet."""
 
-    def __init__(self, worker: Worker, switched: bool = False):
+    def __init__(self, worker: Worker, switched: bool = False, misdirected: bool = False):
         super().__init__(worker.url)
         self.worker = worker
         self.switched = switched  # it answered that it had become prefill
+        self.misdirected = misdirected  # it answered 421: signed for another instance (it restarted)
 
 
 @dataclass
@@ -98,8 +112,11 @@ class PDProxy:
 
     def __init__(self, prefill: WorkerSet, decode: WorkerSet, metrics: RouterMetrics, rng: random.Random,
                  request_timeout_s: float, health_timeout_s: float, worker_api_key: str | None = None,
-                 state: RouterState | None = None, backoff: Backoff | None = None, health_path: str = "/health"):
+                 state: RouterState | None = None, backoff: Backoff | None = None, health_path: str = "/health",
+                 max_request_bytes: int = 32 << 20, route_auth: PeerAuth | None = None):
         self.prefill = prefill
+        self.route_auth = route_auth or PeerAuth()  # with the P/D token: bootstrap fields are signed
+        self.max_request_bytes = max_request_bytes
         self.backoff = backoff or Backoff()
         self.health_path = health_path
         self.cache: CacheView | None = None  # cache_aware: the prompt's page hashes for the prefill choice
@@ -113,6 +130,8 @@ class PDProxy:
         self.request_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self.health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self.session: aiohttp.ClientSession | None = None
+        # one thread: a tokenizer is not safe to share between threads, and hashing is CPU work anyway
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-hash")
         self.background: set[asyncio.Task] = set()
         # One round of health checks now (set by the app): a decode answered that it switched roles.
         self.refresh_roles: Callable[[], Awaitable[None]] | None = None
@@ -132,6 +151,7 @@ class PDProxy:
         for task in list(self.background):
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
+        self.hasher.shutdown(wait=False, cancel_futures=True)
         if self.session is not None:
             await self.session.close()
 
@@ -150,15 +170,22 @@ class PDProxy:
     # ------------------------------------------------------------ generation
     async def generate(self, request: Request, path: str) -> Response:
         """Forward a generation request (``path``: /generate, /v1/completions, /v1/chat/completions)."""
-        body = parse_json_object(await request.body())
+        body = parse_json_object(await read_body(request, self.max_request_bytes))
         headers = self.upstream_headers(request)
-        hashes = self.cache.prompt_hashes(path, body) if self.cache is not None else []
+        hashes = await self._prompt_hashes(path, body)
         try:
             return await self._generate(request, path, body, headers, hashes)
         except RequestError as e:
             if e.status == 499:
                 self.metrics.client_disconnects.inc()
             raise
+
+    async def _prompt_hashes(self, path: str, body: dict) -> list[int]:
+        """The prompt's page hashes for cache_aware, computed on the hashing thread: a long prompt's
+        tokenization and hashing never hold up the event loop (health checks, other requests)."""
+        if self.cache is None or not self.cache.hashes_prompts:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(self.hasher, self.cache.prompt_hashes, path, body)
 
     async def _generate(self, request: Request, path: str, body: dict, headers: dict, hashes: list[int]) -> Response:
         """A decode that breaks off before a whole JSON answer is retried on another decode (nothing
@@ -168,14 +195,28 @@ class PDProxy:
         be an interval away."""
         attempts = _Attempts(self.backoff, self.rng, self.metrics)
         tried: list[Worker] = []
+        resigned: set[str] = set()  # decodes the request was signed again for (once each)
         while True:
             try:
                 ex = await until_disconnect(request, self._open_exchange(path, body, headers, tried, hashes,
                                                                          attempts))
                 return await self._answer(request, ex, path, body, headers)
             except _BrokeOff as e:
-                tried.append(e.worker)
                 switched = e.switched
+                if e.misdirected and e.worker.url not in resigned:
+                    # it restarted since the last health check: learn its new instance, sign again
+                    resigned.add(e.worker.url)
+                    if self.refresh_roles is not None:
+                        await self.refresh_roles()
+                    continue
+                tried.append(e.worker)
+            except _PrefillBroke as e:
+                logger.warning("prefill worker %s: its half broke before decode answered; sending the request to "
+                               "a new pair", e.worker.url)
+                if not await until_disconnect(request, attempts.retry(e.worker, "broken")):
+                    raise RequestError(f"prefill worker {e.worker.url}: connection broke ({attempts.spent})",
+                                       status=502, code="upstream_error") from None
+                continue
             if switched and self.refresh_roles is not None:
                 await self.refresh_roles()
             where = f"decode worker {tried[-1].url}: answer broke off"
@@ -186,18 +227,31 @@ class PDProxy:
 
     async def _answer(self, request: Request, ex: _Exchange, path: str, body: dict, headers: dict) -> Response:
         try:
+            if ex.response.status == 200 and ex.placement is not None and self.cache is not None:
+                self.cache.accepted(ex.placement)  # decode took it, so prefill did too (both check it alike)
             if ex.response.status == 503 and ex.response.headers.get(ROLE_HEADER) == "prefill":
                 # it switched to prefill as the request arrived (its next health check moves it)
                 worker = ex.decode.worker
                 logger.info("decode worker %s: switched to prefill; sending the request elsewhere", worker.url)
                 worker.reported_role = Role.PREFILL
                 raise _BrokeOff(worker, switched=True)
+            if ex.response.status == 421 and ex.decode.worker.instance is not None:
+                worker = ex.decode.worker
+                logger.info("decode worker %s: refused a signature for its previous run; checking it again",
+                            worker.url)
+                worker.instance = None
+                raise _BrokeOff(worker, switched=True, misdirected=True)
             if ex.response.status == 200 and ex.response.content_type == "text/event-stream":
-                relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None)
+                try:
+                    first = await until_disconnect(request, self._unless_prefill_broke(ex,
+                                                                                      ex.response.content.readany()))
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    first = b""  # broken already: the relay meets it and resumes or says so
+                relay = _Relay(ex, GenerateStream(body) if resumable(path, body) else None, first)
                 ex.streaming = True  # from here on the response owns the exchange and ends it
                 return _RelayResponse(self._relay(relay, path, headers), relay.finish)
             try:
-                content = await until_disconnect(request, ex.response.read())
+                content = await until_disconnect(request, self._unless_prefill_broke(ex, ex.response.read()))
             except aiohttp.ClientError as e:
                 ex.broken = True
                 self._failed(ex.decode.worker, "broken")
@@ -224,11 +278,13 @@ class PDProxy:
         refusing the connection is marked dead and the request sent to a new pair after the back-off,
         while ``attempts`` has retries left. ``avoid``: decodes not to pick; ``hashes``: the prompt's
         page hashes (cache_aware)."""
+        retry = attempts  # given (a new request, not a resume): a broken prefill half is resent
         attempts = attempts or _Attempts(self.backoff, self.rng, self.metrics)
         while True:
             prefill, decode = self._pick_pair(avoid, hashes)
+            placement = self.cache.take_placement() if self.cache is not None else None
             try:
-                return await self._start_exchange(path, body, headers, prefill, decode)
+                return await self._start_exchange(path, body, headers, prefill, decode, placement, retry)
             except WorkerUnreachable:
                 if not await attempts.retry(decode.worker, "connect"):
                     raise ServerError(f"decode worker {decode.worker.url}: connection failed ({attempts.spent}; "
@@ -260,20 +316,77 @@ class PDProxy:
                 lease.cached_blocks * self.cache.page_size)
 
     async def _start_exchange(self, path: str, body: dict, headers: dict, prefill: Lease | None,
-                              decode: Lease) -> _Exchange:
+                              decode: Lease, placement: Placement | None = None,
+                              attempts: _Attempts | None = None) -> _Exchange:
+        refs: list = []
         if prefill is None:  # degraded: decode serves it as a colocated request
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
             p = prefill.worker
-            payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)).encode()
+            routed = with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)
+            payload = json.dumps(self._signed(routed, decode.worker)).encode()
+            refs = route_refs(routed)
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
         ex = _Exchange(decode, task, self.metrics, prefill.worker if prefill is not None else None)
+        ex.placement = placement if prefill is not None else None
+        ex.refs, ex.headers = refs, headers
+        if attempts is not None:
+            ex.may_retry = lambda: attempts.left
         try:
-            ex.resp = await self._open_decode(decode.worker, path, payload, headers)
+            ex.resp = await self._unless_prefill_broke(ex, self._open_decode(decode.worker, path, payload, headers))
         except BaseException:
             ex.finish()
             raise
         return ex
+
+    async def _unless_prefill_broke(self, ex: _Exchange, step: Awaitable[T]) -> T:
+        """``step`` of decode's answer (its headers, its body, its first bytes), unless prefill's half
+        breaks first and the request may still be retried: then ``_PrefillBroke`` (decode's request is
+        closed by the caller, so decode aborts it). Without a retry left, decode is waited for (it
+        falls back to a local prefill at its disaggregation timeout)."""
+        task = asyncio.ensure_future(step)
+        prefill = ex.prefill_task
+        if prefill is None or prefill.done():
+            return await task
+        try:
+            await asyncio.wait({task, prefill}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done() and not prefill.cancelled() and prefill.result() and ex.prefill is not None:
+            if ex.may_retry():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise _PrefillBroke(ex.prefill)
+            await self._prefill_lost(ex)
+        return await task
+
+    async def _prefill_lost(self, ex: _Exchange) -> None:
+        """Tell decode (signed under the P/D token, for its instance) that prefill's half broke, so
+        it prefills the request locally now; failures are logged (decode still falls back at its
+        timeout)."""
+        worker = ex.decode.worker
+        signature = self.route_auth.sign_route(ex.refs, worker.instance or "", purpose="prefill-lost")
+        body = {"refs": ex.refs, "signature": signature}
+        try:
+            reply = await self.call(worker, "POST", "/disaggregation/prefill_lost", timeout=self.health_timeout,
+                                    json_body=body, headers=ex.headers)
+        except (WorkerUnreachable, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.warning("decode worker %s: could not tell it prefill's half broke: %s", worker.url, e)
+            return
+        if reply.status != 200:
+            logger.warning("decode worker %s: refused the news that prefill's half broke (%d): %s", worker.url,
+                           reply.status, str(reply.json())[:LOGGED_BODY_BYTES])
+        else:
+            logger.info("decode worker %s: prefills the request itself (prefill's half broke, no retry left)",
+                        worker.url)
+
+    def _signed(self, routed: dict, decode: Worker) -> dict:
+        """``routed`` with the router's ``bootstrap_signature`` for ``decode`` (disagg/routed.py): with
+        the P/D token, for a decode that names its instance (a pdserve server; sglang's take none)."""
+        if self.route_auth.token is None or decode.instance is None:
+            return routed
+        return {**routed, "bootstrap_signature": self.route_auth.sign_route(route_refs(routed), decode.instance)}
 
     async def _open_decode(self, worker: Worker, path: str, payload: bytes, headers: dict) -> aiohttp.ClientResponse:
         self.metrics.request(worker)
@@ -298,7 +411,7 @@ class PDProxy:
         while True:
             ex = relay.ex
             try:
-                async for chunk in ex.response.content.iter_any():
+                async for chunk in _after(relay, ex.response.content.iter_any()):
                     ex.note_cached(chunk)
                     out = relay.stream.feed(chunk) if relay.stream is not None else chunk
                     if out:
@@ -359,8 +472,9 @@ class PDProxy:
             raise ValueError(f"prompt probe on {decode.worker.url} answered {reply.status}")
         return prompt_ids_from_probe(reply.json())
 
-    async def _drain_prefill(self, lease: Lease, path: str, payload: bytes, headers: dict) -> None:
-        """Prefill's answer, read to the end and dropped; failures are logged and counted, never raised."""
+    async def _drain_prefill(self, lease: Lease, path: str, payload: bytes, headers: dict) -> bool:
+        """Prefill's answer, read to the end and dropped; failures are logged and counted, never raised.
+        True when its connection failed or broke (decode will not get the KV)."""
         worker = lease.worker
         self.metrics.request(worker)
         try:
@@ -372,18 +486,22 @@ class PDProxy:
                     # a 4xx is the client's error (decode answers it the same): no worker fault
                     logger.log(logging.DEBUG if resp.status < 500 else logging.WARNING,
                                "prefill worker %s: %s answered %d: %s", worker.url, path, resp.status, text)
-                    return
+                    return False
                 async for _ in resp.content.iter_any():
                     pass
                 self._answered(worker, resp.status)
+                return False
         except aiohttp.ClientConnectorError as e:
             self._unreachable(worker, e)
+            return True
         except asyncio.TimeoutError:
             self._failed(worker, "timeout")
             logger.warning("prefill worker %s: %s timed out", worker.url, path)
+            return False
         except aiohttp.ClientError as e:
             self._failed(worker, "broken")
             logger.warning("prefill worker %s: %s failed: %s: %s", worker.url, path, type(e).__name__, e)
+            return True
         finally:
             lease.release()
 
@@ -459,6 +577,7 @@ def _learn_role(worker: Worker, headers: Mapping[str, str]) -> None:
     """A P/D server names its role (and its registry's port) in /health's headers."""
     role = headers.get(ROLE_HEADER)
     worker.reported_role = Role(role) if role in ("prefill", "decode") else None
+    worker.instance = headers.get(INSTANCE_HEADER)
     port = headers.get(BOOTSTRAP_PORT_HEADER, "")
     if worker.reported_role is Role.PREFILL and port.isdigit():
         worker.bootstrap_port = int(port)
@@ -490,6 +609,10 @@ class _Attempts:
         return True
 
     @property
+    def left(self) -> bool:
+        return self.retries < self.backoff.max_retries
+
+    @property
     def spent(self) -> str:
         if not self.backoff.max_retries:
             return "retries disabled"
@@ -506,6 +629,10 @@ class _Exchange:
         self.metrics = metrics
         self.prefill = prefill
         self.cached_tokens: int | None = None  # the last cached_tokens the answer carried
+        self.placement: Placement | None = None  # cache_aware's choice, told the cache view once accepted
+        self.may_retry: Callable[[], bool] = lambda: False  # whether the request may go to a new pair
+        self.refs: list = []  # the (host, port, room) of the bootstrap fields sent (signed for decode)
+        self.headers: dict = {}  # the upstream headers the request went with
         self.resp: aiohttp.ClientResponse | None = None
         self.streaming = False  # a streaming response owns the exchange
         self.completed = False  # decode's whole answer reached the router
@@ -553,9 +680,10 @@ class _Relay:
     """A streamed answer to one client: the current exchange (a new one after each resume) and,
     for a resumable /generate, what the client has received."""
 
-    def __init__(self, ex: _Exchange, stream: GenerateStream | None):
+    def __init__(self, ex: _Exchange, stream: GenerateStream | None, first: bytes = b""):
         self.ex = ex
         self.stream = stream
+        self.first = first  # decode's first bytes, read before the response began
 
     def switch(self, ex: _Exchange) -> None:
         """Continue on ``ex``; the broken exchange is ended (its decode lease released)."""
@@ -579,6 +707,15 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_end()
+
+
+async def _after(relay: _Relay, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The relay's first bytes (once), then ``chunks``."""
+    first, relay.first = relay.first, b""
+    if first:
+        yield first
+    async for chunk in chunks:
+        yield chunk
 
 
 def parse_json_object(raw: bytes) -> dict:

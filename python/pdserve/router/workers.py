@@ -49,6 +49,7 @@ class Worker:
     kv: PrefixIndex | None = None  # its cached blocks, from its KV events (cache_aware)
     load: dict = field(default_factory=dict)  # its last reported stats (num_running_reqs, free_pages)
     reported_role: Role | None = None  # what its last /health said it is (P/D servers can switch roles)
+    instance: str | None = None  # the run its last /health named: bootstrap fields are signed for it
     breaker: CircuitBreaker | None = None  # None: --disable-circuit-breaker
     health_failures: int = 0  # consecutive failed health checks (the thresholds count these)
     health_successes: int = 0  # consecutive passed ones

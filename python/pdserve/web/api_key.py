@@ -64,6 +64,7 @@ ROUTE_ACCESS: dict[str, Access] = {
     "/abort_request": Access.OWNED,
     "/flush_cache": Access.ADMIN,
     "/pd_role_switch": Access.ADMIN,
+    "/disaggregation/prefill_lost": Access.INFERENCE,  # the router's, signed under the P/D token
 }
 
 _OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_request_owner", default="")
@@ -156,6 +157,19 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a name other than localhost may resolve to any interface
+
+
+ALLOW_NO_KEY_FLAG = "--allow-no-api-key"
+
+
+def unauthenticated_refusal(host: str, api_key: str | None, allowed: bool, what: str) -> str | None:
+    """Why ``what`` must not listen on ``host``: beyond the loopback it needs an API key unless the
+    operator says ``--allow-no-api-key`` (a network they trust); None when it may."""
+    if api_key or allowed or is_loopback(host):
+        return None
+    return (f"api_key: {what} would listen on {host} with no --api-key (anyone who reaches it could generate, "
+            f"abort and flush): give --api-key (or $PDSERVE_API_KEY), bind --host 127.0.0.1, or pass "
+            f"{ALLOW_NO_KEY_FLAG}")
 
 
 def warn_if_unauthenticated(host: str, api_key: str | None, admin_api_key: str | None, what: str) -> bool:

@@ -6,3 +6,4 @@ is now, so the router moves it between its prefill and decode sets without askin
 
 ROLE_HEADER = "X-PD-Role"
 BOOTSTRAP_PORT_HEADER = "X-PD-Bootstrap-Port"
+INSTANCE_HEADER = "X-PD-Instance"  # this run of the server: what the router signs bootstrap fields for
