@@ -265,7 +265,7 @@ class PDProxy:
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
             p = prefill.worker
-            payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)).encode()
+            payload = json.dumps(with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port)).encode()
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))
         ex = _Exchange(decode, task, self.metrics, prefill.worker if prefill is not None else None)
         try:
