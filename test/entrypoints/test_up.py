@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import pdserve
-from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV
+from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV, KV_HASH_KEY_ENV
 from pdserve.entrypoints.cli import build_parser, router_args_from_namespace, server_args_from_namespace
 from pdserve.entrypoints.up import (
     TRANSFER_ENGINE_WARNING,
@@ -127,6 +127,32 @@ def test_up_takes_secrets_off_the_servers_flags():
     args = up_args_from_namespace(ns, parser)
     assert (args.api_key, args.auth_token) == ("key-123", "token-456")
     assert not any("token-456" in f or "key-123" in f for f in args.server_flags)
+
+
+def test_up_keys_the_kv_block_hashes_of_every_child(monkeypatch, tmp_path):
+    """Every server and the router get one key up makes (by environment): events and the router's
+    matching agree, and the hashes mean nothing without it. An operator's key file goes to the router too."""
+    import argparse
+
+    from pdserve.entrypoints.cli import add_up_args, up_args_from_namespace
+
+    monkeypatch.delenv(KV_HASH_KEY_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    args = up_args_from_namespace(parser.parse_args(["--model-path", "tiny-llama"]), parser)
+    again = up_args_from_namespace(parser.parse_args(["--model-path", "tiny-llama"]), parser)
+    assert args.kv_hash_key and len(args.kv_hash_key) >= 32 and args.kv_hash_key != again.kv_hash_key
+    kids = plan(args.__class__(**{**args.__dict__, "cores": (0, 1)}))
+    assert {k.env[KV_HASH_KEY_ENV] for k in kids} == {args.kv_hash_key} and len(kids) == 3
+    assert not [k.name for k in kids if args.kv_hash_key in " ".join(k.cmd)]
+    assert args.kv_hash_key not in repr(args)
+    key_file = tmp_path / "kv.key"
+    key_file.write_text("operator-secret\n")
+    own = up_args_from_namespace(parser.parse_args(["--model-path", "tiny-llama", "--kv-hash-key-file",
+                                                    str(key_file)]), parser)
+    assert own.kv_hash_key is None
+    router = plan(own.__class__(**{**own.__dict__, "cores": (0, 1)}))[-1]
+    assert router.cmd[router.cmd.index("--kv-hash-key-file") + 1] == str(key_file)
 
 
 def test_a_probe_answered_by_something_else_than_http_is_not_healthy():

@@ -41,7 +41,7 @@ from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.cache_manager import KVCacheManager
 from pdserve.mem.page_table import ReqToTokenTable
-from pdserve.mem.radix_cache import RadixCache
+from pdserve.mem.radix_cache import RadixCache, key_check
 from pdserve.obs.timeline import StageClock
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class Scheduler:
         self.kv_manager = KVCacheManager(pool.num_pages, self.page_size, config.max_running_requests,
                                          self.context_len, disable_radix_cache=cache_config.disable_radix_cache,
                                          hicache=cache_config.hicache, pool=pool,
-                                         storage_compat=self._storage_compat(parallel, cache_config))
+                                         storage_compat=self._storage_compat(parallel, cache_config),
+                                         hash_key=cache_config.hash_key)
         self.sampler: SampleFn = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -586,6 +587,7 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
             **(self.kv_events.stats() if self.kv_events is not None else {}),
+            **({"kv_hash_key_check": key_check(self.kv_manager.hash_key)} if self.kv_events is not None else {}),
             **self.kv_manager.stats(),
             **self.mode.stats(),
             **self.decode_step.stats(),

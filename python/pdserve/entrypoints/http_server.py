@@ -40,6 +40,7 @@ from pdserve.web.api_key import (
     may_administer,
     owner_of_scope,
     warn_if_unauthenticated,
+    worker_credential,
 )
 from pdserve.web.app import add_error_handlers, guard_routes
 from pdserve.web.errors import (
@@ -93,7 +94,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
-    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key)
+    guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key, worker_credential(ctx.args.cache_config().hash_key))
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
     return app
 

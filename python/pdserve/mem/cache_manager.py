@@ -95,8 +95,10 @@ class KVCacheManager:
 
     def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_context_len: int,
                  disable_radix_cache: bool = False, hicache: HiCacheConfig | None = None,
-                 pool: KVPool | None = None, storage_compat: Mapping[str, object] | None = None):
+                 pool: KVPool | None = None, storage_compat: Mapping[str, object] | None = None,
+                 hash_key: bytes = b""):
         self.page_size = page_size
+        self.hash_key = hash_key  # of the block hash chain (mem/radix_cache.py) and the storage namespace
         self.allocator = PageAllocator(num_pages)
         # The cache returns the pages it lets go of (evicted, duplicates, flushed); freed here only.
         self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool, storage_compat)
@@ -110,7 +112,7 @@ class KVCacheManager:
     def _make_cache(self, disable: bool, hicache: HiCacheConfig | None, pool: KVPool | None,
                     compat: Mapping[str, object] | None) -> RadixCache:
         if hicache is None or not hicache.enabled:
-            return RadixCache(self.allocator, self.page_size, disable=disable)
+            return RadixCache(self.allocator, self.page_size, disable=disable, hash_key=self.hash_key)
         if pool is None:
             raise ValueError("enable_hierarchical_cache: the host tier needs the device KV pool")
         host = HostKVPool(pool, hicache.num_host_pages(self.allocator.num_pages, host_page_bytes(pool)),
@@ -120,7 +122,8 @@ class KVCacheManager:
         probe = self.allocator.alloc(min(PROBE_PAGES, self.allocator.num_free)) or []
         try:
             return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, storage=storage,
-                                prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s(), probe_pages=probe)
+                                prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s(), probe_pages=probe,
+                                hash_key=self.hash_key)
         finally:
             self.allocator.free(probe)
 
@@ -130,7 +133,9 @@ class KVCacheManager:
         if not compat:
             raise ValueError("hicache_storage_backend: the storage tier needs the KV compatibility record")
         assert hicache.storage_backend is not None
-        ns = namespace(compat)
+        # Keyed deployments key their stored pages too: a storage key is a chain over the tokens
+        # (mem/storage/keys.py), which whoever lists the store's keys could otherwise test guesses against.
+        ns = namespace(compat, self.hash_key.hex() if self.hash_key else None)
         store = create_page_store(hicache.storage_backend, directory=self._rank_dir(hicache.storage_dir, compat),
                                   size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
                                   extra_config=hicache.store_extra_config(), auth_token=hicache.auth_token,

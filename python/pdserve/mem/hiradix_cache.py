@@ -112,8 +112,8 @@ class HiRadixCache(RadixCache):
 
     def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
                  storage: StorageLeg | None = None, prefill_tokens_per_s: float | None = None,
-                 probe_pages: Sequence[int] = ()):
-        super().__init__(allocator, page_size)
+                 probe_pages: Sequence[int] = (), hash_key: bytes = b""):
+        super().__init__(allocator, page_size, hash_key=hash_key)
         self.host = host
         self.write_policy = write_policy
         self.storage = storage
@@ -371,7 +371,7 @@ class HiRadixCache(RadixCache):
         return new
 
     def _add_host_child(self, parent: RadixNode, key: tuple[int, ...], host_page: int) -> RadixNode:
-        child = RadixNode(key, None, hash_block(parent.hash, key), parent, self._new_id())
+        child = RadixNode(key, None, hash_block(parent.hash, key, self.hash_key), parent, self._new_id())
         child.last_access = self._tick()
         child.host_page, child.stored = host_page, True
         parent.children[key] = child

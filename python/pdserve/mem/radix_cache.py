@@ -3,8 +3,14 @@
 Each node below the root is one full page: ``page_size`` tokens (its key) and the
 page id holding their KV. Children are keyed by their block's token tuple, so a
 path from the root spells a page-aligned token prefix. Each node also carries a
-chained block hash, ``hash_i = H(hash_{i-1}, block_i)``, stable across processes,
-which a tiered KV pool can use as a content address for the same prefix.
+chained block hash, ``hash_i = H_k(hash_{i-1}, block_i)``, stable across processes that share
+the key ``k``, which KV events publish and a router matches prompts against.
+
+Why keyed: an unkeyed chain is a dictionary attack away from the prompt. With page size 1 a
+block is one token, so whoever sees a hash tries the vocabulary against its parent's hash and
+reads the prompt token by token. Keyed (BLAKE2b's MAC mode), a hash says nothing to whoever
+lacks ``k``: the servers and the router of one deployment share it (``--kv-hash-key-file``,
+``pdserve up`` makes one); ``k = b""`` is the unkeyed chain.
 
 Partial blocks are never cached: a prompt's tail shorter than a page is
 recomputed, which keeps every cached page immutable and shareable.
@@ -24,13 +30,20 @@ from pdserve.obs.kv_events import MEDIUM_GPU, KVEventSink
 ROOT_HASH = 0  # hash_{-1}: what the first block chains from
 
 
-def hash_block(parent_hash: int, block: Sequence[int]) -> int:
-    """64-bit chained hash of one block: blake2b(parent hash as u64 LE || tokens as i32 LE)."""
+def hash_block(parent_hash: int, block: Sequence[int], key: bytes = b"") -> int:
+    """64-bit chained hash of one block: blake2b keyed with ``key`` (up to 64 bytes; b"": unkeyed)
+    over parent hash as u64 LE || tokens as i32 LE."""
     try:
         data = struct.pack(f"<Q{len(block)}i", parent_hash, *block)
     except struct.error as e:
         raise ValueError(f"token ids must fit in int32 ({e})") from None
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little")
+
+
+def key_check(key: bytes) -> int:
+    """A value that tells two parties whether they hash under the same key, and nothing about the
+    key or any prompt: the hash of a block no prompt has (token id -1)."""
+    return hash_block(ROOT_HASH, [-1], key)
 
 
 def _token_list(token_ids: Sequence[int]) -> list[int]:
@@ -130,12 +143,16 @@ class RadixCache:
 
     ``sink`` (optional) hears every change of the tree as KV events: blocks stored by
     ``insert``, removed by ``evict``, all cleared by ``reset``, each under ``medium``.
+    ``hash_key``: the key of the block hash chain (see the module's docstring).
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False,
-                 sink: KVEventSink | None = None, medium: str = MEDIUM_GPU):
+                 sink: KVEventSink | None = None, medium: str = MEDIUM_GPU, hash_key: bytes = b""):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if len(hash_key) > 64:
+            raise ValueError(f"hash_key: at most 64 bytes (BLAKE2b's key), got {len(hash_key)}")
+        self.hash_key = hash_key
         self.allocator = allocator
         self.sink = sink
         self.medium = medium
@@ -166,7 +183,7 @@ class RadixCache:
         """Chained hashes of the full blocks of ``token_ids`` (the partial tail is ignored)."""
         hashes, h = [], ROOT_HASH
         for key in self._blocks(_token_list(token_ids)):
-            h = hash_block(h, key)
+            h = hash_block(h, key, self.hash_key)
             hashes.append(h)
         return hashes
 
@@ -327,7 +344,7 @@ class RadixCache:
                 assert n.parent is self._root or n.tree_parent.page is not None, f"device page under host-only: {n!r}"
                 owners[n.page] = n
                 locked += n.lock_ref > 0
-            assert n.hash == hash_block(n.tree_parent.hash, n.key)
+            assert n.hash == hash_block(n.tree_parent.hash, n.key, self.hash_key)
             assert n.lock_ref >= sum(c.lock_ref for c in n.children.values())
             if not n.children:
                 leaves.add(n)
@@ -377,7 +394,7 @@ class RadixCache:
                                  f"for a different block")
 
     def _add_child(self, parent: RadixNode, key: tuple[int, ...], page: int, now: int) -> RadixNode:
-        child = RadixNode(key, page, hash_block(parent.hash, key), parent, self._new_id())
+        child = RadixNode(key, page, hash_block(parent.hash, key, self.hash_key), parent, self._new_id())
         child.last_access = now
         parent.children[key] = child
         self._leaves.discard(parent)

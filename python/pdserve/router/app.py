@@ -37,10 +37,12 @@ from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
 from pdserve.router.workers import Fleet, HealthChecker, Role, Worker, WorkerSet, make_worker_set
 from pdserve.web.api_key import (
+    WORKER_HEADER,
     admin_refusal,
     holds_admin_key,
     may_administer,
     warn_if_unauthenticated,
+    worker_credential,
 )
 from pdserve.web.app import add_error_handlers, guard_routes
 from pdserve.web.errors import ServerError, error_body
@@ -93,10 +95,12 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     checker.on_move.append(metrics.moved)
     checker.after_check.append(state.update)
     checker.next_interval = lambda: _check_interval(args, state)
+    hash_key = args.hash_key()
     cache = CacheView(prefill, decode, proxy.call, proxy.worker_headers, args.tokenizer_path,
                       args.kv_events_timeout_secs, args.health_check_timeout_secs,
                       args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware",
-                      args.approximate_index)
+                      args.approximate_index, hash_key=hash_key,
+                      snapshot_headers=_worker_headers(args, proxy, hash_key))
     proxy.cache = cache
     checker.after_check.append(cache.schedule_refresh)
     ctx = RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache, Fleet(prefill, decode),
@@ -313,9 +317,20 @@ def _add_control_routes(app: FastAPI, ctx: RouterContext) -> None:
 
 def _admin_headers(ctx: RouterContext) -> dict:
     """What the router sends the workers for an admin call: its admin key, else the worker key."""
-    if ctx.args.admin_api_key:
-        return {"Authorization": f"Bearer {ctx.args.admin_api_key}"}
-    return dict(ctx.proxy.worker_headers)
+    return _admin_headers_of(ctx.args, ctx.proxy)
+
+
+def _worker_headers(args: RouterArgs, proxy: PDProxy, hash_key: bytes) -> dict:
+    """What the router sends for a worker-only route (/kv_events/snapshot): its admin key and the
+    credential of the deployment's hash key (web/api_key.py, ``Access.WORKER``)."""
+    credential = worker_credential(hash_key)
+    return {**_admin_headers_of(args, proxy), **({WORKER_HEADER: credential} if credential else {})}
+
+
+def _admin_headers_of(args: RouterArgs, proxy: PDProxy) -> dict:
+    if args.admin_api_key:
+        return {"Authorization": f"Bearer {args.admin_api_key}"}
+    return dict(proxy.worker_headers)
 
 
 async def _broadcast(ctx: RouterContext, path: str, body: dict | None, done: str, headers: dict) -> JSONResponse:

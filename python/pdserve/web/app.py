@@ -31,10 +31,12 @@ def add_error_handlers(app: FastAPI, timeout_message: str | None = None) -> None
     app.add_exception_handler(Exception, internal_error)
 
 
-def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None) -> None:
+def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None,
+                 worker_credential: str | None = None) -> None:
     """After the last route: every route has an access class (``web/api_key.py``), and the keys are checked."""
     check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]
-    app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key,
+                       worker_credential=worker_credential)
 
 
 async def _request_error(_request: Request, exc: RequestError) -> JSONResponse:
