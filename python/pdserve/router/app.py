@@ -73,6 +73,8 @@ class RouterContext:
     admission: Admission
     sources: list[WorkerSource] = field(default_factory=list)
     removed: list[_Removed] = field(default_factory=list)  # removed lately: a late KV follower is stopped
+    # the /health_generate fan-out in flight: callers meanwhile share it (one token per worker at a time)
+    health_generate_round: asyncio.Future | None = None
 
     @property
     def sets(self) -> tuple[WorkerSet, WorkerSet]:
@@ -361,14 +363,26 @@ async def _post_one(ctx: RouterContext, worker: Worker, path: str, body: dict | 
 
 async def _health_generate(ctx: RouterContext) -> JSONResponse:
     """Every healthy worker's ``GET /health_generate`` (one token each); 200 when a decode worker
-    generated (the router can serve, disaggregated or degraded), else 503. Each result is listed."""
+    generated (the router can serve, disaggregated or degraded), else 503. Each result is listed.
+
+    It bypasses admission (a health check must answer when the queue is full), so it is bounded
+    here instead: one fan-out at a time, and a caller arriving meanwhile gets that round's answer,
+    however many call."""
+    if ctx.health_generate_round is None:
+        ctx.health_generate_round = asyncio.ensure_future(_health_generate_round(ctx))
+        ctx.health_generate_round.add_done_callback(lambda _: setattr(ctx, "health_generate_round", None))
+    body, status = await asyncio.shield(ctx.health_generate_round)
+    return JSONResponse(body, status_code=status)
+
+
+async def _health_generate_round(ctx: RouterContext) -> tuple[dict, int]:
     workers = [w for s in ctx.sets for w in s.healthy]
     results = await asyncio.gather(*(_get_one(ctx, w, "/health_generate") for w in workers))
     serving = any(r["status"] == 200 and r["role"] == Role.DECODE.value for r in results)
     body = {"status": ctx.state.health()[1]["status"] if serving else "down", "workers": results}
     if not serving:
         body.update(error_body("health_generate: no decode worker generated a token", 503))
-    return JSONResponse(body, status_code=200 if serving else 503)
+    return body, 200 if serving else 503
 
 
 async def _get_one(ctx: RouterContext, worker: Worker, path: str) -> dict:

@@ -3,7 +3,8 @@
 Every route of the server and of the router is classified in ``ROUTE_ACCESS``; ``check_classified``
 refuses to build an app with a route missing there, so a new route is classified when it is added.
 
-- ``OPEN``: health checks and metrics, never a key (probes and Prometheus carry no secrets).
+- ``OPEN``: ``/health`` and metrics, never a key (probes and Prometheus carry no secrets).
+  ``/health_generate`` runs the model, so it is ``INFERENCE`` (open only where no key is set).
 - ``INFERENCE``: ``Authorization: Bearer <--api-key>`` when that key is set, else open. The admin key
   is not taken here, as in SGLang: an operator's key is not also a client's.
 - ``ADMIN`` (cache flush, role switch): the admin key when ``--admin-api-key`` is set (the inference
@@ -61,7 +62,7 @@ def worker_credential(hash_key: bytes) -> str | None:
 # Every route of the server (entrypoints/http_server.py) and the router (router/app.py).
 ROUTE_ACCESS: dict[str, Access] = {
     "/health": Access.OPEN,
-    "/health_generate": Access.OPEN,
+    "/health_generate": Access.INFERENCE,  # it generates (and on the router, on every worker): a client's call
     "/metrics": Access.OPEN,
     "/generate": Access.INFERENCE,
     "/v1/completions": Access.INFERENCE,
