@@ -976,6 +976,7 @@ class ServerArgs:
     disaggregation_pack_staging_mb: int = 64
     kv_events_config: str | None = None  # JSON, KVEventsConfig
     kv_hash_key_file: str | None = None  # the block hash chain's key (resolve_kv_hash_key); KV_HASH_KEY_ENV without it
+    cache_salt_per_client: bool = False  # each client (key + X-Client-Token) its own prefix cache (cache isolation)
     # GPU engine path (DeviceConfig): None resolves by what this host has.
     device: str | None = None
     attention_backend: str | None = None

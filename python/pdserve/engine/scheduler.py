@@ -171,16 +171,17 @@ class Scheduler:
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
                     return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                    bootstrap: BootstrapRef | None = None, group: str | None = None) -> Req:
+                    bootstrap: BootstrapRef | None = None, group: str | None = None, cache_salt: str = "") -> Req:
         """Queue a request. ``max_new_tokens`` 0 still prefills the prompt (its KV lands in the
         radix cache, its input logprobs are computed) and finishes without sampling.
         ``bootstrap`` (an ``io_struct.BootstrapRef``): the request's disaggregated other half.
-        ``group``: the API call it belongs to; admission lets groups take turns."""
+        ``group``: the API call it belongs to; admission lets groups take turns. ``cache_salt``: its
+        prefix cache tree (requests with different salts share no page; mem/radix_cache.py)."""
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
         req = Req(rid, input_ids, sampling, return_logprob, arrival=next(self._arrivals), uid=next(self._uids),
-                  group=group)
+                  group=group, cache_salt=cache_salt)
         if return_logprob:
             check_logprob_params(len(input_ids), logprob_start_len, top_logprobs_num, self.model_config.vocab_size)
             req.logprob = ReqLogprobs.create(len(input_ids), logprob_start_len, top_logprobs_num)
@@ -217,7 +218,7 @@ class Scheduler:
         hi = self.kv_manager.hicache
         if hi is not None and hi.storage is not None:
             tokens = self._matchable(req)
-            hi.start_prefetch(req.uid, tokens, hi.match_tiers(tokens))
+            hi.start_prefetch(req.uid, tokens, hi.match_tiers(tokens, req.cache_salt), req.cache_salt)
 
     def activate(self, req: Req) -> None:
         """``req``'s KV for ``fill_ids[:-1]`` is in its pages: it joins the decode batch (once its
@@ -277,7 +278,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _match_len(self, req: Req) -> int:
-        return self.kv_manager.match_len(self._matchable(req))
+        return self.kv_manager.match_len(self._matchable(req), req.cache_salt)
 
     @staticmethod
     def _matchable(req: Req) -> list[int]:

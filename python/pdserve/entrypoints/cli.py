@@ -98,6 +98,9 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
           'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
           'resyncs; token ids only on a loopback bind (docs/security.md)')
+    _flag(g, "--cache-salt-per-client", "cache isolation: each client (API key and X-Client-Token) matches and "
+          "fills its own prefix cache, as if every request carried its own cache_salt (docs/security.md)",
+          action="store_true")
     _flag(g, "--kv-hash-key-file", "a file whose first line keys the KV block hashes (KV events, the router's "
           "cache_aware matching, storage keys): the same in every server and router of a deployment; without it "
           f"${KV_HASH_KEY_ENV}, else unkeyed, and then KV events stay on loopback (docs/security.md)")

@@ -123,7 +123,7 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
         if lp:
             _check_logprobs(ids, start, top, tm)
         job = PromptJob(ids, sampling.for_copy(0), sampling.n, bool(lp), resolve_start(start, len(ids)) if lp else None,
-                        top if lp else 0, rid, boot, group)
+                        top if lp else 0, rid, boot, group, tm.cache_salt(req.cache_salt))
         items.append(_Item(job, top if lp else 0))
     return items, single
 

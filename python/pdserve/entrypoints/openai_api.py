@@ -118,7 +118,7 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
     boots = tm.bootstraps(req, len(prompts), best_of)
     group = new_group()
     jobs = [PromptJob(ids, sp, best_of, req.logprobs is not None or best_of > sp.n, 0 if echo_lp else None,
-                      req.logprobs or 0, bootstrap=boot, group=group)
+                      req.logprobs or 0, bootstrap=boot, group=group, cache_salt=tm.cache_salt(req.cache_salt))
             for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
     call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
@@ -139,7 +139,8 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     sampling = _sampling(tm, req, ids, max_tokens, name, "messages", grammar, keep_special=native)
     check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
     (boot,) = tm.bootstraps(req, 1, sampling.n)
-    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group())
+    job = PromptJob(ids, sampling, sampling.n, top is not None, None, top or 0, bootstrap=boot, group=new_group(),
+                    cache_salt=tm.cache_salt(req.cache_salt))
     call = _call("chat", model_name, req, [job], top, None, tm)
     call.output = OutputPlan(reasoning_parser_name(req, tm.args.reasoning_parser, grammar is not None), plan.parser,
                              plan.names, req.stream_reasoning)

@@ -283,6 +283,14 @@ class TokenizerManager:
             raise RequestError(f"rid: {rid!r} is already in use", param="rid")
         return rid
 
+    def cache_salt(self, requested: str | None) -> str:
+        """A request's prefix cache tree: its ``cache_salt`` field; with ``--cache-salt-per-client`` within
+        its client's (key and X-Client-Token: ``request_owner``), so clients never share a page."""
+        salt = requested or ""
+        if self.args.cache_salt_per_client:
+            return f"{request_owner()}\0{salt}"
+        return salt
+
     def bootstraps(self, body, n: int, samples: int) -> list[BootstrapRef | None]:
         """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
         checked against this server's mode: a prefill server needs it; a colocated one ignores it;
@@ -309,8 +317,8 @@ class TokenizerManager:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                        rid: str | None = None, stream: bool = True, logprob_start_len: int = -1,
-                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None, group: str | None = None
-                       ) -> AsyncGenerator[GenerateChunk, None]:
+                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None, group: str | None = None,
+                       cache_salt: str = "") -> AsyncGenerator[GenerateChunk, None]:
         """Submit one request and yield its chunks until it finishes; ``group``: the API call it is
         one sequence of (the scheduler's admission lets groups take turns).
 
@@ -338,7 +346,7 @@ class TokenizerManager:
         finished = False
         try:
             self._send_or_fail(TokenizedGenerateReq(key, input_ids, sampling, return_logprob, logprob_start_len,
-                                                    top_logprobs_num, bootstrap, group))
+                                                    top_logprobs_num, bootstrap, group, cache_salt))
             while not finished:
                 await state.event.wait()
                 state.event.clear()

@@ -42,6 +42,7 @@ class ReqMemory(Protocol):
     rid: str
     uid: int | None
     fill_ids: list[int]
+    cache_salt: str  # which prefix tree it matches and fills (mem/radix_cache.py, cache isolation)
     row: int | None
     cache_node: RadixNode | None
     pages: list[int]
@@ -189,9 +190,9 @@ class KVCacheManager:
         """[max_reqs, context] slot ids the attention backend gathers from (read-only to callers)."""
         return self.table.table
 
-    def match_len(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens`` the prefix cache holds now (marks them used; locks nothing)."""
-        return self.cache.match_prefix(tokens).num_tokens
+    def match_len(self, tokens: Sequence[int], salt: str = "") -> int:
+        """Tokens of ``tokens`` the prefix cache holds now in ``salt``'s tree (marks them used; locks nothing)."""
+        return self.cache.match_prefix(tokens, salt).num_tokens
 
     def can_allocate(self, n: int) -> bool:
         """``n`` pages are free or evictable now."""
@@ -211,13 +212,13 @@ class KVCacheManager:
         if handle is not None:
             self._free_redundant(handle)
             return handle.finished  # the same on every rank: their copies complete in lock step
-        match = hi.match_tiers(tokens)
+        match = hi.match_tiers(tokens, req.cache_salt)
         from_storage: int | None = 0
         if not match.busy:
             # its storage read runs on the storage thread; None: the prefetch policy says wait
-            from_storage = hi.prefetch(req.uid, tokens, match)
+            from_storage = hi.prefetch(req.uid, tokens, match, req.cache_salt)
             if from_storage:
-                match = hi.match_tiers(tokens)
+                match = hi.match_tiers(tokens, req.cache_salt)
         waiting = match.busy or from_storage is None  # busy: another request loads the same pages
         from_storage = from_storage or 0
         device, host = len(match.device.pages), len(match.host)
@@ -300,7 +301,7 @@ class KVCacheManager:
         row = self.table.alloc_row()
         if row is None:
             return False
-        match = self.cache.match_prefix(tokens)
+        match = self.cache.match_prefix(tokens, req.cache_salt)
         self.cache.lock(match.node)
         req.row, req.cache_node = row, match.node
         req.pages, req.num_cached_pages = list(match.pages), len(match.pages)
@@ -390,7 +391,7 @@ class KVCacheManager:
         the radix cache, which frees duplicates; the rest of its own pages are freed."""
         self._check_held(req, "release")
         full = cache_len // self.page_size
-        inserted = self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full])
+        inserted = self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full], req.cache_salt)
         self.allocator.free(inserted.released)
         self.allocator.free(req.pages[full:])
         self._unpin(req, "release")

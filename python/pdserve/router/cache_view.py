@@ -140,7 +140,8 @@ class CacheView:
             return []
         ids = prompt_ids(self.tokenizer, path, body)
         if ids:
-            return prompt_block_hashes(ids, self.page_size, self.hash_key)
+            salt = body.get("cache_salt")
+            return prompt_block_hashes(ids, self.page_size, self.hash_key, salt if isinstance(salt, str) else "")
         text = prompt_text(path, body) if self.tokenizer is None else None
         return text_block_hashes(text, CHARS_PER_TOKEN * self.page_size) if text else []
 
