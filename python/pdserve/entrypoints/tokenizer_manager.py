@@ -128,15 +128,15 @@ class _ReqState:
     error: RequestError | None = None
     owner: str = field(default_factory=request_owner)  # who may abort it by rid (the HTTP request's client)
 
+    @property
+    def streaming(self) -> bool:
+        return self.wake_every != sys.maxsize
+
 
 def scoped_rid(rid: str, owner: str) -> str:
     """``rid`` in ``owner``'s namespace: clients choose rids, and one client's rid must tell another
     nothing (not "already in use", not a different answer to an abort) and reach none of its requests."""
     return f"{owner[:16]}/{rid}" if owner else rid
-
-    @property
-    def streaming(self) -> bool:
-        return self.wake_every != sys.maxsize
 
 
 class TokenizerManager:
