@@ -74,3 +74,13 @@ def test_the_router_hashes_prompts_under_the_workers_key():
     prompt = SECRET_PROMPT + [5]  # the last token is never served from the cache
     assert prompt_block_hashes(prompt, 1, KEY) == cache.block_hashes(SECRET_PROMPT)
     assert set(prompt_block_hashes(prompt, 1)).isdisjoint(cache.block_hashes(SECRET_PROMPT))
+
+
+def test_a_salted_prompt_hashes_alike_on_the_router_and_the_worker():
+    alloc = PageAllocator(64)
+    cache = RadixCache(alloc, 1, hash_key=KEY)
+    cache.insert(SECRET_PROMPT, alloc.alloc(len(SECRET_PROMPT)), salt="tenant-a")
+    prompt = SECRET_PROMPT + [5]
+    assert prompt_block_hashes(prompt, 1, KEY, "tenant-a") == cache.block_hashes(SECRET_PROMPT, "tenant-a")
+    assert [h for h, _ in cache.cached_blocks()] == cache.block_hashes(SECRET_PROMPT, "tenant-a")
+    assert rebuild(cache.cached_blocks(), guess_key=KEY) == []  # the salt is needed too, not only the key

@@ -228,6 +228,9 @@ def test_the_router_hashes_under_the_deployment_key_and_skips_a_worker_keyed_oth
     body = {"input_ids": list(range(1, 18))}
     assert ctx.cache.prompt_hashes("/generate", body) == prompt_block_hashes(body["input_ids"], PAGE, key)
     assert ctx.cache.prompt_hashes("/generate", body) != prompt_block_hashes(body["input_ids"], PAGE)
+    salted = {**body, "cache_salt": "tenant-a"}  # a salted request: the worker's salted tree, hashed so
+    assert ctx.cache.prompt_hashes("/generate", salted) == prompt_block_hashes(body["input_ids"], PAGE, key, "tenant-a")
+    assert set(ctx.cache.prompt_hashes("/generate", salted)).isdisjoint(ctx.cache.prompt_hashes("/generate", body))
     assert view(ctx, P0).events is None and view(ctx, P1).events is None
     assert any("another key" in r.getMessage() and P0 in r.getMessage() for r in caplog.records)
     workers.info["kv_hash_key_check"] = key_check(key)
