@@ -375,6 +375,9 @@ def test_up_serves_through_its_router_and_stops_everything():
         assert got["output_ids"] == reference.generate(input_ids=turn2, sampling_params=sampling)["output_ids"]
         # Decode stored two chunks (16 of the 19 positions it computed); prefill's device held 11 of them.
         assert got["meta_info"]["cached_tokens_by_tier"] == {"device": 11, "host": 0, "storage": 5}
+        # The router follows the prefill's keyed KV events (one key up made for all, its snapshot worker-only).
+        _wait(lambda: httpx.get(url + "/get_server_info", headers=AUTH, timeout=30).json()["prefill"][0]
+              ["cache_view"]["source"] == "events", 60, "the router following the prefill's KV events")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         output = Path(log.name).read_text(errors="replace")
