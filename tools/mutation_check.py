@@ -96,7 +96,7 @@ MUTATIONS = (
     Mutation(
         "disconnect_not_aborted", "a request whose HTTP client went away is never aborted",
         "python/pdserve/entrypoints/tokenizer_manager.py",
-        "            if not finished and state.error is None:\n                self.abort(rid)\n",
+        "            if not finished and state.error is None:\n                self._try_send(AbortReq(key))\n",
         "            if not finished and state.error is None:\n                pass\n",
         ("test/entrypoints/test_http_server.py::test_client_disconnect_aborts_the_request",)),
     Mutation(
@@ -123,8 +123,8 @@ MUTATIONS = (
     Mutation(
         "evict_locked_parent", "eviction climbs into a parent that running requests still lock",
         "python/pdserve/mem/radix_cache.py",
-        "if parent is not self._root and not parent.children and parent.lock_ref == 0:",
-        "if parent is not self._root and not parent.children:",
+        "if not parent.is_root and not parent.children and parent.lock_ref == 0:",
+        "if not parent.is_root and not parent.children:",
         (f"{T_PATHS}::test_shared_prefix_locked_by_running_requests_survives_eviction",)),
     Mutation(
         "evict_locked_leaf", "eviction takes least-recently-used leaves whether or not they are locked",
@@ -288,9 +288,9 @@ MUTATIONS = (
          "test/entrypoints/test_http_server.py::test_admin_routes_refuse_the_inference_key")),
     Mutation(
         "abort_of_a_foreign_rid_allowed", "a client aborts by rid a request another client started",
-        "python/pdserve/entrypoints/http_server.py",
-        "    elif owner is not None and owner != owner_of_scope(scope):",
-        "    elif False:",
+        "python/pdserve/entrypoints/tokenizer_manager.py",
+        "            keys = [k for k in (scoped_rid(rid, owner),) if k in self._reqs]",
+        "            keys = [k for k, state in self._reqs.items() if state.rid == rid]",
         ("test/entrypoints/test_http_server.py::test_a_client_cannot_abort_another_clients_request",)),
     Mutation(
         "router_aborts_for_a_client_with_the_admin_key", "the router sends a client's rid abort with its admin key, "
@@ -680,8 +680,8 @@ MUTATIONS = (
         "abort_owner_check_asks_may_administer", "a rid abort skips the owner check when the caller may administer "
         "(without an admin key: anyone) instead of when it presented the admin key",
         "python/pdserve/entrypoints/http_server.py",
-        "    if holds_admin_key(scope):\n        tm.abort(rid)\n",
-        "    if may_administer(scope):\n        tm.abort(rid)\n",
+        "every_owner=holds_admin_key(scope))",
+        "every_owner=may_administer(scope))",
         ("test/router/test_router_pdserve.py::test_only_the_client_that_started_a_request_may_abort_it[no_keys]",
          "test/router/test_router_pdserve.py::test_only_the_client_that_started_a_request_may_abort_it[api_key_only]")),
     Mutation(
@@ -772,6 +772,43 @@ MUTATIONS = (
         "python/pdserve/config.py",
         "(self.disaggregation_mode != \"null\",", "(False,",
         ("test/models/test_deepseek_v32.py::test_unsupported_modes_are_refused_at_start_up",)),
+    # issue 33: cache privacy (keyed block hashes, worker-only snapshot, cache_salt, rooms)
+    Mutation(
+        "kv_block_hash_unkeyed", "the block hash chain ignores the deployment's key (a dictionary attack works)",
+        "python/pdserve/mem/radix_cache.py",
+        "    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), \"little\")",
+        "    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), \"little\")",
+        ("test/obs/test_cache_privacy.py::test_keyed_hashes_give_nothing_without_the_key",)),
+    Mutation(
+        "snapshot_takes_the_inference_key", "/kv_events/snapshot opens to the inference key again",
+        "python/pdserve/web/api_key.py",
+        "    \"/kv_events/snapshot\": Access.WORKER,",
+        "    \"/kv_events/snapshot\": Access.INFERENCE,",
+        ("test/web/test_api_key.py::test_the_snapshot_is_a_worker_only_route",)),
+    Mutation(
+        "unkeyed_events_beyond_loopback", "an unkeyed server publishes its block hashes beyond loopback",
+        "python/pdserve/obs/kv_event_publisher.py",
+        "        if not self.token_ids and not keyed:",
+        "        if False:",
+        ("test/obs/test_kv_event_publisher.py::test_unkeyed_hashes_are_not_published_beyond_this_machine",)),
+    Mutation(
+        "cache_salt_ignored_on_match", "a request matches the default tree whatever its cache_salt",
+        "python/pdserve/mem/radix_cache.py",
+        "        node = self._root_for(salt)\n        pages: list[int] = []",
+        "        node = self._root_for(\"\")\n        pages: list[int] = []",
+        ("test/mem/test_radix_cache.py::test_different_salts_never_share_a_prefix_page",)),
+    Mutation(
+        "rooms_from_mt19937", "bootstrap rooms come from Python's MT19937 again",
+        "python/pdserve/disagg/bootstrap.py",
+        "    return secrets.randbits(ROOM_BITS)",
+        "    return __import__(\"random\").getrandbits(ROOM_BITS)",
+        ("test/disagg/test_bootstrap_fields.py::test_rooms_do_not_follow_the_python_random_state",)),
+    Mutation(
+        "index_shard_outside_the_model", "a checkpoint index's ../ shard names are loaded",
+        "python/pdserve/models/loader.py",
+        'any(p in ("..", ".") for p in parts)',
+        "False",
+        ("test/models/test_loader.py::test_index_entries_outside_the_model_directory_are_refused",)),
 )
 
 

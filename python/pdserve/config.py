@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -417,6 +418,8 @@ class CacheConfig:
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     # --kv-cache-dtype: what the KV pool stores (mem/kv_pool.py: fp8 pages with per-tensor scales)
     kv_cache_dtype: str = "auto"
+    # the key of the block hash chain (mem/radix_cache.py; resolve_kv_hash_key); b"": unkeyed
+    hash_key: bytes = field(default=b"", repr=False)
 
     def __post_init__(self):
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -762,6 +765,31 @@ def resolve_token(token: str | None, token_file: str | None, env: dict | None = 
     return (os.environ if env is None else env).get(AUTH_TOKEN_ENV, "").strip() or None
 
 
+KV_HASH_KEY_ENV = "PDSERVE_KV_HASH_KEY"  # --kv-hash-key-file's content when the flag is not given (pdserve up)
+_KV_HASH_KEY_DOMAIN = b"pdserve-kv-block-hash-key-v1\0"
+
+
+def resolve_kv_hash_key(key_file: str | None, env: dict | None = None) -> bytes:
+    """The key of the KV block hash chain (mem/radix_cache.py), shared by a deployment's servers and
+    router: derived from ``key_file``'s first line, else from ``KV_HASH_KEY_ENV``; b"" (the unkeyed
+    chain) without either. A random key per process is no default: the router must compute the
+    hashes the workers publish, and prefill and decode servers key their stored pages alike."""
+    secret = None
+    if key_file:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                secret = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"kv_hash_key_file: cannot read {key_file}: {e.strerror}") from None
+        if not secret:
+            raise ValueError(f"kv_hash_key_file: {key_file} is empty")
+    else:
+        secret = (os.environ if env is None else env).get(KV_HASH_KEY_ENV, "").strip() or None
+    if secret is None:
+        return b""
+    return hashlib.sha256(_KV_HASH_KEY_DOMAIN + secret.encode()).digest()
+
+
 @dataclass(frozen=True)
 class DisaggConfig:
     """Prefill/decode disaggregation (docs/disaggregation.md). ``mode`` "null" is a colocated server."""
@@ -973,6 +1001,8 @@ class ServerArgs:
     disaggregation_pack_staging_mb: int = 64
     disaggregation_bootstrap_allow: tuple[str, ...] = ()  # decode: HOST:PORT registries it may be sent to unsigned
     kv_events_config: str | None = None  # JSON, KVEventsConfig
+    kv_hash_key_file: str | None = None  # the block hash chain's key (resolve_kv_hash_key); KV_HASH_KEY_ENV without it
+    cache_salt_per_client: bool = False  # each client (key + X-Client-Token) its own prefix cache (cache isolation)
     # GPU engine path (DeviceConfig): None resolves by what this host has.
     device: str | None = None
     attention_backend: str | None = None
@@ -1090,7 +1120,8 @@ class ServerArgs:
     @_built_once
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache,
-                           hicache=self.hicache_config(), kv_cache_dtype=self.kv_cache_dtype)
+                           hicache=self.hicache_config(), kv_cache_dtype=self.kv_cache_dtype,
+                           hash_key=resolve_kv_hash_key(self.kv_hash_key_file))
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

@@ -47,12 +47,12 @@ class Deployment(RoutedPair):
         info = {"prefill": self.prefill.info(), "decode": self.decode.info()}
         return {(side, key): info[side][key] for side, key in MOVED}
 
-    def turn(self, prompt: list[int]) -> tuple[dict, dict[tuple[str, str], int]]:
+    def turn(self, prompt: list[int], **fields) -> tuple[dict, dict[tuple[str, str], int]]:
         """One request through the router: its answer and what it moved (counter deltas)."""
         assert self.router is not None
         before = self.counters()
-        r = httpx.post(self.router.url + "/generate", json={"input_ids": prompt, "sampling_params": _greedy()},
-                       timeout=120)
+        r = httpx.post(self.router.url + "/generate",
+                       json={"input_ids": prompt, "sampling_params": _greedy(), **fields}, timeout=120)
         r.raise_for_status()
         for server in (self.prefill, self.decode):
             server.wait_idle(60)
@@ -116,3 +116,17 @@ def test_decode_hit_is_on_metrics(pd):
     text = pd.decode.get("/metrics").text
     assert "pdserve:decode_cached_tokens" in text and "pdserve:kv_transfer_bytes_received" in text
     assert "pdserve:kv_pages_requested" in pd.prefill.get("/metrics").text
+
+
+def test_a_cache_salt_isolates_both_halves(pd):
+    """cache_salt reaches prefill and decode in the body: the same prompt under another salt hits
+    neither prefill's cache nor decode's (decode asks for every page), under its own salt both."""
+    prompt, _ = _conversation(seed=5, first=33, extra=0)
+    first, _ = pd.turn(prompt, cache_salt="tenant-a")
+    other, moved = pd.turn(prompt, cache_salt="tenant-b")
+    assert (other["meta_info"]["cached_tokens"], other["meta_info"]["decode_cached_tokens"]) == (0, 0)
+    assert moved[("decode", "kv_pages_requested")] == _pages(len(prompt) - 1)
+    again, moved = pd.turn(prompt, cache_salt="tenant-a")
+    assert again["meta_info"]["cached_tokens"] > 0 and again["meta_info"]["decode_cached_tokens"] > 0
+    assert moved[("decode", "kv_pages_requested")] < _pages(len(prompt) - 1)
+    assert first["output_ids"] == other["output_ids"] == again["output_ids"]

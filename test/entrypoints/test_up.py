@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import pdserve
-from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV
+from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV, KV_HASH_KEY_ENV
 from pdserve.entrypoints.cli import build_parser, router_args_from_namespace, server_args_from_namespace
 from pdserve.entrypoints.up import (
     TRANSFER_ENGINE_WARNING,
@@ -151,6 +151,32 @@ def test_every_serve_flag_passes_through_up_but_the_documented_exclusions():
     for server in plan(args)[:-1]:
         for flag, value in zip(passed[::2], passed[1::2]):
             assert _flag(server.cmd, flag) == value, (flag, server.cmd)
+
+
+def test_up_keys_the_kv_block_hashes_of_every_child(monkeypatch, tmp_path):
+    """Every server and the router get one key up makes (by environment): events and the router's
+    matching agree, and the hashes mean nothing without it. An operator's key file goes to the router too."""
+    import argparse
+
+    from pdserve.entrypoints.cli import add_up_args, up_args_from_namespace
+
+    monkeypatch.delenv(KV_HASH_KEY_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    args = up_args_from_namespace(parser.parse_args(["--model-path", "tiny-llama"]), parser)
+    again = up_args_from_namespace(parser.parse_args(["--model-path", "tiny-llama"]), parser)
+    assert args.kv_hash_key and len(args.kv_hash_key) >= 32 and args.kv_hash_key != again.kv_hash_key
+    kids = plan(args.__class__(**{**args.__dict__, "cores": (0, 1)}))
+    assert {k.env[KV_HASH_KEY_ENV] for k in kids} == {args.kv_hash_key} and len(kids) == 3
+    assert not [k.name for k in kids if args.kv_hash_key in " ".join(k.cmd)]
+    assert args.kv_hash_key not in repr(args)
+    key_file = tmp_path / "kv.key"
+    key_file.write_text("operator-secret\n")
+    own = up_args_from_namespace(parser.parse_args(["--model-path", "tiny-llama", "--kv-hash-key-file",
+                                                    str(key_file)]), parser)
+    assert own.kv_hash_key is None
+    router = plan(own.__class__(**{**own.__dict__, "cores": (0, 1)}))[-1]
+    assert router.cmd[router.cmd.index("--kv-hash-key-file") + 1] == str(key_file)
 
 
 def test_a_probe_answered_by_something_else_than_http_is_not_healthy():
@@ -373,6 +399,9 @@ def test_up_serves_through_its_router_and_stops_everything():
         assert got["output_ids"] == reference.generate(input_ids=turn2, sampling_params=sampling)["output_ids"]
         # Decode stored two chunks (16 of the 19 positions it computed); prefill's device held 11 of them.
         assert got["meta_info"]["cached_tokens_by_tier"] == {"device": 11, "host": 0, "storage": 5}
+        # The router follows the prefill's keyed KV events (one key up made for all, its snapshot worker-only).
+        _wait(lambda: httpx.get(url + "/get_server_info", headers=AUTH, timeout=30).json()["prefill"][0]
+              ["cache_view"]["source"] == "events", 60, "the router following the prefill's KV events")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         output = Path(log.name).read_text(errors="replace")

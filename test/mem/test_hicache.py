@@ -591,3 +591,30 @@ def test_pd_prefill_loads_host_hits_and_decode_gets_the_same_tokens(reference):
         pair.assert_idle_and_accounted()
     finally:
         pair.close()
+
+
+def test_salted_requests_share_no_page_in_any_tier(tmp_path):
+    """cache_salt isolation holds through host and storage: a prompt stored under one salt is a miss
+    under another salt (or none) after the device and host tiers are flushed, and a hit under its own."""
+    from pdserve.engine.request import SamplingParams
+
+    with pdserve.Engine(model_path="tiny-llama", **_storage_kw(tmp_path)) as engine:
+        s = engine.scheduler
+
+        def run(salt: str, i: int) -> dict[str, int]:
+            assert engine.flush_cache()  # device and host emptied: hits can only come from storage
+            req = s.add_request(f"salted-{i}", PROMPTS[0], SamplingParams(max_new_tokens=1, temperature=0.0),
+                                cache_salt=salt)
+            while s.has_work():
+                s.step()
+            _hi(engine).storage.flush()  # type: ignore[union-attr]
+            return dict(req.cached_by_tier)
+
+        assert sum(run("tenant-a", 0).values()) == 0
+        assert sum(run("tenant-b", 1).values()) == 0
+        assert sum(run("", 2).values()) == 0
+        assert run("tenant-a", 3)["storage"] == 24  # its own salt: 3 stored chunks of 8
+        _balanced(engine)
+    leg = _hi(engine).storage
+    assert leg is not None and leg.keys(PROMPTS[0], "tenant-a")[0] != leg.keys(PROMPTS[0], "tenant-b")[0] \
+        != leg.keys(PROMPTS[0])[0]

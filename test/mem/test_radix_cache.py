@@ -22,8 +22,8 @@ class Harness:
         self.held.update(pages)
         return pages
 
-    def insert(self, tokens, pages):
-        result = self.cache.insert(tokens, pages)
+    def insert(self, tokens, pages, salt=""):
+        result = self.cache.insert(tokens, pages, salt)
         self.alloc.free(result.released)
         self.held.difference_update(pages)  # the cache owns them now, or they are free again
         self.check()
@@ -371,3 +371,40 @@ def test_randomized_page_conservation(seed, page_size):
     h.check()
     assert h.reset()
     assert h.alloc.num_free == h.alloc.num_pages
+
+
+# ---- cache isolation (cache_salt) ----------------------------------------------------
+def test_different_salts_never_share_a_prefix_page():
+    """vLLM's cache_salt: a request matches only pages its own salt inserted; the same prompt under
+    another salt (or none) is a miss, the same salt a hit, and each salt's chain has its own hashes."""
+    h = Harness()
+    prompt = seq(16, 300)
+    assert h.insert(prompt, h.take(4), salt="tenant-a") == 4
+    assert h.cache.match_prefix(prompt, "tenant-a").num_tokens == 16  # same salt: hit
+    assert h.cache.match_prefix(prompt, "tenant-b").num_tokens == 0  # another salt: miss
+    assert h.cache.match_prefix(prompt).num_tokens == 0  # unsalted: miss
+    assert h.insert(prompt, h.take(4)) == 4  # unsalted copy: new pages, not a duplicate
+    assert h.insert(prompt, h.take(4), salt="tenant-b") == 4
+    chains = [h.cache.block_hashes(prompt, salt) for salt in ("", "tenant-a", "tenant-b")]
+    assert len({x for c in chains for x in c}) == 12  # no block hash shared between the trees
+    assert sorted(hh for hh, _ in h.cache.cached_blocks()) == sorted(x for c in chains for x in c)
+    assert all(p is None for hh, p in h.cache.cached_blocks() if hh in {c[0] for c in chains})
+
+
+def test_a_salted_tree_locks_evicts_and_goes_when_empty():
+    h = Harness(num_pages=8)
+    prompt = seq(8, 50)
+    h.insert(prompt, h.take(2), salt="s")
+    m = h.cache.match_prefix(prompt, "s")
+    h.cache.lock(m.node)
+    assert h.evict(8) == 0  # locked
+    h.cache.unlock(m.node)
+    assert h.evict(8) == 2
+    h.check()  # the empty salted root went with its last page
+    assert h.cache.match_prefix(prompt, "s").num_tokens == 0
+    miss = h.cache.match_prefix(prompt, "s")
+    h.cache.lock(miss.node)  # a miss locks the default root, which never goes
+    h.insert(prompt, h.take(2), salt="s")
+    h.cache.unlock(miss.node)
+    assert h.reset() and h.cache.match_prefix(prompt, "s").num_tokens == 0
+    h.check()

@@ -134,6 +134,35 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path, arch):
         load_model(ModelConfig.from_path(str(sharded)))
 
 
+@pytest.mark.parametrize("where", ["../outside/w.safetensors", "ABSOLUTE", "sub/../../outside/w.safetensors"])
+def test_index_entries_outside_the_model_directory_are_refused(tmp_path, llama_dir, where):
+    """An index is data: a weight_map entry of ``../outside/w.safetensors`` used to load that file."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    tensors = load_file(str(Path(llama_dir) / "model.safetensors"))
+    save_file(tensors, str(outside / "w.safetensors"))
+    name = str(outside / "w.safetensors") if where == "ABSOLUTE" else where
+    index = {"metadata": {}, "weight_map": {t: name for t in tensors}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"weight_map\[.*\] = .* is not a file inside the model directory"):
+        load_model(ModelConfig.from_path(str(model)))
+
+
+def test_index_shards_in_a_subdirectory_load(tmp_path, llama_dir):
+    model = tmp_path / "model"
+    (model / "shards").mkdir(parents=True)
+    (model / "config.json").write_text((Path(llama_dir) / "config.json").read_text())
+    tensors = load_file(str(Path(llama_dir) / "model.safetensors"))
+    save_file(tensors, str(model / "shards" / "w.safetensors"))
+    index = {"metadata": {}, "weight_map": {t: "shards/w.safetensors" for t in tensors}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    a, b = load_model(ModelConfig.from_path(str(llama_dir))), load_model(ModelConfig.from_path(str(model)))
+    torch.testing.assert_close(_logits(a, [3, 4, 5]), _logits(b, [3, 4, 5]), atol=0, rtol=0)
+
+
 def test_fused_expert_checkpoint_layout_loads(tmp_path):
     """transformers 5 writes per-expert keys on save, but holds experts fused in memory; a
     checkpoint saved in that fused layout must load to the same model."""

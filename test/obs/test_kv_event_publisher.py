@@ -130,9 +130,9 @@ def _published_stored(pub: KVEventPublisher, port: int) -> dict:
 @pytest.mark.parametrize("bind, token_ids", [("tcp://127.0.0.1:*", True), ("tcp://0.0.0.0:*", False)])
 def test_token_ids_are_published_only_to_this_machine(bind, token_ids):
     # A wildcard bind is reachable from other machines, with no authentication: the events go out
-    # with their block hashes (what routing needs) and without the prompts' tokens. The subscriber
-    # itself connects over loopback only.
-    pub = KVEventPublisher(KVEventsConfig("zmq", bind), advertise_host="127.0.0.1")
+    # with their (keyed) block hashes (what routing needs) and without the prompts' tokens. The
+    # subscriber itself connects over loopback only.
+    pub = KVEventPublisher(KVEventsConfig("zmq", bind), advertise_host="127.0.0.1", keyed=True)
     try:
         port = int(pub.endpoint.rsplit(":", 1)[1])
         stored = _published_stored(pub, port)
@@ -142,6 +142,14 @@ def test_token_ids_are_published_only_to_this_machine(bind, token_ids):
             assert stored["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
     finally:
         pub.close()
+
+
+def test_unkeyed_hashes_are_not_published_beyond_this_machine():
+    """Unkeyed block hashes give the prompts away (test/obs/test_kv_events.py: the dictionary attack),
+    and a PUB socket authenticates no subscriber: an unkeyed server publishes on loopback or not at all."""
+    with pytest.raises(ValueError, match=r"kv_events_config: endpoint .* --kv-hash-key-file"):
+        KVEventPublisher(KVEventsConfig("zmq", "tcp://0.0.0.0:*"), advertise_host="127.0.0.1")
+    KVEventPublisher(KVEventsConfig("zmq", "tcp://127.0.0.1:*"), advertise_host="127.0.0.1").close()  # loopback: fine
 
 
 def test_hash_only_events_still_drive_the_routers_index():

@@ -211,3 +211,35 @@ def test_a_given_tokenizer_decides_at_once():
     assert ctx.cache.match_by == MATCH_TOKENS and ctx.cache.tokenizer is not None
     chat = {"messages": [{"role": "user", "content": "Describe how a river carves a canyon, step by step."}]}
     assert len(ctx.cache.prompt_hashes("/v1/chat/completions", chat)) > 5
+
+
+def test_the_router_hashes_under_the_deployment_key_and_skips_a_worker_keyed_otherwise(tmp_path, monkeypatch, caplog):
+    """Workers publish keyed hashes (--kv-hash-key-file): the router hashes prompts under the same key,
+    and a worker whose key check differs is not followed (its events would never match)."""
+    from pdserve.config import KV_HASH_KEY_ENV, resolve_kv_hash_key
+    from pdserve.router.kv_index import key_check
+
+    monkeypatch.delenv(KV_HASH_KEY_ENV, raising=False)
+    key_file = tmp_path / "kv.key"
+    key_file.write_text("deployment-secret\n")
+    key = resolve_kv_hash_key(str(key_file))
+    workers = FakeWorkers()
+    workers.info = {**workers.info, "kv_events_endpoint": "tcp://127.0.0.1:1",
+                    "kv_hash_key_check": key_check(resolve_kv_hash_key(None, {KV_HASH_KEY_ENV: "another"}))}
+    caplog.set_level(logging.ERROR, "pdserve.router.cache_view")
+    ctx = router(workers, tokenizer_path=TINY, kv_hash_key_file=str(key_file))
+    body = {"input_ids": list(range(1, 18))}
+    assert ctx.cache.prompt_hashes("/generate", body) == prompt_block_hashes(body["input_ids"], PAGE, key)
+    assert ctx.cache.prompt_hashes("/generate", body) != prompt_block_hashes(body["input_ids"], PAGE)
+    salted = {**body, "cache_salt": "tenant-a"}  # a salted request: the worker's salted tree, hashed so
+    assert ctx.cache.prompt_hashes("/generate", salted) == prompt_block_hashes(body["input_ids"], PAGE, key, "tenant-a")
+    assert set(ctx.cache.prompt_hashes("/generate", salted)).isdisjoint(ctx.cache.prompt_hashes("/generate", body))
+    assert view(ctx, P0).events is None and view(ctx, P1).events is None
+    assert any("another key" in r.getMessage() and P0 in r.getMessage() for r in caplog.records)
+    workers.info["kv_hash_key_check"] = key_check(key)
+    refresh(ctx)
+    try:
+        assert view(ctx, P0).events is not None  # the same key: followed
+    finally:
+        for url in (P0, P1):
+            view(ctx, url).unfollow()

@@ -158,8 +158,8 @@ def _foreign_then_own_abort(url: str, headers: dict, rid: str) -> tuple[list[int
     its second event POSTs ``/abort_request`` for it with another token, then with none; at its fourth,
     with alice's. Returns (the three answers' statuses, the stream's last event).
 
-    The stream is long so that the foreign aborts reach a request still running (one that had ended
-    is nothing to refuse: 200); its owner then ends it, which shows the refused aborts stopped nothing."""
+    The stream is long so that the foreign aborts reach a request still running; its owner then ends
+    it, which shows the foreign aborts stopped nothing."""
     body = {"text": "mine", "rid": rid, "stream": True,
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
     aborts = {2: [{"X-Client-Token": "mallory"}, {}], 4: [{"X-Client-Token": "alice"}]}
@@ -180,13 +180,15 @@ def _foreign_then_own_abort(url: str, headers: dict, rid: str) -> tuple[list[int
 def test_only_the_client_that_started_a_request_may_abort_it(keys, request, servers, router):
     """Without an admin key, "may this caller administer?" is true for every caller (no key at all,
     or the one inference key all clients share), so it must never stand in for "did it present the
-    admin key?": another X-Client-Token, or none, gets 403 and the stream runs on, on the server and
-    through the router, until the client that started it aborts it."""
+    admin key?": another X-Client-Token, or none, aborts nothing and the stream runs on, on the server
+    and through the router, until the client that started it aborts it. The foreign aborts answer as
+    for an unknown rid (200: rids live in their owner's namespace, so the answer tells no one which
+    rids are in flight); only the stream running on past them shows they were refused."""
     server, via = (servers["decode"], router) if keys == "no_keys" else request.getfixturevalue("keyed")
     headers = {"Authorization": f"Bearer {KEY}"} if keys == "api_key_only" else {}
     for name, url in (("server", server.url), ("router", via.url)):
         statuses, last = _foreign_then_own_abort(url, headers, f"alice-{keys}-{name}")
-        assert statuses == [403, 403, 200], (name, statuses)
+        assert statuses == [200, 200, 200], (name, statuses)
         assert last["meta_info"]["finish_reason"]["type"] == "abort", name
         assert 4 <= len(last["output_ids"]) < 2000, name  # it ran past the refused aborts, to its owner's
     for s in (server, servers["prefill"]):

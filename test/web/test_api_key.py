@@ -14,28 +14,30 @@ import pytest
 from fastapi import FastAPI, Request
 
 from pdserve.web.api_key import (
+    WORKER_HEADER,
     AccessMiddleware,
     check_classified,
     holds_admin_key,
     may_administer,
     request_owner,
     warn_if_unauthenticated,
+    worker_credential,
 )
 
 INFERENCE, ADMIN = {"Authorization": "Bearer inf"}, {"Authorization": "Bearer adm"}
 
 
-def _app(api_key: str | None, admin_api_key: str | None) -> FastAPI:
+def _app(api_key: str | None, admin_api_key: str | None, worker: str | None = None) -> FastAPI:
     app = FastAPI()
 
     async def echo(request: Request):
         return {"owner": request_owner(), "admin": holds_admin_key(request.scope),
                 "administer": may_administer(request.scope)}
 
-    for path in ("/generate", "/flush_cache", "/abort_request", "/health"):
+    for path in ("/generate", "/flush_cache", "/abort_request", "/health", "/kv_events/snapshot"):
         app.post(path)(echo)
     check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]
-    app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key, worker_credential=worker)
     return app
 
 
@@ -49,9 +51,10 @@ def _statuses(api_key: str | None, admin_api_key: str | None, headers: dict) -> 
     return asyncio.run(go())
 
 
-def _post(api_key: str | None, admin_api_key: str | None, path: str, headers: dict) -> httpx.Response:
+def _post(api_key: str | None, admin_api_key: str | None, path: str, headers: dict,
+          worker: str | None = None) -> httpx.Response:
     async def go():
-        transport = httpx.ASGITransport(app=_app(api_key, admin_api_key))
+        transport = httpx.ASGITransport(app=_app(api_key, admin_api_key, worker))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             return await c.post(path, headers=headers)
 
@@ -74,6 +77,34 @@ CASES = [  # keys set, key sent -> /generate, /flush_cache, /abort_request, /hea
 def test_which_key_opens_which_route(keys, headers, want):
     got = _statuses(*keys, headers)
     assert tuple(got.values()) == want, got
+
+
+CREDENTIAL = worker_credential(b"k" * 32)
+WORKER_CASES = [  # keys set (inference, admin, worker credential), headers sent -> /kv_events/snapshot
+    (("inf", None, None), INFERENCE, 403),  # the inference key used to open it: every cached prompt's hashes
+    (("inf", "adm", CREDENTIAL), INFERENCE, 403),
+    (("inf", "adm", CREDENTIAL), {}, 401),
+    (("inf", "adm", CREDENTIAL), ADMIN, 200),
+    (("inf", "adm", CREDENTIAL), {WORKER_HEADER: CREDENTIAL}, 200),  # the router's, from the shared hash key
+    (("inf", "adm", CREDENTIAL), {WORKER_HEADER: worker_credential(b"x" * 32)}, 403),
+    (("inf", None, CREDENTIAL), {**INFERENCE, WORKER_HEADER: CREDENTIAL}, 200),
+    ((None, None, CREDENTIAL), {}, 401),  # a keyed server's snapshot is for its router only
+    ((None, None, None), {}, 200),  # no key of any kind: open, as every route
+]
+
+
+@pytest.mark.parametrize("keys,headers,want", WORKER_CASES, ids=[f"{k}-{sorted(h)}" for k, h, _ in WORKER_CASES])
+def test_the_snapshot_is_a_worker_only_route(keys, headers, want):
+    r = _post(keys[0], keys[1], "/kv_events/snapshot", headers, worker=keys[2])
+    assert r.status_code == want, r.text
+    if want != 200:
+        err = r.json()["error"]
+        assert err["param"] == "Authorization" and "worker-only" in err["message"]
+
+
+def test_no_credential_without_a_hash_key():
+    assert worker_credential(b"") is None
+    assert worker_credential(b"a" * 32) != worker_credential(b"b" * 32)
 
 
 def test_a_refusal_says_which_key_is_missing():

@@ -37,7 +37,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
-import random
+import secrets
 import socket
 import threading
 import time
@@ -120,19 +120,21 @@ def batch_size(body: dict) -> int | None:
     return None
 
 
-def new_room(rng: random.Random) -> int:
-    return rng.getrandbits(ROOM_BITS)
+def new_room() -> int:
+    """A room from the OS's CSPRNG: a room names a request's KV on prefill, so it must not be
+    predictable from rooms seen before (MT19937, ``random``'s generator, is after 624 outputs)."""
+    return secrets.randbits(ROOM_BITS)
 
 
-def with_bootstrap(body: dict, host: str, port: int, rng: random.Random) -> dict:
+def with_bootstrap(body: dict, host: str, port: int) -> dict:
     """A copy of ``body`` with the bootstrap fields of one prefill worker added (any sent are dropped)."""
     body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
     n = batch_size(body)
     if n is None:
-        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room(rng)}
+        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room()}
     else:
         fields = {"bootstrap_host": [host] * n, "bootstrap_port": [port] * n,
-                  "bootstrap_room": [new_room(rng) for _ in range(n)]}
+                  "bootstrap_room": [new_room() for _ in range(n)]}
     return {**body, **fields}
 
 

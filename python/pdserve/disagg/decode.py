@@ -226,7 +226,7 @@ class DecodeMode(SchedulerMode):
 
     def _serve_locally(self, req: Req, peer: Peer) -> bool:
         """Prefill here instead (and tell prefill to drop the room) when a transfer cannot pay."""
-        receive = len(req.fill_ids) - 1 - self.scheduler.kv_manager.match_len(req.fill_ids[:-1])
+        receive = len(req.fill_ids) - 1 - self.scheduler.kv_manager.match_len(req.fill_ids[:-1], req.cache_salt)
         if receive > 0 and receive >= self.config.min_prefill_tokens and req.logprob is None:
             return False
         self.pending.remove(req)

@@ -29,6 +29,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     bootstrap: BootstrapRef | None = None  # set when a P/D router sent the request
     group: str | None = None  # the API call it belongs to (its other prompts and samples share it)
+    cache_salt: str = ""  # its prefix cache tree: requests with different salts share no KV page
 
 
 @dataclass

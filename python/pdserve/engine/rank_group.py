@@ -406,7 +406,7 @@ class RankSchedulerLoop:
         try:
             self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob,
                                        msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap,
-                                       group=msg.group)
+                                       group=msg.group, cache_salt=msg.cache_salt)
         except ValueError as e:
             if self.layout.is_dp_leader:
                 send_message(self.outbox, io.RejectedReq(msg.rid, str(e)))

@@ -252,7 +252,8 @@ class Req:
     """
 
     def __init__(self, rid: str, input_ids: list[int], sampling: SamplingParams,
-                 return_logprob: bool = False, arrival: int = 0, uid: int | None = None, group: str | None = None):
+                 return_logprob: bool = False, arrival: int = 0, uid: int | None = None, group: str | None = None,
+                 cache_salt: str = ""):
         if not input_ids:
             raise ValueError("input_ids: the prompt is empty")
         self.rid = rid  # chosen by the client: may be reused once this request has finished
@@ -262,6 +263,8 @@ class Req:
         # The API call this sequence belongs to (its other prompts and samples share it): admission
         # lets groups take turns (policy.order_waiting). None: a group of its own.
         self.group = group
+        # the prefix tree it matches and fills: requests with different salts share no KV page
+        self.cache_salt = cache_salt
         self.origin_input_ids = list(input_ids)
         self.sampling = sampling
         self.return_logprob = return_logprob

@@ -41,7 +41,7 @@ from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.cache_manager import KVCacheManager
 from pdserve.mem.page_table import ReqToTokenTable
-from pdserve.mem.radix_cache import RadixCache
+from pdserve.mem.radix_cache import RadixCache, key_check
 from pdserve.obs.timeline import StageClock
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class Scheduler:
         self.kv_manager = KVCacheManager(pool.num_pages, self.page_size, config.max_running_requests,
                                          self.context_len, disable_radix_cache=cache_config.disable_radix_cache,
                                          hicache=cache_config.hicache, pool=pool,
-                                         storage_compat=self._storage_compat(parallel, cache_config))
+                                         storage_compat=self._storage_compat(parallel, cache_config),
+                                         hash_key=cache_config.hash_key)
         self.sampler: SampleFn = Sampler(config.random_seed)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -170,16 +171,17 @@ class Scheduler:
 
     def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams,
                     return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                    bootstrap: BootstrapRef | None = None, group: str | None = None) -> Req:
+                    bootstrap: BootstrapRef | None = None, group: str | None = None, cache_salt: str = "") -> Req:
         """Queue a request. ``max_new_tokens`` 0 still prefills the prompt (its KV lands in the
         radix cache, its input logprobs are computed) and finishes without sampling.
         ``bootstrap`` (an ``io_struct.BootstrapRef``): the request's disaggregated other half.
-        ``group``: the API call it belongs to; admission lets groups take turns."""
+        ``group``: the API call it belongs to; admission lets groups take turns. ``cache_salt``: its
+        prefix cache tree (requests with different salts share no page; mem/radix_cache.py)."""
         if rid in self.reqs:
             raise ValueError(f"rid: {rid!r} is already in use")
         self.validate(input_ids, sampling)
         req = Req(rid, input_ids, sampling, return_logprob, arrival=next(self._arrivals), uid=next(self._uids),
-                  group=group)
+                  group=group, cache_salt=cache_salt)
         if return_logprob:
             check_logprob_params(len(input_ids), logprob_start_len, top_logprobs_num, self.model_config.vocab_size)
             req.logprob = ReqLogprobs.create(len(input_ids), logprob_start_len, top_logprobs_num)
@@ -216,7 +218,7 @@ class Scheduler:
         hi = self.kv_manager.hicache
         if hi is not None and hi.storage is not None:
             tokens = self._matchable(req)
-            hi.start_prefetch(req.uid, tokens, hi.match_tiers(tokens))
+            hi.start_prefetch(req.uid, tokens, hi.match_tiers(tokens, req.cache_salt), req.cache_salt)
 
     def activate(self, req: Req) -> None:
         """``req``'s KV for ``fill_ids[:-1]`` is in its pages: it joins the decode batch (once its
@@ -276,7 +278,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _match_len(self, req: Req) -> int:
-        return self.kv_manager.match_len(self._matchable(req))
+        return self.kv_manager.match_len(self._matchable(req), req.cache_salt)
 
     @staticmethod
     def _matchable(req: Req) -> list[int]:
@@ -614,6 +616,7 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
             **(self.kv_events.stats() if self.kv_events is not None else {}),
+            **({"kv_hash_key_check": key_check(self.kv_manager.hash_key)} if self.kv_events is not None else {}),
             **self.kv_manager.stats(),
             **self.mode.stats(),
             **self.decode_step.stats(),

@@ -167,7 +167,7 @@ class SchedulerLoop:
         try:
             self.scheduler.add_request(msg.rid, msg.input_ids, msg.sampling, msg.return_logprob,
                                        msg.logprob_start_len, msg.top_logprobs_num, bootstrap=msg.bootstrap,
-                                       group=msg.group)
+                                       group=msg.group, cache_salt=msg.cache_salt)
         except ValueError as e:
             send_message(self.send, io_struct.RejectedReq(msg.rid, str(e)))
 

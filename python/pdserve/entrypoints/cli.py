@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import sys
 
 from pdserve import __version__
@@ -29,6 +30,7 @@ from pdserve.config import (
     HICACHE_STORAGE_BACKENDS,
     HICACHE_WRITE_POLICIES,
     KV_CACHE_DTYPES,
+    KV_HASH_KEY_ENV,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     PACK_POLICIES,
@@ -115,6 +117,12 @@ def add_http_args(parser: argparse.ArgumentParser, per_server: bool = True) -> N
     _flag(g, "--kv-events-config", 'publish KV cache events (JSON, SGLang\'s): {"publisher": "zmq"} binds --host '
           'port 5557 (or give "endpoint"); the address is reported in /get_server_info, GET /kv_events/snapshot '
           'resyncs; token ids only on a loopback bind (docs/security.md)')
+    _flag(g, "--cache-salt-per-client", "cache isolation: each client (API key and X-Client-Token) matches and "
+          "fills its own prefix cache, as if every request carried its own cache_salt (docs/security.md)",
+          action="store_true")
+    _flag(g, "--kv-hash-key-file", "a file whose first line keys the KV block hashes (KV events, the router's "
+          "cache_aware matching, storage keys): the same in every server and router of a deployment; without it "
+          f"${KV_HASH_KEY_ENV}, else unkeyed, and then KV events stay on loopback (docs/security.md)")
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
@@ -406,6 +414,8 @@ def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
     _router_flag(g, "--bootstrap-port-annotation", "pod annotation holding a prefill's bootstrap port")
     _router_flag(g, "--workers-file", "a JSON or YAML file {prefill: [{url, bootstrap_port}], decode: [url]}, "
                  "watched: workers added or removed there are added or removed here")
+    _router_flag(g, "--kv-hash-key-file", "cache_aware: the file keying the workers' KV block hashes (their "
+                 f"--kv-hash-key-file; without it ${KV_HASH_KEY_ENV})")
 
 
 def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
@@ -492,6 +502,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--health-check-interval-secs", dest="up_health_check_interval_secs", type=float, default=5.0,
                    help="the router's health checks: a restarted server is used again within this "
                    "(default: %(default)s)")
+    g.add_argument("--kv-hash-key-file", dest="kv_hash_key_file", default=None,
+                   help="the file keying the KV block hashes of every server and the router (default: "
+                   f"${KV_HASH_KEY_ENV}, else a random key up makes and hands them by environment)")
     add_elastic_args(parser)
     for add in UP_SERVER_GROUPS:
         add(parser)
@@ -593,7 +606,17 @@ def up_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentPars
     return UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
                   _api_key(ns.up_api_key), ns.up_health_check_interval_secs, auth_token=ns.disaggregation_auth_token,
                   elastic=elastic_from_namespace(ns), storage=storage, admin_api_key=ns.up_admin_api_key,
-                  allow_no_api_key=ns.up_allow_no_api_key)
+                  allow_no_api_key=ns.up_allow_no_api_key,
+
+kv_hash_key=_up_kv_hash_key(ns))
+
+
+def _up_kv_hash_key(ns: argparse.Namespace) -> str | None:
+    """The block hash key ``up`` hands every server and its router (docs/security.md): the operator's
+    (--kv-hash-key-file, which the router is given too, or $PDSERVE_KV_HASH_KEY), else a new random one."""
+    if ns.kv_hash_key_file:
+        return None
+    return os.environ.get(KV_HASH_KEY_ENV, "").strip() or secrets.token_hex(32)
 
 
 def cmd_up(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -46,6 +46,7 @@ from pdserve.web.api_key import (
     may_administer,
     owner_of_scope,
     warn_if_unauthenticated,
+    worker_credential,
 )
 from pdserve.web.app import add_error_handlers, guard_routes
 from pdserve.web.errors import (
@@ -101,7 +102,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     _add_info_routes(app, ctx)
     _add_control_routes(app, ctx)
     guard_routes(app, ctx.args.api_key, ctx.args.admin_api_key,
-                 OriginPolicy(ctx.args.host, ctx.args.allowed_hosts, ctx.args.allowed_origins))
+                 OriginPolicy(ctx.args.host, ctx.args.allowed_hosts, ctx.args.allowed_origins),
+                 worker_credential(ctx.args.cache_config().hash_key))
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
     return app
 
@@ -255,16 +257,10 @@ def _add_control_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 
 def _abort_own(tm: TokenizerManager, rid: str, scope) -> None:
-    """Aborts ``rid`` if the caller started it (same key, same X-Client-Token) or holds the admin key.
-    A rid not in flight here is nothing to abort (the router sends every abort to every worker)."""
-    owner = tm.owner_of(rid)
-    if holds_admin_key(scope):
-        tm.abort(rid)
-    elif owner is not None and owner != owner_of_scope(scope):
-        raise RequestError(f"rid: {rid!r} was started by another client (its key and X-Client-Token differ); only "
-                           "it, or the admin key, may abort it", param="rid", status=403, code="not_owner")
-    elif owner is not None:
-        tm.abort(rid)
+    """Aborts the caller's own ``rid`` (same key, same X-Client-Token; rids live in their owner's
+    namespace), or with the admin key anyone's. Another client's rid answers as an unknown one, so
+    an abort tells no one which rids are in flight (the router sends every abort to every worker)."""
+    tm.abort(rid, owner_of_scope(scope), every_owner=holds_admin_key(scope))
 
 
 async def _transfer_health(tm: TokenizerManager) -> dict | None:

@@ -127,7 +127,8 @@ async def _items(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[_Item
             _check_logprobs(ids, start, top, tm)
         count = samples_here(tm.role, sampling.n, boot)
         job = PromptJob(ids, sampling.for_copy(0), count, bool(lp), resolve_start(start, len(ids)) if lp else None,
-                        top if lp else 0, rid, boot, group)
+                        top if lp else 0, rid, boot, group,
+                        tm.cache_salt(req.cache_salt))
         items.append(_Item(job, top if lp else 0))
     return items, single
 

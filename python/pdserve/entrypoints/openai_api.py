@@ -121,7 +121,8 @@ async def completions(tm: TokenizerManager, request: Request, model_name: str):
     boots = tm.bootstraps(req, len(prompts), samplings[0].n)
     group = new_group()
     jobs = [PromptJob(ids, sp, samples_here(tm.role, best_of, boot), req.logprobs is not None or best_of > sp.n,
-                      0 if echo_lp else None, req.logprobs or 0, bootstrap=boot, group=group)
+                      0 if echo_lp else None, req.logprobs or 0, bootstrap=boot, group=group,
+                      cache_salt=tm.cache_salt(req.cache_salt))
             for ids, sp, boot in zip(prompts, samplings, boots)]
     echo_texts = [_prompt_text(tm, ids, t) for ids, t in zip(prompts, texts)] if req.echo else None
     call = _call("completion", model_name, req, jobs, req.logprobs, echo_texts, tm)
@@ -145,7 +146,8 @@ async def chat_completions(tm: TokenizerManager, request: Request, model_name: s
     check_sequences([sampling.n], tm.args.max_seqs_per_request, "messages", "n")
     (boot,) = tm.bootstraps(req, 1, sampling.n)
     job = PromptJob(ids, sampling, samples_here(tm.role, sampling.n, boot), top is not None, None, top or 0,
-                    bootstrap=boot, group=new_group())
+                    bootstrap=boot, group=new_group(),
+                    cache_salt=tm.cache_salt(req.cache_salt))
     call = _call("chat", model_name, req, [job], top, None, tm)
     call.output = OutputPlan(reasoning, plan.parser, plan.names, req.stream_reasoning, plan.schemas,
                              _reasoning_forced(reasoning, req), req.parallel_tool_calls)

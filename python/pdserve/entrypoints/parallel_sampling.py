@@ -43,6 +43,7 @@ class PromptJob:
     rid: str | None = None
     bootstrap: BootstrapRef | None = None  # a disaggregated request: the shared prefill's (or the one sample's)
     group: str | None = None  # the API call this prompt belongs to (new_group): admission takes turns by it
+    cache_salt: str = ""  # its prefix cache tree (TokenizerManager.cache_salt)
 
     @property
     def shares_prefill(self) -> bool:
@@ -55,7 +56,7 @@ class PromptJob:
         rid = None if self.rid is None else f"{self.rid}-prefill"
         gen = tm.generate(self.input_ids, sampling, self.input_start is not None, rid, stream=False,
                           logprob_start_len=self._start(True), top_logprobs_num=self.top_logprobs_num,
-                          bootstrap=self.bootstrap, group=self.group)
+                          bootstrap=self.bootstrap, group=self.group, cache_salt=self.cache_salt)
         return await final_chunk(gen)
 
     def generators(self, tm: TokenizerManager, stream: bool) -> list[AsyncGenerator[GenerateChunk, None]]:
@@ -66,7 +67,7 @@ class PromptJob:
         bootstrap = None if self.shares_prefill else self.bootstrap
         return [tm.generate(self.input_ids, self.sampling.for_copy(j), want, self._rid(j), stream,
                             logprob_start_len=self._start(with_input), top_logprobs_num=self.top_logprobs_num,
-                            bootstrap=bootstrap, group=self.group)
+                            bootstrap=bootstrap, group=self.group, cache_salt=self.cache_salt)
                 for j in range(self.count)]
 
     def _start(self, with_input: bool) -> int:

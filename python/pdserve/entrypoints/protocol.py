@@ -23,6 +23,11 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+MAX_CACHE_SALT_CHARS = 1024
+# vLLM's ``cache_salt``: requests share cached prefix pages only with requests of the same salt
+_CacheSalt = Annotated[str | None, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+
+
 class _Bootstrap(_Body):
     """What a P/D router adds (sglang-router's names): the prefill server's bootstrap registry
     and the room pairing the request's prefill and decode halves; lists for a batch."""
@@ -140,6 +145,7 @@ class GenerateRequest(_Bootstrap):
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    cache_salt: _CacheSalt = None
 
 
 class StreamOptions(_Body):
@@ -167,6 +173,7 @@ class _SamplingFields(_Bootstrap):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     rid: str | None = None
+    cache_salt: _CacheSalt = None
     # constrained decoding beside response_format (SGLang's extras; the engine checks the grammar)
     regex: str | None = None
     ebnf: str | None = None

@@ -120,7 +120,7 @@ class GenerateChunk:
 
 @dataclass(eq=False)
 class _ReqState:
-    rid: str
+    rid: str  # the client's
     return_logprob: bool
     wake_every: int  # wake the request's coroutine once this many outputs are pending
     prompt_tokens: int = 0
@@ -134,6 +134,12 @@ class _ReqState:
     @property
     def streaming(self) -> bool:
         return self.wake_every != sys.maxsize
+
+
+def scoped_rid(rid: str, owner: str) -> str:
+    """``rid`` in ``owner``'s namespace: clients choose rids, and one client's rid must tell another
+    nothing (not "already in use", not a different answer to an abort) and reach none of its requests."""
+    return f"{owner[:16]}/{rid}" if owner else rid
 
 
 class TokenizerManager:
@@ -275,11 +281,20 @@ class TokenizerManager:
 
     # ------------------------------------------------------------- requests
     def new_rid(self, rid: str | None = None) -> str:
+        """A fresh rid, or ``rid`` if the calling client (``request_owner``) has none of that name in flight."""
         if rid is None:
             return f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
-        if rid in self._reqs:
+        if scoped_rid(rid, request_owner()) in self._reqs:
             raise RequestError(f"rid: {rid!r} is already in use", param="rid")
         return rid
+
+    def cache_salt(self, requested: str | None) -> str:
+        """A request's prefix cache tree: its ``cache_salt`` field; with ``--cache-salt-per-client`` within
+        its client's (key and X-Client-Token: ``request_owner``), so clients never share a page."""
+        salt = requested or ""
+        if self.args.cache_salt_per_client:
+            return f"{request_owner()}\0{salt}"
+        return salt
 
     def bootstraps(self, body, n: int, samples: int = 1) -> list[BootstrapRef | None]:
         """Each prompt's disaggregation pairing from a request ``body`` (``protocol._Bootstrap``),
@@ -330,8 +345,8 @@ class TokenizerManager:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, return_logprob: bool = False,
                        rid: str | None = None, stream: bool = True, logprob_start_len: int = -1,
-                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None, group: str | None = None
-                       ) -> AsyncGenerator[GenerateChunk, None]:
+                       top_logprobs_num: int = 0, bootstrap: BootstrapRef | None = None, group: str | None = None,
+                       cache_salt: str = "") -> AsyncGenerator[GenerateChunk, None]:
         """Submit one request and yield its chunks until it finishes; ``group``: the API call it is
         one sequence of (the scheduler's admission lets groups take turns).
 
@@ -348,13 +363,14 @@ class TokenizerManager:
                 self._try_send(AbortReq("", refused=bootstrap, message=e.message))
             raise
         rid = self.new_rid(rid)
+        key = scoped_rid(rid, request_owner())  # its name in the table and to the scheduler
         room = bootstrap.room if bootstrap is not None else None
         if room is not None and room in self._rooms:  # checked and taken with no await in between
             raise RequestError(f"bootstrap_room: {room} is already used by a request in flight (rooms must be "
                                f"unique; a P/D router draws a random one per request)", param="bootstrap_room")
         # Without streaming nothing is shown before the end, so only the finish wakes the request.
         state = _ReqState(rid, return_logprob, self.stream_interval if stream else sys.maxsize, len(input_ids))
-        self._reqs[rid] = state
+        self._reqs[key] = state
         self.last_admit = time.monotonic()
         if room is not None:
             self._rooms.add(room)
@@ -362,8 +378,8 @@ class TokenizerManager:
         acc = _Accumulator()
         finished = False
         try:
-            self._send_or_fail(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, logprob_start_len,
-                                                    top_logprobs_num, bootstrap, group))
+            self._send_or_fail(TokenizedGenerateReq(key, input_ids, sampling, return_logprob, logprob_start_len,
+                                                    top_logprobs_num, bootstrap, group, cache_salt))
             while not finished:
                 await state.event.wait()
                 state.event.clear()
@@ -386,18 +402,21 @@ class TokenizerManager:
             if not stream:
                 yield acc.final(self.tokenizer, sampling)
         finally:
-            self._reqs.pop(rid, None)
+            self._reqs.pop(key, None)
             self._rooms.discard(room)
             if not finished and state.error is None:
-                self.abort(rid)
+                self._try_send(AbortReq(key))
 
-    def abort(self, rid: str) -> None:
-        self._try_send(AbortReq(rid))
-
-    def owner_of(self, rid: str) -> str | None:
-        """Who started the request ``rid`` now in flight (web.api_key.request_owner); None if none is."""
-        state = self._reqs.get(rid)
-        return None if state is None else state.owner
+    def abort(self, rid: str, owner: str, every_owner: bool = False) -> int:
+        """Abort ``owner``'s request ``rid`` (``every_owner``, the admin's: anyone's of that rid); how
+        many were in flight. Another client's rid is not found, as an unknown one: no oracle."""
+        if every_owner:
+            keys = [k for k, state in self._reqs.items() if state.rid == rid]
+        else:
+            keys = [k for k in (scoped_rid(rid, owner),) if k in self._reqs]
+        for k in keys:
+            self._try_send(AbortReq(k))
+        return len(keys)
 
     def abort_all(self) -> None:
         self._try_send(AbortReq("", abort_all=True))

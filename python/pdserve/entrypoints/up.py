@@ -14,9 +14,10 @@ no ``master_server_address`` in the extra config ``up`` starts one ``mooncake_ma
 servers, hands its address to each of them and stops it after them; ``file`` takes one owner per
 directory, so each server gets its own subdirectory (named after it) of ``--hicache-storage-dir``.
 
-Secrets (the API key, the P/D token) reach the children by environment (``PDSERVE_API_KEY``,
-``PDSERVE_DISAGGREGATION_AUTH_TOKEN``), never on a command line, which every local user can read
-in ``ps``; the command lines up logs hide any secret flag all the same.
+Secrets (the API key, the P/D token, the KV block hash key up makes) reach the children by
+environment (``PDSERVE_API_KEY``, ``PDSERVE_DISAGGREGATION_AUTH_TOKEN``, ``PDSERVE_KV_HASH_KEY``),
+never on a command line, which every local user can read in ``ps``; the command lines up logs hide
+any secret flag all the same.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV
+from pdserve.config import API_KEY_ENV, AUTH_TOKEN_ENV, KV_HASH_KEY_ENV
 from pdserve.web.api_key import ADMIN_KEY_ENV
 
 if TYPE_CHECKING:
@@ -134,6 +135,9 @@ class UpArgs:
     auth_token: str | None = field(default=None, repr=False)  # the P/D token, for the servers
     admin_api_key: str | None = field(default=None, repr=False)  # every child's, by the environment
     allow_no_api_key: bool = False  # --host beyond the loopback without --api-key (every child told so)
+    # the KV block hash key, every child's by the environment (KV_HASH_KEY_ENV): events and the router's
+    # matching agree, and hashes mean nothing to whoever lacks it. None: --kv-hash-key-file among the flags
+    kv_hash_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         for name in ("num_prefill", "num_decode"):
@@ -222,6 +226,8 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
         router += ["--prefill", url, str(boot)]
     for url in decode_urls:
         router += ["--decode", url]
+    if "--kv-hash-key-file" in args.server_flags:  # the operator's key: the router hashes prompts with it too
+        router += ["--kv-hash-key-file", args.server_flags[args.server_flags.index("--kv-hash-key-file") + 1]]
     children.append(Child("router", router, f"http://{args.host}:{args.port}", None,
                           env=secrets_env(args)))
     return children
@@ -252,6 +258,8 @@ def secrets_env(args: UpArgs) -> dict[str, str]:
         env[ADMIN_KEY_ENV] = args.admin_api_key
     if args.auth_token:
         env[AUTH_TOKEN_ENV] = args.auth_token
+    if args.kv_hash_key:
+        env[KV_HASH_KEY_ENV] = args.kv_hash_key
     return env
 
 

@@ -42,6 +42,7 @@ class ReqMemory(Protocol):
     rid: str
     uid: int | None
     fill_ids: list[int]
+    cache_salt: str  # which prefix tree it matches and fills (mem/radix_cache.py, cache isolation)
     row: int | None
     cache_node: RadixNode | None
     pages: list[int]
@@ -95,8 +96,10 @@ class KVCacheManager:
 
     def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_context_len: int,
                  disable_radix_cache: bool = False, hicache: HiCacheConfig | None = None,
-                 pool: KVPool | None = None, storage_compat: Mapping[str, object] | None = None):
+                 pool: KVPool | None = None, storage_compat: Mapping[str, object] | None = None,
+                 hash_key: bytes = b""):
         self.page_size = page_size
+        self.hash_key = hash_key  # of the block hash chain (mem/radix_cache.py) and the storage namespace
         self.allocator = PageAllocator(num_pages)
         # The cache returns the pages it lets go of (evicted, duplicates, flushed); freed here only.
         self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool, storage_compat)
@@ -110,7 +113,7 @@ class KVCacheManager:
     def _make_cache(self, disable: bool, hicache: HiCacheConfig | None, pool: KVPool | None,
                     compat: Mapping[str, object] | None) -> RadixCache:
         if hicache is None or not hicache.enabled:
-            return RadixCache(self.allocator, self.page_size, disable=disable)
+            return RadixCache(self.allocator, self.page_size, disable=disable, hash_key=self.hash_key)
         if pool is None:
             raise ValueError("enable_hierarchical_cache: the host tier needs the device KV pool")
         host = HostKVPool(pool, hicache.num_host_pages(self.allocator.num_pages, host_page_bytes(pool)),
@@ -120,7 +123,8 @@ class KVCacheManager:
         probe = self.allocator.alloc(min(PROBE_PAGES, self.allocator.num_free)) or []
         try:
             return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, storage=storage,
-                                prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s(), probe_pages=probe)
+                                prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s(), probe_pages=probe,
+                                hash_key=self.hash_key)
         finally:
             self.allocator.free(probe)
 
@@ -130,7 +134,9 @@ class KVCacheManager:
         if not compat:
             raise ValueError("hicache_storage_backend: the storage tier needs the KV compatibility record")
         assert hicache.storage_backend is not None
-        ns = namespace(compat)
+        # Keyed deployments key their stored pages too: a storage key is a chain over the tokens
+        # (mem/storage/keys.py), which whoever lists the store's keys could otherwise test guesses against.
+        ns = namespace(compat, self.hash_key.hex() if self.hash_key else None)
         store = create_page_store(hicache.storage_backend, directory=self._rank_dir(hicache.storage_dir, compat),
                                   size_gb=hicache.storage_size_gb or DEFAULT_STORAGE_GB, namespace=ns,
                                   extra_config=hicache.store_extra_config(), auth_token=hicache.auth_token,
@@ -184,9 +190,9 @@ class KVCacheManager:
         """[max_reqs, context] slot ids the attention backend gathers from (read-only to callers)."""
         return self.table.table
 
-    def match_len(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens`` the prefix cache holds now (marks them used; locks nothing)."""
-        return self.cache.match_prefix(tokens).num_tokens
+    def match_len(self, tokens: Sequence[int], salt: str = "") -> int:
+        """Tokens of ``tokens`` the prefix cache holds now in ``salt``'s tree (marks them used; locks nothing)."""
+        return self.cache.match_prefix(tokens, salt).num_tokens
 
     def can_allocate(self, n: int) -> bool:
         """``n`` pages are free or evictable now."""
@@ -206,13 +212,13 @@ class KVCacheManager:
         if handle is not None:
             self._free_redundant(handle)
             return handle.finished  # the same on every rank: their copies complete in lock step
-        match = hi.match_tiers(tokens)
+        match = hi.match_tiers(tokens, req.cache_salt)
         from_storage: int | None = 0
         if not match.busy:
             # its storage read runs on the storage thread; None: the prefetch policy says wait
-            from_storage = hi.prefetch(req.uid, tokens, match)
+            from_storage = hi.prefetch(req.uid, tokens, match, req.cache_salt)
             if from_storage:
-                match = hi.match_tiers(tokens)
+                match = hi.match_tiers(tokens, req.cache_salt)
         waiting = match.busy or from_storage is None  # busy: another request loads the same pages
         from_storage = from_storage or 0
         device, host = len(match.device.pages), len(match.host)
@@ -295,7 +301,7 @@ class KVCacheManager:
         row = self.table.alloc_row()
         if row is None:
             return False
-        match = self.cache.match_prefix(tokens)
+        match = self.cache.match_prefix(tokens, req.cache_salt)
         self.cache.lock(match.node)
         req.row, req.cache_node = row, match.node
         req.pages, req.num_cached_pages = list(match.pages), len(match.pages)
@@ -385,7 +391,7 @@ class KVCacheManager:
         the radix cache, which frees duplicates; the rest of its own pages are freed."""
         self._check_held(req, "release")
         full = cache_len // self.page_size
-        inserted = self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full])
+        inserted = self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full], req.cache_salt)
         self.allocator.free(inserted.released)
         self.allocator.free(req.pages[full:])
         self._unpin(req, "release")

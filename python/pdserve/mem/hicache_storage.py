@@ -15,6 +15,7 @@ nothing of a prefetch enters the cache before that, so a cancelled one leaves no
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -89,9 +90,12 @@ class StorageLeg:
         self._gets: queue.Queue[Prefetch | None] = queue.Queue(GET_QUEUE_PREFETCHES)
         self._get_thread = self._start_get_thread()
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        """Keys of the full chunks of ``tokens`` (from the start of the sequence)."""
-        return chunk_keys(self.namespace, list(tokens), self.chunk_tokens)
+    def keys(self, tokens: Sequence[int], salt: str = "") -> list[bytes]:
+        """Keys of the full chunks of ``tokens`` (from the start of the sequence) in ``salt``'s chain:
+        a salted chain starts from a key of the salt (mem/radix_cache.py, cache isolation), so requests
+        with different salts share no stored page either."""
+        parent = hashlib.sha256(self.namespace + b"pdserve cache salt\0" + salt.encode()).digest() if salt else None
+        return chunk_keys(self.namespace, list(tokens), self.chunk_tokens, parent=parent)
 
     # ------------------------------------------------------------------- puts
     def put_async(self, key: bytes, payload: bytes) -> None:

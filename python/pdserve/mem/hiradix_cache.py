@@ -112,8 +112,8 @@ class HiRadixCache(RadixCache):
 
     def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
                  storage: StorageLeg | None = None, prefill_tokens_per_s: float | None = None,
-                 probe_pages: Sequence[int] = ()):
-        super().__init__(allocator, page_size)
+                 probe_pages: Sequence[int] = (), hash_key: bytes = b""):
+        super().__init__(allocator, page_size, hash_key=hash_key)
         self.host = host
         self.write_policy = write_policy
         self.storage = storage
@@ -173,13 +173,13 @@ class HiRadixCache(RadixCache):
         """Device pages reserved for a load-back that has not landed yet."""
         return sum(len(h.device_pages) for h in self._loads)
 
-    def match_tiers(self, token_ids: Sequence[int]) -> TierMatch:
-        """The device prefix (marked used) and the host-only nodes continuing it."""
+    def match_tiers(self, token_ids: Sequence[int], salt: str = "") -> TierMatch:
+        """The device prefix (marked used) and the host-only nodes continuing it, in ``salt``'s tree."""
         tokens = _token_list(token_ids)
-        device = self.match_prefix(tokens)
-        node, host = device.node, []
-        assert isinstance(node, RadixNode)
-        for key in list(self._blocks(tokens))[len(device.pages):]:
+        device = self.match_prefix(tokens, salt)
+        node, host = device.node if device.pages else self._root_for(salt), []
+        for key in [] if node is None else list(self._blocks(tokens))[len(device.pages):]:
+            assert node is not None
             child = node.children.get(key)
             if child is None or child.host_page is None or child.page is not None:
                 break
@@ -188,10 +188,10 @@ class HiRadixCache(RadixCache):
         return TierMatch(device, host, any(n.busy for n in host))
 
     # --------------------------------------------------------------- mutation
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
-        result = super().insert(token_ids, pages)
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], salt: str = "") -> InsertResult:
+        result = super().insert(token_ids, pages, salt)
         if self.write_policy != "write_back" and not self.disable:
-            self._write_through(self._walk(list(self._blocks(_token_list(token_ids)))))
+            self._write_through(self._walk(list(self._blocks(_token_list(token_ids))), salt))
         return result
 
     def _write_through(self, path: list[RadixNode]) -> None:
@@ -276,14 +276,14 @@ class HiRadixCache(RadixCache):
         if end.stored or any(c.host_page is None for c in chunk):
             return
         tokens = [t for c in path for t in c.key]
-        key = self.storage.keys(tokens)[-1]
+        key = self.storage.keys(tokens, path[0].tree_parent.salt)[-1]
         self.storage.put_async(key, self.host.page_payload([c.host_page for c in chunk if c.host_page is not None]))
         end.stored = True
 
     def _path_from_root(self, node: RadixNode) -> list[RadixNode]:
-        return [n for n in reversed(self._path_to_root(node)) if n is not self._root]
+        return [n for n in reversed(self._path_to_root(node)) if not n.is_root]
 
-    def prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch) -> int | None:
+    def prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch, salt: str = "") -> int | None:
         """Storage pages continuing ``match`` for ``owner`` (a waiting request). Starts the read
         on the storage thread if ``start_prefetch`` did not (then answers None: wait at least
         until the next scheduling pass); answers None while the prefetch policy says wait, then
@@ -293,7 +293,7 @@ class HiRadixCache(RadixCache):
         tokens = _token_list(token_ids)
         pf = self._prefetches.get(owner)
         if pf is None:
-            return None if self.start_prefetch(owner, tokens, match) else 0
+            return None if self.start_prefetch(owner, tokens, match, salt) else 0
         done = pf.done.is_set()
         if not prefetch_can_stop(self.storage.policy, done, time.monotonic() - pf.started,
                                  len(pf.keys) * self.storage.chunk_tokens):
@@ -302,16 +302,16 @@ class HiRadixCache(RadixCache):
         pf.cancel()
         if not done:
             self.storage.count_stopped_early()
-        return self._take_prefetch(tokens, pf)
+        return self._take_prefetch(tokens, pf, salt)
 
-    def start_prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch) -> bool:
+    def start_prefetch(self, owner: object, token_ids: Sequence[int], match: TierMatch, salt: str = "") -> bool:
         """Start ``owner``'s storage read (when it arrives) unless one runs; False when there is
         nothing worth reading after ``match``."""
         if owner in self._prefetches:
             return True
         if self.storage is None or match.busy:
             return False
-        pf = self._start_prefetch(_token_list(token_ids), match)
+        pf = self._start_prefetch(_token_list(token_ids), match, salt)
         if pf is not None:
             self._prefetches[owner] = pf
         return pf is not None
@@ -326,10 +326,10 @@ class HiRadixCache(RadixCache):
     def num_prefetching(self) -> int:
         return len(self._prefetches)
 
-    def _start_prefetch(self, tokens: list[int], match: TierMatch) -> Prefetch | None:
+    def _start_prefetch(self, tokens: list[int], match: TierMatch, salt: str) -> Prefetch | None:
         assert self.storage is not None
         cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
-        keys = self.storage.keys(tokens)
+        keys = self.storage.keys(tokens, salt)
         first = have // cp
         if first >= len(keys):
             return None
@@ -344,24 +344,28 @@ class HiRadixCache(RadixCache):
             return None
         return self.storage.prefetch(first, keys[first:], self.host.page_bytes, min_chunks=need)
 
-    def _take_prefetch(self, tokens: list[int], pf: Prefetch) -> int:
+    def _take_prefetch(self, tokens: list[int], pf: Prefetch, salt: str) -> int:
         """Hang the landed chunks of ``pf`` under the current match. The tree may have changed
         while they were read: a match now shorter than ``pf``'s first chunk leaves them
         unattached (dropped), a longer one skips the pages it already has."""
         assert self.storage is not None
         payloads = pf.landed()
-        match = self.match_tiers(tokens)
+        match = self.match_tiers(tokens, salt)
         cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
         new = (pf.first + len(payloads)) * cp - have
         if match.busy or have < pf.first * cp or new <= 0:
             return 0
-        node = match.host[-1] if match.host else match.device.node
-        assert isinstance(node, RadixNode)
-        self.lock(node)  # the host eviction below must not take the path these pages hang from
+        node = match.host[-1] if match.host else match.device.node if match.device.pages else None
+        if node is not None:
+            self.lock(node)  # the host eviction below must not take the path these pages hang from
         host_pages = self._alloc_host(new)
-        self.unlock(node)
+        if node is not None:
+            self.unlock(node)
         if not host_pages:
             return 0
+        # hung from the root: looked up (or made) after the eviction, which may have emptied a salted tree
+        node = node or self._root_for(salt, create=True)
+        assert node is not None
         skip = (have - pf.first * cp) * self.host.page_bytes
         self.host.set_page_payload(host_pages, b"".join(payloads)[skip:])
         blocks = list(self._blocks(tokens))[have:have + new]
@@ -371,7 +375,7 @@ class HiRadixCache(RadixCache):
         return new
 
     def _add_host_child(self, parent: RadixNode, key: tuple[int, ...], host_page: int) -> RadixNode:
-        child = RadixNode(key, None, hash_block(parent.hash, key), parent, self._new_id())
+        child = RadixNode(key, None, hash_block(parent.hash, key, self.hash_key), parent, self._new_id())
         child.last_access = self._tick()
         child.host_page, child.stored = host_page, True
         parent.children[key] = child
@@ -413,7 +417,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             hashes.append(node.hash)
             freed.append(self._evict_device(node))
-            if parent is not None and parent is not self._root and self._device_leaf(parent):
+            if parent is not None and not parent.is_root and self._device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent))
         if freed and self.sink is not None:  # gone from the device, whether or not a host copy stays
             self.sink.removed(hashes, self.medium)
@@ -468,7 +472,7 @@ class HiRadixCache(RadixCache):
             freed += 1
             if node.page is None:
                 self._detach(node)
-                if parent is not None and parent is not self._root and self._host_evictable(parent):
+                if parent is not None and not parent.is_root and self._host_evictable(parent):
                     heapq.heappush(heap, (parent.last_access, parent))
         self.counters.host_evicted_pages += freed
         return freed
@@ -516,7 +520,7 @@ class HiRadixCache(RadixCache):
     def check_invariants(self) -> None:
         super().check_invariants()
         owners: dict[int, RadixNode] = {}
-        stack = list(self._root.children.values())
+        stack = [c for r in self._roots() for c in r.children.values()]
         while stack:
             n = stack.pop()
             if n.host_page is not None:

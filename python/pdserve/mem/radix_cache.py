@@ -3,8 +3,20 @@
 Each node below the root is one full page: ``page_size`` tokens (its key) and the
 page id holding their KV. Children are keyed by their block's token tuple, so a
 path from the root spells a page-aligned token prefix. Each node also carries a
-chained block hash, ``hash_i = H(hash_{i-1}, block_i)``, stable across processes,
-which a tiered KV pool can use as a content address for the same prefix.
+chained block hash, ``hash_i = H_k(hash_{i-1}, block_i)``, stable across processes that share
+the key ``k``, which KV events publish and a router matches prompts against.
+
+Why keyed: an unkeyed chain is a dictionary attack away from the prompt. With page size 1 a
+block is one token, so whoever sees a hash tries the vocabulary against its parent's hash and
+reads the prompt token by token. Keyed (BLAKE2b's MAC mode), a hash says nothing to whoever
+lacks ``k``: the servers and the router of one deployment share it (``--kv-hash-key-file``,
+``pdserve up`` makes one); ``k = b""`` is the unkeyed chain.
+
+Cache isolation: a request's ``salt`` (its ``cache_salt``, or its client under
+``--cache-salt-per-client``) picks the tree it matches and fills. The default tree hangs from the
+root; each salt has its own root whose hash is the salt's, so requests with different salts never
+share a page, and their chains differ from the first block. A salted root lives while it has
+children.
 
 Partial blocks are never cached: a prompt's tail shorter than a page is
 recomputed, which keeps every cached page immutable and shareable.
@@ -24,13 +36,28 @@ from pdserve.obs.kv_events import MEDIUM_GPU, KVEventSink
 ROOT_HASH = 0  # hash_{-1}: what the first block chains from
 
 
-def hash_block(parent_hash: int, block: Sequence[int]) -> int:
-    """64-bit chained hash of one block: blake2b(parent hash as u64 LE || tokens as i32 LE)."""
+def hash_block(parent_hash: int, block: Sequence[int], key: bytes = b"") -> int:
+    """64-bit chained hash of one block: blake2b keyed with ``key`` (up to 64 bytes; b"": unkeyed)
+    over parent hash as u64 LE || tokens as i32 LE."""
     try:
         data = struct.pack(f"<Q{len(block)}i", parent_hash, *block)
     except struct.error as e:
         raise ValueError(f"token ids must fit in int32 ({e})") from None
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little")
+
+
+def salt_hash(salt: str, key: bytes = b"") -> int:
+    """hash_{-1} of a salted chain: what its first block chains from (``ROOT_HASH`` unsalted)."""
+    if not salt:
+        return ROOT_HASH
+    digest = hashlib.blake2b(b"pdserve cache salt\0" + salt.encode(), digest_size=8, key=key).digest()
+    return int.from_bytes(digest, "little")
+
+
+def key_check(key: bytes) -> int:
+    """A value that tells two parties whether they hash under the same key, and nothing about the
+    key or any prompt: the hash of a block no prompt has (token id -1)."""
+    return hash_block(ROOT_HASH, [-1], key)
 
 
 def _token_list(token_ids: Sequence[int]) -> list[int]:
@@ -47,7 +74,7 @@ class RadixNode:
     """
 
     __slots__ = ("key", "page", "hash", "parent", "children", "lock_ref", "last_access", "id", "host_page",
-                 "busy", "hits", "stored")
+                 "busy", "hits", "stored", "salt")
 
     def __init__(self, key: tuple[int, ...], page: int | None, hash_: int,
                  parent: RadixNode | None, node_id: int):
@@ -63,6 +90,12 @@ class RadixNode:
         self.busy = False
         self.hits = 0
         self.stored = False  # its chunk was handed to the storage tier
+        self.salt = ""  # a root's: the salt of the tree below it
+
+    @property
+    def is_root(self) -> bool:
+        """The default root or a salt's (only roots hold no tokens)."""
+        return not self.key
 
     @property
     def cached_page(self) -> int:
@@ -130,12 +163,16 @@ class RadixCache:
 
     ``sink`` (optional) hears every change of the tree as KV events: blocks stored by
     ``insert``, removed by ``evict``, all cleared by ``reset``, each under ``medium``.
+    ``hash_key``: the key of the block hash chain (see the module's docstring).
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False,
-                 sink: KVEventSink | None = None, medium: str = MEDIUM_GPU):
+                 sink: KVEventSink | None = None, medium: str = MEDIUM_GPU, hash_key: bytes = b""):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if len(hash_key) > 64:
+            raise ValueError(f"hash_key: at most 64 bytes (BLAKE2b's key), got {len(hash_key)}")
+        self.hash_key = hash_key
         self.allocator = allocator
         self.sink = sink
         self.medium = medium
@@ -144,6 +181,7 @@ class RadixCache:
         self._clock = 0
         self._next_id = 0
         self._root = RadixNode((), None, ROOT_HASH, None, self._new_id())
+        self._salted: dict[str, RadixNode] = {}  # salt -> the root of its tree (while it has children)
         self._page_owner: dict[int, RadixNode] = {}
         self._leaves: set[RadixNode] = set()  # non-root nodes without children
         self._num_locked = 0  # non-root nodes with a device page and lock_ref > 0
@@ -162,18 +200,21 @@ class RadixCache:
     def root(self) -> RadixNode:
         return self._root
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+    def block_hashes(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
         """Chained hashes of the full blocks of ``token_ids`` (the partial tail is ignored)."""
-        hashes, h = [], ROOT_HASH
+        hashes, h = [], salt_hash(salt, self.hash_key)
         for key in self._blocks(_token_list(token_ids)):
-            h = hash_block(h, key)
+            h = hash_block(h, key, self.hash_key)
             hashes.append(h)
         return hashes
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest page-aligned prefix cached on the device; marks the matched path as just used."""
-        node = self._root
+    def match_prefix(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
+        """Longest page-aligned prefix cached on the device in ``salt``'s tree; marks the matched path
+        as just used. A miss answers the default root (a salted root may go once it is empty)."""
+        node = self._root_for(salt)
         pages: list[int] = []
+        if node is None:
+            return MatchResult(pages, 0, self._root)
         if not self.disable:
             now = self._tick()
             for key in self._blocks(_token_list(token_ids)):
@@ -184,7 +225,7 @@ class RadixCache:
                 child.hits += 1
                 pages.append(child.cached_page)
                 node = child
-        return MatchResult(pages, len(pages) * self.page_size, node)
+        return MatchResult(pages, len(pages) * self.page_size, node if pages else self._root)
 
     # ---- locking -----------------------------------------------------------------
 
@@ -207,7 +248,7 @@ class RadixCache:
 
     # ---- mutation ----------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], salt: str = "") -> InsertResult:
         """Cache ``token_ids`` (full pages only) backed by ``pages``.
 
         Takes every page in ``pages``: a block already cached with the same page is
@@ -223,7 +264,9 @@ class RadixCache:
         if self.disable:
             return InsertResult(0, pages)
         keys = list(self._blocks(tokens))
-        path = self._walk(keys)
+        if not keys:
+            return InsertResult(0, [])
+        path = self._walk(keys, salt)
         self._check_insert_pages(pages, path)
         duplicates = [p for p, n in zip(pages, path) if p != n.page and n.page is not None]
         now = self._tick()
@@ -234,7 +277,8 @@ class RadixCache:
                 self._set_device_page(n, p)
                 back_on_device.append(n)
         self._announce_stored(back_on_device)
-        node = path[-1] if path else self._root
+        node = path[-1] if path else self._root_for(salt, create=True)
+        assert node is not None
         parent_hash = node.hash if path else None
         added = []
         for key, page in zip(keys[len(path):], pages[len(path):]):
@@ -263,7 +307,7 @@ class RadixCache:
             page = self._remove_leaf(leaf)
             assert page is not None, "a cache without host tier holds device pages only"
             freed.append(page)
-            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+            if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent))
         if freed and self.sink is not None:
             self.sink.removed(hashes, self.medium)
@@ -282,6 +326,7 @@ class RadixCache:
         for node in self._page_owner.values():
             node.parent = None
         self._root.children = {}
+        self._salted.clear()
         self._page_owner.clear()
         self._leaves.clear()
         if self.sink is not None:
@@ -294,14 +339,14 @@ class RadixCache:
             return
         for n in nodes:
             parent = n.tree_parent
-            self.sink.stored(None if parent is self._root else parent.hash, [n.hash], list(n.key),
+            self.sink.stored(None if parent.is_root else parent.hash, [n.hash], list(n.key),
                              self.page_size, self.medium)
 
     def cached_blocks(self) -> list[tuple[int, int | None]]:
         """(block hash, parent block hash or None) of every cached block, parents first: the
         tree as a KV-event subscriber rebuilds it from a snapshot."""
         out: list[tuple[int, int | None]] = []
-        level: list[tuple[RadixNode, int | None]] = [(c, None) for c in self._root.children.values()
+        level: list[tuple[RadixNode, int | None]] = [(c, None) for r in self._roots() for c in r.children.values()
                                                      if c.page is not None]
         while level:
             out.extend((n.hash, parent) for n, parent in level)
@@ -317,17 +362,19 @@ class RadixCache:
         owners: dict[int, RadixNode] = {}
         leaves: set[RadixNode] = set()
         locked = 0
-        stack = list(self._root.children.values())
+        for salt, root in self._salted.items():
+            assert root.children and root.salt == salt and root.hash == salt_hash(salt, self.hash_key)
+        stack = [c for r in self._roots() for c in r.children.values()]
         while stack:
             n = stack.pop()
             assert n.page is not None or n.host_page is not None, f"node with no copy: {n!r}"
             if n.page is not None:
                 assert n.page not in owners, f"page {n.page} held by two nodes"
                 assert not self.allocator.is_free(n.page), f"cached page {n.page} is free"
-                assert n.parent is self._root or n.tree_parent.page is not None, f"device page under host-only: {n!r}"
+                assert n.tree_parent.is_root or n.tree_parent.page is not None, f"device page under host-only: {n!r}"
                 owners[n.page] = n
                 locked += n.lock_ref > 0
-            assert n.hash == hash_block(n.tree_parent.hash, n.key)
+            assert n.hash == hash_block(n.tree_parent.hash, n.key, self.hash_key)
             assert n.lock_ref >= sum(c.lock_ref for c in n.children.values())
             if not n.children:
                 leaves.add(n)
@@ -352,10 +399,26 @@ class RadixCache:
         for start in range(0, len(tokens) - s + 1, s):
             yield tuple(tokens[start:start + s])
 
-    def _walk(self, keys: list[tuple[int, ...]]) -> list[RadixNode]:
-        """Nodes matching the leading ``keys``, stopping at the first miss."""
-        node = self._root
+    def _roots(self) -> list[RadixNode]:
+        return [self._root, *self._salted.values()]
+
+    def _root_for(self, salt: str, create: bool = False) -> RadixNode | None:
+        """The root of ``salt``'s tree (the default root unsalted); None if it has none and not ``create``."""
+        if not salt:
+            return self._root
+        root = self._salted.get(salt)
+        if root is None and create:
+            root = RadixNode((), None, salt_hash(salt, self.hash_key), None, self._new_id())
+            root.salt = salt
+            self._salted[salt] = root
+        return root
+
+    def _walk(self, keys: list[tuple[int, ...]], salt: str = "") -> list[RadixNode]:
+        """Nodes matching the leading ``keys`` in ``salt``'s tree, stopping at the first miss."""
+        node = self._root_for(salt)
         path: list[RadixNode] = []
+        if node is None:
+            return path
         for key in keys:
             child = node.children.get(key)
             if child is None:
@@ -377,7 +440,7 @@ class RadixCache:
                                  f"for a different block")
 
     def _add_child(self, parent: RadixNode, key: tuple[int, ...], page: int, now: int) -> RadixNode:
-        child = RadixNode(key, page, hash_block(parent.hash, key), parent, self._new_id())
+        child = RadixNode(key, page, hash_block(parent.hash, key, self.hash_key), parent, self._new_id())
         child.last_access = now
         parent.children[key] = child
         self._leaves.discard(parent)
@@ -396,8 +459,10 @@ class RadixCache:
         parent = leaf.tree_parent
         del parent.children[leaf.key]
         self._leaves.discard(leaf)
-        if parent is not self._root and not parent.children:
+        if not parent.is_root and not parent.children:
             self._leaves.add(parent)
+        if parent.salt and not parent.children:  # an empty salted tree: its root goes too
+            del self._salted[parent.salt]
         page = leaf.page
         if page is not None:
             del self._page_owner[page]
@@ -411,6 +476,6 @@ class RadixCache:
         while n is not None:
             path.append(n)
             n = n.parent
-        if path[-1] is not self._root:
+        if path[-1] is not self._root and self._salted.get(path[-1].salt) is not path[-1]:
             raise RuntimeError(f"node is no longer in the cache (evicted or flushed): {node!r}")
         return path

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not weight_map:
             raise ValueError(f"{index}: has no weight_map")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        files = [directory / name for name in sorted(set(_shard_names(index, weight_map)))]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise ValueError(f"{index}: names shard file(s) that do not exist: {', '.join(absent)}")
@@ -44,6 +44,23 @@ def safetensors_files(path: str | Path) -> list[Path]:
         raise ValueError(f"model_path: {directory} has no model.safetensors or {INDEX_FILE} "
                          f"(only safetensors weights are supported; pass --load-format dummy for random weights)")
     return files
+
+
+def _shard_names(index: Path, weight_map: object) -> list[str]:
+    """The index's shard names, each a relative path that stays inside the model directory: an
+    index is data (a downloaded checkpoint), so ``../x`` or ``/etc/x`` must not pick the files read.
+    Checked on the names, not the resolved files: a Hugging Face cache links its shards elsewhere."""
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map must be an object of tensor name -> shard file")
+    names = []
+    for tensor, name in weight_map.items():
+        parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+        if not parts or name.startswith(("/", "\\")) or "\\" in name or any(p in ("..", ".") for p in parts) \
+                or PureWindowsPath(name).drive:
+            raise ValueError(f"{index}: weight_map[{tensor!r}] = {name!r} is not a file inside the model directory "
+                             "(shard names are relative paths without '..')")
+        names.append(name)
+    return names
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,7 +11,10 @@ are published only when the socket is reachable from this machine alone (a loopb
 ``ipc://``, ``inproc://``); a socket bound to any other address, wildcards included, publishes
 the events without ``token_ids`` (logged once, and ``kv_events_token_ids`` false in
 ``/get_server_info``). Routing needs only the block hashes: the router hashes the prompts it sees
-itself (``router/kv_index.py``). The endpoint defaults to the server's ``--host``
+itself (``router/kv_index.py``). The hashes themselves give the prompts away unless keyed (a
+dictionary attack, ``mem/radix_cache.py``), and the PUB socket authenticates no subscriber: an
+unkeyed server (no ``--kv-hash-key-file``) publishes on this machine alone, and refuses to start
+bound anywhere else. The endpoint defaults to the server's ``--host``
 (``KVEventsConfig.endpoint_for``), never every interface.
 
 An idle publisher sends an empty batch (``events: []``) with the last number every second.
@@ -80,7 +83,8 @@ class KVEventPublisher(EventBuffer):
     """The sink a scheduler's KV cache manager reports to; ``flush`` once per scheduler step closes
     a batch. ``drop_next``: a test hook, the next N batches are numbered but never sent."""
 
-    def __init__(self, config: KVEventsConfig, advertise_host: str = "127.0.0.1", data_parallel_rank: int = 0):
+    def __init__(self, config: KVEventsConfig, advertise_host: str = "127.0.0.1", data_parallel_rank: int = 0,
+                 keyed: bool = False):
         super().__init__()
         self.config = config
         self.data_parallel_rank = data_parallel_rank
@@ -100,6 +104,12 @@ class KVEventPublisher(EventBuffer):
                              f"({self._bind_error or 'timed out'})")
         self.endpoint = connectable(self._bound_at, advertise_host)
         self.token_ids = local_only(self._bound_at)  # prompts' tokens only to this machine's own readers
+        if not self.token_ids and not keyed:
+            self.close()
+            raise ValueError(f"kv_events_config: endpoint {self._bound_at} can be read from other machines without "
+                             "authentication, and unkeyed block hashes give the cached prompts away: give every "
+                             "server and the router the same --kv-hash-key-file (or $PDSERVE_KV_HASH_KEY), or bind "
+                             "a loopback or ipc:// endpoint")
         if not self.token_ids:
             logger.warning("KV events at %s can be read from other machines without authentication: they are "
                            "published without token ids (block hashes only, all cache-aware routing needs)",

@@ -38,10 +38,12 @@ from pdserve.router.proxy import PDProxy, WorkerUnreachable, parse_json_object
 from pdserve.router.state import RouterState
 from pdserve.router.workers import Fleet, HealthChecker, Role, Worker, WorkerSet, make_worker_set
 from pdserve.web.api_key import (
+    WORKER_HEADER,
     admin_refusal,
     holds_admin_key,
     may_administer,
     warn_if_unauthenticated,
+    worker_credential,
 )
 from pdserve.web.app import add_error_handlers, guard_routes
 from pdserve.web.errors import ServerError, error_body, read_body
@@ -73,6 +75,8 @@ class RouterContext:
     admission: Admission
     sources: list[WorkerSource] = field(default_factory=list)
     removed: list[_Removed] = field(default_factory=list)  # removed lately: a late KV follower is stopped
+    # the /health_generate fan-out in flight: callers meanwhile share it (one token per worker at a time)
+    health_generate_round: asyncio.Future | None = None
 
     @property
     def sets(self) -> tuple[WorkerSet, WorkerSet]:
@@ -96,10 +100,12 @@ def build_context(args: RouterArgs, rng: random.Random | None = None) -> RouterC
     checker.on_move.append(metrics.moved)
     checker.after_check.append(state.update)
     checker.next_interval = lambda: _check_interval(args, state)
+    hash_key = args.hash_key()
     cache = CacheView(prefill, decode, proxy.call, proxy.worker_headers, args.tokenizer_path,
                       args.kv_events_timeout_secs, args.health_check_timeout_secs,
                       args.prefill_policy_name == "cache_aware", args.decode_policy_name == "cache_aware",
-                      args.approximate_index)
+                      args.approximate_index, hash_key=hash_key,
+                      snapshot_headers=_worker_headers(args, proxy, hash_key))
     proxy.cache = cache
     checker.after_check.append(cache.schedule_refresh)
     ctx = RouterContext(args, prefill, decode, metrics, proxy, checker, state, cache, Fleet(prefill, decode),
@@ -317,9 +323,20 @@ def _add_control_routes(app: FastAPI, ctx: RouterContext) -> None:
 
 def _admin_headers(ctx: RouterContext) -> dict:
     """What the router sends the workers for an admin call: its admin key, else the worker key."""
-    if ctx.args.admin_api_key:
-        return {"Authorization": f"Bearer {ctx.args.admin_api_key}"}
-    return dict(ctx.proxy.worker_headers)
+    return _admin_headers_of(ctx.args, ctx.proxy)
+
+
+def _worker_headers(args: RouterArgs, proxy: PDProxy, hash_key: bytes) -> dict:
+    """What the router sends for a worker-only route (/kv_events/snapshot): its admin key and the
+    credential of the deployment's hash key (web/api_key.py, ``Access.WORKER``)."""
+    credential = worker_credential(hash_key)
+    return {**_admin_headers_of(args, proxy), **({WORKER_HEADER: credential} if credential else {})}
+
+
+def _admin_headers_of(args: RouterArgs, proxy: PDProxy) -> dict:
+    if args.admin_api_key:
+        return {"Authorization": f"Bearer {args.admin_api_key}"}
+    return dict(proxy.worker_headers)
 
 
 async def _broadcast(ctx: RouterContext, path: str, body: dict | None, done: str, headers: dict) -> JSONResponse:
@@ -350,14 +367,26 @@ async def _post_one(ctx: RouterContext, worker: Worker, path: str, body: dict | 
 
 async def _health_generate(ctx: RouterContext) -> JSONResponse:
     """Every healthy worker's ``GET /health_generate`` (one token each); 200 when a decode worker
-    generated (the router can serve, disaggregated or degraded), else 503. Each result is listed."""
+    generated (the router can serve, disaggregated or degraded), else 503. Each result is listed.
+
+    It bypasses admission (a health check must answer when the queue is full), so it is bounded
+    here instead: one fan-out at a time, and a caller arriving meanwhile gets that round's answer,
+    however many call."""
+    if ctx.health_generate_round is None:
+        ctx.health_generate_round = asyncio.ensure_future(_health_generate_round(ctx))
+        ctx.health_generate_round.add_done_callback(lambda _: setattr(ctx, "health_generate_round", None))
+    body, status = await asyncio.shield(ctx.health_generate_round)
+    return JSONResponse(body, status_code=status)
+
+
+async def _health_generate_round(ctx: RouterContext) -> tuple[dict, int]:
     workers = [w for s in ctx.sets for w in s.healthy]
     results = await asyncio.gather(*(_get_one(ctx, w, "/health_generate") for w in workers))
     serving = any(r["status"] == 200 and r["role"] == Role.DECODE.value for r in results)
     body = {"status": ctx.state.health()[1]["status"] if serving else "down", "workers": results}
     if not serving:
         body.update(error_body("health_generate: no decode worker generated a token", 503))
-    return JSONResponse(body, status_code=200 if serving else 503)
+    return body, 200 if serving else 503
 
 
 async def _get_one(ctx: RouterContext, worker: Worker, path: str) -> dict:

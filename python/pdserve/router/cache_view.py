@@ -36,7 +36,7 @@ import aiohttp
 from pdserve.engine.tokenizer import has_tokenizer
 from pdserve.router.approx_index import CHARS_PER_TOKEN, ApproxIndex, text_block_hashes
 from pdserve.router.kv_events import KVEventSubscriber
-from pdserve.router.kv_index import prompt_block_hashes
+from pdserve.router.kv_index import key_check, prompt_block_hashes
 from pdserve.router.policy import CacheAwarePolicy, Candidate
 from pdserve.router.prompt_tokens import load_local_tokenizer, prompt_ids, prompt_text
 from pdserve.router.workers import Worker, WorkerSet
@@ -111,8 +111,12 @@ class CacheView:
     """Owned by the router's event loop; the subscribers' threads only touch their own index."""
 
     def __init__(self, prefill: WorkerSet, decode: WorkerSet, call, headers: dict, tokenizer_path: str | None,
-                 stale_s: float, timeout_s: float, prefill_aware: bool, decode_aware: bool, approximate: bool = True):
+                 stale_s: float, timeout_s: float, prefill_aware: bool, decode_aware: bool, approximate: bool = True,
+                 hash_key: bytes = b"", snapshot_headers: dict | None = None):
         self.prefill = prefill
+        self.hash_key = hash_key  # the deployment's block hash key: the workers' events hash under it
+        # /kv_events/snapshot is a worker-only route (web/api_key.py): the admin key when there is one
+        self.snapshot_headers = headers if snapshot_headers is None else snapshot_headers
         self.decode = decode
         self.call = call  # PDProxy.call
         self.headers = headers
@@ -158,7 +162,8 @@ class CacheView:
         limit = self.context_len or UNKNOWN_CONTEXT_TOKENS
         ids = prompt_ids(self.tokenizer, path, body, limit)
         if ids:
-            return prompt_block_hashes(ids, self.page_size)
+            salt = body.get("cache_salt")
+            return prompt_block_hashes(ids, self.page_size, self.hash_key, salt if isinstance(salt, str) else "")
         text = prompt_text(path, body) if self.tokenizer is None else None
         return text_block_hashes(text[:limit * CHARS_PER_TOKEN], CHARS_PER_TOKEN * self.page_size) if text else []
 
@@ -302,6 +307,11 @@ class CacheView:
                            "events are not followed (routed on the router's guess)", w.url, page_size,
                            self.page_size, level=logging.ERROR)
             return
+        if info.get("kv_hash_key_check", key_check(self.hash_key)) != key_check(self.hash_key):
+            self._say_once(f"key {w.url}", "prefill worker %s hashes KV blocks under another key than this router "
+                           "(--kv-hash-key-file or PDSERVE_KV_HASH_KEY differ): its KV events are not followed "
+                           "(routed on the router's guess)", w.url, level=logging.ERROR)
+            return
         endpoint = _reachable(endpoint, w.url)
         if view.events is not None:
             if view.events.endpoint == endpoint:
@@ -326,7 +336,7 @@ class CacheView:
 
     def _snapshot(self, w: Worker) -> dict:
         """Blocking: runs on the worker's subscriber thread."""
-        req = urllib.request.Request(w.url + "/kv_events/snapshot", headers=self.headers)
+        req = urllib.request.Request(w.url + "/kv_events/snapshot", headers=self.snapshot_headers)
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 - the worker's own URL
             return json.loads(resp.read())
 

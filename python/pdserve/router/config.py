@@ -101,6 +101,7 @@ class RouterArgs:
     service_discovery_port: int = 80
     bootstrap_port_annotation: str = BOOTSTRAP_PORT_ANNOTATION
     workers_file: str | None = None  # a JSON/YAML file of workers, watched for changes
+    kv_hash_key_file: str | None = None  # the workers' block hash key (pdserve.config.resolve_kv_hash_key)
 
     def __post_init__(self):
         if not self.prefill and not self.discovers:
@@ -148,6 +149,12 @@ class RouterArgs:
     @property
     def decode_policy_name(self) -> str:
         return self.decode_policy or self.policy
+
+    def hash_key(self) -> bytes:
+        """The key the workers hash KV blocks under (their events match prompts hashed with it)."""
+        from pdserve.config import resolve_kv_hash_key
+
+        return resolve_kv_hash_key(self.kv_hash_key_file)
 
     @property
     def worker_key(self) -> str | None:

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.mem.radix_cache import ROOT_HASH, hash_block
+from pdserve.mem.radix_cache import hash_block, key_check, salt_hash
 from pdserve.obs.kv_events import MEDIUM_GPU
 
+__all__ = ["KVIndex", "key_check", "prompt_block_hashes"]
 
-def prompt_block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """The chained hashes a server's radix cache gives the full pages of ``token_ids``. The last
-    token is left out: a server never serves it from the cache (it must run to give logits)."""
+
+def prompt_block_hashes(token_ids: Sequence[int], page_size: int, key: bytes = b"", salt: str = "") -> list[int]:
+    """The chained hashes a server's radix cache gives the full pages of ``token_ids``, under the
+    deployment's hash key (``--kv-hash-key-file``), in the tree of the request's ``cache_salt``. The
+    last token is left out: a server never serves it from the cache (it must run to give logits)."""
     usable = max(0, len(token_ids) - 1)
-    hashes, h = [], ROOT_HASH
+    hashes, h = [], salt_hash(salt, key)
     for start in range(0, usable - page_size + 1, page_size):
-        h = hash_block(h, token_ids[start:start + page_size])
+        h = hash_block(h, token_ids[start:start + page_size], key)
         hashes.append(h)
     return hashes
 

@@ -323,7 +323,7 @@ class PDProxy:
             payload, task = json.dumps(without_bootstrap(body)).encode(), None
         else:
             p = prefill.worker
-            routed = with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port, self.rng)
+            routed = with_bootstrap(body, p.bootstrap_host, p.prefill_bootstrap_port)
             payload = json.dumps(self._signed(routed, decode.worker)).encode()
             refs = route_refs(routed)
             task = self._spawn(self._drain_prefill(prefill, path, payload, headers))

@@ -3,7 +3,8 @@
 Every route of the server and of the router is classified in ``ROUTE_ACCESS``; ``check_classified``
 refuses to build an app with a route missing there, so a new route is classified when it is added.
 
-- ``OPEN``: health checks and metrics, never a key (probes and Prometheus carry no secrets).
+- ``OPEN``: ``/health`` and metrics, never a key (probes and Prometheus carry no secrets).
+  ``/health_generate`` runs the model, so it is ``INFERENCE`` (open only where no key is set).
 - ``INFERENCE``: ``Authorization: Bearer <--api-key>`` when that key is set, else open. The admin key
   is not taken here, as in SGLang: an operator's key is not also a client's.
 - ``ADMIN`` (cache flush, role switch): the admin key when ``--admin-api-key`` is set (the inference
@@ -12,6 +13,10 @@ refuses to build an app with a route missing there, so a new route is classified
 - ``OWNED`` (``/abort_request``): what ``INFERENCE`` needs; the route itself then lets a caller abort
   only requests it started (``owner_of_scope``) unless it holds the admin key, and ``abort_all``
   needs what ``ADMIN`` needs.
+- ``WORKER`` (``/kv_events/snapshot``: every cached block's hash, whoever's prompt it holds): for the
+  deployment's own router, never a client. The admin key, or the worker credential (``X-PD-Worker``,
+  ``worker_credential`` of the deployment's KV hash key, which the router holds); the inference key
+  is refused (403). Only a server with no key of any kind leaves it open, as every other route.
 
 A request's owner is a hash of the Authorization header it came with and of the optional
 ``X-Client-Token`` header: a secret a client picks so that other holders of the same shared
@@ -41,12 +46,23 @@ class Access(enum.Enum):
     INFERENCE = "inference"
     ADMIN = "admin"
     OWNED = "owned"
+    WORKER = "worker"
+
+
+WORKER_HEADER = "X-PD-Worker"
+_WORKER_DOMAIN = b"pdserve-worker-credential-v1\0"
+
+
+def worker_credential(hash_key: bytes) -> str | None:
+    """What the router sends in ``X-PD-Worker`` for ``WORKER`` routes: derived from the deployment's KV
+    block hash key (config.resolve_kv_hash_key), which its servers and router share; None unkeyed."""
+    return hashlib.sha256(_WORKER_DOMAIN + hash_key).hexdigest() if hash_key else None
 
 
 # Every route of the server (entrypoints/http_server.py) and the router (router/app.py).
 ROUTE_ACCESS: dict[str, Access] = {
     "/health": Access.OPEN,
-    "/health_generate": Access.OPEN,
+    "/health_generate": Access.INFERENCE,  # it generates (and on the router, on every worker): a client's call
     "/metrics": Access.OPEN,
     "/generate": Access.INFERENCE,
     "/v1/completions": Access.INFERENCE,
@@ -56,7 +72,7 @@ ROUTE_ACCESS: dict[str, Access] = {
     "/get_model_info": Access.INFERENCE,
     "/server_info": Access.INFERENCE,  # secrets in the args are masked (ServerArgs.to_dict)
     "/get_server_info": Access.INFERENCE,
-    "/kv_events/snapshot": Access.INFERENCE,  # the router's cache view reads it with the worker key
+    "/kv_events/snapshot": Access.WORKER,  # the router's cache view, with the admin key or the worker credential
     "/openapi.json": Access.INFERENCE,
     "/docs": Access.INFERENCE,
     "/docs/oauth2-redirect": Access.INFERENCE,
@@ -108,10 +124,12 @@ class AccessMiddleware:
     with its owner (``request_owner``) and whether it may administer, and refuses what its key
     does not open."""
 
-    def __init__(self, app, api_key: str | None = None, admin_api_key: str | None = None):
+    def __init__(self, app, api_key: str | None = None, admin_api_key: str | None = None,
+                 worker_credential: str | None = None):
         self.app = app
         self.inference = f"Bearer {api_key}".encode() if api_key else None
         self.admin = f"Bearer {admin_api_key}".encode() if admin_api_key else None
+        self.worker = worker_credential.encode() if worker_credential else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
@@ -119,6 +137,8 @@ class AccessMiddleware:
         access = ROUTE_ACCESS.get(scope["path"], Access.INFERENCE)  # unknown paths: 404 after the key check
         if access is Access.OPEN:
             return await self.app(scope, receive, send)
+        if access is Access.WORKER:
+            return await self._worker_route(scope, receive, send)
         got = dict(scope["headers"]).get(b"authorization", b"")
         is_admin = self.admin is not None and hmac.compare_digest(got, self.admin)
         inference_ok = self.inference is None or hmac.compare_digest(got, self.inference)
@@ -132,6 +152,21 @@ class AccessMiddleware:
             await self.app(scope, receive, send)
         finally:
             _OWNER.reset(token)
+
+    async def _worker_route(self, scope, receive, send):
+        headers = dict(scope["headers"])
+        got = headers.get(b"authorization", b"")
+        sent = headers.get(WORKER_HEADER.lower().encode(), b"")
+        ok = ((self.admin is not None and hmac.compare_digest(got, self.admin))
+              or (self.worker is not None and hmac.compare_digest(sent, self.worker))
+              or (self.admin is None and self.inference is None and self.worker is None))
+        if ok:
+            return await self.app(scope, receive, send)
+        err = RequestError(f"{scope['path'].lstrip('/')}: a worker-only route, for the deployment's router: needs "
+                           f"the admin key ('Authorization: Bearer <--admin-api-key>') or the {WORKER_HEADER} "
+                           "credential of the deployment's --kv-hash-key-file; the inference key is not enough",
+                           param="Authorization", status=403 if got or sent else 401, code="worker_key_required")
+        return await error_response(err)(scope, receive, send)
 
     def _refusal(self, path: str, access: Access, inference_ok: bool, administer: bool,
                  is_admin: bool) -> RequestError | None:

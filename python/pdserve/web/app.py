@@ -37,12 +37,13 @@ def add_error_handlers(app: FastAPI, timeout_message: str | None = None) -> None
 
 
 def guard_routes(app: FastAPI, api_key: str | None, admin_api_key: str | None,
-                 origin: OriginPolicy | None = None) -> None:
+                 origin: OriginPolicy | None = None, worker_credential: str | None = None) -> None:
     """After the last route: every route has an access class (``web/api_key.py``), and the keys are checked;
     before them (outermost), foreign Host / Origin headers and bodies that are not JSON are refused
     (``web/origin.py``)."""
     check_classified([route.path for route in app.routes])  # type: ignore[attr-defined]
-    app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key)
+    app.add_middleware(AccessMiddleware, api_key=api_key, admin_api_key=admin_api_key,
+                       worker_credential=worker_credential)
     if origin is not None:
         app.add_middleware(OriginMiddleware, policy=origin)
 
