@@ -120,9 +120,10 @@ def add_http_args(parser: argparse.ArgumentParser, per_server: bool = True) -> N
     _flag(g, "--cache-salt-per-client", "cache isolation: each client (API key and X-Client-Token) matches and "
           "fills its own prefix cache, as if every request carried its own cache_salt (docs/security.md)",
           action="store_true")
-    _flag(g, "--kv-hash-key-file", "a file whose first line keys the KV block hashes (KV events, the router's "
-          "cache_aware matching, storage keys): the same in every server and router of a deployment; without it "
-          f"${KV_HASH_KEY_ENV}, else unkeyed, and then KV events stay on loopback (docs/security.md)")
+    if per_server:  # up has its own (a key it makes when none is given)
+        _flag(g, "--kv-hash-key-file", "a file whose first line keys the KV block hashes (KV events, the router's "
+              "cache_aware matching, storage keys): the same in every server and router of a deployment; without "
+              f"it ${KV_HASH_KEY_ENV}, else unkeyed, and then KV events stay on loopback (docs/security.md)")
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
@@ -473,6 +474,8 @@ UP_EXCLUDED_FLAGS = {
     "--dist-init-addr": "up runs on one machine: a server over several nodes is started by hand",
     "--nnodes": "up runs on one machine",
     "--node-rank": "up runs on one machine",
+    "--disaggregation-bootstrap-allow": "for routers that cannot sign (sglang-router); up's own router signs the "
+                                        "bootstrap fields it adds with the P/D token",
 }
 # Set per server by up (its own file directory, the shared Mooncake master): not passed through as given.
 UP_STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_dir", "hicache_storage_backend_extra_config")
