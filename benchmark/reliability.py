@@ -192,11 +192,14 @@ class Cluster:
         self.decodes = []
         for i in range(decodes):
             port = servers.free_port()
+            # the drills that send a routed pair straight to the servers (no router to sign it) name this
+            # prefill, which decode is told to trust unsigned
+            allow = ("--disaggregation-bootstrap-allow", f"127.0.0.1:{self.boot}")
             self.decodes.append(Node(f"decode{i}", ["serve", "--model-path", MODEL, "--port", str(port), *FLAGS,
-                                                    *auth, *pd, "--disaggregation-mode", "decode"], port))
+                                                    *auth, *pd, *allow, "--disaggregation-mode", "decode"], port))
         port = servers.free_port()
         self.router = Node("router", ["router", "--port", str(port), "--prefill", self.prefill.url, str(self.boot),
-                                      *[a for d in self.decodes for a in ("--decode", d.url)],
+                                      *[a for d in self.decodes for a in ("--decode", d.url)], *auth,
                                       "--health-check-interval-secs", "1", "--health-check-timeout-secs", "2",
                                       "--log-level", "warning"], port)
 

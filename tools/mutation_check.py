@@ -700,7 +700,7 @@ MUTATIONS = (
     Mutation(
         "kv_events_snapshot_open", "GET /kv_events/snapshot (the blocks a server caches) needs no key",
         "python/pdserve/web/api_key.py",
-        "    \"/kv_events/snapshot\": Access.INFERENCE,",
+        "    \"/kv_events/snapshot\": Access.WORKER,",
         "    \"/kv_events/snapshot\": Access.OPEN,",
         ("test/entrypoints/test_http_server.py::test_the_kv_events_snapshot_needs_a_key",)),
     Mutation(

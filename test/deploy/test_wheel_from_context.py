@@ -243,6 +243,11 @@ def test_cpu_image_default_command_serves_from_the_wheel(cpu):
     # The image's command with this host's free ports (later flags win) and quieter logs.
     full = [entrypoint, *argv, "--port", str(port), "--bootstrap-port", str(port + 3), "--log-level", "warning"]
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-image-home-"))  # the image's WORKDIR, outside the checkout
+    # Beyond the loopback the command refuses to start without a key, in one line; `docker run -e
+    # PDSERVE_API_KEY=...` gives it one (the Dockerfile says so).
+    refused = subprocess.run(full, env=env, cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--api-key" in refused.stderr, refused.stderr
+    env["PDSERVE_API_KEY"] = "image-test-key"
     log = workdir / "pdserve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
@@ -253,7 +258,8 @@ def test_cpu_image_default_command_serves_from_the_wheel(cpu):
         pythons = [_argv0(c) for c in children if "python" in Path(_argv0(c)).name]
         assert pythons and all(Path(p).is_relative_to(venv) for p in pythons), pythons
         path, body = readme_generate_example()
-        resp = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=120)
+        resp = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=120,
+                          headers={"Authorization": "Bearer image-test-key"})
         assert resp.status_code == 200, resp.text
         out = resp.json()
         assert out["text"] and out["meta_info"]["completion_tokens"] == body["sampling_params"]["max_new_tokens"]

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from pd_pair import PDPair, greedy
 
@@ -74,9 +72,8 @@ def test_unsigned_fields_are_allowed_only_on_the_loopback_without_a_token_or_by_
 
 
 def test_the_router_signs_what_decode_reads_batches_and_brackets_included():
-    rng = random.Random(0)
     body = with_bootstrap({"text": ["a", "b"], "bootstrap_host": "10.9.9.9", "bootstrap_signature": "forged"},
-                          "[fd00::1]", 8998, rng)
+                          "[fd00::1]", 8998)
     assert "forged" not in body.values() and "bootstrap_signature" not in body
     refs = route_refs(body)
     assert [r[:2] for r in refs] == [("fd00::1", 8998)] * 2 and len({r[2] for r in refs}) == 2

@@ -50,7 +50,8 @@ def test_1p1d_equals_colocated_under_the_grammar_and_prefill_compiles_nothing(pa
     model = "tiny-deepseek" if spec else "tiny-llama"
     prompts = _prompts([9, 14, 23])
     kinds = list(CONSTRAINTS)
-    eng = pdserve.Engine(model_path=model, num_threads=1, **KW)
+    # speculative decoding never jumps forward: with NEXTN on decode the reference does not either
+    eng = pdserve.Engine(model_path=model, num_threads=1, **KW, **({"grammar_jump_forward": False} if spec else {}))
     ref = eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": NEW, "temperature": 0.0,
                                                             k: CONSTRAINTS[k]} for k in kinds])
     eng.shutdown()

@@ -130,7 +130,9 @@ def pair(request, eagle_dir):
     """(plain engine, speculative engine) on the same target."""
     model = CASES[request.param][0]
     # JSON without free whitespace, so grammar outputs end well inside max_new_tokens
-    plain = pdserve.Engine(model_path=model, page_size=4, constrained_json_disable_any_whitespace=True)
+    # speculative decoding never jumps forward (a jumped run is not token-identical), so neither does the reference
+    plain = pdserve.Engine(model_path=model, page_size=4, constrained_json_disable_any_whitespace=True,
+                           grammar_jump_forward=False)
     spec = pdserve.Engine(model_path=model, page_size=4, chunked_prefill_size=8,
                           constrained_json_disable_any_whitespace=True, **_spec_kwargs(request.param, eagle_dir))
     return plain, spec

@@ -117,12 +117,12 @@ def check_ebnf(client, model: str, extra: dict | None = None) -> str:
     return text
 
 
-def check_json_fuzz(client, model: str, per_request: int = 10) -> int:
+def check_json_fuzz(client, model: str, per_request: int = 10, extra: dict | None = None) -> int:
     """Random-weight samples of json_schema replies (issue 32's request: temperature 0.8, seed 4, a
     maxLength string, then every fuzz schema at temperatures 0.7-1.2), ``per_request`` concurrent
     requests (one sample each, seeds apart: a disaggregated request runs one sample) per schema,
     streamed and not: each is strict JSON valid under its schema and compact (no whitespace but one
-    space after ':' and ','). Returns how many samples were checked."""
+    space after ':' and ','). ``extra``: more body fields (extra_body). Returns how many samples were checked."""
     from concurrent.futures import ThreadPoolExecutor
 
     from constrained.grammar_fixtures import FUZZ_MAX_TOKENS, FUZZ_SCHEMAS, check_json
@@ -135,7 +135,7 @@ def check_json_fuzz(client, model: str, per_request: int = 10) -> int:
             kw = dict(model=model, messages=[{"role": "user", "content": f"A {name} record as JSON."}],
                       response_format={"type": "json_schema", "json_schema": {
                           "name": name, "schema": FUZZ_SCHEMAS[name], "strict": True}},
-                      temperature=temperature, max_tokens=FUZZ_MAX_TOKENS)
+                      temperature=temperature, max_tokens=FUZZ_MAX_TOKENS, extra_body=extra or {})
             requests = [{**kw, "seed": seed + j} for j in range(per_request)]
             with ThreadPoolExecutor(per_request) as pool:
                 replies = list(pool.map(_sample, [client] * per_request, [stream] * per_request, requests))

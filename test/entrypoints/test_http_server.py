@@ -297,13 +297,17 @@ def test_api_key_is_required(server):
 
 def test_the_kv_events_snapshot_needs_a_key(server):
     """The snapshot lists the blocks a server caches (what its prompts were): without a key, or with a
-    wrong one, it is a 401 before the route runs; a key opens it (this server publishes no events:
-    the route's own 400 naming kv_events)."""
+    wrong one, it is refused before the route runs; it is a worker-only route, so the inference key is
+    refused too (403) and the admin key opens it (this server publishes no events: the route's own
+    400 naming kv_events)."""
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.get(server.url + "/kv_events/snapshot", headers=headers)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
-    reached = [httpx.get(server.url + "/kv_events/snapshot", headers=h) for h in (server.headers, ADMIN)]
-    assert any(r.status_code == 400 and r.json()["error"]["message"].startswith("kv_events:") for r in reached)
+        refusals = ("invalid_api_key", "worker_key_required")
+        assert r.status_code in (401, 403) and r.json()["error"]["code"] in refusals, r.text
+    r = httpx.get(server.url + "/kv_events/snapshot", headers=server.headers)
+    assert r.status_code == 403, r.text
+    r = httpx.get(server.url + "/kv_events/snapshot", headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("kv_events:"), r.text
 
 
 # ------------------------------------------------------- info and control

@@ -669,6 +669,11 @@ def check_n_samples(url: str, client, prefill_port: int, decode_port: int) -> No
     assert streamed == {0: one.choices[0].message.content, 1: one.choices[0].message.content}
 
 
+# Under --reasoning-parser deepseek-r1 a constrained reply thinks first and the grammar waits for
+# "</think>", which a random model never writes: these checks ask for the whole reply constrained.
+WHOLE = {"separate_reasoning": False}
+
+
 def check_parsers(client) -> None:
     """--reasoning-parser: the reply goes to reasoning_content (deepseek-r1 starts thinking);
     --tool-call-parser: a reply in Qwen's format (forced here by a regex) becomes tool_calls."""
@@ -679,7 +684,7 @@ def check_parsers(client) -> None:
     assert raw.content and not split.content and split.model_extra["reasoning_content"] == raw.content
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
     reply = client.chat.completions.create(model="tiny-llama", messages=ASK, tools=[WEATHER], max_tokens=100,
-                                           temperature=0, extra_body={"regex": _literal(call)}).choices[0]
+                                           temperature=0, extra_body={"regex": _literal(call), **WHOLE}).choices[0]
     assert reply.finish_reason == "tool_calls", reply
     (got,) = reply.message.tool_calls
     assert got.function.name == "get_weather"
@@ -695,7 +700,7 @@ def check_a_truncated_forced_call(client) -> None:
     """A named tool_choice cut by max_tokens, at every length from the name on: finish_reason
     length, and the arguments written so far (a prefix of the whole call's, "" when they had not
     begun), never an invented empty object."""
-    kw = {"model": "tiny-llama", "messages": ASK, "tools": [WEATHER], "temperature": 0,
+    kw = {"model": "tiny-llama", "messages": ASK, "tools": [WEATHER], "temperature": 0, "extra_body": WHOLE,
           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     whole = client.chat.completions.create(max_tokens=200, **kw)
     assert whole.choices[0].finish_reason in ("stop", "tool_calls"), whole

@@ -207,7 +207,7 @@ def is_json_object_prefix(text: str) -> bool:
         end = _JsonPrefix(s).value(0)
     except _End:
         return True
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the stack: nothing this server wrote
         return False
     return end == len(s)
 

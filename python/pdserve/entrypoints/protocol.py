@@ -122,6 +122,8 @@ class GenerateSamplingParams(BaseModel):
         "A regular expression the whole output matches"))
     ebnf: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description=(
         "An EBNF grammar the output is a sentence of (GBNF with xgrammar, root rule `root`)"))
+    think_end: str | None = Field(None, min_length=1, max_length=64, description=(
+        "The text that ends the model's thinking part: the constraint holds only after it"))
 
 
 def _ref(model: type[BaseModel]) -> dict:
