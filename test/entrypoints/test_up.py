@@ -498,6 +498,9 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
         want_long = [o["output_ids"] for o in reference.generate(prompt=PROMPTS[:8], sampling_params=LONG)]
         victim = _server_pid(proc.pid, "prefill")
         prefill_cmd = [a.decode() for a in Path(f"/proc/{victim}/cmdline").read_bytes().split(b"\0")[:-1]]
+        # and its environment: up hands its children their secrets there (the P/D token, the hash key)
+        prefill_env = dict(e.decode().split("=", 1) for e in Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
+                           if b"=" in e)
         with ThreadPoolExecutor(16) as pool:
             first = [pool.submit(_ask, router, p, True, LONG) for p in PROMPTS[:8]]
             _wait(lambda: httpx.get(router + "/get_server_info", timeout=30).json()["decode"][0]["in_flight"] == 8,
@@ -510,7 +513,8 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
         assert _metric(router, "pdserve_router:degraded_requests_total") >= 1
         assert httpx.get(router + "/health", timeout=30).json()["status"] == "degraded"
         assert proc.poll() is None  # up keeps serving without its prefill
-        restarted = subprocess.Popen(prefill_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        restarted = subprocess.Popen(prefill_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=prefill_env)
         _wait(lambda: _metric(router, "pdserve_router:worker_healthy", role="prefill",
                               worker=f"http://127.0.0.1:{port + 1}") == 1, 240, "router sees the prefill again")
         prefill = f"http://127.0.0.1:{port + 1}"

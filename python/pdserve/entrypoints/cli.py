@@ -607,11 +607,16 @@ def up_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentPars
                               server.hicache_storage_backend_extra_config)
     flags = server_flags_from_namespace(ns, parser, exclude=UP_STORAGE_FIELDS + UP_SECRET_FIELDS)
     return UpArgs(num_prefill, num_decode, ns.host, ns.port, ns.up_bootstrap_port, flags, ns.up_policy,
-                  _api_key(ns.up_api_key), ns.up_health_check_interval_secs, auth_token=ns.disaggregation_auth_token,
+                  _api_key(ns.up_api_key), ns.up_health_check_interval_secs, auth_token=_up_auth_token(server),
                   elastic=elastic_from_namespace(ns), storage=storage, admin_api_key=ns.up_admin_api_key,
-                  allow_no_api_key=ns.up_allow_no_api_key,
+                  allow_no_api_key=ns.up_allow_no_api_key, kv_hash_key=_up_kv_hash_key(ns))
 
-kv_hash_key=_up_kv_hash_key(ns))
+
+def _up_auth_token(server) -> str:
+    """The P/D token of up's servers and router: the operator's, else a new random one. Always one: its
+    router signs the bootstrap fields it adds, which decode servers bound beyond the loopback (the
+    image's --host 0.0.0.0) accept from nobody else."""
+    return server.disaggregation_auth_token or secrets.token_hex(32)
 
 
 def _up_kv_hash_key(ns: argparse.Namespace) -> str | None:
