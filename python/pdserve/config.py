@@ -754,15 +754,20 @@ def resolve_token(token: str | None, token_file: str | None, env: dict | None = 
     if token:
         return token
     if token_file:
-        try:
-            with open(token_file, encoding="utf-8") as f:
-                value = f.readline().strip()
-        except OSError as e:
-            raise ValueError(f"disaggregation_auth_token_file: cannot read {token_file}: {e.strerror}") from None
-        if not value:
-            raise ValueError(f"disaggregation_auth_token_file: {token_file} is empty")
-        return value
+        return secret_file_line(token_file, "disaggregation_auth_token_file")
     return (os.environ if env is None else env).get(AUTH_TOKEN_ENV, "").strip() or None
+
+
+def secret_file_line(path: str, field: str) -> str:
+    """The first line of a secret's file (a token, a key), or ValueError naming ``field``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path}: {e.strerror}") from None
+    if not value:
+        raise ValueError(f"{field}: {path} is empty")
+    return value
 
 
 KV_HASH_KEY_ENV = "PDSERVE_KV_HASH_KEY"  # --kv-hash-key-file's content when the flag is not given (pdserve up)
@@ -774,15 +779,8 @@ def resolve_kv_hash_key(key_file: str | None, env: dict | None = None) -> bytes:
     router: derived from ``key_file``'s first line, else from ``KV_HASH_KEY_ENV``; b"" (the unkeyed
     chain) without either. A random key per process is no default: the router must compute the
     hashes the workers publish, and prefill and decode servers key their stored pages alike."""
-    secret = None
     if key_file:
-        try:
-            with open(key_file, encoding="utf-8") as f:
-                secret = f.readline().strip()
-        except OSError as e:
-            raise ValueError(f"kv_hash_key_file: cannot read {key_file}: {e.strerror}") from None
-        if not secret:
-            raise ValueError(f"kv_hash_key_file: {key_file} is empty")
+        secret: str | None = secret_file_line(key_file, "kv_hash_key_file")
     else:
         secret = (os.environ if env is None else env).get(KV_HASH_KEY_ENV, "").strip() or None
     if secret is None:
