@@ -58,7 +58,8 @@ def sglang_router(pd):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", pd.prefill.url,
-           str(pd.boot), "--decode", pd.decode.url, "--host", "127.0.0.1", "--port", str(port)]
+           str(pd.boot), "--decode", pd.decode.url, "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-port", str(free_port())]  # its own (29000 by default: two routers at once collide)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         probe = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

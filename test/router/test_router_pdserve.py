@@ -224,7 +224,8 @@ def test_sglang_router_in_front_of_pdserve(servers):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
-           "8998", "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port)]
+           "8998", "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-port", str(free_port())]  # its own (29000 by default: two routers at once collide)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         prompt = "Through the Rust router"
