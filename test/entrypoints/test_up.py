@@ -517,6 +517,10 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
                                      env=prefill_env)
         _wait(lambda: _metric(router, "pdserve_router:worker_healthy", role="prefill",
                               worker=f"http://127.0.0.1:{port + 1}") == 1, 240, "router sees the prefill again")
+        # the kill opened its breaker (connection failures): the router picks it once that breaker lets
+        # requests through again (half-open after its cool-down), which a health check alone does not
+        _wait(lambda: httpx.get(router + "/get_server_info", timeout=30).json()["prefill"][0]["circuit_breaker"]
+              != "open", 120, "the prefill's breaker lets requests through")
         prefill = f"http://127.0.0.1:{port + 1}"
         sent = _metric(router, "pdserve_router:requests_total", role="prefill", worker=prefill)
         degraded = _metric(router, "pdserve_router:degraded_requests_total")
