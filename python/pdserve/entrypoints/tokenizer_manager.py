@@ -307,6 +307,10 @@ class TokenizerManager:
         if mode == "decode" and refs[0] is not None:
             self._check_routed(refs, body.bootstrap_signature)
         if mode == "prefill" and refs[0] is None:
+            if self.args.disaggregation_mode != "prefill":
+                # switched to prefill at run time: a router whose view still has it as a decode sent this
+                # (503 with X-PD-Role: the router sends it elsewhere and moves this server)
+                raise RoleChanged("this server switched to prefill; send the request to a decode server")
             raise RequestError("bootstrap_room: a prefill server serves only requests routed with "
                                "bootstrap_host/bootstrap_port/bootstrap_room (put a P/D router in front)",
                                param="bootstrap_room")
