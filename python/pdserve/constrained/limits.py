@@ -91,10 +91,7 @@ def _check_regex(text: str, limits: ConstraintLimits) -> None:
     depth = _deepest("(", ")", "".join(c for c in plain if c in "()"))
     if depth > limits.max_depth:
         raise ValueError(f"regex: groups nested {depth} deep, at most {limits.max_depth}")
-    for m in _REGEX_REPEAT.finditer(plain):
-        bound = max(int(m.group(1)), int(m.group(2) or 0))
-        if bound > limits.max_repeat:
-            raise ValueError(f"regex: repetition {m.group(0)} is over the limit of {limits.max_repeat}")
+    _check_repeats("regex", plain, limits)
 
 
 def _check_ebnf(text: str, limits: ConstraintLimits) -> None:
@@ -105,7 +102,12 @@ def _check_ebnf(text: str, limits: ConstraintLimits) -> None:
     rules = len(_EBNF_RULE.findall(plain))
     if rules > limits.max_rules:
         raise ValueError(f"ebnf: {rules} rules, at most {limits.max_rules}")
+    _check_repeats("ebnf", plain, limits)
+
+
+def _check_repeats(kind: str, plain: str, limits: ConstraintLimits) -> None:
+    """``{n}`` / ``{n,m}`` bounds (regex and EBNF write them alike) within max_repeat."""
     for m in _REGEX_REPEAT.finditer(plain):
         bound = max(int(m.group(1)), int(m.group(2) or 0))
         if bound > limits.max_repeat:
-            raise ValueError(f"ebnf: repetition {m.group(0)} is over the limit of {limits.max_repeat}")
+            raise ValueError(f"{kind}: repetition {m.group(0)} is over the limit of {limits.max_repeat}")

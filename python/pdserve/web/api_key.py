@@ -186,10 +186,11 @@ def _missing_key(which: str) -> RequestError:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
+    """``localhost`` or a loopback address (a bracketed IPv6 literal too, as a Host header writes it)."""
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a name other than localhost may resolve to any interface
 

@@ -24,28 +24,19 @@ switch its role. So (``OriginPolicy``):
 from __future__ import annotations
 
 import contextvars
-import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.obs.kv_event_publisher import WILDCARD_HOSTS
+from pdserve.web.api_key import is_loopback
 from pdserve.web.errors import error_body
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def split_host(value: str, scheme: str = "http") -> tuple[str, int]:
