@@ -322,8 +322,8 @@ MUTATIONS = (
     Mutation(
         "up_secret_on_command_line", "pdserve up puts the API key back on its children's command lines",
         "python/pdserve/entrypoints/up.py",
-        "               \"--disaggregation-mode\", role]",
-        "               \"--disaggregation-mode\", role, *([\"--api-key\", args.api_key] if args.api_key else [])]",
+        "               \"--disaggregation-mode\", role, *",
+        "               \"--disaggregation-mode\", role, *([\"--api-key\", args.api_key] if args.api_key else []), *",
         ("test/entrypoints/test_up.py::test_plan_gives_the_secrets_to_every_child_by_environment_not_command_line",)),
     Mutation(
         "up_log_shows_the_token", "the command lines up logs show the P/D token",
@@ -713,8 +713,8 @@ MUTATIONS = (
     Mutation(
         "router_token_blocks_unchained", "the router hashes each page of a prompt's tokens alone (not chained)",
         "python/pdserve/router/kv_index.py",
-        "        h = hash_block(h, token_ids[start:start + page_size])\n",
-        "        h = hash_block(ROOT_HASH, token_ids[start:start + page_size])\n",
+        "        h = hash_block(h, token_ids[start:start + page_size], key)\n",
+        "        h = hash_block(salt_hash(salt, key), token_ids[start:start + page_size], key)\n",
         ("test/router/test_router_approx_index.py::test_blocks_are_chained_so_order_matters[tokens]",)),
     Mutation(
         "nixl_notify_unbounded", "a NIXL receiver keeps a notify of any size",
