@@ -438,3 +438,22 @@ def test_an_oversized_body_gets_its_413_even_while_the_client_is_still_sending(s
         while chunk := s.recv(65536):
             answer += chunk
     assert answer.startswith(b"HTTP/1.0 413")
+
+
+def test_a_v3_prefill_never_pairs_with_a_v32_decode():
+    """The record names the slot's regions with the index keys' width and dtype: a V3 prefill is
+    refused by a V3.2 decode, and so is a V3.2 whose index keys are laid out otherwise."""
+    v3 = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek"), page_size=4)
+    v32_config = ModelConfig.from_path("tiny-deepseek-v32")
+    v32 = CompatRecord.from_model(v32_config, page_size=4)
+    di = v32_config.index_head_dim
+    assert (v3.state_layout, v32.state_layout) == ("latent", f"latent+index_k[{di}]:float32")
+    assert CompatRecord.from_model(ModelConfig.from_path("tiny-llama"), page_size=4).state_layout == "k+v"
+    with pytest.raises(IncompatiblePeer, match="^architecture: prefill has DeepseekV3ForCausalLM, decode has "
+                                              "DeepseekV32ForCausalLM"):
+        v3.check(v32)
+    wider = dataclasses.replace(v32, state_layout=f"latent+index_k[{2 * di}]:float32")
+    with pytest.raises(IncompatiblePeer, match=rf"^state_layout: prefill has latent\+index_k\[{di}\]:float32, "
+                                               rf"decode has latent\+index_k\[{2 * di}\]:float32$"):
+        v32.check(wider)
+    v32.check(CompatRecord(**vars(v32)))

@@ -9,6 +9,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from pdserve.disagg.layout import (
     KVLayout,
@@ -374,3 +375,82 @@ def test_packed_plans_refuse_what_they_cannot_move():
     assert not packing_pays(mla, layout("mla", 1, 1, 4), 8, "on")
     with pytest.raises(LayoutError, match="disaggregation_transfer_pack"):
         packing_pays(src, dst, 4, "sometimes")
+
+
+# ------------------------------------------------------------------ regions (DeepSeek-V3.2's index keys)
+def _v32_pools(n: int, seed: int, pages: int = 12, index_head_dim: int = 8):
+    """``n`` MLA pools with index keys (a region of the latent's pages), each filled at random."""
+    from pdserve.mem.kv_pool import MLAKVPool
+
+    g = torch.Generator().manual_seed(seed)
+    pools = [MLAKVPool(pages, 4, 3, 6, 2, torch.float32, index_head_dim=index_head_dim) for _ in range(n)]
+    for p in pools:
+        for _, buf in p.page_buffers():
+            buf.copy_(torch.randn(buf.shape, generator=g))
+    return pools
+
+
+def _v32_layout(pool, tp: int, dp: int = 1) -> KVLayout:
+    dtypes = {name: str(buf.dtype).removeprefix("torch.") for name, buf in pool.page_buffers()}
+    return KVLayout.from_descriptors("mla", tp, 1, pool.page_size, "float32", pool.buffer_descriptors(), dp,
+                                     region_dtypes=dtypes)
+
+
+@pytest.mark.parametrize("src_tp, dst_tp, dst_dp", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1)])
+def test_index_keys_move_with_the_latent_from_the_random_source_rank(src_tp, dst_tp, dst_dp):
+    """The index keys are one more region of the latent's pages: the writes carry both from the
+    request's random source rank, every destination rank of the group gets the same pages of both,
+    nothing else is touched, and decode's expected count covers the region (twice the latent's)."""
+    srcs, dsts = _v32_pools(src_tp, seed=1), _v32_pools(dst_tp * dst_dp, seed=2)
+    src, dst = _v32_layout(srcs[0], src_tp), _v32_layout(dsts[0], dst_tp, dst_dp)
+    assert src.buffers == ("latent", "index_k") and src.geometry("index_k")[0] == 4 * 8 * 4
+    before = [{name: buf.clone() for name, buf in p.page_buffers()} for p in dsts]
+    src_pages, dst_pages, dst_group = [3, 4, 9], [0, 7, 8], dst_dp - 1
+    for room in range(6):
+        ops = plan_writes(src, dst, src_pages, dst_pages, room=room, seed=5, dst_dp_rank=dst_group)
+        assert {op.buffer for op in ops} == {"latent", "index_k"}
+        assert count_writes(ops) == expected_writes(src, dst, 3, room=room, seed=5, dst_dp_rank=dst_group)
+        assert sum(count_writes(ops).values()) == 2 * 3 * src.num_layers * dst.tp_size
+        (source,) = {op.src_rank for op in ops}
+        for op in ops:
+            s = dict(srcs[op.src_rank].page_buffers())[op.buffer].view(-1).view(torch.uint8)
+            d = dict(dsts[op.dst_rank].page_buffers())[op.buffer].view(-1).view(torch.uint8)
+            d[op.dst_offset:op.dst_offset + op.nbytes] = s[op.src_offset:op.src_offset + op.nbytes]
+        for r in dst.group(dst_group):
+            for name, buf in dsts[r].page_buffers():
+                want = before[r][name].clone()
+                want[:, dst_pages] = dict(srcs[source].page_buffers())[name][:, src_pages]
+                assert buf.equal(want), (room, r, name)
+
+
+def test_a_layout_without_index_keys_never_takes_one_with_them():
+    """A V3 side (latent only) and a V3.2 side (latent + index_k) cannot exchange KV: the check
+    names the regions; so do index keys of another width."""
+    (v32,) = _v32_pools(1, seed=0)
+    (other,) = _v32_pools(1, seed=0, index_head_dim=16)
+    (v3,) = _v32_pools(1, seed=0, index_head_dim=0)
+    with pytest.raises(LayoutError, match=r"^regions: prefill has latent, decode has latent\+index_k \(float32"):
+        check_compatible(_v32_layout(v3, 1), _v32_layout(v32, 1))
+    with pytest.raises(LayoutError, match="^regions: prefill has latent"):
+        check_compatible(_v32_layout(v32, 1), _v32_layout(other, 1))
+    check_compatible(_v32_layout(v32, 2), _v32_layout(v32, 1))
+
+
+def test_regions_are_checked_and_survive_the_wire():
+    from pdserve.disagg import protocol
+    from pdserve.disagg.layout import Region
+
+    (pool,) = _v32_pools(1, seed=0)
+    lay = _v32_layout(pool, 2, 2)
+    assert protocol.from_dict(KVLayout, json_round_trip(lay), "layout") == lay
+    with pytest.raises(LayoutError, match="^regions: only an MLA layout"):
+        KVLayout("gqa", 1, 2, 4, "float32", 2, 4, 64, 256, regions=(Region("index_k", "float32", 16, 64),))
+    with pytest.raises(LayoutError, match="^regions.index_k: page_bytes 16, layer_stride 32"):
+        KVLayout("mla", 1, 1, 4, "float32", 2, 4, 64, 256, regions=(Region("index_k", "float32", 16, 32),))
+
+
+def json_round_trip(obj) -> dict:
+    import dataclasses
+    import json
+
+    return json.loads(json.dumps(dataclasses.asdict(obj)))

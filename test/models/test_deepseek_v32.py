@@ -111,12 +111,9 @@ def test_prefix_hit_gives_identical_output(tiny):
 
 
 REFUSALS = [
-    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode): prefill: DeepSeek-V3.2's index keys do not move"),
-    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache): DeepSeek-V3.2's index keys have no host"),
     ({"speculative_algorithm": "NEXTN"}, "--speculative-algorithm): NEXTN: DeepSeek-V3.2 has no draft"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V3.2's sparse attention runs on "
                                       "torch_native only"),
-    ({"tp_size": 2}, "--tp-size): DeepSeek-V3.2 runs on one rank"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V3.2's pool stays in the model dtype"),
     ({"enable_torch_compile": True}, "--enable-torch-compile): DeepSeek-V3.2's sparse attention runs eagerly"),
 ]
@@ -143,10 +140,9 @@ def test_fp8_checkpoint_is_refused(tiny, tmp_path):
 
 
 def test_refusal_reaches_the_cli_as_one_line():
-    proc = _serve("tiny-deepseek-v32", "--disaggregation-mode", "decode")
+    proc = _serve("tiny-deepseek-v32", "--enable-torch-compile")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "disaggregation_mode (--disaggregation-mode): decode: DeepSeek-V3.2's index keys do not move in P/D yet" \
-        in proc.stderr
+    assert "enable_torch_compile (--enable-torch-compile): DeepSeek-V3.2's sparse attention runs eagerly" in proc.stderr
 
 
 def test_preset_serves_a_chat_request():
@@ -166,14 +162,14 @@ def test_preset_serves_a_chat_request():
         server.stop()
 
 
-def test_pd_layout_refuses_a_pool_with_index_keys():
-    """Defence in depth behind the start-up refusal: the P/D layout names the extra region."""
-    from pdserve.disagg.layout import KVLayout, LayoutError
+def test_pd_layout_carries_the_index_keys_as_a_region():
+    """The P/D layout takes the pool's index keys as one more replicated region of its pages."""
+    from pdserve.disagg.layout import KVLayout
     from pdserve.mem.kv_pool import MLAKVPool
 
     pool = MLAKVPool(4, 2, 2, kv_lora_rank=8, rope_dim=4, dtype=torch.float32, index_head_dim=8)
-    with pytest.raises(LayoutError, match=r"a mla pool has buffers \('latent',\), got \('latent', 'index_k'\)"):
-        KVLayout.from_descriptors("mla", 1, 1, 2, "float32", pool.buffer_descriptors())
+    layout = KVLayout.from_descriptors("mla", 1, 1, 2, "float32", pool.buffer_descriptors())
+    assert layout.buffers == ("latent", "index_k") and layout.geometry("index_k") == (2 * 8 * 4, 4 * 2 * 8 * 4)
 
 
 def test_attention_reads_only_the_selected_latent_rows(tiny, monkeypatch):

@@ -96,6 +96,10 @@ CASES = {
                                "all_to_all"),
     "deepseek-dp2-attention-ep2": ("DeepseekV2ForCausalLM",
                                    dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2), "all_to_all"),
+    # V3.2: the indexer is replicated, its keys a region of the latent's pages (whole on every rank)
+    "deepseek-v32-tp2-ep2": ("DeepseekV32ForCausalLM", dict(tp_size=2, ep_size=2), "all_to_all"),
+    "deepseek-v32-dp2-attention": ("DeepseekV32ForCausalLM", dict(tp_size=2, dp_size=2, enable_dp_attention=True),
+                                   "all_to_all"),
 }
 
 

@@ -141,6 +141,16 @@ def with_bootstrap(body: dict, host: str, port: int) -> dict:
 # --- records ----------------------------------------------------------------------------------
 
 
+def state_layout(model_config) -> str:
+    """A token slot's regions as the compatibility record names them: ``k+v``, ``latent``, or
+    ``latent+index_k[128]:bfloat16`` (DeepSeek-V3.2's index keys, kept in the model dtype)."""
+    mc = model_config
+    regions = ["latent"] if mc.is_mla else ["k", "v"]
+    if mc.index_head_dim:
+        regions.append(f"index_k[{mc.index_head_dim}]:{mc.dtype}")
+    return "+".join(regions)
+
+
 @dataclass(frozen=True)
 class CompatRecord:
     """What must be equal on both sides for KV bytes to mean the same thing."""
@@ -164,6 +174,9 @@ class CompatRecord:
     kv_cache_dtype: str = "auto"
     # --speculative-algorithm ("none": off): the draft's KV is one more pool layer, sent with the prompt's
     speculative: str = "none"
+    # the regions of a token's slot beyond kv_layout's own, with their widths and dtypes (``state_layout``):
+    # a V3 prefill's pages lack the index keys a V3.2 decode would read
+    state_layout: str = ""
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -183,7 +196,8 @@ class CompatRecord:
         quant = mc.quantization
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
                    mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend,
-                   quant.name if quant is not None else "none", kv_cache_dtype, speculative or "none")
+                   quant.name if quant is not None else "none", kv_cache_dtype, speculative or "none",
+                   state_layout(mc))
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
         """Raise IncompatiblePeer naming the first compared field that differs. The weights

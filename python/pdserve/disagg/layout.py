@@ -17,6 +17,12 @@ The write count both sides agree on is in **page-writes**: an op covering ``k`` 
 ``k``. Decode can compute it from its own page count and the two layouts alone; the number of
 network writes also depends on how prefill's pages and chunks fall (runs merge only where both
 sides are contiguous), which decode cannot see.
+
+Regions (docs/kv-cache.md, "One layout, many kinds of state"): an MLA pool may hold further
+replicated regions of the same pages beside its latent (DeepSeek-V3.2's ``index_k``). Each is
+one more buffer ``[L, P, ...]`` with its own page bytes, layer stride and dtype (``KVLayout.regions``);
+it moves like the latent (whole pages from the request's random source rank), and its writes are
+counted like the latent's, so a region not sent leaves the room short of its expected writes.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.config import PACK_POLICIES
 
@@ -36,6 +42,20 @@ MAX_RANKS = 4096  # attention ranks of one side: far above any cluster, low enou
 
 class LayoutError(ValueError):
     """The two sides cannot exchange KV as laid out; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A replicated region of the layout's pages beside the kind's own buffers (``index_k``):
+    layer ``l``'s page ``p`` is ``page_bytes`` at ``l * layer_stride + p * page_bytes`` of its buffer."""
+
+    name: str
+    dtype: str  # what the region holds (index keys stay in the model dtype under an FP8 latent)
+    page_bytes: int
+    layer_stride: int
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.dtype}, {self.page_bytes} B/page)"
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,7 @@ class KVLayout:
     page_bytes: int  # one page of one layer in one buffer, all local heads
     layer_stride: int  # bytes from layer l to l + 1 in one buffer
     dp_size: int = 1  # attention-DP groups (decode's DP attention)
+    regions: tuple[Region, ...] = field(default=())  # replicated regions after the kind's buffers
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -78,25 +99,59 @@ class KVLayout:
         if self.layer_stride < self.num_pages * self.page_bytes:
             raise LayoutError(f"layer_stride: {self.layer_stride} < num_pages * page_bytes "
                               f"({self.num_pages} * {self.page_bytes})")
+        self._check_regions()
+
+    def _check_regions(self) -> None:
+        if self.regions and self.kind != "mla":
+            raise LayoutError(f"regions: only an MLA layout has replicated regions beside its own, "
+                              f"got {self.kind} with {[r.name for r in self.regions]}")
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names) or set(names) & set(BUFFERS[self.kind]):
+            raise LayoutError(f"regions: {names} repeat a buffer name")
+        for r in self.regions:
+            if r.dtype not in DTYPE_BYTES:
+                raise LayoutError(f"regions.{r.name}.dtype: {r.dtype!r} is not one of {tuple(DTYPE_BYTES)}")
+            if r.page_bytes < 1 or r.layer_stride < self.num_pages * r.page_bytes:
+                raise LayoutError(f"regions.{r.name}: page_bytes {r.page_bytes}, layer_stride {r.layer_stride} "
+                                  f"do not hold {self.num_pages} pages")
 
     @classmethod
     def from_descriptors(cls, kind: str, tp_size: int, num_kv_heads: int, page_size: int, dtype: str,
-                         descriptors: Sequence, dp_size: int = 1) -> KVLayout:
-        """From a pool's ``buffer_descriptors()`` (all buffers must share one geometry)."""
+                         descriptors: Sequence, dp_size: int = 1,
+                         region_dtypes: Mapping[str, str] | None = None) -> KVLayout:
+        """From a pool's ``buffer_descriptors()``: the kind's buffers first (sharing one geometry),
+        then any replicated regions (``region_dtypes``: their dtypes by name, else ``dtype``)."""
+        own = BUFFERS.get(kind, ())
         names = tuple(d.name for d in descriptors)
-        if kind in BUFFERS and names != BUFFERS[kind]:
-            raise LayoutError(f"descriptors: a {kind} pool has buffers {BUFFERS[kind]}, got {names}")
+        if kind in BUFFERS and names[:len(own)] != own:
+            raise LayoutError(f"descriptors: a {kind} pool has buffers {own} first, got {names}")
         first = descriptors[0]
         for d in descriptors[1:]:
-            if (d.page_bytes, d.layer_stride, d.num_layers, d.num_pages) != (
-                    first.page_bytes, first.layer_stride, first.num_layers, first.num_pages):
+            if (d.num_layers, d.num_pages) != (first.num_layers, first.num_pages) or (
+                    d.name in own and (d.page_bytes, d.layer_stride) != (first.page_bytes, first.layer_stride)):
                 raise LayoutError(f"descriptors: buffer {d.name!r} has another geometry than {first.name!r}")
+        dtypes = region_dtypes or {}
+        regions = tuple(Region(d.name, dtypes.get(d.name, dtype), d.page_bytes, d.layer_stride)
+                        for d in descriptors[len(own):])
         return cls(kind, tp_size, num_kv_heads, page_size, dtype, first.num_layers, first.num_pages,
-                   first.page_bytes, first.layer_stride, dp_size)
+                   first.page_bytes, first.layer_stride, dp_size, regions)
 
     @property
     def buffers(self) -> tuple[str, ...]:
-        return BUFFERS[self.kind]
+        return BUFFERS[self.kind] + tuple(r.name for r in self.regions)
+
+    def geometry(self, buffer: str) -> tuple[int, int]:
+        """``(page_bytes, layer_stride)`` of ``buffer``: the kind's buffers share the layout's."""
+        for r in self.regions:
+            if r.name == buffer:
+                return r.page_bytes, r.layer_stride
+        if buffer not in BUFFERS[self.kind]:
+            raise LayoutError(f"buffer: {buffer!r} is not one of {self.buffers}")
+        return self.page_bytes, self.layer_stride
+
+    def describe_regions(self) -> str:
+        """The buffers as a peer's refusal names them: ``latent+index_k (float32, 2048 B/page)``."""
+        return "+".join([*BUFFERS[self.kind], *(r.describe() for r in self.regions)])
 
     @property
     def local_heads(self) -> int:
@@ -166,6 +221,9 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise LayoutError(f"{name}: prefill has {a}, decode has {b}")
+    if [(r.name, r.dtype, r.page_bytes) for r in src.regions] != [(r.name, r.dtype, r.page_bytes)
+                                                                   for r in dst.regions]:
+        raise LayoutError(f"regions: prefill has {src.describe_regions()}, decode has {dst.describe_regions()}")
 
 
 def source_pick(seed: int, room: int) -> int:
@@ -251,11 +309,12 @@ def plan_writes(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_page
 def _segment_ops(src: KVLayout, dst: KVLayout, g: Segment, buffer: str, layer: int,
                  src_pages: Sequence[int], dst_pages: Sequence[int], runs) -> list[WriteOp]:
     """One op per page run when the block is whole pages, else one per page (one head block)."""
-    hb = src.head_bytes
+    (s_page, s_layer), (d_page, d_layer) = src.geometry(buffer), dst.geometry(buffer)
+    hb = s_page // src.local_heads
 
     def op(i: int, n: int) -> WriteOp:
-        so = layer * src.layer_stride + src_pages[i] * src.page_bytes + g.src_head * hb
-        do = layer * dst.layer_stride + dst_pages[i] * dst.page_bytes + g.dst_head * hb
+        so = layer * s_layer + src_pages[i] * s_page + g.src_head * hb
+        do = layer * d_layer + dst_pages[i] * d_page + g.dst_head * hb
         return WriteOp(g.src_rank, g.dst_rank, buffer, layer, so, do, n * g.nheads * hb, n)
 
     if g.full:

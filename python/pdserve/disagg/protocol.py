@@ -103,9 +103,9 @@ class DecodeRecord:
                  f"decode_rank: {self.decode_rank} outside [0, {self.layout.num_ranks})")
         _require(len(self.buffers) == len(self.layout.buffers),
                  f"buffers: {len(self.buffers)} ranges for buffers {self.layout.buffers}")
-        need = self.layout.layer_stride * self.layout.num_layers
-        _require(all(b.nbytes >= need for b in self.buffers),
-                 f"buffers: a range shorter than the layout's {need} bytes")
+        for name, b in zip(self.layout.buffers, self.buffers):
+            need = self.layout.geometry(name)[1] * self.layout.num_layers
+            _require(b.nbytes >= need, f"buffers: a range shorter than the layout's {need} bytes ({name})")
         _require(0 < self.aux_row_bytes <= self.aux.nbytes and self.aux.nbytes % self.aux_row_bytes == 0,
                  f"aux_row_bytes: {self.aux_row_bytes} does not divide the aux buffer of {self.aux.nbytes} bytes")
         _require(bool(self.session), "session: empty")
@@ -348,7 +348,7 @@ def _no_constant(text: str):
 
 def from_dict(cls: type, body, path: str):
     """Dataclass ``cls`` from a JSON object, every field checked against its annotation
-    (int, float, str, bool, list of those, nested dataclasses); ProtocolError names the field."""
+    (int, float, str, bool, lists and tuples of those, nested dataclasses); ProtocolError names the field."""
     _require(isinstance(body, dict), f"{path}: expected an object, got {type(body).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -383,6 +383,10 @@ def _value(v, hint, path: str):
         _require(isinstance(v, list), f"{path}: expected a list, got {type(v).__name__}")
         (item,) = typing.get_args(hint)
         v = [_value(x, item, f"{path}[{i}]") for i, x in enumerate(v)]
+    elif typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (Ellipsis,):
+        _require(isinstance(v, list), f"{path}: expected a list, got {type(v).__name__}")
+        item = typing.get_args(hint)[0]
+        v = tuple(_value(x, item, f"{path}[{i}]") for i, x in enumerate(v))
     elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
         v = from_dict(hint, v, path)
     else:  # pragma: no cover - a field type this codec was not taught

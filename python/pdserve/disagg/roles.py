@@ -53,8 +53,10 @@ def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 
     ``dp_size`` the attention groups (each owning whole requests)."""
     kind = "mla" if model_config.is_mla else "gqa"
     dtype = str(pool.dtype).removeprefix("torch.")  # what the pages hold: float8_e4m3fn for an fp8 pool
+    # every buffer's own dtype: regions beside the latent (V3.2's index keys) keep the model's
+    dtypes = {name: str(buf.dtype).removeprefix("torch.") for name, buf in pool.page_buffers()}
     return KVLayout.from_descriptors(kind, tp_size, model_config.num_kv_heads, pool.page_size, dtype,
-                                     pool.buffer_descriptors(), dp_size)
+                                     pool.buffer_descriptors(), dp_size, region_dtypes=dtypes)
 
 
 def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> TransferBackend:
