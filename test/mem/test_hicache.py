@@ -407,11 +407,13 @@ def test_flag_errors_name_the_flag(field, value, words):
 
 # ------------------------------------------------------------------ host pool and storage leg
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "mla+index_k"])
 def test_host_pool_round_trips_pages_and_payloads(kind, layout):
+    """Every region of a page goes down and comes back (DeepSeek-V3.2's index keys with the latent)."""
     g = torch.Generator().manual_seed(0)
     dev: KVPool = (GQAKVPool(6, 4, 3, 2, 8, torch.float32) if kind == "gqa"
-                   else MLAKVPool(6, 4, 3, 16, 8, torch.float32))
+                   else MLAKVPool(6, 4, 3, 16, 8, torch.float32, index_head_dim=8 if "index_k" in kind else 0))
+    assert len(dev.page_buffers()) == (1 if kind == "mla" else 2)
     for _, buf in dev.page_buffers():
         buf.copy_(torch.randn(buf.shape, generator=g))
     before = [buf.clone() for _, buf in dev.page_buffers()]

@@ -195,3 +195,46 @@ def test_attention_reads_only_the_selected_latent_rows(tiny, monkeypatch):
     assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
     assert shapes and all(s[-1] == TOPK for s in shapes)  # [B, Q, k]: k rows per query, never the context
     assert (1, len(prompt), TOPK) in shapes and (1, 1, TOPK) in shapes  # the prefill and a decode step
+
+
+# ---------------------------------------------------------------- the host and storage tiers
+TIER_KW = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64,
+               enable_hierarchical_cache=True)
+
+
+def _tier_prompts() -> list[list[int]]:
+    """Two prompts several times index_topk and one shorter than it; 16 device pages of 4 tokens
+    cannot keep all three, so pages cycle through host memory."""
+    return [_prompt(28, seed=40), _prompt(30, seed=41), _prompt(TOPK - 3, seed=42)]
+
+
+def test_host_tier_hit_restores_the_index_keys(tiny):
+    """A prefix found only in host memory comes back with its index keys: the second round's
+    tokens are transformers' (a page whose index keys were left behind would select other tokens)."""
+    hf, path = tiny
+    prompts = _tier_prompts()
+    want = [greedy_continuation(hf, p, STEPS) for p in prompts]
+    with pdserve.Engine(model_path=path, hicache_write_policy="write_back", **TIER_KW) as engine:
+        outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts + prompts]
+        assert [o["output_ids"] for o in outs] == want * 2
+        meta = outs[3]["meta_info"]  # prompt 0 again: 6 whole pages hit, some only on host (the device evicted them)
+        assert meta["cached_tokens"] == 24 and meta["cached_tokens_by_tier"]["host"] > 0
+        info = engine.get_server_info()
+        assert info["cache_hit_tokens_host"] > 0 and info["host_load_bytes"] > 0
+        engine.scheduler.check_memory()
+
+
+def test_file_tier_stores_the_index_keys_across_a_restart(tiny, tmp_path):
+    hf, path = tiny
+    prompts = _tier_prompts()
+    want = greedy_continuation(hf, prompts[0], STEPS)
+    kw = dict(TIER_KW, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8,
+              hicache_storage_prefetch_policy="wait_complete")
+    with pdserve.Engine(model_path=path, **kw) as engine:
+        assert engine.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"] == want
+        engine.scheduler.cache.storage.flush()
+    with pdserve.Engine(model_path=path, **kw) as restarted:
+        out = restarted.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8

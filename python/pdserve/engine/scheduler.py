@@ -135,7 +135,7 @@ class Scheduler:
         return {"weights": content_fingerprint(self.model_config, self.config.random_seed),
                 "architecture": self.model_config.architecture, "dtype": str(pool.dtype),
                 "page_size": self.page_size, "layout": "page_first", "num_layers": pool.num_layers,
-                "buffers": [[name, *buf.shape[2:]] for name, buf in pool.page_buffers()],
+                "buffers": [[name, str(buf.dtype), *buf.shape[2:]] for name, buf in pool.page_buffers()],
                 "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size}
 
     def close(self) -> None:
