@@ -389,8 +389,8 @@ class PackedWrite:
 
 def staging_bytes(dst: KVLayout, num_pages: int) -> int:
     """Bytes of a destination rank's staging region for a room of ``num_pages`` pages (what decode
-    lends and prefill checks): every layer and buffer of those pages, all local heads."""
-    return dst.num_layers * len(dst.buffers) * num_pages * dst.page_bytes
+    lends and prefill checks): every layer and buffer (regions included) of those pages, all local heads."""
+    return dst.num_layers * num_pages * sum(dst.geometry(b)[0] for b in dst.buffers)
 
 
 def staging_blocks(src: KVLayout, dst: KVLayout, dst_rank: int, num_pages: int, *, room: int = 0, seed: int = 0,
