@@ -6,7 +6,8 @@ chunk, one-token prompts, shared prefixes, two asking for logprobs), decode's gr
 the single-rank colocated engine's, for: GQA prefill TP2 -> decode TP1 and TP1 -> TP2, DeepSeek
 (a block-FP8 checkpoint, whose single-rank answers are transformers' on its dequantized copy)
 prefill TP2 + EP2 -> decode DP2 with DP attention, and a GQA model with one KV head (replicated
-over prefill's two ranks). The two llama pairs move their KV packed (one write per forward,
+over prefill's two ranks), and DeepSeek-V3.2 (whose index keys move with the latent) prefill TP2 + EP2 ->
+decode DP2 with DP attention. The two llama pairs move their KV packed (one write per forward,
 layer, buffer and head block through staging buffers), the others unpacked. Every prefill rank
 that holds a source sends, no request falls back, and afterwards every rank's pages add up on
 both sides. One deployment per configuration.
@@ -42,6 +43,9 @@ CONFIGS = {  # name -> (model, prefill flags, decode flags)
         "deepseek-fp8", (*TP2, "--ep-size", "2"), (*TP2, "--dp-size", "2", "--enable-dp-attention")),
     "qwen2-one-kv-head-prefill-tp2-decode-tp1": ("qwen2-one-kv-head", TP2, ()),
     "llama-prefill-tp2-decode-tp1-nixl": ("tiny-llama", (*TP2, *NIXL), NIXL),
+    # DeepSeek-V3.2: the index keys ride the latent's pages from the random source rank
+    "deepseek-v32-prefill-tp2-ep2-decode-dp2-attention": (
+        "deepseek-v32", (*TP2, "--ep-size", "2"), (*TP2, "--dp-size", "2", "--enable-dp-attention")),
 }
 # Decode's default --disaggregation-transfer-pack auto packs where the TP sizes split heads
 # differently: the llama pairs; MLA and a replicated single head move whole pages unpacked.
@@ -57,7 +61,9 @@ def checkpoints(tmp_path_factory):
 
     path = make_tiny_hf_model("Qwen2ForCausalLM", tmp_path_factory.mktemp("qwen2"), num_key_value_heads=1)
     fp8, dequantized = make_fp8_checkpoint("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("ds-fp8"), mtp_layer=True)
-    return {"qwen2-one-kv-head": path, "deepseek-fp8": fp8, "deepseek-fp8-dequantized": dequantized}
+    v32 = make_tiny_hf_model("DeepseekV32ForCausalLM", tmp_path_factory.mktemp("ds-v32"))
+    return {"qwen2-one-kv-head": path, "deepseek-fp8": fp8, "deepseek-fp8-dequantized": dequantized,
+            "deepseek-v32": v32}
 
 
 def test_the_fp8_reference_is_transformers_on_the_dequantized_copy(checkpoints):
@@ -72,6 +78,20 @@ def test_the_fp8_reference_is_transformers_on_the_dequantized_copy(checkpoints):
     prompts, params = mixed_requests(2048)
     want = [greedy_continuation(hf, p, sp["max_new_tokens"]) for p, sp in zip(prompts, params)]
     assert [o["output_ids"] for o in single_rank_answers(checkpoints["deepseek-fp8"])] == want
+
+
+def test_the_v32_reference_is_transformers(checkpoints):
+    """What the V3.2 pair's decode is held to (the single-rank engine's answers, prompts from 1 to
+    9x index_topk) is transformers' greedy output."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.tiny_models import greedy_continuation
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["deepseek-v32"], dtype=torch.float32).eval()
+    prompts, params = mixed_requests(2048)
+    want = [greedy_continuation(hf, p, sp["max_new_tokens"]) for p, sp in zip(prompts, params)]
+    assert [o["output_ids"] for o in single_rank_answers(checkpoints["deepseek-v32"])] == want
 
 
 class Pair:
