@@ -767,11 +767,6 @@ MUTATIONS = (
         "fb.prefix_lens[:, None, None] + qi[None, :, None])",
         "fb.prefix_lens[:, None, None] + qi[None, :, None] + 1)",
         ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
-    Mutation(
-        "v32_pd_not_refused", "a DeepSeek-V3.2 server starts in P/D mode, whose transfer leaves the index keys behind",
-        "python/pdserve/config.py",
-        "(self.disaggregation_mode != \"null\",", "(False,",
-        ("test/models/test_deepseek_v32.py::test_unsupported_modes_are_refused_at_start_up",)),
     # issue 33: cache privacy (keyed block hashes, worker-only snapshot, cache_salt, rooms)
     Mutation(
         "kv_block_hash_unkeyed", "the block hash chain ignores the deployment's key (a dictionary attack works)",
@@ -809,6 +804,25 @@ MUTATIONS = (
         'any(p in ("..", ".") for p in parts)',
         "False",
         ("test/models/test_loader.py::test_index_entries_outside_the_model_directory_are_refused",)),
+    # issue 34: V3.2's index keys through P/D and the tiers
+    Mutation(
+        "v32_index_keys_not_transferred", "the P/D plan writes the kind's own buffers only, so V3.2's index keys "
+        "(a region of the latent's pages) never reach decode",
+        "python/pdserve/disagg/layout.py",
+        "    for layer in layers:\n        for buffer in src.buffers:\n            for g in segs:",
+        "    for layer in layers:\n        for buffer in BUFFERS[src.kind]:\n            for g in segs:",
+        ("test/disagg/test_layout.py::test_index_keys_move_with_the_latent_from_the_random_source_rank",
+         "test/disagg/test_pd_deepseek_v32.py::test_greedy_tokens_match_transformers_through_the_router[mooncake]")),
+    Mutation(
+        "v32_index_keys_not_restored_on_host_hit", "a load from the host tier copies a page's first buffer (the "
+        "latent) back but not its index keys, so a host hit scores stale keys",
+        "python/pdserve/mem/host_pool.py",
+        "                else:\n"
+        "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
+        "                elif host is self.buffers[0]:\n"
+        "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
+        ("test/mem/test_hicache.py::test_host_pool_round_trips_pages_and_payloads[mla+index_k-layer_first]",
+         "test/models/test_deepseek_v32.py::test_host_tier_hit_restores_the_index_keys")),
 )
 
 
