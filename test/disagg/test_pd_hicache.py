@@ -101,11 +101,17 @@ def master() -> Iterator[object]:
         yield m
 
 
+# DeepSeek-V3.2's index keys are one more region of every page that moves, goes down or comes back
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-deepseek-v32"])
+def model(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def trio(master) -> Iterator[PDTrio]:
+def trio(master, model) -> Iterator[PDTrio]:
     extra = {"master_server_address": master.address, "metadata_server": master.metadata_server,
              "global_segment_size": "32mb", "local_buffer_size": "16mb"}
-    t = PDTrio("tiny-llama", enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+    t = PDTrio(model, enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
                hicache_storage_chunk_tokens=CHUNK, hicache_storage_prefetch_policy="wait_complete",
                hicache_storage_backend_extra_config=json.dumps(extra), **KW)
     try:
@@ -115,9 +121,9 @@ def trio(master) -> Iterator[PDTrio]:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[pdserve.Engine]:
+def engine(model) -> Iterator[pdserve.Engine]:
     """The reference: colocated, no hierarchical cache."""
-    with pdserve.Engine(model_path="tiny-llama", **KW) as e:
+    with pdserve.Engine(model_path=model, **KW) as e:
         yield e
 
 
