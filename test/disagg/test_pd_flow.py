@@ -361,6 +361,23 @@ def test_a_completion_short_of_writes_is_not_trusted(pair_factory):
     pair.assert_idle_and_accounted()
 
 
+def test_a_completion_without_the_index_keys_is_not_trusted(pair_factory):
+    """DeepSeek-V3.2: a prefill that plans the latent's writes but not the index keys' (a region of
+    the same pages) and reports success falls short of decode's count from the layouts: decode
+    prefills locally, to the colocated tokens, and every page is accounted for."""
+    pair = pair_factory("tiny-deepseek-v32", page_size=4)
+    sender = pair.prefill.mode.sender
+    plan = sender._plan
+    sender._plan = lambda *a, **kw: [op for op in plan(*a, **kw) if op.buffer != "index_k"]
+    (prompt,) = _prompts([40])  # past the preset's index_topk (32): the index keys decide what attends
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    assert pair.prefill.stats()["rooms_completed"] == 1  # prefill believes it is done
+    assert pair.decode.stats()["fallbacks"] == 1 and pair.decode.stats()["kv_received"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-deepseek-v32", [prompt], page_size=4)[0]
+    pair.assert_idle_and_accounted()
+
+
 def test_unpaired_halves_time_out(pair_factory):
     """Decode's half alone (the router's prefill request was lost): decode falls back once its
     wait times out. Prefill's half alone: prefill answers it with an error after the timeout."""
