@@ -1093,13 +1093,14 @@ class ServerArgs:
         """DeepSeek-V3.2 (MLA + DSA) runs colocated, on one rank, over torch_native, with a full-precision
         checkpoint and pool for now (docs/models.md); everything else is refused here, naming it."""
         v32 = "DeepSeek-V3.2"
+        if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
+            raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v32}'s draft layer (its latent "
+                              f"and index keys) does not move in P/D yet; NEXTN runs colocated")
         refusals = {
             "disaggregation_mode": (self.disaggregation_mode != "null",
                                     f"{self.disaggregation_mode}: {v32}'s index keys do not move in P/D yet"),
             "enable_hierarchical_cache": (self.enable_hierarchical_cache,
                                           f"{v32}'s index keys have no host or storage tier yet"),
-            "speculative_algorithm": (self.speculative_algorithm is not None,
-                                      f"{self.speculative_algorithm}: {v32} has no draft (NEXTN) support yet"),
             "attention_backend": (self.device_config().attention_backend != "torch_native",
                                   f"{self.device_config().attention_backend}: {v32}'s sparse attention runs on "
                                   f"torch_native only (no Triton or flashinfer sparse kernels yet)"),

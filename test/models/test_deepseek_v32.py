@@ -113,7 +113,8 @@ def test_prefix_hit_gives_identical_output(tiny):
 REFUSALS = [
     ({"disaggregation_mode": "prefill"}, "--disaggregation-mode): prefill: DeepSeek-V3.2's index keys do not move"),
     ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache): DeepSeek-V3.2's index keys have no host"),
-    ({"speculative_algorithm": "NEXTN"}, "--speculative-algorithm): NEXTN: DeepSeek-V3.2 has no draft"),
+    ({"speculative_algorithm": "NEXTN", "disaggregation_mode": "decode"},
+     "--speculative-algorithm): NEXTN: DeepSeek-V3.2's draft layer (its latent and index keys) does not move in P/D"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V3.2's sparse attention runs on "
                                       "torch_native only"),
     ({"tp_size": 2}, "--tp-size): DeepSeek-V3.2 runs on one rank"),
@@ -199,3 +200,101 @@ def test_attention_reads_only_the_selected_latent_rows(tiny, monkeypatch):
     assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
     assert shapes and all(s[-1] == TOPK for s in shapes)  # [B, Q, k]: k rows per query, never the context
     assert (1, len(prompt), TOPK) in shapes and (1, 1, TOPK) in shapes  # the prefill and a decode step
+
+
+# ------------------------------------------------------------------ NEXTN (the MTP layer, with its own indexer)
+@pytest.fixture(scope="module")
+def with_mtp(tiny, tmp_path_factory):
+    """The tiny checkpoint plus DeepSeek-V3.2's MTP layer (``model.layers.{n}.*``: a V3.2 decoder
+    layer, lightning indexer included, as the official checkpoint carries) in a second file."""
+    from safetensors.torch import save_file
+
+    from pdserve.config import ModelConfig
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.draft import DeepseekMTP
+    from pdserve.models.loader import init_dummy_weights, load_model
+
+    hf, path = tiny
+    d = tmp_path_factory.mktemp("v32mtp") / "ckpt"
+    shutil.copytree(path, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    mc = ModelConfig.from_path(str(d))
+    mtp = DeepseekMTP(load_model(mc), torch.float32)
+    init_dummy_weights(mtp, seed=5)
+    n = mc.num_layers
+    tensors = {f"model.layers.{n}.{k}": v.contiguous() for k, v in checkpoint_tensors(mtp)}
+    assert f"model.layers.{n}.self_attn.indexer.wk.weight" in tensors
+    save_file(tensors, str(d / "mtp.safetensors"))
+    return hf, str(d), n
+
+
+def test_nextn_loads_the_mtp_layers_own_indexer(with_mtp):
+    from safetensors.torch import load_file
+
+    from pdserve.config import ModelConfig, SpeculativeConfig
+    from pdserve.models.deepseek_v32 import MLASparseAttention
+    from pdserve.models.draft import load_draft
+    from pdserve.models.loader import load_model
+
+    _, path, n = with_mtp
+    mc = ModelConfig.from_path(path)
+    draft = load_draft(mc, SpeculativeConfig("NEXTN"), load_model(mc), seed=0)
+    raw = load_file(f"{path}/mtp.safetensors")
+    assert isinstance(draft.self_attn, MLASparseAttention) and draft.layer_id == n
+    for name in ("wq_b", "wk", "weights_proj"):
+        assert torch.equal(getattr(draft.self_attn.indexer, name).weight,
+                           raw[f"model.layers.{n}.self_attn.indexer.{name}.weight"])
+    assert torch.equal(draft.self_attn.indexer.k_norm.bias, raw[f"model.layers.{n}.self_attn.indexer.k_norm.bias"])
+
+
+@pytest.mark.parametrize("length", [5, 4 * TOPK + 3])
+def test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers(with_mtp, length, monkeypatch):
+    """The MTP layer attends sparsely too: its indexer scores the index keys it wrote to the pool's
+    extra layer n (never a dense latent read), and the target's output does not change."""
+    from pdserve.mem.kv_pool import MLAKVPool
+
+    hf, path, n = with_mtp
+    prompt = _prompt(length, seed=40 + length)
+    plain = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompt, sampling_params=GREEDY)
+    reads: list[tuple[int, tuple]] = []
+    gather = MLAKVPool.get_latent_slots
+
+    def no_dense(*_):
+        raise AssertionError("a dense latent read in DeepSeek-V3.2's attention")
+
+    def recording(self, layer, slots):
+        reads.append((layer, tuple(slots.shape)))
+        return gather(self, layer, slots)
+
+    monkeypatch.setattr(MLAKVPool, "get_latent_pages", no_dense)
+    monkeypatch.setattr(MLAKVPool, "get_latent_slots", recording)
+    engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16, speculative_algorithm="NEXTN",
+                            speculative_num_steps=3)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == plain["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert out["meta_info"]["spec_verify_ct"] >= 1
+    draft_reads = [shape for layer, shape in reads if layer == n]
+    assert draft_reads and all(s[-1] <= TOPK for s in draft_reads)  # [B, Q, k]: never the whole context
+    if length > TOPK:
+        assert any(s[-1] == TOPK for s in draft_reads)  # the draft's queries keep index_topk of more tokens
+    pool = engine.scheduler.runner.pool
+    assert pool.index_k is not None and pool.index_k.shape[0] == n + 1 and pool.index_k[n].abs().sum() > 0
+
+
+def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
+    """An oracle draft (the reference continuation, wrong every 5th position) makes verify accept
+    runs of drafts: the target's sparse verify rows and the index keys of rejected rows, which
+    later tokens overwrite, leave the output equal to transformers'."""
+    from engine.test_speculative import OracleDecode
+
+    hf, path, _ = with_mtp
+    prompts = [_prompt(3, seed=50), _prompt(5 * TOPK, seed=51)]
+    steps = 2 * STEPS
+    seqs = {tuple(p): p + greedy_continuation(hf, p, steps) for p in prompts}
+    engine = pdserve.Engine(model_path=path, page_size=4, speculative_algorithm="NEXTN", speculative_num_steps=3)
+    engine.scheduler.decode_step = OracleDecode(engine.scheduler, seqs)
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": steps})
+    assert [o["output_ids"] for o in outs] == [list(seqs[tuple(p)][len(p):]) for p in prompts]
+    for o in outs:
+        assert o["meta_info"]["spec_accept_length"] > 1.5
