@@ -1090,8 +1090,8 @@ class ServerArgs:
         return model
 
     def _check_sparse_index(self, model: ModelConfig) -> None:
-        """DeepSeek-V3.2 (MLA + DSA) runs colocated, on one rank, over torch_native, with a full-precision
-        checkpoint and pool for now (docs/models.md); everything else is refused here, naming it."""
+        """DeepSeek-V3.2 (MLA + DSA) runs colocated, on one rank, over torch_native for now (docs/models.md);
+        everything else is refused here, naming it."""
         v32 = "DeepSeek-V3.2"
         if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
             raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v32}'s draft layer (its latent "
@@ -1113,8 +1113,6 @@ class ServerArgs:
         for field_name, (refused, why) in refusals.items():
             if refused:
                 raise _flag_error(field_name, why)
-        if model.quantization is not None:
-            raise ValueError(f"quantization_config: FP8 {v32} checkpoints are not supported yet")
 
     @_built_once
     def cache_config(self) -> CacheConfig:

@@ -131,18 +131,6 @@ def test_unsupported_modes_are_refused_at_start_up(tiny, flags, message):
     assert message in str(err.value)
 
 
-def test_fp8_checkpoint_is_refused(tiny, tmp_path):
-    _, path = tiny
-    fp8 = tmp_path / "fp8"
-    shutil.copytree(path, fp8)
-    cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    (fp8 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization_config: FP8 DeepSeek-V3.2 checkpoints are not supported"):
-        ServerArgs(model_path=str(fp8)).model_config()
-
-
 def test_refusal_reaches_the_cli_as_one_line():
     proc = _serve("tiny-deepseek-v32", "--disaggregation-mode", "decode")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -298,3 +286,92 @@ def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
     assert [o["output_ids"] for o in outs] == [list(seqs[tuple(p)][len(p):]) for p in prompts]
     for o in outs:
         assert o["meta_info"]["spec_accept_length"] > 1.5
+
+
+# ------------------------------------------------------------------ FP8 block-quantized checkpoints
+@pytest.fixture(scope="module")
+def fp8_v32(tmp_path_factory):
+    """DeepSeek-V3.2 in the official FP8 format (indexer wq_b/wk quantized, weights_proj not), its MTP
+    layer included; the dequantized copy for transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.fp8_checkpoints import make_fp8_checkpoint
+
+    fp8_dir, plain_dir = make_fp8_checkpoint(ARCH, tmp_path_factory.mktemp("v32fp8"), mtp_layer=True)
+    hf = AutoModelForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
+    assert hf.config.index_topk == TOPK
+    return fp8_dir, plain_dir, hf
+
+
+def test_fp8_checkpoint_quantizes_the_indexers_wq_b_and_wk_only(fp8_v32):
+    from pdserve.layers.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX
+    from pdserve.models.loader import iter_safetensors
+
+    fp8_dir, _, hf = fp8_v32
+    raw = dict(iter_safetensors(fp8_dir))
+    n = hf.config.num_hidden_layers
+    for layer in (0, n):  # a target layer and the MTP layer
+        idx = f"model.layers.{layer}.self_attn.indexer."
+        assert raw[idx + "wq_b.weight"].dtype == raw[idx + "wk.weight"].dtype == FP8_DTYPE
+        assert idx + "wq_b.weight" + SCALE_SUFFIX in raw and idx + "wk.weight" + SCALE_SUFFIX in raw
+        assert raw[idx + "weights_proj.weight"].dtype == torch.float32
+        assert idx + "weights_proj.weight" + SCALE_SUFFIX not in raw
+
+
+@pytest.mark.parametrize("length", [5, 5 * TOPK + 1])
+def test_fp8_checkpoint_decodes_like_transformers_on_the_dequantized_copy(fp8_v32, length):
+    from pdserve.config import ModelConfig
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp8_dir, plain_dir, hf = fp8_v32
+    engine = pdserve.Engine(model_path=fp8_dir, page_size=4)
+    assert engine.scheduler.runner.model_config.quantization is not None
+    prompt = _prompt(length, seed=60 + length)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    a = dict(checkpoint_tensors(engine.scheduler.runner.model))
+    b = dict(checkpoint_tensors(load_model(ModelConfig.from_path(plain_dir))))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    engine.shutdown()
+
+
+def test_fp8_checkpoint_with_nextn_keeps_greedy_output(fp8_v32):
+    fp8_dir, _, hf = fp8_v32
+    prompt = _prompt(4 * TOPK, seed=70)
+    out = pdserve.Engine(model_path=fp8_dir, page_size=4, speculative_algorithm="NEXTN").generate(
+        input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert out["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_fp8_preset_loads_the_full_presets_draws_quantized():
+    """tiny-deepseek-v32-fp8 is tiny-deepseek-v32 through our quantizer: the indexer's wq_b/wk (and
+    every other quantized linear) FP8-representable, weights_proj and the norms the same draws."""
+    from pdserve.config import ModelConfig
+    from pdserve.layers.quant.fp8 import dequantize_block_fp8, is_quantized_linear, quantize_block_fp8
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp8 = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v32-fp8"))))
+    full = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v32"))))
+    assert fp8.keys() == full.keys()
+    quantized = {k for k in fp8 if is_quantized_linear(k)}
+    assert {"model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.1.self_attn.indexer.wk.weight"} <= quantized
+    assert "model.layers.1.self_attn.indexer.weights_proj.weight" not in quantized
+    for key, w in fp8.items():
+        assert torch.equal(w, full[key]) != (key in quantized), key
+        if key in quantized:
+            assert torch.equal(dequantize_block_fp8(*quantize_block_fp8(w)), w), key
+
+
+def test_fp8_preset_serves_with_nextn():
+    """A prompt inside the preset's index_topk (32): its 4 index heads often score tokens exactly 0
+    (every head's ReLU off), and where such ties straddle the top-k cut, which tokens torch.topk
+    keeps depends on the batch's shape (a verify's 4 rows against a decode's 1), so past 32 tokens
+    speculation may pick other tied tokens. The fixture checkpoint above (32 heads) covers long prompts."""
+    prompt = _prompt(24, seed=80)
+    plain = pdserve.Engine(model_path="tiny-deepseek-v32-fp8").generate(input_ids=prompt, sampling_params=GREEDY)
+    spec = pdserve.Engine(model_path="tiny-deepseek-v32-fp8", speculative_algorithm="NEXTN").generate(
+        input_ids=prompt, sampling_params=GREEDY)
+    assert spec["output_ids"] == plain["output_ids"] and spec["meta_info"]["spec_verify_ct"] >= 1
