@@ -263,9 +263,11 @@ class ModelConfig:
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
         """Bytes of KV cache one token occupies over all layers (``kv_cache_dtype``: --kv-cache-dtype)."""
         _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-        itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        compute = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else compute
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
-        return self.num_layers * (per_layer + self.index_head_dim) * itemsize
+        # V3.2's index keys stay in the compute dtype under an FP8 pool (mem/kv_pool.py MLAKVPool)
+        return self.num_layers * (per_layer * itemsize + self.index_head_dim * compute)
 
 
 def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
@@ -1106,8 +1108,6 @@ class ServerArgs:
                                   f"torch_native only (no Triton or flashinfer sparse kernels yet)"),
             "tp_size": (self.parallel_config().world_size > 1,
                         f"{v32} runs on one rank for now (tp_size, dp_size and ep_size 1)"),
-            "kv_cache_dtype": (self.kv_cache_dtype != "auto", f"{self.kv_cache_dtype}: {v32}'s pool stays in the "
-                                                             f"model dtype (no FP8 latent or index keys yet)"),
             "enable_torch_compile": (self.enable_torch_compile, f"{v32}'s sparse attention runs eagerly"),
         }
         for field_name, (refused, why) in refusals.items():
