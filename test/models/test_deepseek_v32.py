@@ -194,25 +194,19 @@ def test_attention_reads_only_the_selected_latent_rows(tiny, monkeypatch):
 def with_mtp(tiny, tmp_path_factory):
     """The tiny checkpoint plus DeepSeek-V3.2's MTP layer (``model.layers.{n}.*``: a V3.2 decoder
     layer, lightning indexer included, as the official checkpoint carries) in a second file."""
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
-    from pdserve.config import ModelConfig
-    from pdserve.models.base import checkpoint_tensors
-    from pdserve.models.draft import DeepseekMTP
-    from pdserve.models.loader import init_dummy_weights, load_model
+    from fixtures.fp8_checkpoints import _mtp_layer
 
     hf, path = tiny
     d = tmp_path_factory.mktemp("v32mtp") / "ckpt"
     shutil.copytree(path, d)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
-    mc = ModelConfig.from_path(str(d))
-    mtp = DeepseekMTP(load_model(mc), torch.float32)
-    init_dummy_weights(mtp, seed=5)
-    n = mc.num_layers
-    tensors = {f"model.layers.{n}.{k}": v.contiguous() for k, v in checkpoint_tensors(mtp)}
+    n = cfg["num_hidden_layers"]
+    tensors = _mtp_layer(load_file(str(d / "model.safetensors")), cfg)  # the last layer's copy, + MTP parts
     assert f"model.layers.{n}.self_attn.indexer.wk.weight" in tensors
-    save_file(tensors, str(d / "mtp.safetensors"))
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / "mtp.safetensors"))
     return hf, str(d), n
 
 
