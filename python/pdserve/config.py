@@ -1108,7 +1108,6 @@ class ServerArgs:
                                   f"torch_native only (no Triton or flashinfer sparse kernels yet)"),
             "tp_size": (self.parallel_config().world_size > 1,
                         f"{v32} runs on one rank for now (tp_size, dp_size and ep_size 1)"),
-            "enable_torch_compile": (self.enable_torch_compile, f"{v32}'s sparse attention runs eagerly"),
         }
         for field_name, (refused, why) in refusals.items():
             if refused:

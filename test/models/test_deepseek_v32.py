@@ -118,7 +118,6 @@ REFUSALS = [
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V3.2's sparse attention runs on "
                                       "torch_native only"),
     ({"tp_size": 2}, "--tp-size): DeepSeek-V3.2 runs on one rank"),
-    ({"enable_torch_compile": True}, "--enable-torch-compile): DeepSeek-V3.2's sparse attention runs eagerly"),
 ]
 
 
@@ -415,3 +414,23 @@ def test_fp8_kv_budget_counts_full_precision_index_keys(tiny):
     latent, index = c.kv_lora_rank + c.qk_rope_head_dim, c.index_head_dim
     assert mc.kv_bytes_per_token("fp8_e4m3") == mc.num_layers * (latent * 1 + index * 4)
     assert mc.kv_bytes_per_token() == mc.num_layers * (latent + index) * 4
+
+
+# ------------------------------------------------------------------ --enable-torch-compile
+def test_compiled_decode_gives_the_eager_tokens(tiny):
+    """Decode steps run compiled layers (the indexer's projections inside them); the indexer's
+    scoring, top-k and the sparse MLA run eagerly behind the graph break, on the real rows. The
+    graphs compiled at start-up serve every step (a recompile fails the run)."""
+    hf, path = tiny
+    kw = {"model_path": path, "num_threads": 1, "disable_radix_cache": True, "page_size": 4,
+          "torch_compile_max_bs": 1}
+    prompts = [_prompt(4 * TOPK, seed=100), _prompt(TOPK - 3, seed=101)]
+    params = [{**GREEDY, "max_new_tokens": n} for n in (STEPS, STEPS // 2)]  # batches of 2 (eager), then 1
+    engine = pdserve.Engine(enable_torch_compile=True, **kw)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, sp["max_new_tokens"])
+                                               for p, sp in zip(prompts, params)]
+    steps = engine.scheduler.runner.compiled.steps
+    assert dict(steps) == {1: STEPS - STEPS // 2}  # the batch of 2 ran eagerly
+    engine.shutdown()
