@@ -110,6 +110,11 @@ PRESETS |= {
         {k: v for k, v in PRESETS["tiny-deepseek"][1].items() if k not in ("num_mtp_layers", "rope_interleave")},
         index_topk=32, index_head_dim=32, index_n_heads=4)),
 }
+# Its FP8 twin, with the MTP layer the official checkpoint carries (a V3.2 layer, indexer included).
+PRESETS |= {
+    "tiny-deepseek-v32-fp8": (PRESETS["tiny-deepseek-v32"][0], dict(
+        PRESETS["tiny-deepseek-v32"][1], num_nextn_predict_layers=1, quantization_config=_FP8)),
+}
 # Draft architectures transformers has no config class of their own for.
 CONFIG_CLASSES = {"LlamaForCausalLMEagle": "LlamaConfig"}
 

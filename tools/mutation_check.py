@@ -823,6 +823,38 @@ MUTATIONS = (
         "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
         ("test/mem/test_hicache.py::test_host_pool_round_trips_pages_and_payloads[mla+index_k-layer_first]",
          "test/models/test_deepseek_v32.py::test_host_tier_hit_restores_the_index_keys")),
+    # issue 34: DeepSeek-V3.2's indexer (scores, top-k), its MTP layer and FP8 checkpoints
+    Mutation(
+        "v32_index_topk_one_more", "the indexer keeps index_topk + 1 tokens per query (its top-k boundary off by one)",
+        "python/pdserve/models/deepseek_v32.py",
+        "        self.topk = int(c.index_topk)\n", "        self.topk = int(c.index_topk) + 1\n",
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v32_index_score_without_relu", "the indexer sums raw q.k over its heads: the ReLU dropped",
+        "python/pdserve/layers/attention/torch_native.py",
+        "    s = torch.relu(torch.einsum(\"bqhd,bld->bqhl\", q, keys.float()) * index.scale)",
+        "    s = (torch.einsum(\"bqhd,bld->bqhl\", q, keys.float()) * index.scale)",
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v32_index_head_weights_dropped",
+        "the indexer sums its heads unweighted (weights_proj's per-head weights dropped)",
+        "python/pdserve/models/deepseek_v32.py",
+        "        weights = self.weights_proj(x.float()) * self.n_heads ** -0.5  # [T, Hi]\n",
+        "        weights = torch.ones_like(self.weights_proj(x.float()))  # [T, Hi]\n",
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v32_mtp_layer_dense", "the NEXTN draft of DeepSeek-V3.2 is a dense MLA layer: its own indexer is never built",
+        "python/pdserve/models/draft.py",
+        "        attention = target.attention_class(c, layer_id, SINGLE.attention, dtype)\n",
+        "        attention = DeepseekV2ForCausalLM.attention_class(c, layer_id, SINGLE.attention, dtype)\n",
+        ("test/models/test_deepseek_v32.py::test_nextn_loads_the_mtp_layers_own_indexer",
+         "test/models/test_deepseek_v32.py::test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers")),
+    Mutation(
+        "v32_fp8_indexer_left_unquantized", "our FP8 quantizer leaves the indexer's wq_b/wk in full precision (the "
+        "FP8 preset and test checkpoints would not exercise the checkpoint's indexer scales)",
+        "python/pdserve/layers/quant/fp8.py", "                                   \"wq_b\", \"wk\"})", "})",
+        ("test/models/test_deepseek_v32.py::test_fp8_checkpoint_quantizes_the_indexers_wq_b_and_wk_only",
+         "test/models/test_deepseek_v32.py::test_fp8_preset_loads_the_full_presets_draws_quantized")),
 )
 
 

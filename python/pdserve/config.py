@@ -263,9 +263,11 @@ class ModelConfig:
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
         """Bytes of KV cache one token occupies over all layers (``kv_cache_dtype``: --kv-cache-dtype)."""
         _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-        itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        compute = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else compute
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
-        return self.num_layers * (per_layer + self.index_head_dim) * itemsize
+        # V3.2's index keys stay in the compute dtype under an FP8 pool (mem/kv_pool.py MLAKVPool)
+        return self.num_layers * (per_layer * itemsize + self.index_head_dim * compute)
 
 
 def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
@@ -1090,25 +1092,21 @@ class ServerArgs:
         return model
 
     def _check_sparse_index(self, model: ModelConfig) -> None:
-        """DeepSeek-V3.2 (MLA + DSA) runs over torch_native, with a full-precision checkpoint and pool for
-        now (docs/models.md); everything else is refused here, naming it. P/D, the tiers and TP/DP/EP
-        carry its index keys as one more region of the latent's pages."""
+        """DeepSeek-V3.2 (MLA + DSA) runs over torch_native for now (docs/models.md); everything else is
+        refused here, naming it. P/D, the tiers and TP/DP/EP carry its index keys as one more region of
+        the latent's pages; NEXTN runs colocated."""
         v32 = "DeepSeek-V3.2"
+        if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
+            raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v32}'s draft layer (its latent "
+                              f"and index keys) does not move in P/D yet; NEXTN runs colocated")
         refusals = {
-            "speculative_algorithm": (self.speculative_algorithm is not None,
-                                      f"{self.speculative_algorithm}: {v32} has no draft (NEXTN) support yet"),
             "attention_backend": (self.device_config().attention_backend != "torch_native",
                                   f"{self.device_config().attention_backend}: {v32}'s sparse attention runs on "
                                   f"torch_native only (no Triton or flashinfer sparse kernels yet)"),
-            "kv_cache_dtype": (self.kv_cache_dtype != "auto", f"{self.kv_cache_dtype}: {v32}'s pool stays in the "
-                                                             f"model dtype (no FP8 latent or index keys yet)"),
-            "enable_torch_compile": (self.enable_torch_compile, f"{v32}'s sparse attention runs eagerly"),
         }
         for field_name, (refused, why) in refusals.items():
             if refused:
                 raise _flag_error(field_name, why)
-        if model.quantization is not None:
-            raise ValueError(f"quantization_config: FP8 {v32} checkpoints are not supported yet")
 
     @_built_once
     def cache_config(self) -> CacheConfig:

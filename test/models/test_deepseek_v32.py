@@ -111,11 +111,10 @@ def test_prefix_hit_gives_identical_output(tiny):
 
 
 REFUSALS = [
-    ({"speculative_algorithm": "NEXTN"}, "--speculative-algorithm): NEXTN: DeepSeek-V3.2 has no draft"),
+    ({"speculative_algorithm": "NEXTN", "disaggregation_mode": "decode"},
+     "--speculative-algorithm): NEXTN: DeepSeek-V3.2's draft layer (its latent and index keys) does not move in P/D"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V3.2's sparse attention runs on "
                                       "torch_native only"),
-    ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V3.2's pool stays in the model dtype"),
-    ({"enable_torch_compile": True}, "--enable-torch-compile): DeepSeek-V3.2's sparse attention runs eagerly"),
 ]
 
 
@@ -127,22 +126,10 @@ def test_unsupported_modes_are_refused_at_start_up(tiny, flags, message):
     assert message in str(err.value)
 
 
-def test_fp8_checkpoint_is_refused(tiny, tmp_path):
-    _, path = tiny
-    fp8 = tmp_path / "fp8"
-    shutil.copytree(path, fp8)
-    cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    (fp8 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization_config: FP8 DeepSeek-V3.2 checkpoints are not supported"):
-        ServerArgs(model_path=str(fp8)).model_config()
-
-
 def test_refusal_reaches_the_cli_as_one_line():
-    proc = _serve("tiny-deepseek-v32", "--enable-torch-compile")
+    proc = _serve("tiny-deepseek-v32", "--disaggregation-mode", "decode", "--speculative-algorithm", "NEXTN")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "enable_torch_compile (--enable-torch-compile): DeepSeek-V3.2's sparse attention runs eagerly" in proc.stderr
+    assert "speculative_algorithm (--speculative-algorithm): NEXTN: DeepSeek-V3.2's draft layer" in proc.stderr
 
 
 def test_preset_serves_a_chat_request():
@@ -238,3 +225,251 @@ def test_file_tier_stores_the_index_keys_across_a_restart(tiny, tmp_path):
         out = restarted.generate(input_ids=prompts[0], sampling_params=GREEDY)
         assert out["output_ids"] == want
         assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8
+
+
+# ------------------------------------------------------------------ NEXTN (the MTP layer, with its own indexer)
+@pytest.fixture(scope="module")
+def with_mtp(tiny, tmp_path_factory):
+    """The tiny checkpoint plus DeepSeek-V3.2's MTP layer (``model.layers.{n}.*``: a V3.2 decoder
+    layer, lightning indexer included, as the official checkpoint carries) in a second file."""
+    from safetensors.torch import load_file, save_file
+
+    from fixtures.fp8_checkpoints import _mtp_layer
+
+    hf, path = tiny
+    d = tmp_path_factory.mktemp("v32mtp") / "ckpt"
+    shutil.copytree(path, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    n = cfg["num_hidden_layers"]
+    tensors = _mtp_layer(load_file(str(d / "model.safetensors")), cfg)  # the last layer's copy, + MTP parts
+    assert f"model.layers.{n}.self_attn.indexer.wk.weight" in tensors
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / "mtp.safetensors"))
+    return hf, str(d), n
+
+
+def test_nextn_loads_the_mtp_layers_own_indexer(with_mtp):
+    from safetensors.torch import load_file
+
+    from pdserve.config import ModelConfig, SpeculativeConfig
+    from pdserve.models.deepseek_v32 import MLASparseAttention
+    from pdserve.models.draft import load_draft
+    from pdserve.models.loader import load_model
+
+    _, path, n = with_mtp
+    mc = ModelConfig.from_path(path)
+    draft = load_draft(mc, SpeculativeConfig("NEXTN"), load_model(mc), seed=0)
+    raw = load_file(f"{path}/mtp.safetensors")
+    assert isinstance(draft.self_attn, MLASparseAttention) and draft.layer_id == n
+    for name in ("wq_b", "wk", "weights_proj"):
+        assert torch.equal(getattr(draft.self_attn.indexer, name).weight,
+                           raw[f"model.layers.{n}.self_attn.indexer.{name}.weight"])
+    assert torch.equal(draft.self_attn.indexer.k_norm.bias, raw[f"model.layers.{n}.self_attn.indexer.k_norm.bias"])
+
+
+@pytest.mark.parametrize("length", [5, 4 * TOPK + 3])
+def test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers(with_mtp, length, monkeypatch):
+    """The MTP layer attends sparsely too: its indexer scores the index keys it wrote to the pool's
+    extra layer n (never a dense latent read), and the target's output does not change."""
+    from pdserve.mem.kv_pool import MLAKVPool
+
+    hf, path, n = with_mtp
+    prompt = _prompt(length, seed=40 + length)
+    plain = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompt, sampling_params=GREEDY)
+    reads: list[tuple[int, tuple]] = []
+    gather = MLAKVPool.get_latent_slots
+
+    def no_dense(*_):
+        raise AssertionError("a dense latent read in DeepSeek-V3.2's attention")
+
+    def recording(self, layer, slots):
+        reads.append((layer, tuple(slots.shape)))
+        return gather(self, layer, slots)
+
+    monkeypatch.setattr(MLAKVPool, "get_latent_pages", no_dense)
+    monkeypatch.setattr(MLAKVPool, "get_latent_slots", recording)
+    engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16, speculative_algorithm="NEXTN",
+                            speculative_num_steps=3)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == plain["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert out["meta_info"]["spec_verify_ct"] >= 1
+    draft_reads = [shape for layer, shape in reads if layer == n]
+    assert draft_reads and all(s[-1] <= TOPK for s in draft_reads)  # [B, Q, k]: never the whole context
+    if length > TOPK:
+        assert any(s[-1] == TOPK for s in draft_reads)  # the draft's queries keep index_topk of more tokens
+    pool = engine.scheduler.runner.pool
+    assert pool.index_k is not None and pool.index_k.shape[0] == n + 1 and pool.index_k[n].abs().sum() > 0
+
+
+def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
+    """An oracle draft (the reference continuation, wrong every 5th position) makes verify accept
+    runs of drafts: the target's sparse verify rows and the index keys of rejected rows, which
+    later tokens overwrite, leave the output equal to transformers'."""
+    from engine.test_speculative import OracleDecode
+
+    hf, path, _ = with_mtp
+    prompts = [_prompt(3, seed=50), _prompt(5 * TOPK, seed=51)]
+    steps = 2 * STEPS
+    seqs = {tuple(p): p + greedy_continuation(hf, p, steps) for p in prompts}
+    engine = pdserve.Engine(model_path=path, page_size=4, speculative_algorithm="NEXTN", speculative_num_steps=3)
+    engine.scheduler.decode_step = OracleDecode(engine.scheduler, seqs)
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": steps})
+    assert [o["output_ids"] for o in outs] == [list(seqs[tuple(p)][len(p):]) for p in prompts]
+    for o in outs:
+        assert o["meta_info"]["spec_accept_length"] > 1.5
+
+
+# ------------------------------------------------------------------ FP8 block-quantized checkpoints
+@pytest.fixture(scope="module")
+def fp8_v32(tmp_path_factory):
+    """DeepSeek-V3.2 in the official FP8 format (indexer wq_b/wk quantized, weights_proj not), its MTP
+    layer included; the dequantized copy for transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.fp8_checkpoints import make_fp8_checkpoint
+
+    fp8_dir, plain_dir = make_fp8_checkpoint(ARCH, tmp_path_factory.mktemp("v32fp8"), mtp_layer=True)
+    hf = AutoModelForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
+    assert hf.config.index_topk == TOPK
+    return fp8_dir, plain_dir, hf
+
+
+def test_fp8_checkpoint_quantizes_the_indexers_wq_b_and_wk_only(fp8_v32):
+    from pdserve.layers.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX
+    from pdserve.models.loader import iter_safetensors
+
+    fp8_dir, _, hf = fp8_v32
+    raw = dict(iter_safetensors(fp8_dir))
+    n = hf.config.num_hidden_layers
+    for layer in (0, n):  # a target layer and the MTP layer
+        idx = f"model.layers.{layer}.self_attn.indexer."
+        assert raw[idx + "wq_b.weight"].dtype == raw[idx + "wk.weight"].dtype == FP8_DTYPE
+        assert idx + "wq_b.weight" + SCALE_SUFFIX in raw and idx + "wk.weight" + SCALE_SUFFIX in raw
+        assert raw[idx + "weights_proj.weight"].dtype == torch.float32
+        assert idx + "weights_proj.weight" + SCALE_SUFFIX not in raw
+
+
+@pytest.mark.parametrize("length", [5, 5 * TOPK + 1])
+def test_fp8_checkpoint_decodes_like_transformers_on_the_dequantized_copy(fp8_v32, length):
+    from pdserve.config import ModelConfig
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp8_dir, plain_dir, hf = fp8_v32
+    engine = pdserve.Engine(model_path=fp8_dir, page_size=4)
+    assert engine.scheduler.runner.model_config.quantization is not None
+    prompt = _prompt(length, seed=60 + length)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    a = dict(checkpoint_tensors(engine.scheduler.runner.model))
+    b = dict(checkpoint_tensors(load_model(ModelConfig.from_path(plain_dir))))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    engine.shutdown()
+
+
+def test_fp8_checkpoint_with_nextn_keeps_greedy_output(fp8_v32):
+    fp8_dir, _, hf = fp8_v32
+    prompt = _prompt(4 * TOPK, seed=70)
+    out = pdserve.Engine(model_path=fp8_dir, page_size=4, speculative_algorithm="NEXTN").generate(
+        input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert out["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_fp8_preset_loads_the_full_presets_draws_quantized():
+    """tiny-deepseek-v32-fp8 is tiny-deepseek-v32 through our quantizer: the indexer's wq_b/wk (and
+    every other quantized linear) FP8-representable, weights_proj and the norms the same draws."""
+    from pdserve.config import ModelConfig
+    from pdserve.layers.quant.fp8 import dequantize_block_fp8, is_quantized_linear, quantize_block_fp8
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp8 = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v32-fp8"))))
+    full = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v32"))))
+    assert fp8.keys() == full.keys()
+    quantized = {k for k in fp8 if is_quantized_linear(k)}
+    assert {"model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.1.self_attn.indexer.wk.weight"} <= quantized
+    assert "model.layers.1.self_attn.indexer.weights_proj.weight" not in quantized
+    for key, w in fp8.items():
+        assert torch.equal(w, full[key]) != (key in quantized), key
+        if key in quantized:
+            assert torch.equal(dequantize_block_fp8(*quantize_block_fp8(w)), w), key
+
+
+def test_fp8_preset_serves_with_nextn():
+    """A prompt inside the preset's index_topk (32): its 4 index heads often score tokens exactly 0
+    (every head's ReLU off), and where such ties straddle the top-k cut, which tokens torch.topk
+    keeps depends on the batch's shape (a verify's 4 rows against a decode's 1), so past 32 tokens
+    speculation may pick other tied tokens. The fixture checkpoint above (32 heads) covers long prompts."""
+    prompt = _prompt(24, seed=80)
+    plain = pdserve.Engine(model_path="tiny-deepseek-v32-fp8").generate(input_ids=prompt, sampling_params=GREEDY)
+    spec = pdserve.Engine(model_path="tiny-deepseek-v32-fp8", speculative_algorithm="NEXTN").generate(
+        input_ids=prompt, sampling_params=GREEDY)
+    assert spec["output_ids"] == plain["output_ids"] and spec["meta_info"]["spec_verify_ct"] >= 1
+
+
+# ------------------------------------------------------------------ FP8 KV cache (--kv-cache-dtype fp8_e4m3)
+def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """The pool's e4m3 store and read at scale 1 (saturating), written apart from pdserve's."""
+    return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+@pytest.fixture
+def hf_with_fp8_latent(tiny):
+    """transformers' model whose MLA reads its cached latent (compressed KV and rotated k_pe) through
+    e4m3, as an FP8 pool holds it; the indexer's keys untouched (the pool keeps them full precision)."""
+    hf, _ = tiny
+    originals = []
+    for layer in hf.model.layers:
+        attn = layer.self_attn
+        originals.append(attn.expand_kv)
+        attn.expand_kv = (lambda f: lambda kv, k_rot: f(_fp8_round_trip(kv), _fp8_round_trip(k_rot)))(attn.expand_kv)
+    yield hf
+    for layer, f in zip(hf.model.layers, originals):
+        layer.self_attn.expand_kv = f
+
+
+@pytest.mark.parametrize("length", [5, 4 * TOPK + 5])
+def test_fp8_kv_cache_decodes_like_transformers_reading_an_fp8_latent(tiny, hf_with_fp8_latent, length):
+    hf, path = tiny
+    prompt = _prompt(length, seed=90 + length)
+    engine = pdserve.Engine(model_path=path, page_size=4, kv_cache_dtype="fp8_e4m3")
+    pool = engine.scheduler.runner.pool
+    assert pool.latent.dtype == torch.float8_e4m3fn and pool.index_k is not None
+    assert pool.index_k.dtype == torch.float32  # index keys stay at full precision on CPU
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    plain = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf_with_fp8_latent, prompt, STEPS)
+    if length > TOPK:  # the FP8 latent is a different model here: the oracle would not catch a full-precision pool
+        assert out["output_ids"] != plain["output_ids"]
+
+
+def test_fp8_kv_budget_counts_full_precision_index_keys(tiny):
+    from pdserve.config import ModelConfig
+
+    _, path = tiny
+    mc = ModelConfig.from_path(path)
+    c = mc.hf_config
+    latent, index = c.kv_lora_rank + c.qk_rope_head_dim, c.index_head_dim
+    assert mc.kv_bytes_per_token("fp8_e4m3") == mc.num_layers * (latent * 1 + index * 4)
+    assert mc.kv_bytes_per_token() == mc.num_layers * (latent + index) * 4
+
+
+# ------------------------------------------------------------------ --enable-torch-compile
+def test_compiled_decode_gives_the_eager_tokens(tiny):
+    """Decode steps run compiled layers (the indexer's projections inside them); the indexer's
+    scoring, top-k and the sparse MLA run eagerly behind the graph break, on the real rows. The
+    graphs compiled at start-up serve every step (a recompile fails the run)."""
+    hf, path = tiny
+    kw = {"model_path": path, "num_threads": 1, "disable_radix_cache": True, "page_size": 4,
+          "torch_compile_max_bs": 1}
+    prompts = [_prompt(4 * TOPK, seed=100), _prompt(TOPK - 3, seed=101)]
+    params = [{**GREEDY, "max_new_tokens": n} for n in (STEPS, STEPS // 2)]  # batches of 2 (eager), then 1
+    engine = pdserve.Engine(enable_torch_compile=True, **kw)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, sp["max_new_tokens"])
+                                               for p, sp in zip(prompts, params)]
+    steps = engine.scheduler.runner.compiled.steps
+    assert dict(steps) == {1: STEPS - STEPS // 2}  # the batch of 2 ran eagerly
+    engine.shutdown()

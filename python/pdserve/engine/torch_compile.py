@@ -109,6 +109,18 @@ class BucketAttention(AttentionBackend):
                                    self.real, absorbed)  # [B, H, Dv]
         return _pad_rows(o, q_nope.shape[0])  # [Bp, H, Dv]
 
+    @torch.compiler.disable
+    def forward_mla_sparse(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, index, fb):
+        # DeepSeek-V3.2: the indexer's projections compile with the layer; its scoring, top-k and
+        # the sparse MLA run eagerly here, on the real rows, like dense attention.
+        if self.real is None:
+            return q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], w_vc.shape[-1])  # [Bp, H, Dv]
+        B = self.real.batch_size
+        real = dataclasses.replace(index, q=index.q[:B], weights=index.weights[:B], k=index.k[:B])
+        o = self.inner.forward_mla_sparse(q_nope[:B], q_pe[:B], latent[:B], k_pe[:B], w_kc, w_vc, layer_id, scale,
+                                          real, self.real)  # [B, H, Dv]
+        return _pad_rows(o, q_nope.shape[0])  # [Bp, H, Dv]
+
 
 class CompiledDecode:
     """Owns the compiled layer forwards of one model and runs padded decode steps through them.

@@ -64,18 +64,20 @@ class DeepseekMTP(DecoderLayer, DraftModel):
     with N = num_hidden_layers, ``<name>`` this module's own parameter names (a full MLA + MoE
     decoder layer, ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.{norm,head}``,
     ``embed_tokens``). hidden = shared_head.norm(layer(eh_proj(cat(enorm(embed(tok)),
-    hnorm(target_hidden))))), as SGLang's DeepseekModelNextN."""
+    hnorm(target_hidden))))), as SGLang's DeepseekModelNextN. Its attention is the target's kind:
+    DeepSeek-V3.2's MTP layer has its own lightning indexer (``self_attn.indexer.*``), whose index
+    keys, like its latent, live in the pool's extra layer."""
 
     def __init__(self, target: CausalLM, dtype: torch.dtype):
-        from pdserve.models.deepseek import DeepseekV2ForCausalLM, MLAAttention
+        from pdserve.models.deepseek import DeepseekV2ForCausalLM
 
         if not isinstance(target, DeepseekV2ForCausalLM):
             raise ValueError(f"speculative_algorithm: NEXTN drafts with DeepSeek's MTP layer; "
                              f"{type(target).__name__} has none")
         c = target.config
         layer_id = c.num_hidden_layers
-        super().__init__(MLAAttention(c, layer_id, SINGLE.attention, dtype), target.make_mlp(layer_id, SINGLE, dtype),
-                         c.hidden_size, c.rms_norm_eps, dtype)
+        attention = target.attention_class(c, layer_id, SINGLE.attention, dtype)
+        super().__init__(attention, target.make_mlp(layer_id, SINGLE, dtype), c.hidden_size, c.rms_norm_eps, dtype)
         self.layer_id = layer_id
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, SINGLE.attention, dtype)
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)

@@ -64,10 +64,12 @@ def test_scale_of_the_wrong_grid_is_refused():
 def test_which_linears_are_quantized():
     yes = ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.q_b_proj.weight",
            "model.layers.3.mlp.experts.7.down_proj.weight", "model.layers.3.mlp.shared_experts.up_proj.weight",
-           "model.layers.0.self_attn.o_proj.weight", "model.layers.4.self_attn.kv_b_proj.weight"]
+           "model.layers.0.self_attn.o_proj.weight", "model.layers.4.self_attn.kv_b_proj.weight",
+           "model.layers.0.self_attn.indexer.wq_b.weight", "model.layers.4.self_attn.indexer.wk.weight"]
     no = ["model.layers.3.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight",
           "model.layers.4.eh_proj.weight", "model.layers.4.shared_head.head.weight", "model.norm.weight",
-          "model.layers.0.self_attn.kv_a_layernorm.weight", "model.layers.0.self_attn.o_proj.bias"]
+          "model.layers.0.self_attn.kv_a_layernorm.weight", "model.layers.0.self_attn.o_proj.bias",
+          "model.layers.0.self_attn.indexer.weights_proj.weight", "model.layers.0.self_attn.indexer.k_norm.weight"]
     assert all(map(is_quantized_linear, yes)) and not any(map(is_quantized_linear, no))
 
 

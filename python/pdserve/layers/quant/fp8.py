@@ -10,7 +10,9 @@ Which tensors are quantized is read from the checkpoint itself: ``X.weight`` com
 ``X.weight_scale_inv``. ``quantized_checkpoint`` (our own quantizer, for dummy weights and
 tests) quantizes what DeepSeek's and Qwen's converters do: every linear of attention, dense
 MLP, routed and shared experts; never the MoE router, norms, embeddings, ``lm_head``, nor the
-MTP layer's ``eh_proj`` and ``shared_head``.
+MTP layer's ``eh_proj`` and ``shared_head``. DeepSeek-V3.2's lightning indexer: ``wq_b`` and
+``wk`` are quantized, ``weights_proj`` is not (transformers keeps it in float32; the official
+checkpoint ships it in bf16 without a scale).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from pdserve.config import Fp8BlockConfig  # the format's config lives in config
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
-# Projection names whose ``.weight`` the converters quantize (attention, MLP, experts).
+# Projection names whose ``.weight`` the converters quantize (attention, MLP, experts, V3.2's indexer).
 QUANTIZED_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
-                                   "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj"})
+                                   "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj",
+                                   "wq_b", "wk"})
 
 
 def is_quantized_linear(key: str) -> bool:
