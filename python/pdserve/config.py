@@ -1090,8 +1090,8 @@ class ServerArgs:
         return model
 
     def _check_sparse_index(self, model: ModelConfig) -> None:
-        """DeepSeek-V3.2 (MLA + DSA) runs colocated, on one rank, over torch_native, with a full-precision
-        checkpoint and pool for now (docs/models.md); everything else is refused here, naming it."""
+        """DeepSeek-V3.2 (MLA + DSA) runs colocated, on one rank, over torch_native or triton, with a
+        full-precision checkpoint and pool for now (docs/models.md); everything else is refused here, naming it."""
         v32 = "DeepSeek-V3.2"
         refusals = {
             "disaggregation_mode": (self.disaggregation_mode != "null",
@@ -1100,9 +1100,9 @@ class ServerArgs:
                                           f"{v32}'s index keys have no host or storage tier yet"),
             "speculative_algorithm": (self.speculative_algorithm is not None,
                                       f"{self.speculative_algorithm}: {v32} has no draft (NEXTN) support yet"),
-            "attention_backend": (self.device_config().attention_backend != "torch_native",
+            "attention_backend": (self.device_config().attention_backend not in ("torch_native", "triton"),
                                   f"{self.device_config().attention_backend}: {v32}'s sparse attention runs on "
-                                  f"torch_native only (no Triton or flashinfer sparse kernels yet)"),
+                                  f"torch_native or triton (no flashinfer sparse kernels yet)"),
             "tp_size": (self.parallel_config().world_size > 1,
                         f"{v32} runs on one rank for now (tp_size, dp_size and ep_size 1)"),
             "kv_cache_dtype": (self.kv_cache_dtype != "auto", f"{self.kv_cache_dtype}: {v32}'s pool stays in the "

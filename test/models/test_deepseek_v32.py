@@ -114,8 +114,8 @@ REFUSALS = [
     ({"disaggregation_mode": "prefill"}, "--disaggregation-mode): prefill: DeepSeek-V3.2's index keys do not move"),
     ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache): DeepSeek-V3.2's index keys have no host"),
     ({"speculative_algorithm": "NEXTN"}, "--speculative-algorithm): NEXTN: DeepSeek-V3.2 has no draft"),
-    ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V3.2's sparse attention runs on "
-                                      "torch_native only"),
+    ({"attention_backend": "flashinfer", "device": "cuda"},
+     "--attention-backend): flashinfer: DeepSeek-V3.2's sparse attention runs on torch_native or triton"),
     ({"tp_size": 2}, "--tp-size): DeepSeek-V3.2 runs on one rank"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V3.2's pool stays in the model dtype"),
     ({"enable_torch_compile": True}, "--enable-torch-compile): DeepSeek-V3.2's sparse attention runs eagerly"),
