@@ -264,7 +264,7 @@ def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     s = torch.relu_(s.mul_(scale)).view(B, Q, Hi, L)
     score = torch.matmul(weights.float().unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] * s[h]
     score.masked_fill_(visible.logical_not(), float("-inf"))
-    chosen = score.topk(min(topk, L), dim=-1).indices  # [B, Q, k]
+    chosen = score.topk(min(topk, L), dim=-1, sorted=False).indices  # [B, Q, k]
     return chosen, visible.gather(-1, chosen)
 
 
