@@ -261,8 +261,9 @@ def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     B, Q, Hi, Di = q.shape
     L = keys.shape[1]
     s = torch.matmul(q.reshape(B, Q * Hi, Di).float(), keys.float().transpose(1, 2))  # [B, Q Hi, L]
-    s = torch.relu_(s.mul_(scale)).view(B, Q, Hi, L)
-    score = torch.matmul(weights.float().unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] * s[h]
+    s = torch.relu_(s).view(B, Q, Hi, L)
+    # relu(scale * x) = scale * relu(x) for scale > 0: the scale goes on the Hi weights, not the Hi*L scores
+    score = torch.matmul(weights.float().mul(scale).unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] s[h]
     score.masked_fill_(visible.logical_not(), float("-inf"))
     chosen = score.topk(min(topk, L), dim=-1, sorted=False).indices  # [B, Q, k]
     return chosen, visible.gather(-1, chosen)
