@@ -158,7 +158,7 @@ def sparse_mla(q: torch.Tensor, latent_pool: torch.Tensor, kv_lora_rank: int, pi
     out = torch.empty(T, H, C, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    block_h = min(_pow2(H), 64)
+    block_h = 16  # tl.dot's least M; more heads per program would hold [BH, C] accumulators past the registers
     _sparse_mla_kernel[(T, triton.cdiv(H, block_h))](
         q, latent_pool, picks, out, q.stride(0), q.stride(1), latent_pool.stride(0), latent_pool.stride(1),
         picks.stride(0), out.stride(0), out.stride(1), scale * latent_scale, latent_scale, latent_pool.shape[1],

@@ -76,3 +76,18 @@ def test_engine_triton_decodes_v32_token_identically_to_transformers(tiny_v32):
     with Engine(model_path=path, attention_backend="triton", page_size=4, chunked_prefill_size=16) as engine:
         outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     assert outs == [greedy_continuation(hf, p, 6) for p in prompts]
+
+
+def test_sparse_benchmark_times_the_triton_indexer():
+    """benchmark/bench_sparse.py on this backend: its indexer (index_topk) is found and timed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+    import bench_sparse
+
+    rows = bench_sparse.run(bench_sparse.MODELS, [24], batch_size=1, warmup=1, steps=1, repeats=1, page_size=16,
+                            backend="triton")
+    dense, sparse = rows
+    assert dense["indexer_share"] == 0.0 and 0.0 < sparse["indexer_share"] < 1.0
+    assert 0.0 < sparse["attention_ms"] < sparse["step_ms"]
