@@ -9,9 +9,15 @@ R rope dim, P pages, S page size.
 Queries are flat: token t belongs to row ``req[t]`` of kv_slots and sees that request's first
 ``vis[t]`` tokens (prefix + its offset in the extend + 1), so one launch serves decode and
 extend alike. A pick is a pool slot; -1 marks a padding pick (a query seeing fewer than k tokens).
+
+``attend`` is what a backend calls: FlashMLA's sparse kernel (``flash_mla.flash_mla_sparse_fwd``,
+imported only there) where it is installed and the shapes are DeepSeek's (bf16 latent, C 512,
+R 64, on CUDA), else ``sparse_mla``. Both read the pool in place by slot.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import triton
@@ -165,3 +171,39 @@ def sparse_mla(q: torch.Tensor, latent_pool: torch.Tensor, kv_lora_rank: int, pi
         H, picks.shape[1], C=C, R=R, BLOCK_H=block_h, BLOCK_C=_pow2(C), BLOCK_R=_pow2(R), BLOCK_N=32,
         IEEE=_f32_dot(q))
     return out
+
+
+FLASHMLA_C, FLASHMLA_DQK = 512, 576  # the only latent and key widths FlashMLA's sparse kernels take
+
+
+def flashmla_usable(q: torch.Tensor, latent_pool: torch.Tensor, kv_lora_rank: int, latent_scale: float) -> bool:
+    """FlashMLA's sparse prefill kernel serves these inputs: CUDA, bf16 query and pool, DeepSeek's widths."""
+    return (q.is_cuda and q.dtype == latent_pool.dtype == torch.bfloat16 and kv_lora_rank == FLASHMLA_C
+            and q.shape[-1] == latent_pool.shape[-1] == FLASHMLA_DQK and latent_scale == 1.0
+            and importlib.util.find_spec("flash_mla") is not None)
+
+
+def sparse_mla_flashmla(q: torch.Tensor, latent_pool: torch.Tensor, kv_lora_rank: int, picks: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """``sparse_mla`` through FlashMLA's ``flash_mla_sparse_fwd`` (the pool seen as [P*S, 1, C+R];
+    -1 picks are what it ignores). It takes whole blocks of heads and picks, so both are padded:
+    heads with zeros (their rows dropped), picks with -1."""
+    from flash_mla import flash_mla_sparse_fwd  # imported only when this path runs
+
+    T, H, D = q.shape
+    head_block = 128 if torch.cuda.get_device_capability(q.device)[0] >= 10 else 64
+    Hp, k = triton.cdiv(H, head_block) * head_block, picks.shape[1]
+    qp = q if Hp == H else torch.cat([q, q.new_zeros(T, Hp - H, D)], dim=1)
+    idx = torch.full((T, 1, triton.cdiv(k, 64) * 64), -1, dtype=torch.int32, device=q.device)
+    idx[:, 0, :k] = picks.to(torch.int32)
+    kv = latent_pool.view(-1, 1, latent_pool.shape[-1])  # [P*S, 1, C+R]: a slot is a row
+    out = flash_mla_sparse_fwd(qp.contiguous(), kv, idx, scale, kv_lora_rank)[0]  # [T, Hp, C]
+    return out[:, :H]
+
+
+def attend(q: torch.Tensor, latent_pool: torch.Tensor, kv_lora_rank: int, picks: torch.Tensor, scale: float,
+           latent_scale: float = 1.0) -> torch.Tensor:
+    """Absorbed MLA over each query's picks (``sparse_mla``'s contract): FlashMLA where usable, else Triton."""
+    if flashmla_usable(q, latent_pool, kv_lora_rank, latent_scale):
+        return sparse_mla_flashmla(q, latent_pool, kv_lora_rank, picks, scale)
+    return sparse_mla(q, latent_pool, kv_lora_rank, picks, scale, latent_scale)

@@ -90,3 +90,34 @@ def test_sparse_mla_reads_only_the_picks(device):
     poisoned[[3, 9, 17]] = keep
     after = sm.sparse_mla(q.to(device), poisoned.view_as(latent).to(device), C, picks.to(device), 0.3).cpu()
     torch.testing.assert_close(after, before)
+
+
+def test_attend_uses_triton_off_flashmla_shapes(device):
+    """``attend`` (what the backend calls) is the Triton kernel wherever FlashMLA cannot serve the shapes."""
+    H, C, R, S = 3, 16, 8, 4
+    g = torch.Generator().manual_seed(8)
+    latent = torch.randn(5, S, C + R, generator=g).to(device)
+    picks = torch.tensor([[0, 7, -1], [4, 2, 11]]).to(device)
+    q = torch.randn(2, H, C + R, generator=g).to(device)
+    assert not sm.flashmla_usable(q, latent, C, 1.0)
+    torch.testing.assert_close(sm.attend(q, latent, C, picks, 0.3), sm.sparse_mla(q, latent, C, picks, 0.3))
+
+
+@pytest.mark.gpu
+def test_flashmla_sparse_matches_twin():
+    """FlashMLA's sparse kernel at DeepSeek's widths (C 512, R 64, bf16), heads and picks not
+    multiples of its blocks (padded by the wrapper), padding picks included."""
+    if not torch.cuda.is_available():
+        pytest.skip("FlashMLA runs on CUDA")
+    pytest.importorskip("flash_mla")
+    H, C, R, S, k = 20, 512, 64, 64, 100
+    g = torch.Generator().manual_seed(9)
+    latent = (torch.randn(8, S, C + R, generator=g) * 0.5).to(torch.bfloat16)
+    picks = torch.randint(0, 8 * S, (3, k), generator=g)
+    picks[1, 40:] = -1  # a query that sees fewer than k tokens
+    q = (torch.randn(3, H, C + R, generator=g) * 0.1).to(torch.bfloat16)
+    want = ref.sparse_mla_ref(q, latent, C, picks, 576 ** -0.5)
+    dev = [t.cuda() for t in (q, latent)]
+    assert sm.flashmla_usable(dev[0], dev[1], C, 1.0)
+    got = sm.attend(dev[0], dev[1], C, picks.cuda(), 576 ** -0.5).cpu()
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

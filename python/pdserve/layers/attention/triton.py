@@ -13,7 +13,8 @@ the kernels upcast its bytes and apply the pool's per-tensor scales.
 
 DeepSeek-V3.2 (``forward_mla_sparse``): every query token, decode or extend, scores its
 request's index keys in place (``sparse_mla.index_topk``: a Triton score kernel, then top-k)
-and attends to the latent rows of its picks only (``sparse_mla.sparse_mla``).
+and attends to the latent rows of its picks only (``sparse_mla.attend``: FlashMLA's sparse kernel
+where it is installed and the shapes are DeepSeek's, else the Triton ``sparse_mla``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,6 @@ class TritonBackend(AttentionBackend):
                                        md.kv_slots, md.token_req, md.token_vis, index.scale, index.topk)  # [T, k]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         q = torch.cat([q_lat, q_pe], dim=-1).contiguous()  # [T, H, C+R]
-        o_lat = self.sparse.sparse_mla(q, pool.latent[layer_id], latent.shape[-1], picks, scale,
-                                       latent_scale=pool.latent_scale)  # [T, H, C]
+        o_lat = self.sparse.attend(q, pool.latent[layer_id], latent.shape[-1], picks, scale,
+                                   latent_scale=pool.latent_scale)  # [T, H, C]; FlashMLA where usable
         return torch.einsum("thc,hcv->thv", o_lat, w_vc)  # [T, H, Dv]
