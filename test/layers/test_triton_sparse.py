@@ -1,6 +1,7 @@
 """DeepSeek-V3.2's sparse attention on the triton backend (kernels under the interpreter on CPU):
 the same outputs as torch_native's over prefix + extend + decode steps, and the same greedy
-tokens as transformers through the Engine on a tiny checkpoint whose index_topk cuts."""
+tokens as transformers through the Engine on a tiny checkpoint whose index_topk cuts; and
+torch_native's long extends in query blocks giving what one block gives."""
 
 from __future__ import annotations
 
@@ -57,6 +58,18 @@ def test_triton_sparse_mla_matches_torch_native(page_size):
     assert len(got) == len(want) == sum(len(step) for step in STEPS)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_native_query_blocks_change_nothing(monkeypatch):
+    """An extend split into blocks of 2 queries (the bound on scores and gathered rows) gives the
+    same rows as one block."""
+    from pdserve.layers.attention import torch_native
+
+    whole = _outputs("torch_native", 4)
+    monkeypatch.setattr(torch_native, "SPARSE_CHUNK_ELEMENTS", 2 * TOPK * 24)  # k * (C+R) per query: 2 queries
+    assert torch_native._query_chunk(11, 21, 2, TOPK, 24) == 2
+    for got, want in zip(_outputs("torch_native", 4), whole):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
