@@ -764,9 +764,38 @@ MUTATIONS = (
     Mutation(
         "v32_indexer_sees_the_next_token", "the indexer's causal mask lets a query select the token after it",
         "python/pdserve/layers/attention/torch_native.py",
-        "fb.prefix_lens[:, None, None] + qi[None, :, None])",
-        "fb.prefix_lens[:, None, None] + qi[None, :, None] + 1)",
+        "            visible = md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]\n",
+        "            visible = md.mask[:, 0, q0:q0 + step, :L]\n            visible = visible | visible.roll(1, -1)\n",
         ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v32_topk_kernel_sees_one_more", "the indexer's score kernel lets a query pick the token just past what it "
+        "sees (its top-k boundary off by one: the next token in an extend, a padding slot in decode)",
+        "kernels/pdserve_kernels/sparse_mla.py", "    valid = offs < vis\n", "    valid = offs <= vis\n",
+        ("test/kernels/test_sparse_mla_kernels.py::test_index_topk_matches_twin[interp-1]",
+         "test/layers/test_triton_sparse.py::test_triton_sparse_mla_matches_torch_native[1]")),
+    Mutation(
+        "v32_topk_kernel_keeps_one_less", "index_topk keeps index_topk - 1 tokens per query",
+        "kernels/pdserve_kernels/sparse_mla.py", "    k = min(topk, L)\n", "    k = min(topk - 1, L)\n",
+        ("test/kernels/test_sparse_mla_kernels.py::test_index_topk_matches_twin[interp-1]",)),
+    Mutation(
+        "v32_topk_twin_keeps_one_less", "the top-k twin drops each query's last pick (kernel and twin disagree)",
+        "kernels/pdserve_kernels/sparse_mla_ref.py", "        best = topk_first_on_ties(score, min(k, n))\n",
+        "        best = topk_first_on_ties(score, min(k, n) - 1)\n",
+        ("test/kernels/test_sparse_mla_kernels.py::test_index_topk_matches_twin[interp-16]",)),
+    Mutation(
+        "v32_torch_native_keeps_one_less", "torch_native's indexer keeps index_topk - 1 tokens per query",
+        "python/pdserve/layers/attention/torch_native.py",
+        "    chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k]",
+        "    chosen = topk_first_on_ties(score, min(topk, L) - 1)  # [B, Q, k]",
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",
+         "test/layers/test_triton_sparse.py::test_triton_sparse_mla_matches_torch_native[16]")),
+    Mutation(
+        "v32_topk_ties_by_chance", "torch_native's indexer leaves ties at the top-k cut to torch.topk, so a verify's "
+        "rows and a decode's row keep different zero-scored tokens",
+        "python/pdserve/layers/attention/torch_native.py",
+        "    chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k]",
+        "    chosen = score.topk(min(topk, L), dim=-1, sorted=False).indices  # [B, Q, k]",
+        ("test/models/test_deepseek_v32.py::test_fp8_preset_serves_with_nextn[100]",)),
     # issue 33: cache privacy (keyed block hashes, worker-only snapshot, cache_salt, rooms)
     Mutation(
         "kv_block_hash_unkeyed", "the block hash chain ignores the deployment's key (a dictionary attack works)",

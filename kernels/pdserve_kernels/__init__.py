@@ -9,6 +9,7 @@ Modules: ``decode_attention`` (paged GQA and MLA decode, split-KV partials + LSE
 ``extend_attention`` (prefill/extend over paged KV with a prefix), ``rmsnorm`` (fused with the
 residual add), ``rotary`` (in place), ``moe`` (token sort/permute + grouped expert GEMM),
 ``kv_pack`` (HND head-range pack/unpack for transfers between different TP sizes), ``fp8_gemm``
-(block-scaled W8A8 FP8 GEMM, per-token-group activation quantizer) and ``fp8_moe`` (fused MoE
-over FP8 experts); ``*_ref`` modules hold twins that import no triton.
+(block-scaled W8A8 FP8 GEMM, per-token-group activation quantizer), ``fp8_moe`` (fused MoE
+over FP8 experts) and ``sparse_mla`` (DeepSeek-V3.2's indexer top-k over the paged index keys and
+sparse MLA over the picked latent rows); ``*_ref`` modules hold twins that import no triton.
 """

@@ -1092,7 +1092,7 @@ class ServerArgs:
         return model
 
     def _check_sparse_index(self, model: ModelConfig) -> None:
-        """DeepSeek-V3.2 (MLA + DSA) runs over torch_native for now (docs/models.md); everything else is
+        """DeepSeek-V3.2 (MLA + DSA) runs over torch_native or triton for now (docs/models.md); everything else is
         refused here, naming it. P/D, the tiers and TP/DP/EP carry its index keys as one more region of
         the latent's pages; NEXTN runs colocated."""
         v32 = "DeepSeek-V3.2"
@@ -1100,9 +1100,9 @@ class ServerArgs:
             raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v32}'s draft layer (its latent "
                               f"and index keys) does not move in P/D yet; NEXTN runs colocated")
         refusals = {
-            "attention_backend": (self.device_config().attention_backend != "torch_native",
+            "attention_backend": (self.device_config().attention_backend not in ("torch_native", "triton"),
                                   f"{self.device_config().attention_backend}: {v32}'s sparse attention runs on "
-                                  f"torch_native only (no Triton or flashinfer sparse kernels yet)"),
+                                  f"torch_native or triton (no flashinfer sparse kernels yet)"),
         }
         for field_name, (refused, why) in refusals.items():
             if refused:

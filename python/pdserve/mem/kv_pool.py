@@ -211,6 +211,11 @@ class MLAKVPool(KVPool):
         """loc [T]; k [T, Di]: the indexer's keys of the tokens whose latent goes to the same slots."""
         self._index_k()[layer].view(self.num_slots, -1)[loc] = k.to(self.compute_dtype)
 
+    def get_index_k_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """pages [B, Lp] -> [B, Lp * S, Di], token j of row b at column j (whole pages: few, large copies)."""
+        B, Lp = pages.shape
+        return self._index_k()[layer][pages].view(B, Lp * self.page_size, -1)
+
     def get_index_k_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """slots [...] -> the index keys stored there, [..., Di]."""
         return self._index_k()[layer].view(self.num_slots, -1)[slots]

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata, SparseIndex
+from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.layers.forward_batch import ForwardBatch
+from pdserve_kernels.sparse_mla_ref import topk_first_on_ties
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class _DecodeStage:
         self.req_uids: tuple | None = None
         self.seq_lens: torch.Tensor | None = None
         self.capacity = 0
-        self.bufs: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> [B, H, K, X] each
+        self.bufs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}  # (region, layer) -> [B, H, K, X] each
 
     def plan(self, fb: ForwardBatch) -> StagePlan:
         """Once per decode step: append when this is the staged batch one token later, else rebuild."""
@@ -108,20 +109,22 @@ class _DecodeStage:
             self.bufs = {}
         return StagePlan(same, L, torch.arange(fb.batch_size, device=fb.seq_lens.device), fb.seq_lens - 1)
 
-    def get(self, layer: int, plan: StagePlan, new: tuple, gather) -> tuple[torch.Tensor, ...]:
-        """new: this step's rows, each [B, H, X]; gather() -> the pool's [B, H, L', X] tensors."""
+    def get(self, layer: int, plan: StagePlan, new: tuple, gather, region: str = "kv") -> tuple[torch.Tensor, ...]:
+        """new: this step's rows, each [B, H, X]; gather() -> the pool's [B, H, L', X] tensors.
+        ``region``: which of the layer's pool regions these are (DeepSeek-V3.2 stages its index keys too)."""
         L = plan.length
-        if not plan.append or layer not in self.bufs:
+        key = (region, layer)
+        if not plan.append or key not in self.bufs:
             bufs = []
             for t in gather():
                 buf = t.new_zeros(t.shape[0], t.shape[1], self.capacity, t.shape[3])
                 buf[:, :, :L] = t[:, :, :L]
                 bufs.append(buf)
-            self.bufs[layer] = tuple(bufs)
+            self.bufs[key] = tuple(bufs)
         else:
-            for buf, t in zip(self.bufs[layer], new):
+            for buf, t in zip(self.bufs[key], new):
                 buf[plan.rows, :, plan.pos] = t
-        return tuple(buf[:, :, :L] for buf in self.bufs[layer])
+        return tuple(buf[:, :, :L] for buf in self.bufs[key])
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -150,12 +153,6 @@ class TorchNativeBackend(AttentionBackend):
         mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
         return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, stage)
-
-    def _kv(self, layer_id: int, md: TorchNativeMetadata, new: tuple, gather) -> tuple:
-        """This layer's KV for the whole batch, [B, H, K, X] each: staged in decode, else gathered."""
-        if md.stage is None:
-            return gather()
-        return self.stage.get(layer_id, md.stage, new, gather)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
@@ -218,42 +215,65 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_index_k(layer_id, fb.out_cache_loc, index.k)
         fb.kv_written(layer_id)
         md = self.metadata_of(fb, TorchNativeMetadata)
-        slots = fb.kv_slots  # [B, L]: token j of request b sits at slot slots[b, j]
-        chosen, valid = select_top_tokens(index, pool.get_index_k_slots(layer_id, slots), md, fb)  # [B, Q, k]
-        # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
-        rows = pool.get_latent_slots(layer_id, slots.gather(1, chosen.flatten(1)).view(chosen.shape))
-        o = _mla_sparse(q_nope, q_pe, rows.to(q_nope.dtype), valid, latent.shape[-1], w_kc, w_vc, scale, md)
+        L = fb.kv_slots.shape[1]
+        # Every earlier token's index key is scored (the indexer's inherent O(L) part, Di wide and
+        # cheap); a decode step reads them from the stage, which appends one row per step.
+        (keys,) = self._kv(layer_id, md, (index.k.unsqueeze(1),),
+                           lambda: (pool.get_index_k_pages(layer_id, md.pages).unsqueeze(1),), region="index_k")
+        keys = keys[:, 0, :L]  # [B, L, Di]
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
+        qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md).transpose(1, 2)  # [B, Q, H, C+R]
+        iq = _pad_q(index.q, md).transpose(1, 2)  # [B, Q, Hi, Di]
+        iw = _pad_q(index.weights.unsqueeze(-1), md)[..., 0].transpose(1, 2)  # [B, Q, Hi]
+        C, Q = latent.shape[-1], qp.shape[1]
+        step = _query_chunk(Q, L, index.q.shape[1], index.topk, qp.shape[-1])
+        parts = []
+        for q0 in range(0, Q, step):  # a long extend in query blocks: scores and gathered rows stay bounded
+            visible = md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
+            chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys, visible,
+                                              index.scale, index.topk)  # [B, q, k]
+            # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
+            rows = pool.get_latent_slots(layer_id, fb.kv_slots.gather(1, chosen.flatten(1)).view(chosen.shape))
+            parts.append(_mla_sparse(qp[:, q0:q0 + step], rows.to(qp.dtype), valid, C, scale))  # [B, q, H, C]
+        o_lat = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [B, Q, H, C]
+        o = torch.einsum("bqhc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
         return _unpad(o, md)  # [T, H, Dv]
 
-
-def _visible(fb: ForwardBatch, Q: int, L: int) -> torch.Tensor:
-    """[B, Q, L]: key j visible to new token i (causal, inside the request)."""
-    dev = fb.seq_lens.device
-    qi, kj = torch.arange(Q, device=dev), torch.arange(L, device=dev)
-    return ((kj[None, None, :] <= fb.prefix_lens[:, None, None] + qi[None, :, None])
-            & (kj[None, None, :] < fb.seq_lens[:, None, None]))
+    def _kv(self, layer_id: int, md: TorchNativeMetadata, new: tuple, gather, region: str = "kv") -> tuple:
+        """This layer's KV for the whole batch, [B, H, K, X] each: staged in decode, else gathered."""
+        if md.stage is None:
+            return gather()
+        return self.stage.get(layer_id, md.stage, new, gather, region)
 
 
-def select_top_tokens(index: SparseIndex, keys: torch.Tensor, md: TorchNativeMetadata,
-                      fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [B, L, Di] (every token's index key) -> chosen [B, Q, k] token positions and valid [B, Q, k]
-    (False for padding picks where a query sees fewer than ``topk`` tokens)."""
-    q = _pad_q(index.q, md).transpose(1, 2).float()  # [B, Q, Hi, Di]
-    w = _pad_q(index.weights.unsqueeze(-1), md)[..., 0].transpose(1, 2).float()  # [B, Q, Hi]
-    s = torch.relu(torch.einsum("bqhd,bld->bqhl", q, keys.float()) * index.scale)  # [B, Q, Hi, L]
-    score = torch.einsum("bqh,bqhl->bql", w, s)  # [B, Q, L]
-    visible = _visible(fb, q.shape[1], keys.shape[1])
+SPARSE_CHUNK_ELEMENTS = 1 << 24  # bound on a query block's [B, q, Hi, L] scores and [B, q, k, C+R] rows
+
+
+def _query_chunk(Q: int, L: int, Hi: int, k: int, X: int) -> int:
+    """Queries per block so neither the block's index scores nor its gathered rows pass the bound."""
+    return max(1, min(Q, SPARSE_CHUNK_ELEMENTS // max(1, Hi * L, k * X)))
+
+
+def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                      scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's top-k over every visible token: q [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, L, Di],
+    visible [B, Q, L] -> chosen [B, Q, k] token positions and valid [B, Q, k] (False for padding picks
+    where a query sees fewer than ``topk`` tokens). Two batched matmuls, then the top-k (``topk_first_on_ties``)."""
+    B, Q, Hi, Di = q.shape
+    L = keys.shape[1]
+    s = torch.matmul(q.reshape(B, Q * Hi, Di).float(), keys.float().transpose(1, 2))  # [B, Q Hi, L]
+    s = torch.relu_(s).view(B, Q, Hi, L)
+    # relu(scale * x) = scale * relu(x) for scale > 0: the scale goes on the Hi weights, not the Hi*L scores
+    score = torch.matmul(weights.float().mul(scale).unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] s[h]
     score.masked_fill_(visible.logical_not(), float("-inf"))
-    chosen = score.topk(min(index.topk, keys.shape[1]), dim=-1).indices  # [B, Q, k]
+    chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k], ties at the cut from the lowest position
     return chosen, visible.gather(-1, chosen)
 
 
-def _mla_sparse(q_nope, q_pe, rows, valid, C, w_kc, w_vc, scale, md):
-    """Absorbed MLA of each query over its own k gathered latent rows [B, Q, k, C+R] -> [B, H, Q, Dv]."""
-    q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
-    qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md).transpose(1, 2)  # [B, Q, H, C+R]
-    scores = torch.einsum("bqhx,bqkx->bqhk", qp, rows).float().mul_(scale)  # [B, Q, H, k]
+def _mla_sparse(qp, rows, valid, C, scale):
+    """Absorbed MLA of each query over its own k gathered latent rows: qp [B, Q, H, C+R],
+    rows [B, Q, k, C+R], valid [B, Q, k] -> [B, Q, H, C] (the latent output, before W_UV)."""
+    scores = torch.matmul(qp, rows.transpose(-1, -2)).float().mul_(scale)  # [B, Q, H, k]
     scores.masked_fill_(valid.logical_not()[:, :, None], float("-inf"))
     p = torch.softmax(scores, dim=-1).to(rows.dtype)
-    o_lat = torch.einsum("bqhk,bqkc->bqhc", p, rows[..., :C])  # [B, Q, H, C]
-    return torch.einsum("bqhc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
+    return torch.matmul(p, rows[..., :C])  # [B, Q, H, C]

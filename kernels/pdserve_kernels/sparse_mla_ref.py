@@ -1,0 +1,53 @@
+"""The torch twins of ``sparse_mla`` (DeepSeek-V3.2's indexer top-k and sparse MLA), one query at
+a time over plainly gathered rows; they import no triton.
+
+Legend: T query tokens, L longest sequence, Hi/Di index heads and head dim, k picks, H heads,
+C kv_lora_rank, R rope dim, S page size, n tokens a query sees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _rows(pool_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool_layer [P, S, X], slots [n] -> [n, X]."""
+    S = pool_layer.shape[1]
+    return pool_layer[torch.div(slots, S, rounding_mode="floor"), slots % S]
+
+
+def topk_first_on_ties(score: torch.Tensor, k: int) -> torch.Tensor:
+    """score [..., L] -> [..., k] positions of the k largest, in position order. Scores equal to the
+    k-th largest are taken from the lowest position up, so the picks never depend on the batch's
+    shape (``torch.topk`` breaks such ties as its partial sort happens to run: a ReLU indexer gives
+    many exact zeros)."""
+    if k == 0:
+        return score.new_empty(*score.shape[:-1], 0, dtype=torch.int64)
+    cut = score.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [..., 1] the k-th largest
+    above = score > cut
+    tied = score == cut
+    take = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+    return take.nonzero()[:, -1].view(*score.shape[:-1], k)
+
+
+def index_topk_ref(q, weights, index_k, kv_slots, req, vis, scale, topk) -> torch.Tensor:
+    """As ``sparse_mla.index_topk``: [T, min(topk, L)] slots, best first, -1 padding after them."""
+    k = min(topk, kv_slots.shape[1])
+    out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
+    for t, (b, n) in enumerate(zip(req.tolist(), vis.tolist())):
+        slots = kv_slots[b, :n]  # [n] the tokens query t sees
+        s = torch.relu(q[t].float() @ _rows(index_k, slots).float().T * scale)  # [Hi, n]
+        score = weights[t].float() @ s  # [n]
+        best = topk_first_on_ties(score, min(k, n))
+        out[t, :best.numel()] = slots[best]
+    return out
+
+
+def sparse_mla_ref(q, latent_pool, kv_lora_rank, picks, scale, latent_scale=1.0) -> torch.Tensor:
+    """As ``sparse_mla.sparse_mla``: [T, H, C], softmax over each query's picked rows only."""
+    out = []
+    for t in range(q.shape[0]):
+        rows = _rows(latent_pool, picks[t][picks[t] >= 0]).float() * latent_scale  # [n, C+R]
+        p = torch.softmax(q[t].float() @ rows.T * scale, dim=-1)  # [H, n]
+        out.append(p @ rows[:, :kv_lora_rank])
+    return torch.stack(out).to(q.dtype) if out else q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)

@@ -1,0 +1,32 @@
+"""benchmark/bench_sparse.py on two short contexts: every model and context gets a row, the ratios
+are against the first model, the indexer is timed only where there is one, and the state bytes
+per token count the index keys. (No timing is asserted: only the shape of the report.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+
+import bench_sparse  # noqa: E402
+
+
+def test_rows_for_every_model_and_context():
+    models = bench_sparse.MODELS
+    rows = bench_sparse.run(models, [64, 128], batch_size=2, warmup=1, steps=1, repeats=1, page_size=16,
+                            backend="torch_native")
+    assert [(r["model"], r["context"]) for r in rows] == [(m.label, c) for m in models for c in (64, 128)]
+    dense, sparse = (next(r for r in rows if r["model"] == m.label and r["context"] == 128) for m in models)
+    assert dense["vs_baseline"] == dense["attention_vs_baseline"] == 1.0 and dense["indexer_share"] == 0.0
+    assert 0.0 < sparse["indexer_share"] < 1.0 and 0.0 < sparse["attention_ms"] < sparse["step_ms"]
+    # V3.2 keeps V3's latent (C + R) plus index_head_dim float32 values per token and layer
+    assert sparse["state_bytes_per_token"] - dense["state_bytes_per_token"] == 4 * 32 * 4
+    assert [r["growth"] for r in rows if r["context"] == 64] == [1.0, 1.0]
+    assert "| V3.2 (DSA, topk 256) | 128 |" in bench_sparse.table(rows, models[0].label)
+
+
+def test_the_overrides_reach_the_model():
+    mc, runner = bench_sparse.build_runner(bench_sparse.MODELS[1], 300, 16, "torch_native")
+    assert mc.hf_config.index_topk == 256 and mc.hf_config.max_position_embeddings == bench_sparse.MAX_POSITIONS
+    assert runner.pool.num_pages * 16 >= 300 and runner.pool.index_k is not None
