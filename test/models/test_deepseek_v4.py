@@ -16,7 +16,7 @@ import torch
 
 import pdserve
 from entrypoints.server_utils import Server
-from fixtures.tiny_models import greedy_continuation, make_hf_model_and_dir
+from fixtures.tiny_models import check_not_degenerate, greedy_continuation, make_hf_model_and_dir
 from pdserve.config import ServerArgs
 
 ARCH = "DeepseekV4ForCausalLM"
@@ -39,18 +39,14 @@ def _hash_table(hf, seed: int = 0) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from fixtures import tiny_models
-
-    out = tmp_path_factory.mktemp("v4")
-    hf = tiny_models.build_tiny_hf_model(ARCH)
+    hf, path = make_hf_model_and_dir(ARCH, tmp_path_factory.mktemp("v4"))
     _hash_table(hf)
-    tiny_models.check_not_degenerate(hf)
-    hf.save_pretrained(str(out), safe_serialization=True)
-    tiny_models._copy_tokenizer(out)
+    check_not_degenerate(hf)
+    hf.save_pretrained(path, safe_serialization=True)  # again, with the hash table
     c = hf.config
     assert (c.sliding_window, c.index_topk) == (WINDOW, TOPK)
     assert c.compress_rates == {"compressed_sparse_attention": CSA_RATE, "heavily_compressed_attention": HCA_RATE}
-    return hf, str(out)
+    return hf, path
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -20,7 +20,6 @@ restores exactly the state the prefix's forward wrote.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.forward_batch import ForwardBatch
