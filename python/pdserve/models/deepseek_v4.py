@@ -27,7 +27,7 @@ from pdserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.layers.forward_batch import ForwardBatch
 from pdserve.layers.linear import ReplicatedLinear
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.rotary import get_rope
+from pdserve.layers.rotary import RotaryEmbedding, get_rope
 from pdserve.layers.weights import WeightEntry, copy_into
 from pdserve.models.base import CausalLM, load_into
 from pdserve.models.deepseek_v4_attention import SLIDING, DeepseekV4Attention, unweighted_rms_norm
@@ -113,6 +113,9 @@ class Router(nn.Module):
     by the frozen ``tid2eid[token]`` table. Weights: the picked scores normalised, times
     ``routed_scaling_factor``."""
 
+    tid2eid: torch.Tensor  # [V, k] hash layers
+    e_score_correction_bias: torch.Tensor  # [E] float32, top-k layers
+
     def __init__(self, c, is_hash: bool, dtype: torch.dtype):
         super().__init__()
         if c.scoring_func not in SCORING:
@@ -188,9 +191,10 @@ class SparseMoE(nn.Module):
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, c, layer_id: int, ropes: dict, dtype: torch.dtype):
+    def __init__(self, c, layer_id: int, ropes: nn.ModuleDict, dtype: torch.dtype):
         super().__init__()
         rope = ropes["main" if c.layer_types[layer_id] == SLIDING else "compress"]
+        assert isinstance(rope, RotaryEmbedding)
         self.self_attn = DeepseekV4Attention(c, layer_id, rope, dtype)
         self.mlp = SparseMoE(c, layer_id, dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -224,6 +228,7 @@ class DeepseekV4Model(nn.Module):
         if fb.num_tokens == 0:
             return self.embed_tokens.weight.new_zeros(0, self.embed_tokens.weight.shape[-1])
         for rope in self.ropes.values():
+            assert isinstance(rope, RotaryEmbedding)
             rope.ensure_capacity(int(fb.positions.max()) + 1)
         x = self.embed_tokens(fb.input_ids)  # [T, Hd]
         h = x.unsqueeze(1).expand(-1, self.n, -1).contiguous()  # [T, n, Hd]

@@ -85,6 +85,14 @@ class Compressor(nn.Module):
         return self.kv_norm(pooled.float()).to(kv.dtype)
 
 
+class IndexScorer(nn.Module):
+    """Per-token weights of the index heads (transformers' ``DeepseekV4IndexerScorer`` holds them)."""
+
+    def __init__(self, hidden: int, n_heads: int, dtype: torch.dtype):
+        super().__init__()
+        self.weights_proj = ReplicatedLinear(hidden, n_heads, False, dtype)
+
+
 class Indexer(Compressor):
     """CSA's lightning indexer: its own compressor at Di, and per query the weighted sum over index
     heads of ReLU(q . k) against every closed entry (transformers' ``DeepseekV4Indexer``)."""
@@ -95,8 +103,7 @@ class Indexer(Compressor):
         if self.topk < 1:
             raise ValueError(f"index_topk: must be >= 1, got {self.topk}")
         self.q_b_proj = ReplicatedLinear(c.q_lora_rank, self.n_heads * c.index_head_dim, False, dtype)
-        self.scorer = nn.Module()
-        self.scorer.weights_proj = ReplicatedLinear(c.hidden_size, self.n_heads, False, dtype)
+        self.scorer = IndexScorer(c.hidden_size, self.n_heads, dtype)
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +121,31 @@ class Indexer(Compressor):
         return chosen & visible
 
 
+class CSACompressor(Compressor):
+    """CSA's compressor (two overlapping series) with its lightning indexer beside it."""
+
+    def __init__(self, c, rate: int, dtype: torch.dtype):
+        super().__init__(c.hidden_size, c.head_dim, rate, True, c.rms_norm_eps, dtype)
+        self.indexer = Indexer(c, rate, dtype)
+
+
+class GroupedLinear(nn.Module):
+    """``o_a_proj``: G independent blocks, weight [G Ro, In / G] with group g's rows at g Ro..(g+1) Ro."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int, dtype: torch.dtype):
+        super().__init__()
+        if in_features % groups or out_features % groups:
+            raise ValueError(f"o_groups: {groups} must divide num_attention_heads * head_dim ({in_features}) "
+                             f"and o_groups * o_lora_rank ({out_features})")
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // groups, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, G, In / G] -> [T, G Ro]."""
+        w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, Ro, In / G]
+        return torch.einsum("tgi,gri->tgr", x, w).flatten(1)
+
+
 class DeepseekV4Attention(nn.Module):
     """q_a -> norm -> q_b -> per-head norm -> rope; kv -> norm -> rope (K = V); attention with sinks over
     the window's rows and the visible compressed entries; inverse rope on the output; grouped low-rank
@@ -124,25 +156,20 @@ class DeepseekV4Attention(nn.Module):
         self.layer_id, self.kind = layer_id, c.layer_types[layer_id]
         self.H, self.D, self.W = c.num_attention_heads, c.head_dim, c.sliding_window
         self.eps, self.G = c.rms_norm_eps, c.o_groups
-        if (self.H * self.D) % self.G:
-            raise ValueError(f"o_groups: {self.G} must divide num_attention_heads * head_dim ({self.H * self.D})")
         self.rope = rope  # "main" for sliding layers, "compress" for CSA/HCA (shared, not a checkpoint tensor)
         self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, False, dtype)
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
         self.q_b_proj = ReplicatedLinear(c.q_lora_rank, self.H * self.D, False, dtype)
         self.kv_proj = ReplicatedLinear(c.hidden_size, self.D, False, dtype)
         self.kv_norm = RMSNorm(self.D, c.rms_norm_eps, dtype)
-        self.o_a_proj = nn.Module()  # grouped: weight [G Ro, H D / G], group g's rows g Ro..(g+1) Ro
-        self.o_a_proj.weight = nn.Parameter(torch.empty(self.G * c.o_lora_rank, self.H * self.D // self.G,
-                                                        dtype=dtype), requires_grad=False)
+        self.o_a_proj = GroupedLinear(self.H * self.D, self.G * c.o_lora_rank, self.G, dtype)
         self.o_b_proj = ReplicatedLinear(self.G * c.o_lora_rank, c.hidden_size, False, dtype)
         self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32), requires_grad=False)
         self.compressor: Compressor | None = None
         if self.kind != SLIDING:
             rate = int(c.compress_rates[self.kind])
-            self.compressor = Compressor(c.hidden_size, self.D, rate, self.kind == CSA, c.rms_norm_eps, dtype)
-            if self.kind == CSA:
-                self.compressor.indexer = Indexer(c, rate, dtype)
+            self.compressor = (CSACompressor(c, rate, dtype) if self.kind == CSA
+                               else Compressor(c.hidden_size, self.D, rate, False, c.rms_norm_eps, dtype))
         self.region = {CSA: "csa", HCA: "hca"}.get(self.kind, "")
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -158,19 +185,14 @@ class DeepseekV4Attention(nn.Module):
         index_q = None
         if self.compressor is not None:
             self._write_compressed(self.compressor, self.region, x, fb)
-            if self.kind == CSA:
+            if isinstance(self.compressor, CSACompressor):
                 indexer = self.compressor.indexer
                 self._write_compressed(indexer, "csa_index", x, fb)
                 index_q = indexer.queries(x, q_resid, self.rope, pos)
         fb.kv_written(self.layer_id)
         o = torch.cat([self._attend_request(b, q, index_q, fb) for b in range(fb.batch_size)])  # [T, H, D]
         o = rotate_tail(o, self.rope, pos, inverse=True)
-        return self.o_b_proj(self._grouped_o_a(o.reshape(T, self.G, -1)))  # [T, Hd]
-
-    def _grouped_o_a(self, o: torch.Tensor) -> torch.Tensor:
-        """o [T, G, H D / G] -> [T, G Ro]: group g through its own block of ``o_a_proj``."""
-        w = self.o_a_proj.weight.view(self.G, -1, o.shape[-1])  # [G, Ro, H D / G]
-        return torch.einsum("tgi,gri->tgr", o, w).flatten(1)
+        return self.o_b_proj(self.o_a_proj(o.reshape(T, self.G, -1)))  # [T, Hd]
 
     def _write_compressed(self, comp: Compressor, region: str, x: torch.Tensor, fb: ForwardBatch) -> None:
         """Store this step's source rows, then pool every window a token of this step closes and store
@@ -212,7 +234,7 @@ class DeepseekV4Attention(nn.Module):
                 slots = fb.kv_slots[b, (torch.arange(n_entries, device=q.device) + 1) * m - 1]  # [E]
                 entries = pool.get_rows(f"{self.region}_kv", self.layer_id, slots)  # [E, D]
                 visible = torch.arange(n_entries, device=q.device)[None, :] < ((qpos + 1) // m)[:, None]  # [Tb, E]
-                if index_q is not None:
+                if index_q is not None and isinstance(self.compressor, CSACompressor):
                     iq, iw = index_q[0][start:start + ext], index_q[1][start:start + ext]
                     index_k = pool.get_rows("csa_index_k", self.layer_id, slots)  # [E, Di]
                     visible = self.compressor.indexer.select(iq, iw, index_k, visible)
