@@ -239,3 +239,15 @@ def test_preset_serves_a_chat_request():
         server.wait_idle()
     finally:
         server.stop()
+
+
+def test_query_blocks_give_the_same_tokens(tiny, monkeypatch):
+    """A prefill chunk is attended QUERY_BLOCK queries at a time; blocks of 5 (windows, CSA and HCA
+    blocks all cut across) give transformers' tokens too."""
+    from pdserve.models.deepseek_v4_attention import DeepseekV4Attention
+
+    hf, path = tiny
+    monkeypatch.setattr(DeepseekV4Attention, "QUERY_BLOCK", 5)
+    prompt = _prompt(4 * WINDOW + 3, seed=4)
+    out = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)

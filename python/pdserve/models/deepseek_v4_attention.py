@@ -151,6 +151,10 @@ class DeepseekV4Attention(nn.Module):
     the window's rows and the visible compressed entries; inverse rope on the output; grouped low-rank
     output projection."""
 
+    # Queries attended at once: bounds a long prefill chunk's score tensors to QUERY_BLOCK rows
+    # (window + compressed entries wide) instead of the chunk's length squared.
+    QUERY_BLOCK = 256
+
     def __init__(self, c, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype):
         super().__init__()
         self.layer_id, self.kind = layer_id, c.layer_types[layer_id]
@@ -217,30 +221,36 @@ class DeepseekV4Attention(nn.Module):
 
     def _attend_request(self, b: int, q: torch.Tensor, index_q: tuple[torch.Tensor, torch.Tensor] | None,
                         fb: ForwardBatch) -> torch.Tensor:
-        """Request b's queries over its window rows and visible compressed entries -> [Tb, H, D]."""
-        pool = fb.kv_pool
-        assert isinstance(pool, RegionKVPool)
+        """Request b's queries -> [Tb, H, D], in blocks of QUERY_BLOCK queries."""
         start = int(fb.extend_lens[:b].sum())
         ext, pre = int(fb.extend_lens[b]), int(fb.prefix_lens[b])
-        qpos = torch.arange(pre, pre + ext, device=q.device)  # [Tb]
-        first = max(0, pre - self.W + 1)
-        kpos = torch.arange(first, pre + ext, device=q.device)  # [Kw]
-        keys = pool.get_rows("window_kv", self.layer_id, fb.kv_slots[b, first:pre + ext])  # [Kw, D]
-        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.W)  # [Tb, Kw]
-        if self.compressor is not None:
-            m = self.compressor.rate
-            n_entries = (pre + ext) // m
-            if n_entries:
-                slots = fb.kv_slots[b, (torch.arange(n_entries, device=q.device) + 1) * m - 1]  # [E]
-                entries = pool.get_rows(f"{self.region}_kv", self.layer_id, slots)  # [E, D]
-                visible = torch.arange(n_entries, device=q.device)[None, :] < ((qpos + 1) // m)[:, None]  # [Tb, E]
-                if index_q is not None and isinstance(self.compressor, CSACompressor):
-                    iq, iw = index_q[0][start:start + ext], index_q[1][start:start + ext]
-                    index_k = pool.get_rows("csa_index_k", self.layer_id, slots)  # [E, Di]
-                    visible = self.compressor.indexer.select(iq, iw, index_k, visible)
-                keys = torch.cat([keys, entries])  # [K, D]
-                allowed = torch.cat([allowed, visible], dim=1)  # [Tb, K]
-        return self._sink_attention(q[start:start + ext], keys.to(q.dtype), allowed)
+        return torch.cat([self._attend_block(b, start + lo, pre + lo, min(self.QUERY_BLOCK, ext - lo), q, index_q, fb)
+                          for lo in range(0, ext, self.QUERY_BLOCK)])
+
+    def _attend_block(self, b: int, t0: int, p0: int, n: int, q: torch.Tensor,
+                      index_q: tuple[torch.Tensor, torch.Tensor] | None, fb: ForwardBatch) -> torch.Tensor:
+        """Tokens t0..t0+n-1 of the step (request b's positions p0..p0+n-1) over their window rows and
+        visible compressed entries -> [n, H, D]."""
+        pool = fb.kv_pool
+        assert isinstance(pool, RegionKVPool)
+        dev, end = q.device, p0 + n
+        qpos = torch.arange(p0, end, device=dev)  # [n]
+        first = max(0, p0 - self.W + 1)
+        kpos = torch.arange(first, end, device=dev)  # [Kw]
+        keys = pool.get_rows("window_kv", self.layer_id, fb.kv_slots[b, first:end])  # [Kw, D]
+        allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.W)  # [n, Kw]
+        if self.compressor is not None and end // self.compressor.rate:
+            m, n_entries = self.compressor.rate, end // self.compressor.rate
+            slots = fb.kv_slots[b, (torch.arange(n_entries, device=dev) + 1) * m - 1]  # [E]
+            entries = pool.get_rows(f"{self.region}_kv", self.layer_id, slots)  # [E, D]
+            visible = torch.arange(n_entries, device=dev)[None, :] < ((qpos + 1) // m)[:, None]  # [n, E]
+            if index_q is not None and isinstance(self.compressor, CSACompressor):
+                index_k = pool.get_rows("csa_index_k", self.layer_id, slots)  # [E, Di]
+                visible = self.compressor.indexer.select(index_q[0][t0:t0 + n], index_q[1][t0:t0 + n], index_k,
+                                                         visible)
+            keys = torch.cat([keys, entries])  # [K, D]
+            allowed = torch.cat([allowed, visible], dim=1)  # [n, K]
+        return self._sink_attention(q[t0:t0 + n], keys.to(q.dtype), allowed)
 
     def _sink_attention(self, q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """q [Tb, H, D], kv [K, D] (keys and values), allowed [Tb, K] -> [Tb, H, D]; each head's softmax
