@@ -251,3 +251,26 @@ def test_query_blocks_give_the_same_tokens(tiny, monkeypatch):
     prompt = _prompt(4 * WINDOW + 3, seed=4)
     out = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompt, sampling_params=GREEDY)
     assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+
+
+def test_compress_rope_with_yarn_matches_transformers():
+    """V4-Flash ships YaRN on the compressed layers' rope only, with no mscale on cos/sin
+    (transformers forces attention_factor 1.0): same angles as transformers' rotary."""
+    from fixtures.tiny_models import tiny_config
+    from pdserve.layers.rotary import get_rope
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1}
+    c = tiny_config(ARCH, rope_parameters=yarn)
+    assert c.rope_parameters["main"]["rope_type"] == "default"
+    assert c.rope_parameters["compress"]["attention_factor"] == 1.0
+    hf_rope = DeepseekV4RotaryEmbedding(c)
+    pos = torch.arange(0, 4000, 37)
+    for kind in ("main", "compress"):
+        ours = get_rope(c.qk_rope_head_dim, 1024, c.rope_parameters[kind], interleaved=True)
+        ours.ensure_capacity(4000)
+        cos, sin = hf_rope(torch.zeros(1), pos[None], layer_type=kind)  # [1, P, R/2]
+        got_cos, got_sin = ours.lookup(pos)  # [P, 1, R/2]
+        torch.testing.assert_close(got_cos[:, 0], cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_sin[:, 0], sin[0], atol=1e-6, rtol=0)
