@@ -1125,7 +1125,7 @@ class ServerArgs:
         v4 = "DeepSeek-V4"
         dev = self.device_config()
         refusals = {
-            "disaggregation_mode": (self.disaggregation_mode != "null",
+            "disaggregation_mode": (self.disaggregation_mode in ("prefill", "decode"),
                                     f"{self.disaggregation_mode}: {v4}'s state regions do not move in P/D yet"),
             "enable_hierarchical_cache": (self.enable_hierarchical_cache,
                                           f"{v4}'s state regions have no host or storage tier yet"),
