@@ -1130,7 +1130,8 @@ class ServerArgs:
             "enable_hierarchical_cache": (self.enable_hierarchical_cache,
                                           f"{v4}'s state regions have no host or storage tier yet"),
             "speculative_algorithm": (self.speculative_algorithm is not None,
-                                      f"{self.speculative_algorithm}: {v4}'s MTP layer (NEXTN) is not supported yet"),
+                                      f"{self.speculative_algorithm}: no speculative decoding for {v4} yet (its "
+                                      f"MTP layer, with its own hyper-connections, is not built)"),
             "attention_backend": (dev.attention_backend != "torch_native",
                                   f"{dev.attention_backend}: {v4}'s attention runs in torch only (no Triton or "
                                   f"flashinfer kernels yet)"),

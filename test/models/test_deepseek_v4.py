@@ -165,7 +165,7 @@ def _serve(model_path: str, *argv: str) -> subprocess.CompletedProcess:
 REFUSALS = [
     ({"disaggregation_mode": "prefill"}, "--disaggregation-mode): prefill: DeepSeek-V4's state regions do not move"),
     ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache): DeepSeek-V4's state regions have no host"),
-    ({"speculative_algorithm": "NEXTN"}, "--speculative-algorithm): NEXTN: DeepSeek-V4's MTP layer (NEXTN) is not"),
+    ({"speculative_algorithm": "NEXTN"}, "--speculative-algorithm): NEXTN: no speculative decoding for DeepSeek-V4"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V4's attention runs in torch only"),
     ({"tp_size": 2}, "--tp-size): DeepSeek-V4 runs on one rank"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V4's state stays in the model dtype"),
@@ -256,9 +256,10 @@ def test_query_blocks_give_the_same_tokens(tiny, monkeypatch):
 def test_compress_rope_with_yarn_matches_transformers():
     """V4-Flash ships YaRN on the compressed layers' rope only, with no mscale on cos/sin
     (transformers forces attention_factor 1.0): same angles as transformers' rotary."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
     from fixtures.tiny_models import tiny_config
     from pdserve.layers.rotary import get_rope
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
             "beta_slow": 1}
