@@ -275,3 +275,17 @@ def test_compress_rope_with_yarn_matches_transformers():
         got_cos, got_sin = ours.lookup(pos)  # [P, 1, R/2]
         torch.testing.assert_close(got_cos[:, 0], cos[0], atol=1e-6, rtol=0)
         torch.testing.assert_close(got_sin[:, 0], sin[0], atol=1e-6, rtol=0)
+
+
+def test_retracted_requests_resume_with_transformers_tokens(tiny):
+    """Under a tiny KV budget decode retracts requests; recomputed on return, their regions (window rows,
+    sources, entries) are rebuilt from the tokens, and every page comes back."""
+    hf, path = tiny
+    engine = pdserve.Engine(model_path=path, page_size=4, max_total_tokens=96)
+    prompts = [_prompt(12 + i, seed=20 + i) for i in range(6)]
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 20})
+    assert engine.scheduler.num_retractions > 0
+    assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, 20) for p in prompts]
+    s = engine.scheduler
+    s.check_memory()
+    assert s.allocator.num_free + s.cache.num_cached_pages == s.allocator.num_pages
