@@ -1,7 +1,9 @@
 """DeepSeek-V4: hybrid compressed attention (models/deepseek_v4_attention.py), mHC hyper-connections
 instead of plain residuals, and MoE with sqrtsoftplus scoring whose first layers route by token hash.
-Checkpoint names and config fields follow transformers' ``DeepseekV4ForCausalLM``; the checkpoint's
-MTP layers (``mtp.*``, ``num_nextn_predict_layers``) are accepted and not loaded.
+Config fields and module names follow transformers' ``DeepseekV4ForCausalLM``; checkpoints carry
+DeepSeek's names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1`` …, which transformers also saves), renamed
+on load by ``module_key``. The checkpoint's MTP layers (``mtp.*``, ``num_nextn_predict_layers``) are
+accepted and not loaded.
 
 Legend: T tokens, Hd hidden, n hc_mult (residual streams), E routed experts, k experts per token,
 I moe_intermediate_size, V vocab.
