@@ -115,6 +115,21 @@ PRESETS |= {
     "tiny-deepseek-v32-fp8": (PRESETS["tiny-deepseek-v32"][0], dict(
         PRESETS["tiny-deepseek-v32"][1], num_nextn_predict_layers=1, quantization_config=_FP8)),
 }
+# DeepSeek-V4: one layer of each attention kind (sliding, CSA, HCA), a window of 16 and compression
+# rates 4 and 16, so a chat prompt crosses many window and block boundaries; DeepSeek-V4's MTP layer
+# declared (num_nextn_predict_layers), as its checkpoints do.
+PRESETS |= {
+    "tiny-deepseek-v4": ("DeepseekV4ForCausalLM", dict(
+        hidden_size=128, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, partial_rotary_factor=0.25, q_lora_rank=64, o_groups=2,
+        o_lora_rank=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+        routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=10.0, sliding_window=16,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], index_n_heads=8, index_head_dim=32, index_topk=8,
+        hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000.0, compress_rope_theta=160000.0,
+        num_nextn_predict_layers=1, attention_bias=False)),
+}
 # Draft architectures transformers has no config class of their own for.
 CONFIG_CLASSES = {"LlamaForCausalLMEagle": "LlamaConfig"}
 

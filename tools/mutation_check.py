@@ -884,6 +884,28 @@ MUTATIONS = (
         "python/pdserve/layers/quant/fp8.py", "                                   \"wq_b\", \"wk\"})", "})",
         ("test/models/test_deepseek_v32.py::test_fp8_checkpoint_quantizes_the_indexers_wq_b_and_wk_only",
          "test/models/test_deepseek_v32.py::test_fp8_preset_loads_the_full_presets_draws_quantized")),
+    # issue 35: DeepSeek-V4 (sliding window, CSA, HCA over per-token regions)
+    Mutation(
+        "v4_window_not_applied", "DeepSeek-V4's queries see raw rows older than the sliding window",
+        "python/pdserve/models/deepseek_v4_attention.py",
+        " & (kpos[None, :] > qpos[:, None] - self.W)", "",
+        ("test/models/test_deepseek_v4.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v4_entry_offset_by_one_block", "a compressed entry is rotated at the next block's first position",
+        "python/pdserve/models/deepseek_v4_attention.py",
+        "self.rope, start)  # rope at the window's start", "self.rope, start + m)",
+        ("test/models/test_deepseek_v4.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v4_overlap_slice_dropped", "CSA's entries never pool the previous window's first series (the "
+        "reference's open-window overlap state)",
+        "python/pdserve/models/deepseek_v4_attention.py",
+        "        has_prev = start > 0\n", "        has_prev = start < 0\n",
+        ("test/models/test_deepseek_v4.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v4_pd_not_refused", "a DeepSeek-V4 server starts in P/D mode, whose transfer knows none of its regions",
+        "python/pdserve/config.py",
+        "(self.disaggregation_mode in (\"prefill\", \"decode\"),", "(False,",
+        ("test/models/test_deepseek_v4.py::test_unsupported_modes_are_refused_at_start_up",)),
 )
 
 

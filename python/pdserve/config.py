@@ -45,7 +45,7 @@ class Architecture:
 
     name: str  # HF ``architectures[0]``, also the class name in pdserve.models.<module>
     model_type: str  # HF ``model_type``: resolves a config.json that names no architecture
-    attention: str  # "gqa" (per-head K/V pool) or "mla" (latent pool)
+    attention: str  # "gqa" (per-head K/V pool), "mla" (latent pool) or "regions" (named per-token regions)
     module: str  # pdserve.models.<module> defines the class
 
 
@@ -57,7 +57,26 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("DeepseekV2ForCausalLM", "deepseek_v2", "mla", "deepseek"),
     Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "mla", "deepseek"),
     Architecture("DeepseekV32ForCausalLM", "deepseek_v32", "mla", "deepseek_v32"),
+    Architecture("DeepseekV4ForCausalLM", "deepseek_v4", "regions", "deepseek_v4"),
 )}
+
+
+def deepseek_v4_regions(c) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """DeepSeek-V4's per-token state as (region, layers, width): every layer's raw K=V row, and on
+    compressed layers the compressor's source rows (kv and gate, two series for CSA), the
+    compressed entry (in the slot of its window's last token) and, for CSA, the same for the
+    indexer (docs/kv-cache.md, "What is built for DeepSeek-V4")."""
+    kinds = list(c.layer_types)
+    csa = tuple(i for i, k in enumerate(kinds) if k == "compressed_sparse_attention")
+    hca = tuple(i for i, k in enumerate(kinds) if k == "heavily_compressed_attention")
+    D, Di = int(c.head_dim), int(c.index_head_dim)
+    regions = [("window_kv", tuple(range(len(kinds))), D)]
+    if csa:
+        regions += [("csa_src", csa, 4 * D), ("csa_kv", csa, D), ("csa_index_src", csa, 4 * Di),
+                    ("csa_index_k", csa, Di)]
+    if hca:
+        regions += [("hca_src", hca, 2 * D), ("hca_kv", hca, D)]
+    return tuple(regions)
 
 
 def supported_architecture(name: str) -> Architecture:
@@ -227,6 +246,13 @@ class ModelConfig:
         return ARCHITECTURES[self.architecture].attention == "mla"
 
     @property
+    def state_regions(self) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+        """Named per-token regions of a "regions" model (DeepSeek-V4), () for GQA and MLA pools."""
+        if ARCHITECTURES[self.architecture].attention != "regions":
+            return ()
+        return deepseek_v4_regions(self.hf_config)
+
+    @property
     def index_head_dim(self) -> int:
         """Width of DeepSeek-V3.2's index key (one more region of the latent's pages); 0 without one."""
         return int(getattr(self.hf_config, "index_head_dim", 0) or 0) if self.is_mla else 0
@@ -265,6 +291,8 @@ class ModelConfig:
         _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         compute = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else compute
+        if self.state_regions:
+            return sum(len(layers) * width for _, layers, width in self.state_regions) * itemsize
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         # V3.2's index keys stay in the compute dtype under an FP8 pool (mem/kv_pool.py MLAKVPool)
         return self.num_layers * (per_layer * itemsize + self.index_head_dim * compute)
@@ -1089,7 +1117,39 @@ class ServerArgs:
         self.parallel_config().check_model(model)
         if model.index_head_dim:
             self._check_sparse_index(model)
+        if model.state_regions:
+            self._check_deepseek_v4(model)
         return model
+
+    def _check_deepseek_v4(self, model: ModelConfig) -> None:
+        """DeepSeek-V4 runs colocated, on one rank, eagerly on torch, with a full-precision checkpoint
+        and pool for now (docs/models.md); everything else is refused here, naming it."""
+        v4 = "DeepSeek-V4"
+        dev = self.device_config()
+        refusals = {
+            "disaggregation_mode": (self.disaggregation_mode in ("prefill", "decode"),
+                                    f"{self.disaggregation_mode}: {v4}'s state regions do not move in P/D yet"),
+            "enable_hierarchical_cache": (self.enable_hierarchical_cache,
+                                          f"{v4}'s state regions have no host or storage tier yet"),
+            "speculative_algorithm": (self.speculative_algorithm is not None,
+                                      f"{self.speculative_algorithm}: no speculative decoding for {v4} yet (its "
+                                      f"MTP layer, with its own hyper-connections, is not built)"),
+            "attention_backend": (dev.attention_backend != "torch_native",
+                                  f"{dev.attention_backend}: {v4}'s attention runs in torch only (no Triton or "
+                                  f"flashinfer kernels yet)"),
+            "tp_size": (self.parallel_config().world_size > 1,
+                        f"{v4} runs on one rank for now (tp_size, dp_size and ep_size 1)"),
+            "kv_cache_dtype": (self.kv_cache_dtype != "auto",
+                               f"{self.kv_cache_dtype}: {v4}'s state stays in the model dtype (no FP8 regions yet)"),
+            "enable_torch_compile": (self.enable_torch_compile, f"{v4}'s attention runs eagerly"),
+            "disable_cuda_graph": (dev.use_cuda_graph, f"{v4}'s decode is not captured in CUDA graphs yet "
+                                                       f"(pass --disable-cuda-graph)"),
+        }
+        for field_name, (refused, why) in refusals.items():
+            if refused:
+                raise _flag_error(field_name, why)
+        if model.quantization is not None:
+            raise ValueError(f"quantization_config: FP8/FP4 {v4} checkpoints are not supported yet")
 
     def _check_sparse_index(self, model: ModelConfig) -> None:
         """DeepSeek-V3.2 (MLA + DSA) runs over torch_native or triton for now (docs/models.md); everything else is

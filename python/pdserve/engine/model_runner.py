@@ -15,6 +15,7 @@ from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
 from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool, kv_storage_dtype
+from pdserve.mem.region_pool import RegionKVPool, RegionSpec
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     layers = model.num_layers + extra_layers
     c = model.hf_config
     store = kv_storage_dtype(cache.kv_cache_dtype, model.torch_dtype)  # fp8: scales stay 1.0 (mem/kv_pool.py)
+    if model.state_regions:  # DeepSeek-V4: named per-token regions (mem/region_pool.py)
+        specs = tuple(RegionSpec(name, tuple(layers), width) for name, layers, width in model.state_regions)
+        return RegionKVPool(num_pages, cache.page_size, layers, specs, model.torch_dtype, device)
     if model.is_mla:
         return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,
                          c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype,
