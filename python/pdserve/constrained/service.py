@@ -22,6 +22,11 @@ up made a later trivial schema time out behind them). So:
 
 ``owner=None`` (the scheduler, which compiles only what its frontend already accepted) is never
 refused and shares one queue.
+
+With ``make_worker`` (the frontend's check, ``--grammar-compile-isolation``) each thread compiles in
+its own child process with CPU and memory limits (constrained/isolation.py), and a Future's result is
+the compile's seconds, not a grammar: the check only learns whether the constraint compiles. A
+running compile nobody waits for any more is then killed, not left to finish.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 
 from pdserve.config import GrammarConfig
 from pdserve.constrained.base import GrammarBackend, GrammarError, GrammarTimeout, short_error
+from pdserve.constrained.isolation import CompileKilled, IsolatedCompiler
 from pdserve.constrained.stats import GrammarStats
 
 Key = tuple[str, str]  # (kind, text)
@@ -57,11 +63,13 @@ class _Job:
     owner: str
     waiters: int = 1
     started: bool = False
+    worker: IsolatedCompiler | None = None  # the child compiling it, once started (with make_worker)
 
 
 class CompileService:
     def __init__(self, make_backend: Callable[[], GrammarBackend], config: GrammarConfig,
-                 stats: GrammarStats | None = None):
+                 stats: GrammarStats | None = None,
+                 make_worker: Callable[[], IsolatedCompiler] | None = None):
         self.config = config
         self.stats = stats or GrammarStats()
         self._make_backend = make_backend
@@ -73,7 +81,8 @@ class CompileService:
         self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()  # owner -> its queued jobs, in turn order
         self._owned: dict[str, int] = {}  # owner -> its jobs queued or running
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"pdserve-grammar-{i}", daemon=True)
+        self._workers = [make_worker() for _ in range(config.compile_threads)] if make_worker else []
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"pdserve-grammar-{i}", daemon=True)
                          for i in range(config.compile_threads)]
         for t in self._threads:
             t.start()
@@ -125,19 +134,25 @@ class CompileService:
 
     def release(self, kind: str, text: str) -> None:
         """One caller of ``submit(kind, text)`` stopped waiting; with none left, a compile that has not
-        started is dropped (its Future cancelled, nothing cached)."""
+        started is dropped (its Future cancelled, nothing cached), and one running in a child process is
+        killed there (nothing cached either; its thread takes the next job)."""
         key = (kind, text)
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
                 return
             job.waiters -= 1
-            if job.waiters > 0 or job.started:
+            if job.waiters > 0 or (job.started and job.worker is None):
+                return
+            if self._cache.get(key) is job.future:
+                del self._cache[key]
+            if job.started:  # its thread forgets it once the child's death reaches it
+                self.stats.count("killed")
+                assert job.worker is not None
+                job.worker.kill()
                 return
             self._queues[job.owner].remove(job)
             self._forget(job)
-            if self._cache.get(key) is job.future:
-                del self._cache[key]
             self.stats.count("abandoned")
         job.future.cancel()
 
@@ -155,7 +170,7 @@ class CompileService:
             self.release(kind, text)
 
     # ---------------------------------------------------------- the threads
-    def _next(self) -> _Job | None:
+    def _next(self, worker: IsolatedCompiler | None) -> _Job | None:
         """The next job, taking the owners in turn (under the lock; None once closed)."""
         while not self._closed:
             for owner, queue in self._queues.items():
@@ -163,20 +178,22 @@ class CompileService:
                     job = queue.popleft()
                     self._queues.move_to_end(owner)
                     job.started = True
+                    job.worker = worker
                     return job
             self._lock.wait()
         return None
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
         _lower_priority()
+        worker = self._workers[index] if self._workers else None
         while True:
             with self._lock:
-                job = self._next()
+                job = self._next(worker)
             if job is None:
                 return
             if job.future.set_running_or_notify_cancel():
                 try:
-                    job.future.set_result(self._compile(*job.key))
+                    job.future.set_result(self._compile(*job.key, worker))
                 except GrammarError as e:
                     job.future.set_exception(e)
             with self._lock:
@@ -192,7 +209,9 @@ class CompileService:
             if not self._queues.get(job.owner, True):
                 del self._queues[job.owner]
 
-    def _compile(self, kind: str, text: str) -> Any:
+    def _compile(self, kind: str, text: str, worker: IsolatedCompiler | None = None) -> Any:
+        if worker is not None:
+            return self._check_isolated(kind, text, worker)
         try:
             backend = self.backend()  # built once, not counted as a compile
         except Exception as e:  # noqa: BLE001 - e.g. the backend's package missing: every request's error
@@ -210,6 +229,17 @@ class CompileService:
         finally:
             self.stats.observe_compile(time.perf_counter() - t0)
 
+    def _check_isolated(self, kind: str, text: str, worker: IsolatedCompiler) -> float:
+        try:
+            seconds = worker.compile(kind, text)
+        except CompileKilled:  # counted as killed by ``release``
+            raise
+        except GrammarError:
+            self.stats.count("compile_failures")
+            raise
+        self.stats.observe_compile(seconds)
+        return seconds
+
     def queued(self, owner: str | None = None) -> int:
         """Compiles queued or running for ``owner`` (None: the scheduler's)."""
         with self._lock:
@@ -226,6 +256,8 @@ class CompileService:
             self._lock.notify_all()
         for job in dropped:
             job.future.cancel()
+        for worker in self._workers:
+            worker.close()
 
 
 COMPILE_NICE = 10  # compile threads yield the CPU to the event loop and the scheduler
