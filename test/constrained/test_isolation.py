@@ -80,8 +80,9 @@ def test_over_the_cpu_limit_the_child_is_ended_and_the_next_compile_gets_a_new_o
 
 
 def test_a_running_compile_nobody_waits_for_is_killed_and_reaped():
-    """The service kills the child of a started compile once its last waiter releases it: nothing is
-    cached, the kill is counted (not as a failure), no process is left, and the next check works."""
+    """The service kills the child of a started compile once its last waiter released it and it ran
+    KILL_GRACE_S: nothing is cached, the kill is counted (not as a failure), no process is left, and
+    the next check works."""
     config = GrammarConfig(compile_threads=1, compile_memory_mb=4096)
     spec = BackendSpec(config, tokenizer(), VOCAB, (EOS,))
     workers: list[IsolatedCompiler] = []
@@ -95,10 +96,13 @@ def test_a_running_compile_nobody_waits_for_is_killed_and_reaped():
         assert s.submit("regex", "a+", "alice").result(60) >= 0  # the child is up
         (worker,) = workers
         pid = worker.pid
+        assert s.submit("regex", "d+", "alice").result(60) >= 0  # released at once, but it ends first:
+        s.release("regex", "d+")
+        assert s.submit("regex", "d+", "alice").result(0) >= 0  # cached, and the child lives on
+        assert worker.pid == pid
         slow = wide_schema(6000, "gone")
         fut = s.submit("json_schema", slow, "mallory")
         _wait(lambda: s._jobs.get(("json_schema", slow)) is not None and s._jobs[("json_schema", slow)].started)
-        time.sleep(0.2)  # into the child's compile
         s.release("json_schema", slow)
         with pytest.raises(CompileKilled, match="nobody waits"):
             fut.result(30)

@@ -18,9 +18,9 @@ compile the child sets its own limits relative to what it already uses:
 * ``RLIMIT_CPU``: ``cpu_s`` more seconds of CPU, past which the kernel ends the child (SIGXCPU).
 
 The parent kills the child (SIGKILL) when nobody waits for its compile any more (the request timed
-out, the client left) and on close; a child that ended is replaced at once (it imports while the
-thread waits for work). The child also dies with the
-thread that started it (PR_SET_PDEATHSIG), so a frontend that is killed leaves no compile behind.
+out, the client left) and it has run ``KILL_GRACE_S``, and on close; a child that ended is replaced
+at once (it imports while the thread waits for work). The child also dies with the thread that
+started it (PR_SET_PDEATHSIG), so a frontend that is killed leaves no compile behind.
 Messages from the child are JSON of a bounded size (CONVENTIONS 19).
 """
 
@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -47,6 +48,11 @@ from pdserve.config import GrammarConfig
 from pdserve.constrained.base import GrammarError, short_error
 
 MAX_REPLY_BYTES = 4096  # a child's answer: whether it compiled, in how long, or why not
+# A compile nobody waits for is killed once it has run this long. Sooner would cost more than it
+# saves: a new child imports torch and xgrammar (seconds of CPU), while most compiles end well within
+# this, and what ends is cached for the next asker (a client that hung up and resends).
+KILL_GRACE_S = 2.0
+POLL_S = 0.1  # how often a compile's thread asks whether anyone still waits
 _PR_SET_PDEATHSIG = 1
 
 
@@ -69,10 +75,10 @@ class IsolatedCompiler:
 
     Contract: ``compile`` (one thread at a time) blocks until the child answered and returns the
     compile's seconds, or raises GrammarError naming the field: it does not compile, it needs more
-    than the limits, or it was killed (CompileKilled). ``kill`` may be called from any thread and
-    only sends SIGKILL (it never blocks): the compiling thread sees the child's end, reaps it and
-    starts the next child at once, so the next compile does not wait for a whole interpreter to
-    start. ``close`` kills and reaps it for good."""
+    than the limits, or it was killed (CompileKilled: nobody waited for it past KILL_GRACE_S). ``kill``
+    may be called from any thread and only sends SIGKILL (it never blocks): the compiling thread
+    sees the child's end, reaps it and starts the next child at once, so the next compile does not
+    wait for a whole interpreter to start. ``close`` kills and reaps it for good."""
 
     def __init__(self, spec: BackendSpec, memory_mb: int, cpu_s: int):
         self.spec = spec
@@ -90,10 +96,16 @@ class IsolatedCompiler:
         with self._lock:
             return self._process.pid if self._process is not None else None
 
-    def compile(self, kind: str, text: str) -> float:
+    def compile(self, kind: str, text: str, abandoned: Callable[[], bool] = lambda: False) -> float:
+        """``abandoned()`` (asked every POLL_S) true: nobody waits any more; the child is killed once the
+        compile has run KILL_GRACE_S."""
         process, conn = self._started()
         try:
             conn.send_bytes(json.dumps([kind, text]).encode())
+            t0 = time.monotonic()
+            while not conn.poll(POLL_S):
+                if time.monotonic() - t0 >= KILL_GRACE_S and abandoned():
+                    self.kill()
             reply = json.loads(conn.recv_bytes(MAX_REPLY_BYTES))
         except (EOFError, OSError, ValueError):  # the child died (a limit, a kill) or answered nonsense
             raise self._ended(kind, process, conn) from None

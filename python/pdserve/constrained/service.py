@@ -17,7 +17,8 @@ up made a later trivial schema time out behind them). So:
 * a caller that stops waiting (timed out, disconnected, its request aborted) says so with
   ``release``; a compile nobody waits for any more is dropped before it starts. One that is
   already running finishes on its thread (a thread cannot be stopped; see
-  docs/structured-outputs.md, "Limits", for what bounds it) and is cached for the next asker;
+  docs/structured-outputs.md, "Limits", for what bounds it) and is cached for the next asker,
+  unless it runs in a child process (below);
 * the compile threads run at a lower CPU priority (nice +10) than the threads that serve requests.
 
 ``owner=None`` (the scheduler, which compiles only what its frontend already accepted) is never
@@ -26,7 +27,8 @@ refused and shares one queue.
 With ``make_worker`` (the frontend's check, ``--grammar-compile-isolation``) each thread compiles in
 its own child process with CPU and memory limits (constrained/isolation.py), and a Future's result is
 the compile's seconds, not a grammar: the check only learns whether the constraint compiles. A
-running compile nobody waits for any more is then killed, not left to finish.
+running compile nobody waits for any more is then killed once it has run ``KILL_GRACE_S`` (nothing
+cached; a new asker before then keeps it alive), not left to finish.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ class _Job:
     owner: str
     waiters: int = 1
     started: bool = False
-    worker: IsolatedCompiler | None = None  # the child compiling it, once started (with make_worker)
 
 
 class CompileService:
@@ -134,23 +135,18 @@ class CompileService:
 
     def release(self, kind: str, text: str) -> None:
         """One caller of ``submit(kind, text)`` stopped waiting; with none left, a compile that has not
-        started is dropped (its Future cancelled, nothing cached), and one running in a child process is
-        killed there (nothing cached either; its thread takes the next job)."""
+        started is dropped (its Future cancelled, nothing cached); one running in a child process is
+        killed by its thread once it has run KILL_GRACE_S with nobody waiting (``_check_isolated``)."""
         key = (kind, text)
         with self._lock:
             job = self._jobs.get(key)
             if job is None:
                 return
             job.waiters -= 1
-            if job.waiters > 0 or (job.started and job.worker is None):
+            if job.waiters > 0 or job.started:
                 return
             if self._cache.get(key) is job.future:
                 del self._cache[key]
-            if job.started:  # its thread forgets it once the child's death reaches it
-                self.stats.count("killed")
-                assert job.worker is not None
-                job.worker.kill()
-                return
             self._queues[job.owner].remove(job)
             self._forget(job)
             self.stats.count("abandoned")
@@ -170,7 +166,7 @@ class CompileService:
             self.release(kind, text)
 
     # ---------------------------------------------------------- the threads
-    def _next(self, worker: IsolatedCompiler | None) -> _Job | None:
+    def _next(self) -> _Job | None:
         """The next job, taking the owners in turn (under the lock; None once closed)."""
         while not self._closed:
             for owner, queue in self._queues.items():
@@ -178,7 +174,6 @@ class CompileService:
                     job = queue.popleft()
                     self._queues.move_to_end(owner)
                     job.started = True
-                    job.worker = worker
                     return job
             self._lock.wait()
         return None
@@ -188,12 +183,12 @@ class CompileService:
         worker = self._workers[index] if self._workers else None
         while True:
             with self._lock:
-                job = self._next(worker)
+                job = self._next()
             if job is None:
                 return
             if job.future.set_running_or_notify_cancel():
                 try:
-                    job.future.set_result(self._compile(*job.key, worker))
+                    job.future.set_result(self._check_isolated(job, worker) if worker else self._compile(*job.key))
                 except GrammarError as e:
                     job.future.set_exception(e)
             with self._lock:
@@ -209,9 +204,7 @@ class CompileService:
             if not self._queues.get(job.owner, True):
                 del self._queues[job.owner]
 
-    def _compile(self, kind: str, text: str, worker: IsolatedCompiler | None = None) -> Any:
-        if worker is not None:
-            return self._check_isolated(kind, text, worker)
+    def _compile(self, kind: str, text: str) -> Any:
         try:
             backend = self.backend()  # built once, not counted as a compile
         except Exception as e:  # noqa: BLE001 - e.g. the backend's package missing: every request's error
@@ -229,10 +222,14 @@ class CompileService:
         finally:
             self.stats.observe_compile(time.perf_counter() - t0)
 
-    def _check_isolated(self, kind: str, text: str, worker: IsolatedCompiler) -> float:
+    def _check_isolated(self, job: _Job, worker: IsolatedCompiler) -> float:
         try:
-            seconds = worker.compile(kind, text)
-        except CompileKilled:  # counted as killed by ``release``
+            seconds = worker.compile(*job.key, abandoned=lambda: job.waiters <= 0)
+        except CompileKilled:
+            with self._lock:
+                if self._cache.get(job.key) is job.future:  # nothing cached: the next asker compiles anew
+                    del self._cache[job.key]
+                self.stats.count("killed")
             raise
         except GrammarError:
             self.stats.count("compile_failures")
