@@ -19,7 +19,7 @@ from grammar_fixtures import EOS, PERSON, VOCAB, tokenizer
 
 from pdserve.config import GrammarConfig
 from pdserve.constrained import GrammarError
-from pdserve.constrained.isolation import BackendSpec, CompileKilled, IsolatedCompiler
+from pdserve.constrained.isolation import BackendSpec, CompileDropped, CompileKilled, IsolatedCompiler
 from pdserve.constrained.service import CompileService
 
 pytest.importorskip("xgrammar")
@@ -115,6 +115,35 @@ def test_a_running_compile_nobody_waits_for_is_killed_and_reaped():
     finally:
         s.close()
     assert all(w.pid is None for w in workers)
+
+
+def test_a_compile_abandoned_while_its_child_starts_is_dropped_and_the_child_kept():
+    """A child's start (imports, backend) is no compile's time: abandoned meanwhile, the compile is
+    dropped (counted as abandoned, not killed) and the child starts on for the next one."""
+    config = GrammarConfig(compile_threads=1)
+    spec = BackendSpec(config, tokenizer(), VOCAB, (EOS,))
+    workers: list[IsolatedCompiler] = []
+
+    def make_worker():
+        workers.append(IsolatedCompiler(spec, config.compile_memory_mb, 600))
+        return workers[-1]
+
+    s = CompileService(lambda: pytest.fail("no compile in this process"), config, make_worker=make_worker)
+    try:
+        fut = s.submit("regex", "x+", "mallory")
+        _wait(lambda: s._jobs[("regex", "x+")].started)  # its thread took it: the child is starting
+        s.release("regex", "x+")
+        with pytest.raises(CompileDropped):
+            fut.result(60)
+        _wait(lambda: s.queued("mallory") == 0)
+        pid = workers[0].pid
+        st = s.stats.to_dict()
+        assert (st["killed"], st["abandoned"], st["compile_failures"]) == (0, 1, 0)
+        assert ("regex", "x+") not in s._cache
+        assert s.submit("regex", "y+", "alice").result(60) >= 0
+        assert pid is not None and workers[0].pid == pid  # the same child served it
+    finally:
+        s.close()
 
 
 PARENT = textwrap.dedent("""

@@ -60,6 +60,11 @@ class CompileKilled(GrammarError):
     """The compile was stopped on purpose (nobody waited for it any more): not the constraint's fault."""
 
 
+class CompileDropped(GrammarError):
+    """Nobody waited any more while the child was still starting: the compile never began (the child
+    lives on for the next one)."""
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """What a child needs to build the server's backend (``create_grammar_backend``'s arguments)."""
@@ -89,6 +94,7 @@ class IsolatedCompiler:
         self._conn: Connection | None = None
         self._killed: subprocess.Popen | None = None  # the child ``kill`` ended (its compile was dropped)
         self._busy = False  # a compile waits for the child's answer
+        self._ready = False  # the current child has built its backend (it said so)
         self._closed = False
 
     @property
@@ -98,15 +104,19 @@ class IsolatedCompiler:
 
     def compile(self, kind: str, text: str, abandoned: Callable[[], bool] = lambda: False) -> float:
         """``abandoned()`` (asked every POLL_S) true: nobody waits any more; the child is killed once the
-        compile has run KILL_GRACE_S."""
+        compile has run KILL_GRACE_S (before it began, the compile is dropped and the child kept)."""
         process, conn = self._started()
         try:
+            if not self._ready and not self._await_ready(conn, abandoned):
+                raise CompileDropped(kind, "nobody waits for it any more")
             conn.send_bytes(json.dumps([kind, text]).encode())
             t0 = time.monotonic()
             while not conn.poll(POLL_S):
                 if time.monotonic() - t0 >= KILL_GRACE_S and abandoned():
                     self.kill()
             reply = json.loads(conn.recv_bytes(MAX_REPLY_BYTES))
+        except GrammarError:
+            raise
         except (EOFError, OSError, ValueError):  # the child died (a limit, a kill) or answered nonsense
             raise self._ended(kind, process, conn) from None
         finally:
@@ -116,6 +126,16 @@ class IsolatedCompiler:
         if "error" in reply:
             raise GrammarError(kind, str(reply["error"])[:MAX_REPLY_BYTES])
         return float(reply["seconds"])
+
+    def _await_ready(self, conn: Connection, abandoned: Callable[[], bool]) -> bool:
+        """Wait for a new child's ``{"ready": true}`` (its imports and backend are no compile's time);
+        False when nobody waits any more before it came."""
+        while not conn.poll(POLL_S):
+            if abandoned():
+                return False
+        json.loads(conn.recv_bytes(MAX_REPLY_BYTES))
+        self._ready = True
+        return True
 
     def kill(self) -> None:
         with self._lock:
@@ -141,6 +161,7 @@ class IsolatedCompiler:
                 raise GrammarError("grammar", "the server is shutting down")
             if self._process is None or self._conn is None or self._process.poll() is not None:
                 self._process, self._conn = self._spawn()
+                self._ready = False
             self._busy = True
             return self._process, self._conn
 
@@ -171,6 +192,7 @@ class IsolatedCompiler:
             conn.close()
             if self._process is process:
                 self._process, self._conn = self._spawn() if not self._closed else (None, None)
+                self._ready = False
         if killed:
             return CompileKilled(kind, "its compile was stopped: nobody waits for it any more")
         if code == -signal.SIGXCPU:
@@ -206,6 +228,7 @@ def serve(conn: Connection, spec: BackendSpec, memory_mb: int, cpu_s: int) -> No
         broken = ""
     except Exception as e:  # noqa: BLE001 - e.g. the backend's package missing: every request's error
         backend, broken = None, f"cannot be compiled: {short_error(e)}"
+    conn.send_bytes(b'{"ready": true}')
     while True:
         try:
             kind, text = json.loads(conn.recv_bytes())

@@ -45,7 +45,7 @@ from typing import Any
 
 from pdserve.config import GrammarConfig
 from pdserve.constrained.base import GrammarBackend, GrammarError, GrammarTimeout, short_error
-from pdserve.constrained.isolation import CompileKilled, IsolatedCompiler
+from pdserve.constrained.isolation import CompileDropped, CompileKilled, IsolatedCompiler
 from pdserve.constrained.stats import GrammarStats
 
 Key = tuple[str, str]  # (kind, text)
@@ -225,11 +225,11 @@ class CompileService:
     def _check_isolated(self, job: _Job, worker: IsolatedCompiler) -> float:
         try:
             seconds = worker.compile(*job.key, abandoned=lambda: job.waiters <= 0)
-        except CompileKilled:
+        except (CompileKilled, CompileDropped) as e:
             with self._lock:
                 if self._cache.get(job.key) is job.future:  # nothing cached: the next asker compiles anew
                     del self._cache[job.key]
-                self.stats.count("killed")
+                self.stats.count("killed" if isinstance(e, CompileKilled) else "abandoned")
             raise
         except GrammarError:
             self.stats.count("compile_failures")
