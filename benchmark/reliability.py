@@ -749,6 +749,7 @@ class Drills:
         row.notes.append(f"12 requests with a json_schema nested {HOSTILE_DEPTH} deep: HTTP {sorted(set(codes))}; "
                          f"breakers after them: {breakers}")
         latency["after parser crashes"] = self._victim(row)
+        latency["plain streams (control)"] = self._under(row, self._plain_streams)
         latency["stop-string streams"] = self._under(row, self._stop_streams)
         latency["abandoned schema compiles"] = self._under(row, self._abandoned_schemas)
         idle = latency["idle"]
@@ -778,6 +779,21 @@ class Drills:
                 stop.set()
                 hostile.result()
 
+    def _plain_streams(self, row: Row, stop: threading.Event) -> None:
+        """The same streams without stop strings: what a second client's streams cost the victim anyway
+        (on a machine this small, mostly CPU), so the stop-string phase's own cost is the difference."""
+        self._stream_loop(row, stop, {"input_ids": self.streams[0], "stream": True,
+                                      "sampling_params": _greedy(STREAM_NEW)}, "streams without stop strings")
+
+    def _stream_loop(self, row: Row, stop: threading.Event, body: dict, what: str) -> None:
+        sent = 0
+        while not stop.is_set():
+            with httpx.stream("POST", self.cluster.router.url + "/generate", json=body, timeout=self.client.hung_s) as s:
+                for _ in s.iter_bytes():
+                    pass
+            sent += 1
+        row.notes.append(f"{what} sent meanwhile: {sent}")
+
     def _stop_streams(self, row: Row, stop: threading.Event) -> None:
         router = self.cluster.router.url
         count, length = HOSTILE_STOPS
@@ -788,13 +804,7 @@ class Drills:
         row.notes.append(f"3000 stop strings of 1000 characters: HTTP {r.status_code} {_error_message(r)[:120]}")
         body = {"input_ids": self.streams[0], "stream": True, "sampling_params": {
             **_greedy(STREAM_NEW), "stop": [("ab" * length)[:length - 1] + str(i % 10) for i in range(count)]}}
-        sent = 0
-        while not stop.is_set():
-            with httpx.stream("POST", router + "/generate", json=body, timeout=self.client.hung_s) as s:
-                for _ in s.iter_bytes():
-                    pass
-            sent += 1
-        row.notes.append(f"streams with {count} stop strings of {length} characters sent meanwhile: {sent}")
+        self._stream_loop(row, stop, body, f"streams with {count} stop strings of {length} characters")
 
     def _abandoned_schemas(self, row: Row, stop: threading.Event) -> None:
         router = self.cluster.router.url
