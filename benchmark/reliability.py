@@ -786,9 +786,9 @@ class Drills:
                                       "sampling_params": _greedy(STREAM_NEW)}, "streams without stop strings")
 
     def _stream_loop(self, row: Row, stop: threading.Event, body: dict, what: str) -> None:
-        sent = 0
+        sent, url = 0, self.cluster.router.url + "/generate"
         while not stop.is_set():
-            with httpx.stream("POST", self.cluster.router.url + "/generate", json=body, timeout=self.client.hung_s) as s:
+            with httpx.stream("POST", url, json=body, timeout=self.client.hung_s) as s:
                 for _ in s.iter_bytes():
                     pass
             sent += 1
