@@ -211,6 +211,7 @@ def cpu_seconds(config: GrammarConfig) -> int:
 def main(fd: int) -> None:
     """The child's entry point: its spec from the parent on socket ``fd``, then ``serve``."""
     _die_with_parent()
+    os.nice(10)  # like the compile threads (its imports too): what CPU the serving processes leave
     conn = Connection(fd)
     spec, memory_mb, cpu_s = pickle.loads(conn.recv_bytes())
     serve(conn, spec, memory_mb, cpu_s)
@@ -222,7 +223,6 @@ def serve(conn: Connection, spec: BackendSpec, memory_mb: int, cpu_s: int) -> No
     from pdserve.constrained import create_grammar_backend
 
     signal.signal(signal.SIGXCPU, signal.SIG_DFL)  # past the CPU limit the kernel ends this process
-    os.nice(10)  # like the compile threads: what CPU the serving processes leave
     try:
         backend = create_grammar_backend(spec.config, spec.tokenizer, spec.vocab_size, list(spec.stop_token_ids))
         broken = ""

@@ -145,10 +145,10 @@ class CompileService:
             job.waiters -= 1
             if job.waiters > 0 or job.started:
                 return
-            if self._cache.get(key) is job.future:
-                del self._cache[key]
             self._queues[job.owner].remove(job)
             self._forget(job)
+            if self._cache.get(key) is job.future:
+                del self._cache[key]
             self.stats.count("abandoned")
         job.future.cancel()
 
