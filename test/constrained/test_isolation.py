@@ -146,6 +146,19 @@ def test_a_compile_abandoned_while_its_child_starts_is_dropped_and_the_child_kep
         s.close()
 
 
+def test_a_child_that_cannot_start_is_each_requests_error_and_the_thread_lives_on():
+    config = GrammarConfig(compile_threads=1)
+    spec = BackendSpec(config, lambda: None, VOCAB, (EOS,))  # a tokenizer that cannot reach a child
+    s = CompileService(lambda: pytest.fail("no compile in this process"), config,
+                       make_worker=lambda: IsolatedCompiler(spec, 64, 60))
+    try:
+        for text in ("a+", "b+"):  # the second is served by the same thread
+            with pytest.raises(GrammarError, match=r"^sampling_params.regex: could not be checked"):
+                s.submit("regex", text, "alice").result(30)
+    finally:
+        s.close()
+
+
 PARENT = textwrap.dedent("""
     import sys, threading
     sys.path.insert(0, {fixtures!r})

@@ -169,6 +169,7 @@ class IsolatedCompiler:
         """A fresh child (a new interpreter: torch and fork do not mix, and multiprocessing's spawn would
         import the server's main module again), given the backend's spec on a socket it inherits. It
         starts importing at once; a compile sent meanwhile waits in the socket."""
+        spec = pickle.dumps((self.spec, self.memory_mb, self.cpu_s))  # parent to child: trusted; fails before a spawn
         mine, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])  # where ``pdserve`` is imported from here
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
@@ -177,7 +178,7 @@ class IsolatedCompiler:
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()  # only the child holds its end: its death is an EOF here
         conn = Connection(mine.detach())
-        conn.send_bytes(pickle.dumps((self.spec, self.memory_mb, self.cpu_s)))  # parent to child: trusted
+        conn.send_bytes(spec)
         return process, conn
 
     def _ended(self, kind: str, process: subprocess.Popen, conn: Connection) -> GrammarError:

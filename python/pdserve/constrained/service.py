@@ -234,6 +234,9 @@ class CompileService:
         except GrammarError:
             self.stats.count("compile_failures")
             raise
+        except Exception as e:  # noqa: BLE001 - e.g. a child that cannot start: the request's error, not the thread's end
+            self.stats.count("compile_failures")
+            raise GrammarError(job.key[0], f"could not be checked: {short_error(e)}") from None
         self.stats.observe_compile(seconds)
         return seconds
 
