@@ -64,7 +64,9 @@ LOSSY = "fail_rate=0.05,delay_rate=0.05,delay_s=2,seed=7"
 IDLE_ZERO = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "quarantine_entries", "aux_rows_in_use",
              "transfer_batches_in_flight", "rooms_waiting", "rooms_transferring", "rooms_open")
 SCENARIOS = ("prefill_kill9", "prefill_sigstop", "decode_sigstop", "decode_kill9", "malformed", "duplicate_rooms",
-             "lossy_writes", "soak", "replayed_bootstrap", "replayed_control_frame", "api_abuse", "hostile_client")
+             "lossy_writes", "soak", "replayed_bootstrap", "replayed_control_frame", "api_abuse", "hostile_client",
+             "cache_privacy")
+STANDALONE = ("cache_privacy",)  # scenarios that start their own servers (no cluster, no reference run)
 HOSTILE_DEPTH = 3000  # a json_schema nested past Python's stack (issue 33)
 HOSTILE_STOPS = 16, 256  # the most and longest stop strings a request may have (engine/request.py)
 HOSTILE_SCHEMAS = 10  # clients that each send a large schema and hang up at once
@@ -747,6 +749,7 @@ class Drills:
         row.notes.append(f"12 requests with a json_schema nested {HOSTILE_DEPTH} deep: HTTP {sorted(set(codes))}; "
                          f"breakers after them: {breakers}")
         latency["after parser crashes"] = self._victim(row)
+        latency["plain streams (control)"] = self._under(row, self._plain_streams)
         latency["stop-string streams"] = self._under(row, self._stop_streams)
         latency["abandoned schema compiles"] = self._under(row, self._abandoned_schemas)
         idle = latency["idle"]
@@ -776,6 +779,21 @@ class Drills:
                 stop.set()
                 hostile.result()
 
+    def _plain_streams(self, row: Row, stop: threading.Event) -> None:
+        """The same streams without stop strings: what a second client's streams cost the victim anyway
+        (on a machine this small, mostly CPU), so the stop-string phase's own cost is the difference."""
+        self._stream_loop(row, stop, {"input_ids": self.streams[0], "stream": True,
+                                      "sampling_params": _greedy(STREAM_NEW)}, "streams without stop strings")
+
+    def _stream_loop(self, row: Row, stop: threading.Event, body: dict, what: str) -> None:
+        sent, url = 0, self.cluster.router.url + "/generate"
+        while not stop.is_set():
+            with httpx.stream("POST", url, json=body, timeout=self.client.hung_s) as s:
+                for _ in s.iter_bytes():
+                    pass
+            sent += 1
+        row.notes.append(f"{what} sent meanwhile: {sent}")
+
     def _stop_streams(self, row: Row, stop: threading.Event) -> None:
         router = self.cluster.router.url
         count, length = HOSTILE_STOPS
@@ -786,16 +804,17 @@ class Drills:
         row.notes.append(f"3000 stop strings of 1000 characters: HTTP {r.status_code} {_error_message(r)[:120]}")
         body = {"input_ids": self.streams[0], "stream": True, "sampling_params": {
             **_greedy(STREAM_NEW), "stop": [("ab" * length)[:length - 1] + str(i % 10) for i in range(count)]}}
-        sent = 0
-        while not stop.is_set():
-            with httpx.stream("POST", router + "/generate", json=body, timeout=self.client.hung_s) as s:
-                for _ in s.iter_bytes():
-                    pass
-            sent += 1
-        row.notes.append(f"streams with {count} stop strings of {length} characters sent meanwhile: {sent}")
+        self._stream_loop(row, stop, body, f"streams with {count} stop strings of {length} characters")
 
     def _abandoned_schemas(self, row: Row, stop: threading.Event) -> None:
         router = self.cluster.router.url
+        # a server that has checked a constraint before (its compile children started: seconds of imports
+        # on the first one, docs/structured-outputs.md), as one serving structured outputs would be
+        warm = {"input_ids": self.prompts[1], "sampling_params": {**_greedy(2), "regex": "[a-z]{1,4}"}}
+        t0 = time.monotonic()
+        r = httpx.post(router + "/generate", json=warm, timeout=self.client.hung_s)
+        row.notes.append(f"the first constraint (compile children starting): HTTP {r.status_code} in "
+                         f"{time.monotonic() - t0:.2f} s")
         gone = 0
         for i in range(HOSTILE_SCHEMAS):
             body = {"input_ids": self.prompts[0], "sampling_params": {**_greedy(2), "json_schema": _large_schema(
@@ -1146,6 +1165,24 @@ def references(prompts, streams) -> dict[tuple, list[int]]:
 
 
 def run(a: argparse.Namespace) -> list[Row]:
+    names = a.scenarios.split(",")
+    rows = run_cluster(a, [n for n in names if n not in STANDALONE])
+    for name in (n for n in names if n in STANDALONE):
+        print(f"[reliability] {name} ...", file=sys.stderr, flush=True)
+        t = time.monotonic()
+        try:
+            row = STANDALONE_DRILLS[name](a)
+        except Exception as e:  # recorded and flagged
+            row = Row(name, f"{name} (crashed)", crashed=f"{type(e).__name__}: {e}")
+        row.extra["seconds"] = round(time.monotonic() - t, 1)
+        rows.append(row)
+        print(f"[reliability] {name}: {row.summary()} {row.flags() or ''}", file=sys.stderr, flush=True)
+    return rows
+
+
+def run_cluster(a: argparse.Namespace, names: list[str]) -> list[Row]:
+    if not names:
+        return []
     prompts, streams = make_prompts(a.seed)
     refs = references(prompts, streams)
     cluster = Cluster(secrets.token_hex(16), a.decodes)
@@ -1153,7 +1190,7 @@ def run(a: argparse.Namespace) -> list[Row]:
     try:
         cluster.start(SLOW)
         drills = Drills(a, cluster, Client(refs, a.hung_s), prompts, streams)
-        for name in a.scenarios.split(","):
+        for name in names:
             print(f"[reliability] {name} ...", file=sys.stderr, flush=True)
             t, before = time.monotonic(), counters(cluster)
             try:
@@ -1174,6 +1211,163 @@ def run(a: argparse.Namespace) -> list[Row]:
     finally:
         cluster.close()
     return rows
+
+
+# --- cache privacy (issue 33) -------------------------------------------------------------------------
+PRIVACY_PROMPT = [17, 305, 96, 44, 17, 17, 1021, 7, 415]  # "My bank PIN is 4417 ..." as token ids
+PRIVACY_FLAGS = ("--page-size", "1", "--max-total-tokens", "512", "--num-threads", "1", "--log-level", "warning")
+EVENTS_WAIT_S = 20.0
+
+
+def cache_privacy(a: argparse.Namespace) -> Row:
+    """The vocabulary attack of test/obs/test_cache_privacy.py against real servers (page size 1: a block
+    is one token): a keyed server (``$PDSERVE_KV_HASH_KEY``, as ``pdserve up`` hands it; API and admin
+    keys; KV events bound beyond loopback) and an unkeyed one (events on loopback) as the control. The
+    attacker reads the snapshot (with the admin key: more than an API client may) and subscribes to the
+    events port, then tries the vocabulary against every hash. Nothing may come back from the keyed
+    server; the whole prompt must come back from the control, or the drill proves nothing."""
+    from pdserve.config import KV_HASH_KEY_ENV, resolve_kv_hash_key
+    from pdserve.obs.kv_event_publisher import EventCurveKeys
+    from pdserve.web.api_key import ADMIN_KEY_ENV
+
+    row = Row("cache_privacy", "the vocabulary attack on KV block hashes from the snapshot and the events port of "
+                               "a keyed server, and of an unkeyed one (the control)")
+    secret, admin = secrets.token_hex(16), secrets.token_hex(16)
+    hash_key = resolve_kv_hash_key(None, {KV_HASH_KEY_ENV: secret})
+    keyed = _privacy_node("keyed", "tcp://0.0.0.0:*", ["--api-key", "inference-key"],
+                          {KV_HASH_KEY_ENV: secret, ADMIN_KEY_ENV: admin})
+    plain = _privacy_node("unkeyed", "tcp://127.0.0.1:*", [], {KV_HASH_KEY_ENV: ""})
+    try:
+        for node in (keyed, plain):
+            node.start()
+        # keyed: a stranger subscribes (no CURVE key) and so does a holder of the hash key (the router)
+        got = _privacy_round(row, keyed, {"Authorization": "Bearer inference-key"},
+                             {None: None, "router": EventCurveKeys.from_hash_key(hash_key)})
+        snap = httpx.get(keyed.url + "/kv_events/snapshot", headers={"Authorization": "Bearer inference-key"},
+                         timeout=30)
+        row.notes.append(f"keyed: the snapshot with the API key: HTTP {snap.status_code} (worker-only)")
+        if snap.status_code != 403:
+            row.unrefused.append(f"keyed snapshot read with the API key: HTTP {snap.status_code}")
+        blocks = _snapshot_blocks(keyed.url, {"Authorization": f"Bearer {admin}"})
+        _attack(row, "keyed snapshot (read with the admin key)", blocks, b"", expect=0)
+        _attack(row, "keyed snapshot, the attacker holding the hash key (sanity)", blocks, hash_key, expect=None)
+        stranger, router = got[None], got["router"]
+        row.notes.append(f"keyed events: a subscriber without the key received {stranger[0]} messages, the "
+                         f"router's (CURVE under the hash key) {router[0]}")
+        if stranger[0]:
+            row.unrefused.append(f"keyed events port: a subscriber without the key received {stranger[0]} messages")
+        _attack(row, "keyed events (as the router receives them; no token ids)", router[1], b"", expect=0)
+        _attack(row, "keyed events, the attacker holding the hash key (sanity)", router[1], hash_key, expect=None)
+        got = _privacy_round(row, plain, {}, {None: None})
+        _attack(row, "unkeyed snapshot (control)", _snapshot_blocks(plain.url, {}), b"",
+                expect=len(PRIVACY_PROMPT))
+        _attack(row, "unkeyed events (control)", got[None][1], b"", expect=len(PRIVACY_PROMPT))
+    finally:
+        for node in (keyed, plain):
+            node.close()
+    return row
+
+
+def _privacy_node(name: str, events: str, flags: list[str], env: dict) -> Node:
+    port = servers.free_port()
+    config = json.dumps({"publisher": "zmq", "endpoint": events})
+    return Node(f"privacy-{name}", ["serve", "--model-path", MODEL, "--port", str(port), *PRIVACY_FLAGS,
+                                    "--kv-events-config", config, *flags], port, env=env)
+
+
+def _privacy_round(row: Row, node: Node, headers: dict, subscribers: dict) -> dict:
+    """Subscribe (``subscribers``: name -> CURVE keys or None), send the secret prompt, and collect what
+    each subscriber received: name -> (messages, [(hash, parent)] of every stored block)."""
+    info = httpx.get(node.url + "/get_server_info", headers=headers, timeout=10).json()
+    endpoint = "tcp://127.0.0.1:" + info["kv_events_endpoint"].rsplit(":", 1)[1]
+    row.notes.append(f"{node.name}: events at {info['kv_events_endpoint']} (as advertised), CURVE "
+                     f"{info.get('kv_events_curve')}, token ids {info.get('kv_events_token_ids')}")
+    ctx = zmq.Context()
+    socks = {}
+    for name, keys in subscribers.items():
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.secure_subscriber(sock)
+        sock.connect(endpoint)
+        socks[name] = sock
+    got: dict = {name: [0, []] for name in socks}
+    try:
+        listener = next(n for n in socks if subscribers[n] is not None or len(socks) == 1)
+        wait_until(lambda: _drain(socks, got) or got[listener][0] > 0, EVENTS_WAIT_S, "a heartbeat on the events port")
+        body = {"input_ids": PRIVACY_PROMPT, "sampling_params": _greedy(1)}
+        t0 = time.monotonic()
+        r = httpx.post(node.url + "/generate", json=body, headers=headers, timeout=60)
+        row.outcomes.append(Outcome("completed" if r.status_code == 200 else "failed", f"HTTP {r.status_code}",
+                                    start=t0, end=time.monotonic()))
+        wait_until(lambda: _drain(socks, got) or len(got[listener][1]) >= len(PRIVACY_PROMPT), EVENTS_WAIT_S,
+                   "the prompt's blocks on the events port")
+        _drain(socks, got)
+    finally:
+        for sock in socks.values():
+            sock.close()
+        ctx.term()
+    return {name: (n, blocks) for name, (n, blocks) in got.items()}
+
+
+def _drain(socks: dict, got: dict) -> bool:
+    """Read what each subscriber has waiting into ``got``; always False (a poll step for wait_until)."""
+    for name, sock in socks.items():
+        while sock.poll(0):
+            payload = json.loads(sock.recv_multipart()[2])
+            got[name][0] += 1
+            for e in payload["events"]:
+                if e["type"] == "BlockStored":
+                    parent = e["parent_block_hash"]
+                    for h in e["block_hashes"]:
+                        got[name][1].append((h, parent))
+                        parent = h
+    return False
+
+
+def _snapshot_blocks(url: str, headers: dict) -> list[tuple[int, int | None]]:
+    r = httpx.get(url + "/kv_events/snapshot", headers=headers, timeout=30)
+    r.raise_for_status()
+    return [(b["block_hash"], b["parent_block_hash"]) for b in r.json()["blocks"]]
+
+
+def _attack(row: Row, what: str, blocks: list[tuple[int, int | None]], key: bytes, expect: int | None) -> None:
+    """The vocabulary attack over ``blocks``; ``expect`` the tokens it must recover (None: all of them)."""
+    t0 = time.monotonic()
+    tokens = rebuild_prompt(blocks, key)
+    found = tokens[:len(PRIVACY_PROMPT)] == PRIVACY_PROMPT
+    row.notes.append(f"{what}: {len(blocks)} block hashes, {len(tokens)} tokens recovered"
+                     f"{' (the prompt)' if found else ''} in {time.monotonic() - t0:.2f} s")
+    row.extra.setdefault("recovered_tokens", {})[what] = len(tokens)
+    if expect == 0:
+        if tokens:
+            row.unrefused.append(f"{what}: {len(tokens)} tokens recovered without the key")
+    elif not found:  # the control or the sanity check failed: the drill proves nothing
+        row.crashed = (row.crashed + "; " if row.crashed else "") + f"{what}: the prompt was not recovered"
+
+
+def rebuild_prompt(blocks: list[tuple[int, int | None]], key: bytes, vocab: int = 2048) -> list[int]:
+    """The attacker of test/obs/test_cache_privacy.py: the longest chain from the root whose every block's
+    token it finds by trying the vocabulary against the block's hash and its parent's."""
+    from pdserve.mem.radix_cache import ROOT_HASH, hash_block
+
+    children: dict[int, list[int]] = {}
+    for h, p in blocks:
+        children.setdefault(ROOT_HASH if p is None else p, []).append(h)
+    best: list[int] = []
+    stack: list[tuple[int, list[int]]] = [(ROOT_HASH, [])]
+    while stack:
+        h, tokens = stack.pop()
+        best = max(best, tokens, key=len)
+        for child in children.get(h, []):
+            t = next((t for t in range(vocab) if hash_block(h, [t], key) == child), None)
+            if t is not None:
+                stack.append((child, [*tokens, t]))
+    return best
+
+
+STANDALONE_DRILLS = {"cache_privacy": cache_privacy}
 
 
 def _fmt_rate(r: float | None) -> str:

@@ -509,6 +509,9 @@ class GrammarConfig:
     # fixed text takes a few steps instead of one per spelled piece
     jump_forward: bool = True
     max_compiles_per_client: int = 4  # new compiles one client may have queued or running (constrained/service.py)
+    # the frontend's check compiles in child processes with CPU and memory limits (constrained/isolation.py)
+    compile_isolation: bool = True
+    compile_memory_mb: int = 2048  # address space one such compile may add
 
     def __post_init__(self):
         _check_choice("grammar_backend", self.backend, GRAMMAR_BACKENDS)
@@ -517,6 +520,7 @@ class GrammarConfig:
         _check_at_least("grammar_cache_size", self.cache_size, 1)
         _check_at_least("grammar_compile_threads", self.compile_threads, 1)
         _check_at_least("grammar_max_compiles_per_client", self.max_compiles_per_client, 1)
+        _check_at_least("grammar_compile_memory_mb", self.compile_memory_mb, 1)
 
     @property
     def enabled(self) -> bool:
@@ -1051,6 +1055,8 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = False  # accepted (SGLang's flag); compact is the default
     constrained_json_any_whitespace: bool = False
     grammar_jump_forward: bool = True
+    grammar_compile_isolation: bool = True
+    grammar_compile_memory_mb: int = 2048
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -1228,7 +1234,9 @@ class ServerArgs:
         return GrammarConfig(self.grammar_backend, self.grammar_compile_timeout, self.grammar_cache_size,
                              any_whitespace=self.constrained_json_any_whitespace,
                              jump_forward=self.grammar_jump_forward,
-                             max_compiles_per_client=self.grammar_max_compiles_per_client)
+                             max_compiles_per_client=self.grammar_max_compiles_per_client,
+                             compile_isolation=self.grammar_compile_isolation,
+                             compile_memory_mb=self.grammar_compile_memory_mb)
 
     def _check_speculative(self) -> None:
         """What speculation does not run with yet, refused naming the flag."""

@@ -28,6 +28,26 @@ def test_an_unknown_scenario_is_named():
         reliability.parse_args(["--scenarios", "duplicate_rooms,bogus"])
 
 
+def test_the_cache_privacy_attack_reads_an_unkeyed_chain_and_nothing_of_a_keyed_one():
+    """The row's attacker (run against real servers by ``--scenarios cache_privacy``) on chains built here."""
+    from pdserve.mem.radix_cache import ROOT_HASH, hash_block
+
+    def chain(key: bytes) -> list[tuple[int, int | None]]:
+        blocks, parent = [], ROOT_HASH
+        for t in reliability.PRIVACY_PROMPT:
+            h = hash_block(parent, [t], key)
+            blocks.append((h, None if parent == ROOT_HASH else parent))
+            parent = h
+        return blocks
+
+    key = bytes(range(32))
+    assert reliability.rebuild_prompt(chain(b""), b"") == reliability.PRIVACY_PROMPT
+    assert reliability.rebuild_prompt(chain(key), b"") == []
+    assert reliability.rebuild_prompt(chain(key), key) == reliability.PRIVACY_PROMPT
+    every = set(reliability.parse_args([]).scenarios.split(","))
+    assert set(reliability.STANDALONE) <= set(reliability.SCENARIOS) == every
+
+
 def test_short_run_has_zero_hung_wrong_and_leaked(tmp_path):
     out, rows = tmp_path / "reliability.md", tmp_path / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--scenarios", "duplicate_rooms,soak", "--requests", "1", "--soak-s", "3",

@@ -122,3 +122,21 @@ def test_windowed_stop_search_and_holdback_agree_with_the_slow_twins():
             k = rng.randrange(1, 4)
             assert fast.add(ids[i:i + k]) == slow.add(ids[i:i + k]), (stop, ids[:i + k])
             i += k
+
+
+def test_stop_prefixes_follow_the_longest_prefix_each_stop_the_text_ends_with():
+    """StopPrefixes (KMP as the text grows) against the brute force, on stops full of borders
+    ("abab", "aaa") so the failure links are walked, text fed in pieces of any size."""
+    from pdserve.engine.tokenizer import StopPrefixes
+
+    rng = random.Random(11)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 9))) for _ in range(rng.randrange(1, 5))]
+        prefixes, text = StopPrefixes(stops), ""
+        while len(text) < 40:
+            piece = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 5)))
+            prefixes.feed(piece)
+            text += piece
+            longest = [max(k for k in range(len(s) + 1) if text.endswith(s[:k])) for s in stops]
+            assert prefixes.ends == longest, (stops, text)
+            assert prefixes.holdback() == max(min(k, len(s) - 1) for k, s in zip(longest, stops))

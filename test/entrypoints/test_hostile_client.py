@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,14 +16,14 @@ import pytest
 
 from pdserve.constrained.limits import LIMITS
 from pdserve.engine.request import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from server_utils import Server
+from server_utils import Server, descendants
 
 DEEP = 3000  # past Python's recursion limit
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--grammar-max-compiles-per-client", "1", "--max-logprobs", "20")
+    s = Server("--grammar-max-compiles-per-client", "1", "--max-logprobs", "20", "--grammar-compile-memory-mb", "64")
     try:
         yield s.start()
     finally:
@@ -146,6 +148,76 @@ def test_one_clients_compiles_queue_apart_and_over_its_share_are_429(server):
     assert 429 in codes and set(codes) <= {200, 429}, [r.text for r in hostile]
     busy = next(r for r in hostile if r.status_code == 429).json()["error"]
     assert busy["param"] == "sampling_params.json_schema" and "--grammar-max-compiles-per-client" in busy["message"]
+
+
+def _compile_children(server: Server) -> list[int]:
+    """The server's grammar-check processes (constrained/isolation.py), zombies included."""
+    out = []
+    for pid in descendants(server.proc.pid) + _zombies(server.proc.pid):
+        try:
+            if b"pdserve.constrained.isolation" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _zombies(parent: int) -> list[int]:
+    """Children of ``parent`` that exited and were not reaped."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split() if stat else []
+        if fields and fields[0] == "Z" and int(fields[1]) == parent:
+            out.append(int(entry.name))
+    return out
+
+
+def _patterns_schema(fields: int, variant: str) -> str:
+    """Seconds of CPU to compile, little memory: strings under a pattern of counted repeats."""
+    pattern = "^([a-z][0-9]){1,40}(x|y|z){2,30}$"
+    props = {f"{variant}_{i}": {"type": "string", "pattern": pattern} for i in range(fields)}
+    return json.dumps({"type": "object", "properties": props, "required": list(props)})
+
+
+def _schema_request(schema: str) -> dict:
+    return {"text": "x", "sampling_params": {"max_new_tokens": 1, "json_schema": schema}}
+
+
+def test_a_grammar_past_the_compile_memory_limit_is_a_400_and_the_server_serves_on(server):
+    """Server started with --grammar-compile-memory-mb 64: a wide schema (shallow, within every
+    constraint limit) that needs more to compile is a 400 naming the field and the flag; the server
+    serves the next schema and stays healthy."""
+    r = server.post("/generate", json=_schema_request(_schema(3000, "big")), timeout=300)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "sampling_params.json_schema" and "--grammar-compile-memory-mb" in error["message"]
+    assert server.post("/generate", json=_schema_request(_schema(2, "after"))).status_code == 200
+    assert server.get("/health").status_code == 200
+
+
+def test_an_abandoned_compile_is_killed_and_leaves_no_process(server):
+    """A client that sends a slow schema and hangs up: its compile's child process is killed (once it ran
+    KILL_GRACE_S) and reaped (no orphan, no zombie), the kill is counted, and the next schema compiles."""
+    assert server.post("/generate", json=_schema_request(_schema(2, "warm"))).status_code == 200  # children up
+    killed = server.info()["grammar_frontend"]["killed"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/generate", json=_schema_request(_patterns_schema(800, "gone")), timeout=0.5)
+    seen = _compile_children(server)
+    deadline = time.monotonic() + 60
+    while server.info()["grammar_frontend"]["killed"] == killed:
+        assert time.monotonic() < deadline, server.output()
+        time.sleep(0.1)
+    # the kill is counted when it is sent; the compile thread reaps the child right after
+    while all(Path(f"/proc/{pid}").exists() for pid in seen):
+        assert time.monotonic() < deadline, f"no compile child reaped: {seen}"
+        time.sleep(0.1)
+    assert not _zombies(server.proc.pid)
+    assert server.post("/generate", json=_schema_request(_schema(2, "next"))).status_code == 200
+    assert len(_compile_children(server)) <= 2  # one per compile thread at most: nothing piles up
 
 
 # ------------------------------------------------------------ streamed logprobs

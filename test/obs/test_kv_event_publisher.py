@@ -14,11 +14,12 @@ import zmq
 from pdserve.config import KVEventsConfig, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.entrypoints.scheduler_process import build_scheduler, close_kv_events
-from pdserve.obs.kv_event_publisher import KVEventPublisher
+from pdserve.obs.kv_event_publisher import EventCurveKeys, KVEventPublisher
 from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.kv_index import prompt_block_hashes
 
 PAGE = 4
+HASH_KEY = bytes(range(32))  # the deployment's block hash key (resolve_kv_hash_key's output)
 CONFIG = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"})
 
 
@@ -110,11 +111,14 @@ def test_the_default_endpoint_is_the_servers_host_not_every_interface():
 
 
 def _published_stored(pub: KVEventPublisher, port: int) -> dict:
-    """The first BlockStored event a subscriber on 127.0.0.1:``port`` receives from ``pub``."""
+    """The first BlockStored event a subscriber on 127.0.0.1:``port`` receives from ``pub`` (a CURVE
+    client under the hash key's keys where ``pub`` is a CURVE server)."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if pub.curve is not None:
+            EventCurveKeys.from_hash_key(HASH_KEY).secure_subscriber(sub)
         sub.connect(f"tcp://127.0.0.1:{port}")
         wait_for(lambda: sub.poll(100), "a heartbeat (the subscription is live)")
         pub.stored(None, [11, 12], [1, 2, 3, 4, 5, 6, 7, 8], 4, "GPU")
@@ -132,7 +136,7 @@ def test_token_ids_are_published_only_to_this_machine(bind, token_ids):
     # A wildcard bind is reachable from other machines, with no authentication: the events go out
     # with their (keyed) block hashes (what routing needs) and without the prompts' tokens. The
     # subscriber itself connects over loopback only.
-    pub = KVEventPublisher(KVEventsConfig("zmq", bind), advertise_host="127.0.0.1", keyed=True)
+    pub = KVEventPublisher(KVEventsConfig("zmq", bind), advertise_host="127.0.0.1", hash_key=HASH_KEY)
     try:
         port = int(pub.endpoint.rsplit(":", 1)[1])
         stored = _published_stored(pub, port)
@@ -150,6 +154,66 @@ def test_unkeyed_hashes_are_not_published_beyond_this_machine():
     with pytest.raises(ValueError, match=r"kv_events_config: endpoint .* --kv-hash-key-file"):
         KVEventPublisher(KVEventsConfig("zmq", "tcp://0.0.0.0:*"), advertise_host="127.0.0.1")
     KVEventPublisher(KVEventsConfig("zmq", "tcp://127.0.0.1:*"), advertise_host="127.0.0.1").close()  # loopback: fine
+
+
+def _subscriber(ctx: zmq.Context, port: int, keys: EventCurveKeys | None) -> zmq.Socket:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.secure_subscriber(sub)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    return sub
+
+
+def test_events_reachable_from_other_machines_are_curve_for_holders_of_the_hash_key_only():
+    """Round 2's open item: keyed hashes still tell which blocks are equal, so a publisher bound beyond
+    the loopback is a CURVE server whose keys derive from the hash key. A subscriber without them, or
+    with another deployment's, gets nothing (not even a heartbeat) while the router's gets every batch."""
+    pub = KVEventPublisher(KVEventsConfig("zmq", "tcp://0.0.0.0:*"), advertise_host="127.0.0.1", hash_key=HASH_KEY)
+    ctx = zmq.Context()
+    try:
+        assert pub.stats()["kv_events_curve"] is True
+        port = int(pub.endpoint.rsplit(":", 1)[1])
+        strangers = [_subscriber(ctx, port, None), _subscriber(ctx, port, EventCurveKeys.from_hash_key(bytes(32)))]
+        router = _subscriber(ctx, port, EventCurveKeys.from_hash_key(HASH_KEY))
+        wait_for(lambda: router.poll(100), "a heartbeat to the key holder")
+        router.recv_multipart()
+        pub.stored(None, [11, 12], [1, 2, 3, 4, 5, 6, 7, 8], 4, "GPU")
+        pub.flush()
+        while not (events := orjson.loads(router.recv_multipart()[2])["events"]):
+            pass
+        assert events[0]["block_hashes"] == [11, 12] and "token_ids" not in events[0]
+        router.recv_multipart()  # and a heartbeat after it: the strangers, connected first, had as long
+        assert [s.poll(0) for s in strangers] == [0, 0]
+        for s in (*strangers, router):
+            s.close()
+    finally:
+        ctx.term()
+        pub.close()
+
+
+def test_the_routers_subscriber_follows_a_curve_publisher_with_the_keys():
+    pub = KVEventPublisher(KVEventsConfig("zmq", "tcp://0.0.0.0:*"), advertise_host="127.0.0.1", hash_key=HASH_KEY)
+    endpoint = "tcp://127.0.0.1:" + pub.endpoint.rsplit(":", 1)[1]
+    sub = KVEventSubscriber("curve", endpoint, lambda: pub.snapshot([], PAGE), stale_s=30.0,
+                            curve=EventCurveKeys.from_hash_key(HASH_KEY)).start()
+    try:
+        wait_for(lambda: sub.fresh, "the first heartbeat and resync over CURVE")
+        pub.stored(None, [11, 12], [1, 2, 3, 4, 5, 6, 7, 8], PAGE, "GPU")
+        pub.flush()
+        wait_for(lambda: sub.num_blocks == 2, "the stored blocks")
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_loopback_events_stay_plain_for_local_readers():
+    pub = KVEventPublisher(KVEventsConfig("zmq", "tcp://127.0.0.1:*"), advertise_host="127.0.0.1", hash_key=HASH_KEY)
+    try:
+        assert pub.curve is None and pub.stats()["kv_events_curve"] is False
+    finally:
+        pub.close()
 
 
 def test_hash_only_events_still_drive_the_routers_index():

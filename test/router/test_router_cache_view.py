@@ -13,6 +13,7 @@ import random
 import orjson
 
 from pdserve.assets import preset_dir
+from pdserve.obs.kv_event_publisher import EventCurveKeys
 from pdserve.router.app import build_context
 from pdserve.router.cache_view import MATCH_TEXT, MATCH_TOKENS, PrefixView
 from pdserve.router.config import PrefillSpec, RouterArgs
@@ -240,6 +241,12 @@ def test_the_router_hashes_under_the_deployment_key_and_skips_a_worker_keyed_oth
     refresh(ctx)
     try:
         assert view(ctx, P0).events is not None  # the same key: followed
+        assert view(ctx, P0).events.curve is None  # a loopback publisher: plain
+        for url in (P0, P1):
+            view(ctx, url).unfollow()
+        workers.info.update(kv_events_endpoint="tcp://0.0.0.0:2", kv_events_curve=True)  # reachable from elsewhere
+        refresh(ctx)
+        assert view(ctx, P0).events.curve == EventCurveKeys.from_hash_key(key)  # CURVE under the deployment key
     finally:
         for url in (P0, P1):
             view(ctx, url).unfollow()

@@ -17,11 +17,18 @@ up made a later trivial schema time out behind them). So:
 * a caller that stops waiting (timed out, disconnected, its request aborted) says so with
   ``release``; a compile nobody waits for any more is dropped before it starts. One that is
   already running finishes on its thread (a thread cannot be stopped; see
-  docs/structured-outputs.md, "Limits", for what bounds it) and is cached for the next asker;
+  docs/structured-outputs.md, "Limits", for what bounds it) and is cached for the next asker,
+  unless it runs in a child process (below);
 * the compile threads run at a lower CPU priority (nice +10) than the threads that serve requests.
 
 ``owner=None`` (the scheduler, which compiles only what its frontend already accepted) is never
 refused and shares one queue.
+
+With ``make_worker`` (the frontend's check, ``--grammar-compile-isolation``) each thread compiles in
+its own child process with CPU and memory limits (constrained/isolation.py), and a Future's result is
+the compile's seconds, not a grammar: the check only learns whether the constraint compiles. A
+running compile nobody waits for any more is then killed once it has run ``KILL_GRACE_S`` (nothing
+cached; a new asker before then keeps it alive), not left to finish.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 
 from pdserve.config import GrammarConfig
 from pdserve.constrained.base import GrammarBackend, GrammarError, GrammarTimeout, short_error
+from pdserve.constrained.isolation import CompileDropped, CompileKilled, IsolatedCompiler
 from pdserve.constrained.stats import GrammarStats
 
 Key = tuple[str, str]  # (kind, text)
@@ -61,7 +69,8 @@ class _Job:
 
 class CompileService:
     def __init__(self, make_backend: Callable[[], GrammarBackend], config: GrammarConfig,
-                 stats: GrammarStats | None = None):
+                 stats: GrammarStats | None = None,
+                 make_worker: Callable[[], IsolatedCompiler] | None = None):
         self.config = config
         self.stats = stats or GrammarStats()
         self._make_backend = make_backend
@@ -73,7 +82,8 @@ class CompileService:
         self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()  # owner -> its queued jobs, in turn order
         self._owned: dict[str, int] = {}  # owner -> its jobs queued or running
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"pdserve-grammar-{i}", daemon=True)
+        self._workers = [make_worker() for _ in range(config.compile_threads)] if make_worker else []
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"pdserve-grammar-{i}", daemon=True)
                          for i in range(config.compile_threads)]
         for t in self._threads:
             t.start()
@@ -125,7 +135,8 @@ class CompileService:
 
     def release(self, kind: str, text: str) -> None:
         """One caller of ``submit(kind, text)`` stopped waiting; with none left, a compile that has not
-        started is dropped (its Future cancelled, nothing cached)."""
+        started is dropped (its Future cancelled, nothing cached); one running in a child process is
+        killed by its thread once it has run KILL_GRACE_S with nobody waiting (``_check_isolated``)."""
         key = (kind, text)
         with self._lock:
             job = self._jobs.get(key)
@@ -167,8 +178,9 @@ class CompileService:
             self._lock.wait()
         return None
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
         _lower_priority()
+        worker = self._workers[index] if self._workers else None
         while True:
             with self._lock:
                 job = self._next()
@@ -176,7 +188,7 @@ class CompileService:
                 return
             if job.future.set_running_or_notify_cancel():
                 try:
-                    job.future.set_result(self._compile(*job.key))
+                    job.future.set_result(self._check_isolated(job, worker) if worker else self._compile(*job.key))
                 except GrammarError as e:
                     job.future.set_exception(e)
             with self._lock:
@@ -210,6 +222,24 @@ class CompileService:
         finally:
             self.stats.observe_compile(time.perf_counter() - t0)
 
+    def _check_isolated(self, job: _Job, worker: IsolatedCompiler) -> float:
+        try:
+            seconds = worker.compile(*job.key, abandoned=lambda: job.waiters <= 0)
+        except (CompileKilled, CompileDropped) as e:
+            with self._lock:
+                if self._cache.get(job.key) is job.future:  # nothing cached: the next asker compiles anew
+                    del self._cache[job.key]
+                self.stats.count("killed" if isinstance(e, CompileKilled) else "abandoned")
+            raise
+        except GrammarError:
+            self.stats.count("compile_failures")
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a child that cannot start: the request's error, not the thread's end
+            self.stats.count("compile_failures")
+            raise GrammarError(job.key[0], f"could not be checked: {short_error(e)}") from None
+        self.stats.observe_compile(seconds)
+        return seconds
+
     def queued(self, owner: str | None = None) -> int:
         """Compiles queued or running for ``owner`` (None: the scheduler's)."""
         with self._lock:
@@ -226,6 +256,8 @@ class CompileService:
             self._lock.notify_all()
         for job in dropped:
             job.future.cancel()
+        for worker in self._workers:
+            worker.close()
 
 
 COMPILE_NICE = 10  # compile threads yield the CPU to the event loop and the scheduler

@@ -42,9 +42,10 @@ class GrammarStats:
         self._lock = threading.Lock()
         self.compile = Buckets(COMPILE_BUCKETS)
         self.mask = Buckets(MASK_BUCKETS)
-        # busy: refused, the client had its most compiles queued; abandoned: dropped, nobody waited any more
+        # busy: refused, the client had its most compiles queued; abandoned: dropped, nobody waited any more;
+        # killed: a running compile's child process killed, nobody waited any more (constrained/isolation.py)
         self.counters = {"requests": 0, "cache_hits": 0, "cache_misses": 0, "compile_failures": 0,
-                         "timeouts": 0, "busy": 0, "abandoned": 0}
+                         "timeouts": 0, "busy": 0, "abandoned": 0, "killed": 0}
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -195,6 +195,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--grammar-jump-forward", "append the text a grammar allows as its only continuation without "
           "sampling it (fewer steps, other tokens; --no-grammar-jump-forward samples every token; "
           "docs/structured-outputs.md)", action=argparse.BooleanOptionalAction)
+    _flag(g, "--grammar-compile-isolation", "check a client's constraint by compiling it in a child process with "
+          "CPU and memory limits, killed when nobody waits for it (--no-grammar-compile-isolation: on the "
+          "frontend's threads; docs/structured-outputs.md)", action=argparse.BooleanOptionalAction)
+    _flag(g, "--grammar-compile-memory-mb", "address space (MiB) one isolated grammar compile may add; past it the "
+          "request gets a 400", type=int)
     _flag(g, "--log-level", "logging level of every process", choices=LOG_LEVELS)
     _flag(g, "--stream-interval", "send streamed text every N tokens (first and last always)", type=int)
 

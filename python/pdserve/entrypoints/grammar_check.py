@@ -2,7 +2,10 @@
 backend (on the compile threads, cached by kind and text) before the request reaches the
 scheduler, so a constraint that does not compile, or compiles too slowly, is a 400 naming the
 field. A prefill server skips it: prefill never samples, the grammar is decode's alone. Compiles
-queue per client (``owner``) and are dropped when the request stops waiting (constrained/service.py)."""
+queue per client (``owner``) and are dropped when the request stops waiting (constrained/service.py).
+With ``--grammar-compile-isolation`` (the default) they run in child processes with CPU and memory
+limits, killed when the request stops waiting (constrained/isolation.py); the scheduler then
+compiles only constraints that passed."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 
 from pdserve.config import GrammarConfig
 from pdserve.constrained import GrammarError, create_grammar_backend
+from pdserve.constrained.isolation import BackendSpec, IsolatedCompiler, cpu_seconds
 from pdserve.constrained.service import CompileBusy, CompileService, timeout_error
 from pdserve.constrained.stats import GrammarStats
 from pdserve.engine.request import SamplingParams
@@ -36,8 +40,12 @@ class GrammarCheck:
         if self._service is None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
             stop = [eos] if isinstance(eos, int) else []
+            spec = BackendSpec(self.config, self.tokenizer, vocab_size, tuple(stop))
+            make_worker = (lambda: IsolatedCompiler(spec, self.config.compile_memory_mb, cpu_seconds(self.config))
+                           ) if self.config.compile_isolation else None
             self._service = CompileService(
-                lambda: create_grammar_backend(self.config, self.tokenizer, vocab_size, stop), self.config, self.stats)
+                lambda: create_grammar_backend(self.config, self.tokenizer, vocab_size, stop), self.config, self.stats,
+                make_worker=make_worker)
         return self._service
 
     async def check(self, sampling: SamplingParams, role: str, vocab_size: int, owner: str = "") -> None:

@@ -111,7 +111,7 @@ def attach_kv_events(args: ServerArgs, scheduler) -> None:
     if config.enabled:
         from pdserve.obs.kv_event_publisher import KVEventPublisher
 
-        scheduler.attach_kv_events(KVEventPublisher(config, args.host, keyed=bool(args.cache_config().hash_key)))
+        scheduler.attach_kv_events(KVEventPublisher(config, args.host, hash_key=args.cache_config().hash_key))
 
 
 def close_kv_events(scheduler) -> None:

@@ -117,6 +117,7 @@ GRAMMAR_COUNTERS = {
     "timeouts": ("num_grammar_timeout", "Grammar compiles past --grammar-compile-timeout"),
     "busy": ("num_grammar_busy", "Compiles refused (429): the client had --grammar-max-compiles-per-client queued"),
     "abandoned": ("num_grammar_abandoned", "Queued compiles dropped before they started: nobody waited any more"),
+    "killed": ("num_grammar_killed", "Running compiles whose child process was killed: nobody waited any more"),
 }
 GRAMMAR_HISTOGRAMS = {
     "compile_seconds": ("grammar_compilation_time_seconds", "Grammar compile time"),

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from pdserve.engine.tokenizer import has_tokenizer
+from pdserve.obs.kv_event_publisher import EventCurveKeys
 from pdserve.router.approx_index import CHARS_PER_TOKEN, ApproxIndex, text_block_hashes
 from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.kv_index import key_check, prompt_block_hashes
@@ -317,7 +318,9 @@ class CacheView:
             if view.events.endpoint == endpoint:
                 return  # the same stream, silent for now: its subscriber reconnects by itself
             view.unfollow()
-        view.events = KVEventSubscriber(w.url, endpoint, lambda: self._snapshot(w), self.stale_s).start()
+        # a publisher reachable from other machines is a CURVE server under keys derived from the hash key
+        curve = EventCurveKeys.from_hash_key(self.hash_key) if info.get("kv_events_curve") and self.hash_key else None
+        view.events = KVEventSubscriber(w.url, endpoint, lambda: self._snapshot(w), self.stale_s, curve=curve).start()
         logger.info("following KV events of prefill worker %s at %s", w.url, endpoint)
 
     async def _read_load(self, w: Worker) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import orjson
 import zmq
 
+from pdserve.obs.kv_event_publisher import EventCurveKeys
 from pdserve.router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
@@ -31,9 +32,10 @@ class KVEventSubscriber:
     ``matched_blocks`` and ``num_blocks`` may be called from any thread."""
 
     def __init__(self, name: str, endpoint: str, fetch_snapshot: Callable[[], dict], stale_s: float = 5.0,
-                 topic: str = "", clock: Callable[[], float] = time.monotonic):
+                 topic: str = "", clock: Callable[[], float] = time.monotonic, curve: EventCurveKeys | None = None):
         self.name = name
         self.endpoint = endpoint
+        self.curve = curve  # the publisher is a CURVE server (it is reachable from other machines)
         self.fetch_snapshot = fetch_snapshot
         self.stale_s = stale_s
         self.topic = topic
@@ -86,6 +88,8 @@ class KVEventSubscriber:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        if self.curve is not None:
+            self.curve.secure_subscriber(sock)
         try:
             sock.connect(self.endpoint)
             while not self._stop.is_set():
