@@ -4,12 +4,15 @@ prefix-then-extend (the prefix's KV written by an earlier forward) and decode st
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from fixtures.paged_batches import PagedRequests, make_pool
 from fixtures.tiny_models import VARIANTS, make_variant
 from pdserve.config import ModelConfig
+from pdserve.layers.cpu_gemm import PACK_ALWAYS, pack_linears
 from pdserve.layers.moe import SparseMoE
 from pdserve.models.loader import load_model
 
@@ -72,6 +75,19 @@ def test_prefix_then_extend_then_decode_match_transformers(pair, page_size):
         [(0, 1), (1, 1)],
     ]
     got = _run_schedule(model, seqs, steps, page_size, seed=page_size)
+    for g, want in zip(got, _hf_logits(hf, seqs)):
+        torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
+
+
+def test_packed_cpu_linears_match_transformers(pair):
+    """Every linear on oneDNN-packed weights (layers/cpu_gemm.py): the same schedule, the same bound."""
+    hf, model = pair
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed, PACK_ALWAYS) > 0
+    seqs = _sequences(hf.config.vocab_size, (37, 13, 24), seed=1)
+    # Extends of 20/21, then 17/9/3 rows (oneDNN at many and few rows), then 1-row decodes.
+    steps = [[(0, 20), (2, 21)], [(0, 17), (1, 9), (2, 3)], [(1, 1)], [(1, 1)], [(1, 1)], [(1, 1)]]
+    got = _run_schedule(packed, seqs, steps, 16)
     for g, want in zip(got, _hf_logits(hf, seqs)):
         torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
 
