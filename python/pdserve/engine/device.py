@@ -70,6 +70,9 @@ def require_device(cfg: DeviceConfig) -> None:
                          "(use --device cpu)")
     if cfg.attention_backend == "triton":
         _require_triton(cfg)
+    if cfg.device == "cpu" and cfg.cpu_gemm == "packed" and not CpuFeatures.detect().onednn:
+        raise ValueError("cpu_gemm: 'packed' needs torch's oneDNN (mkldnn) ops, which this torch build lacks "
+                         "(use --cpu-gemm auto or plain)")
     if cfg.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         raise ValueError("attention_backend: 'flashinfer' needs the flashinfer-python package, which is not "
                          "installed (pip install flashinfer-python, or --attention-backend triton)")

@@ -113,13 +113,17 @@ class ModelRunner:
     def _pack_cpu_linears(self, device_config: DeviceConfig | None,
                           compile_config: CompileConfig | None) -> PackPolicy | None:
         """Pack the loaded CPU linears for oneDNN where ``--cpu-gemm`` and this host say so
-        (layers/cpu_gemm.py); returns the policy they follow. Compiled decode keeps plain
-        weights: inductor traces F.linear and packs on its own terms."""
+        (layers/cpu_gemm.py); returns the policy they follow. Compiled decode keeps the plain
+        weights: inductor fails to lower the packed call (its oneDNN tensor is a graph input it
+        cannot lay out), so its compiled layers fuse element-wise ops around F.linear instead."""
         from pdserve.engine.device import CpuFeatures, cpu_pack_policy
 
         if device_config is None or self.device.type != "cpu" or (compile_config and compile_config.enabled):
             return None
-        policy = cpu_pack_policy(device_config, CpuFeatures.detect())
+        features = CpuFeatures.detect()
+        if device_config.dtype == "bfloat16" and not features.native_bf16:
+            logger.warning("dtype bfloat16 on a CPU without avx512_bf16/AMX: emulated, likely slower than float32")
+        policy = cpu_pack_policy(device_config, features)
         if policy is not None:
             packed = sum(pack_linears(m, policy) for m in (self.model, self.draft) if m is not None)
             logger.info("CPU GEMMs: %d linears packed for oneDNN (%s)", packed, policy)
