@@ -77,15 +77,15 @@ def save_model(name: str, out_dir: str, seed: int):
 
 # ---------------------------------------------------------------- ops
 
-def best_us(fn: Callable[[], object], calls: int, blocks: int) -> float:
-    """Best block's mean microseconds per call (warm-up first)."""
+def best_us(calls: int, blocks: int, fn: Callable[..., object], *args, **kwargs) -> float:
+    """Best block's mean microseconds per ``fn(*args, **kwargs)`` call (warm-up first)."""
     for _ in range(3):
-        fn()
+        fn(*args, **kwargs)
     best = float("inf")
     for _ in range(blocks):
         t0 = time.perf_counter()
         for _ in range(calls):
-            fn()
+            fn(*args, **kwargs)
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
 
@@ -111,8 +111,8 @@ def bench_gemms(cfg, rows: list[int], calls: int, blocks: int) -> list[dict]:
             for dtype, policy, tag in ((torch.float32, PACK_FLOAT32, "f32"), (torch.bfloat16, PACK_BFLOAT16, "bf16")):
                 wd, xd = w.to(dtype), x.to(dtype)
                 packed = PackedLinear(wd, PACK_ALWAYS)
-                row[f"{tag} F.linear"] = best_us(lambda: F.linear(xd, wd), calls, blocks)
-                row[f"{tag} packed"] = best_us(lambda: packed(xd), calls, blocks)
+                row[f"{tag} F.linear"] = best_us(calls, blocks, F.linear, xd, wd)
+                row[f"{tag} packed"] = best_us(calls, blocks, packed, xd)
                 row[f"{tag} auto"] = "packed" if policy.pays(m, w.numel()) else "F.linear"
             out.append(row)
     return out
@@ -132,9 +132,9 @@ def bench_attention(cfg, rows: list[int], kv_len: int, calls: int, blocks: int) 
         row = {"op": f"decode attention L={kv_len}", "M": b}
         for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
-            row[f"{tag} SDPA"] = best_us(lambda: F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=mask, scale=D ** -0.5, enable_gqa=Hq != Hkv), calls, blocks)
-            row[f"{tag} grouped"] = best_us(lambda: _attend_grouped(qd, kd, vd, md, D ** -0.5), calls, blocks)
+            row[f"{tag} SDPA"] = best_us(calls, blocks, F.scaled_dot_product_attention, qd, kd, vd,
+                                         attn_mask=mask, scale=D ** -0.5, enable_gqa=Hq != Hkv)
+            row[f"{tag} grouped"] = best_us(calls, blocks, _attend_grouped, qd, kd, vd, md, D ** -0.5)
         out.append(row)
     return out
 
@@ -167,10 +167,10 @@ def bench_elementwise(cfg, rows: list[int], calls: int, blocks: int) -> list[dic
                 "rotary": (torch.randn(m, Hq + Hkv, D), cos, sin)}
         for name, fn in ops.items():
             a = args[name]
-            row = {"op": name, "M": m, "eager": best_us(lambda: fn(*a), calls, blocks),
-                   "compiled": best_us(lambda: compiled[name](*a), calls, blocks)}
+            row = {"op": name, "M": m, "eager": best_us(calls, blocks, fn, *a),
+                   "compiled": best_us(calls, blocks, compiled[name], *a)}
             if name == "silu*mul":
-                row["in-place (layers)"] = best_us(lambda: silu_and_mul(*a), calls, blocks)
+                row["in-place (layers)"] = best_us(calls, blocks, silu_and_mul, *a)
             out.append(row)
     return out
 
@@ -289,8 +289,9 @@ def main(argv=None) -> None:
         with torch.inference_mode():
             for name in args.models:
                 cfg = hf_config(name)
+                attn = bench_attention(cfg, args.rows, args.kv_len, args.calls, args.blocks)
                 tables = {"GEMMs (us)": bench_gemms(cfg, args.rows, args.calls, args.blocks),
-                          "decode attention (us)": bench_attention(cfg, args.rows, args.kv_len, args.calls, args.blocks),
+                          "decode attention (us)": attn,
                           "element-wise (us)": bench_elementwise(cfg, args.rows, args.calls, args.blocks)}
                 for title, rows in tables.items():
                     print_rows(f"{name}: {title}, threads {torch.get_num_threads()}", rows)
