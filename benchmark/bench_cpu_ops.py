@@ -232,8 +232,16 @@ def e2e(name: str, args: argparse.Namespace) -> dict:
             e.shutdown()
     ref = [o["output_ids"] for o in outs["plain f32"]]
     same = {v: sum(o["output_ids"] == r for o, r in zip(outs[v], ref)) for v in engines}
+    prefix = {v: statistics.mean(common_prefix(o["output_ids"], r) for o, r in zip(outs[v], ref)) for v in engines}
     return {"model": name, "threads": threads, "tok_s": rates, "greedy_equal_to_plain_f32": same,
-            "sequences": len(ref), **drift}
+            "mean_common_prefix": prefix, "sequences": len(ref), "output_len": args.output_len, **drift}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def logprob_drift(engines: dict, prompts, continuations) -> dict:
@@ -261,7 +269,8 @@ def print_e2e(r: dict) -> None:
     for v, xs in r["tok_s"].items():
         print(f"{v:>10}: {statistics.median(xs):8.1f} tok/s ({min(xs):.0f}..{max(xs):.0f})  "
               f"x{statistics.median(xs) / base:.2f} vs plain f32   greedy equal to plain f32: "
-              f"{r['greedy_equal_to_plain_f32'][v]}/{r['sequences']}")
+              f"{r['greedy_equal_to_plain_f32'][v]}/{r['sequences']} (same first "
+              f"{r['mean_common_prefix'][v]:.1f} of {r['output_len']} tokens on average)")
     for key in [k for k in r if k.startswith("logprob_drift")]:
         print(f"{key}: max {r[key]['max']:.2e}, mean {r[key]['mean']:.2e}")
 
