@@ -265,10 +265,12 @@ def logprob_drift(engines: dict, prompts, continuations) -> dict:
 
 def print_e2e(r: dict) -> None:
     print(f"\n## end to end: {r['model']} (threads {r['threads']}; {r['sequences']} sequences)")
-    base = statistics.median(r["tok_s"]["plain f32"])
+    base = r["tok_s"]["plain f32"]
     for v, xs in r["tok_s"].items():
+        ratios = [x / b for x, b in zip(xs, base)]  # per round: plain and the variant ran back to back
         print(f"{v:>10}: {statistics.median(xs):8.1f} tok/s ({min(xs):.0f}..{max(xs):.0f})  "
-              f"x{statistics.median(xs) / base:.2f} vs plain f32   greedy equal to plain f32: "
+              f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) vs plain f32 per round   "
+              f"greedy equal to plain f32: "
               f"{r['greedy_equal_to_plain_f32'][v]}/{r['sequences']} (same first "
               f"{r['mean_common_prefix'][v]:.1f} of {r['output_len']} tokens on average)")
     for key in [k for k in r if k.startswith("logprob_drift")]:
