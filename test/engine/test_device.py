@@ -142,8 +142,10 @@ def test_runner_packs_its_linears_as_the_flag_says(gemm, packs):
     assert runner.cpu_pack_policy == (PACK_ALWAYS if packs else None)
 
 
-def test_cpu_gemm_flag_maps_to_server_args():
-    from pdserve.entrypoints.cli import build_parser, server_args_from_namespace
+def test_cpu_gemm_flag_maps_to_server_args_and_up_forwards_it():
+    from pdserve.entrypoints.cli import build_parser, server_args_from_namespace, server_flags_from_namespace
 
     ns = build_parser().parse_args(["serve", "--model-path", "tiny-llama", "--cpu-gemm", "plain"])
     assert server_args_from_namespace(ns).device_config().cpu_gemm == "plain"
+    ns = build_parser().parse_args(["up", "--model-path", "tiny-llama", "--cpu-gemm", "plain"])
+    assert ("--cpu-gemm", "plain") == server_flags_from_namespace(ns, ns.subparser)[-2:]
