@@ -109,5 +109,15 @@ def test_never_policy_keeps_every_layer_bit_exact():
     layer = _filled(MergedColumnParallelLinear(256, [688, 688], SINGLE, ckpt_names=("g", "u")), seed=1)
     x = _randn(32, 256, seed=2)
     plain = layer(x)
-    layer.pack_cpu(NEVER)
+    assert not layer.pack_cpu(NEVER) and layer.packed is None  # no copy a call would never read
     assert torch.equal(layer(x), plain)
+
+
+def test_weights_the_policy_never_packs_get_no_copy():
+    from pdserve.engine.device import PACK_FLOAT32
+
+    small = RowParallelLinear(256, 256, SINGLE)  # 2^16 elements: F.linear at every M
+    big = MergedColumnParallelLinear(256, [688, 688], SINGLE, ckpt_names=("g", "u"))
+    assert [m.pack_cpu(PACK_FLOAT32) for m in (small, big)] == [False, True]
+    assert small.packed is None and big.packed is not None
+    assert not PACK_FLOAT32.ever_pays(256 * 256) and PACK_FLOAT32.ever_pays(256 * 512)

@@ -42,6 +42,10 @@ class PackPolicy:
     def pays(self, rows: int, weight_numel: int) -> bool:
         return weight_numel >= self.big_weight or (rows >= self.min_rows and weight_numel >= self.min_weight)
 
+    def ever_pays(self, weight_numel: int) -> bool:
+        """False: no call of this weight would take the packed path, so packing it only costs memory."""
+        return weight_numel >= min(self.min_weight, self.big_weight)
+
 
 # Every call packed (tests, --cpu-gemm packed).
 PACK_ALWAYS = PackPolicy(min_rows=0, min_weight=0, big_weight=0)
@@ -66,6 +70,11 @@ class PackedLinear:
     def supports(cls, weight: torch.Tensor) -> bool:
         return weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype in cls.DTYPES
 
+    @classmethod
+    def worth_it(cls, weight: torch.Tensor, policy: PackPolicy) -> bool:
+        """Supported, and some call would take the packed path (else a copy for nothing)."""
+        return cls.supports(weight) and policy.ever_pays(weight.numel())
+
     def pays(self, x: torch.Tensor) -> bool:
         rows = x.numel() // self.in_features  # M: all leading dims
         return self.policy.pays(rows, self.numel)
@@ -83,7 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def pack_linears(model: nn.Module, policy: PackPolicy) -> int:
-    """Pack every layer of ``model`` that can (``pack_cpu(policy) -> bool``); returns how many did."""
+    """Pack every layer of ``model`` that can and whose weight the policy would ever use packed
+    (``pack_cpu(policy) -> bool``); returns how many did."""
     count = 0
     for module in model.modules():
         pack = getattr(module, "pack_cpu", None)

@@ -73,7 +73,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def pack_cpu(self, policy: PackPolicy) -> bool:
         """Keep a oneDNN-packed copy of the loaded table for scoring (layers/cpu_gemm.py); the
         embedding (tied or not) keeps looking rows up in the plain one."""
-        if not PackedLinear.supports(self.weight):
+        if not PackedLinear.worth_it(self.weight, policy):
             return False
         self.packed = PackedLinear(self.weight, policy)
         return True

@@ -46,8 +46,9 @@ class _Fp8Capable(nn.Module):
 
     def pack_cpu(self, policy: PackPolicy) -> bool:
         """Keep a oneDNN-packed copy of the loaded weight for the calls ``policy`` picks
-        (layers/cpu_gemm.py). Not for FP8-held or non-CPU weights: those keep their GEMMs."""
-        if self.fp8_block is not None or not PackedLinear.supports(self.weight):
+        (layers/cpu_gemm.py). Not for FP8-held or non-CPU weights (those keep their GEMMs), nor
+        for one no call would take packed (a copy for nothing)."""
+        if self.fp8_block is not None or not PackedLinear.worth_it(self.weight, policy):
             return False
         self.packed = PackedLinear(self.weight, policy)
         return True
