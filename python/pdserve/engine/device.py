@@ -16,7 +16,7 @@ from pdserve.layers.cpu_gemm import PACK_ALWAYS, PackPolicy
 
 # Where packed oneDNN GEMMs beat F.linear on decode shapes (benchmark/bench_cpu_ops.py, one thread,
 # avx512 host): float32 from 4 rows on weights of 2^17+ elements (1.1-2.3x), and from one row
-# on 2^20+ (1.2-1.6x); below that oneDNN's fixed cost per call loses. bfloat16 with native bf16
+# on 2^20+ (~1.2x); below that oneDNN's fixed cost per call loses. bfloat16 with native bf16
 # dot products: packed wins on every measured shape (1.1-4x over bf16 F.linear).
 PACK_FLOAT32 = PackPolicy(min_rows=4, min_weight=1 << 17, big_weight=1 << 20)
 PACK_BFLOAT16 = PACK_ALWAYS

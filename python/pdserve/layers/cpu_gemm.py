@@ -2,8 +2,8 @@
 
 Legend: M rows (tokens) of a call, K in features, N out features.
 
-``F.linear`` hands the plain [N, K] weight to the BLAS on every call, which re-blocks it for its
-kernel each time. oneDNN through torch's mkldnn ops (``mkldnn._reorder_linear_weight`` once,
+``F.linear`` hands the plain [N, K] weight to the BLAS on every call, which may copy it into its
+kernel's blocked layout each time. oneDNN through torch's mkldnn ops (``mkldnn._reorder_linear_weight`` once,
 ``mkldnn._linear_pointwise`` per call: what inductor emits for a frozen CPU linear) reads a
 weight reordered once into its blocked layout. That pays on decode shapes from a few rows up,
 and for big weights from one row; a small weight at one row loses to F.linear (oneDNN's fixed

@@ -82,8 +82,8 @@ def _attend_grouped(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Torc
 def _grouped_decode_pays(qp: torch.Tensor) -> bool:
     """One query row per request in a low-precision dtype on CPU: SDPA's CPU flash kernel runs
     bf16 several times slower than float32 there (benchmark/bench_cpu_ops.py), while the two
-    batched matmuls of ``_attend_grouped`` take oneDNN's bf16 GEMMs. Float32 keeps SDPA (no faster
-    either way), and so its exact numerics; prefill keeps SDPA, whose tiling wins at long Q."""
+    batched matmuls of ``_attend_grouped`` take oneDNN's bf16 GEMMs. Float32 keeps SDPA (no clear
+    winner in our runs), and so its exact numerics; prefill keeps SDPA, whose tiling wins at long Q."""
     return qp.device.type == "cpu" and qp.dtype != torch.float32 and qp.shape[2] == 1
 
 
