@@ -18,6 +18,8 @@ from typing import Any, ClassVar, TypeVar
 from pdserve.assets import PRESET_NAMES, preset_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
+# --cpu-gemm: CPU linears on oneDNN-packed weights where they pay (auto), always (packed), never (plain)
+CPU_GEMMS = ("auto", "packed", "plain")
 # --kv-cache-dtype (SGLang's): auto stores KV in the model dtype; fp8_e4m3 in float8_e4m3fn, 1 byte an element
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
@@ -727,8 +729,10 @@ class DeviceConfig:
     dtype: str = "float32"
     cuda_graph_max_bs: int = 32
     disable_cuda_graph: bool = False
+    cpu_gemm: str = "auto"  # CPU_GEMMS; engine.device.cpu_pack_policy picks the policy per host and dtype
 
     def __post_init__(self):
+        _check_choice("cpu_gemm", self.cpu_gemm, CPU_GEMMS)
         if self.device not in DEVICES:
             raise ValueError(f"device: {self.device!r} is not one of {DEVICES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -743,14 +747,15 @@ class DeviceConfig:
 
     @classmethod
     def resolve(cls, device: str | None, attention_backend: str | None, dtype: str = "auto",
-                cuda_graph_max_bs: int = 32, disable_cuda_graph: bool = False) -> DeviceConfig:
+                cuda_graph_max_bs: int = 32, disable_cuda_graph: bool = False,
+                cpu_gemm: str = "auto") -> DeviceConfig:
         """None / "auto" fields take this host's defaults."""
         device = device or ("cuda" if cuda_available() else "cpu")
         on_cuda = device == "cuda"
         backend = attention_backend or ("flashinfer" if on_cuda else "torch_native")
         if dtype == "auto":
             dtype = "bfloat16" if on_cuda else "float32"
-        return cls(device, backend, dtype, cuda_graph_max_bs, disable_cuda_graph)
+        return cls(device, backend, dtype, cuda_graph_max_bs, disable_cuda_graph, cpu_gemm)
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -1010,6 +1015,7 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     num_threads: int | None = None
+    cpu_gemm: str = "auto"  # DeviceConfig.cpu_gemm
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
@@ -1208,7 +1214,7 @@ class ServerArgs:
     @_built_once
     def device_config(self) -> DeviceConfig:
         return DeviceConfig.resolve(self.device, self.attention_backend, self.dtype, self.cuda_graph_max_bs,
-                                    self.disable_cuda_graph)
+                                    self.disable_cuda_graph, self.cpu_gemm)
 
     @_built_once
     def disagg_config(self) -> DisaggConfig:

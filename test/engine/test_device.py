@@ -88,3 +88,64 @@ def test_device_flags_map_to_server_args_and_up_forwards_them():
             args.deepep_mode, args.dtype) == ("cpu", "torch_native", 8, True, "normal", "float32")
     ns = build_parser().parse_args(["up", "--model-path", "tiny-llama", *flags])
     assert set(flags) <= set(server_flags_from_namespace(ns, ns.subparser))  # what `pdserve up` passes on
+
+
+def _features(onednn=True, native_bf16=True):
+    from pdserve.engine.device import CpuFeatures
+
+    return CpuFeatures(onednn=onednn, native_bf16=native_bf16)
+
+
+def test_cpu_gemm_policy_is_chosen_per_device_dtype_and_feature():
+    from pdserve.engine.device import PACK_BFLOAT16, PACK_FLOAT32, cpu_pack_policy
+    from pdserve.layers.cpu_gemm import PACK_ALWAYS
+
+    cpu = lambda dtype="float32", gemm="auto": DeviceConfig("cpu", "torch_native", dtype, cpu_gemm=gemm)  # noqa: E731
+    assert cpu_pack_policy(cpu(), _features()) == PACK_FLOAT32
+    assert cpu_pack_policy(cpu("bfloat16"), _features()) == PACK_BFLOAT16
+    assert cpu_pack_policy(cpu("bfloat16"), _features(native_bf16=False)) is None  # emulated bf16: F.linear
+    assert cpu_pack_policy(cpu("float16"), _features()) is None
+    assert cpu_pack_policy(cpu(gemm="packed"), _features()) == PACK_ALWAYS
+    assert cpu_pack_policy(cpu(gemm="plain"), _features()) is None
+    assert cpu_pack_policy(cpu(), _features(onednn=False)) is None  # a torch build without oneDNN
+    # The GPU path keeps its kernels, whatever the flag says.
+    assert cpu_pack_policy(DeviceConfig("cuda", "triton", "float32", cpu_gemm="packed"), _features()) is None
+
+
+def test_cpu_features_read_the_flags_line(tmp_path):
+    from pdserve.engine.device import CpuFeatures
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx512_vnni\n\nprocessor\t: 1\n")
+    assert CpuFeatures.detect(info).native_bf16
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2\n")
+    assert not CpuFeatures.detect(info).native_bf16
+    assert not CpuFeatures.detect(tmp_path / "absent").native_bf16
+
+
+def test_bad_cpu_gemm_names_the_field():
+    with pytest.raises(ValueError, match="^cpu_gemm: 'fast' is not one of"):
+        ServerArgs(model_path="tiny-llama", cpu_gemm="fast")
+
+
+@CPU_ONLY
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch's oneDNN ops")
+@pytest.mark.parametrize("gemm, packs", [("packed", True), ("plain", False)])
+def test_runner_packs_its_linears_as_the_flag_says(gemm, packs):
+    from pdserve.layers.cpu_gemm import PACK_ALWAYS
+
+    args = ServerArgs(model_path="tiny-llama", max_total_tokens=64, cpu_gemm=gemm)
+    runner = build_model_runner(args, args.model_config())
+    holders = [m for m in runner.model.modules() if hasattr(m, "packed")]
+    assert len(holders) == 4 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert all((m.packed is not None) == packs for m in holders)
+    assert runner.cpu_pack_policy == (PACK_ALWAYS if packs else None)
+
+
+def test_cpu_gemm_flag_maps_to_server_args_and_up_forwards_it():
+    from pdserve.entrypoints.cli import build_parser, server_args_from_namespace, server_flags_from_namespace
+
+    ns = build_parser().parse_args(["serve", "--model-path", "tiny-llama", "--cpu-gemm", "plain"])
+    assert server_args_from_namespace(ns).device_config().cpu_gemm == "plain"
+    ns = build_parser().parse_args(["up", "--model-path", "tiny-llama", "--cpu-gemm", "plain"])
+    assert ("--cpu-gemm", "plain") == server_flags_from_namespace(ns, ns.subparser)[-2:]

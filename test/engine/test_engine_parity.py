@@ -38,7 +38,8 @@ def _assert_no_leak(engine):
     dict(page_size=1),
     dict(page_size=16),
     dict(page_size=4, chunked_prefill_size=16),  # the 70-token prompt runs in 5 chunks
-], ids=["page1", "page16", "chunked"])
+    dict(page_size=16, cpu_gemm="packed"),  # every CPU linear on oneDNN-packed weights
+], ids=["page1", "page16", "chunked", "packed"])
 def test_greedy_batch_matches_transformers(oracle, shape):
     path, prompts, expected = oracle
     engine = pdserve.Engine(model_path=path, **shape)

@@ -55,6 +55,36 @@ def test_torch_native_gqa_matches_reference(page_size, Hq, Hkv):
     _walk(pool, run_step, check)
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (6, 1)])
+def test_torch_native_bf16_matches_reference(Hq, Hkv):
+    """bfloat16 on CPU: decode steps take the grouped matmuls, extends SDPA; both against the
+    float32 reference of the same (bf16-rounded) inputs, within bf16 rounding."""
+    D, scale, layer = 16, 0.3, 0
+    g = torch.Generator().manual_seed(1)
+    q, k, v = ([torch.randn(n, H, D, generator=g).bfloat16() for n in LENGTHS] for H in (Hq, Hkv, Hkv))
+    pool = GQAKVPool(64, 4, 1, Hkv, D, torch.bfloat16)
+
+    def run_step(fb, spans):
+        cat = lambda xs: torch.cat([xs[r][s:s + n] for r, s, n in spans])  # noqa: E731
+        return fb.attn_backend.forward_gqa(cat(q), cat(k), cat(v), layer, scale, fb)
+
+    def check(r, start, n, out):
+        assert out.dtype == torch.bfloat16
+        want = gqa_reference(q[r][start:start + n].float(), k[r][:start + n].float(), v[r][:start + n].float(), scale)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+    _walk(pool, run_step, check)
+
+
+def test_grouped_decode_is_chosen_for_low_precision_decode_on_cpu():
+    from pdserve.layers.attention.torch_native import _grouped_decode_pays
+
+    decode, extend = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 5, 8)
+    assert _grouped_decode_pays(decode.bfloat16()) and _grouped_decode_pays(decode.half())
+    assert not _grouped_decode_pays(decode)  # float32 keeps SDPA and its exact numerics
+    assert not _grouped_decode_pays(extend.bfloat16())
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("absorbed", [None, True, False])
 def test_torch_native_mla_matches_reference(page_size, absorbed):

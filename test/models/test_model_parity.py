@@ -4,12 +4,15 @@ prefix-then-extend (the prefix's KV written by an earlier forward) and decode st
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from fixtures.paged_batches import PagedRequests, make_pool
 from fixtures.tiny_models import VARIANTS, make_variant
 from pdserve.config import ModelConfig
+from pdserve.layers.cpu_gemm import PACK_ALWAYS, pack_linears
 from pdserve.layers.moe import SparseMoE
 from pdserve.models.loader import load_model
 
@@ -32,10 +35,10 @@ def _hf_logits(hf, seqs) -> list[torch.Tensor]:
         return [hf(input_ids=torch.tensor([s])).logits[0] for s in seqs]  # each [L, V]
 
 
-def _run_schedule(model, seqs, steps, page_size: int, seed: int = 0):
+def _run_schedule(model, seqs, steps, page_size: int, seed: int = 0, dtype=torch.float32):
     """steps: list of [(request, n_new)]; a step whose entries all have n_new == 1 runs as
     DECODE. Returns per-request logits [L, V] assembled over the steps."""
-    paged = PagedRequests(make_pool(model.config, page_size), seed=seed)
+    paged = PagedRequests(make_pool(model.config, page_size, dtype=dtype), seed=seed)
     done = [0] * len(seqs)
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for step in steps:
@@ -74,6 +77,36 @@ def test_prefix_then_extend_then_decode_match_transformers(pair, page_size):
     got = _run_schedule(model, seqs, steps, page_size, seed=page_size)
     for g, want in zip(got, _hf_logits(hf, seqs)):
         torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
+
+
+def test_packed_cpu_linears_match_transformers(pair):
+    """Every linear on oneDNN-packed weights (layers/cpu_gemm.py): the same schedule, the same bound."""
+    hf, model = pair
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed, PACK_ALWAYS) > 0
+    seqs = _sequences(hf.config.vocab_size, (37, 13, 24), seed=1)
+    # Extends of 20/21, then 17/9/3 rows (oneDNN at many and few rows), then 1-row decodes.
+    steps = [[(0, 20), (2, 21)], [(0, 17), (1, 9), (2, 3)], [(1, 1)], [(1, 1)], [(1, 1)], [(1, 1)]]
+    got = _run_schedule(packed, seqs, steps, 16)
+    for g, want in zip(got, _hf_logits(hf, seqs)):
+        torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_bf16_packed_cpu_path_stays_near_float32(name, tmp_path):
+    """--dtype bfloat16 on CPU: bf16 weights and KV, every linear packed, decode attention on the
+    grouped matmuls. Against transformers in float32 its logits differ by bf16 rounding only."""
+    hf, path = make_variant(name, tmp_path)
+    model = load_model(ModelConfig.from_path(path, dtype="bfloat16"))
+    assert pack_linears(model, PACK_ALWAYS) > 0
+    seqs = _sequences(hf.config.vocab_size, (37, 13, 24), seed=1)
+    steps = [[(0, 20), (2, 21)], [(0, 17), (1, 9), (2, 3)], [(1, 1)], [(1, 1)], [(1, 1)], [(1, 1)]]
+    got = torch.cat(_run_schedule(model, seqs, steps, 16, dtype=torch.bfloat16))
+    want = torch.cat(_hf_logits(hf, seqs))
+    # Measured: max 0.38 / 0.15 (logits ~0.8 in magnitude), top-1 agreement 97% / 99%; attention at
+    # twice the scale in the decode steps alone moves the max to 2.7.
+    assert (got - want).abs().max() < 1.0
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def test_moe_loop_reference_gives_same_logits(pair):

@@ -13,6 +13,7 @@ import torch
 from pdserve.config import CacheConfig, CompileConfig, DeviceConfig, ModelConfig, ServerArgs, SpeculativeConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
+from pdserve.layers.cpu_gemm import PackPolicy, pack_linears
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
 from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool, kv_storage_dtype
 from pdserve.mem.region_pool import RegionKVPool, RegionSpec
@@ -90,6 +91,7 @@ class ModelRunner:
             self.draft = load_draft(model_config, self.speculative, self.model, seed)
             if self.device.type != "cpu":
                 self.draft.to(self.device)
+        self.cpu_pack_policy = self._pack_cpu_linears(device_config, compile_config)  # None: F.linear
         self.pool = create_kv_pool(model_config, cache_config, parallel, device, self.speculative.draft_layers)
         # Speculation reads every token row's hidden state of an extend (draft extend input).
         self.capture_hidden = self.speculative.enabled
@@ -111,6 +113,25 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(self, device_config)
             self.graphs.capture()
+
+    def _pack_cpu_linears(self, device_config: DeviceConfig | None,
+                          compile_config: CompileConfig | None) -> PackPolicy | None:
+        """Pack the loaded CPU linears for oneDNN where ``--cpu-gemm`` and this host say so
+        (layers/cpu_gemm.py); returns the policy they follow. Compiled decode keeps the plain
+        weights: inductor fails to lower the packed call (its oneDNN tensor is a graph input it
+        cannot lay out), so its compiled layers fuse element-wise ops around F.linear instead."""
+        from pdserve.engine.device import CpuFeatures, cpu_pack_policy
+
+        if device_config is None or self.device.type != "cpu" or (compile_config and compile_config.enabled):
+            return None
+        features = CpuFeatures.detect()
+        if device_config.dtype == "bfloat16" and not features.native_bf16:
+            logger.warning("dtype bfloat16 on a CPU without avx512_bf16/AMX: emulated, likely slower than float32")
+        policy = cpu_pack_policy(device_config, features)
+        if policy is not None:
+            packed = sum(pack_linears(m, policy) for m in (self.model, self.draft) if m is not None)
+            logger.info("CPU GEMMs: %d linears packed for oneDNN (%s)", packed, policy)
+        return policy
 
     def build_forward_batch(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> ForwardBatch:
         t = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device)  # noqa: E731

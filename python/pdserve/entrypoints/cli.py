@@ -19,6 +19,7 @@ from pdserve.bench import config as bench_config
 from pdserve.config import (
     API_KEY_ENV,
     ATTENTION_BACKENDS,
+    CPU_GEMMS,
     DEEPEP_MODES,
     DEVICES,
     DISAGG_MODES,
@@ -168,6 +169,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--random-seed", "seed for weights of dummy models and for sampling", type=int)
     _flag(g, "--num-threads", "torch threads of the scheduler process (default: OMP_NUM_THREADS, else all "
           "cores but one, which the HTTP frontend keeps)", type=int)
+    _flag(g, "--cpu-gemm", "CPU linears: auto (oneDNN-packed weights where they pay), packed (always), plain "
+          "(F.linear)", choices=CPU_GEMMS)
     _flag(g, "--enable-torch-compile", "compile decode forwards with torch.compile (inductor), per batch-size "
           "bucket; compiled at start-up", action="store_true")
     _flag(g, "--torch-compile-max-bs", "largest decode batch run compiled (buckets 1, 2, 4, ... up to it)",

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.parallel_state import ParallelState
+from pdserve.layers.cpu_gemm import PackedLinear, PackPolicy, linear
 from pdserve.layers.weights import WeightEntry, check_shape, copy_into
 
 
@@ -67,9 +68,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = tie_to is not None
         if tie_to is not None:
             self.weight = tie_to.weight
+        self.packed: PackedLinear | None = None  # CPU: a oneDNN-packed copy of weight (pack_cpu)
+
+    def pack_cpu(self, policy: PackPolicy) -> bool:
+        """Keep a oneDNN-packed copy of the loaded table for scoring (layers/cpu_gemm.py); the
+        embedding (tied or not) keeps looking rows up in the plain one."""
+        if not PackedLinear.worth_it(self.weight, policy):
+            return False
+        self.packed = PackedLinear(self.weight, policy)
+        return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, Vp/p]
+        logits = linear(hidden, self.weight, None, self.packed)  # [N, Vp/p]
         logits = self.parallel.tp_all_gather(logits, dim=-1)[:, :self.vocab_size]  # [N, V]
         return logits.float()
 

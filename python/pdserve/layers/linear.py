@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.parallel_state import ParallelState
+from pdserve.layers.cpu_gemm import PackedLinear, PackPolicy, linear
 from pdserve.layers.quant.fp8 import SCALE_SUFFIX, block_rows_aligned, fp8_linear, hold_fp8, scale_grid
 from pdserve.layers.weights import WeightEntry, check_shape, copy_into, sibling
 
@@ -36,12 +36,22 @@ class _Fp8Capable(nn.Module):
         super().__init__()
         self.fp8_block: tuple[int, int] | None = None
         self.weight_scale_inv: nn.Parameter | None = None  # becomes a parameter in _hold
+        self.packed: PackedLinear | None = None  # CPU: a oneDNN-packed copy of weight (pack_cpu)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8_block is None:
-            return F.linear(x, self.weight, bias)
+            return linear(x, self.weight, bias, self.packed)
         assert self.weight_scale_inv is not None
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
+
+    def pack_cpu(self, policy: PackPolicy) -> bool:
+        """Keep a oneDNN-packed copy of the loaded weight for the calls ``policy`` picks
+        (layers/cpu_gemm.py). Not for FP8-held or non-CPU weights (those keep their GEMMs), nor
+        for one no call would take packed (a copy for nothing)."""
+        if self.fp8_block is not None or not PackedLinear.worth_it(self.weight, policy):
+            return False
+        self.packed = PackedLinear(self.weight, policy)
+        return True
 
     def _hold(self, block: tuple[int, int], keys: list[str], quantized: Callable[[str], bool]) -> set[str]:
         if not (self.allow_fp8 and keys and all(quantized(k) for k in keys)):

@@ -80,6 +80,14 @@ def _attend_grouped(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Torc
     return torch.matmul(p, v).view(B, Hq, Q, v.shape[-1])  # [B, Hq, Q, X]
 
 
+def _grouped_decode_pays(qp: torch.Tensor) -> bool:
+    """One query row per request in a low-precision dtype on CPU: SDPA's CPU flash kernel runs
+    bf16 several times slower than float32 there (benchmark/bench_cpu_ops.py), while the two
+    batched matmuls of ``_attend_grouped`` take oneDNN's bf16 GEMMs. Float32 keeps SDPA (no clear
+    winner in our runs), and so its exact numerics; prefill keeps SDPA, whose tiling wins at long Q."""
+    return qp.device.type == "cpu" and qp.dtype != torch.float32 and qp.shape[2] == 1
+
+
 class _DecodeStage:
     """A contiguous copy of the running decode batch's KV, kept across steps.
 
@@ -164,7 +172,10 @@ class TorchNativeBackend(AttentionBackend):
         staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)
         k_all, v_all = self._kv(layer_id, md, staged, lambda: pool.get_kv_pages(layer_id, md.pages))  # [B, Hkv, K, D]
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
-        o = F.scaled_dot_product_attention(qp, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask,
+        k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
+        if _grouped_decode_pays(qp):
+            return _unpad(_attend_grouped(qp, k_all, v_all, md, scale), md)  # [T, Hq, D]
+        o = F.scaled_dot_product_attention(qp, k_all, v_all, attn_mask=md.mask,
                                            scale=scale, enable_gqa=qp.shape[1] != k_all.shape[1])
         return _unpad(o, md)  # [T, Hq, D]
 

@@ -1,0 +1,102 @@
+"""CPU GEMMs on weights packed once for oneDNN, used per call where they pay; F.linear otherwise.
+
+Legend: M rows (tokens) of a call, K in features, N out features.
+
+``F.linear`` hands the plain [N, K] weight to the BLAS on every call, which may copy it into its
+kernel's blocked layout each time. oneDNN through torch's mkldnn ops (``mkldnn._reorder_linear_weight`` once,
+``mkldnn._linear_pointwise`` per call: what inductor emits for a frozen CPU linear) reads a
+weight reordered once into its blocked layout. That pays on decode shapes from a few rows up,
+and for big weights from one row; a small weight at one row loses to F.linear (oneDNN's fixed
+cost per call is ~10 us). ``PackPolicy`` states where the line lies, as measured by
+``benchmark/bench_cpu_ops.py``; the runner chooses the policy per device and dtype
+(``engine.device.cpu_pack_policy``).
+
+The packed copy sits beside the plain weight, which stays the layer's parameter: loading,
+fingerprints, tied embeddings and the small-M fallback read it. Packing happens after loading
+(after the TP split and FP8 dequantization), so nothing about the weights' meaning changes.
+Results differ from F.linear's by float rounding only (another summation order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class PackPolicy:
+    """Which calls of a packed weight [N, K] take the oneDNN path: those with at least
+    ``min_rows`` rows and N*K >= ``min_weight``, and any call once N*K >= ``big_weight``."""
+
+    min_rows: int
+    min_weight: int
+    big_weight: int
+
+    def __post_init__(self):
+        if min(self.min_rows, self.min_weight, self.big_weight) < 0:
+            raise ValueError(f"PackPolicy: thresholds must be >= 0, got {self}")
+
+    def pays(self, rows: int, weight_numel: int) -> bool:
+        return weight_numel >= self.big_weight or (rows >= self.min_rows and weight_numel >= self.min_weight)
+
+    def ever_pays(self, weight_numel: int) -> bool:
+        """False: no call of this weight would take the packed path, so packing it only costs memory."""
+        return weight_numel >= min(self.min_weight, self.big_weight)
+
+
+# Every call packed (tests, --cpu-gemm packed).
+PACK_ALWAYS = PackPolicy(min_rows=0, min_weight=0, big_weight=0)
+
+
+class PackedLinear:
+    """A weight [N, K] reordered once into oneDNN's layout. Not a module or a parameter:
+    state_dict, ``.to()`` and the loader never see it (CPU only)."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, weight: torch.Tensor, policy: PackPolicy):
+        if not self.supports(weight):
+            raise ValueError(f"PackedLinear: needs a 2-D CPU weight in {self.DTYPES}, got {tuple(weight.shape)} "
+                             f"{weight.dtype} on {weight.device}")
+        self.policy = policy
+        self.in_features = weight.shape[1]
+        self.numel = weight.numel()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # [N, K] opaque layout
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
+        return weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype in cls.DTYPES
+
+    @classmethod
+    def worth_it(cls, weight: torch.Tensor, policy: PackPolicy) -> bool:
+        """Supported, and some call would take the packed path (else a copy for nothing)."""
+        return cls.supports(weight) and policy.ever_pays(weight.numel())
+
+    def pays(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // self.in_features  # M: all leading dims
+        return self.policy.pays(rows, self.numel)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")  # [..., N]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedLinear | None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: the packed GEMM where the policy says it pays, else F.linear."""
+    if packed is not None and packed.pays(x):
+        return packed(x, bias)
+    return F.linear(x, weight, bias)
+
+
+def pack_linears(model: nn.Module, policy: PackPolicy) -> int:
+    """Pack every layer of ``model`` that can and whose weight the policy would ever use packed
+    (``pack_cpu(policy) -> bool``); returns how many did."""
+    count = 0
+    for module in model.modules():
+        pack = getattr(module, "pack_cpu", None)
+        if pack is not None and pack(policy):
+            count += 1
+    return count

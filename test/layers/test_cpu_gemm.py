@@ -1,0 +1,123 @@
+"""oneDNN-packed CPU linears (layers/cpu_gemm.py) against F.linear, their slow twin: equal within
+float rounding on random inputs, exactly F.linear where the policy says packing does not pay,
+and every linear layer (column, merged, QKV, row with its bias once, LM head) the same packed
+or plain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
+from pdserve.layers.cpu_gemm import PACK_ALWAYS, PackedLinear, PackPolicy, linear, pack_linears
+from pdserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch's oneDNN ops")
+
+NEVER = PackPolicy(min_rows=1 << 30, min_weight=1 << 30, big_weight=1 << 30)
+# Outputs of N(0, 1) weights and inputs are ~sqrt(K) (16..26): float32 rounding of such sums.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 17, 64])
+@pytest.mark.parametrize("K, N", [(64, 96), (256, 688), (688, 256)])
+def test_packed_equals_f_linear(dtype, rows, K, N):
+    w, b, x = _randn(N, K, seed=1, dtype=dtype), _randn(N, seed=2, dtype=dtype), _randn(rows, K, seed=3, dtype=dtype)
+    packed = PackedLinear(w, PACK_ALWAYS)
+    for bias in (None, b):
+        got = packed(x, bias)
+        assert got.dtype == dtype and got.shape == (rows, N)
+        # bf16: both round the same float32 sums; only the order of the sums differs.
+        torch.testing.assert_close(got, F.linear(x, w, bias), **TOL[dtype])
+
+
+def test_packed_takes_strided_and_batched_inputs():
+    w = _randn(48, 32, seed=1)
+    packed = PackedLinear(w, PACK_ALWAYS)
+    strided = _randn(10, 64, seed=2)[:, ::2]  # [10, 32], not contiguous
+    torch.testing.assert_close(packed(strided), F.linear(strided, w), atol=1e-5, rtol=1e-5)
+    batched = _randn(2, 5, 32, seed=3)  # [2, 5, K]: rows counted over the leading dims
+    torch.testing.assert_close(packed(batched), F.linear(batched, w), atol=1e-5, rtol=1e-5)
+
+
+def test_policy_picks_by_rows_and_weight_size():
+    policy = PackPolicy(min_rows=4, min_weight=1000, big_weight=100_000)
+    assert [policy.pays(r, 999) for r in (1, 4, 64)] == [False, False, False]  # small weight: never
+    assert [policy.pays(r, 1000) for r in (1, 3, 4, 64)] == [False, False, True, True]
+    assert [policy.pays(r, 100_000) for r in (1, 3)] == [True, True]  # big weight: from one row
+    with pytest.raises(ValueError, match="^PackPolicy: thresholds must be >= 0"):
+        PackPolicy(min_rows=-1, min_weight=0, big_weight=0)
+
+
+def test_linear_is_exactly_f_linear_where_packing_does_not_pay():
+    w, x = _randn(64, 32, seed=1), _randn(3, 32, seed=2)
+    policy = PackPolicy(min_rows=4, min_weight=0, big_weight=1 << 30)
+    packed = PackedLinear(w, policy)
+    assert torch.equal(linear(x, w, None, packed), F.linear(x, w))  # 3 rows < 4: the plain path
+    x4 = _randn(4, 32, seed=3)
+    assert torch.equal(linear(x4, w, None, packed), packed(x4))  # 4 rows: the packed one
+    assert torch.equal(linear(x4, w, None, None), F.linear(x4, w))
+
+
+def test_unsupported_weights_are_refused_by_name():
+    assert not PackedLinear.supports(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="^PackedLinear: needs a 2-D CPU weight"):
+        PackedLinear(torch.zeros(4, 4, dtype=torch.float16), PACK_ALWAYS)
+
+
+def _filled(layer, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in layer.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    return layer
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MergedColumnParallelLinear(64, [96, 96], SINGLE, ckpt_names=("gate_proj", "up_proj")),
+    lambda: QKVParallelLinear(64, 16, 4, 2, SINGLE, bias=True),
+    lambda: RowParallelLinear(96, 64, SINGLE, bias=True),
+    lambda: RowParallelLinear(96, 64, ParallelState(tp_rank=1, tp_size=2), bias=True, reduce_results=False),
+], ids=["merged", "qkv_bias", "row_bias", "row_rank1_unreduced"])
+def test_layers_give_the_same_output_packed(make):
+    layer = _filled(make(), seed=1)
+    x = _randn(7, layer.in_features, seed=2)
+    plain = layer(x)
+    assert layer.pack_cpu(PACK_ALWAYS) and layer.packed is not None
+    torch.testing.assert_close(layer(x), plain, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.weight, _filled(make(), seed=1).weight)  # the parameter is untouched
+
+
+def test_lm_head_packs_its_table_and_the_tied_embedding_keeps_looking_up():
+    embed = _filled(VocabParallelEmbedding(100, 32, SINGLE, torch.float32), seed=1)
+    head = ParallelLMHead(100, 32, SINGLE, torch.float32, tie_to=embed)
+    hidden, ids = _randn(5, 32, seed=2), torch.tensor([0, 7, 99])
+    want_logits, want_rows = head(hidden), embed(ids)
+    assert pack_linears(torch.nn.ModuleList([embed, head]), PACK_ALWAYS) == 1  # the head only
+    torch.testing.assert_close(head(hidden), want_logits, atol=1e-5, rtol=1e-5)
+    assert head(hidden).dtype == torch.float32
+    assert torch.equal(embed(ids), want_rows)
+
+
+def test_never_policy_keeps_every_layer_bit_exact():
+    layer = _filled(MergedColumnParallelLinear(256, [688, 688], SINGLE, ckpt_names=("g", "u")), seed=1)
+    x = _randn(32, 256, seed=2)
+    plain = layer(x)
+    assert not layer.pack_cpu(NEVER) and layer.packed is None  # no copy a call would never read
+    assert torch.equal(layer(x), plain)
+
+
+def test_weights_the_policy_never_packs_get_no_copy():
+    from pdserve.engine.device import PACK_FLOAT32
+
+    small = RowParallelLinear(256, 256, SINGLE)  # 2^16 elements: F.linear at every M
+    big = MergedColumnParallelLinear(256, [688, 688], SINGLE, ckpt_names=("g", "u"))
+    assert [m.pack_cpu(PACK_FLOAT32) for m in (small, big)] == [False, True]
+    assert small.packed is None and big.packed is not None
+    assert not PACK_FLOAT32.ever_pays(256 * 256) and PACK_FLOAT32.ever_pays(256 * 512)
