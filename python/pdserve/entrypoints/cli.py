@@ -761,6 +761,8 @@ def add_bench_report_args(parser: argparse.ArgumentParser) -> None:
     _bflag(r, c.ReportConfig, "--slo", "goodput SLOs in ms, e.g. ttft:200,tpot:50 (metrics: ttft, tpot, e2e)",
            "--goodput", nargs="+")
     _bflag(r, c.ReportConfig, "--label", "free-form label stored with the result")
+    _bflag(r, c.ReportConfig, "--kv-link-gbps", "the prefill->decode link's bandwidth in Gbit/s, against which the "
+           "KV transfer rate is judged (default: measured when everything is on the loopback)", type=float)
 
 
 def add_bench_profile_args(parser: argparse.ArgumentParser) -> None:
