@@ -44,7 +44,7 @@ class KVBudget:
     bytes_per_token: int
     num_pages: int
     page_size: int
-    memory: DeviceMemory | None = None  # measured for --mem-fraction-static
+    memory: DeviceMemory | None = None  # what the device had, when a budget was measured against it
 
     @property
     def max_total_tokens(self) -> int:
@@ -117,8 +117,7 @@ def size_pool(page_size: int, bytes_per_token: int, max_total_tokens: int | None
     tokens = budget // bytes_per_token
     if max_total_tokens is not None:
         tokens = min(tokens, max_total_tokens)
-    return KVBudget(source, budget, bytes_per_token, max(1, tokens // page_size), page_size,
-                    memory if source == "mem_fraction_static" else None)
+    return KVBudget(source, budget, bytes_per_token, max(1, tokens // page_size), page_size, memory)
 
 
 def host_memory() -> DeviceMemory:
