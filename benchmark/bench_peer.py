@@ -5,12 +5,12 @@ the same token-id prompts, in alternating rounds.
     python benchmark/bench_peer.py                                  # both models, offline and online
     python benchmark/bench_peer.py --models tiny-llama --modes offline --rounds 3 --num-prompts 32
 
-First each side's greedy outputs are checked to agree (token ids offline, text online: both servers
-detokenize with the same tokenizer). Then each round sends one fresh prompt set (no prefix is
-shared across rounds, so neither side's prefix cache helps) to pdserve, then the same set to vLLM,
-then the next round's to vLLM first, and so on, so load from other processes hits both alike. The
-table reports per side the median over rounds with the range (min-max), and the ratio pdserve / vLLM
-as the median of per-round ratios.
+First each side's greedy output token ids are checked to agree on ``--check-prompts`` prompts.
+Then each round sends one fresh prompt set (no prefix is shared across rounds, so neither side's
+prefix cache helps) to pdserve, then the same set to vLLM, then the next round's to vLLM first, and
+so on, so load from other processes hits both alike. The table reports per side the median over
+rounds with the range (min-max), and the ratio pdserve / vLLM as the median of per-round ratios.
+The command exits 1 when the greedy outputs differ.
 
 * tok/s: output tokens / the round's wall time.
 * TTFT, ITL, TPOT (online): per request on the client, as ``pdserve bench`` defines them; a
@@ -336,12 +336,22 @@ async def online_round(server: Server, prompts: list[list[int]], a: argparse.Nam
             "tokens": tokens}
 
 
-async def greedy_texts(server: Server, prompts: list[list[int]], max_tokens: int) -> list[str]:
+async def greedy_ids(server: Server, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy output token ids, from the API of each server that returns them
+    (pdserve: SGLang's native /generate; vLLM: /v1/completions with return_token_ids). Text would
+    not do: a random-weight model emits partial UTF-8 sequences, which detokenizers render apart."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
         async def one(p):
-            async with s.post(server.url + "/v1/completions", json=_body(server, p, max_tokens, False)) as r:
+            if server.name == "pdserve":
+                body = {"input_ids": p, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                                            "ignore_eos": True}}
+                async with s.post(server.url + "/generate", json=body) as r:
+                    r.raise_for_status()
+                    return (await r.json())["output_ids"]
+            body = {**_body(server, p, max_tokens, False), "return_token_ids": True}
+            async with s.post(server.url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
-                return (await r.json())["choices"][0]["text"]
+                return (await r.json())["choices"][0]["token_ids"]
 
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
@@ -350,8 +360,8 @@ def run_online(a: argparse.Namespace, mdir: str, vocab: int, vpy: str, logs) -> 
     servers = start_servers(a, mdir, vpy, logs)
     try:
         check = make_prompts(a.check_prompts, tuple(a.input_len), vocab, a.seed + 10_000)
-        texts = [asyncio.run(greedy_texts(s, check, a.output_len)) for s in servers]
-        agree = sum(x == y for x, y in zip(*texts))
+        ids = [asyncio.run(greedy_ids(s, check, a.output_len)) for s in servers]
+        agree = sum(x == y for x, y in zip(*ids))
         warm = make_prompts(min(a.clients, a.num_prompts), tuple(a.input_len), vocab, a.seed + 20_000)
         for s in servers:
             asyncio.run(online_round(s, warm, a))
