@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 256 << 20
 
@@ -55,9 +56,10 @@ class KVBudget:
         return self.max_total_tokens * self.bytes_per_token
 
     def to_dict(self) -> dict:
-        info = {"source": self.source, "budget_bytes": self.budget_bytes, "bytes_per_token": self.bytes_per_token,
-                "num_pages": self.num_pages, "page_size": self.page_size, "max_total_tokens": self.max_total_tokens,
-                "pool_bytes": self.pool_bytes}
+        info: dict[str, Any] = {
+            "source": self.source, "budget_bytes": self.budget_bytes, "bytes_per_token": self.bytes_per_token,
+            "num_pages": self.num_pages, "page_size": self.page_size, "max_total_tokens": self.max_total_tokens,
+            "pool_bytes": self.pool_bytes}
         if self.memory is not None:
             info["device_memory"] = {"device": self.memory.device, "total": self.memory.total,
                                      "available": self.memory.available, "used": self.memory.used}
