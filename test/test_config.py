@@ -189,7 +189,11 @@ def test_fp8_kv_cache_counts_one_byte_an_element_and_fits_four_times_the_fp32_to
     assert model.kv_bytes_per_token("fp8_e4m3") * 4 == model.kv_bytes_per_token() == model.kv_bytes_per_token("auto")
     fp8 = base.replace(kv_cache_dtype="fp8_e4m3").cache_config()
     assert fp8.kv_cache_dtype == "fp8_e4m3"
-    assert fp8.num_pages(model) == 4 * base.cache_config().num_pages(model)
+    from pdserve.distributed.parallel_state import ParallelState
+    from pdserve.engine.model_runner import kv_pool_budget
+
+    pages = {c.kv_cache_dtype: kv_pool_budget(model, c, ParallelState()).num_pages for c in (fp8, base.cache_config())}
+    assert pages["fp8_e4m3"] == 4 * pages["auto"]
     with pytest.raises(ValueError, match="^kv_cache_dtype: 'fp8_e5m2' is not one of"):
         ServerArgs(model_path="tiny-llama", kv_cache_dtype="fp8_e5m2")
 

@@ -442,16 +442,17 @@ class HiCacheConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 1
-    max_total_tokens: int | None = None  # None: derived from mem_fraction of free memory
+    max_total_tokens: int | None = None  # None: from the byte budget below (mem/kv_budget.py)
     disable_radix_cache: bool = False
-    # KV pool budget when max_total_tokens is None. The pool is zero-filled up front
-    # (padding reads must never see NaN garbage), so this is resident memory.
-    max_memory_bytes: int = 256 << 20
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     # --kv-cache-dtype: what the KV pool stores (mem/kv_pool.py: fp8 pages with per-tensor scales)
     kv_cache_dtype: str = "auto"
     # the key of the block hash chain (mem/radix_cache.py; resolve_kv_hash_key); b"": unkeyed
     hash_key: bytes = field(default=b"", repr=False)
+    # The pool's byte budget (mem/kv_budget.py; zero-filled up front, so resident memory):
+    # --kv-cache-memory-bytes (vLLM's) or --mem-fraction-static (SGLang's), else a small default.
+    kv_cache_memory_bytes: int | None = None
+    mem_fraction_static: float | None = None
 
     def __post_init__(self):
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -461,17 +462,16 @@ class CacheConfig:
             raise ValueError(
                 f"max_total_tokens: must be >= page_size ({self.page_size}), got {self.max_total_tokens}"
             )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes: must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static: must be in (0, 1], got {self.mem_fraction_static}")
+        if self.kv_cache_memory_bytes is not None and self.mem_fraction_static is not None:
+            raise ValueError("kv_cache_memory_bytes: give it or mem_fraction_static, not both")
         if self.hicache.enabled:
             self.hicache.check_page_size(self.page_size)
             if self.disable_radix_cache:
                 raise _flag_error("enable_hierarchical_cache", "needs the radix cache (drop --disable-radix-cache)")
-
-    def num_pages(self, model: ModelConfig) -> int:
-        tokens = self.max_total_tokens
-        if tokens is None:
-            tokens = max(self.page_size, self.max_memory_bytes // max(1, model.kv_bytes_per_token(self.kv_cache_dtype)))
-            tokens = min(tokens, 1 << 18)
-        return max(1, tokens // self.page_size)
 
 
 @dataclass(frozen=True)
@@ -980,6 +980,8 @@ class ServerArgs:
     kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
     max_running_requests: int = 64
     max_total_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None  # CacheConfig.kv_cache_memory_bytes (vLLM's flag)
+    mem_fraction_static: float | None = None  # CacheConfig.mem_fraction_static (SGLang's flag)
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
@@ -1184,7 +1186,9 @@ class ServerArgs:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.page_size, self.max_total_tokens, self.disable_radix_cache,
                            hicache=self.hicache_config(), kv_cache_dtype=self.kv_cache_dtype,
-                           hash_key=resolve_kv_hash_key(self.kv_hash_key_file))
+                           hash_key=resolve_kv_hash_key(self.kv_hash_key_file),
+                           kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                           mem_fraction_static=self.mem_fraction_static)
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

@@ -11,12 +11,14 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.backends import NativeParser, OpenAIParser, RequestOutput
 from pdserve.bench.config import parse_slo
 from pdserve.bench.metrics import (
+    KVLink,
     distribution,
     max_in_flight,
     meets_slo,
     request_tpot,
     summarize,
     timeline_summary,
+    transfer_busy_seconds,
 )
 
 
@@ -137,9 +139,40 @@ def test_timeline_breakdown_accepts_any_subset_of_stages():
     assert t["warning"] is None
 
 
-def test_transfer_above_a_fifth_of_ttft_warns():
+GBIT = 1e9 / 8  # bytes/s
+
+
+def test_transfer_near_the_link_bandwidth_warns_that_the_network_bounds_ttft():
+    """30 ms of transfer moving 3 MB: 0.8 Gbit/s on a 1 Gbit/s link."""
+    slow = timed(0.0, [(0.100, 1)], timeline={"queue": 0.01, "prefill": 0.05, "transfer": 0.030})
+    t = timeline_summary([slow], KVLink(kv_bytes=3_000_000, bandwidth=1 * GBIT, source="--kv-link-gbps"))
+    assert t["kv_transfer_gbps"] == pytest.approx(0.8) and t["link_utilization"] == pytest.approx(0.8)
+    assert "network bounds TTFT" in t["warning"] and "30%" in t["warning"] and t["note"] is None
+
+
+def test_a_large_share_at_a_low_rate_is_latency_not_the_network():
+    """The loopback case of issue 36: 34 ms of transfer, a quarter of TTFT, moving 0.3 MB on a link
+    of 40 Gbit/s: per-transfer latency, no warning."""
+    idle = timed(0.0, [(0.136, 1)], timeline={"queue": 0.002, "prefill": 0.1, "transfer": 0.034})
+    t = timeline_summary([idle], KVLink(kv_bytes=300_000, bandwidth=40 * GBIT, source="loopback, measured"))
+    assert t["transfer_share_of_ttft"] == pytest.approx(0.25)
+    assert t["warning"] is None and "per-transfer latency" in t["note"] and "loopback, measured" in t["note"]
+
+
+def test_without_bytes_or_a_link_there_is_no_verdict():
     slow = timed(0.0, [(0.100, 1)], timeline={"transfer": 0.030})
-    assert "30%" in timeline_summary([slow])["warning"]
+    no_bytes = timeline_summary([slow])
+    assert no_bytes["warning"] is None and "did not report the KV bytes" in no_bytes["note"]
+    no_link = timeline_summary([slow], KVLink(kv_bytes=10**6))
+    assert no_link["warning"] is None and "--kv-link-gbps" in no_link["note"]
+    assert no_link["kv_transfer_gbps"] == pytest.approx(10**6 / 0.030 * 8e-9)
+
+
+def test_transfer_busy_time_is_the_union_of_the_transfer_stages():
+    a = timed(0.0, [(1, 1)], timeline={"queue": 0.1, "prefill": 0.2, "transfer": 0.3})  # 0.3 .. 0.6
+    b = timed(0.4, [(1, 1)], timeline={"prefill": 0.0, "transfer": 0.4})  # 0.4 .. 0.8
+    c = timed(1.0, [(2, 1)], timeline={"transfer": 0.1})  # 1.0 .. 1.1
+    assert transfer_busy_seconds([a, b, c, timed(0.0, [(1, 1)])]) == pytest.approx(0.6)
 
 
 def test_no_timeline_means_no_breakdown():
@@ -205,7 +238,11 @@ def test_console_table_shows_the_breakdown_only_when_present():
     r = build_result(BenchConfig(), "random", "m", "t", with_tl, 1.0)
     table = format_table(r)
     assert "Server TTFT breakdown" in table and "transfer mean / P99 (ms):" in table
-    assert "WARNING: KV transfer is 40% of TTFT" in table
+    assert "NOTE: KV transfer is 40% of TTFT" in table and "WARNING" not in table  # no bytes: no verdict
+    busy = format_table(build_result(BenchConfig(), "random", "m", "t", with_tl, 1.0,
+                                     KVLink(kv_bytes=4_000_000, bandwidth=1 * GBIT, source="--kv-link-gbps")))
+    assert "Link utilization:" in busy and "80.0% of 1.0 Gbit/s" in busy
+    assert "WARNING: KV moved at 0.80 Gbit/s" in busy and "the network bounds TTFT" in busy
     assert r["server_timeline"]["stages"]["transfer"]["mean_ms"] == pytest.approx(40.0)
     assert r["details"]["timelines"] == [{"queue": 0.01, "prefill": 0.05, "transfer": 0.04}]
 

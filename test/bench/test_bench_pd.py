@@ -47,6 +47,9 @@ def test_json_has_every_metric_and_the_transfer_stage(deployment, tmp_path):
     assert set(stages) == {"queue", "prefill", "transfer", "decode_scheduling"}
     assert stages["prefill"]["count"] == 6 and stages["transfer"]["mean_ms"] > 0
     assert 0 < r["server_timeline"]["transfer_share_of_ttft"] < 1
+    # the verdict on the link reads the decode's KV bytes and the loopback's measured bandwidth
+    t = r["server_timeline"]
+    assert t["kv_bytes"] > 0 and t["link_source"] == "loopback, measured" and 0 < t["link_utilization"] < 1
     assert decode.info()["kv_received"] >= 6  # the requests really went through prefill
 
 

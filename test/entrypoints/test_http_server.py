@@ -493,6 +493,17 @@ def test_the_server_runs_the_kv_cache_dtype_it_was_given(server, engine):
     assert str(engine.scheduler.runner.pool.dtype) == "torch.float8_e4m3fn"
 
 
+def test_the_server_reports_its_kv_pool_size_and_where_it_came_from(server):
+    """/get_server_info's kv_pool: --max-total-tokens alone sized the pool, at fp8's bytes per token."""
+    from pdserve.config import ModelConfig
+
+    info = httpx.get(server.url + "/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    pool = info["kv_pool"]
+    assert pool["source"] == "max_total_tokens" and pool["budget_bytes"] is None
+    assert pool["max_total_tokens"] == info["max_total_num_tokens"] == int(MAX_TOTAL_TOKENS)
+    assert pool["bytes_per_token"] == ModelConfig.from_path(PRESET).kv_bytes_per_token(KV_CACHE_DTYPE)
+
+
 # ------------------------------------------------------- constrained decoding (native /generate)
 def test_generate_constraints_hold(server):
     """json_schema, regex and ebnf (SGLang's sampling_params) on a random-weight model: only the

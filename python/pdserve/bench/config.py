@@ -154,8 +154,10 @@ class ReportConfig:
     metric_percentiles: tuple[float, ...] = (90.0, 95.0, 99.0)
     slo: dict = field(default_factory=dict)  # {"ttft": ms, "tpot": ms, "e2e": ms}
     label: str | None = None
+    kv_link_gbps: float | None = None  # the P/D link's bandwidth (None: loopback measured, else unknown)
 
     def __post_init__(self):
+        _positive(self, "kv_link_gbps")
         for p in self.metric_percentiles:
             if not 0 < p < 100:
                 raise ValueError(f"--metric-percentiles: each must be in (0, 100), got {p}")

@@ -16,11 +16,15 @@ Per run (``duration`` = first send to last completion):
   (numpy's linear interpolation) in milliseconds; an empty set reports 0, as both do.
 
 The server-side TTFT breakdown reads ``meta_info["timeline"]`` (stage -> seconds)
-when a native server sends it; any subset of stages is accepted.
+when a native server sends it; any subset of stages is accepted. Whether the network bounds
+TTFT is judged by bandwidth, not by the transfer's share of TTFT: the KV bytes the decode servers
+received during the run over the time any transfer was running, against the link's bandwidth
+(``KVLink``). A short transfer can be a large share of a short TTFT on an idle loopback link.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +32,9 @@ import numpy as np
 from pdserve.bench.backends import RequestOutput
 
 TIMELINE_STAGES = ("queue", "prefill", "transfer", "decode_scheduling")
-TRANSFER_WARN_SHARE = 0.2
+TRANSFER_WARN_SHARE = 0.2  # a transfer share above this is explained (bandwidth or per-transfer latency)
+# KV moving at this fraction of the link's bandwidth or more while transfers run: the link is the limit
+LINK_BOUND_UTILIZATION = 0.5
 DISTRIBUTIONS = ("ttft", "tpot", "itl", "e2e_latency")
 
 
@@ -115,11 +121,39 @@ def speculative_summary(outputs: list[RequestOutput]) -> dict | None:
 
 
 # ------------------------------------------------------------ TTFT breakdown
-def timeline_summary(outputs: list[RequestOutput]) -> dict | None:
+@dataclass(frozen=True)
+class KVLink:
+    """What the benchmark knows of the prefill->decode link: the KV bytes the decode servers
+    received during the run (None: not reported), and the link's bandwidth in bytes/s (None:
+    unknown) with where that figure came from."""
+
+    kv_bytes: int | None = None
+    bandwidth: float | None = None
+    source: str = ""
+
+
+def transfer_busy_seconds(outputs: list[RequestOutput]) -> float:
+    """Seconds during which at least one request's KV transfer ran: the union of the transfer
+    stages, each placed after its queue and prefill stages from the request's send (client clock)."""
+    spans = sorted((o.start + (t.get("queue") or 0.0) + (t.get("prefill") or 0.0), float(t["transfer"]))
+                   for o in outputs if o.success and o.timeline and _is_number((t := o.timeline).get("transfer")))
+    busy, end = 0.0, float("-inf")
+    for start, length in spans:
+        stop = start + length
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def timeline_summary(outputs: list[RequestOutput], link: KVLink | None = None) -> dict | None:
     """Per-stage mean/median/P99 (ms) of the servers' timelines, or None if no request carried one.
 
-    ``transfer_share_of_ttft`` = mean transfer / mean client TTFT over the requests that
-    report a transfer; above TRANSFER_WARN_SHARE the network, not compute, is the bottleneck.
+    ``transfer_share_of_ttft`` = mean transfer / mean client TTFT over the requests that report a
+    transfer. ``kv_transfer_gbps`` = the run's KV bytes (``link``) over ``transfer_busy_seconds``;
+    ``link_utilization`` = that over the link's bandwidth. Only a utilization of
+    LINK_BOUND_UTILIZATION or more warns that the network bounds TTFT; a large share at a low
+    utilization is per-transfer latency, and the note says so.
     """
     ok = [(o.timeline, o.ttft) for o in outputs if o.success and o.timeline]  # (timeline, client TTFT)
     if not ok:
@@ -131,16 +165,40 @@ def timeline_summary(outputs: list[RequestOutput]) -> dict | None:
             ms = np.asarray(values) * 1000.0
             stages[name] = {"count": len(values), "mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)),
                             "p99_ms": float(np.percentile(ms, 99))}
-    summary: dict[str, Any] = {"stages": stages, "transfer_share_of_ttft": None, "warning": None}
+    summary: dict[str, Any] = {"stages": stages, "transfer_share_of_ttft": None, "kv_bytes": None,
+                               "kv_transfer_gbps": None, "link_gbps": None, "link_source": None,
+                               "link_utilization": None, "warning": None, "note": None}
     with_transfer = [(t, ttft) for t, ttft in ok if _is_number(t.get("transfer")) and ttft > 0]
     if with_transfer:
         share = (np.mean([t["transfer"] for t, _ in with_transfer])
                  / np.mean([ttft for _, ttft in with_transfer]))
         summary["transfer_share_of_ttft"] = float(share)
-        if share > TRANSFER_WARN_SHARE:
-            summary["warning"] = (f"KV transfer is {share:.0%} of TTFT (> {TRANSFER_WARN_SHARE:.0%}): the network, "
-                                  "not prefill compute, bounds TTFT")
+        summary.update(_link_verdict(float(share), transfer_busy_seconds(outputs), link or KVLink()))
     return summary
+
+
+def _link_verdict(share: float, busy_s: float, link: KVLink) -> dict[str, Any]:
+    """The bandwidth figures and the warning or note on what bounds the transfer."""
+    out: dict[str, Any] = {"kv_bytes": link.kv_bytes, "link_source": link.source or None,
+                           "link_gbps": link.bandwidth * 8e-9 if link.bandwidth else None}
+    rate = link.kv_bytes / busy_s if link.kv_bytes and busy_s > 0 else None
+    out["kv_transfer_gbps"] = rate * 8e-9 if rate else None
+    if rate is None or not link.bandwidth:
+        if share > TRANSFER_WARN_SHARE:
+            out["note"] = (f"KV transfer is {share:.0%} of TTFT; whether the network bounds it is unknown: "
+                           + ("give --kv-link-gbps" if rate else "the servers did not report the KV bytes received"))
+        return out
+    util = rate / link.bandwidth
+    out["link_utilization"] = util
+    moved = f"KV moved at {rate * 8e-9:.2f} Gbit/s while transferring, {util:.1%} of the link's " \
+            f"{link.bandwidth * 8e-9:.1f} Gbit/s ({link.source})"
+    if util >= LINK_BOUND_UTILIZATION:
+        out["warning"] = (f"{moved}, and transfer is {share:.0%} of TTFT: the network bounds TTFT (check the NIC, "
+                          "layer-wise streaming, page size)")
+    elif share > TRANSFER_WARN_SHARE:
+        out["note"] = (f"KV transfer is {share:.0%} of TTFT, but {moved}: its time is per-transfer latency "
+                       "(handshake, polling, the decode's scheduling), not bandwidth")
+    return out
 
 
 def _stage_names(timelines: list[dict]) -> list[str]:

@@ -23,10 +23,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from pdserve.bench import link
 from pdserve.bench.backends import RequestOutput, new_session, send
 from pdserve.bench.config import BenchConfig, EndpointConfig
 from pdserve.bench.datasets import BenchRequest, Conversation, Workload, build_workload
-from pdserve.bench.metrics import speculative_summary, summarize, timeline_summary
+from pdserve.bench.metrics import KVLink, speculative_summary, summarize, timeline_summary
 from pdserve.bench.progress import progress_bar
 
 RESULT_SCHEMA = "pdserve.bench/v1"
@@ -129,9 +130,12 @@ async def benchmark(cfg: BenchConfig) -> dict:
         await warmup(session, cfg, workload.conversations[0].first(), model)
         if cfg.load.flush_cache:
             await flush_cache(session, cfg.endpoint)
+        kv_before = link.kv_bytes_received(await link.server_info(session, cfg.endpoint))
         outputs, duration = await run_workload(session, cfg, workload, model)
+        info_after = await link.server_info(session, cfg.endpoint) if kv_before is not None else None
     count_output_tokens(outputs, tokenizer)
-    result = build_result(cfg, workload.name, model, tok_name, outputs, duration)
+    kv = link.kv_link(cfg.endpoint.url, info_after, kv_before, cfg.report.kv_link_gbps)
+    result = build_result(cfg, workload.name, model, tok_name, outputs, duration, kv)
     if cfg.report.output_file:
         append_jsonl(cfg.report.output_file, result)
     return result
@@ -153,14 +157,14 @@ async def resolve_model(session: aiohttp.ClientSession, ep: EndpointConfig):
 
 # ------------------------------------------------------------------ results
 def build_result(cfg: BenchConfig, dataset: str, model: str, tokenizer: str, outputs: list[RequestOutput],
-                 duration: float) -> dict:
+                 duration: float, kv: KVLink | None = None) -> dict:
     ep, load, rep = cfg.endpoint, cfg.load, cfg.report
     result = {"schema": RESULT_SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "label": rep.label, "backend": ep.backend, "base_url": ep.url, "model": model, "tokenizer": tokenizer,
               "dataset_name": dataset, "num_requests": len(outputs), "request_rate": _num(load.request_rate),
               "burstiness": _num(load.burstiness), "max_concurrency": load.max_concurrency, "slo": rep.slo or None}
     result.update(summarize(outputs, duration, rep.metric_percentiles, rep.slo))
-    result["server_timeline"] = timeline_summary(outputs)
+    result["server_timeline"] = timeline_summary(outputs, kv)
     result["speculative"] = speculative_summary(outputs)
     result["groups"] = _groups(outputs, duration, rep) if dataset in ("mixed", "multi-turn") else None
     result["rounds"] = rounds_summary(outputs) if dataset == "multi-turn" else None
@@ -300,8 +304,14 @@ def _timeline_lines(t: dict | None) -> list[str]:
                     for name, s in t["stages"].items()])
     if t["transfer_share_of_ttft"] is not None:
         lines += _rows([("Transfer share of TTFT:", f"{t['transfer_share_of_ttft']:.1%}")])
+    if t.get("kv_transfer_gbps") is not None:
+        lines += _rows([("KV transfer rate (Gbit/s):", t["kv_transfer_gbps"])])
+    if t.get("link_utilization") is not None:
+        lines += _rows([("Link utilization:", f"{t['link_utilization']:.1%} of {t['link_gbps']:.1f} Gbit/s")])
     if t["warning"]:
         lines.append("WARNING: " + t["warning"])
+    if t.get("note"):
+        lines.append("NOTE: " + t["note"])
     return lines
 
 

@@ -15,6 +15,7 @@ from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.cpu_gemm import PackPolicy, pack_linears
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
+from pdserve.mem.kv_budget import KVBudget, device_memory, size_pool
 from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool, kv_storage_dtype
 from pdserve.mem.region_pool import RegionKVPool, RegionSpec
 
@@ -37,13 +38,34 @@ class ScheduledBatch:
     prompt_logit_index: list[int] | None = None
 
 
+def kv_pool_budget(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
+                   device: str | torch.device = "cpu", extra_layers: int = 0) -> KVBudget:
+    """The pool's size on this rank (mem/kv_budget.py): its byte budget over the bytes one token
+    takes here, in the pool's dtype, over the draft's ``extra_layers`` too, with this rank's KV heads."""
+    per_token = model.kv_bytes_per_token(cache.kv_cache_dtype) * (model.num_layers + extra_layers) // model.num_layers
+    if not model.is_mla:
+        per_token = per_token * _local_kv_heads(model, parallel) // model.num_kv_heads
+    exact = cache.max_total_tokens is not None and cache.kv_cache_memory_bytes is None \
+        and cache.mem_fraction_static is None
+    memory = None if exact else device_memory(torch.device(device))
+    return size_pool(cache.page_size, per_token, cache.max_total_tokens, cache.kv_cache_memory_bytes,
+                     cache.mem_fraction_static, memory)
+
+
+def _local_kv_heads(model: ModelConfig, parallel: ParallelState) -> int:
+    # KV heads split over attention TP; replicated when there are fewer heads than ranks.
+    return max(1, model.num_kv_heads // parallel.attention.tp_size)
+
+
 def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
-                   device: str | torch.device = "cpu", extra_layers: int = 0) -> KVPool:
+                   device: str | torch.device = "cpu", extra_layers: int = 0,
+                   budget: KVBudget | None = None) -> KVPool:
     """``extra_layers``: a speculative draft's layers after the target's (index num_layers on),
-    at the same slots as the target's tokens, so their pages live and die with the request's."""
-    num_pages = cache.num_pages(model)
-    if extra_layers and cache.max_total_tokens is None:  # the same byte budget over more layers
-        num_pages = max(1, num_pages * model.num_layers // (model.num_layers + extra_layers))
+    at the same slots as the target's tokens, so their pages live and die with the request's.
+    ``budget``: the size ``kv_pool_budget`` gave (measured here when not given)."""
+    if budget is None:
+        budget = kv_pool_budget(model, cache, parallel, device, extra_layers)
+    num_pages = budget.num_pages
     layers = model.num_layers + extra_layers
     c = model.hf_config
     store = kv_storage_dtype(cache.kv_cache_dtype, model.torch_dtype)  # fp8: scales stay 1.0 (mem/kv_pool.py)
@@ -54,10 +76,7 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
         return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,
                          c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype,
                          index_head_dim=model.index_head_dim)
-    heads = model.num_kv_heads
-    # KV heads split over attention TP; replicated when there are fewer heads than ranks.
-    local = max(1, heads // parallel.attention.tp_size)
-    return GQAKVPool(num_pages, cache.page_size, layers, local, model.head_dim,
+    return GQAKVPool(num_pages, cache.page_size, layers, _local_kv_heads(model, parallel), model.head_dim,
                      store, device, compute_dtype=model.torch_dtype)
 
 
@@ -92,15 +111,17 @@ class ModelRunner:
             if self.device.type != "cpu":
                 self.draft.to(self.device)
         self.cpu_pack_policy = self._pack_cpu_linears(device_config, compile_config)  # None: F.linear
-        self.pool = create_kv_pool(model_config, cache_config, parallel, device, self.speculative.draft_layers)
+        self.kv_budget = kv_pool_budget(model_config, cache_config, parallel, device, self.speculative.draft_layers)
+        self.pool = create_kv_pool(model_config, cache_config, parallel, device, self.speculative.draft_layers,
+                                   self.kv_budget)
         # Speculation reads every token row's hidden state of an extend (draft extend input).
         self.capture_hidden = self.speculative.enabled
         self.step_hidden: torch.Tensor | None = None  # [T, hidden] of the latest forward, if captured
         self.backend = create_backend(attention_backend)
         self.layer_hook: LayerHook | None = None
         self.last_hidden: torch.Tensor | None = None  # [B, hidden] of the latest forward
-        logger.info("KV pool: %d pages x %d tokens (%s)", self.pool.num_pages, self.pool.page_size,
-                    type(self.pool).__name__)
+        logger.info("KV pool (%s, %s): %s", type(self.pool).__name__, cache_config.kv_cache_dtype,
+                    self.kv_budget.describe())
         self.compiled = None  # CompiledDecode when compile_config is enabled
         if compile_config is not None and compile_config.enabled:
             from pdserve.engine.torch_compile import CompiledDecode

@@ -90,6 +90,8 @@ def merge_stats(per_dp: list[dict]) -> dict:
     # The KV cache's per-tier counters (cache_hit_tokens_*, host_*, storage_*) add up too.
     tiers = ("cache_hit_tokens_", "host_", "storage_", "device_demoted_")
     out.update({k: sum(s.get(k, 0) for s in per_dp) for k in per_dp[0] if k.startswith(tiers)})
+    if "kv_pool" in per_dp[0]:  # every group's pool is sized alike
+        out["kv_pool"] = per_dp[0]["kv_pool"]
     out["dp_ranks"] = per_dp
     return out
 

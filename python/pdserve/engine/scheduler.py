@@ -602,6 +602,11 @@ class Scheduler:
                                f"pages, the KV cache manager {self.kv_manager.num_quarantined_pages}")
         self.mode.check_resources(idle=not self.has_work() and not self.reqs)
 
+    def _kv_pool_info(self) -> dict:
+        """The pool's size and budget (mem/kv_budget.py), when the runner measured one (fakes do not)."""
+        budget = getattr(self.runner, "kv_budget", None)
+        return {} if budget is None else {"kv_pool": budget.to_dict()}
+
     def stats(self) -> dict:
         total = self.kv_manager.num_pages
         free = self.kv_manager.num_free_pages
@@ -615,6 +620,7 @@ class Scheduler:
             "token_usage": (total - free - self.kv_manager.num_evictable_pages) / total,
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
+            **self._kv_pool_info(),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
             **({"kv_hash_key_check": key_check(self.kv_manager.hash_key)} if self.kv_events is not None else {}),
             **self.kv_manager.stats(),

@@ -77,6 +77,17 @@ def _flag(group, name: str, help: str, **kw) -> None:
     group.add_argument(name, dest=dest, help=help, **kw)
 
 
+def _byte_size(text: str) -> int:
+    """``--kv-cache-memory-bytes``: an integer with an optional K/M/G (1000s) or Ki/Mi/Gi (1024s) suffix."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+    t = text.strip().lower().removesuffix("b")
+    digits = t.rstrip("kmgi")
+    try:
+        return int(float(digits) * units[t[len(digits):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 4294967296, 4Gi, 512M)") from None
+
+
 def _admin_key_flag(group, more: str = "") -> None:
     """``--admin-api-key``, defaulting to $PDSERVE_ADMIN_API_KEY (how pdserve up passes it: not on argv,
     where ps shows it); the help never prints the default."""
@@ -132,7 +143,12 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--page-size", "tokens per KV page", type=int)
     _flag(g, "--kv-cache-dtype", "KV pool dtype; auto: the model's (--dtype), fp8_e4m3: float8_e4m3fn with "
           "per-tensor scales 1.0, a quarter of fp32's bytes (docs/kv-cache.md)", choices=KV_CACHE_DTYPES)
-    _flag(g, "--max-total-tokens", "KV pool size in tokens (default: derived from memory)", type=int)
+    _flag(g, "--max-total-tokens", "KV pool size in tokens; with a budget flag below, a cap on what it gives "
+          "(default: from the budget)", type=int)
+    _flag(g, "--mem-fraction-static", "the KV pool gets this fraction of the device's memory less what is in use "
+          "after loading the weights (GPU: all of it; CPU: this process's); docs/kv-cache.md", type=float)
+    _flag(g, "--kv-cache-memory-bytes", "the KV pool's memory in bytes (suffixes K, M, G, Ki, Mi, Gi; vLLM's flag); "
+          "default without it or --mem-fraction-static: 256 MiB", type=_byte_size)
     _flag(g, "--max-running-requests", "most requests in the running batch", type=int)
     _flag(g, "--chunked-prefill-size", "prefill tokens per step; <= 0 disables chunking", type=int)
     _flag(g, "--max-prefill-tokens", "most prompt tokens in one prefill batch", type=int)
@@ -753,6 +769,8 @@ def add_bench_report_args(parser: argparse.ArgumentParser) -> None:
     _bflag(r, c.ReportConfig, "--slo", "goodput SLOs in ms, e.g. ttft:200,tpot:50 (metrics: ttft, tpot, e2e)",
            "--goodput", nargs="+")
     _bflag(r, c.ReportConfig, "--label", "free-form label stored with the result")
+    _bflag(r, c.ReportConfig, "--kv-link-gbps", "the prefill->decode link's bandwidth in Gbit/s, against which the "
+           "KV transfer rate is judged (default: measured when everything is on the loopback)", type=float)
 
 
 def add_bench_profile_args(parser: argparse.ArgumentParser) -> None:
