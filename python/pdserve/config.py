@@ -166,7 +166,7 @@ class Fp8BlockConfig:
     def to_hf(self) -> dict[str, Any]:
         """The ``quantization_config`` a checkpoint of this format carries."""
         hf = {**self.SUPPORTED, "weight_block_size": [self.block_out, self.block_in]}
-        return hf | {"expert_dtype": "fp4", "scale_fmt": "ue8m0"} if self.expert_dtype == "fp4" else hf
+        return hf | {"expert_dtype": "fp4"} if self.expert_dtype == "fp4" else hf
 
     @classmethod
     def from_hf(cls, raw: Any) -> Fp8BlockConfig | None:

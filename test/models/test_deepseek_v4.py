@@ -189,17 +189,59 @@ def test_cuda_graphs_are_refused(tiny):
         ServerArgs(model_path=path, device="cuda", attention_backend="torch_native").model_config()
 
 
-def test_quantized_checkpoint_is_refused(tiny, tmp_path):
-    """V4 ships FP8 linears and FP4 experts; neither loads yet."""
+def test_fp8_expert_checkpoint_is_refused(tiny, tmp_path):
+    """V4 ships FP8 linears and FP4 experts, which load; a checkpoint with FP8 experts is refused by name."""
     _, path = tiny
     q = tmp_path / "fp8"
     shutil.copytree(path, q)
     cfg = json.loads((q / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128], "expert_dtype": "fp4"}
+                                  "weight_block_size": [128, 128], "expert_dtype": "fp8"}
     (q / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization_config: FP8/FP4 DeepSeek-V4 checkpoints are not supported"):
+    with pytest.raises(ValueError, match="quantization_config.expert_dtype: 'fp8': DeepSeek-V4 checkpoints load with "
+                                         "FP4 experts"):
         ServerArgs(model_path=str(q)).model_config()
+
+
+@pytest.fixture(scope="module")
+def fp4_twin(tiny, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.fp8_checkpoints import make_v4_fp4_checkpoint
+
+    fp4_dir, plain_dir = make_v4_fp4_checkpoint(tiny[1], tmp_path_factory.mktemp("v4fp4"))
+    hf = AutoModelForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
+    return fp4_dir, plain_dir, hf
+
+
+def test_fp4_twin_ships_fp4_experts_and_fp8_linears(fp4_twin):
+    from pdserve.models.loader import iter_safetensors
+
+    raw = dict(iter_safetensors(fp4_twin[0]))
+    layer = "model.layers.1."
+    assert raw[layer + "ffn.experts.0.w1.weight"].dtype == torch.int8
+    assert raw[layer + "ffn.experts.0.w1.scale"].dtype == torch.float8_e8m0fnu
+    assert raw[layer + "attn.wq_a.weight"].dtype == raw[layer + "attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    assert raw[layer + "attn.compressor.wkv.weight"].dtype == raw[layer + "attn.wo_a.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("length", [11, 6 * WINDOW + 5])
+def test_fp4_checkpoint_decodes_like_transformers_on_the_dequantized_copy(fp4_twin, length):
+    from pdserve.config import ModelConfig
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp4_dir, plain_dir, hf = fp4_twin
+    check_not_degenerate(hf)
+    engine = pdserve.Engine(model_path=fp4_dir, page_size=4, chunked_prefill_size=16)
+    assert engine.scheduler.runner.model_config.quantization.expert_dtype == "fp4"
+    prompt = _prompt(length, seed=80 + length)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    a = dict(checkpoint_tensors(engine.scheduler.runner.model))
+    b = dict(checkpoint_tensors(load_model(ModelConfig.from_path(plain_dir))))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    engine.shutdown()
 
 
 def test_mtp_layer_tensors_are_accepted_and_not_loaded(tiny, tmp_path):
