@@ -244,6 +244,37 @@ def test_fp4_checkpoint_decodes_like_transformers_on_the_dequantized_copy(fp4_tw
     engine.shutdown()
 
 
+def test_fp4_preset_loads_the_full_presets_draws_quantized():
+    """tiny-deepseek-v4-fp4 is tiny-deepseek-v4 through our quantizer: experts on the FP4 grid (held
+    fused, [E, 2I, Hd] and [E, Hd, I]: FP4 blocks are per row, so each expert's fused rows quantize as
+    its w1, w3 and w2 do), the FP8 linears FP8-representable, everything else the same draws."""
+    from pdserve.config import ModelConfig
+    from pdserve.layers.quant.fp4 import dequantize_fp4, is_v4_fp8_linear, quantize_fp4
+    from pdserve.layers.quant.fp8 import dequantize_block_fp8, quantize_block_fp8
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp4 = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v4-fp4"))))
+    full = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v4"))))
+    assert fp4.keys() == full.keys()
+    kinds = {"fp4": 0, "fp8": 0, "full": 0}
+    for key, w in fp4.items():
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            kinds["fp4"] += 1
+            assert torch.equal(w, torch.stack([dequantize_fp4(*quantize_fp4(x)) for x in full[key]])), key
+            assert not torch.equal(w, full[key])
+        elif is_v4_fp8_linear(key):
+            kinds["fp8"] += 1
+            assert torch.equal(w, dequantize_block_fp8(*quantize_block_fp8(full[key]))), key
+        else:
+            kinds["full"] += 1
+            assert torch.equal(w, full[key]), key
+    assert kinds["fp4"] == 3 * 2 and kinds["fp8"] == 3 * 4 + 1 + 3 * 3 and kinds["full"] > 0
+    out = pdserve.Engine(model_path="tiny-deepseek-v4-fp4").generate(input_ids=_prompt(20, seed=90),
+                                                                     sampling_params=GREEDY)
+    assert len(out["output_ids"]) == STEPS
+
+
 def test_mtp_layer_tensors_are_accepted_and_not_loaded(tiny, tmp_path):
     """A checkpoint with ``mtp.*`` tensors (num_nextn_predict_layers 1) loads; its MTP layer is unused."""
     from safetensors.torch import load_file, save_file

@@ -111,8 +111,9 @@ def _ue8m0(biased: torch.Tensor) -> torch.Tensor:
 
 def quantized_v4_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8BlockConfig
                             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full-precision V4 checkpoint tensors -> V4's shipped format: FP4 experts, FP8 linears."""
-    for name, tensor in weights:
+    """Full-precision V4 checkpoint tensors -> V4's shipped format: FP4 experts, FP8 linears. Experts
+    fused as transformers holds them (our dummy weights) are split into DeepSeek's per-expert tensors."""
+    for name, tensor in _per_expert(weights):
         if is_fp4_expert(name):
             packed, scale = quantize_fp4(tensor)
         elif is_v4_fp8_linear(name):
@@ -122,6 +123,22 @@ def quantized_v4_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp
             continue
         yield name, packed
         yield name + SCALE_SUFFIX, scale
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``X.experts.gate_up_proj`` [E, 2I, Hd] -> ``X.experts.{e}.w1.weight`` (gate rows) and ``w3`` (up
+    rows); ``X.experts.down_proj`` [E, Hd, I] -> ``X.experts.{e}.w2.weight``; the rest as it is."""
+    for name, tensor in weights:
+        prefix, _, fused = name.rpartition(".")
+        if not prefix.endswith(".experts") or fused not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+            yield name, tensor
+        elif fused == "down_proj":
+            yield from ((f"{prefix}.{e}.w2.weight", w) for e, w in enumerate(tensor))
+        else:
+            for e, w in enumerate(tensor):
+                gate, up = w.chunk(2)  # [I, Hd] each
+                yield f"{prefix}.{e}.w1.weight", gate
+                yield f"{prefix}.{e}.w3.weight", up
 
 
 def scale_key(name: str) -> str | None:
