@@ -136,3 +136,29 @@ def test_expert_dtype_parses_and_other_values_are_refused():
     assert Fp8BlockConfig.from_hf(raw).expert_dtype == "fp8"
     with pytest.raises(ValueError, match="quantization_config.expert_dtype: 'nvfp4' is not supported"):
         Fp8BlockConfig.from_hf(raw | {"expert_dtype": "nvfp4"})
+
+
+def test_fused_moe_fp4_on_cpu_equals_the_models_experts_on_the_dequantized_weights():
+    """The CPU dispatch (the twin) over packed experts computes what DeepSeek-V4's Experts compute
+    over the same experts dequantized on load."""
+    from types import SimpleNamespace
+
+    from pdserve.layers.quant.fp4 import fused_moe_fp4
+    from pdserve.models.deepseek_v4 import Experts
+
+    E, I, Hd, T = 4, 32, 64, 6
+    g = torch.Generator().manual_seed(3)
+    experts = Experts(SimpleNamespace(n_routed_experts=E, moe_intermediate_size=I, hidden_size=Hd, swiglu_limit=1.0),
+                      torch.float32)
+    packed = [[quantize_fp4(torch.randn(r, c, generator=g)) for _ in range(E)] for r, c in ((2 * I, Hd), (Hd, I))]
+    (w13, s13), (w2, s2) = ((torch.stack([p for p, _ in ws]), torch.stack([s for _, s in ws])) for ws in packed)
+    experts.gate_up_proj.copy_(torch.stack([dequantize_fp4(p, s) for p, s in packed[0]]))
+    experts.down_proj.copy_(torch.stack([dequantize_fp4(p, s) for p, s in packed[1]]))
+    x = torch.randn(T, Hd, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    weights = torch.rand(T, 2, generator=g)
+    want = experts(x, weights, ids)
+    got = fused_moe_fp4(x, w13, s13, w2, s2, weights, ids, swiglu_limit=1.0)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and want.abs().max() > 0.1
+    with pytest.raises(ValueError, match=r"w2_scale: shape \(4, 64, 2\), expected \(4, 64, 1\)"):
+        fused_moe_fp4(x, w13, s13, w2, torch.zeros(E, Hd, 2, dtype=torch.uint8), weights, ids)

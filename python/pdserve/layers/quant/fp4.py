@@ -207,3 +207,35 @@ def _fp8_scale(scale: torch.Tensor) -> torch.Tensor:
         exps = ue8m0_exponents(scale)
         return (exps.float() - UE8M0_BIAS).exp2()
     return scale.float()
+
+
+# ---------------------------------------------------------------------------- FP4 experts held by a layer (GPU)
+
+
+def fused_moe_fp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                  w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  swiglu_limit: float | None = None) -> torch.Tensor:
+    """x [T, Hd], w13 int8 [E, 2I, Hd/2] (gate | up rows) with ue8m0 w13_scale [E, 2I, Hd/B], w2 int8
+    [E, Hd, I/2] with w2_scale [E, Hd, I/B], topk_weights [T, k] float32, topk_ids [T, k] ->
+    sum_k topk_weights * down(clamped swiglu(gate, up)) [T, Hd] in x.dtype. On CUDA the Triton kernel
+    (pdserve_kernels.fp4_moe, dequantizing its tiles in-kernel), elsewhere its torch twin; both are
+    imported here, on first use, so importing pdserve never imports Triton."""
+    E, I2, Hp = w13.shape
+    if w13.dtype != torch.int8 or w2.dtype != torch.int8 or tuple(w2.shape) != (E, 2 * Hp, I2 // 4):
+        raise ValueError(f"w13 {w13.dtype} {tuple(w13.shape)}, w2 {w2.dtype} {tuple(w2.shape)}: expected int8 "
+                         "w13 [E, 2I, Hd/2] and w2 [E, Hd, I/2]")
+    for name, w, s in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
+        if tuple(s.shape) != (*w.shape[:2], 2 * w.shape[2] // FP4_BLOCK) or 2 * w.shape[2] % FP4_BLOCK:
+            raise ValueError(f"{name}: shape {tuple(s.shape)}, expected {(*w.shape[:2], 2 * w.shape[2] // FP4_BLOCK)} "
+                             f"(one scale per row and {FP4_BLOCK} columns)")
+    if x.dim() != 2 or x.shape[1] != 2 * Hp or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)}: expected x [T, {2 * Hp}] and both [T, k]")
+    s13, s2 = (ue8m0_exponents(s).to(torch.uint8) for s in (w13_scale, w2_scale))
+    if x.is_cuda:
+        from pdserve_kernels.fp4_moe import fused_moe_fp4 as fused
+
+        return fused(x, w13, s13, w2, s2, topk_weights, topk_ids, swiglu_limit)
+    from pdserve_kernels.fp4_ref import fused_moe_fp4_ref
+
+    return fused_moe_fp4_ref(x, w13, s13, w2, s2, topk_weights, topk_ids, swiglu_limit)
