@@ -244,6 +244,32 @@ def test_fp4_checkpoint_decodes_like_transformers_on_the_dequantized_copy(fp4_tw
     engine.shutdown()
 
 
+def test_experts_held_in_fp4_decode_like_transformers(fp4_twin, monkeypatch):
+    """The CUDA runner's load (keep_fp8: layers hold what they can) on CPU: the routed experts stay the
+    checkpoint's packed bytes and run through fused_moe_fp4 (its torch twin here; the Triton kernel on
+    CUDA, tested against the twin in test/kernels/test_fp4_moe.py). Greedy output is unchanged."""
+    from pdserve.config import ModelConfig
+    from pdserve.models import loader
+    from pdserve.models.loader import iter_safetensors, load_model
+
+    fp4_dir, _, hf = fp4_twin
+    held = load_model(ModelConfig.from_path(fp4_dir), keep_fp8=True)
+    raw = dict(iter_safetensors(fp4_dir))
+    experts = held.model.layers[1].mlp.experts
+    I = experts.gate_up_proj.shape[1] // 2
+    assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj_scale.dtype == torch.uint8
+    assert torch.equal(experts.gate_up_proj[2, I:], raw["model.layers.1.ffn.experts.2.w3.weight"])
+    assert torch.equal(experts.down_proj_scale[5], raw["model.layers.1.ffn.experts.5.w2.scale"].view(torch.uint8))
+    # the runner imports load_model when it builds, and passes keep_fp8 (False on CPU): force it on
+    monkeypatch.setattr(loader, "load_model", lambda *a, **kw: load_model(*a, **{**kw, "keep_fp8": True}))
+    engine = pdserve.Engine(model_path=fp4_dir, page_size=4)
+    assert engine.scheduler.runner.model.model.layers[0].mlp.experts.down_proj.dtype == torch.int8
+    prompt = _prompt(40, seed=95)
+    assert engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == greedy_continuation(
+        hf, prompt, STEPS)
+    engine.shutdown()
+
+
 def test_fp4_preset_loads_the_full_presets_draws_quantized():
     """tiny-deepseek-v4-fp4 is tiny-deepseek-v4 through our quantizer: experts on the FP4 grid (held
     fused, [E, 2I, Hd] and [E, Hd, I]: FP4 blocks are per row, so each expert's fused rows quantize as

@@ -153,10 +153,13 @@ def scale_key(name: str) -> str | None:
 
 
 def dequantized_v4_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: Fp8BlockConfig, dtype: torch.dtype,
-                              unused: Callable[[str], bool] = lambda key: False
+                              unused: Callable[[str], bool] = lambda key: False,
+                              keep: Callable[[str], bool] = lambda key: False
                               ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pair each quantized ``X.weight`` (int8: FP4; float8_e4m3fn: FP8) with its scale and yield it
-    dequantized to ``dtype``; other tensors pass through in stream order. The halves of a pair may
+    dequantized to ``dtype``, or, where ``keep(X.weight)`` (FP4 experts a layer holds as they are, on
+    GPU), the packed weight and its ue8m0 exponents as uint8 ``X.weight_scale_inv``; other tensors
+    pass through in stream order. The halves of a pair may
     come in either order and from different files (the first waits for its partner). A weight
     without its scale, a scale without its weight, or a scale beside a full-precision weight is a
     ValueError naming the key. ``unused`` pairs (the MTP layer) are checked for presence and dropped."""
@@ -166,12 +169,12 @@ def dequantized_v4_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: 
         key = scale_key(name)
         if key is not None:
             if key in weights_waiting:
-                yield from _pair(key, weights_waiting.pop(key), name, tensor, cfg, dtype, unused)
+                yield from _pair(key, weights_waiting.pop(key), name, tensor, cfg, dtype, unused, keep)
             else:
                 scales_waiting[key] = (name, tensor)
         elif tensor.dtype in (torch.int8, FP8_DTYPE):
             if name in scales_waiting:
-                yield from _pair(name, tensor, *scales_waiting.pop(name), cfg, dtype, unused)
+                yield from _pair(name, tensor, *scales_waiting.pop(name), cfg, dtype, unused, keep)
             else:
                 weights_waiting[name] = tensor
         elif name in scales_waiting:
@@ -189,11 +192,16 @@ def dequantized_v4_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], cfg: 
 
 
 def _pair(key: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor, cfg: Fp8BlockConfig,
-          dtype: torch.dtype, unused: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+          dtype: torch.dtype, unused: Callable[[str], bool], keep: Callable[[str], bool]
+          ) -> Iterator[tuple[str, torch.Tensor]]:
     if unused(key):
         return
     try:
-        if weight.dtype == torch.int8:
+        if weight.dtype == torch.int8 and keep(key):
+            dequantize_fp4(weight[:1], scale[:1])  # the pair's shapes and scale dtype checked, one row
+            yield key, weight
+            yield key + SCALE_SUFFIX, ue8m0_exponents(scale).to(torch.uint8)
+        elif weight.dtype == torch.int8:
             yield key, dequantize_fp4(weight, scale, dtype)
         else:
             yield key, dequantize_block_fp8(weight, _fp8_scale(scale), cfg.block, dtype)
@@ -210,6 +218,20 @@ def _fp8_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- FP4 experts held by a layer (GPU)
+
+
+def hold_fp4(module: torch.nn.Module, name: str) -> None:
+    """Swap ``module.<name>`` [E, Out, In] for its packed FP4 form, int8 [E, Out, In/2], plus
+    ``<name>_scale`` uint8 [E, Out, In/B] (ue8m0 exponents), both filled by the loader from the
+    checkpoint's pairs as they are."""
+    w = getattr(module, name)
+    E, out, inp = w.shape
+    if inp % FP4_BLOCK:
+        raise ValueError(f"{name}: {inp} columns, not a multiple of the FP4 block {FP4_BLOCK}")
+    packed = torch.zeros(E, out, inp // 2, dtype=torch.int8, device=w.device)
+    setattr(module, name, torch.nn.Parameter(packed, requires_grad=False))
+    scale = torch.full((E, out, inp // FP4_BLOCK), UE8M0_BIAS, dtype=torch.uint8, device=w.device)
+    setattr(module, name + "_scale", torch.nn.Parameter(scale, requires_grad=False))
 
 
 def fused_moe_fp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
