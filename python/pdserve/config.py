@@ -187,7 +187,8 @@ class Fp8BlockConfig:
         if expert_dtype not in ("fp8", "fp4"):
             raise ValueError(f"quantization_config.expert_dtype: {expert_dtype!r} is not supported "
                              "(pdserve loads 'fp8' and, for DeepSeek-V4, 'fp4' experts)")
-        return cls(*raw["weight_block_size"], expert_dtype=expert_dtype)
+        block_out, block_in = raw["weight_block_size"]
+        return cls(block_out, block_in, expert_dtype)
 
 
 @dataclass(frozen=True)

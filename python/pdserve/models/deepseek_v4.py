@@ -147,6 +147,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts as transformers stores them: ``gate_up_proj`` [E, 2I, Hd], ``down_proj`` [E, Hd, I]."""
 
+    gate_up_proj_scale: torch.Tensor  # held FP4 only (keep_fp4): uint8 [E, 2I, Hd / 32]
+    down_proj_scale: torch.Tensor  # held FP4 only: uint8 [E, Hd, I / 32]
+
     def __init__(self, c, dtype: torch.dtype):
         super().__init__()
         E, I, Hd = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
