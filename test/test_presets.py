@@ -12,7 +12,8 @@ ARCHS = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen3-moe": "Qwen3MoeForCausalL
          "tiny-deepseek": "DeepseekV3ForCausalLM", "tiny-deepseek-fp8": "DeepseekV3ForCausalLM",
          "tiny-qwen3-fp8": "Qwen3ForCausalLM", "tiny-llama-eagle": "LlamaForCausalLMEagle",
          "tiny-deepseek-v32": "DeepseekV32ForCausalLM", "tiny-deepseek-v32-fp8": "DeepseekV32ForCausalLM",
-         "tiny-deepseek-v4": "DeepseekV4ForCausalLM"}
+         "tiny-deepseek-v4": "DeepseekV4ForCausalLM",
+         "tiny-deepseek-v4-fp4": "DeepseekV4ForCausalLM"}
 SPECIALS = {"<|bos|>": 0, "<|eos|>": 1, "<|pad|>": 2, "<|im_start|>": 3, "<|im_end|>": 4}
 
 

@@ -130,6 +130,12 @@ PRESETS |= {
         hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000.0, compress_rope_theta=160000.0,
         num_nextn_predict_layers=1, attention_bias=False)),
 }
+# Its quantized twin in the format DeepSeek-V4 ships: routed experts FP4 (e2m1, ue8m0 scales per 32
+# columns), attention, indexer and shared-expert linears block-FP8 (layers/quant/fp4.py).
+PRESETS |= {
+    "tiny-deepseek-v4-fp4": (PRESETS["tiny-deepseek-v4"][0], dict(
+        PRESETS["tiny-deepseek-v4"][1], quantization_config=dict(_FP8, expert_dtype="fp4"))),
+}
 # Draft architectures transformers has no config class of their own for.
 CONFIG_CLASSES = {"LlamaForCausalLMEagle": "LlamaConfig"}
 

@@ -906,6 +906,20 @@ MUTATIONS = (
         "python/pdserve/config.py",
         "(self.disaggregation_mode in (\"prefill\", \"decode\"),", "(False,",
         ("test/models/test_deepseek_v4.py::test_unsupported_modes_are_refused_at_start_up",)),
+    # issue 35: DeepSeek-V4's FP4 experts
+    Mutation(
+        "v4_fp4_nibble_order_swapped", "an FP4 byte's high nibble is read as the even column (DeepSeek packs "
+        "column 2j in the low nibble)",
+        "python/pdserve/layers/quant/fp4.py", "torch.stack([u8 & 0xF, u8 >> 4], dim=-1)",
+        "torch.stack([u8 >> 4, u8 & 0xF], dim=-1)",
+        ("test/layers/quant/test_fp4.py::test_hand_made_bytes_decode_nibble_by_nibble",
+         "test/models/test_deepseek_v4.py::test_fp4_checkpoint_decodes_like_transformers_on_the_dequantized_copy")),
+    Mutation(
+        "v4_fp4_scale_bias_off_by_one", "ue8m0 scales decode as 2^(byte - 126): every FP4 expert twice too large",
+        "python/pdserve/layers/quant/fp4.py", "per_col = (exps.float() - UE8M0_BIAS).exp2()",
+        "per_col = (exps.float() - UE8M0_BIAS + 1).exp2()",
+        ("test/layers/quant/test_fp4.py::test_hand_made_bytes_decode_nibble_by_nibble",
+         "test/models/test_deepseek_v4.py::test_fp4_checkpoint_decodes_like_transformers_on_the_dequantized_copy")),
 )
 
 

@@ -149,6 +149,9 @@ class Fp8BlockConfig:
 
     block_out: int = 128  # rows of W [Out, In] per scale
     block_in: int = 128  # columns of W per scale
+    # "fp4": routed experts are FP4 (e2m1 pairs in int8, ue8m0 scales per 32 columns), DeepSeek-V4's
+    # format (layers/quant/fp4.py); "fp8": experts block-FP8 like every other quantized linear.
+    expert_dtype: str = "fp8"
 
     SUPPORTED: ClassVar[dict[str, Any]] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                  "weight_block_size": [128, 128]}
@@ -160,11 +163,12 @@ class Fp8BlockConfig:
     @property
     def name(self) -> str:
         """How records and messages name it, e.g. ``fp8-block128x128``."""
-        return f"fp8-block{self.block_out}x{self.block_in}"
+        return f"fp8-block{self.block_out}x{self.block_in}" + ("-fp4experts" if self.expert_dtype == "fp4" else "")
 
     def to_hf(self) -> dict[str, Any]:
         """The ``quantization_config`` a checkpoint of this format carries."""
-        return {**self.SUPPORTED, "weight_block_size": [self.block_out, self.block_in]}
+        hf = {**self.SUPPORTED, "weight_block_size": [self.block_out, self.block_in]}
+        return hf | {"expert_dtype": "fp4"} if self.expert_dtype == "fp4" else hf
 
     @classmethod
     def from_hf(cls, raw: Any) -> Fp8BlockConfig | None:
@@ -181,7 +185,12 @@ class Fp8BlockConfig:
             if got != want:
                 raise ValueError(f"quantization_config.{key}: {got!r} is not supported "
                                  f"(pdserve loads {key}={want!r} checkpoints)")
-        return cls(*raw["weight_block_size"])
+        expert_dtype = raw.get("expert_dtype") or "fp8"
+        if expert_dtype not in ("fp8", "fp4"):
+            raise ValueError(f"quantization_config.expert_dtype: {expert_dtype!r} is not supported "
+                             "(pdserve loads 'fp8' and, for DeepSeek-V4, 'fp4' experts)")
+        block_out, block_in = raw["weight_block_size"]
+        return cls(block_out, block_in, expert_dtype)
 
 
 @dataclass(frozen=True)
@@ -203,7 +212,10 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         supported_architecture(self.architecture)
-        self.quantization  # noqa: B018  (refuses an unsupported quantization_config here, naming its field)
+        quant = self.quantization  # refuses an unsupported quantization_config here, naming its field
+        if quant is not None and quant.expert_dtype == "fp4" and self.architecture != "DeepseekV4ForCausalLM":
+            raise ValueError(f"quantization_config.expert_dtype: 'fp4' experts load for DeepSeek-V4 only, "
+                             f"not {self.architecture}")
 
     @property
     def quantization(self) -> Fp8BlockConfig | None:
@@ -1162,8 +1174,10 @@ class ServerArgs:
         for field_name, (refused, why) in refusals.items():
             if refused:
                 raise _flag_error(field_name, why)
-        if model.quantization is not None:
-            raise ValueError(f"quantization_config: FP8/FP4 {v4} checkpoints are not supported yet")
+        quant = model.quantization
+        if quant is not None and quant.expert_dtype != "fp4":
+            raise ValueError(f"quantization_config.expert_dtype: {quant.expert_dtype!r}: {v4} checkpoints load with "
+                             f"FP4 experts (expert_dtype 'fp4', as shipped) only")
 
     def _check_sparse_index(self, model: ModelConfig) -> None:
         """DeepSeek-V3.2 (MLA + DSA) runs over torch_native or triton for now (docs/models.md); everything else is

@@ -189,17 +189,116 @@ def test_cuda_graphs_are_refused(tiny):
         ServerArgs(model_path=path, device="cuda", attention_backend="torch_native").model_config()
 
 
-def test_quantized_checkpoint_is_refused(tiny, tmp_path):
-    """V4 ships FP8 linears and FP4 experts; neither loads yet."""
+def test_fp8_expert_checkpoint_is_refused(tiny, tmp_path):
+    """V4 ships FP8 linears and FP4 experts, which load; a checkpoint with FP8 experts is refused by name."""
     _, path = tiny
     q = tmp_path / "fp8"
     shutil.copytree(path, q)
     cfg = json.loads((q / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128], "expert_dtype": "fp4"}
+                                  "weight_block_size": [128, 128], "expert_dtype": "fp8"}
     (q / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantization_config: FP8/FP4 DeepSeek-V4 checkpoints are not supported"):
+    with pytest.raises(ValueError, match="quantization_config.expert_dtype: 'fp8': DeepSeek-V4 checkpoints load with "
+                                         "FP4 experts"):
         ServerArgs(model_path=str(q)).model_config()
+
+
+@pytest.fixture(scope="module")
+def fp4_twin(tiny, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.fp8_checkpoints import make_v4_fp4_checkpoint
+
+    fp4_dir, plain_dir = make_v4_fp4_checkpoint(tiny[1], tmp_path_factory.mktemp("v4fp4"))
+    hf = AutoModelForCausalLM.from_pretrained(plain_dir, dtype=torch.float32).eval()
+    return fp4_dir, plain_dir, hf
+
+
+def test_fp4_twin_ships_fp4_experts_and_fp8_linears(fp4_twin):
+    from pdserve.models.loader import iter_safetensors
+
+    raw = dict(iter_safetensors(fp4_twin[0]))
+    layer = "model.layers.1."
+    assert raw[layer + "ffn.experts.0.w1.weight"].dtype == torch.int8
+    assert raw[layer + "ffn.experts.0.w1.scale"].dtype == torch.float8_e8m0fnu
+    assert raw[layer + "attn.wq_a.weight"].dtype == raw[layer + "attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    assert raw[layer + "attn.compressor.wkv.weight"].dtype == raw[layer + "attn.wo_a.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("length", [11, 6 * WINDOW + 5])
+def test_fp4_checkpoint_decodes_like_transformers_on_the_dequantized_copy(fp4_twin, length):
+    from pdserve.config import ModelConfig
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp4_dir, plain_dir, hf = fp4_twin
+    check_not_degenerate(hf)
+    engine = pdserve.Engine(model_path=fp4_dir, page_size=4, chunked_prefill_size=16)
+    assert engine.scheduler.runner.model_config.quantization.expert_dtype == "fp4"
+    prompt = _prompt(length, seed=80 + length)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    a = dict(checkpoint_tensors(engine.scheduler.runner.model))
+    b = dict(checkpoint_tensors(load_model(ModelConfig.from_path(plain_dir))))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    engine.shutdown()
+
+
+def test_experts_held_in_fp4_decode_like_transformers(fp4_twin, monkeypatch):
+    """The CUDA runner's load (keep_fp8: layers hold what they can) on CPU: the routed experts stay the
+    checkpoint's packed bytes and run through fused_moe_fp4 (its torch twin here; the Triton kernel on
+    CUDA, tested against the twin in test/kernels/test_fp4_moe.py). Greedy output is unchanged."""
+    from pdserve.config import ModelConfig
+    from pdserve.models import loader
+    from pdserve.models.loader import iter_safetensors, load_model
+
+    fp4_dir, _, hf = fp4_twin
+    held = load_model(ModelConfig.from_path(fp4_dir), keep_fp8=True)
+    raw = dict(iter_safetensors(fp4_dir))
+    experts = held.model.layers[1].mlp.experts
+    I = experts.gate_up_proj.shape[1] // 2
+    assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj_scale.dtype == torch.uint8
+    assert torch.equal(experts.gate_up_proj[2, I:], raw["model.layers.1.ffn.experts.2.w3.weight"])
+    assert torch.equal(experts.down_proj_scale[5], raw["model.layers.1.ffn.experts.5.w2.scale"].view(torch.uint8))
+    # the runner imports load_model when it builds, and passes keep_fp8 (False on CPU): force it on
+    monkeypatch.setattr(loader, "load_model", lambda *a, **kw: load_model(*a, **{**kw, "keep_fp8": True}))
+    engine = pdserve.Engine(model_path=fp4_dir, page_size=4)
+    assert engine.scheduler.runner.model.model.layers[0].mlp.experts.down_proj.dtype == torch.int8
+    prompt = _prompt(40, seed=95)
+    assert engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == greedy_continuation(
+        hf, prompt, STEPS)
+    engine.shutdown()
+
+
+def test_fp4_preset_loads_the_full_presets_draws_quantized():
+    """tiny-deepseek-v4-fp4 is tiny-deepseek-v4 through our quantizer: experts on the FP4 grid (held
+    fused, [E, 2I, Hd] and [E, Hd, I]: FP4 blocks are per row, so each expert's fused rows quantize as
+    its w1, w3 and w2 do), the FP8 linears FP8-representable, everything else the same draws."""
+    from pdserve.config import ModelConfig
+    from pdserve.layers.quant.fp4 import dequantize_fp4, is_v4_fp8_linear, quantize_fp4
+    from pdserve.layers.quant.fp8 import dequantize_block_fp8, quantize_block_fp8
+    from pdserve.models.base import checkpoint_tensors
+    from pdserve.models.loader import load_model
+
+    fp4 = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v4-fp4"))))
+    full = dict(checkpoint_tensors(load_model(ModelConfig.from_path("tiny-deepseek-v4"))))
+    assert fp4.keys() == full.keys()
+    kinds = {"fp4": 0, "fp8": 0, "full": 0}
+    for key, w in fp4.items():
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            kinds["fp4"] += 1
+            assert torch.equal(w, torch.stack([dequantize_fp4(*quantize_fp4(x)) for x in full[key]])), key
+            assert not torch.equal(w, full[key])
+        elif is_v4_fp8_linear(key):
+            kinds["fp8"] += 1
+            assert torch.equal(w, dequantize_block_fp8(*quantize_block_fp8(full[key]))), key
+        else:
+            kinds["full"] += 1
+            assert torch.equal(w, full[key]), key
+    assert kinds["fp4"] == 3 * 2 and kinds["fp8"] == 3 * 4 + 1 + 3 * 3 and kinds["full"] > 0
+    out = pdserve.Engine(model_path="tiny-deepseek-v4-fp4").generate(input_ids=_prompt(20, seed=90),
+                                                                     sampling_params=GREEDY)
+    assert len(out["output_ids"]) == STEPS
 
 
 def test_mtp_layer_tensors_are_accepted_and_not_loaded(tiny, tmp_path):

@@ -11,7 +11,8 @@ PRESETS_ROOT = Path(__file__).resolve().parent / "presets"
 # tiny-llama-eagle: an EAGLE draft for tiny-llama (--speculative-draft-model-path), not a servable target
 PRESET_NAMES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek", "tiny-deepseek-fp8", "tiny-qwen3-fp8",
                 "tiny-llama-eagle", "tiny-deepseek-v32", "tiny-deepseek-v32-fp8",
-                "tiny-deepseek-v4")
+                "tiny-deepseek-v4",
+                "tiny-deepseek-v4-fp4")
 
 
 def preset_dir(name: str) -> Path:

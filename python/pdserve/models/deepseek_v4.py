@@ -147,6 +147,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts as transformers stores them: ``gate_up_proj`` [E, 2I, Hd], ``down_proj`` [E, Hd, I]."""
 
+    gate_up_proj_scale: torch.Tensor  # held FP4 only (keep_fp4): uint8 [E, 2I, Hd / 32]
+    down_proj_scale: torch.Tensor  # held FP4 only: uint8 [E, Hd, I / 32]
+
     def __init__(self, c, dtype: torch.dtype):
         super().__init__()
         E, I, Hd = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
@@ -164,13 +167,35 @@ class Experts(nn.Module):
             for name, dst in pieces.items():
                 key = f"{prefix}.{e}.{name}.weight"
                 yield WeightEntry(key, partial(copy_into, key, dst(e)), (key,))
+        if self.gate_up_proj.dtype == torch.int8:  # held FP4 (keep_fp4): the ue8m0 scales, same pieces
+            scales = {"w1": lambda e: self.gate_up_proj_scale[e, :I], "w3": lambda e: self.gate_up_proj_scale[e, I:],
+                      "w2": lambda e: self.down_proj_scale[e]}
+            for e in range(E):
+                for name, dst in scales.items():
+                    key = f"{prefix}.{e}.{name}.weight_scale_inv"
+                    yield WeightEntry(key, partial(copy_into, key, dst(e)), (key,))
+            return
         for fused, names in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
             key = f"{prefix}.{fused}"
             units = tuple(f"{prefix}.{e}.{n}.weight" for e in range(E) for n in names)
             yield WeightEntry(key, partial(copy_into, key, getattr(self, fused)), units, canonical=False)
 
+    def keep_fp4(self, prefix: str) -> set[str]:
+        """Hold the experts as an FP4 checkpoint ships them (GPU: layers/quant/fp4.fused_moe_fp4 runs them);
+        returns the (module-named) checkpoint keys to load as packed pairs."""
+        from pdserve.layers.quant.fp4 import hold_fp4
+
+        hold_fp4(self, "gate_up_proj")
+        hold_fp4(self, "down_proj")
+        return {f"{prefix}.{e}.{n}.weight" for e in range(self.gate_up_proj.shape[0]) for n in ("w1", "w2", "w3")}
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [T, Hd], weights/experts [T, k] -> [T, Hd], one expert at a time over its tokens."""
+        if self.gate_up_proj.dtype == torch.int8:
+            from pdserve.layers.quant.fp4 import fused_moe_fp4
+
+            return fused_moe_fp4(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,
+                                 weights.float(), experts, self.limit)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             tok, slot = (experts == e).nonzero(as_tuple=True)

@@ -9,7 +9,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch
 from torch import nn
 
-from pdserve.config import ModelConfig
+from pdserve.config import Fp8BlockConfig, ModelConfig
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant.fp8 import (
@@ -112,6 +112,8 @@ def checkpoint_weights(model_config: ModelConfig, seed: int, model: nn.Module, k
     quant = model_config.quantization
     if quant is None:
         return weights
+    if quant.expert_dtype == "fp4":
+        return _fp4_expert_weights(weights, quant, model_config.torch_dtype, model, dummy, keep_fp8)
     if dummy:
         weights = quantized_checkpoint(weights, quant)
         quantized = is_quantized_linear
@@ -123,6 +125,25 @@ def checkpoint_weights(model_config: ModelConfig, seed: int, model: nn.Module, k
     # Entries with no units are accepted but not this rank's (another EP rank's experts).
     unused = lambda key: key not in spec or not spec[key].units  # noqa: E731
     return dequantized_checkpoint(weights, quant, model_config.torch_dtype, keep=kept.__contains__, unused=unused)
+
+
+def _fp4_expert_weights(weights: Iterable[tuple[str, torch.Tensor]], quant: Fp8BlockConfig, dtype: torch.dtype,
+                        model: nn.Module, dummy: bool, keep: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    """DeepSeek-V4's format (FP4 experts, FP8 linears), dequantized on load, except, with ``keep`` (the
+    CUDA runner), the routed experts of layers that hold FP4 themselves (``keep_fp4``). Its FP8
+    linears are dequantized on every device for now. Dummy weights go through our quantizer first."""
+    from pdserve.layers.quant.fp4 import dequantized_v4_checkpoint, quantized_v4_checkpoint
+    from pdserve.models.deepseek_v4 import module_key
+
+    if dummy:
+        weights = quantized_v4_checkpoint(weights, quant)
+    kept: set[str] = set()
+    for path, module in model.named_modules() if keep else ():
+        if hasattr(module, "keep_fp4"):
+            kept |= module.keep_fp4(path)
+    spec = weight_spec(model)  # after keep_fp4: held experts also take their scales
+    unused = lambda key: module_key(key) not in spec  # noqa: E731  (the MTP layer's, not loaded)
+    return dequantized_v4_checkpoint(weights, quant, dtype, unused=unused, keep=lambda key: module_key(key) in kept)
 
 
 def tensor_names(path: str | Path) -> Iterator[str]:
