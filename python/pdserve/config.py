@@ -1131,9 +1131,12 @@ class ServerArgs:
                                     f"{self.disaggregation_mode}: {v4}'s state regions do not move in P/D yet"),
             "enable_hierarchical_cache": (self.enable_hierarchical_cache,
                                           f"{v4}'s state regions have no host or storage tier yet"),
-            "speculative_algorithm": (self.speculative_algorithm is not None,
-                                      f"{self.speculative_algorithm}: no speculative decoding for {v4} yet (its "
-                                      f"MTP layer, with its own hyper-connections, is not built)"),
+            "speculative_algorithm": (
+                self.speculative_algorithm not in (None, "NEXTN") or (self.speculative_algorithm is not None
+                                                                       and self.disaggregation_mode != "null"),
+                f"{self.speculative_algorithm}: {v4} drafts with NEXTN (its MTP layer) only, colocated: EAGLE's "
+                f"Llama KV has no place among its state regions, and in P/D the aux row carries one hidden state "
+                f"where the MTP layer reads all hc_mult streams (nor does the draft layer's window move yet)"),
             "attention_backend": (dev.attention_backend != "torch_native",
                                   f"{dev.attention_backend}: {v4}'s attention runs in torch only (no Triton or "
                                   f"flashinfer kernels yet)"),
