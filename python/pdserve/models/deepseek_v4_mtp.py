@@ -42,7 +42,8 @@ def mtp_key(name: str) -> str:
     m = re.fullmatch(r"hc_head_(fn|base|scale)", name)
     if m:
         return f"hc_head.hc_{m.group(1)}"
-    return module_key(PREFIX + name)[len(PREFIX):]
+    as_layer = "model.layers.0."  # renamed as a decoder layer's tensor (the target skips ``mtp.*`` itself)
+    return module_key(as_layer + name)[len(as_layer):]
 
 
 class DeepseekV4MTP(DeepseekV4DecoderLayer, DraftModel):
