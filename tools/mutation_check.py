@@ -911,7 +911,8 @@ MUTATIONS = (
         "of its streams: no mHC mix, no attention",
         "python/pdserve/models/deepseek_v4_mtp.py",
         "        return DeepseekV4DecoderLayer.forward(self, h, fb).flatten(1)  # [T, n Hd]\n",
-        "        return (h + self.mlp(self.post_attention_layernorm(h.mean(1)), fb.input_ids).unsqueeze(1)).flatten(1)\n",
+        "        return (h + self.mlp(self.post_attention_layernorm(h.mean(1)), fb.input_ids).unsqueeze(1))"
+        ".flatten(1)\n",
         ("test/models/test_deepseek_v4.py::test_mtp_layer_matches_its_definition_over_transformers_modules",)),
     Mutation(
         "v4_mtp_state_in_target_layer", "DeepSeek-V4's MTP layer writes its window rows into the target's last "

@@ -232,7 +232,8 @@ class DeepseekV4Model(nn.Module):
     def forward(self, fb: ForwardBatch, streams: bool = False) -> torch.Tensor:
         """-> [T, Hd] final-normed; with ``streams`` the last layer's n streams flattened [T, n Hd]."""
         if fb.num_tokens == 0:
-            return self.embed_tokens.weight.new_zeros(0, self.embed_tokens.weight.shape[-1] * (self.n if streams else 1))
+            width = self.embed_tokens.weight.shape[-1] * (self.n if streams else 1)
+            return self.embed_tokens.weight.new_zeros(0, width)
         for rope in self.ropes.values():
             assert isinstance(rope, RotaryEmbedding)
             rope.ensure_capacity(int(fb.positions.max()) + 1)
