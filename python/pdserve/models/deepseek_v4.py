@@ -264,7 +264,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self.model(fb, streams=self.hidden_streams)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.collapse(hidden) if self.hidden_streams else hidden)
+        model = self.model
+        assert isinstance(model, DeepseekV4Model)
+        return self.lm_head(model.collapse(hidden) if self.hidden_streams else hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self, ((module_key(name), tensor) for name, tensor in weights))

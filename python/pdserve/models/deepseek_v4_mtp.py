@@ -30,7 +30,8 @@ from pdserve.layers.forward_batch import ForwardBatch
 from pdserve.layers.linear import ReplicatedLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
-from pdserve.models.deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4ForCausalLM, HyperHead, module_key
+from pdserve.models.deepseek_v4 import (DeepseekV4DecoderLayer, DeepseekV4ForCausalLM, DeepseekV4Model, HyperHead,
+                                        module_key)
 from pdserve.models.deepseek_v4_attention import SLIDING
 from pdserve.models.draft import DraftModel
 
@@ -52,7 +53,9 @@ class DeepseekV4MTP(DeepseekV4DecoderLayer, DraftModel):
     def __init__(self, target: DeepseekV4ForCausalLM, dtype: torch.dtype):
         c = target.config
         layer_id = c.num_hidden_layers
-        super().__init__(c, layer_id, target.model.ropes, dtype, kinds=(SLIDING, "moe"))
+        model = target.model
+        assert isinstance(model, DeepseekV4Model)
+        super().__init__(c, layer_id, model.ropes, dtype, kinds=(SLIDING, "moe"))
         self.layer_id, self.n, self.hidden = layer_id, c.hc_mult, c.hidden_size
         H = c.hidden_size
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, H, SINGLE.attention, dtype)  # the target's on load
