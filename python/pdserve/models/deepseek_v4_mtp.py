@@ -30,8 +30,13 @@ from pdserve.layers.forward_batch import ForwardBatch
 from pdserve.layers.linear import ReplicatedLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
-from pdserve.models.deepseek_v4 import (DeepseekV4DecoderLayer, DeepseekV4ForCausalLM, DeepseekV4Model, HyperHead,
-                                        module_key)
+from pdserve.models.deepseek_v4 import (
+    DeepseekV4DecoderLayer,
+    DeepseekV4ForCausalLM,
+    DeepseekV4Model,
+    HyperHead,
+    module_key,
+)
 from pdserve.models.deepseek_v4_attention import SLIDING
 from pdserve.models.draft import DraftModel
 
@@ -49,6 +54,17 @@ def mtp_key(name: str) -> str:
 
 class DeepseekV4MTP(DeepseekV4DecoderLayer, DraftModel):
     """``forward(fb, streams [T, n Hd]) -> streams [T, n Hd]``; ``compute_logits([N, n Hd]) -> [N, V]``."""
+
+    n: int
+    hidden: int
+    embed_tokens: VocabParallelEmbedding
+    head: ParallelLMHead
+    enorm: RMSNorm
+    hnorm: RMSNorm
+    e_proj: ReplicatedLinear
+    h_proj: ReplicatedLinear
+    norm: RMSNorm
+    hc_head: HyperHead
 
     def __init__(self, target: DeepseekV4ForCausalLM, dtype: torch.dtype):
         c = target.config

@@ -225,12 +225,12 @@ def load_draft(model_config: ModelConfig, spec: SpeculativeConfig, target: Causa
     c = model_config.hf_config
     with torch.no_grad():
         if spec.algorithm == "NEXTN" and model_config.state_regions:  # DeepSeek-V4
-            draft = _v4_mtp(model_config, spec, target, seed)
+            draft: DraftModel = _v4_mtp(model_config, spec, target, seed)
         elif spec.algorithm == "NEXTN":
             if not model_config.is_mla:
                 raise ValueError(f"speculative_algorithm: NEXTN drafts with DeepSeek's MTP layer; "
                                  f"{model_config.architecture} has none (use EAGLE with a draft checkpoint)")
-            draft: DraftModel = DeepseekMTP(target, dtype)
+            draft = DeepseekMTP(target, dtype)
             shared = {"embed_tokens": target.model.embed_tokens}
             if spec.draft_model_path is None and model_config.load_format == "dummy":
                 _dummy(draft, seed + 1, shared, model_config.quantization)
