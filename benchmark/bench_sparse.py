@@ -1,11 +1,12 @@
-"""Decode step time against context length: dense MLA (DeepSeek-V3) beside DSA sparse MLA
-(DeepSeek-V3.2), same tiny dims, one run.
+"""Decode step time and state bytes against context length: dense MLA (DeepSeek-V3), DSA sparse MLA
+(DeepSeek-V3.2) and hybrid compressed attention (DeepSeek-V4), tiny dims, one run.
 
-    python benchmark/bench_sparse.py --contexts 1024 4096 16384 32768 --steps 4 --repeats 3
+    python benchmark/bench_sparse.py                        # contexts 1K 8K 64K
+    python benchmark/bench_sparse.py --contexts 1024 4096 16384 32768 65536 --steps 4 --repeats 3
 
 Each model in ``MODELS`` is built once (seeded dummy weights) with a pool large enough for
 ``--batch-size`` requests at the longest context. Per context, the requests' pool rows are
-filled with random latents (and, for V3.2, index keys) instead of a prefill: a step's cost
+filled with random rows (latents, V3.2's index keys, every V4 region) instead of a prefill: a step's cost
 depends on how many rows it reads, not on what they hold, and a 32K prefill of either model
 would take minutes on a CPU. Then ``--warmup`` decode steps run (the first rebuilds the
 backend's decode stage) and ``--steps`` more are timed, each one token longer, as the engine's
@@ -19,7 +20,11 @@ ever add time, so the minimum is the steadiest estimate on a shared machine):
 * attention (ms), the backend's MLA call (for V3.2 that includes the paged score and top-k over
   the index keys, and the sparse MLA), and its ratio to the first model's;
 * the indexer's share of the step: its projections plus the paged score and top-k;
-* the state bytes per token (``ModelConfig.kv_bytes_per_token``: latent plus index keys).
+* the state bytes per token (``ModelConfig.kv_bytes_per_token``: latent plus index keys; for V4 every
+  per-token region as built today, docs/kv-cache.md "What is built for DeepSeek-V4");
+* for V4 also the design's bytes per token at that context (docs/kv-cache.md "Bytes per token":
+  compressed entries and index keys at 1 per 4 or 128 tokens, the windows and open-window records
+  per request, spread over the context), and both as a ratio to the first model's.
 
 Times are this process's CPU time by default (``--clock cpu``, one torch thread), which other
 processes inflate less than elapsed time; compare the ratios, not the absolute times.
@@ -52,7 +57,12 @@ MODELS = (
     BenchModel("V3 (dense MLA)", "tiny-deepseek", {"max_position_embeddings": MAX_POSITIONS}),
     BenchModel("V3.2 (DSA, topk 256)", "tiny-deepseek-v32",
                {"max_position_embeddings": MAX_POSITIONS, "index_topk": 256}),
+    BenchModel("V4 (SWA/CSA/HCA)", "tiny-deepseek-v4", {"max_position_embeddings": MAX_POSITIONS}),
 )
+# DeepSeek-V4's attention runs in the model, not the backend: its call and its indexer's selection.
+V4_FUNCTIONS = ((("pdserve.models.deepseek_v4_attention", "DeepseekV4Attention", "forward"), "attention"),
+                (("pdserve.models.deepseek_v4_attention", "Indexer", "queries"), "indexer"),
+                (("pdserve.models.deepseek_v4_attention", "Indexer", "select"), "indexer"))
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -96,10 +106,11 @@ def timed(timer: Timer, backend) -> Iterator[None]:
     import importlib
 
     patched = []
-    for module, cls, name in INDEXER_FUNCTIONS.get(backend.name, ()):
+    functions = [(f, "indexer") for f in INDEXER_FUNCTIONS.get(backend.name, ())] + list(V4_FUNCTIONS)
+    for (module, cls, name), label in functions:
         owner = importlib.import_module(module)
         owner = getattr(owner, cls) if cls else owner
-        patched.append((owner, name, getattr(owner, name), "indexer"))
+        patched.append((owner, name, getattr(owner, name), label))
     patched += [(backend, name, getattr(backend, name), "attention") for name in ATTENTION_METHODS]
     for owner, name, fn, label in patched:
         setattr(owner, name, timer.wrap(fn, label))
@@ -130,6 +141,10 @@ def fill_pool(runner, tokens: int, seed: int) -> None:
     pool = runner.pool
     g = torch.Generator().manual_seed(seed)
     pages = -(-tokens // pool.page_size)
+    if hasattr(pool, "buffers"):  # DeepSeek-V4's regions: [layers, pages, page, width] each
+        for buf in pool.buffers.values():
+            buf[:, :pages].copy_(torch.randn(buf[:, :pages].shape, generator=g))
+        return
     pool.latent[:, :pages].copy_(torch.randn(pool.latent[:, :pages].shape, generator=g))
     if getattr(pool, "index_k", None) is not None:
         pool.index_k[:, :pages].copy_(torch.randn(pool.index_k[:, :pages].shape, generator=g))
@@ -177,19 +192,45 @@ def run(models: tuple[BenchModel, ...], contexts: list[int], batch_size: int, wa
                 with timed(timer, runner.backend):
                     samples[model.label] += time_steps(runner, context, batch_size, warmup, steps, timer)
         for model, (mc, _) in zip(models, runners):
-            rows.append(summarize(model.label, context, samples[model.label], mc.kv_bytes_per_token()))
+            rows.append(summarize(model.label, context, samples[model.label], mc.kv_bytes_per_token(),
+                                  design_bytes_per_token(mc, context)))
     rows.sort(key=lambda r: [m.label for m in models].index(r["model"]))
     return with_ratios(rows, models[0].label, min(contexts))
 
 
-def summarize(label: str, context: int, samples: list[dict], state_bytes: int) -> dict:
+def design_bytes_per_token(mc, context: int) -> float:
+    """Bytes per token of docs/kv-cache.md's design at ``context`` tokens of one request: V4's compressed
+    entries (and CSA's index keys) per 4 or m' tokens, plus per request every layer's window (W raw
+    rows) and the open-window records (CSA: up to 2m - 1 source rows, the overlap slice included, of
+    its compressor and indexer; HCA: up to m' - 1), spread over the context. Other models: as built."""
+    c = mc.hf_config
+    if not mc.state_regions:
+        return float(mc.kv_bytes_per_token())
+    item = mc.torch_dtype.itemsize
+    D, Di, W = int(c.head_dim), int(c.index_head_dim), int(c.sliding_window)
+    per_token = per_request = 0.0
+    for kind in c.layer_types:
+        per_request += W * D
+        if kind == "compressed_sparse_attention":
+            m = int(c.compress_rates[kind])
+            per_token += (D + Di) / m
+            per_request += (2 * m - 1) * (4 * D + 4 * Di)
+        elif kind == "heavily_compressed_attention":
+            m = int(c.compress_rates[kind])
+            per_token += D / m
+            per_request += (m - 1) * 2 * D
+    return (per_token + per_request / context) * item
+
+
+def summarize(label: str, context: int, samples: list[dict], state_bytes: int, design_bytes: float) -> dict:
     """The best (fastest) timed step, as timeit reports: other processes only ever add time, so
     the minimum is the steadiest estimate on a shared machine. Attention and the indexer's share
     are those of that step."""
     best = min(samples, key=lambda s: s["step"])
     return {"model": label, "context": context, "step_ms": best["step"] * 1e3,
             "attention_ms": best.get("attention", 0.0) * 1e3,
-            "indexer_share": best.get("indexer", 0.0) / best["step"], "state_bytes_per_token": state_bytes}
+            "indexer_share": best.get("indexer", 0.0) / best["step"], "state_bytes_per_token": state_bytes,
+            "design_bytes_per_token": design_bytes}
 
 
 def with_ratios(rows: list[dict], baseline: str, first_context: int) -> list[dict]:
@@ -199,22 +240,26 @@ def with_ratios(rows: list[dict], baseline: str, first_context: int) -> list[dic
         r["vs_baseline"] = r["step_ms"] / base[r["context"]]["step_ms"]
         r["attention_vs_baseline"] = r["attention_ms"] / base[r["context"]]["attention_ms"]
         r["growth"] = r["step_ms"] / start[r["model"]]
+        r["bytes_vs_baseline"] = r["state_bytes_per_token"] / base[r["context"]]["state_bytes_per_token"]
+        r["design_bytes_vs_baseline"] = r["design_bytes_per_token"] / base[r["context"]]["design_bytes_per_token"]
     return rows
 
 
 def table(rows: list[dict], baseline: str) -> str:
     out = [f"| model | context | step ms | step vs {baseline} | growth from {rows[0]['context']} | attention ms | "
-           f"attention vs {baseline} | indexer share | state B/token |", "|---|" + "---:|" * 8]
+           f"attention vs {baseline} | indexer share | state B/token (built) | vs {baseline} | "
+           f"design B/token | vs {baseline} |", "|---|" + "---:|" * 11]
     for r in rows:
         out.append(f"| {r['model']} | {r['context']} | {r['step_ms']:.2f} | {r['vs_baseline']:.2f}x | "
                    f"{r['growth']:.2f}x | {r['attention_ms']:.2f} | {r['attention_vs_baseline']:.2f}x | "
-                   f"{r['indexer_share']:.0%} | {r['state_bytes_per_token']} |")
+                   f"{r['indexer_share']:.0%} | {r['state_bytes_per_token']} | {r['bytes_vs_baseline']:.2f}x | "
+                   f"{r['design_bytes_per_token']:.0f} | {r['design_bytes_vs_baseline']:.3f}x |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 65536])
     p.add_argument("--batch-size", type=int, default=1, help="requests decoding together, each at the context")
     p.add_argument("--steps", type=int, default=4, help="timed decode steps per context")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (the first rebuilds the stage)")

@@ -920,6 +920,21 @@ MUTATIONS = (
         "per_col = (exps.float() - UE8M0_BIAS + 1).exp2()",
         ("test/layers/quant/test_fp4.py::test_hand_made_bytes_decode_nibble_by_nibble",
          "test/models/test_deepseek_v4.py::test_fp4_checkpoint_decodes_like_transformers_on_the_dequantized_copy")),
+    # issue 35: DeepSeek-V4's MTP layer (NEXTN)
+    Mutation(
+        "v4_mtp_skips_hyper_connections", "DeepSeek-V4's MTP layer runs its MoE as a plain residual on the mean "
+        "of its streams: no mHC mix, no attention",
+        "python/pdserve/models/deepseek_v4_mtp.py",
+        "        return DeepseekV4DecoderLayer.forward(self, h, fb).flatten(1)  # [T, n Hd]\n",
+        "        return (h + self.mlp(self.post_attention_layernorm(h.mean(1)), fb.input_ids).unsqueeze(1))"
+        ".flatten(1)\n",
+        ("test/models/test_deepseek_v4.py::test_mtp_layer_matches_its_definition_over_transformers_modules",)),
+    Mutation(
+        "v4_mtp_state_in_target_layer", "DeepSeek-V4's MTP layer writes its window rows into the target's last "
+        "layer instead of the pool's extra layer",
+        "python/pdserve/models/deepseek_v4_mtp.py",
+        "        layer_id = c.num_hidden_layers\n", "        layer_id = c.num_hidden_layers - 1\n",
+        ("test/models/test_deepseek_v4.py::test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers",)),
 )
 
 

@@ -1152,14 +1152,18 @@ class ServerArgs:
         and pool for now (docs/models.md); everything else is refused here, naming it."""
         v4 = "DeepSeek-V4"
         dev = self.device_config()
+        if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
+            raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v4}'s NEXTN runs colocated "
+                              f"only: in P/D the aux row carries one hidden state where its MTP layer reads all "
+                              f"hc_mult streams, and the draft layer's window rows do not move yet")
         refusals = {
             "disaggregation_mode": (self.disaggregation_mode in ("prefill", "decode"),
                                     f"{self.disaggregation_mode}: {v4}'s state regions do not move in P/D yet"),
             "enable_hierarchical_cache": (self.enable_hierarchical_cache,
                                           f"{v4}'s state regions have no host or storage tier yet"),
-            "speculative_algorithm": (self.speculative_algorithm is not None,
-                                      f"{self.speculative_algorithm}: no speculative decoding for {v4} yet (its "
-                                      f"MTP layer, with its own hyper-connections, is not built)"),
+            "speculative_algorithm": (self.speculative_algorithm not in (None, "NEXTN"),
+                                      f"{self.speculative_algorithm}: {v4} drafts with NEXTN (its MTP layer) only: "
+                                      f"EAGLE's Llama KV has no place among its state regions"),
             "attention_backend": (dev.attention_backend != "torch_native",
                                   f"{dev.attention_backend}: {v4}'s attention runs in torch only (no Triton or "
                                   f"flashinfer kernels yet)"),

@@ -165,7 +165,8 @@ def _serve(model_path: str, *argv: str) -> subprocess.CompletedProcess:
 REFUSALS = [
     ({"disaggregation_mode": "prefill"}, "--disaggregation-mode): prefill: DeepSeek-V4's state regions do not move"),
     ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache): DeepSeek-V4's state regions have no host"),
-    ({"speculative_algorithm": "NEXTN"}, "--speculative-algorithm): NEXTN: no speculative decoding for DeepSeek-V4"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "tiny-llama"},
+     "--speculative-algorithm): EAGLE: DeepSeek-V4 drafts with NEXTN (its MTP layer) only"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V4's attention runs in torch only"),
     ({"tp_size": 2}, "--tp-size): DeepSeek-V4 runs on one rank"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V4's state stays in the model dtype"),
@@ -301,19 +302,35 @@ def test_fp4_preset_loads_the_full_presets_draws_quantized():
     assert len(out["output_ids"]) == STEPS
 
 
-def test_mtp_layer_tensors_are_accepted_and_not_loaded(tiny, tmp_path):
-    """A checkpoint with ``mtp.*`` tensors (num_nextn_predict_layers 1) loads; its MTP layer is unused."""
-    from safetensors.torch import load_file, save_file
+def test_mtp_layer_tensors_are_accepted_and_loaded_only_for_nextn(with_mtp):
+    """Without NEXTN the ``mtp.*`` tensors are skipped; with it every one lands in the draft, and the
+    draft shares the target's embedding and head (the checkpoint carries none for it)."""
+    from safetensors.torch import load_file
 
-    hf, path = tiny
-    mtp = tmp_path / "mtp"
-    shutil.copytree(path, mtp)
-    tensors = load_file(str(mtp / "model.safetensors"))
-    tensors["mtp.0.hc_head_fn"] = torch.zeros(4, 4 * 64)
-    save_file(tensors, str(mtp / "model.safetensors"), metadata={"format": "pt"})
+    from pdserve.config import ModelConfig, SpeculativeConfig
+    from pdserve.models.deepseek_v4_attention import SLIDING
+    from pdserve.models.deepseek_v4_mtp import DeepseekV4MTP, mtp_key
+    from pdserve.models.draft import load_draft
+    from pdserve.models.loader import load_model
+
+    hf, path = with_mtp
     prompt = _prompt(12, seed=12)
-    out = pdserve.Engine(model_path=str(mtp)).generate(input_ids=prompt, sampling_params=GREEDY)
+    out = pdserve.Engine(model_path=path).generate(input_ids=prompt, sampling_params=GREEDY)
     assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    mc = ModelConfig.from_path(path)
+    target = load_model(mc)
+    draft = load_draft(mc, SpeculativeConfig("NEXTN"), target, seed=0)
+    assert isinstance(draft, DeepseekV4MTP) and draft.layer_id == 3 and draft.self_attn.kind == SLIDING
+    assert draft.self_attn.compressor is None and not draft.mlp.gate.is_hash
+    params = dict(draft.named_parameters(remove_duplicate=False)) | dict(draft.named_buffers())
+    raw = {k[len("mtp.0."):]: t for k, t in load_file(f"{path}/mtp.safetensors").items()}
+    for name, t in raw.items():
+        key = mtp_key(name)
+        if ".experts." in key:  # per-expert w1/w2/w3 fused on load
+            continue
+        assert torch.equal(params[key], t), name
+    assert draft.embed_tokens is target.model.embed_tokens and draft.head is target.lm_head
+    assert target.hidden_streams
 
 
 def test_refusal_reaches_the_cli_as_one_line():
@@ -388,3 +405,147 @@ def test_retracted_requests_resume_with_transformers_tokens(tiny):
     s = engine.scheduler
     s.check_memory()
     assert s.allocator.num_free + s.cache.num_cached_pages == s.allocator.num_pages
+
+
+# ------------------------------------------------------------------ NEXTN (the MTP layer, with its own mHC)
+def _mtp_tensors(tensors: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
+    """DeepSeek-V4's MTP layer as the official checkpoint names it (``mtp.0.*``): the last layer's
+    attention (no compressor: the MTP layer attends in a window), MoE, norms and hyper-connections,
+    plus its own ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and ``hc_head_*``."""
+    g = torch.Generator().manual_seed(seed)
+    src = "model.layers.2."
+    out = {"mtp.0." + k[len(src):]: t.clone() for k, t in tensors.items()
+           if k.startswith(src) and ".compressor." not in k}
+    H, n = tensors["model.norm.weight"].shape[0], tensors["model.hc_head.hc_base"].shape[0]
+    for name in ("e_proj", "h_proj"):
+        out[f"mtp.0.{name}.weight"] = torch.randn(H, H, generator=g) * 3 * H ** -0.5
+    for name in ("enorm", "hnorm", "norm"):
+        out[f"mtp.0.{name}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    out["mtp.0.hc_head_fn"] = torch.randn(n, n * H, generator=g) * 0.1
+    out["mtp.0.hc_head_base"] = torch.randn(n, generator=g) * 0.1
+    out["mtp.0.hc_head_scale"] = torch.ones(1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tiny, tmp_path_factory):
+    """The tiny checkpoint plus an MTP layer in a second file, as DeepSeek ships it (transformers
+    drops ``mtp.*`` on load, so its logits are the reference without it)."""
+    from safetensors.torch import load_file, save_file
+
+    hf, path = tiny
+    d = tmp_path_factory.mktemp("v4mtp") / "ckpt"
+    shutil.copytree(path, d)
+    save_file(_mtp_tensors(load_file(str(d / "model.safetensors"))), str(d / "mtp.safetensors"))
+    return hf, str(d)
+
+
+def _reference_mtp_logits(hf, mtp: dict[str, torch.Tensor], seq: list[int]) -> torch.Tensor:
+    """The MTP layer composed from transformers' V4 modules: row p reads token seq[p + 1] and the
+    target's streams at p (before its hyper head) -> log-probs [len(seq) - 1, V]. Its decoder layer is
+    transformers' sliding, top-k routed layer holding the weights the MTP tensors were copied from."""
+    import copy
+
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4HyperHead
+
+    c = copy.deepcopy(hf.config)
+    c.mlp_layer_types = ["moe"] * c.num_hidden_layers  # layer 0: sliding attention, top-k MoE
+    layer = DeepseekV4DecoderLayer(c, 0).eval()
+    layer.load_state_dict({k: v for k, v in hf.model.layers[2].state_dict().items() if ".compressor." not in k})
+    head = DeepseekV4HyperHead(c).eval()
+    head.load_state_dict({"hc_fn": mtp["mtp.0.hc_head_fn"], "hc_base": mtp["mtp.0.hc_head_base"],
+                          "hc_scale": mtp["mtp.0.hc_head_scale"]})
+    captured = []
+    hook = hf.model.hc_head.register_forward_hook(lambda _m, args, _o: captured.append(args[0]))
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        hf(input_ids=ids, use_cache=False)
+        hook.remove()
+        streams = captured[0][:, :-1]  # [1, L-1, n, H]
+
+        def rms(x, w):
+            return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + c.rms_norm_eps) * w
+
+        e = rms(hf.model.embed_tokens(ids[:, 1:]), mtp["mtp.0.enorm.weight"])  # [1, L-1, H]
+        h = (e @ mtp["mtp.0.e_proj.weight"].T).unsqueeze(2) + rms(streams, mtp["mtp.0.hnorm.weight"]) \
+            @ mtp["mtp.0.h_proj.weight"].T
+        pos = torch.arange(len(seq) - 1)[None]
+        rope = {kind: hf.model.rotary_emb(e, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        mask = create_sliding_window_causal_mask(config=c, inputs_embeds=e, attention_mask=None, cache=None,
+                                                 position_ids=pos)
+        h = layer(h, input_ids=ids[:, 1:], position_embeddings=rope, position_ids=pos, attention_mask=mask)
+        logits = hf.lm_head(rms(head(h), mtp["mtp.0.norm.weight"]))[0]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_mtp_layer_matches_its_definition_over_transformers_modules(with_mtp, monkeypatch):
+    """The draft rows of a prompt past the window (prefilled in chunks, so its window rows are read
+    back from the pool's extra layer) give the logits of the MTP block composed from transformers'
+    layer: hyper-connections, window attention, MoE and the MTP's own hyper head."""
+    from safetensors.torch import load_file
+
+    from pdserve.models.deepseek_v4_mtp import DeepseekV4MTP
+
+    hf, path = with_mtp
+    prompt = _prompt(3 * WINDOW + 5, seed=30)
+    rows: dict[int, torch.Tensor] = {}
+    forward = DeepseekV4MTP.forward
+
+    def recording(self, fb, target_hidden):
+        out = forward(self, fb, target_hidden)
+        for p, h in zip(fb.positions.tolist(), self.compute_logits(out)):
+            rows.setdefault(p, h)
+        return out
+
+    monkeypatch.setattr(DeepseekV4MTP, "forward", recording)
+    engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=8, speculative_algorithm="NEXTN",
+                            speculative_num_steps=2)
+    out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3})
+    seq = prompt + out["output_ids"][:1]  # the prompt's last row reads the first sampled token
+    ref = _reference_mtp_logits(hf, load_file(f"{path}/mtp.safetensors"), seq)  # [L, V]
+    got = torch.log_softmax(torch.stack([rows[p] for p in range(len(prompt))]), -1)
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+    assert len({int(t) for t in ref.argmax(-1)}) > 3  # a draft with opinions, not a constant
+
+
+@pytest.mark.parametrize("length", [5, 4 * WINDOW + 3])
+def test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers(with_mtp, length):
+    """The MTP layer's window rows go to the pool's extra layer 3 (and nowhere else); the target's
+    output does not change."""
+    hf, path = with_mtp
+    prompt = _prompt(length, seed=40 + length)
+    plain = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompt, sampling_params=GREEDY)
+    engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16, speculative_algorithm="NEXTN",
+                            speculative_num_steps=3)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out["output_ids"] == plain["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert out["meta_info"]["spec_verify_ct"] >= 1
+    pool = engine.scheduler.runner.pool
+    assert pool.rows["window_kv"] == {0: 0, 1: 1, 2: 2, 3: 3} and pool.buffers["window_kv"][3].abs().sum() > 0
+    assert all(3 not in layers for name, layers in pool.rows.items() if name != "window_kv")
+
+
+def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
+    """An oracle draft (the reference continuation, wrong every 5th position) makes verify accept runs
+    of drafts across windows and blocks: rejected rows of every region, which later tokens overwrite,
+    leave the output equal to transformers'."""
+    from engine.test_speculative import OracleDecode
+
+    hf, path = with_mtp
+    prompts = [_prompt(3, seed=50), _prompt(3 * WINDOW + 1, seed=51)]
+    steps = 2 * STEPS
+    seqs = {tuple(p): p + greedy_continuation(hf, p, steps) for p in prompts}
+    engine = pdserve.Engine(model_path=path, page_size=4, speculative_algorithm="NEXTN", speculative_num_steps=3)
+    engine.scheduler.decode_step = OracleDecode(engine.scheduler, seqs)
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": steps})
+    assert [o["output_ids"] for o in outs] == [list(seqs[tuple(p)][len(p):]) for p in prompts]
+    for o in outs:
+        assert o["meta_info"]["spec_accept_length"] > 1.5
+
+
+def test_nextn_is_refused_in_pd():
+    with pytest.raises(ValueError, match=r"speculative_algorithm \(--speculative-algorithm\): NEXTN: DeepSeek-V4's "
+                                         r"NEXTN runs colocated only: in P/D the aux row carries one hidden state"):
+        ServerArgs(model_path="tiny-deepseek-v4", speculative_algorithm="NEXTN",
+                   disaggregation_mode="decode").model_config()

@@ -70,7 +70,10 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     c = model.hf_config
     store = kv_storage_dtype(cache.kv_cache_dtype, model.torch_dtype)  # fp8: scales stay 1.0 (mem/kv_pool.py)
     if model.state_regions:  # DeepSeek-V4: named per-token regions (mem/region_pool.py)
-        specs = tuple(RegionSpec(name, tuple(layers), width) for name, layers, width in model.state_regions)
+        # its MTP draft layer attends in a sliding window: it keeps the raw rows only
+        draft = tuple(range(model.num_layers, layers))
+        specs = tuple(RegionSpec(name, tuple(ls) + (draft if name == "window_kv" else ()), width)
+                      for name, ls, width in model.state_regions)
         return RegionKVPool(num_pages, cache.page_size, layers, specs, model.torch_dtype, device)
     if model.is_mla:
         return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,

@@ -2,8 +2,8 @@
 instead of plain residuals, and MoE with sqrtsoftplus scoring whose first layers route by token hash.
 Config fields and module names follow transformers' ``DeepseekV4ForCausalLM``; checkpoints carry
 DeepSeek's names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1`` …, which transformers also saves), renamed
-on load by ``module_key``. The checkpoint's MTP layers (``mtp.*``, ``num_nextn_predict_layers``) are
-accepted and not loaded.
+on load by ``module_key``. The checkpoint's MTP layer (``mtp.0.*``) is loaded only as NEXTN's draft
+(models/deepseek_v4_mtp.py).
 
 Legend: T tokens, Hd hidden, n hc_mult (residual streams), E routed experts, k experts per token,
 I moe_intermediate_size, V vocab.
@@ -206,9 +206,9 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, c, layer_id: int, dtype: torch.dtype):
+    def __init__(self, c, layer_id: int, dtype: torch.dtype, kind: str | None = None):
         super().__init__()
-        self.gate = Router(c, c.mlp_layer_types[layer_id] == "hash_moe", dtype)
+        self.gate = Router(c, (kind or c.mlp_layer_types[layer_id]) == "hash_moe", dtype)
         self.experts = Experts(c, dtype)
         self.shared_experts = ClampedMLP(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
 
@@ -218,12 +218,15 @@ class SparseMoE(nn.Module):
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, c, layer_id: int, ropes: nn.ModuleDict, dtype: torch.dtype):
+    def __init__(self, c, layer_id: int, ropes: nn.ModuleDict, dtype: torch.dtype,
+                 kinds: tuple[str, str] | None = None):
+        """``kinds``: (attention kind, MLP kind) of a layer outside ``layer_types`` (the MTP layer)."""
         super().__init__()
-        rope = ropes["main" if c.layer_types[layer_id] == SLIDING else "compress"]
+        attn_kind, mlp_kind = kinds or (c.layer_types[layer_id], c.mlp_layer_types[layer_id])
+        rope = ropes["main" if attn_kind == SLIDING else "compress"]
         assert isinstance(rope, RotaryEmbedding)
-        self.self_attn = DeepseekV4Attention(c, layer_id, rope, dtype)
-        self.mlp = SparseMoE(c, layer_id, dtype)
+        self.self_attn = DeepseekV4Attention(c, layer_id, rope, dtype, attn_kind)
+        self.mlp = SparseMoE(c, layer_id, dtype, mlp_kind)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.attn_hc = HyperConnection(c)
@@ -251,9 +254,11 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, streams: bool = False) -> torch.Tensor:
+        """-> [T, Hd] final-normed; with ``streams`` the last layer's n streams flattened [T, n Hd]."""
         if fb.num_tokens == 0:
-            return self.embed_tokens.weight.new_zeros(0, self.embed_tokens.weight.shape[-1])
+            width = self.embed_tokens.weight.shape[-1] * (self.n if streams else 1)
+            return self.embed_tokens.weight.new_zeros(0, width)
         for rope in self.ropes.values():
             assert isinstance(rope, RotaryEmbedding)
             rope.ensure_capacity(int(fb.positions.max()) + 1)
@@ -261,7 +266,11 @@ class DeepseekV4Model(nn.Module):
         h = x.unsqueeze(1).expand(-1, self.n, -1).contiguous()  # [T, n, Hd]
         for layer in self.layers:
             h = layer(h, fb)
-        return self.norm(self.hc_head(h))  # [T, Hd]
+        return h.flatten(1) if streams else self.norm(self.hc_head(h))  # [T, n Hd] or [T, Hd]
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """[N, n Hd] -> [N, Hd] final-normed, what forward returns without ``streams``."""
+        return self.norm(self.hc_head(streams.view(streams.shape[0], self.n, -1)))
 
 
 class DeepseekV4ForCausalLM(CausalLM):
@@ -272,6 +281,17 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.model = DeepseekV4Model(c, parallel.attention, dtype)  # type: ignore[assignment]
         tie = self.model.embed_tokens if getattr(c, "tie_word_embeddings", False) else None
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, parallel.attention, dtype, tie_to=tie)
+        # With NEXTN the MTP layer reads the target's n streams, not their collapse: forward then
+        # hands them over flattened [T, n Hd] and compute_logits collapses them (models/deepseek_v4_mtp.py).
+        self.hidden_streams = False
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb, streams=self.hidden_streams)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        assert isinstance(model, DeepseekV4Model)
+        return self.lm_head(model.collapse(hidden) if self.hidden_streams else hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self, ((module_key(name), tensor) for name, tensor in weights))

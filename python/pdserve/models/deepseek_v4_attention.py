@@ -155,9 +155,10 @@ class DeepseekV4Attention(nn.Module):
     # (window + compressed entries wide) instead of the chunk's length squared.
     QUERY_BLOCK = 256
 
-    def __init__(self, c, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, c, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype, kind: str | None = None):
+        """``kind``: the attention kind of a layer outside ``layer_types`` (the MTP layer's, sliding)."""
         super().__init__()
-        self.layer_id, self.kind = layer_id, c.layer_types[layer_id]
+        self.layer_id, self.kind = layer_id, kind or c.layer_types[layer_id]
         self.H, self.D, self.W = c.num_attention_heads, c.head_dim, c.sliding_window
         self.eps, self.G = c.rms_norm_eps, c.o_groups
         self.rope = rope  # "main" for sliding layers, "compress" for CSA/HCA (shared, not a checkpoint tensor)

@@ -224,11 +224,13 @@ def load_draft(model_config: ModelConfig, spec: SpeculativeConfig, target: Causa
     dtype = model_config.torch_dtype
     c = model_config.hf_config
     with torch.no_grad():
-        if spec.algorithm == "NEXTN":
+        if spec.algorithm == "NEXTN" and model_config.state_regions:  # DeepSeek-V4
+            draft: DraftModel = _v4_mtp(model_config, spec, target, seed)
+        elif spec.algorithm == "NEXTN":
             if not model_config.is_mla:
                 raise ValueError(f"speculative_algorithm: NEXTN drafts with DeepSeek's MTP layer; "
                                  f"{model_config.architecture} has none (use EAGLE with a draft checkpoint)")
-            draft: DraftModel = DeepseekMTP(target, dtype)
+            draft = DeepseekMTP(target, dtype)
             shared = {"embed_tokens": target.model.embed_tokens}
             if spec.draft_model_path is None and model_config.load_format == "dummy":
                 _dummy(draft, seed + 1, shared, model_config.quantization)
@@ -259,6 +261,29 @@ def load_draft(model_config: ModelConfig, spec: SpeculativeConfig, target: Causa
             raise ValueError(f"speculative_algorithm: {spec.algorithm!r} has no draft model")
     draft.eval()
     draft.requires_grad_(False)
+    return draft
+
+
+def _v4_mtp(model_config: ModelConfig, spec: SpeculativeConfig, target: CausalLM, seed: int) -> DraftModel:
+    """DeepSeek-V4's MTP layer (``mtp.0.*``, models/deepseek_v4_mtp.py); from then on the target hands
+    it its n streams."""
+    from pdserve.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from pdserve.models.deepseek_v4_mtp import PREFIX, DeepseekV4MTP, mtp_key, nextn_shared
+
+    assert isinstance(target, DeepseekV4ForCausalLM)
+    draft = DeepseekV4MTP(target, model_config.torch_dtype)
+    shared = nextn_shared(target)
+    if spec.draft_model_path is None and model_config.load_format == "dummy":
+        _dummy(draft, seed + 1, shared, model_config.quantization)
+    else:
+        source = spec.draft_model_path or model_config.path
+        tensors = _checkpoint(str(_draft_dir(source, spec)), PREFIX, model_config.quantization,
+                              model_config.torch_dtype)
+        if not tensors:
+            raise ValueError(f"speculative_algorithm: NEXTN needs the MTP layer ({PREFIX}*) in {source} "
+                             f"(num_nextn_predict_layers >= 1)")
+        _load(draft, {mtp_key(name): t for name, t in tensors.items()}, shared)
+    target.hidden_streams = True
     return draft
 
 
