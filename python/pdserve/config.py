@@ -449,6 +449,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     random_seed: int = 0
+    # --disable-overlap-schedule: decode forwards run on the scheduler thread (engine/overlap.py)
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self):
         _check_at_least("max_running_requests", self.max_running_requests, 1)
@@ -976,6 +978,7 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     num_threads: int | None = None
+    disable_overlap_schedule: bool = False  # decode forwards on the scheduler thread (engine/overlap.py)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
@@ -1134,7 +1137,8 @@ class ServerArgs:
     @_built_once
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_running_requests, self.chunked_prefill_size,
-                               self.max_prefill_tokens, self.schedule_policy, self.random_seed)
+                               self.max_prefill_tokens, self.schedule_policy, self.random_seed,
+                               disable_overlap_schedule=self.disable_overlap_schedule)
 
     @_built_once
     def parallel_config(self) -> ParallelConfig:

@@ -168,6 +168,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--random-seed", "seed for weights of dummy models and for sampling", type=int)
     _flag(g, "--num-threads", "torch threads of the scheduler process (default: OMP_NUM_THREADS, else all "
           "cores but one, which the HTTP frontend keeps)", type=int)
+    _flag(g, "--disable-overlap-schedule", "run decode forwards on the scheduler thread instead of one step ahead "
+          "on a worker thread (docs/overlap.md)", action="store_true")
     _flag(g, "--enable-torch-compile", "compile decode forwards with torch.compile (inductor), per batch-size "
           "bucket; compiled at start-up", action="store_true")
     _flag(g, "--torch-compile-max-bs", "largest decode batch run compiled (buckets 1, 2, 4, ... up to it)",
