@@ -809,6 +809,13 @@ MUTATIONS = (
         'any(p in ("..", ".") for p in parts)',
         "False",
         ("test/models/test_loader.py::test_index_entries_outside_the_model_directory_are_refused",)),
+    Mutation(
+        "overlap_streams_the_lagged_step", "a request that ended one step earlier still gets the in-flight step's "
+        "token (overlap scheduling's one-step lag ignored)",
+        SCHED,
+        "        live = [i for i, r in enumerate(launched.reqs) if not r.finished]",
+        "        live = list(range(len(launched.reqs)))",
+        ("test/engine/test_overlap.py::test_a_finished_request_gets_no_token_from_the_step_in_flight",)),
 )
 
 
