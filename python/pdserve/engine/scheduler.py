@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import CacheConfig, GrammarConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, GrammarConfig, ModelConfig, SchedulerConfig, ThreadLayout
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
 from pdserve.engine.grammar import ReqGrammars, StepMask
@@ -116,6 +116,7 @@ class Scheduler:
                         and parallel.is_single)
         self._worker = ForwardWorker(self.runner, self.sampler) if self.overlap else None
         self._inflight: LaunchedDecode | None = None  # the decode step the worker is running
+        self.thread_layout: ThreadLayout | None = None  # set by whoever chose the threads (stats show it)
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
 
@@ -704,6 +705,7 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
             "overlap_schedule": self.overlap,
+            **({"thread_layout": self.thread_layout.to_dict()} if self.thread_layout is not None else {}),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
             **({"kv_hash_key_check": key_check(self.kv_manager.hash_key)} if self.kv_events is not None else {}),
             **self.kv_manager.stats(),
