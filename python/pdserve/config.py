@@ -1167,9 +1167,10 @@ class ServerArgs:
 
     def thread_layout(self, frontend: bool = True, share: int = 1) -> ThreadLayout:
         """This compute process's threads (``ThreadLayout``); the scheduler runs overlapped unless
-        --disable-overlap-schedule, speculation or several ranks keep it on one thread."""
+        --disable-overlap-schedule, speculation or several ranks keep it on one thread (a prefill
+        server never decodes: nothing of its runs beside a forward)."""
         overlap = (not self.disable_overlap_schedule and not self.speculative_config().enabled
-                   and self.parallel_config().world_size == 1)
+                   and self.parallel_config().world_size == 1 and self.disaggregation_mode != "prefill")
         return ThreadLayout.choose(self.num_threads, overlap, frontend, share)
 
     @_built_once
