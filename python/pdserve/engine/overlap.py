@@ -18,12 +18,19 @@ Legend: B requests, V vocabulary.
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+# How long a thread holding the GIL keeps it while another waits. Python's 5 ms default lets the
+# scheduler thread's bookkeeping hold up the worker for that long between two torch ops (each op
+# releases the GIL while it computes): the forward would then wait out the bookkeeping instead of
+# running beside it.
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelRunner
@@ -65,6 +72,7 @@ class ForwardWorker:
         self._last_tokens = torch.zeros(0, dtype=torch.int64)  # [B_prev] the previous job's tokens
         self._threads = torch.get_num_threads()  # a new thread's OpenMP team may start at the default
         self._thread_ready = threading.Event()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))  # process-wide, as threads are
 
     def submit(self, fb: ForwardBatch, prev_rows: list[int], params: list[SamplingParams], generators: list,
                outputs: list[list[int]], want_logprobs: bool, top_ks: list[int] | None) -> Future[SampleResult]:
