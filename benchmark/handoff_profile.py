@@ -88,7 +88,7 @@ def stage_table(handoff: dict) -> list[str]:
     rows = [f"  {'stage':<11} {'count':>7} {'mean ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"]
     for stage, s in handoff.items():
         if "mean_ms" in s:
-            rows.append(f"  {stage:<11} {s['count']:>7} {s['mean_ms']:8.3f} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} "
+            rows.append(f"  {stage:<11} {int(s['count']):>7} {s['mean_ms']:8.3f} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} "
                         f"{s['p99_ms']:8.3f}")
     return rows
 

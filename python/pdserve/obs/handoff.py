@@ -41,13 +41,13 @@ class HandoffProfile:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per stage: samples seen, and mean / p50 / p90 / p99 / max of the recent ones, in ms."""
-        out = {}
+        out: dict[str, dict[str, float]] = {}
         for stage, xs in self.samples.items():
             if not xs:
-                out[stage] = {"count": self.counts[stage]}
+                out[stage] = {"count": float(self.counts[stage])}
                 continue
             s = sorted(xs)
-            out[stage] = {"count": self.counts[stage], "mean_ms": sum(s) / len(s) * 1e3,
+            out[stage] = {"count": float(self.counts[stage]), "mean_ms": sum(s) / len(s) * 1e3,
                           **{f"p{q}_ms": _quantile(s, q / 100) * 1e3 for q in (50, 90, 99)}, "max_ms": s[-1] * 1e3}
         return out
 
