@@ -166,3 +166,27 @@ def test_an_abort_mid_decode_ends_the_stream_and_frees_the_pages(engines):
     assert not any(after_end.values())
     assert len(got["a0"]) == 30 and len(got["a2"]) == 30 and len(got["a1"]) < 30
     _no_leak(over)
+
+
+def test_pages_of_a_request_ended_under_the_step_in_flight_stay_taken_until_it_lands(engines):
+    """That step still writes the request's next position: a page freed before it lands could be
+    handed to a KV transfer or a load-back, and the late write would land on the new owner's KV."""
+    plain, over = engines()
+    sched = over.scheduler
+    prompts = _prompts(4, seed=7)
+    free = _ids(plain.generate(input_ids=prompts, sampling_params=_greedy(12)))
+    reqs = {}
+    for i, (p, ids) in enumerate(zip(prompts, free)):
+        stop = [ids[2 + 2 * i]] if i % 2 else []  # two end on a token only sampling reveals
+        reqs[f"e{i}"] = sched.add_request(f"e{i}", p, SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                                     ignore_eos=True, stop_token_ids=stop).validate())
+    held = 0
+    while sched.has_work():
+        for o in sched.step():
+            req = reqs[o.rid]
+            if o.finished and sched._inflight is not None and sched._inflight.row_of(req) >= 0:
+                held += 1
+                assert req.pages and not any(sched.allocator.is_free(p) for p in req.pages), req
+        sched.check_memory()
+    assert held > 0  # the case happened
+    _no_leak(over)

@@ -50,6 +50,9 @@ class LaunchedDecode:
 
     def __post_init__(self):
         self.rows = {id(r): b for b, r in enumerate(self.reqs)}  # a request's row in this step
+        # Requests of this step that ended before it landed: their pages are released once it has
+        # (its write to them must not land after a new owner's: a transfer, a load-back).
+        self.ended: list[Req] = []
 
     def row_of(self, req: Req) -> int:
         """``req``'s row in this step, -1 if it is not in it."""

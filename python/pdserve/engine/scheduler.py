@@ -503,6 +503,9 @@ class Scheduler:
 
     def _collect(self, launched: LaunchedDecode) -> None:
         res = launched.result.result()
+        for req in launched.ended:  # the step has landed: nothing writes their pages any more
+            self.kv_manager.release(req, req.kv_len)
+        launched.ended.clear()
         live = [i for i, r in enumerate(launched.reqs) if not r.finished]
         reqs = [launched.reqs[i] for i in live]
         for r in reqs:
@@ -644,7 +647,11 @@ class Scheduler:
             self._pending.append(self._output(req, [], None))
 
     def _release(self, req: Req) -> None:
-        """Hand computed full pages to the radix cache (which frees duplicates) and free the rest."""
+        """Hand computed full pages to the radix cache (which frees duplicates) and free the rest;
+        after the step in flight, if it holds ``req`` (it still writes ``req``'s next position)."""
+        if self._inflight is not None and self._inflight.row_of(req) >= 0:
+            self._inflight.ended.append(req)
+            return
         self.kv_manager.release(req, req.kv_len)
 
     def _output(self, req: Req, new_ids: list[int], logprobs, top_logprobs=None) -> TokenOutput:
@@ -672,7 +679,9 @@ class Scheduler:
 
     def _live_reqs(self) -> list[Req]:
         """Requests holding pages: the scheduler's own, then the mode's."""
-        return self.running + self.parked + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
+        ended = self._inflight.ended if self._inflight is not None else []  # released once their step lands
+        return (self.running + self.parked + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
+                + ended)
 
     def pages_held_by_requests(self) -> int:
         """Pages outside the allocator and the cache: live requests' own and quarantined ones."""
