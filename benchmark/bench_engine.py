@@ -11,6 +11,12 @@ over ``--repeats`` rounds (with min..max), and the ratio pdserve / HF as the
 median of the per-round ratios. With ``--enable-torch-compile`` the Engine
 compiles its decode buckets up to the largest batch size first, and that
 warm-up time is printed.
+
+``--against plain-loop`` puts pdserve's own plain loop (``--disable-overlap-schedule``) in HF's
+place, to measure overlap scheduling; without ``--threads`` each side then runs its default
+thread layout (overlap leaves the scheduler thread a core).
+
+    python benchmark/bench_engine.py --model tiny-llama --batch-sizes 32 --against plain-loop
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ def time_hf(model, prompts, output_len: int) -> float:
 
 
 def time_pdserve(engine, prompts, output_len: int) -> float:
+    layout = getattr(engine.scheduler, "thread_layout", None)
+    if layout is not None:  # one process, two engines: each round runs its engine's own threads
+        torch.set_num_threads(layout.torch_threads)
     sp = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
     t0 = time.perf_counter()
     res = engine.generate(input_ids=prompts, sampling_params=sp)
@@ -71,7 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of both sides (default: torch's for HF, the Engine's own layout)")
+    ap.add_argument("--against", choices=["hf", "plain-loop"], default="hf",
+                    help="the reference: transformers' generate, or pdserve with --disable-overlap-schedule")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per side and batch size (alternating)")
     ap.add_argument("--enable-torch-compile", action="store_true",
@@ -81,12 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build_engine(args: argparse.Namespace, model_dir: str):
+def build_engine(args: argparse.Namespace, model_dir: str, **flags):
     """The Engine under test, and its start-up seconds (which include compiling, if enabled)."""
     import pdserve
 
     t0 = time.perf_counter()
-    engine = pdserve.Engine(model_path=model_dir, tokenizer_path=None, page_size=args.page_size,
+    engine = pdserve.Engine(model_path=model_dir, tokenizer_path=None, page_size=args.page_size, **flags,
                             disable_radix_cache=True, num_threads=args.threads,
                             max_running_requests=max(args.batch_sizes),
                             enable_torch_compile=args.enable_torch_compile,
@@ -95,14 +107,18 @@ def build_engine(args: argparse.Namespace, model_dir: str):
 
 
 def measure(engine, hf, prompts, args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """Alternating rounds: (pdserve tok/s per round, HF tok/s per round)."""
+    """Alternating rounds: (pdserve tok/s per round, reference tok/s per round); ``hf``: transformers'
+    model, or a plain-loop Engine."""
+    def time_ref(p, n):
+        return time_pdserve(hf, p, n) if hasattr(hf, "scheduler") else time_hf(hf, p, n)
+
     time_pdserve(engine, prompts[:1], 4)  # warm-up
-    time_hf(hf, prompts[:1], 4)
+    time_ref(prompts[:1], 4)
     tokens = len(prompts) * args.output_len
     pd, ref = [], []
     for _ in range(args.repeats):
         pd.append(tokens / time_pdserve(engine, prompts, args.output_len))
-        ref.append(tokens / time_hf(hf, prompts, args.output_len))
+        ref.append(tokens / time_ref(prompts, args.output_len))
     return pd, ref
 
 
@@ -112,10 +128,17 @@ def spread(xs: list[float]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
         hf, cfg = build_hf_model(args.model, d, args.seed)
         engine, startup_s = build_engine(args, d)
+        ref_name = "HF"
+        if args.against == "plain-loop":
+            hf, _ = build_engine(args, d, disable_overlap_schedule=True)
+            ref_name = "plain loop"
+            for side, e in (("overlap", engine), ("plain loop", hf)):
+                print(f"{side}: overlap_schedule={e.scheduler.overlap} threads={e.scheduler.thread_layout}")
         compiled = engine.scheduler.runner.compiled
         print(f"model={args.model} threads={args.threads} prompt_len={args.prompt_len} output_len={args.output_len} "
               f"page_size={args.page_size} torch_compile={'on' if compiled else 'off'} repeats={args.repeats} "
@@ -123,7 +146,8 @@ def main(argv=None) -> None:
         if compiled is not None:
             print(f"compile warm-up: {compiled.warmup_s:.1f} s for buckets {list(compiled.config.buckets)} "
                   f"(Engine start-up {startup_s:.1f} s)")
-        print(f"{'batch':>5} {'pdserve tok/s (min..max)':>26} {'HF tok/s (min..max)':>26} {'ratio (min..max)':>18}")
+        print(f"{'batch':>5} {'pdserve tok/s (min..max)':>26} {ref_name + ' tok/s (min..max)':>26} "
+              f"{'ratio (min..max)':>18}")
         for bs in args.batch_sizes:
             prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed + bs)
             pd, ref = measure(engine, hf, prompts, args)
@@ -135,6 +159,8 @@ def main(argv=None) -> None:
                                   "torch_compile": compiled is not None}))
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         engine.shutdown()
+        if hasattr(hf, "shutdown"):
+            hf.shutdown()
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def thread_counts(a: argparse.Namespace) -> tuple[int, int]:
 
     if a.num_threads is not None:
         return a.num_threads, a.num_threads
-    return default_num_threads(), default_num_threads(frontend=False)
+    overlap = not getattr(a, "disable_overlap_schedule", False)
+    return default_num_threads(overlap=overlap), default_num_threads(frontend=False, overlap=overlap)
 
 
 # ---------------------------------------------------------------- engine

@@ -29,6 +29,21 @@ def test_omp_num_threads_wins_for_both(monkeypatch):
     assert default_num_threads(frontend=False) == 3
 
 
+def test_the_overlapped_scheduler_thread_keeps_a_core_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    model = tmp_path / "m"
+    model.mkdir()
+    on = ServerArgs(model_path=str(model)).thread_layout()
+    assert (on.cores, on.torch_threads, on.overlap, on.frontend, on.source) == (8, 6, True, True, "cores")
+    assert ServerArgs(model_path=str(model)).thread_layout(frontend=False).torch_threads == 7
+    off = ServerArgs(model_path=str(model), disable_overlap_schedule=True).thread_layout()
+    assert (off.torch_threads, off.overlap) == (7, False)
+    assert ServerArgs(model_path=str(model), num_threads=3).thread_layout().to_dict()["source"] == "--num-threads"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert ServerArgs(model_path=str(model)).thread_layout().torch_threads == 1  # never zero
+
+
 def test_one_core_still_gets_one_thread():
     """A process pinned to one core (a container's cpuset) gets one thread, not zero."""
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "

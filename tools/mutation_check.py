@@ -935,6 +935,21 @@ MUTATIONS = (
         "python/pdserve/models/deepseek_v4_mtp.py",
         "        layer_id = c.num_hidden_layers\n", "        layer_id = c.num_hidden_layers - 1\n",
         ("test/models/test_deepseek_v4.py::test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers",)),
+    Mutation(
+        "overlap_streams_the_lagged_step", "a request that ended one step earlier still gets the in-flight step's "
+        "token (overlap scheduling's one-step lag ignored)",
+        SCHED,
+        "        live = [i for i, r in enumerate(launched.reqs) if not r.finished]",
+        "        live = list(range(len(launched.reqs)))",
+        ("test/engine/test_overlap.py::test_a_finished_request_gets_no_token_from_the_step_in_flight",)),
+    Mutation(
+        "overlap_frees_pages_under_the_step_in_flight", "a request that ends while the step in flight holds it "
+        "frees its pages at once (that step's late write may land on their next owner's KV)",
+        SCHED,
+        "        if self._inflight is not None and self._inflight.row_of(req) >= 0:\n"
+        "            self._inflight.ended.append(req)\n            return\n",
+        "",
+        ("test/engine/test_overlap.py::test_pages_of_a_request_ended_under_the_step_in_flight_stay_taken_until_it_lands",)),
 )
 
 

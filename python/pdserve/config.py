@@ -493,6 +493,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     random_seed: int = 0
+    # --disable-overlap-schedule: decode forwards run on the scheduler thread (engine/overlap.py)
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self):
         _check_at_least("max_running_requests", self.max_running_requests, 1)
@@ -1030,6 +1032,7 @@ class ServerArgs:
     node_rank: int = 0
     num_threads: int | None = None
     cpu_gemm: str = "auto"  # DeviceConfig.cpu_gemm
+    disable_overlap_schedule: bool = False  # decode forwards on the scheduler thread (engine/overlap.py)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)
@@ -1221,7 +1224,8 @@ class ServerArgs:
     @_built_once
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_running_requests, self.chunked_prefill_size,
-                               self.max_prefill_tokens, self.schedule_policy, self.random_seed)
+                               self.max_prefill_tokens, self.schedule_policy, self.random_seed,
+                               disable_overlap_schedule=self.disable_overlap_schedule)
 
     @_built_once
     def parallel_config(self) -> ParallelConfig:
@@ -1247,6 +1251,14 @@ class ServerArgs:
                             self.auth_token(), self.disaggregation_allow_unauthenticated,
                             self.disaggregation_transfer_pack, self.disaggregation_pack_staging_mb,
                             tuple(self.disaggregation_bootstrap_allow))
+
+    def thread_layout(self, frontend: bool = True, share: int = 1) -> ThreadLayout:
+        """This compute process's threads (``ThreadLayout``); the scheduler runs overlapped unless
+        --disable-overlap-schedule, speculation or several ranks keep it on one thread (a prefill
+        server never decodes: nothing of its runs beside a forward)."""
+        overlap = (not self.disable_overlap_schedule and not self.speculative_config().enabled
+                   and self.parallel_config().world_size == 1 and self.disaggregation_mode != "prefill")
+        return ThreadLayout.choose(self.num_threads, overlap, frontend, share)
 
     @_built_once
     def speculative_config(self) -> SpeculativeConfig:
@@ -1307,7 +1319,7 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def default_num_threads(frontend: bool = True) -> int:
+def default_num_threads(frontend: bool = True, overlap: bool = False) -> int:
     """Torch threads of a compute process when ``--num-threads`` is not given.
 
     OMP_NUM_THREADS when the operator set it. Otherwise every usable core, less one when
@@ -1315,10 +1327,36 @@ def default_num_threads(frontend: bool = True) -> int:
     frontend's event loop parses requests and detokenizes and frames every streamed token,
     and when the scheduler's threads take all cores each token waits for the frontend to be
     scheduled (measured on 2 cores: see the README's benchmark section). The in-process
-    Engine (``frontend=False``) has no frontend and takes every core.
+    Engine (``frontend=False``) has no frontend. Less one more with ``overlap``: the scheduler
+    thread works beside the forward (engine/overlap.py), and OpenMP threads that share a core with
+    it stall the whole forward at every barrier. Never fewer than one.
     """
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    cores = usable_cores()
-    return max(1, cores - 1) if frontend else cores
+    return max(1, usable_cores() - frontend - overlap)
+
+
+@dataclass(frozen=True)
+class ThreadLayout:
+    """How a compute process shares its cores, chosen at start-up (``/get_server_info`` shows it):
+    ``torch_threads`` intra-op threads run the forward; beside them, the scheduler thread when
+    ``overlap`` is on, and an HTTP frontend process when ``frontend``. ``source``: what decided
+    the count (``--num-threads``, ``OMP_NUM_THREADS``, or the usable cores)."""
+
+    cores: int
+    torch_threads: int
+    overlap: bool
+    frontend: bool
+    source: str
+
+    @classmethod
+    def choose(cls, num_threads: int | None, overlap: bool, frontend: bool, share: int = 1) -> ThreadLayout:
+        """``share``: compute processes (ranks) on this machine splitting the cores."""
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        source = "--num-threads" if num_threads else "OMP_NUM_THREADS" if env.isdigit() and int(env) > 0 else "cores"
+        threads = num_threads or max(1, default_num_threads(frontend, overlap) // share)
+        return cls(usable_cores(), threads, overlap, frontend, source)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

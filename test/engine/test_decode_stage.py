@@ -31,7 +31,9 @@ def test_reused_rid_with_lined_up_length_gets_its_own_kv(tmp_path, arch):
     g = torch.Generator().manual_seed(3)
     prompt_a, prompt_b, prompt_b2 = (torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
                                      for n in (PROMPT_A, PROMPT_B, PROMPT_B2))
-    sched = pdserve.Engine(model_path=path).scheduler
+    # The plain loop: the lined-up steps below are its timing (overlap scheduling leaves a request
+    # whose last token is in flight out of the next step), and the hook reads ``running`` mid-forward.
+    sched = pdserve.Engine(model_path=path, disable_overlap_schedule=True).scheduler
     decodes = []  # (rids, uids, seq_lens) of every decode forward, recorded at layer 0
 
     def hook(layer_id, fb):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 
@@ -571,3 +572,21 @@ def test_grammar_metrics(server):
     assert mask and float(mask.group(1)) >= 3
     hits = re.search(r'pdserve:num_grammar_total\{[^}]*process="frontend"[^}]*\} (\S+)', text)
     assert hits and float(hits.group(1)) >= 1
+
+
+def test_server_info_shows_the_thread_layout_and_the_handoff_profile(server):
+    """The scheduler's threads as chosen at start-up (overlap scheduling on: a core is left to its
+    thread), and each stage a streamed token passed through on its way out."""
+    r = server.post("/generate", json={"text": PROMPTS[0], "stream": True,
+                                       "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200 and r.text.count("data: ") >= 6, r.text
+    info = httpx.get(server.url + "/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    layout = info["thread_layout"]
+    assert info["overlap_schedule"] is True and layout["overlap"] and layout["frontend"]
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    want = int(env) if env.isdigit() and int(env) > 0 else max(1, layout["cores"] - 2)
+    assert layout["torch_threads"] == want and layout["source"] == ("OMP_NUM_THREADS" if env.isdigit() else "cores")
+    stages = info["handoff"]
+    assert set(stages) == {"socket", "route", "wake", "detokenize", "write"}
+    for name in ("socket", "route", "wake", "detokenize", "write"):
+        assert stages[name]["count"] > 0 and 0 <= stages[name]["p50_ms"] <= stages[name]["max_ms"], (name, stages)

@@ -50,6 +50,9 @@ def test_plan_wires_prefills_decodes_and_the_router():
     assert p1[p1.index("--disaggregation-mode") + 1] == "prefill" and p1[p1.index("--num-threads") + 1] == "1"
     r = kids[-1].cmd
     assert r[r.index("--port") + 1] == "40000"
+    # 4 cores each: a core for each frontend, and one for decode's overlapped scheduler thread
+    big = plan(UpArgs(1, 1, port=40000, bootstrap_port=9000, server_flags=("--model-path", "m"), cores=tuple(range(8))))
+    assert [k.cmd[k.cmd.index("--num-threads") + 1] for k in big[:2]] == ["3", "2"]
     assert " ".join(r).count("--prefill") == 2 and "http://127.0.0.1:40003" in r
     assert "--api-key" not in r and r[r.index("--health-check-interval-secs") + 1] == "5"
 

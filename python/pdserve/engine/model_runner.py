@@ -173,7 +173,12 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:
         """Returns the logits of each request's last scheduled token [B, V] (float32), followed by
         those of ``batch.prompt_logit_index`` when it is set ([B + K, V])."""
-        fb = self.build_forward_batch(batch, req_to_token)
+        return self.run(self.build_forward_batch(batch, req_to_token), batch.prompt_logit_index)
+
+    @torch.inference_mode()
+    def run(self, fb: ForwardBatch, prompt_logit_index: list[int] | None = None) -> torch.Tensor:
+        """``forward`` of a batch already built (the overlap worker runs it off the scheduler thread,
+        which built ``fb`` while it owned the req->token table)."""
         if self.graphs is not None and self.graphs.accepts(fb):
             hidden = self.graphs(fb)  # [T, hidden]; the graph's own plan, prepared from fixed buffers
         else:
@@ -184,7 +189,7 @@ class ModelRunner:
                 hidden = self.model(fb)  # [T, hidden]
         if self.capture_hidden:
             self.step_hidden = hidden
-        rows = logit_rows(fb, batch.prompt_logit_index)
+        rows = logit_rows(fb, prompt_logit_index)
         if rows is not None:
             hidden = hidden[rows]  # [B (+ K), hidden]
         # Each request's last hidden state: what a disaggregated prefill sends as aux data.

@@ -30,6 +30,7 @@ Legend: W ranks, D attention groups (DP), T tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -341,7 +342,7 @@ class RankSchedulerLoop:
         outputs = self.scheduler.step()
         self.scheduler.runner.end_step()
         if outputs and self.layout.is_dp_leader:
-            send_message(self.outbox, io.BatchTokenOutput(outputs))
+            send_message(self.outbox, io.BatchTokenOutput(outputs, time.monotonic()))
 
     def handle(self, msg) -> None:
         handler = self.handlers.get(type(msg))
@@ -496,7 +497,9 @@ def build_rank_scheduler(args, groups: RankGroups, model_config, tokenizer, devi
     from pdserve.engine.scheduler import Scheduler
 
     lay = groups.layout
-    cache, sched = args.cache_config(), args.scheduler_config()
+    # Ranks step in lock step with collectives (agreement, broadcast sampling) on this thread:
+    # no forward runs ahead on a worker thread (engine/overlap.py).
+    cache, sched = args.cache_config(), dataclasses.replace(args.scheduler_config(), disable_overlap_schedule=True)
     control = ControlPlane(lay, groups.cpu)
     runner = build_model_runner(args, model_config, groups.parallel, RankModelRunner, device=device,
                                 sync=StepSync(control))

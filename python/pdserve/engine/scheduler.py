@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import CacheConfig, GrammarConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, GrammarConfig, ModelConfig, SchedulerConfig, ThreadLayout
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.engine import policy
 from pdserve.engine.grammar import ReqGrammars, StepMask
@@ -23,6 +23,7 @@ from pdserve.engine.io_struct import BootstrapRef, TokenOutput
 from pdserve.engine.logprobs import PromptLogitPlan, ReqLogprobs, check_logprob_params
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
 from pdserve.engine.modes import SchedulerMode
+from pdserve.engine.overlap import ForwardWorker, LaunchedDecode
 from pdserve.engine.request import (
     Req,
     ReqState,
@@ -34,7 +35,7 @@ from pdserve.engine.request import (
     finish_stop,
     grammar_refused,
 )
-from pdserve.engine.sampler import SampleFn, Sampler
+from pdserve.engine.sampler import SampleFn, Sampler, SampleResult
 from pdserve.engine.speculative import DecodeStep, SpecStats, make_decode_step
 from pdserve.engine.stop import StopStringMatcher
 from pdserve.layers.forward_batch import ForwardMode
@@ -108,6 +109,14 @@ class Scheduler:
         self.kv_events: KVEventPublisher | None = None
         # How a decode step runs: plain, or speculative when the runner has a draft (chosen once).
         self.decode_step: DecodeStep = make_decode_step(self)
+        # Overlap scheduling (engine/overlap.py): plain decode steps run one step ahead on a worker
+        # thread. Not with speculation (a verify step's accepted length decides the next step's
+        # input) nor several ranks (their collectives and shared sampling stay on this thread).
+        self.overlap = (not config.disable_overlap_schedule and type(self.decode_step) is DecodeStep
+                        and parallel.is_single)
+        self._worker = ForwardWorker(self.runner, self.sampler) if self.overlap else None
+        self._inflight: LaunchedDecode | None = None  # the decode step the worker is running
+        self.thread_layout: ThreadLayout | None = None  # set by whoever chose the threads (stats show it)
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
 
@@ -139,7 +148,11 @@ class Scheduler:
                 "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size}
 
     def close(self) -> None:
-        """Stop the KV cache's and the grammars' background threads (the process or Engine is ending)."""
+        """Stop the KV cache's, the grammars' and the forward worker's threads (the process or Engine
+        is ending)."""
+        if self._worker is not None:
+            self._inflight = None  # its tokens go nowhere now
+            self._worker.close()
         self.kv_manager.close()
         self.grammar.close()
 
@@ -242,12 +255,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._pending or self.parked
-                    or self.mode.has_work())
+        return self.runnable() or self.mode.has_work()
 
     def runnable(self) -> bool:
         """A forward pass (or an output) is due now; otherwise only the mode waits on something."""
-        return bool(self.waiting or self.running or self.chunked or self._pending or self.parked)
+        return bool(self.waiting or self.running or self.chunked or self._pending or self.parked
+                    or self._inflight is not None)
 
     def step(self) -> list[TokenOutput]:
         self.mode.poll()
@@ -256,11 +269,14 @@ class Scheduler:
             self.new_token_ratio.on_idle()
         batch = self._schedule_extend()
         if batch is not None:
+            self.sync()  # an extend samples on this thread, after the step in flight
             self._run_extend(*batch)
         elif self.running:
             self.decode_step.run()
-        elif self.grammar.pending and (self.waiting or self.parked) and not self._pending:
-            self.grammar.wait(GRAMMAR_IDLE_WAIT_S)  # only compiles are left to run: wait for one, do not spin
+        else:
+            self.sync()
+            if self.grammar.pending and (self.waiting or self.parked) and not self._pending:
+                self.grammar.wait(GRAMMAR_IDLE_WAIT_S)  # only compiles are left to run: wait for one, do not spin
         out, self._pending = self._pending, []
         if self.kv_events is not None:
             self.kv_events.flush()
@@ -416,6 +432,10 @@ class Scheduler:
         return [i for i in done if not reqs[i].finished]
 
     def _run_decode(self) -> None:
+        if self._can_overlap():
+            self._launch_decode()
+            return
+        self.sync()
         self._ensure_decode_pages()
         reqs = list(self.running)
         if not reqs:
@@ -434,12 +454,79 @@ class Scheduler:
             r.kv_len += 1
         self._sample_and_append(reqs, logits, mask)
 
+    # ------------------------------------------------------------- overlap
+    def _can_overlap(self) -> bool:
+        """This decode step may run one step ahead: nothing in it needs the previous step's tokens
+        on this thread before the forward (a grammar's mask does, penalties count the outputs)."""
+        return (self._worker is not None and not self.grammar.live
+                and not any(r.sampling.frequency_penalty or r.sampling.presence_penalty for r in self.running))
+
+    def _next_pos(self, req: Req) -> int:
+        """The position ``req``'s next decode step writes: one past the step in flight, if it is in it."""
+        return req.kv_len + (self._inflight is not None and self._inflight.row_of(req) >= 0)
+
+    def _launch_decode(self) -> None:
+        """Hand this step's decode to the worker, then append the previous step's tokens (those of
+        requests that finished or were aborted meanwhile are dropped: their stream has ended)."""
+        self._ensure_decode_pages()
+        prev = self._inflight
+        # a request whose token in flight is its last (max_new_tokens) has no next step
+        reqs = [r for r in self.running if prev is None or prev.row_of(r) < 0
+                or len(r.output_ids) + 1 < r.sampling.max_new_tokens]
+        if not reqs:
+            self.sync()
+            return
+        pos = [self._next_pos(r) for r in reqs]
+        loc = self.kv_manager.write_next_slots(reqs, pos)
+        batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
+                               [1] * len(reqs), [r.table_row for r in reqs], tuple(r.engine_uid for r in reqs))
+        fb = self.runner.build_forward_batch(batch, self.kv_manager.req_to_token)
+        top_ks = [r.logprob.top_k if r.logprob else 0 for r in reqs] if any(r.return_logprob for r in reqs) else None
+        assert self._worker is not None
+        future = self._worker.submit(fb, [prev.row_of(r) if prev else -1 for r in reqs], [r.sampling for r in reqs],
+                                     [r.generator for r in reqs], [r.output_ids for r in reqs], top_ks is not None,
+                                     top_ks)
+        self._inflight = LaunchedDecode(reqs, future, top_ks)
+        self.forward_steps += 1
+        self.new_token_ratio.decay()
+        if prev is not None:
+            self._collect(prev)
+        if all(r.finished for r in reqs):  # all ended at the previous step: nothing waits on this one
+            self.sync()
+
+    def sync(self) -> None:
+        """Wait for the decode step in flight, if any, and append its tokens: afterwards every
+        request's state is what the plain loop would have (the next forward may run here)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._collect(prev)
+
+    def _collect(self, launched: LaunchedDecode) -> None:
+        res = launched.result.result()
+        for req in launched.ended:  # the step has landed: nothing writes their pages any more
+            self.kv_manager.release(req, req.kv_len)
+        launched.ended.clear()
+        live = [i for i, r in enumerate(launched.reqs) if not r.finished]
+        reqs = [launched.reqs[i] for i in live]
+        for r in reqs:
+            r.kv_len += 1
+        top = res.top_logprobs
+        res = SampleResult([res.tokens[i] for i in live],
+                           None if res.logprobs is None else [res.logprobs[i] for i in live],
+                           None if top is None else [top[i] for i in live])
+        top_ks = None if launched.top_ks is None else [launched.top_ks[i] for i in live]
+        self._append_sampled(reqs, res, top_ks, None)
+
     def _ensure_decode_pages(self) -> None:
-        """Every running request needs a slot for its next token; retract until they all fit."""
+        """Every running request needs a slot for its next token; retract until they all fit
+        (after the step in flight has landed: it may end requests, and retraction re-queues)."""
         while True:
-            needy = [r for r in self.running if r.kv_len == len(r.pages) * self.page_size]
+            needy = [r for r in self.running if self._next_pos(r) == len(r.pages) * self.page_size]
             if self.kv_manager.grow_each(needy):
                 return
+            if self._inflight is not None:
+                self.sync()
+                continue
             if len(self.running) == 1:
                 self._finish(self.running[0], finish_abort("KV cache exhausted: the request does not fit "
                                                            "in the pool even alone"))
@@ -468,6 +555,11 @@ class Scheduler:
                            [r.output_ids for r in reqs], want_lp, top_ks)
         # each grammar moves past its request's token (one batched call; None: no grammars)
         advanced = self.grammar.advance_all(reqs, res.tokens) if self.grammar.live else None
+        self._append_sampled(reqs, res, top_ks, advanced)
+
+    def _append_sampled(self, reqs: list[Req], res: SampleResult, top_ks: list[int] | None,
+                        advanced: list[bool] | None) -> None:
+        """Append each request's sampled token, end the requests it finishes, queue the outputs."""
         for i, (req, tok) in enumerate(zip(reqs, res.tokens)):
             req.append_output(tok)
             lp = top = None
@@ -555,7 +647,11 @@ class Scheduler:
             self._pending.append(self._output(req, [], None))
 
     def _release(self, req: Req) -> None:
-        """Hand computed full pages to the radix cache (which frees duplicates) and free the rest."""
+        """Hand computed full pages to the radix cache (which frees duplicates) and free the rest;
+        after the step in flight, if it holds ``req`` (it still writes ``req``'s next position)."""
+        if self._inflight is not None and self._inflight.row_of(req) >= 0:
+            self._inflight.ended.append(req)
+            return
         self.kv_manager.release(req, req.kv_len)
 
     def _output(self, req: Req, new_ids: list[int], logprobs, top_logprobs=None) -> TokenOutput:
@@ -583,7 +679,9 @@ class Scheduler:
 
     def _live_reqs(self) -> list[Req]:
         """Requests holding pages: the scheduler's own, then the mode's."""
-        return self.running + self.parked + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
+        ended = self._inflight.ended if self._inflight is not None else []  # released once their step lands
+        return (self.running + self.parked + ([self.chunked] if self.chunked else []) + self.mode.held_reqs()
+                + ended)
 
     def pages_held_by_requests(self) -> int:
         """Pages outside the allocator and the cache: live requests' own and quarantined ones."""
@@ -621,6 +719,8 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
             **self._kv_pool_info(),
+            "overlap_schedule": self.overlap,
+            **({"thread_layout": self.thread_layout.to_dict()} if self.thread_layout is not None else {}),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
             **({"kv_hash_key_check": key_check(self.kv_manager.hash_key)} if self.kv_events is not None else {}),
             **self.kv_manager.stats(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -112,7 +113,7 @@ class SchedulerLoop:
     def run_step(self) -> None:
         outputs = self.scheduler.step()
         if outputs:
-            send_message(self.send, io_struct.BatchTokenOutput(outputs))
+            send_message(self.send, io_struct.BatchTokenOutput(outputs, time.monotonic()))
 
     def drain(self, block: bool) -> bool:
         """Handle every queued frontend message; if ``block``, first wait up to the idle poll

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pdserve.config import ServerArgs, default_num_threads
+from pdserve.config import ServerArgs
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.logprobs import check_logprob_params
 from pdserve.engine.model_runner import build_model_runner
@@ -58,11 +58,13 @@ class Engine:
             require_backend(self.args.moe_a2a_backend)
             self.scheduler: RankClient | Scheduler = RankClient(self.args, model_config)
         else:
-            torch.set_num_threads(self.args.num_threads or default_num_threads(frontend=False))
+            layout = self.args.thread_layout(frontend=False)
+            torch.set_num_threads(layout.torch_threads)
             cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
             runner = build_model_runner(self.args, model_config)
             self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner,
                                        grammar=self.args.grammar_config())
+            self.scheduler.thread_layout = layout
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API

@@ -89,7 +89,8 @@ def build_server_scheduler(args: ServerArgs):
     from pdserve.engine.scheduler import Scheduler
     from pdserve.engine.tokenizer import load_tokenizer
 
-    torch.set_num_threads(args.num_threads or default_num_threads())
+    layout = args.thread_layout()
+    torch.set_num_threads(layout.torch_threads)
     model_config = args.model_config()  # the one read of config.json in this process
     tokenizer = None
     if not args.skip_tokenizer_init:
@@ -100,6 +101,7 @@ def build_server_scheduler(args: ServerArgs):
     mode = roles.mode(roles.role) if roles is not None else SchedulerMode()
     scheduler = Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode,
                           grammar=args.grammar_config())
+    scheduler.thread_layout = layout
     attach_kv_events(args, scheduler)
     return scheduler, roles
 

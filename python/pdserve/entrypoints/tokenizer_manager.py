@@ -66,6 +66,8 @@ from pdserve.engine.tokenizer import IncrementalDetokenizer, output_text
 from pdserve.entrypoints.grammar_check import GrammarCheck, compile_owner
 from pdserve.entrypoints.logprobs import TokenTexts
 from pdserve.entrypoints.scheduler_process import RankProcesses, SchedulerProcess, scheduler_processes
+from pdserve.obs import handoff
+from pdserve.obs.handoff import HandoffProfile
 from pdserve.obs.metrics import ServerMetrics
 from pdserve.obs.role import LiveRole
 from pdserve.obs.timeline import ReqTimeline
@@ -129,6 +131,7 @@ class _ReqState:
     last: TokenOutput | None = None  # the latest output routed to this request
     timeline: ReqTimeline = field(default_factory=ReqTimeline)
     error: RequestError | None = None
+    routed_at: float = 0.0  # handoff.now() when outputs were routed to it and its coroutine woken
     owner: str = field(default_factory=request_owner)  # who may abort it by rid (the HTTP request's client)
 
     @property
@@ -187,6 +190,7 @@ class TokenizerManager:
         self._recv: zmq.asyncio.Socket | None = None
         self._binder: FrontendSockets | None = None
         self.drops = DropCounter("frontend")  # frames from the scheduler side that were none of our messages
+        self.handoff = HandoffProfile()  # where streamed tokens wait on their way out (obs/handoff.py)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self.grammar = GrammarCheck(args.grammar_config(), tokenizer)  # json_schema / regex / ebnf: 400 if bad
 
@@ -386,6 +390,10 @@ class TokenizerManager:
                                                     top_logprobs_num, bootstrap, group, cache_salt))
             while not finished:
                 await state.event.wait()
+                woke = handoff.now()
+                if state.routed_at:
+                    self.handoff.add("wake", woke - state.routed_at)
+                    state.routed_at = 0.0
                 state.event.clear()
                 if state.error is not None:
                     raise state.error
@@ -400,7 +408,10 @@ class TokenizerManager:
                     self._record_finish(state, chunk)
                 if stream:
                     chunk.text = self._stream_text(detok, chunk)
+                    handed = handoff.now()
+                    self.handoff.add("detokenize", handed - woke)
                     yield chunk
+                    self.handoff.add("write", handoff.now() - handed)
                 else:
                     acc.add(chunk)
             if not stream:
@@ -493,6 +504,7 @@ class TokenizerManager:
     async def get_stats(self) -> dict:
         resp: StatsResp = await self._control(GetStatsReq(), self._stats_waiters)
         resp.stats["grammar_frontend"] = self.grammar.stats.to_dict()
+        resp.stats["handoff"] = self.handoff.summary()
         if self.metrics is not None:
             self.metrics.set_scheduler_stats(resp.stats)
         return resp.stats
@@ -583,7 +595,7 @@ class TokenizerManager:
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, BatchTokenOutput):
-            self._route_outputs(msg.outputs)
+            self._route_outputs(msg.outputs, msg.sent_at)
         elif isinstance(msg, RejectedReq):
             self._reject(msg)
         elif isinstance(msg, StatsResp):
@@ -599,7 +611,9 @@ class TokenizerManager:
         else:
             logger.warning("frontend: unexpected message %s", type(msg).__name__)
 
-    def _route_outputs(self, outputs: list[TokenOutput]) -> None:
+    def _route_outputs(self, outputs: list[TokenOutput], sent_at: float = 0.0) -> None:
+        arrived = handoff.now()
+        self.handoff.socket(sent_at, arrived)
         now = time.perf_counter()
         for o in outputs:
             state = self._reqs.get(o.rid)
@@ -611,7 +625,10 @@ class TokenizerManager:
             if o.timeline is not None:
                 state.timeline.set_stages(o.timeline)
             if o.finished or len(state.outputs) >= state.wake_every or o.completion_tokens == 1:
+                if not state.event.is_set():
+                    state.routed_at = handoff.now()
                 state.event.set()
+        self.handoff.add("route", handoff.now() - arrived)
 
     def _reject(self, msg: RejectedReq) -> None:
         state = self._reqs.get(msg.rid)

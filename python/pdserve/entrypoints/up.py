@@ -191,6 +191,13 @@ def split_cores(cores: tuple[int, ...], num_prefill: int, num_decode: int) -> li
     return out
 
 
+def server_threads(cores: int, role: str, server_flags: tuple[str, ...]) -> int:
+    """Torch threads of a server on ``cores`` cores of its own: less one for its HTTP frontend and,
+    on a decode server, one for the overlapped scheduler thread (config.ThreadLayout); never zero."""
+    overlap = role == "decode" and "--disable-overlap-schedule" not in server_flags
+    return max(1, cores - 1 - overlap)
+
+
 def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
     """The servers then the router, with their command lines (pure: no process is started).
     ``master``: the shared store's master, which ``args.storage.needs_master`` says up starts."""
@@ -207,7 +214,7 @@ def plan(args: UpArgs, master: StoreMaster | None = None) -> list[Child]:
         cmd = [*py, "serve", *args.server_flags, "--host", args.host, "--port", str(port),
                "--disaggregation-mode", role, *(["--allow-no-api-key"] if args.allow_no_api_key else [])]
         if "--num-threads" not in args.server_flags:
-            cmd += ["--num-threads", str(len(shares[i]))]
+            cmd += ["--num-threads", str(server_threads(len(shares[i]), role, args.server_flags))]
         boot = args.bootstrap_port + i  # elastic: every server's, for when it becomes prefill
         if role == "prefill" or args.elastic is not None:
             cmd += ["--disaggregation-bootstrap-port", str(boot)]

@@ -378,11 +378,13 @@ class KVCacheManager:
         if end > start:
             self.table.write(req.table_row, start, self.slots(req, start, end))
 
-    def write_next_slots(self, reqs: Sequence[ReqMemory]) -> list[int]:
-        """Decode: the slot of each request's next position (``kv_len``), written to its row."""
+    def write_next_slots(self, reqs: Sequence[ReqMemory], positions: Sequence[int] | None = None) -> list[int]:
+        """Decode: the slot of each request's next position (``kv_len``, or ``positions``: an
+        overlapped step writes one past a step still in flight), written to its row."""
         ps = self.page_size
-        loc = [r.pages[r.kv_len // ps] * ps + r.kv_len % ps for r in reqs]
-        self.table.write_one_each([r.table_row for r in reqs], [r.kv_len for r in reqs], loc)
+        pos = [r.kv_len for r in reqs] if positions is None else list(positions)
+        loc = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, pos)]
+        self.table.write_one_each([r.table_row for r in reqs], pos, loc)
         return loc
 
     # ---------------------------------------------------------------- release

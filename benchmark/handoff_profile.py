@@ -1,0 +1,135 @@
+"""Where a streamed token waits on its way from the scheduler to the client, per stage, under load.
+
+    python benchmark/handoff_profile.py --model-path tiny-llama --num-requests 32 --output-len 64
+    python benchmark/handoff_profile.py --model-path tiny-llama --compare-overlap   # overlap on vs off
+
+N concurrent streaming clients of ``/generate`` (token-id prompts, greedy, ``ignore_eos``). The
+client side measures TTFT and the gap between a request's SSE events (ITL); the server side is the
+frontend's handoff profile (``/get_server_info`` -> ``handoff``, obs/handoff.py): scheduler send ->
+message in the frontend (``socket``), routing, the request coroutine's wake-up, detokenizing, and
+the HTTP write. ``--compare-overlap`` starts a second server with ``--disable-overlap-schedule``
+and alternates rounds between the two (the machine's other load hits both alike). The whole-step
+view of the frontend's CPU is ``bench_server.py --profile-frontend`` + ``frontend_profile.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_server  # noqa: E402  (the sibling script's server and prompt helpers)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="tiny-llama")
+    p.add_argument("--num-requests", type=int, default=32, help="concurrent streaming clients")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-threads", type=int, default=None, help="the servers' --num-threads (default: theirs)")
+    p.add_argument("--max-total-tokens", type=int, default=32768)
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds per server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-overlap", action="store_true",
+                   help="also a server with --disable-overlap-schedule, rounds alternating")
+    a = p.parse_args(argv)
+    a.stream_interval, a.profile_frontend, a.endpoint = 1, None, "/generate"  # what bench_server's helpers read
+    return a
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int
+                     ) -> tuple[float, list[float]]:
+    """(TTFT, arrival times of its SSE events) of one streamed request."""
+    t0 = time.perf_counter()
+    arrivals = []
+    async with session.post(url + "/generate", json=bench_server.generate_body(prompt, output_len)) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if line.startswith(b"data: [DONE]"):
+                break
+            if line.startswith(b"data: "):
+                arrivals.append(time.perf_counter())
+    return arrivals[0] - t0, arrivals
+
+
+async def one_round(url: str, prompts: list[list[int]], output_len: int) -> dict:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as s:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one_stream(s, url, p, output_len) for p in prompts))
+    wall = max(a[-1] for _, a in res) - t0
+    gaps = [b - a for _, arr in res for a, b in zip(arr, arr[1:])]
+    return {"tok_s": len(prompts) * output_len / wall, "ttft": statistics.median(t for t, _ in res),
+            "itl": statistics.median(gaps), "itl_p90": sorted(gaps)[int(0.9 * len(gaps))]}
+
+
+async def server_info(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/get_server_info") as r:
+        return json.loads(await r.read())
+
+
+def start(a: argparse.Namespace, extra: list[str]):
+    port = bench_server.free_port()
+    proc = bench_server.subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "serve", *bench_server.server_flags(a), *extra, "--port", str(port),
+         "--log-level", "warning"], start_new_session=True)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def stage_table(handoff: dict) -> list[str]:
+    rows = [f"  {'stage':<11} {'count':>7} {'mean ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"]
+    for stage, s in handoff.items():
+        if "mean_ms" in s:
+            rows.append(f"  {stage:<11} {int(s['count']):>7} {s['mean_ms']:8.3f} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} "
+                        f"{s['p99_ms']:8.3f}")
+    return rows
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    from pdserve.config import ModelConfig
+
+    vocab = ModelConfig.from_path(a.model_path).vocab_size
+    prompts = bench_server.make_prompts(a.num_requests, a.prompt_len, vocab, a.seed)
+    sides = {"overlap": []} if not a.compare_overlap else {"overlap": [], "plain loop": ["--disable-overlap-schedule"]}
+    servers = {}
+    try:
+        for name, extra in sides.items():
+            servers[name] = start(a, extra)
+        for url, proc in servers.values():
+            asyncio.run(bench_server.wait_healthy(url, proc))
+            asyncio.run(one_round(url, prompts[:4], 4))  # warm-up
+        rounds: dict[str, list[dict]] = {name: [] for name in servers}
+        for _ in range(a.repeats):
+            for name, (url, _) in servers.items():
+                rounds[name].append(asyncio.run(one_round(url, prompts, a.output_len)))
+        print(f"model {a.model_path}: {a.num_requests} streams x (prompt {a.prompt_len}, output {a.output_len}), "
+              f"{a.repeats} rounds per server, load average {bench_server.load_average()}")
+        for name, (url, _) in servers.items():
+            info = asyncio.run(server_info(url))
+            rs = rounds[name]
+            med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731,B023
+            print(f"{name}: overlap_schedule={info.get('overlap_schedule')} threads={info.get('thread_layout')}")
+            per_round = ", ".join(f"{r['tok_s']:.0f}" for r in rs)
+            print(f"  client: {med('tok_s'):.0f} tok/s ({per_round}), median TTFT "
+                  f"{med('ttft') * 1e3:.0f} ms, median ITL {med('itl') * 1e3:.1f} ms (p90 {med('itl_p90') * 1e3:.1f})")
+            print("\n".join(stage_table(info.get("handoff", {}))))
+        if a.compare_overlap:
+            pairs = [o["tok_s"] / p["tok_s"] for o, p in zip(rounds["overlap"], rounds["plain loop"])]
+            print(f"overlap / plain loop tok/s per round pair: {', '.join(f'{x:.2f}' for x in pairs)}")
+    finally:
+        for _, proc in servers.values():
+            bench_server.stop_server(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
