@@ -1122,15 +1122,12 @@ class ServerArgs:
         return model
 
     def _check_deepseek_v4(self, model: ModelConfig) -> None:
-        """DeepSeek-V4 runs colocated, on one rank, eagerly on torch, with a full-precision checkpoint
-        and pool for now (docs/models.md); everything else is refused here, naming it."""
+        """DeepSeek-V4 runs on one rank, eagerly on torch, with a full-precision checkpoint and pool for now
+        (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its state
+        regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py)."""
         v4 = "DeepSeek-V4"
         dev = self.device_config()
         refusals = {
-            "disaggregation_mode": (self.disaggregation_mode in ("prefill", "decode"),
-                                    f"{self.disaggregation_mode}: {v4}'s state regions do not move in P/D yet"),
-            "enable_hierarchical_cache": (self.enable_hierarchical_cache,
-                                          f"{v4}'s state regions have no host or storage tier yet"),
             "speculative_algorithm": (self.speculative_algorithm is not None,
                                       f"{self.speculative_algorithm}: no speculative decoding for {v4} yet (its "
                                       f"MTP layer, with its own hyper-connections, is not built)"),

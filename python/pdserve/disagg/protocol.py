@@ -104,7 +104,7 @@ class DecodeRecord:
         _require(len(self.buffers) == len(self.layout.buffers),
                  f"buffers: {len(self.buffers)} ranges for buffers {self.layout.buffers}")
         for name, b in zip(self.layout.buffers, self.buffers):
-            need = self.layout.geometry(name)[1] * self.layout.num_layers
+            need = self.layout.geometry(name)[1] * self.layout.rows(name)
             _require(b.nbytes >= need, f"buffers: a range shorter than the layout's {need} bytes ({name})")
         _require(0 < self.aux_row_bytes <= self.aux.nbytes and self.aux.nbytes % self.aux_row_bytes == 0,
                  f"aux_row_bytes: {self.aux_row_bytes} does not divide the aux buffer of {self.aux.nbytes} bytes")

@@ -72,6 +72,9 @@ class RegionKVPool(KVPool):
     def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.buffers.items())
 
+    def buffer_layers(self) -> dict[str, tuple[int, ...]]:
+        return {spec.name: spec.layers for spec in self.regions}
+
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         out = []
         for name, buf in self.page_buffers():
