@@ -210,7 +210,8 @@ class RoleModes:
 def staging_pool(cfg: DisaggConfig, model_config: ModelConfig, device: str | torch.device) -> StagingPool | None:
     """The rank's staging buffer for packed transfers (GQA only; none with a size of 0 or with
     decode's ``--disaggregation-transfer-pack off``), on the pool's device."""
-    if model_config.is_mla or model_config.state_regions or cfg.pack_staging_mb == 0 or (cfg.mode == "decode" and cfg.transfer_pack == "off"):
+    replicated = model_config.is_mla or bool(model_config.state_regions)  # whole pages: nothing to pack
+    if replicated or cfg.pack_staging_mb == 0 or (cfg.mode == "decode" and cfg.transfer_pack == "off"):
         return None
     return StagingPool(cfg.pack_staging_mb * 2**20, device)
 
