@@ -6,12 +6,18 @@ Every region of a token's slot (the window's K=V rows, the compressors' source r
 entries, CSA's index keys) is a replicated region of a regions layout: each moves layer by layer for
 the layers that keep it, from the request's random source rank, counted like MLA's latent. Decode's
 received bytes are exactly those regions' pages, and its greedy tokens are transformers' for prompts
-from one token to many windows and compression blocks long, through pdserve's router. Decode's own
+from one token to many windows and compression blocks long, through pdserve's router and the
+PyPI sglang-router. Decode's own
 prefix hit (turn 2) asks prefill only for the pages it lacks. One deployment per backend.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,8 +25,10 @@ import pytest
 import torch
 from pd_servers import RoutedPair
 
+from entrypoints.server_utils import free_port
 from fixtures.tiny_models import fill_hash_table, greedy_continuation, make_hf_model_and_dir
 from pdserve.transfer import BACKEND_NAMES
+from router.router_utils import wait_for
 
 pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
 
@@ -133,3 +141,33 @@ def test_turn_two_asks_prefill_only_for_the_pages_decode_lacks(pd, tiny):
     assert d["kv_bytes_received"] - before["kv_bytes_received"] == lacking * _page_bytes(hf)
     assert (r1["output_ids"], r2["output_ids"]) == (greedy_continuation(hf, turn1, NEW),
                                                     greedy_continuation(hf, turn2, NEW))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
+def test_the_same_through_sglang_router(pd, tiny):
+    hf, _ = tiny
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", pd.prefill.url,
+           str(pd.boot), "--decode", pd.decode.url, "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-port", str(free_port())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        prompts = [_prompt(n, seed=200 + n) for n in (3 * WINDOW + 1, 6 * WINDOW + 5)]
+        probe = _prompt(3, seed=299)  # not one of the prompts, which decode would then hold whole
+        wait_for(lambda: _answers(url, probe, proc), 120, "sglang-router forwards requests")
+        before = pd.decode.info()["kv_received"]
+        assert _send(url, prompts) == [greedy_continuation(hf, p, NEW) for p in prompts]
+        assert pd.decode.info()["kv_received"] - before == len(prompts)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _answers(url: str, prompt: list[int], proc: subprocess.Popen) -> bool:
+    assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
+    try:
+        return httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": _greedy()},
+                          timeout=60).status_code == 200
+    except httpx.HTTPError:
+        return False
