@@ -689,7 +689,8 @@ MUTATIONS = (
         "collapsed, so a regex that differs only in spaces gets another's grammar",
         "python/pdserve/constrained/service.py",
         "        key = (kind, text)\n        with self._lock:\n            fut = self._cache.get(key)\n",
-        "        key = (kind, \" \".join(text.split()))\n        with self._lock:\n            fut = self._cache.get(key)\n",
+        "        key = (kind, \" \".join(text.split()))\n"
+        "        with self._lock:\n            fut = self._cache.get(key)\n",
         ("test/constrained/test_compile_service.py::test_the_cache_keys_on_the_exact_constraint_text",)),
     Mutation(
         "router_resumes_a_finished_stream", "the router resumes a stream whose decode died after its final event",
@@ -838,7 +839,7 @@ MUTATIONS = (
         "v32_index_keys_not_transferred", "the P/D plan writes the kind's own buffers only, so V3.2's index keys "
         "(a region of the latent's pages) never reach decode",
         "python/pdserve/disagg/layout.py",
-        "    for layer in layers:\n        for buffer in src.buffers:\n            for g in segs:",
+        "    for layer in layers:\n        for buffer in src.layer_buffers(layer):\n            for g in segs:",
         "    for layer in layers:\n        for buffer in BUFFERS[src.kind]:\n            for g in segs:",
         ("test/disagg/test_layout.py::test_index_keys_move_with_the_latent_from_the_random_source_rank",
          "test/disagg/test_pd_deepseek_v32.py::test_greedy_tokens_match_transformers_through_the_router[mooncake]")),
@@ -901,11 +902,24 @@ MUTATIONS = (
         "python/pdserve/models/deepseek_v4_attention.py",
         "        has_prev = start > 0\n", "        has_prev = start < 0\n",
         ("test/models/test_deepseek_v4.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    # issue 35: DeepSeek-V4's regions through P/D and the tiers (v4_pd_not_refused went with the refusal)
     Mutation(
-        "v4_pd_not_refused", "a DeepSeek-V4 server starts in P/D mode, whose transfer knows none of its regions",
-        "python/pdserve/config.py",
-        "(self.disaggregation_mode in (\"prefill\", \"decode\"),", "(False,",
-        ("test/models/test_deepseek_v4.py::test_unsupported_modes_are_refused_at_start_up",)),
+        "v4_region_not_transferred", "the P/D plan skips every region kept by only some layers (V4's compressor "
+        "sources, compressed entries and index keys): both sides agree on the shorter count, decode reads stale rows",
+        "python/pdserve/disagg/layout.py",
+        "                return r.layers.index(layer) if layer in r.layers else None",
+        "                return None",
+        ("test/disagg/test_layout.py::test_every_region_moves_on_the_layers_keeping_it_from_the_random_source_rank",
+         "test/disagg/test_pd_deepseek_v4.py::test_greedy_tokens_match_transformers_through_the_router[mooncake]")),
+    Mutation(
+        "v4_region_not_restored_on_host_hit", "a load from the host tier restores only the buffers every layer "
+        "keeps, so V4's compressed regions on a host hit are the device page's stale rows",
+        "python/pdserve/mem/host_pool.py",
+        "                else:\n"
+        "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
+        "                elif dev.shape[0] == self.device_pool.num_layers:\n"
+        "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
+        ("test/models/test_deepseek_v4.py::test_host_tier_hit_restores_every_region",)),
     # issue 35: DeepSeek-V4's FP4 experts
     Mutation(
         "v4_fp4_nibble_order_swapped", "an FP4 byte's high nibble is read as the even column (DeepSeek packs "

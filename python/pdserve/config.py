@@ -1151,8 +1151,9 @@ class ServerArgs:
         return model
 
     def _check_deepseek_v4(self, model: ModelConfig) -> None:
-        """DeepSeek-V4 runs colocated, on one rank, eagerly on torch, with a full-precision checkpoint
-        and pool for now (docs/models.md); everything else is refused here, naming it."""
+        """DeepSeek-V4 runs on one rank, eagerly on torch, with a full-precision checkpoint and pool for now
+        (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its state
+        regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py)."""
         v4 = "DeepSeek-V4"
         dev = self.device_config()
         if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
@@ -1160,10 +1161,6 @@ class ServerArgs:
                               f"only: in P/D the aux row carries one hidden state where its MTP layer reads all "
                               f"hc_mult streams, and the draft layer's window rows do not move yet")
         refusals = {
-            "disaggregation_mode": (self.disaggregation_mode in ("prefill", "decode"),
-                                    f"{self.disaggregation_mode}: {v4}'s state regions do not move in P/D yet"),
-            "enable_hierarchical_cache": (self.enable_hierarchical_cache,
-                                          f"{v4}'s state regions have no host or storage tier yet"),
             "speculative_algorithm": (self.speculative_algorithm not in (None, "NEXTN"),
                                       f"{self.speculative_algorithm}: {v4} drafts with NEXTN (its MTP layer) only: "
                                       f"EAGLE's Llama KV has no place among its state regions"),

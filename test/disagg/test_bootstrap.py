@@ -457,3 +457,28 @@ def test_a_v3_prefill_never_pairs_with_a_v32_decode():
                                                rf"decode has latent\+index_k\[{2 * di}\]:float32$"):
         v32.check(wider)
     v32.check(CompatRecord(**vars(v32)))
+
+
+def test_a_v4_side_never_pairs_with_a_v3_or_v32_side_or_other_layer_kinds():
+    """A V4 record names every region of a slot with its width, dtype and the layers keeping it
+    (kv_layout "regions"): a V3.2 side is refused by its layout, and a V4 whose layers are of other
+    kinds (the same regions on other layers) by the state layout."""
+    v4_config = ModelConfig.from_path("tiny-deepseek-v4")
+    v4 = CompatRecord.from_model(v4_config, page_size=4)
+    kinds = list(v4_config.hf_config.layer_types)
+    csa = ",".join(str(i) for i, k in enumerate(kinds) if k == "compressed_sparse_attention")
+    D = v4_config.hf_config.head_dim
+    assert v4.kv_layout == "regions"
+    assert v4.state_layout.startswith(f"window_kv[{D}]:{v4_config.dtype}@{','.join(map(str, range(len(kinds))))}+")
+    assert f"+csa_kv[{D}]:{v4_config.dtype}@{csa}+" in v4.state_layout
+    v32 = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek-v32"), page_size=4)
+    with pytest.raises(IncompatiblePeer, match="^architecture: prefill has DeepseekV32ForCausalLM"):
+        v32.check(v4)
+    as_v32 = dataclasses.replace(v4, architecture=v32.architecture)  # even under the same name, the layout differs
+    with pytest.raises(IncompatiblePeer, match="^kv_layout: prefill has regions, decode has mla"):
+        as_v32.check(dataclasses.replace(v32, num_layers=v4.num_layers, num_kv_heads=v4.num_kv_heads,
+                                         head_dim=v4.head_dim, dtype=v4.dtype))
+    moved = dataclasses.replace(v4, state_layout=v4.state_layout.replace(f"@{csa}+", "@0+", 1))
+    with pytest.raises(IncompatiblePeer, match=r"^state_layout: prefill has window_kv"):
+        v4.check(moved)
+    v4.check(CompatRecord(**vars(v4)))

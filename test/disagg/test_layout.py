@@ -454,3 +454,86 @@ def json_round_trip(obj) -> dict:
     import json
 
     return json.loads(json.dumps(dataclasses.asdict(obj)))
+
+
+# ------------------------------------------------------------------ a regions layout (DeepSeek-V4's state)
+V4_SPECS = (("window_kv", (0, 1, 2), 6), ("csa_src", (1,), 8), ("csa_kv", (1,), 2), ("hca_kv", (2,), 3))
+
+
+def _v4_pools(n: int, seed: int, pages: int = 12, specs=V4_SPECS):
+    """``n`` region pools (every region one row per token, kept by its own layers), filled at random."""
+    from pdserve.mem.region_pool import RegionKVPool, RegionSpec
+
+    g = torch.Generator().manual_seed(seed)
+    pools = [RegionKVPool(pages, 4, 3, tuple(RegionSpec(*s) for s in specs), torch.float32) for _ in range(n)]
+    for p in pools:
+        for _, buf in p.page_buffers():
+            buf.copy_(torch.randn(buf.shape, generator=g))
+    return pools
+
+
+def _v4_layout(pool, tp: int, dp: int = 1) -> KVLayout:
+    return KVLayout.from_descriptors("regions", tp, 1, pool.page_size, "float32", pool.buffer_descriptors(), dp,
+                                     region_layers=pool.buffer_layers(), num_layers=pool.num_layers)
+
+
+@pytest.mark.parametrize("src_tp, dst_tp, dst_dp", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1)])
+def test_every_region_moves_on_the_layers_keeping_it_from_the_random_source_rank(src_tp, dst_tp, dst_dp):
+    """Each region's rows of a page move for exactly the layers that keep it, whole pages from the
+    request's random source rank to every destination rank of the group; layer by layer, a layer's
+    writes are its own regions'; decode's expected count is those writes, page by page."""
+    srcs, dsts = _v4_pools(src_tp, seed=1), _v4_pools(dst_tp * dst_dp, seed=2)
+    src, dst = _v4_layout(srcs[0], src_tp), _v4_layout(dsts[0], dst_tp, dst_dp)
+    assert src.buffers == ("window_kv", "csa_src", "csa_kv", "hca_kv") and src.num_layers == 3
+    assert [src.layer_buffers(x) for x in range(3)] == [("window_kv",), ("window_kv", "csa_src", "csa_kv"),
+                                                        ("window_kv", "hca_kv")]
+    before = [{name: buf.clone() for name, buf in p.page_buffers()} for p in dsts]
+    src_pages, dst_pages, dst_group = [3, 4, 9], [0, 7, 8], dst_dp - 1
+    for room in range(6):
+        ops = [op for layer in range(3)
+               for op in plan_writes(src, dst, src_pages, dst_pages, [layer], room=room, seed=5, dst_dp_rank=dst_group)]
+        assert ops == plan_writes(src, dst, src_pages, dst_pages, room=room, seed=5, dst_dp_rank=dst_group)
+        assert {(op.layer, op.buffer) for op in ops} == {(x, b) for x in range(3) for b in src.layer_buffers(x)}
+        assert count_writes(ops) == expected_writes(src, dst, 3, room=room, seed=5, dst_dp_rank=dst_group)
+        assert sum(count_writes(ops).values()) == 3 * (3 + 2 + 1) * dst.tp_size
+        (source,) = {op.src_rank for op in ops}
+        for op in ops:
+            s = dict(srcs[op.src_rank].page_buffers())[op.buffer].view(-1).view(torch.uint8)
+            d = dict(dsts[op.dst_rank].page_buffers())[op.buffer].view(-1).view(torch.uint8)
+            d[op.dst_offset:op.dst_offset + op.nbytes] = s[op.src_offset:op.src_offset + op.nbytes]
+        for r in dst.group(dst_group):
+            for name, buf in dsts[r].page_buffers():
+                want = before[r][name].clone()
+                want[:, dst_pages] = dict(srcs[source].page_buffers())[name][:, src_pages]
+                assert buf.equal(want), (room, r, name)
+    per_page = sum(len(layers) * 4 * width * 4 for _, layers, width in V4_SPECS)
+    assert staging_bytes(dst, 3) == 3 * per_page
+
+
+def test_a_regions_layout_pairs_only_with_the_same_regions_on_the_same_layers():
+    """A V3.2 layout, or the same regions kept by other layers, cannot take a regions layout's pages:
+    the check names the regions with their layers. Layers are checked and survive the wire."""
+    from pdserve.disagg import protocol
+    from pdserve.disagg.layout import Region
+
+    (v4,) = _v4_pools(1, seed=0)
+    (moved,) = _v4_pools(1, seed=0, specs=(V4_SPECS[0], ("csa_src", (2,), 8), ("csa_kv", (2,), 2),
+                                           ("hca_kv", (1,), 3)))
+    (v32,) = _v32_pools(1, seed=0)
+    lay = _v4_layout(v4, 2, 2)
+    with pytest.raises(LayoutError, match=r"^regions: prefill has window_kv \(float32, 96 B/page\)\+csa_src "
+                                          r"\(float32, 128 B/page, layers 1\)\+.*decode has .*csa_src \(float32, "
+                                          r"128 B/page, layers 2\)"):
+        check_compatible(_v4_layout(v4, 1), _v4_layout(moved, 1))
+    with pytest.raises(LayoutError, match="^kind: prefill has mla, decode has regions"):
+        check_compatible(_v32_layout(v32, 1), _v4_layout(v4, 1))
+    assert protocol.from_dict(KVLayout, json_round_trip(lay), "layout") == lay
+    assert lay.regions[0].layers == () and lay.regions[1].layers == (1,)  # () : every layer keeps it
+    with pytest.raises(LayoutError, match=r"^regions.csa_kv.layers: \(2, 1\) are not distinct ascending"):
+        KVLayout("regions", 1, 1, 4, "float32", 3, 4, 64, 256, regions=(Region("csa_kv", "float32", 64, 256, (2, 1)),))
+    with pytest.raises(LayoutError, match=r"^regions.csa_kv.layers: \(3,\)"):
+        KVLayout("regions", 1, 1, 4, "float32", 3, 4, 64, 256, regions=(Region("csa_kv", "float32", 64, 256, (3,)),))
+    with pytest.raises(LayoutError, match="^regions: a regions layout needs at least one region"):
+        KVLayout("regions", 1, 1, 4, "float32", 3, 4, 64, 256)
+    with pytest.raises(LayoutError, match="^num_kv_heads: a regions layout"):
+        KVLayout("regions", 1, 2, 4, "float32", 3, 4, 64, 256, regions=(Region("w", "float32", 64, 256),))

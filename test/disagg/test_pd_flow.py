@@ -378,6 +378,23 @@ def test_a_completion_without_the_index_keys_is_not_trusted(pair_factory):
     pair.assert_idle_and_accounted()
 
 
+def test_a_completion_without_one_v4_region_is_not_trusted(pair_factory):
+    """DeepSeek-V4: a prefill that sends every region but the CSA layer's compressed entries and
+    reports success falls short of decode's count (each layer's count sums the regions it keeps):
+    decode prefills locally, to the colocated tokens, and every page is accounted for."""
+    pair = pair_factory("tiny-deepseek-v4", page_size=4)
+    sender = pair.prefill.mode.sender
+    plan = sender._plan
+    sender._plan = lambda *a, **kw: [op for op in plan(*a, **kw) if op.buffer != "csa_kv"]
+    (prompt,) = _prompts([40])  # several CSA blocks past the preset's window
+    pair.submit("a", prompt, greedy(NEW))
+    pair.run()
+    assert pair.prefill.stats()["rooms_completed"] == 1  # prefill believes it is done
+    assert pair.decode.stats()["fallbacks"] == 1 and pair.decode.stats()["kv_received"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-deepseek-v4", [prompt], page_size=4)[0]
+    pair.assert_idle_and_accounted()
+
+
 def test_unpaired_halves_time_out(pair_factory):
     """Decode's half alone (the router's prefill request was lost): decode falls back once its
     wait times out. Prefill's half alone: prefill answers it with an error after the timeout."""

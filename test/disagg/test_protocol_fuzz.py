@@ -13,7 +13,7 @@ import sys
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pdserve.disagg.layout import DTYPE_BYTES, KINDS, KVLayout
+from pdserve.disagg.layout import DTYPE_BYTES, KINDS, KVLayout, Region
 from pdserve.disagg.protocol import (
     MAX_NONCE,
     MAX_ROOM,
@@ -69,13 +69,30 @@ json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 def layouts(draw) -> KVLayout:
     kind = draw(st.sampled_from(KINDS))
     tp = draw(st.integers(1, 8))
-    heads = 1 if kind == "mla" else draw(st.sampled_from([h for h in (1, 2, 4, 8, 16) if h % tp == 0 or tp % h == 0]))
+    heads = 1 if kind != "gqa" else draw(st.sampled_from([h for h in (1, 2, 4, 8, 16) if h % tp == 0 or tp % h == 0]))
     local = max(1, heads // tp)
     page_bytes = local * draw(st.integers(1, 4096))
     num_pages = draw(st.integers(1, 1 << 20))
+    num_layers = draw(st.integers(1, 128))
     return KVLayout(kind, tp, heads, draw(st.integers(1, 256)), draw(st.sampled_from(sorted(DTYPE_BYTES))),
-                    draw(st.integers(1, 128)), num_pages, page_bytes,
-                    num_pages * page_bytes + draw(st.integers(0, 1 << 20)), draw(st.integers(1, 8)))
+                    num_layers, num_pages, page_bytes,
+                    num_pages * page_bytes + draw(st.integers(0, 1 << 20)), draw(st.integers(1, 8)),
+                    draw(regions(kind, num_layers, num_pages)))
+
+
+@st.composite
+def regions(draw, kind: str, num_layers: int, num_pages: int) -> tuple[Region, ...]:
+    """None for GQA; up to two for MLA (index keys); one to three for a regions layout, each kept by
+    a drawn set of layers (() : every layer)."""
+    if kind == "gqa":
+        return ()
+    out = []
+    for i in range(draw(st.integers(1 if kind == "regions" else 0, 3 if kind == "regions" else 2))):
+        page_bytes = draw(st.integers(1, 4096))
+        layers = tuple(sorted(draw(st.sets(st.integers(0, num_layers - 1), max_size=4))))
+        out.append(Region(f"r{i}", draw(st.sampled_from(sorted(DTYPE_BYTES))), page_bytes,
+                          num_pages * page_bytes + draw(st.integers(0, 64)), layers))
+    return tuple(out)
 
 
 rooms = st.integers(0, MAX_ROOM)
@@ -115,8 +132,8 @@ def kv_completions(draw) -> KVCompletion:
 @st.composite
 def decode_records(draw) -> DecodeRecord:
     layout = draw(layouts())
-    need = layout.layer_stride * layout.num_layers
-    bufs = [BufferRange(draw(st.integers(1, 2**48)), need + draw(st.integers(0, 4096))) for _ in layout.buffers]
+    needs = [layout.geometry(b)[1] * layout.rows(b) for b in layout.buffers]
+    bufs = [BufferRange(draw(st.integers(1, 2**48)), need + draw(st.integers(0, 4096))) for need in needs]
     row = draw(st.integers(1, 1 << 16))
     return DecodeRecord(draw(sessions), draw(st.integers(0, layout.num_ranks - 1)), draw(sessions), bufs, layout,
                         BufferRange(draw(st.integers(1, 2**48)), row * draw(st.integers(1, 64))), row,

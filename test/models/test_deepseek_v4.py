@@ -163,8 +163,6 @@ def _serve(model_path: str, *argv: str) -> subprocess.CompletedProcess:
 
 
 REFUSALS = [
-    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode): prefill: DeepSeek-V4's state regions do not move"),
-    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache): DeepSeek-V4's state regions have no host"),
     ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "tiny-llama"},
      "--speculative-algorithm): EAGLE: DeepSeek-V4 drafts with NEXTN (its MTP layer) only"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V4's attention runs in torch only"),
@@ -334,10 +332,9 @@ def test_mtp_layer_tensors_are_accepted_and_loaded_only_for_nextn(with_mtp):
 
 
 def test_refusal_reaches_the_cli_as_one_line():
-    proc = _serve("tiny-deepseek-v4", "--disaggregation-mode", "decode")
+    proc = _serve("tiny-deepseek-v4", "--tp-size", "2")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "disaggregation_mode (--disaggregation-mode): decode: DeepSeek-V4's state regions do not move in P/D yet" \
-        in proc.stderr
+    assert "tp_size (--tp-size): DeepSeek-V4 runs on one rank for now" in proc.stderr
 
 
 def test_preset_serves_a_chat_request():
@@ -549,3 +546,48 @@ def test_nextn_is_refused_in_pd():
                                          r"NEXTN runs colocated only: in P/D the aux row carries one hidden state"):
         ServerArgs(model_path="tiny-deepseek-v4", speculative_algorithm="NEXTN",
                    disaggregation_mode="decode").model_config()
+
+
+# ------------------------------------------------------------------ tiers (every region, host and file)
+TIER_KW = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64,
+               enable_hierarchical_cache=True)
+
+
+def _tier_prompts() -> list[list[int]]:
+    """Two prompts several windows and HCA blocks long and one shorter than a window; 16 device pages
+    of 4 tokens cannot keep all three, so pages cycle through host memory."""
+    return [_prompt(3 * WINDOW + 4, seed=40), _prompt(3 * WINDOW + 6, seed=41), _prompt(WINDOW - 3, seed=42)]
+
+
+def test_host_tier_hit_restores_every_region(tiny):
+    """A prefix found only in host memory comes back with every region (window rows, compressor
+    sources, compressed entries, index keys): the second round's tokens are transformers' (a page
+    whose compressed regions stayed behind would attend to stale entries)."""
+    hf, path = tiny
+    prompts = _tier_prompts()
+    want = [greedy_continuation(hf, p, STEPS) for p in prompts]
+    with pdserve.Engine(model_path=path, hicache_write_policy="write_back", **TIER_KW) as engine:
+        outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts + prompts]
+        assert [o["output_ids"] for o in outs] == want * 2
+        meta = outs[3]["meta_info"]  # prompt 0 again (28 tokens, the last held back): 6 whole pages hit, some
+        # only on host (the device evicted them)
+        assert meta["cached_tokens"] == 24 and meta["cached_tokens_by_tier"]["host"] > 0
+        info = engine.get_server_info()
+        assert info["cache_hit_tokens_host"] > 0 and info["host_load_bytes"] > 0
+        engine.scheduler.check_memory()
+
+
+def test_file_tier_stores_every_region_across_a_restart(tiny, tmp_path):
+    hf, path = tiny
+    prompt = _tier_prompts()[0]
+    want = greedy_continuation(hf, prompt, STEPS)
+    kw = dict(TIER_KW, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8,
+              hicache_storage_prefetch_policy="wait_complete")
+    with pdserve.Engine(model_path=path, **kw) as engine:
+        assert engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == want
+        engine.scheduler.cache.storage.flush()
+    with pdserve.Engine(model_path=path, **kw) as restarted:
+        out = restarted.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8

@@ -68,7 +68,7 @@ MAX_DISCARD_BYTES = 8 << 20
 DISCARD_IDLE_S = 5.0  # a client that stops sending what it declared gets its 413 after this much silence
 REFUSED_GRACE_S = 1.0  # how long a refused connection is retried (a registry restarting its listener)
 MAX_SNAPSHOT_BYTES = 64 << 20  # a snapshot holds at most layout.MAX_RANKS records
-KV_LAYOUTS = ("gqa-hnd", "mla")
+KV_LAYOUTS = ("gqa-hnd", "mla", "regions")
 # what a router adds to a request (a client's own are dropped: disagg/routed.py)
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_signature")
 ROOM_BITS = 63
@@ -142,9 +142,14 @@ def with_bootstrap(body: dict, host: str, port: int) -> dict:
 
 
 def state_layout(model_config) -> str:
-    """A token slot's regions as the compatibility record names them: ``k+v``, ``latent``, or
-    ``latent+index_k[128]:bfloat16`` (DeepSeek-V3.2's index keys, kept in the model dtype)."""
+    """A token slot's regions as the compatibility record names them: ``k+v``, ``latent``,
+    ``latent+index_k[128]:bfloat16`` (DeepSeek-V3.2's index keys, kept in the model dtype), or a
+    regions model's every region with the layers keeping it, ``window_kv[512]:bfloat16@0,1,2+...``
+    (DeepSeek-V4: a V3 or V3.2 side, or a V4 of other layer kinds, never pairs with it)."""
     mc = model_config
+    if mc.state_regions:
+        return "+".join(f"{name}[{width}]:{mc.dtype}@{','.join(map(str, layers))}"
+                        for name, layers, width in mc.state_regions)
     regions = ["latent"] if mc.is_mla else ["k", "v"]
     if mc.index_head_dim:
         regions.append(f"index_k[{mc.index_head_dim}]:{mc.dtype}")
@@ -160,7 +165,7 @@ class CompatRecord:
     architecture: str  # HF architecture name
     dtype: str  # the model dtype (what an "auto" KV cache stores)
     page_size: int
-    kv_layout: str  # "gqa-hnd" or "mla"
+    kv_layout: str  # "gqa-hnd", "mla" or "regions" (state_layout names them)
     num_layers: int
     num_kv_heads: int  # the model's total KV heads (1 for MLA)
     head_dim: int  # one head's row (kv_lora_rank + qk_rope_head_dim for MLA)
@@ -194,7 +199,8 @@ class CompatRecord:
 
         mc = model_config
         quant = mc.quantization
-        return cls(model or mc.path, mc.architecture, mc.dtype, page_size, "mla" if mc.is_mla else "gqa-hnd",
+        kv_layout = "regions" if mc.state_regions else "mla" if mc.is_mla else "gqa-hnd"
+        return cls(model or mc.path, mc.architecture, mc.dtype, page_size, kv_layout,
                    mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend,
                    quant.name if quant is not None else "none", kv_cache_dtype, speculative or "none",
                    state_layout(mc))

@@ -23,6 +23,11 @@ replicated regions of the same pages beside its latent (DeepSeek-V3.2's ``index_
 one more buffer ``[L, P, ...]`` with its own page bytes, layer stride and dtype (``KVLayout.regions``);
 it moves like the latent (whole pages from the request's random source rank), and its writes are
 counted like the latent's, so a region not sent leaves the room short of its expected writes.
+
+A ``regions`` layout (``mem.region_pool.RegionKVPool``, DeepSeek-V4) has no buffer of its own: every
+buffer is such a region, replicated like MLA's latent, and a region may be kept by only some layers
+(``Region.layers``): its buffer's row ``i`` is model layer ``layers[i]``, so layer ``l``'s writes are
+those of the regions that layer keeps, and the count both sides expect sums exactly those.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from dataclasses import dataclass, field
 
 from pdserve.config import PACK_POLICIES
 
-KINDS = ("gqa", "mla")
-BUFFERS = {"gqa": ("k", "v"), "mla": ("latent",)}
+KINDS = ("gqa", "mla", "regions")
+BUFFERS: dict[str, tuple[str, ...]] = {"gqa": ("k", "v"), "mla": ("latent",), "regions": ()}
+REPLICATED = ("mla", "regions")  # one KV head kept whole on every TP rank: one source rank per request
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 MAX_RANKS = 4096  # attention ranks of one side: far above any cluster, low enough to list
 
@@ -52,10 +58,12 @@ class Region:
     name: str
     dtype: str  # what the region holds (index keys stay in the model dtype under an FP8 latent)
     page_bytes: int
-    layer_stride: int
+    layer_stride: int  # from one row of the buffer to the next
+    layers: tuple[int, ...] = ()  # model layers keeping it, row i holding layers[i]; (): every layer
 
     def describe(self) -> str:
-        return f"{self.name} ({self.dtype}, {self.page_bytes} B/page)"
+        held = f", layers {','.join(map(str, self.layers))}" if self.layers else ""
+        return f"{self.name} ({self.dtype}, {self.page_bytes} B/page{held})"
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class KVLayout:
     ``mem.kv_pool.BufferDescriptor``).
     """
 
-    kind: str  # "gqa" (HND pages) or "mla" (latent pages, identical on every tp rank)
+    kind: str  # "gqa" (HND pages), "mla" (latent pages, identical on every tp rank) or "regions" (only regions)
     tp_size: int  # attention-TP ranks sharing one request's KV
     num_kv_heads: int  # the model's KV heads (1 for MLA)
     page_size: int
@@ -88,8 +96,9 @@ class KVLayout:
                 raise LayoutError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.tp_size * self.dp_size > MAX_RANKS:
             raise LayoutError(f"tp_size, dp_size: {self.tp_size} x {self.dp_size} ranks (at most {MAX_RANKS})")
-        if self.kind == "mla" and self.num_kv_heads != 1:
-            raise LayoutError(f"num_kv_heads: an MLA latent is one head, got {self.num_kv_heads}")
+        if self.kind in REPLICATED and self.num_kv_heads != 1:
+            what = "an MLA latent" if self.kind == "mla" else "a regions layout (DeepSeek-V4's K=V head)"
+            raise LayoutError(f"num_kv_heads: {what} is one head, got {self.num_kv_heads}")
         H, p = self.num_kv_heads, self.tp_size
         if H % p and p % H:
             raise LayoutError(f"num_kv_heads: {H} heads cannot be split over tp_size {p} "
@@ -102,9 +111,11 @@ class KVLayout:
         self._check_regions()
 
     def _check_regions(self) -> None:
-        if self.regions and self.kind != "mla":
-            raise LayoutError(f"regions: only an MLA layout has replicated regions beside its own, "
+        if self.regions and self.kind not in REPLICATED:
+            raise LayoutError(f"regions: only an MLA layout (or a regions layout) has replicated regions, "
                               f"got {self.kind} with {[r.name for r in self.regions]}")
+        if self.kind == "regions" and not self.regions:
+            raise LayoutError("regions: a regions layout needs at least one region")
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names) or set(names) & set(BUFFERS[self.kind]):
             raise LayoutError(f"regions: {names} repeat a buffer name")
@@ -114,26 +125,37 @@ class KVLayout:
             if r.page_bytes < 1 or r.layer_stride < self.num_pages * r.page_bytes:
                 raise LayoutError(f"regions.{r.name}: page_bytes {r.page_bytes}, layer_stride {r.layer_stride} "
                                   f"do not hold {self.num_pages} pages")
+            if list(r.layers) != sorted(set(r.layers)) or any(not 0 <= x < self.num_layers for x in r.layers):
+                raise LayoutError(f"regions.{r.name}.layers: {r.layers} are not distinct ascending layers "
+                                  f"of [0, {self.num_layers})")
 
     @classmethod
     def from_descriptors(cls, kind: str, tp_size: int, num_kv_heads: int, page_size: int, dtype: str,
                          descriptors: Sequence, dp_size: int = 1,
-                         region_dtypes: Mapping[str, str] | None = None) -> KVLayout:
+                         region_dtypes: Mapping[str, str] | None = None,
+                         region_layers: Mapping[str, tuple[int, ...]] | None = None,
+                         num_layers: int | None = None) -> KVLayout:
         """From a pool's ``buffer_descriptors()``: the kind's buffers first (sharing one geometry),
-        then any replicated regions (``region_dtypes``: their dtypes by name, else ``dtype``)."""
+        then any replicated regions (``region_dtypes``: their dtypes by name, else ``dtype``;
+        ``region_layers``: the model layers keeping each, else every one of ``num_layers``, which
+        defaults to the first buffer's rows). A regions layout's own geometry is its first region's."""
         own = BUFFERS.get(kind, ())
         names = tuple(d.name for d in descriptors)
         if kind in BUFFERS and names[:len(own)] != own:
             raise LayoutError(f"descriptors: a {kind} pool has buffers {own} first, got {names}")
         first = descriptors[0]
+        num_layers = first.num_layers if num_layers is None else num_layers
+        held = region_layers or {}
         for d in descriptors[1:]:
-            if (d.num_layers, d.num_pages) != (first.num_layers, first.num_pages) or (
+            rows = len(held[d.name]) if d.name in held else num_layers
+            if (d.num_layers, d.num_pages) != (rows, first.num_pages) or (
                     d.name in own and (d.page_bytes, d.layer_stride) != (first.page_bytes, first.layer_stride)):
                 raise LayoutError(f"descriptors: buffer {d.name!r} has another geometry than {first.name!r}")
         dtypes = region_dtypes or {}
-        regions = tuple(Region(d.name, dtypes.get(d.name, dtype), d.page_bytes, d.layer_stride)
+        regions = tuple(Region(d.name, dtypes.get(d.name, dtype), d.page_bytes, d.layer_stride,
+                               _held_layers(held.get(d.name), num_layers))
                         for d in descriptors[len(own):])
-        return cls(kind, tp_size, num_kv_heads, page_size, dtype, first.num_layers, first.num_pages,
+        return cls(kind, tp_size, num_kv_heads, page_size, dtype, num_layers, first.num_pages,
                    first.page_bytes, first.layer_stride, dp_size, regions)
 
     @property
@@ -148,6 +170,24 @@ class KVLayout:
         if buffer not in BUFFERS[self.kind]:
             raise LayoutError(f"buffer: {buffer!r} is not one of {self.buffers}")
         return self.page_bytes, self.layer_stride
+
+    def row(self, buffer: str, layer: int) -> int | None:
+        """The row of ``buffer`` holding model ``layer``; None where that layer keeps no such buffer."""
+        for r in self.regions:
+            if r.name == buffer and r.layers:
+                return r.layers.index(layer) if layer in r.layers else None
+        return layer
+
+    def rows(self, buffer: str) -> int:
+        """How many layers keep ``buffer`` (its rows)."""
+        for r in self.regions:
+            if r.name == buffer and r.layers:
+                return len(r.layers)
+        return self.num_layers
+
+    def layer_buffers(self, layer: int) -> tuple[str, ...]:
+        """The buffers model ``layer`` keeps, in ``buffers`` order (what its writes cover)."""
+        return tuple(b for b in self.buffers if self.row(b, layer) is not None)
 
     def describe_regions(self) -> str:
         """The buffers as a peer's refusal names them: ``latent+index_k (float32, 2048 B/page)``."""
@@ -221,9 +261,16 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise LayoutError(f"{name}: prefill has {a}, decode has {b}")
-    if [(r.name, r.dtype, r.page_bytes) for r in src.regions] != [(r.name, r.dtype, r.page_bytes)
-                                                                   for r in dst.regions]:
+    if [(r.name, r.dtype, r.page_bytes, r.layers) for r in src.regions] != [
+            (r.name, r.dtype, r.page_bytes, r.layers) for r in dst.regions]:
         raise LayoutError(f"regions: prefill has {src.describe_regions()}, decode has {dst.describe_regions()}")
+
+
+def _held_layers(layers: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+    """A region's ``layers`` as the layout records them: () when every layer keeps it."""
+    if layers is None or tuple(layers) == tuple(range(num_layers)):
+        return ()
+    return tuple(layers)
 
 
 def source_pick(seed: int, room: int) -> int:
@@ -242,7 +289,7 @@ def segments(src: KVLayout, dst: KVLayout, *, room: int = 0, seed: int = 0,
     check_compatible(src, dst)
     src_ranks, dst_ranks = src.group(src_dp_rank), dst.group(dst_dp_rank)
     pick = source_pick(seed, room)
-    if src.kind == "mla":
+    if src.kind in REPLICATED:
         s = src_ranks[pick % src.tp_size]
         return [Segment(s, d, 0, 0, 1, True) for d in dst_ranks]
     out: list[Segment] = []
@@ -300,7 +347,7 @@ def plan_writes(src: KVLayout, dst: KVLayout, src_pages: Sequence[int], dst_page
     runs = page_runs(src_pages, dst_pages)
     ops: list[WriteOp] = []
     for layer in layers:
-        for buffer in src.buffers:
+        for buffer in src.layer_buffers(layer):
             for g in segs:
                 ops.extend(_segment_ops(src, dst, g, buffer, layer, src_pages, dst_pages, runs))
     return ops
@@ -311,10 +358,12 @@ def _segment_ops(src: KVLayout, dst: KVLayout, g: Segment, buffer: str, layer: i
     """One op per page run when the block is whole pages, else one per page (one head block)."""
     (s_page, s_layer), (d_page, d_layer) = src.geometry(buffer), dst.geometry(buffer)
     hb = s_page // src.local_heads
+    row = src.row(buffer, layer)  # the same on both sides (check_compatible compares the regions' layers)
+    assert row is not None, f"layer {layer} keeps no {buffer}"
 
     def op(i: int, n: int) -> WriteOp:
-        so = layer * s_layer + src_pages[i] * s_page + g.src_head * hb
-        do = layer * d_layer + dst_pages[i] * d_page + g.dst_head * hb
+        so = row * s_layer + src_pages[i] * s_page + g.src_head * hb
+        do = row * d_layer + dst_pages[i] * d_page + g.dst_head * hb
         return WriteOp(g.src_rank, g.dst_rank, buffer, layer, so, do, n * g.nheads * hb, n)
 
     if g.full:
@@ -331,7 +380,7 @@ def expected_writes(src: KVLayout, dst: KVLayout, num_pages: int, layers: Iterab
     _check_layers(src, layers)
     out: Counter = Counter()
     for g in segments(src, dst, room=room, seed=seed, src_dp_rank=src_dp_rank, dst_dp_rank=dst_dp_rank):
-        out[(g.src_rank, g.dst_rank)] += num_pages * len(layers) * len(src.buffers)
+        out[(g.src_rank, g.dst_rank)] += num_pages * sum(len(src.layer_buffers(x)) for x in layers)
     return dict(out)
 
 
@@ -390,7 +439,7 @@ class PackedWrite:
 def staging_bytes(dst: KVLayout, num_pages: int) -> int:
     """Bytes of a destination rank's staging region for a room of ``num_pages`` pages (what decode
     lends and prefill checks): every layer and buffer (regions included) of those pages, all local heads."""
-    return dst.num_layers * num_pages * sum(dst.geometry(b)[0] for b in dst.buffers)
+    return num_pages * sum(dst.rows(b) * dst.geometry(b)[0] for b in dst.buffers)
 
 
 def staging_blocks(src: KVLayout, dst: KVLayout, dst_rank: int, num_pages: int, *, room: int = 0, seed: int = 0,

@@ -36,9 +36,10 @@ STATUSES = ("ok", "failed")
 MAX_ROOM = 2**64 - 1
 MAX_NONCE = 2**63 - 1
 # Bounds on what a frame may make the decoder do. A KV request for a 1M-token prompt at page
-# size 1 is about 8 MiB of page ids; no message nests deeper than envelope/body/layout/list.
+# size 1 is about 8 MiB of page ids; no message nests deeper than a bootstrap snapshot's
+# object/ranks/rank/layout/regions/region/layers (a regions layout's layers keeping each region).
 MAX_FRAME_BYTES = 32 * 2**20
-MAX_DEPTH = 6
+MAX_DEPTH = 7
 MAX_TRANSFER_INFO_CHARS = 1 << 20  # NIXL's metadata: about 600 characters plus some per registered region
 MAX_NUMBER_CHARS = 32  # a u64 has 20 digits; a float's repr fits in 24 characters
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
@@ -104,7 +105,7 @@ class DecodeRecord:
         _require(len(self.buffers) == len(self.layout.buffers),
                  f"buffers: {len(self.buffers)} ranges for buffers {self.layout.buffers}")
         for name, b in zip(self.layout.buffers, self.buffers):
-            need = self.layout.geometry(name)[1] * self.layout.num_layers
+            need = self.layout.geometry(name)[1] * self.layout.rows(name)
             _require(b.nbytes >= need, f"buffers: a range shorter than the layout's {need} bytes ({name})")
         _require(0 < self.aux_row_bytes <= self.aux.nbytes and self.aux.nbytes % self.aux_row_bytes == 0,
                  f"aux_row_bytes: {self.aux_row_bytes} does not divide the aux buffer of {self.aux.nbytes} bytes")

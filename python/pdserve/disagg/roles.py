@@ -51,12 +51,14 @@ def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
 def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 1) -> KVLayout:
     """The KV layout a side publishes: ``tp_size`` the attention-TP ranks sharing a request's KV,
     ``dp_size`` the attention groups (each owning whole requests)."""
-    kind = "mla" if model_config.is_mla else "gqa"
+    kind = "regions" if model_config.state_regions else "mla" if model_config.is_mla else "gqa"
+    heads = model_config.num_kv_heads if kind == "gqa" else 1  # V4's one K=V head is replicated like a latent
     dtype = str(pool.dtype).removeprefix("torch.")  # what the pages hold: float8_e4m3fn for an fp8 pool
     # every buffer's own dtype: regions beside the latent (V3.2's index keys) keep the model's
     dtypes = {name: str(buf.dtype).removeprefix("torch.") for name, buf in pool.page_buffers()}
-    return KVLayout.from_descriptors(kind, tp_size, model_config.num_kv_heads, pool.page_size, dtype,
-                                     pool.buffer_descriptors(), dp_size, region_dtypes=dtypes)
+    return KVLayout.from_descriptors(kind, tp_size, heads, pool.page_size, dtype, pool.buffer_descriptors(), dp_size,
+                                     region_dtypes=dtypes, region_layers=pool.buffer_layers(),
+                                     num_layers=pool.num_layers)
 
 
 def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> TransferBackend:
@@ -208,7 +210,8 @@ class RoleModes:
 def staging_pool(cfg: DisaggConfig, model_config: ModelConfig, device: str | torch.device) -> StagingPool | None:
     """The rank's staging buffer for packed transfers (GQA only; none with a size of 0 or with
     decode's ``--disaggregation-transfer-pack off``), on the pool's device."""
-    if model_config.is_mla or cfg.pack_staging_mb == 0 or (cfg.mode == "decode" and cfg.transfer_pack == "off"):
+    replicated = model_config.is_mla or bool(model_config.state_regions)  # whole pages: nothing to pack
+    if replicated or cfg.pack_staging_mb == 0 or (cfg.mode == "decode" and cfg.transfer_pack == "off"):
         return None
     return StagingPool(cfg.pack_staging_mb * 2**20, device)
 

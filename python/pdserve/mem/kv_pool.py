@@ -101,6 +101,11 @@ class KVPool(ABC):
         """The KV tensors, each ``[N, P, ...]`` (layer, page, then one page's shape), in the
         order of ``buffer_descriptors``: what a host copy of a page must hold."""
 
+    def buffer_layers(self) -> dict[str, tuple[int, ...]]:
+        """The model layers each page buffer keeps, by name: row ``i`` of its ``[N, ...]`` holds the
+        ``i``-th. Every layer here; a pool whose buffers skip layers (``RegionKVPool``) says which."""
+        return {name: tuple(range(self.num_layers)) for name, _ in self.page_buffers()}
+
     def _split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.div(slots, self.page_size, rounding_mode="floor"), slots % self.page_size
 

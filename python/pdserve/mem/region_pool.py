@@ -3,7 +3,8 @@
 The one-page-group case of docs/kv-cache.md ("One layout, many kinds of state"): every region is
 rate 1 (one row per token slot) with retention ``all``, so slot ``s`` of every region belongs to
 the same token and the allocator, page table and radix cache carry all of them with no branch of
-their own. DeepSeek-V4 is its first user (its regions: models/deepseek_v4_attention.py).
+their own. DeepSeek-V4 is its first user (its regions: models/deepseek_v4_attention.py). P/D and
+the tiers move the buffers as any pool's (``buffer_layers`` tells P/D which layers each holds).
 Legend: P pages, S page_size, N layers holding the region, X region width, T tokens.
 """
 
@@ -71,6 +72,9 @@ class RegionKVPool(KVPool):
 
     def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.buffers.items())
+
+    def buffer_layers(self) -> dict[str, tuple[int, ...]]:
+        return {spec.name: spec.layers for spec in self.regions}
 
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         out = []
