@@ -1186,11 +1186,8 @@ class ServerArgs:
     def _check_sparse_index(self, model: ModelConfig) -> None:
         """DeepSeek-V3.2 (MLA + DSA) runs over torch_native or triton for now (docs/models.md); everything else is
         refused here, naming it. P/D, the tiers and TP/DP/EP carry its index keys as one more region of
-        the latent's pages; NEXTN runs colocated."""
+        the latent's pages; so does NEXTN's draft layer (one more layer of both regions)."""
         v32 = "DeepSeek-V3.2"
-        if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
-            raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v32}'s draft layer (its latent "
-                              f"and index keys) does not move in P/D yet; NEXTN runs colocated")
         refusals = {
             "attention_backend": (self.device_config().attention_backend not in ("torch_native", "triton"),
                                   f"{self.device_config().attention_backend}: {v32}'s sparse attention runs on "

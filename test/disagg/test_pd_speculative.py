@@ -75,6 +75,46 @@ def _mtp_rows(sched, req, n):
     return pool.latent[pool.num_layers - 1].view(pool.num_slots, -1)[slots].clone()
 
 
+def test_v32_mtp_layers_index_keys_move_and_decode_drafts_sparsely(pairs):
+    """DeepSeek-V3.2 (its FP8 preset carries the MTP layer, a V3.2 layer with its own indexer): the
+    draft layer's latent and index keys are one more layer of both regions, so 1P1D NEXTN gives
+    colocated plain decoding's tokens for prompts shorter and longer than index_topk (32)."""
+    model = "tiny-deepseek-v32-fp8"
+    prompts = _prompts([9, 40, 75], seed=5)
+    eng = pdserve.Engine(model_path=model, num_threads=1, page_size=4)
+    ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})]
+    got: dict[str, torch.Tensor] = {}
+    pair = pairs(model, **SPEC, chunked_prefill_size=16)
+    prefill, decode = pair.prefill, pair.decode
+    after_prefill, activate = prefill.mode.after_prefill, decode.activate
+
+    def index_rows(sched, req, n):
+        pool = sched.runner.pool
+        return pool.index_k[pool.num_layers - 1].view(pool.num_slots, -1)[sched.kv_manager.slots(req, 0, n)].clone()
+
+    def prefill_done(reqs, done):
+        for i in done:
+            got.setdefault("prefill", index_rows(prefill, reqs[i], len(prompts[0]) - 1))
+        return after_prefill(reqs, done)
+
+    def landed(req):
+        got.setdefault("decode", index_rows(decode, req, len(prompts[0]) - 1))
+        activate(req)
+
+    prefill.mode.after_prefill, decode.activate = prefill_done, landed
+    pair.submit("r0", prompts[0], greedy(NEW))
+    pair.run()
+    for i, p in enumerate(prompts[1:], start=1):
+        pair.submit(f"r{i}", p, greedy(NEW))
+    pair.run()
+    assert [pair.outputs[f"r{i}"]["ids"] for i in range(len(prompts))] == ref
+    assert got["prefill"].abs().sum() > 0 and torch.equal(got["decode"], got["prefill"])  # the draft's index keys
+    d = pair.decode.stats()
+    assert d["kv_received"] == len(prompts) and d["fallbacks"] == 0 and d["spec_verify_ct"] > 0, d
+    pair.assert_idle_and_accounted()
+
+
 def test_the_mtp_layers_prompt_kv_lands_on_decode(pairs):
     """What decode holds in the MTP layer for the prompt (before its first step) is what prefill
     computed there: sent, not recomputed, and not zeros."""
