@@ -21,7 +21,8 @@ The parent kills the child (SIGKILL) when nobody waits for its compile any more 
 out, the client left) and it has run ``KILL_GRACE_S``, and on close; a child that ended is replaced
 at once (it imports while the thread waits for work). The child also dies with the thread that
 started it (PR_SET_PDEATHSIG), so a frontend that is killed leaves no compile behind.
-Messages from the child are JSON of a bounded size (CONVENTIONS 19).
+Messages both ways are JSON, the child's of a bounded size (CONVENTIONS 19): the child is given the
+backend's settings and the tokenizer's directory, and loads the tokenizer itself.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import ctypes
 import json
 import math
 import os
-import pickle
 import resource
 import signal
 import socket
@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,27 @@ class BackendSpec:
     tokenizer: Any
     vocab_size: int
     stop_token_ids: tuple[int, ...]
+
+    def to_json(self, memory_mb: int, cpu_s: int) -> bytes:
+        """The spec and the limits as JSON: the tokenizer by the directory it was loaded from."""
+        path = getattr(self.tokenizer, "name_or_path", None) if self.tokenizer is not None else None
+        if self.tokenizer is not None and not (isinstance(path, str) and Path(path).is_dir()):
+            raise ValueError("the compile worker loads the tokenizer from its directory, which this tokenizer "
+                             "does not name (--no-grammar-compile-isolation compiles in process)")
+        return json.dumps({"config": asdict(self.config), "tokenizer": path, "vocab_size": self.vocab_size,
+                           "stop_token_ids": list(self.stop_token_ids), "memory_mb": memory_mb,
+                           "cpu_s": cpu_s}).encode()
+
+    @staticmethod
+    def from_json(data: bytes) -> tuple[BackendSpec, int, int]:
+        """(spec, memory_mb, cpu_s) from ``to_json``'s bytes, the tokenizer loaded from its directory."""
+        from pdserve.engine.tokenizer import load_tokenizer
+
+        d = json.loads(data)
+        tokenizer = load_tokenizer(d["tokenizer"]) if d["tokenizer"] is not None else None
+        spec = BackendSpec(GrammarConfig(**d["config"]), tokenizer, int(d["vocab_size"]),
+                           tuple(int(t) for t in d["stop_token_ids"]))
+        return spec, int(d["memory_mb"]), int(d["cpu_s"])
 
 
 class IsolatedCompiler:
@@ -169,7 +190,7 @@ class IsolatedCompiler:
         """A fresh child (a new interpreter: torch and fork do not mix, and multiprocessing's spawn would
         import the server's main module again), given the backend's spec on a socket it inherits. It
         starts importing at once; a compile sent meanwhile waits in the socket."""
-        spec = pickle.dumps((self.spec, self.memory_mb, self.cpu_s))  # parent to child: trusted; fails before a spawn
+        spec = self.spec.to_json(self.memory_mb, self.cpu_s)  # fails before a spawn
         mine, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])  # where ``pdserve`` is imported from here
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
@@ -214,7 +235,7 @@ def main(fd: int) -> None:
     _die_with_parent()
     os.nice(10)  # like the compile threads (its imports too): what CPU the serving processes leave
     conn = Connection(fd)
-    spec, memory_mb, cpu_s = pickle.loads(conn.recv_bytes())
+    spec, memory_mb, cpu_s = BackendSpec.from_json(conn.recv_bytes())
     serve(conn, spec, memory_mb, cpu_s)
 
 
