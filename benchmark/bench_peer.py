@@ -299,7 +299,7 @@ def _body(server: Server, prompt: list[int], max_tokens: int, stream: bool) -> d
 
 
 async def one_stream(session: aiohttp.ClientSession, server: Server, prompt: list[int], max_tokens: int) -> dict:
-    """TTFT, the gaps between chunks carrying text, and the completion tokens of one streamed request."""
+    """TTFT, the gaps between token events, and the completion tokens of one streamed request."""
     t0 = time.perf_counter()
     stamps, tokens = [], 0
     async with session.post(server.url + "/v1/completions", json=_body(server, prompt, max_tokens, True)) as r:
@@ -308,12 +308,15 @@ async def one_stream(session: aiohttp.ClientSession, server: Server, prompt: lis
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("text"):
+            choice = (event.get("choices") or [None])[0]
+            # a token event, with text or not: a random-weight model's tokens are often partial UTF-8 or
+            # special tokens, which a server holds back or skips from the text
+            if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
                 stamps.append(time.perf_counter() - t0)
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if not stamps:
-        raise RuntimeError(f"{server.name}: a stream carried no text")
+        raise RuntimeError(f"{server.name}: a stream carried no token")
     return {"ttft": stamps[0], "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": tokens,
             "e2e": stamps[-1]}
 

@@ -16,7 +16,7 @@ import torch
 
 import pdserve
 from entrypoints.server_utils import Server
-from fixtures.tiny_models import check_not_degenerate, greedy_continuation, make_hf_model_and_dir
+from fixtures.tiny_models import check_not_degenerate, fill_hash_table, greedy_continuation, make_hf_model_and_dir
 from pdserve.config import ServerArgs
 
 ARCH = "DeepseekV4ForCausalLM"
@@ -26,21 +26,10 @@ STEPS = 10
 GREEDY = {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
 
 
-def _hash_table(hf, seed: int = 0) -> None:
-    """transformers leaves ``tid2eid`` zero (a checkpoint fills it): draw k distinct experts per token."""
-    c = hf.config
-    g = torch.Generator().manual_seed(seed)
-    table = torch.stack([torch.randperm(c.n_routed_experts, generator=g)[:c.num_experts_per_tok]
-                         for _ in range(c.vocab_size)])
-    for layer, kind in zip(hf.model.layers, c.mlp_layer_types):
-        if kind == "hash_moe":
-            layer.mlp.gate.tid2eid.copy_(table)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     hf, path = make_hf_model_and_dir(ARCH, tmp_path_factory.mktemp("v4"))
-    _hash_table(hf)
+    fill_hash_table(hf)
     check_not_degenerate(hf)
     hf.save_pretrained(path, safe_serialization=True)  # again, with the hash table
     c = hf.config
