@@ -310,8 +310,9 @@ async def one_stream(session: aiohttp.ClientSession, server: Server, prompt: lis
             event = json.loads(line[6:])
             choice = (event.get("choices") or [None])[0]
             # a token event, with text or not: a random-weight model's tokens are often partial UTF-8 or
-            # special tokens, which a server holds back or skips from the text
-            if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
+            # special tokens, which a server holds back or skips from the text (a stream whose every
+            # token was held back has only its final event: that is its first byte)
+            if choice is not None and (choice.get("text") or choice.get("finish_reason") is None or not stamps):
                 stamps.append(time.perf_counter() - t0)
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
