@@ -87,10 +87,12 @@ class BackendSpec:
     @staticmethod
     def from_json(data: bytes) -> tuple[BackendSpec, int, int]:
         """(spec, memory_mb, cpu_s) from ``to_json``'s bytes, the tokenizer loaded from its directory."""
-        from pdserve.engine.tokenizer import load_tokenizer
-
         d = json.loads(data)
-        tokenizer = load_tokenizer(d["tokenizer"]) if d["tokenizer"] is not None else None
+        tokenizer = None
+        if d["tokenizer"] is not None:
+            from transformers import AutoTokenizer  # the directory the server's tokenizer came from
+
+            tokenizer = AutoTokenizer.from_pretrained(d["tokenizer"])
         spec = BackendSpec(GrammarConfig(**d["config"]), tokenizer, int(d["vocab_size"]),
                            tuple(int(t) for t in d["stop_token_ids"]))
         return spec, int(d["memory_mb"]), int(d["cpu_s"])
