@@ -21,7 +21,8 @@ The parent kills the child (SIGKILL) when nobody waits for its compile any more 
 out, the client left) and it has run ``KILL_GRACE_S``, and on close; a child that ended is replaced
 at once (it imports while the thread waits for work). The child also dies with the thread that
 started it (PR_SET_PDEATHSIG), so a frontend that is killed leaves no compile behind.
-Messages both ways are JSON, the child's of a bounded size (CONVENTIONS 19): the child is given the
+Messages both ways are JSON, never pickle (a child that misbehaves must not run code in the parent),
+the child's of a bounded size so a runaway answer cannot grow the parent; the child is given the
 backend's settings and the tokenizer's directory, and loads the tokenizer itself.
 """
 
