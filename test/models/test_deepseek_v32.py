@@ -15,14 +15,19 @@ import torch
 
 import pdserve
 from entrypoints.server_utils import Server
+from fixtures.engine_checks import (
+    GREEDY,
+    STEPS,
+    check_file_tier_restart,
+    check_host_tier_hit,
+    check_tokens_and_logprobs,
+)
 from fixtures.tiny_models import greedy_continuation, make_hf_model_and_dir
 from pdserve.config import ServerArgs
 
 ARCH = "DeepseekV32ForCausalLM"
 TOPK = 8
 TOL = 1e-4
-STEPS = 10
-GREEDY = {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -45,24 +50,11 @@ def _serve(model_path: str, *argv: str) -> subprocess.CompletedProcess:
                            "--port", str(port), *argv], capture_output=True, text=True, timeout=180)
 
 
-def _hf_logprobs(hf, seq: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(input_ids=torch.tensor([seq])).logits[0].float(), -1)  # [L, V]
-
-
 @pytest.mark.parametrize("length", [5, 3 * TOPK + 1, 6 * TOPK])
 def test_greedy_tokens_and_logprobs_match_transformers(tiny, length):
     hf, path = tiny
     engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16)
-    prompt = _prompt(length, seed=length)
-    out = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
-    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
-    seq = prompt + out["output_ids"]
-    ref = _hf_logprobs(hf, seq)
-    meta = out["meta_info"]
-    for j, (lp, tok, _) in enumerate(meta["input_token_logprobs"][1:] + meta["output_token_logprobs"], start=1):
-        assert tok == seq[j]
-        assert lp == pytest.approx(float(ref[j - 1, tok]), abs=TOL), j
+    check_tokens_and_logprobs(hf, engine, _prompt(length, seed=length), TOL)
 
 
 def test_batched_requests_of_mixed_lengths_match_transformers(tiny):
@@ -184,10 +176,6 @@ def test_attention_reads_only_the_selected_latent_rows(tiny, monkeypatch):
 
 
 # ---------------------------------------------------------------- the host and storage tiers
-TIER_KW = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64,
-               enable_hierarchical_cache=True)
-
-
 def _tier_prompts() -> list[list[int]]:
     """Two prompts several times index_topk and one shorter than it; 16 device pages of 4 tokens
     cannot keep all three, so pages cycle through host memory."""
@@ -195,35 +183,15 @@ def _tier_prompts() -> list[list[int]]:
 
 
 def test_host_tier_hit_restores_the_index_keys(tiny):
-    """A prefix found only in host memory comes back with its index keys: the second round's
-    tokens are transformers' (a page whose index keys were left behind would select other tokens)."""
+    """A prefix found only in host memory comes back with its index keys (a page whose index keys
+    were left behind would select other tokens)."""
     hf, path = tiny
-    prompts = _tier_prompts()
-    want = [greedy_continuation(hf, p, STEPS) for p in prompts]
-    with pdserve.Engine(model_path=path, hicache_write_policy="write_back", **TIER_KW) as engine:
-        outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts + prompts]
-        assert [o["output_ids"] for o in outs] == want * 2
-        meta = outs[3]["meta_info"]  # prompt 0 again: 6 whole pages hit, some only on host (the device evicted them)
-        assert meta["cached_tokens"] == 24 and meta["cached_tokens_by_tier"]["host"] > 0
-        info = engine.get_server_info()
-        assert info["cache_hit_tokens_host"] > 0 and info["host_load_bytes"] > 0
-        engine.scheduler.check_memory()
+    check_host_tier_hit(hf, path, _tier_prompts())
 
 
 def test_file_tier_stores_the_index_keys_across_a_restart(tiny, tmp_path):
     hf, path = tiny
-    prompts = _tier_prompts()
-    want = greedy_continuation(hf, prompts[0], STEPS)
-    kw = dict(TIER_KW, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
-              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8,
-              hicache_storage_prefetch_policy="wait_complete")
-    with pdserve.Engine(model_path=path, **kw) as engine:
-        assert engine.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"] == want
-        engine.scheduler.cache.storage.flush()
-    with pdserve.Engine(model_path=path, **kw) as restarted:
-        out = restarted.generate(input_ids=prompts[0], sampling_params=GREEDY)
-        assert out["output_ids"] == want
-        assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8
+    check_file_tier_restart(hf, path, _tier_prompts()[0], tmp_path)
 
 
 # ------------------------------------------------------------------ NEXTN (the MTP layer, with its own indexer)

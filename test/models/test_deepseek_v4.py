@@ -16,14 +16,19 @@ import torch
 
 import pdserve
 from entrypoints.server_utils import Server
+from fixtures.engine_checks import (
+    GREEDY,
+    STEPS,
+    check_file_tier_restart,
+    check_host_tier_hit,
+    check_tokens_and_logprobs,
+)
 from fixtures.tiny_models import check_not_degenerate, fill_hash_table, greedy_continuation, make_hf_model_and_dir
 from pdserve.config import ServerArgs
 
 ARCH = "DeepseekV4ForCausalLM"
 WINDOW, CSA_RATE, HCA_RATE, TOPK = 8, 4, 8, 3
 TOL = 1e-4
-STEPS = 10
-GREEDY = {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -43,26 +48,13 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 400, (n,), generator=g).tolist()
 
 
-def _hf_logprobs(hf, seq: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float(), -1)  # [L, V]
-
-
 @pytest.mark.parametrize("length", [3, 11, 6 * WINDOW + 5])
 def test_greedy_tokens_and_logprobs_match_transformers(tiny, length):
     """Prompts shorter than one block, past the window, and over many windows and blocks; chunked
     prefill cuts windows open, and decode closes windows one token at a time."""
     hf, path = tiny
     engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16)
-    prompt = _prompt(length, seed=length)
-    out = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
-    assert out["output_ids"] == greedy_continuation(hf, prompt, STEPS)
-    seq = prompt + out["output_ids"]
-    ref = _hf_logprobs(hf, seq)
-    meta = out["meta_info"]
-    for j, (lp, tok, _) in enumerate(meta["input_token_logprobs"][1:] + meta["output_token_logprobs"], start=1):
-        assert tok == seq[j]
-        assert lp == pytest.approx(float(ref[j - 1, tok]), abs=TOL), j
+    check_tokens_and_logprobs(hf, engine, _prompt(length, seed=length), TOL)
 
 
 def test_decode_crosses_windows_and_blocks_token_by_token(tiny):
@@ -538,10 +530,6 @@ def test_nextn_is_refused_in_pd():
 
 
 # ------------------------------------------------------------------ tiers (every region, host and file)
-TIER_KW = dict(page_size=4, max_total_tokens=64, max_running_requests=2, chunked_prefill_size=64,
-               enable_hierarchical_cache=True)
-
-
 def _tier_prompts() -> list[list[int]]:
     """Two prompts several windows and HCA blocks long and one shorter than a window; 16 device pages
     of 4 tokens cannot keep all three, so pages cycle through host memory."""
@@ -550,33 +538,11 @@ def _tier_prompts() -> list[list[int]]:
 
 def test_host_tier_hit_restores_every_region(tiny):
     """A prefix found only in host memory comes back with every region (window rows, compressor
-    sources, compressed entries, index keys): the second round's tokens are transformers' (a page
-    whose compressed regions stayed behind would attend to stale entries)."""
+    sources, compressed entries, index keys)."""
     hf, path = tiny
-    prompts = _tier_prompts()
-    want = [greedy_continuation(hf, p, STEPS) for p in prompts]
-    with pdserve.Engine(model_path=path, hicache_write_policy="write_back", **TIER_KW) as engine:
-        outs = [engine.generate(input_ids=p, sampling_params=GREEDY) for p in prompts + prompts]
-        assert [o["output_ids"] for o in outs] == want * 2
-        meta = outs[3]["meta_info"]  # prompt 0 again (28 tokens, the last held back): 6 whole pages hit, some
-        # only on host (the device evicted them)
-        assert meta["cached_tokens"] == 24 and meta["cached_tokens_by_tier"]["host"] > 0
-        info = engine.get_server_info()
-        assert info["cache_hit_tokens_host"] > 0 and info["host_load_bytes"] > 0
-        engine.scheduler.check_memory()
+    check_host_tier_hit(hf, path, _tier_prompts())
 
 
 def test_file_tier_stores_every_region_across_a_restart(tiny, tmp_path):
     hf, path = tiny
-    prompt = _tier_prompts()[0]
-    want = greedy_continuation(hf, prompt, STEPS)
-    kw = dict(TIER_KW, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
-              hicache_storage_size_gb=0.01, hicache_storage_chunk_tokens=8,
-              hicache_storage_prefetch_policy="wait_complete")
-    with pdserve.Engine(model_path=path, **kw) as engine:
-        assert engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"] == want
-        engine.scheduler.cache.storage.flush()
-    with pdserve.Engine(model_path=path, **kw) as restarted:
-        out = restarted.generate(input_ids=prompt, sampling_params=GREEDY)
-        assert out["output_ids"] == want
-        assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 24  # 3 whole chunks of 8
+    check_file_tier_restart(hf, path, _tier_prompts()[0], tmp_path)
