@@ -1156,9 +1156,6 @@ class ServerArgs:
         state regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py)."""
         v4 = "DeepSeek-V4"
         dev = self.device_config()
-        if self.speculative_algorithm is not None and self.parallel_config().world_size > 1:
-            raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v4}'s NEXTN runs on one "
-                              f"rank for now (tp_size and ep_size 1): its MTP layer is not split over ranks yet")
         if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
             raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v4}'s NEXTN runs colocated "
                               f"only: in P/D the aux row carries one hidden state where its MTP layer reads all "

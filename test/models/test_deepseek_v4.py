@@ -166,8 +166,6 @@ REFUSALS = [
     ({"dp_size": 2}, "--dp-size): 2: DeepSeek-V4 runs one attention group for now"),
     ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True},
      "--enable-dp-attention): DeepSeek-V4 runs without DP attention for now"),
-    ({"speculative_algorithm": "NEXTN", "tp_size": 2},
-     "--speculative-algorithm): NEXTN: DeepSeek-V4's NEXTN runs on one rank for now"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V4's state stays in the model dtype"),
     ({"enable_torch_compile": True}, "--enable-torch-compile): DeepSeek-V4's attention runs eagerly"),
 ]
