@@ -331,9 +331,9 @@ def test_mtp_layer_tensors_are_accepted_and_loaded_only_for_nextn(with_mtp):
 
 
 def test_refusal_reaches_the_cli_as_one_line():
-    proc = _serve("tiny-deepseek-v4", "--tp-size", "2")
+    proc = _serve("tiny-deepseek-v4", "--tp-size", "4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "tp_size (--tp-size): DeepSeek-V4 runs on one rank for now" in proc.stderr
+    assert "tp_size (--tp-size): 4: DeepSeek-V4's o_groups (2) must be divisible by it" in proc.stderr
 
 
 def test_preset_serves_a_chat_request():
