@@ -608,7 +608,7 @@ class ParallelConfig:
     def check_model(self, model: ModelConfig) -> None:
         """Raise ValueError naming the field when this split cannot shard ``model``."""
         c, arch = model.hf_config, model.architecture
-        if self.enable_dp_attention and not model.is_mla:
+        if self.enable_dp_attention and not model.is_mla and not model.state_regions:  # V4: its own refusal
             raise ValueError(f"enable_dp_attention: only MLA (DeepSeek) models support DP attention; "
                              f"{arch} uses GQA")
         heads = c.num_attention_heads
@@ -1151,9 +1151,9 @@ class ServerArgs:
         return model
 
     def _check_deepseek_v4(self, model: ModelConfig) -> None:
-        """DeepSeek-V4 runs on one rank, eagerly on torch, with a full-precision checkpoint and pool for now
-        (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its state
-        regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py)."""
+        """DeepSeek-V4 runs in one attention group (TP and EP, no DP), eagerly on torch, with a full-precision
+        pool for now (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its
+        state regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py)."""
         v4 = "DeepSeek-V4"
         dev = self.device_config()
         if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
@@ -1167,8 +1167,13 @@ class ServerArgs:
             "attention_backend": (dev.attention_backend != "torch_native",
                                   f"{dev.attention_backend}: {v4}'s attention runs in torch only (no Triton or "
                                   f"flashinfer kernels yet)"),
-            "tp_size": (self.parallel_config().world_size > 1,
-                        f"{v4} runs on one rank for now (tp_size, dp_size and ep_size 1)"),
+            "enable_dp_attention": (self.enable_dp_attention, f"{v4} runs without DP attention for now (TP and EP "
+                                                              f"split it; its replicated state has no DP split)"),
+            "dp_size": (self.dp_size > 1, f"{self.dp_size}: {v4} runs one attention group for now (dp_size 1; "
+                                          f"tp_size and ep_size split it)"),
+            "tp_size": (model.hf_config.o_groups % self.parallel_config().attn_tp_size != 0,
+                        f"{self.tp_size}: {v4}'s o_groups ({model.hf_config.o_groups}) must be divisible by it "
+                        f"(each rank projects whole output groups of its heads)"),
             "kv_cache_dtype": (self.kv_cache_dtype != "auto",
                                f"{self.kv_cache_dtype}: {v4}'s state stays in the model dtype (no FP8 regions yet)"),
             "enable_torch_compile": (self.enable_torch_compile, f"{v4}'s attention runs eagerly"),

@@ -94,6 +94,21 @@ def test_prefix_hits_give_identical_output(tiny):
     assert third["output_ids"] == greedy_continuation(hf, branch, STEPS)
 
 
+@pytest.mark.parametrize("split", [dict(tp_size=2), dict(tp_size=2, ep_size=2)], ids=["tp2", "tp2-ep2"])
+def test_two_ranks_decode_like_transformers(tiny, split):
+    """Two rank processes (gloo): each holds 2 of the 4 query heads and 1 of the 2 output groups, the
+    K=V head, compressors and indexer whole; the MoE splits I (tp2) or holds 4 of the 8 experts whole
+    (ep2, the hash-routed layer too). Batched prompts past the window and over many blocks, chunked:
+    transformers' greedy tokens, and logprobs within TOL."""
+    hf, path = tiny
+    prompts = [_prompt(n, seed=200 + n) for n in (3, 11, 6 * WINDOW + 5)]
+    with pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16, **split) as engine:
+        assert len(engine.scheduler.ranks.pids) == 2
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, STEPS) for p in prompts]
+        check_tokens_and_logprobs(hf, engine, _prompt(4 * WINDOW + 1, seed=9), TOL)
+
+
 def test_index_topk_selection_matters_on_long_prompts(tiny, tmp_path):
     """With index_topk past every entry count the CSA layer attends to all closed entries: a long
     prompt's logprobs change, and a prompt with at most index_topk entries does not."""
@@ -147,13 +162,16 @@ REFUSALS = [
     ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "tiny-llama"},
      "--speculative-algorithm): EAGLE: DeepSeek-V4 drafts with NEXTN (its MTP layer) only"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V4's attention runs in torch only"),
-    ({"tp_size": 2}, "--tp-size): DeepSeek-V4 runs on one rank"),
+    ({"tp_size": 4}, "--tp-size): 4: DeepSeek-V4's o_groups (2) must be divisible by it"),
+    ({"dp_size": 2}, "--dp-size): 2: DeepSeek-V4 runs one attention group for now"),
+    ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True},
+     "--enable-dp-attention): DeepSeek-V4 runs without DP attention for now"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V4's state stays in the model dtype"),
     ({"enable_torch_compile": True}, "--enable-torch-compile): DeepSeek-V4's attention runs eagerly"),
 ]
 
 
-@pytest.mark.parametrize("flags,message", REFUSALS, ids=[next(iter(f)) for f, _ in REFUSALS])
+@pytest.mark.parametrize("flags,message", REFUSALS, ids=["-".join(f) for f, _ in REFUSALS])
 def test_unsupported_modes_are_refused_at_start_up(tiny, flags, message):
     _, path = tiny
     with pytest.raises(ValueError) as err:
@@ -313,9 +331,9 @@ def test_mtp_layer_tensors_are_accepted_and_loaded_only_for_nextn(with_mtp):
 
 
 def test_refusal_reaches_the_cli_as_one_line():
-    proc = _serve("tiny-deepseek-v4", "--tp-size", "2")
+    proc = _serve("tiny-deepseek-v4", "--tp-size", "4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "tp_size (--tp-size): DeepSeek-V4 runs on one rank for now" in proc.stderr
+    assert "tp_size (--tp-size): 4: DeepSeek-V4's o_groups (2) must be divisible by it" in proc.stderr
 
 
 def test_preset_serves_a_chat_request():

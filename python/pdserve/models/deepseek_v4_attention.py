@@ -3,9 +3,15 @@ plus, on compressed layers, entries pooled from the source tokens by a gated com
 m tokens over two overlapping series, a lightning indexer picking each query's top-k entries; HCA:
 every m' tokens, all attended). Checkpoint names as transformers' ``DeepseekV4Attention``.
 
-Legend: T tokens, Hd hidden, H heads, D head_dim, R rope dims (the trailing R of a row), Q q_lora_rank,
-m compression rate, W sliding window, Hi/Di index heads/head dim, E compressed entries, K keys read,
-G o_groups, Ro o_lora_rank, n series (2 for CSA's overlap, 1 for HCA).
+Legend: T tokens, Hd hidden, H heads (on this TP rank), D head_dim, R rope dims (the trailing R of a row),
+Q q_lora_rank, m compression rate, W sliding window, Hi/Di index heads/head dim, E compressed entries, K keys read,
+G o_groups (on this TP rank), Ro o_lora_rank, n series (2 for CSA's overlap, 1 for HCA).
+
+Tensor parallelism splits the query heads (``q_b_proj`` column-parallel, the sinks) and with them
+the output groups: group g projects heads g H/G .. (g + 1) H/G, so a rank holding whole groups holds
+exactly its heads' ``o_a_proj`` blocks and the matching ``o_b_proj`` input columns (row-parallel, one
+all-reduce). The single K=V head, q_a, the compressors and the indexer stay replicated: every rank
+writes the same state, like MLA's latent, so P/D moves it from any one rank.
 
 State (docs/kv-cache.md, "What is built for DeepSeek-V4"), all per token slot in a RegionKVPool:
 ``window_kv`` the raw K=V row of every token; ``{csa,hca}_src`` the compressor's projected source
@@ -19,13 +25,18 @@ restores exactly the state the prefix's forward wrote.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+
 import torch
 from torch import nn
 
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.forward_batch import ForwardBatch
-from pdserve.layers.linear import ReplicatedLinear
+from pdserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.layers.weights import WeightEntry, check_shape, copy_into
 from pdserve.mem.region_pool import RegionKVPool
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -130,15 +141,30 @@ class CSACompressor(Compressor):
 
 
 class GroupedLinear(nn.Module):
-    """``o_a_proj``: G independent blocks, weight [G Ro, In / G] with group g's rows at g Ro..(g+1) Ro."""
+    """``o_a_proj``: G independent blocks, weight [G Ro, In / G] with group g's rows at g Ro..(g+1) Ro;
+    under TP each rank holds its G / p groups' rows."""
 
-    def __init__(self, in_features: int, out_features: int, groups: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, groups: int, dtype: torch.dtype,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         if in_features % groups or out_features % groups:
             raise ValueError(f"o_groups: {groups} must divide num_attention_heads * head_dim ({in_features}) "
                              f"and o_groups * o_lora_rank ({out_features})")
-        self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // groups, dtype=dtype), requires_grad=False)
+        if groups % parallel.tp_size:
+            raise ValueError(f"o_groups: {groups} is not divisible by tp_size={parallel.tp_size} "
+                             f"(each rank projects whole output groups)")
+        self.full = (out_features, in_features // groups)  # the checkpoint tensor's shape
+        lo, hi = parallel.shard(out_features)
+        self.row_start, self.groups = lo, groups // parallel.tp_size
+        self.weight = nn.Parameter(torch.empty(hi - lo, in_features // groups, dtype=dtype), requires_grad=False)
+
+    def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        key = f"{prefix}.weight"
+        yield WeightEntry(key, partial(self._load, key), (key,))
+
+    def _load(self, key: str, src: torch.Tensor) -> None:
+        check_shape(key, src, self.full)
+        copy_into(key, self.weight.data, src.narrow(0, self.row_start, self.weight.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, In / G] -> [T, G Ro]."""
@@ -155,20 +181,25 @@ class DeepseekV4Attention(nn.Module):
     # (window + compressed entries wide) instead of the chunk's length squared.
     QUERY_BLOCK = 256
 
-    def __init__(self, c, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype, kind: str | None = None):
-        """``kind``: the attention kind of a layer outside ``layer_types`` (the MTP layer's, sliding)."""
+    def __init__(self, c, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype, kind: str | None = None,
+                 parallel: ParallelState = SINGLE):
+        """``kind``: the attention kind of a layer outside ``layer_types`` (the MTP layer's, sliding);
+        ``parallel``: the attention's TP split (query heads and output groups)."""
         super().__init__()
         self.layer_id, self.kind = layer_id, kind or c.layer_types[layer_id]
-        self.H, self.D, self.W = c.num_attention_heads, c.head_dim, c.sliding_window
-        self.eps, self.G = c.rms_norm_eps, c.o_groups
+        H_all, self.D, self.W = c.num_attention_heads, c.head_dim, c.sliding_window
+        self.head_start, head_end = parallel.shard(H_all)
+        self.H, self.H_all = head_end - self.head_start, H_all
+        self.eps = c.rms_norm_eps
         self.rope = rope  # "main" for sliding layers, "compress" for CSA/HCA (shared, not a checkpoint tensor)
         self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, False, dtype)
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
-        self.q_b_proj = ReplicatedLinear(c.q_lora_rank, self.H * self.D, False, dtype)
+        self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, H_all * self.D, parallel, dtype=dtype)
         self.kv_proj = ReplicatedLinear(c.hidden_size, self.D, False, dtype)
         self.kv_norm = RMSNorm(self.D, c.rms_norm_eps, dtype)
-        self.o_a_proj = GroupedLinear(self.H * self.D, self.G * c.o_lora_rank, self.G, dtype)
-        self.o_b_proj = ReplicatedLinear(self.G * c.o_lora_rank, c.hidden_size, False, dtype)
+        self.o_a_proj = GroupedLinear(H_all * self.D, c.o_groups * c.o_lora_rank, c.o_groups, dtype, parallel)
+        self.G = self.o_a_proj.groups
+        self.o_b_proj = RowParallelLinear(c.o_groups * c.o_lora_rank, c.hidden_size, parallel, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32), requires_grad=False)
         self.compressor: Compressor | None = None
         if self.kind != SLIDING:
@@ -176,6 +207,15 @@ class DeepseekV4Attention(nn.Module):
             self.compressor = (CSACompressor(c, rate, dtype) if self.kind == CSA
                                else Compressor(c.hidden_size, self.D, rate, False, c.rms_norm_eps, dtype))
         self.region = {CSA: "csa", HCA: "hca"}.get(self.kind, "")
+
+    def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        """The sinks, one per head: this rank's heads' (the submodules list their own tensors)."""
+        key = f"{prefix}.sinks"
+        yield WeightEntry(key, partial(self._load_sinks, key), (key,))
+
+    def _load_sinks(self, key: str, src: torch.Tensor) -> None:
+        check_shape(key, src, (self.H_all,))
+        copy_into(key, self.sinks.data, src.narrow(0, self.head_start, self.H))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x [T, Hd] -> [T, Hd]; writes this step's rows of every region of the layer, then attends."""
