@@ -161,3 +161,22 @@ def test_nextn_1p1d_matches_transformers_and_moves_the_draft_layer(with_mtp):
         pair.assert_idle_and_accounted()
     finally:
         pair.close()
+
+
+@pytest.fixture(scope="module")
+def pd_nextn(with_mtp):
+    dep = Deployment(with_mtp[1], "mooncake", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2")
+    try:
+        yield dep.start()
+    finally:
+        dep.stop()
+
+
+def test_nextn_through_the_routers_as_real_servers(pd_nextn, with_mtp):
+    """NEXTN prefill and decode servers behind pdserve's router, then sglang-router: transformers'
+    tokens, and every page moved the target's regions plus the MTP layer's window row."""
+    hf, _ = with_mtp
+    check_router_tokens(pd_nextn, hf, LENGTHS, _page_bytes(hf) + PAGE * hf.config.head_dim * 4)
+    assert pd_nextn.decode.info()["spec_verify_ct"] > 0
+    if importlib.util.find_spec("sglang_router") is not None:
+        check_sglang_router(pd_nextn, hf, (3 * WINDOW + 1, 6 * WINDOW + 5))
