@@ -27,8 +27,8 @@ The limits a long prompt meets are passed explicitly, never raised behind the op
   prefill longer than it (30 s by default) falls back to a local prefill on decode; the script
   sets it to ``--pd-timeout-s`` (default: 10x the colocated request's time, at least 30 s).
 
-Run it alone on the machine: the two prefills take most of the time (about a minute each on a
-2-core host for 64K tokens of tiny-deepseek-v4).
+The two prefills take most of the time: for 64K tokens of tiny-deepseek-v4 about 41 s of CPU
+each, ~100 s of wall time on a shared 2-core host (docs/benchmarking.md); run it alone.
 """
 
 from __future__ import annotations
