@@ -174,9 +174,12 @@ def pd_nextn(with_mtp):
 
 def test_nextn_through_the_routers_as_real_servers(pd_nextn, with_mtp):
     """NEXTN prefill and decode servers behind pdserve's router, then sglang-router: transformers'
-    tokens, and every page moved the target's regions plus the MTP layer's window row."""
+    tokens, and every page moved the target's regions plus the MTP layer's window row; decode's own
+    prefix hit (turn 2, the MTP layer's rows of its cached pages included) asks only for what it lacks."""
     hf, _ = with_mtp
-    check_router_tokens(pd_nextn, hf, LENGTHS, _page_bytes(hf) + PAGE * hf.config.head_dim * 4)
+    page_bytes = _page_bytes(hf) + PAGE * hf.config.head_dim * 4
+    check_router_tokens(pd_nextn, hf, LENGTHS, page_bytes)
+    check_turn_two(pd_nextn, hf, 5 * WINDOW + 2, 3 * WINDOW, page_bytes)
     assert pd_nextn.decode.info()["spec_verify_ct"] > 0
     if importlib.util.find_spec("sglang_router") is not None:
         check_sglang_router(pd_nextn, hf, (3 * WINDOW + 1, 6 * WINDOW + 5))
