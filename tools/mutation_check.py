@@ -564,7 +564,9 @@ MUTATIONS = (
         "        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
         "        fb.layer_hook = None\n        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
         ("test/disagg/test_pd_speculative.py::test_1p1d_greedy_equals_colocated_plain_decoding[NEXTN]",
-         "test/disagg/test_pd_speculative.py::test_the_mtp_layers_prompt_kv_lands_on_decode")),
+         "test/disagg/test_pd_speculative.py::test_the_mtp_layers_prompt_kv_lands_on_decode",
+         "test/disagg/test_pd_deepseek_v4.py::test_nextn_1p1d_matches_transformers_and_moves_the_draft_layer",
+         "test/disagg/test_pd_deepseek_v4.py::test_nextn_through_the_routers_as_real_servers")),
     Mutation(
         "fp8_scale_transposed", "an FP8 checkpoint's [So, Si] block scales are read in column-major order",
         "python/pdserve/layers/quant/fp8.py",

@@ -1153,13 +1153,10 @@ class ServerArgs:
     def _check_deepseek_v4(self, model: ModelConfig) -> None:
         """DeepSeek-V4 runs in one attention group (TP and EP, no DP), eagerly on torch, with a full-precision
         pool for now (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its
-        state regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py)."""
+        state regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py);
+        so does NEXTN's draft layer (its window rows, one more layer of ``window_kv``)."""
         v4 = "DeepSeek-V4"
         dev = self.device_config()
-        if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
-            raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v4}'s NEXTN runs colocated "
-                              f"only: in P/D the aux row carries one hidden state where its MTP layer reads all "
-                              f"hc_mult streams, and the draft layer's window rows do not move yet")
         refusals = {
             "speculative_algorithm": (self.speculative_algorithm not in (None, "NEXTN"),
                                       f"{self.speculative_algorithm}: {v4} drafts with NEXTN (its MTP layer) only: "

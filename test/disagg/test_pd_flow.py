@@ -416,6 +416,19 @@ def test_unpaired_halves_time_out(pair_factory):
     pair.assert_idle_and_accounted()
 
 
+@pytest.mark.parametrize("pair_factory", ["memory"], indirect=True)
+def test_a_kv_wait_past_the_timeout_names_the_flag(pair_factory):
+    """A prompt whose KV does not arrive within --disaggregation-timeout-s (a long prefill, a lost
+    prefill half) fails with a reason naming the flag an operator raises for long prompts."""
+    pair = pair_factory("tiny-llama", disaggregation_timeout_s=1.0, disaggregation_fallback="error")
+    (a,) = _prompts([25])
+    pair.submit("a", a, greedy(NEW), to_prefill=False)
+    pair.run()
+    reason = pair.outputs["a"]["final"].finish_reason
+    assert reason["type"] == "abort" and "--disaggregation-timeout-s" in reason["message"], reason
+    pair.assert_idle_and_accounted()
+
+
 def test_an_abort_during_a_slow_transfer_keeps_its_pages_out_of_reach(pair_factory):
     """Decode's client leaves while prefill's writes are still on the (slowed) network: the
     destination pages stay quarantined until prefill's writes have settled, so the late bytes

@@ -23,7 +23,13 @@ from fixtures.engine_checks import (
     check_host_tier_hit,
     check_tokens_and_logprobs,
 )
-from fixtures.tiny_models import check_not_degenerate, fill_hash_table, greedy_continuation, make_hf_model_and_dir
+from fixtures.tiny_models import (
+    add_v4_mtp_layer,
+    check_not_degenerate,
+    fill_hash_table,
+    greedy_continuation,
+    make_hf_model_and_dir,
+)
 from pdserve.config import ServerArgs
 
 ARCH = "DeepseekV4ForCausalLM"
@@ -404,35 +410,14 @@ def test_retracted_requests_resume_with_transformers_tokens(tiny):
 
 
 # ------------------------------------------------------------------ NEXTN (the MTP layer, with its own mHC)
-def _mtp_tensors(tensors: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
-    """DeepSeek-V4's MTP layer as the official checkpoint names it (``mtp.0.*``): the last layer's
-    attention (no compressor: the MTP layer attends in a window), MoE, norms and hyper-connections,
-    plus its own ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and ``hc_head_*``."""
-    g = torch.Generator().manual_seed(seed)
-    src = "model.layers.2."
-    out = {"mtp.0." + k[len(src):]: t.clone() for k, t in tensors.items()
-           if k.startswith(src) and ".compressor." not in k}
-    H, n = tensors["model.norm.weight"].shape[0], tensors["model.hc_head.hc_base"].shape[0]
-    for name in ("e_proj", "h_proj"):
-        out[f"mtp.0.{name}.weight"] = torch.randn(H, H, generator=g) * 3 * H ** -0.5
-    for name in ("enorm", "hnorm", "norm"):
-        out[f"mtp.0.{name}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
-    out["mtp.0.hc_head_fn"] = torch.randn(n, n * H, generator=g) * 0.1
-    out["mtp.0.hc_head_base"] = torch.randn(n, generator=g) * 0.1
-    out["mtp.0.hc_head_scale"] = torch.ones(1)
-    return out
-
-
 @pytest.fixture(scope="module")
 def with_mtp(tiny, tmp_path_factory):
     """The tiny checkpoint plus an MTP layer in a second file, as DeepSeek ships it (transformers
     drops ``mtp.*`` on load, so its logits are the reference without it)."""
-    from safetensors.torch import load_file, save_file
-
     hf, path = tiny
     d = tmp_path_factory.mktemp("v4mtp") / "ckpt"
     shutil.copytree(path, d)
-    save_file(_mtp_tensors(load_file(str(d / "model.safetensors"))), str(d / "mtp.safetensors"))
+    add_v4_mtp_layer(d)
     return hf, str(d)
 
 
@@ -538,13 +523,6 @@ def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
     assert [o["output_ids"] for o in outs] == [list(seqs[tuple(p)][len(p):]) for p in prompts]
     for o in outs:
         assert o["meta_info"]["spec_accept_length"] > 1.5
-
-
-def test_nextn_is_refused_in_pd():
-    with pytest.raises(ValueError, match=r"speculative_algorithm \(--speculative-algorithm\): NEXTN: DeepSeek-V4's "
-                                         r"NEXTN runs colocated only: in P/D the aux row carries one hidden state"):
-        ServerArgs(model_path="tiny-deepseek-v4", speculative_algorithm="NEXTN",
-                   disaggregation_mode="decode").model_config()
 
 
 # ------------------------------------------------------------------ tiers (every region, host and file)

@@ -356,6 +356,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         assert isinstance(model, DeepseekV4Model)
         return self.lm_head(model.collapse(hidden) if self.hidden_streams else hidden)
 
+    @property
+    def hidden_width(self) -> int:
+        """n Hd while a draft reads the streams (so a P/D aux row carries every stream), else Hd."""
+        c = self.config
+        return int(c.hidden_size) * (int(c.hc_mult) if self.hidden_streams else 1)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self, ((module_key(name), tensor) for name, tensor in weights))
         self.process_weights_after_loading()

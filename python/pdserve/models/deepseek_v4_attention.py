@@ -125,8 +125,9 @@ class Indexer(Compressor):
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """q [Tq, Hi, Di], w [Tq, Hi], keys [E, Di], visible [Tq, E] -> chosen [Tq, E]: the top ``index_topk``
         visible entries of each query (every visible one when it sees fewer)."""
-        s = torch.relu(torch.einsum("qhd,ed->qhe", q.float(), keys.float())) * self.width ** -0.5  # [Tq, Hi, E]
-        score = torch.einsum("qh,qhe->qe", w, s).masked_fill(~visible, float("-inf"))  # [Tq, E]
+        s = torch.einsum("qhd,ed->qhe", q.float(), keys.float()).relu_()  # [Tq, Hi, E]
+        # the scale folded into the [Tq, Hi] weights: one pass less over the [Tq, Hi, E] scores
+        score = torch.einsum("qh,qhe->qe", w * self.width ** -0.5, s).masked_fill_(~visible, float("-inf"))  # [Tq, E]
         top = score.topk(min(self.topk, keys.shape[0]), dim=-1).indices  # [Tq, k]
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
         return chosen & visible
@@ -289,6 +290,10 @@ class DeepseekV4Attention(nn.Module):
                 index_k = pool.get_rows("csa_index_k", self.layer_id, slots)  # [E, Di]
                 visible = self.compressor.indexer.select(index_q[0][t0:t0 + n], index_q[1][t0:t0 + n], index_k,
                                                          visible)
+                # only the entries some query of the block chose (at most n x index_topk, not all E):
+                # a long prompt's attention then grows with its length, not its square
+                chosen = visible.any(dim=0).nonzero().squeeze(1)  # [E']
+                entries, visible = entries[chosen], visible[:, chosen]
             keys = torch.cat([keys, entries])  # [K, D]
             allowed = torch.cat([allowed, visible], dim=1)  # [n, K]
         return self._sink_attention(q[t0:t0 + n], keys.to(q.dtype), allowed)
