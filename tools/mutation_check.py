@@ -983,8 +983,8 @@ MUTATIONS = (
         "v4_compressed_entry_kept_one_block_early", "a compressed entry is kept in the row of the entry before it "
         "(one block early), so every read sees its neighbour's entry",
         "python/pdserve/models/deepseek_v4_attention.py",
-        'fb.kv_pool.set_rows(name, self.layer_id, fb.kv_slots[b, closing], entries)',
-        'fb.kv_pool.set_rows(name, self.layer_id, fb.kv_slots[b, (closing - m).clamp(min=0)], entries)',
+        'io.pool.set_rows(name, self.layer_id, fb.kv_slots[b, closing], entries)',
+        'io.pool.set_rows(name, self.layer_id, fb.kv_slots[b, (closing - m).clamp(min=0)], entries)',
         ("test/models/test_deepseek_v4.py::test_greedy_tokens_and_logprobs_match_transformers",)),
     Mutation(
         "v4_prefix_hit_at_non_reusable_boundary", "the radix cache gives a hit at any page boundary, where the "

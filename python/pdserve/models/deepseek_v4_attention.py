@@ -235,7 +235,7 @@ class DeepseekV4Attention(nn.Module):
         has_prev = start > 0
         entries = rotate_tail(comp.pool(src_w, prev_w, has_prev), self.rope, start)  # rope at the window's start
         name = "csa_index_k" if region == "csa_index" else f"{region}_kv"
-        fb.kv_pool.set_rows(name, self.layer_id, fb.kv_slots[b, closing], entries)
+        io.pool.set_rows(name, self.layer_id, fb.kv_slots[b, closing], entries)
 
     def _attend_request(self, b: int, q: torch.Tensor, index_q: tuple[torch.Tensor, torch.Tensor] | None,
                         window: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
