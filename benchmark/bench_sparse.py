@@ -234,8 +234,8 @@ def with_ratios(rows: list[dict], baseline: str, first_context: int) -> list[dic
 
 def table(rows: list[dict], baseline: str) -> str:
     out = [f"| model | context | step ms | step vs {baseline} | growth from {rows[0]['context']} | attention ms | "
-           f"attention vs {baseline} | indexer share | state B/token (built) | vs {baseline} | "
-           f"design B/token | vs {baseline} |", "|---|" + "---:|" * 11]
+           f"attention vs {baseline} | indexer share | state B/token (pages: P/D, tiers) | vs {baseline} | "
+           f"colocated B/token (V4 bounded) | vs {baseline} |", "|---|" + "---:|" * 11]
     for r in rows:
         out.append(f"| {r['model']} | {r['context']} | {r['step_ms']:.2f} | {r['vs_baseline']:.2f}x | "
                    f"{r['growth']:.2f}x | {r['attention_ms']:.2f} | {r['attention_vs_baseline']:.2f}x | "
