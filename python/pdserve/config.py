@@ -308,6 +308,16 @@ class ModelConfig:
                 total += rows * (1 / rate if page_size is None else -(-page_size // rate) / page_size)
         return total
 
+    def state_record_bytes(self, page_size: int, rollback: int = 0, extra_layers: int = 0) -> int:
+        """Bytes of one request's record in DeepSeek-V4's bounded layout (its rings; a draft's
+        ``extra_layers`` keep a window ring too); 0 for models without records."""
+        if not self.state_regions:
+            return 0
+        rings, _, _ = deepseek_v4_bounded(self.hf_config, page_size, rollback)
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return sum((len(layers) + (extra_layers if name == "window_kv" else 0)) * width * rings[name] * itemsize
+                   for name, layers, width, _ in self.state_regions if name in rings)
+
     @property
     def index_head_dim(self) -> int:
         """Width of DeepSeek-V3.2's index key (one more region of the latent's pages); 0 without one."""

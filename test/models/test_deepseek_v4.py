@@ -117,6 +117,9 @@ def test_bounded_state_is_a_fifth_of_v3_at_64k():
     assert {k: tuple(r.shape[1:3]) for k, r in pool.records.items()} == {
         "window_kv": (2, W - 1), "csa_src": (2, 2 * m - 1), "csa_index_src": (2, 2 * m - 1), "hca_src": (2, h - 1)}
     assert "window_kv" not in pool.buffers and "window_kv_tail" in pool.buffers
+    # the budget paid for exactly the records the pool holds
+    assert engine.scheduler.runner.kv_budget.record_bytes == sum(r.numel() * r.element_size()
+                                                                 for r in pool.records.values())
     out = engine.generate(input_ids=_prompt(3 * pool.reuse_tokens // 2, seed=3), sampling_params=GREEDY)
     assert len(out["output_ids"]) == STEPS
     engine.shutdown()

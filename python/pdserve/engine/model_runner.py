@@ -47,9 +47,10 @@ class ScheduledBatch:
 
 
 def kv_pool_budget(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
-                   device: str | torch.device = "cpu", extra_layers: int = 0) -> KVBudget:
+                   device: str | torch.device = "cpu", extra_layers: int = 0, rollback: int = 0) -> KVBudget:
     """The pool's size on this rank (mem/kv_budget.py): its byte budget over the bytes one token
-    takes here, in the pool's dtype, over the draft's ``extra_layers`` too, with this rank's KV heads."""
+    takes here, in the pool's dtype, over the draft's ``extra_layers`` too, with this rank's KV heads;
+    a bounded DeepSeek-V4 layout's records (``rollback``: see create_kv_pool) come out of it first."""
     per_token = model.kv_bytes_per_token(cache.kv_cache_dtype, cache.page_size, bool(cache.state_records))
     per_token = per_token * (model.num_layers + extra_layers) // model.num_layers
     if not model.is_mla:
@@ -57,8 +58,10 @@ def kv_pool_budget(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     exact = cache.max_total_tokens is not None and cache.kv_cache_memory_bytes is None \
         and cache.mem_fraction_static is None
     memory = None if exact else device_memory(torch.device(device))
+    records = cache.state_records * model.state_record_bytes(cache.page_size, rollback, extra_layers) \
+        if cache.state_records else 0
     return size_pool(cache.page_size, per_token, cache.max_total_tokens, cache.kv_cache_memory_bytes,
-                     cache.mem_fraction_static, memory)
+                     cache.mem_fraction_static, memory, records)
 
 
 def _local_kv_heads(model: ModelConfig, parallel: ParallelState) -> int:
@@ -75,7 +78,7 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     positions a speculative step may roll back (DeepSeek-V4's bounded layout keeps that many more
     rows in its rings)."""
     if budget is None:
-        budget = kv_pool_budget(model, cache, parallel, device, extra_layers)
+        budget = kv_pool_budget(model, cache, parallel, device, extra_layers, rollback)
     num_pages = budget.num_pages
     layers = model.num_layers + extra_layers
     c = model.hf_config
@@ -129,9 +132,9 @@ class ModelRunner:
             if self.device.type != "cpu":
                 self.draft.to(self.device)
         self.cpu_pack_policy = self._pack_cpu_linears(device_config, compile_config)  # None: F.linear
-        self.kv_budget = kv_pool_budget(model_config, cache_config, parallel, device, self.speculative.draft_layers)
         spec = self.speculative
         rollback = (spec.num_draft_tokens or spec.num_steps + 1) if spec.enabled else 0
+        self.kv_budget = kv_pool_budget(model_config, cache_config, parallel, device, spec.draft_layers, rollback)
         self.pool = create_kv_pool(model_config, cache_config, parallel, device, spec.draft_layers, self.kv_budget,
                                    rollback)
         # Speculation reads every token row's hidden state of an extend (draft extend input).
