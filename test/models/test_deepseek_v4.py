@@ -559,6 +559,37 @@ def test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers(with
     assert all(3 not in layers for name, layers in pool.rows.items() if not name.startswith("window_kv"))
 
 
+def test_nextn_resumes_its_draft_layer_from_a_boundarys_tail(with_mtp, monkeypatch):
+    """A radix hit at a reusable boundary with NEXTN: the MTP layer's window ring starts from the
+    boundary's tail as the target's layers do. Verify would hide a wrong draft from the output, so
+    the draft's own logits past the boundary are compared with the run that computed every row."""
+    from pdserve.models.deepseek_v4_mtp import DeepseekV4MTP
+
+    hf, path = with_mtp
+    runs: list[dict[int, torch.Tensor]] = []
+    forward = DeepseekV4MTP.forward
+
+    def recording(self, fb, target_hidden):
+        out = forward(self, fb, target_hidden)
+        for p, h in zip(fb.positions.tolist(), self.compute_logits(out)):
+            runs[-1].setdefault(p, h)
+        return out
+
+    monkeypatch.setattr(DeepseekV4MTP, "forward", recording)
+    engine = pdserve.Engine(model_path=path, page_size=4, speculative_algorithm="NEXTN", speculative_num_steps=3)
+    prompt = _prompt(REUSE + 2 * WINDOW + 3, seed=60)
+    outs = []
+    for _ in range(2):
+        runs.append({})
+        outs.append(engine.generate(input_ids=prompt, sampling_params=GREEDY))
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, REUSE]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert min(runs[1]) == REUSE and len(runs[1]) > 2 * WINDOW
+    for p, logits in runs[1].items():
+        torch.testing.assert_close(logits, runs[0][p], atol=1e-4, rtol=1e-4)
+    engine.shutdown()
+
+
 def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
     """An oracle draft (the reference continuation, wrong every 5th position) makes verify accept runs
     of drafts across windows and blocks: rejected rows of every region, which later tokens overwrite,
