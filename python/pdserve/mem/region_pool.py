@@ -78,9 +78,10 @@ class RegionKVPool(KVPool):
         self.records: dict[str, torch.Tensor] = {}
         self.rows: dict[str, dict[int, int]] = {}  # region -> model layer -> row of its buffer
         self.rates: dict[str, int] = {}
-        # (layer, record slot) -> the position after the last row its rings hold; forgotten when the
-        # cache manager gives the row to another request (take_row)
-        self._held: dict[tuple[int, int], int] = {}
+        # record slot -> layer -> the position after the last row its rings hold; forgotten when the
+        # cache manager gives the row to another request (take_row drops a row's dict in one step, so
+        # an overlapped forward writing other rows never sees the dict change under it)
+        self._held: dict[int, dict[int, int]] = {}
         for spec in regions:
             if spec.name in self.buffers or spec.name in self.records:
                 raise ValueError(f"region {spec.name}: declared twice")
@@ -108,8 +109,7 @@ class RegionKVPool(KVPool):
         return self.bounded.reuse_tokens if self.bounded is not None else self.page_size
 
     def take_row(self, row: int) -> None:
-        for key in [k for k in self._held if k[1] == row]:
-            del self._held[key]
+        self._held.pop(row, None)
 
     def request_state(self, layer: int, slots: torch.Tensor, p0: int, n: int, row: int | None) -> RequestState:
         """How ``layer`` of one request reads the rows before its step (positions ``< p0``) and keeps
@@ -200,7 +200,7 @@ class RecordState(RequestState):
         super().__init__(pool, layer, slots, p0, n)
         assert pool.bounded is not None
         self.bounded, self.row = pool.bounded, row
-        held = pool._held.get((layer, row))
+        held = pool._held.get(row, {}).get(layer)
         self.held = held if held is not None else 0
         self.from_ring = held is not None and p0 <= held
         if not self.from_ring and p0 % self.bounded.reuse_tokens:
@@ -234,7 +234,7 @@ class RecordState(RequestState):
             self._tail(f"{region}_tail")[self._tail_rows(region, positions[in_tail])] = rows[in_tail].to(ring.dtype)
 
     def done(self) -> None:
-        self.pool._held[(self.layer, self.row)] = self.p0 + self.n
+        self.pool._held.setdefault(self.row, {})[self.layer] = self.p0 + self.n
 
     def _tail(self, name: str) -> torch.Tensor:
         buf = self.pool.buffers[name][self.pool.rows[name][self.layer]]  # [P, c, X]
