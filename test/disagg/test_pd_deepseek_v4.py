@@ -58,14 +58,17 @@ def pd(request, tiny):
 
 
 def _page_bytes(hf) -> int:
-    """One page of every region on the layers keeping it (float32): every layer's K=V row; a CSA
-    layer's sources (kv and gate of two series), entry, index sources and index key; an HCA layer's
-    sources (kv and gate) and entry."""
+    """One page of every region on the layers keeping it (float32): every token's K=V row; a CSA
+    layer's sources (kv and gate of two series) and index sources per token, its entries and index
+    keys one per CSA_RATE tokens of the page (at least one); an HCA layer's sources (kv and gate) per
+    token and its entries one per HCA_RATE tokens (at least one)."""
     c = hf.config
     D, Di = c.head_dim, c.index_head_dim
-    per_kind = {"sliding_attention": D, "compressed_sparse_attention": D + 4 * D + D + 4 * Di + Di,
-                "heavily_compressed_attention": D + 2 * D + D}
-    return PAGE * sum(per_kind[k] for k in c.layer_types) * 4
+    csa, hca = -(-PAGE // CSA_RATE), -(-PAGE // HCA_RATE)
+    per_kind = {"sliding_attention": PAGE * D,
+                "compressed_sparse_attention": PAGE * (D + 4 * D + 4 * Di) + csa * (D + Di),
+                "heavily_compressed_attention": PAGE * (D + 2 * D) + hca * D}
+    return sum(per_kind[k] for k in c.layer_types) * 4
 
 
 def test_greedy_tokens_match_transformers_through_the_router(pd, tiny):
