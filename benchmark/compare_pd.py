@@ -104,6 +104,10 @@ def ratios(colo: dict, pd: dict) -> dict:
             "mean_ttft_1p1d_over_colocated": pd["mean_ttft_ms"] / colo["mean_ttft_ms"]}
 
 
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def inter_of(r: dict, key: str):
     return ((r.get("groups") or {}).get("interactive") or r)[key]
 
@@ -137,8 +141,9 @@ def main(argv=None) -> int:
     print(f"interactive tokens: colocated {inter_of(colo, 'output_throughput'):.1f} tok/s, 1P1D "
           f"{inter_of(pd, 'output_throughput'):.1f} tok/s (ratio {r['interactive_tokens_1p1d_over_colocated']:.2f}); "
           f"long prompts' TTFT mean / max: colocated {_ttft(colo)}, 1P1D {_ttft(pd)}")
+    goodput = r["goodput_1p1d_over_colocated"]
     print(f"goodput: colocated {colo['request_goodput']:.2f} req/s, 1P1D {pd['request_goodput']:.2f} req/s "
-          f"(ratio {r['goodput_1p1d_over_colocated']:.2f}, target >= 1); mean TTFT ratio "
+          f"(ratio {_ratio(goodput)}, target >= 1); mean TTFT ratio "
           f"{r['mean_ttft_1p1d_over_colocated']:.2f}")
     print(f"wrote {out_dir / 'compare_pd.json'} and {out_dir / 'compare_pd.png'} in {summary['wall_s']:.0f} s")
     return 0
