@@ -10,7 +10,9 @@ pays: interactive requests while long prompts keep arriving. One run, side by si
 Against each, ``pdserve bench --dataset-name mixed`` with the same seed (same prompts, same
 arrival times). Writes ``compare_pd.json`` (both bench results and the ratios) and
 ``compare_pd.png`` (TTFT and ITL distributions of both deployments, per stream).
-Target: P99 ITL of 1P1D <= 0.5 x colocated, goodput no worse.
+Target: P99 ITL of 1P1D <= 0.5 x colocated, goodput no worse. Also printed: the interactive
+stream's tokens per second of the run, 1P1D over colocated (a side that falls behind on the long
+prompts lengthens the run), and the long prompts' TTFT.
 """
 
 from __future__ import annotations
