@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 
 import pytest
 import torch
-from pd_pair import PDPair, greedy
+from pd_pair import RUN_TIMEOUT_S, PDPair, greedy
 
 import pdserve
 from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig
+from pdserve.disagg import prefill as prefill_mode
 from pdserve.disagg.layout import page_runs
 from pdserve.engine.request import ReqState, SamplingParams
 from pdserve.models.fingerprint import weights_fingerprint
@@ -215,6 +217,42 @@ def test_kv_streams_layer_by_layer_in_one_write_per_page_run(pair_factory):
                     writes[key] = writes.get(key, 0) + 1
     assert writes == {(b, layer): runs for b in ("k", "v") for layer in range(len(layers))}
     sched.allocator.free([p for i, p in enumerate(taken) if i % 3])
+    pair.assert_idle_and_accounted()
+
+
+@pytest.mark.parametrize("path", ["after its forward", "in the next forward's layers"])
+def test_a_landed_room_s_completion_does_not_wait_for_the_next_forward(pair_factory, monkeypatch, path):
+    """On a busy prefill server another forward follows the one that finished a room: decode hears
+    of the room once its writes have landed, while prefill waits briefly after the room's forward
+    or from a layer of the next forward, not only when that forward has ended. Here prefill never
+    steps again: decode alone must get the completion and decode the colocated tokens."""
+    pair = pair_factory("tiny-llama", page_size=4)
+    mode = pair.prefill.mode
+    if path == "after its forward":  # wait until landed, however loaded the machine
+        monkeypatch.setattr(prefill_mode, "LANDING_WAIT_S", RUN_TIMEOUT_S)
+        monkeypatch.setattr(prefill_mode, "LANDING_WAIT_SHARE", float("inf"))
+    else:
+        monkeypatch.setattr(mode, "_await_landing", lambda forward_s: None)
+    (prompt,) = _prompts([37])
+    room = pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: room in mode.transferring)
+    if path != "after its forward":
+        assert room not in mode.notified
+        r = mode.sender.rooms[room]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not r.settled(mode.sender.backend):
+            assert time.monotonic() < deadline, "the room's writes never landed"
+            time.sleep(0.001)
+        pair.prefill.runner.layer_hook(0, None)  # the next forward's first layer
+    assert room in mode.notified
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while pair.decode.reqs["a"].state is ReqState.WAITING_FOR_KV:
+        assert time.monotonic() < deadline, "decode never heard of the landed room"
+        pair.decode.step()
+    pair.run()
+    assert pair.decode.stats()["fallbacks"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    assert pair.prefill.stats()["rooms_completed"] == 1
     pair.assert_idle_and_accounted()
 
 
