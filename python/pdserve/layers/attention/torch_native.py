@@ -41,6 +41,7 @@ class TorchNativeMetadata(AttentionMetadata):
     q_valid: torch.Tensor  # [B, Q] True where the padded query is a real token
     mask: torch.Tensor  # [B, 1, Q, K] key k visible to query q
     uniform: bool  # every request has exactly Q new tokens (decode, one request): pad and unpad by reshaping
+    sees_all: bool  # one query per request and all of length L (a decode step of equal lengths): mask all True
     stage: StagePlan | None  # set for a decode step that reads the stage; None: gather pages
 
 
@@ -160,7 +161,9 @@ class TorchNativeBackend(AttentionBackend):
         # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
         mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
-        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, stage)
+        sees_all = Q == 1 and bool(seq.min() == fb.kv_slots.shape[1])  # kv_slots: L = the longest sequence wide
+        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, sees_all,
+                                   stage)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
@@ -241,8 +244,8 @@ class TorchNativeBackend(AttentionBackend):
         parts = []
         for q0 in range(0, Q, step):  # a long extend in query blocks: scores and gathered rows stay bounded
             visible = md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
-            chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys, visible,
-                                              index.scale, index.topk)  # [B, q, k]
+            chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys,
+                                              None if md.sees_all else visible, index.scale, index.topk)  # [B, q, k]
             # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
             rows = pool.get_latent_slots(layer_id, fb.kv_slots.gather(1, chosen.flatten(1)).view(chosen.shape))
             parts.append(_mla_sparse(qp[:, q0:q0 + step], rows.to(qp.dtype), valid, C, scale))  # [B, q, H, C]
@@ -265,19 +268,26 @@ def _query_chunk(Q: int, L: int, Hi: int, k: int, X: int) -> int:
     return max(1, min(Q, SPARSE_CHUNK_ELEMENTS // max(1, Hi * L, k * X)))
 
 
-def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None,
                       scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's top-k over every visible token: q [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, L, Di],
-    visible [B, Q, L] -> chosen [B, Q, k] token positions and valid [B, Q, k] (False for padding picks
-    where a query sees fewer than ``topk`` tokens). Two batched matmuls, then the top-k (``topk_first_on_ties``)."""
+    visible [B, Q, L] (None: every query sees all L) -> chosen [B, Q, k] token positions and valid [B, Q, k]
+    (False for padding picks where a query sees fewer than ``topk`` tokens). Two batched matmuls, then the
+    top-k (``topk_first_on_ties``); a query that sees at most ``topk`` tokens keeps them all unscored."""
     B, Q, Hi, Di = q.shape
     L = keys.shape[1]
-    s = torch.matmul(q.reshape(B, Q * Hi, Di).float(), keys.float().transpose(1, 2))  # [B, Q Hi, L]
-    s = torch.relu_(s).view(B, Q, Hi, L)
-    # relu(scale * x) = scale * relu(x) for scale > 0: the scale goes on the Hi weights, not the Hi*L scores
-    score = torch.matmul(weights.float().mul(scale).unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] s[h]
-    score.masked_fill_(visible.logical_not(), float("-inf"))
-    chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k], ties at the cut from the lowest position
+    if L <= topk:
+        chosen = torch.arange(L, device=q.device).expand(B, Q, L)  # [B, Q, L]
+    else:
+        s = torch.matmul(q.reshape(B, Q * Hi, Di).float(), keys.float().transpose(1, 2))  # [B, Q Hi, L]
+        s = torch.relu_(s).view(B, Q, Hi, L)
+        # relu(scale * x) = scale * relu(x) for scale > 0: the scale goes on the Hi weights, not the Hi*L scores
+        score = torch.matmul(weights.float().mul(scale).unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] s[h]
+        if visible is not None:
+            score.masked_fill_(visible.logical_not(), float("-inf"))
+        chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k], ties at the cut from the lowest position
+    if visible is None:
+        return chosen, torch.ones(chosen.shape, dtype=torch.bool, device=chosen.device)
     return chosen, visible.gather(-1, chosen)
 
 
