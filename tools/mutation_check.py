@@ -765,7 +765,7 @@ MUTATIONS = (
     Mutation(
         "v32_indexer_sees_the_next_token", "the indexer's causal mask lets a query select the token after it",
         "python/pdserve/layers/attention/torch_native.py",
-        "            visible = md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]\n",
+        "            visible = None if md.sees_all else md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]\n",
         "            visible = md.mask[:, 0, q0:q0 + step, :L]\n            visible = visible | visible.roll(1, -1)\n",
         ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
     Mutation(

@@ -9,6 +9,7 @@ S page size, Hq query heads, Hkv kv heads, D head dim, Dn/R/Dv MLA nope/rope/val
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -33,16 +34,24 @@ class TorchNativeMetadata(AttentionMetadata):
     """Padding maps between the T flat tokens and a [B, Q] grid, the causal mask, and the stage plan.
 
     ``mask`` is sized to exactly the K keys attention reads: L (the longest sequence) when the
-    step reads the decode stage, Lp * S (whole gathered pages) when it gathers from the pool.
+    step reads the decode stage, Lp * S (whole gathered pages) when it gathers from the pool. It is
+    built on first use: a sparse decode step that sees every key (``sees_all``) never needs it.
     """
 
     pages: torch.Tensor  # [B, Lp] page ids of each request's KV, in position order
     q_index: torch.Tensor  # [B, Q] flat token index of each padded query (clamped)
     q_valid: torch.Tensor  # [B, Q] True where the padded query is a real token
-    mask: torch.Tensor  # [B, 1, Q, K] key k visible to query q
+    seen: torch.Tensor  # [B, Q] how many keys each padded query sees: key j iff j < seen
+    num_keys: int  # K
     uniform: bool  # every request has exactly Q new tokens (decode, one request): pad and unpad by reshaping
     sees_all: bool  # one query per request and all of length L (a decode step of equal lengths): mask all True
     stage: StagePlan | None  # set for a decode step that reads the stage; None: gather pages
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Q, K] key k visible to query q."""
+        kj = torch.arange(self.num_keys, device=self.seen.device)  # [K]
+        return (kj < self.seen[:, :, None])[:, None]
 
 
 def _pad_q(x: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
@@ -157,13 +166,11 @@ class TorchNativeBackend(AttentionBackend):
         qi = torch.arange(Q, device=dev)  # [Q]
         starts = torch.cumsum(ext, 0) - ext  # [B]
         q_index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0))  # [B, Q]
-        kj = torch.arange(K, device=dev)[None, None, :]  # [1, 1, K]
         # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
-        mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
+        seen = torch.minimum(pre[:, None] + qi[None, :] + 1, seq[:, None])  # [B, Q]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
         sees_all = Q == 1 and bool(seq.min() == fb.kv_slots.shape[1])  # kv_slots: L = the longest sequence wide
-        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, sees_all,
-                                   stage)
+        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
@@ -243,9 +250,9 @@ class TorchNativeBackend(AttentionBackend):
         step = _query_chunk(Q, L, index.q.shape[1], index.topk, qp.shape[-1])
         parts = []
         for q0 in range(0, Q, step):  # a long extend in query blocks: scores and gathered rows stay bounded
-            visible = md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
-            chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys,
-                                              None if md.sees_all else visible, index.scale, index.topk)  # [B, q, k]
+            visible = None if md.sees_all else md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
+            chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys, visible,
+                                              index.scale, index.topk)  # [B, q, k]
             # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
             rows = pool.get_latent_slots(layer_id, fb.kv_slots.gather(1, chosen.flatten(1)).view(chosen.shape))
             parts.append(_mla_sparse(qp[:, q0:q0 + step], rows.to(qp.dtype), valid, C, scale))  # [B, q, H, C]
