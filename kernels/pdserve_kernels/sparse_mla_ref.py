@@ -30,7 +30,7 @@ def topk_first_on_ties(score: torch.Tensor, k: int) -> torch.Tensor:
     top = score.topk(k + 1, dim=-1, sorted=False)
     low = top.values.topk(2, dim=-1, largest=False)  # [..., 2], ascending
     # Where the k-th largest is strictly above the (k+1)-th in every row no score outside the picks
-    # ties it, so topk's picks less that (k+1)-th one are the rule's: no L-wide pass, which is most
+    # ties it, so topk's picks but that (k+1)-th one are the rule's: no L-wide pass, which is most
     # of a decode step's top-k at long contexts. The check reads a device value: free on CPU, while
     # a GPU graph cannot branch on it.
     if score.device.type == "cpu" and bool((low.values[..., 0] < low.values[..., 1]).all()):
