@@ -21,9 +21,27 @@ def topk_first_on_ties(score: torch.Tensor, k: int) -> torch.Tensor:
     k-th largest are taken from the lowest position up, so the picks never depend on the batch's
     shape (``torch.topk`` breaks such ties as its partial sort happens to run: a ReLU indexer gives
     many exact zeros)."""
+    L = score.shape[-1]
     if k == 0:
         return score.new_empty(*score.shape[:-1], 0, dtype=torch.int64)
-    cut = score.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [..., 1] the k-th largest
+    if k == L:  # every position is kept
+        return torch.arange(L, device=score.device).expand(*score.shape[:-1], L).contiguous()
+    # One pick more than kept: its two smallest are the (k+1)-th and the k-th largest (the cut).
+    top = score.topk(k + 1, dim=-1, sorted=False)
+    low = top.values.topk(2, dim=-1, largest=False)  # [..., 2], ascending
+    # Where the k-th largest is strictly above the (k+1)-th in every row no score outside the picks
+    # ties it, so topk's picks but that (k+1)-th one are the rule's: no L-wide pass, which is most
+    # of a decode step's top-k at long contexts. The check reads a device value: free on CPU, while
+    # a GPU graph cannot branch on it.
+    if score.device.type == "cpu" and bool((low.values[..., 0] < low.values[..., 1]).all()):
+        kept = top.indices.scatter(-1, low.indices[..., :1], L)  # the (k+1)-th largest's position -> L
+        return kept.sort(dim=-1).values[..., :k]
+    return first_on_ties_at(score, low.values[..., 1:], k)
+
+
+def first_on_ties_at(score: torch.Tensor, cut: torch.Tensor, k: int) -> torch.Tensor:
+    """``topk_first_on_ties`` given the k-th largest ``cut`` [..., 1]: every score above it, then the
+    tied ones from the lowest position up (L-wide passes, whatever the ties)."""
     above = score > cut
     tied = score == cut
     take = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))

@@ -134,3 +134,30 @@ def test_ties_at_the_cut_are_taken_from_the_lowest_position():
     assert ref.topk_first_on_ties(wide, 4).tolist() == [[0, 1, 2, 4000]] * 3
     x = torch.randn(4, 7, 100)
     assert torch.equal(ref.topk_first_on_ties(x, 10), x.topk(10, dim=-1).indices.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("values", [3, 1000])  # few distinct scores (ties at the cut in most rows) or many
+def test_topk_without_a_tie_at_the_cut_keeps_the_l_wide_rules_picks(values):
+    """The CPU shortcut (topk's picks where nothing outside them ties the k-th largest) and the rule's
+    L-wide passes agree, on rows with and without ties at the cut, -inf padding, one row or many."""
+    g = torch.Generator().manual_seed(values)
+    for L, k, shape in ((40, 7, (3, 5)), (300, 256, (2,)), (9, 9, (4,)), (64, 1, ()), (50, 49, (1, 1))):
+        score = torch.randint(0, values, (*shape, L), generator=g).float()
+        score[..., 5::11] = float("-inf")
+        cut = score.topk(k, dim=-1).values.amin(dim=-1, keepdim=True)
+        assert torch.equal(ref.topk_first_on_ties(score, k), ref.first_on_ties_at(score, cut, k))
+
+
+def test_a_row_without_ties_takes_the_shortcut_and_one_tie_the_rule(monkeypatch):
+    """The shortcut is taken only where no row ties at the cut: one tied row sends the batch to the rule."""
+    calls = []
+    rule = ref.first_on_ties_at
+    monkeypatch.setattr(ref, "first_on_ties_at", lambda *a: calls.append(1) or rule(*a))
+    distinct = torch.randperm(100, generator=torch.Generator().manual_seed(0)).float().view(2, 50)
+    assert ref.topk_first_on_ties(distinct, 10).tolist() == distinct.topk(10).indices.sort().values.tolist()
+    assert calls == []
+    tied = distinct.clone()
+    tied[1, tied[1].argsort()[-11]] = tied[1].sort().values[-10]  # row 1's 11th largest now equals its 10th
+    assert ref.topk_first_on_ties(tied, 10)[1].tolist() == sorted(
+        tied[1].argsort(descending=True, stable=True)[:10].tolist())
+    assert calls == [1]

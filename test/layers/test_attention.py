@@ -149,3 +149,24 @@ def test_staged_decode_rebuilds_when_the_batch_changes_but_lengths_line_up():
     for _ in range(2):
         step([(0, "c", 1), (1, "b", 1)], decode=True)
     assert done == {"a": 14, "b": 16, "c": 16}
+
+
+def test_indexer_selection_shortcuts_pick_what_the_masked_scores_pick():
+    """DeepSeek-V3.2's selection (torch_native): ``visible=None`` (a decode step whose queries see
+    every key) picks as an all-True mask does, and a query that sees at most ``topk`` tokens keeps
+    every visible one, as scoring them with k = L would."""
+    from pdserve.layers.attention.torch_native import select_top_tokens
+
+    g = torch.Generator().manual_seed(0)
+    B, Q, Hi, Di, L = 2, 3, 2, 8, 40
+    q, w, keys = torch.randn(B, Q, Hi, Di, generator=g), torch.randn(B, Q, Hi, generator=g), torch.randn(B, L, Di,
+                                                                                                         generator=g)
+    every = torch.ones(B, Q, L, dtype=torch.bool)
+    for topk in (5, L - 1):
+        chosen, valid = select_top_tokens(q, w, keys, None, 0.5, topk)
+        want, want_valid = select_top_tokens(q, w, keys, every, 0.5, topk)
+        assert chosen.shape == (B, Q, topk) and torch.equal(chosen, want) and valid.all() and want_valid.all()
+    causal = torch.arange(L)[None, None, :] < torch.tensor([3, 20, L])[None, :, None].expand(B, Q, 1)  # [B, Q, L]
+    for topk in (L, L + 7):
+        chosen, valid = select_top_tokens(q, w, keys, causal, 0.5, topk)
+        assert chosen.tolist() == [[list(range(L))] * Q] * B and torch.equal(valid, causal)

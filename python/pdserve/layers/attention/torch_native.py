@@ -9,6 +9,7 @@ S page size, Hq query heads, Hkv kv heads, D head dim, Dn/R/Dv MLA nope/rope/val
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +34,24 @@ class TorchNativeMetadata(AttentionMetadata):
     """Padding maps between the T flat tokens and a [B, Q] grid, the causal mask, and the stage plan.
 
     ``mask`` is sized to exactly the K keys attention reads: L (the longest sequence) when the
-    step reads the decode stage, Lp * S (whole gathered pages) when it gathers from the pool.
+    step reads the decode stage, Lp * S (whole gathered pages) when it gathers from the pool. It is
+    built on first use: a sparse decode step that sees every key (``sees_all``) never needs it.
     """
 
     pages: torch.Tensor  # [B, Lp] page ids of each request's KV, in position order
     q_index: torch.Tensor  # [B, Q] flat token index of each padded query (clamped)
     q_valid: torch.Tensor  # [B, Q] True where the padded query is a real token
-    mask: torch.Tensor  # [B, 1, Q, K] key k visible to query q
+    seen: torch.Tensor  # [B, Q] how many keys each padded query sees: key j iff j < seen
+    num_keys: int  # K
     uniform: bool  # every request has exactly Q new tokens (decode, one request): pad and unpad by reshaping
+    sees_all: bool  # one query per request and all of length L (a decode step of equal lengths): mask all True
     stage: StagePlan | None  # set for a decode step that reads the stage; None: gather pages
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Q, K] key k visible to query q."""
+        kj = torch.arange(self.num_keys, device=self.seen.device)  # [K]
+        return (kj < self.seen[:, :, None])[:, None]
 
 
 def _pad_q(x: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
@@ -156,11 +166,11 @@ class TorchNativeBackend(AttentionBackend):
         qi = torch.arange(Q, device=dev)  # [Q]
         starts = torch.cumsum(ext, 0) - ext  # [B]
         q_index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0))  # [B, Q]
-        kj = torch.arange(K, device=dev)[None, None, :]  # [1, 1, K]
         # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
-        mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
+        seen = torch.minimum(pre[:, None] + qi[None, :] + 1, seq[:, None])  # [B, Q]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
-        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, stage)
+        sees_all = Q == 1 and bool(seq.min() == fb.kv_slots.shape[1])  # kv_slots: L = the longest sequence wide
+        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
@@ -240,7 +250,7 @@ class TorchNativeBackend(AttentionBackend):
         step = _query_chunk(Q, L, index.q.shape[1], index.topk, qp.shape[-1])
         parts = []
         for q0 in range(0, Q, step):  # a long extend in query blocks: scores and gathered rows stay bounded
-            visible = md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
+            visible = None if md.sees_all else md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
             chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys, visible,
                                               index.scale, index.topk)  # [B, q, k]
             # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
@@ -265,19 +275,26 @@ def _query_chunk(Q: int, L: int, Hi: int, k: int, X: int) -> int:
     return max(1, min(Q, SPARSE_CHUNK_ELEMENTS // max(1, Hi * L, k * X)))
 
 
-def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None,
                       scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer's top-k over every visible token: q [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, L, Di],
-    visible [B, Q, L] -> chosen [B, Q, k] token positions and valid [B, Q, k] (False for padding picks
-    where a query sees fewer than ``topk`` tokens). Two batched matmuls, then the top-k (``topk_first_on_ties``)."""
+    visible [B, Q, L] (None: every query sees all L) -> chosen [B, Q, k] token positions and valid [B, Q, k]
+    (False for padding picks where a query sees fewer than ``topk`` tokens). Two batched matmuls, then the
+    top-k (``topk_first_on_ties``); a query that sees at most ``topk`` tokens keeps them all unscored."""
     B, Q, Hi, Di = q.shape
     L = keys.shape[1]
-    s = torch.matmul(q.reshape(B, Q * Hi, Di).float(), keys.float().transpose(1, 2))  # [B, Q Hi, L]
-    s = torch.relu_(s).view(B, Q, Hi, L)
-    # relu(scale * x) = scale * relu(x) for scale > 0: the scale goes on the Hi weights, not the Hi*L scores
-    score = torch.matmul(weights.float().mul(scale).unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] s[h]
-    score.masked_fill_(visible.logical_not(), float("-inf"))
-    chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k], ties at the cut from the lowest position
+    if L <= topk:
+        chosen = torch.arange(L, device=q.device).expand(B, Q, L)  # [B, Q, L]
+    else:
+        s = torch.matmul(q.reshape(B, Q * Hi, Di).float(), keys.float().transpose(1, 2))  # [B, Q Hi, L]
+        s = torch.relu_(s).view(B, Q, Hi, L)
+        # relu(scale * x) = scale * relu(x) for scale > 0: the scale goes on the Hi weights, not the Hi*L scores
+        score = torch.matmul(weights.float().mul(scale).unsqueeze(2), s).squeeze(2)  # [B, Q, L]: sum_h w[h] s[h]
+        if visible is not None:
+            score.masked_fill_(visible.logical_not(), float("-inf"))
+        chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k], ties at the cut from the lowest position
+    if visible is None:
+        return chosen, torch.ones(chosen.shape, dtype=torch.bool, device=chosen.device)
     return chosen, visible.gather(-1, chosen)
 
 
