@@ -42,6 +42,10 @@ class TorchNativeMetadata(AttentionMetadata):
     mask: torch.Tensor  # [B, 1, Q, K] key k visible to query q
     uniform: bool  # every request has exactly Q new tokens (decode, one request): pad and unpad by reshaping
     stage: StagePlan | None  # set for a decode step that reads the stage; None: gather pages
+    # No request has a prefix: ``mask`` is plain causal on every real query row (each row's padded
+    # keys lie past its last real query), so SDPA may take is_causal instead and skip the blocks
+    # above the diagonal. Rows past a request's tokens differ, and are dropped by _unpad.
+    causal: bool = False
 
 
 def _pad_q(x: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
@@ -160,7 +164,8 @@ class TorchNativeBackend(AttentionBackend):
         # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
         mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
-        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, stage)
+        causal = stage is None and Q > 1 and not bool(pre.any())
+        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], mask[:, None], uniform, stage, causal)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
@@ -175,8 +180,11 @@ class TorchNativeBackend(AttentionBackend):
         k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         if _grouped_decode_pays(qp):
             return _unpad(_attend_grouped(qp, k_all, v_all, md, scale), md)  # [T, Hq, D]
-        o = F.scaled_dot_product_attention(qp, k_all, v_all, attn_mask=md.mask,
-                                           scale=scale, enable_gqa=qp.shape[1] != k_all.shape[1])
+        gqa = qp.shape[1] != k_all.shape[1]
+        if md.causal:  # the same scores and sums on real rows as the mask's (test_attention checks the bits)
+            o = F.scaled_dot_product_attention(qp, k_all, v_all, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qp, k_all, v_all, attn_mask=md.mask, scale=scale, enable_gqa=gqa)
         return _unpad(o, md)  # [T, Hq, D]
 
     def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
