@@ -44,6 +44,22 @@ def test_the_overlapped_scheduler_thread_keeps_a_core_of_its_own(monkeypatch, tm
     assert ServerArgs(model_path=str(model)).thread_layout().torch_threads == 1  # never zero
 
 
+def test_the_thread_layout_says_why_in_words(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    model = tmp_path / "m"
+    model.mkdir()
+    server = ServerArgs(model_path=str(model)).thread_layout()
+    assert server.reason == "8 usable cores, one left to the HTTP frontend and one to the overlapped scheduler thread"
+    assert ServerArgs(model_path=str(model), disable_overlap_schedule=True).thread_layout(
+        frontend=False).reason == "8 usable cores"
+    assert ServerArgs(model_path=str(model), num_threads=3).thread_layout().reason == \
+        "--num-threads sets the torch threads"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    tight = ServerArgs(model_path=str(model)).thread_layout()
+    assert tight.torch_threads == 1 and tight.reason.endswith("at least one thread, so these share a core")
+
+
 def test_one_core_still_gets_one_thread():
     """A process pinned to one core (a container's cpuset) gets one thread, not zero."""
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "

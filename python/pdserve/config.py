@@ -1401,13 +1401,15 @@ class ThreadLayout:
     """How a compute process shares its cores, chosen at start-up (``/get_server_info`` shows it):
     ``torch_threads`` intra-op threads run the forward; beside them, the scheduler thread when
     ``overlap`` is on, and an HTTP frontend process when ``frontend``. ``source``: what decided
-    the count (``--num-threads``, ``OMP_NUM_THREADS``, or the usable cores)."""
+    the count (``--num-threads``, ``OMP_NUM_THREADS``, or the usable cores); ``reason``: the
+    same in words, with what the count leaves room for."""
 
     cores: int
     torch_threads: int
     overlap: bool
     frontend: bool
     source: str
+    reason: str = ""
 
     @classmethod
     def choose(cls, num_threads: int | None, overlap: bool, frontend: bool, share: int = 1) -> ThreadLayout:
@@ -1415,7 +1417,15 @@ class ThreadLayout:
         env = os.environ.get("OMP_NUM_THREADS", "")
         source = "--num-threads" if num_threads else "OMP_NUM_THREADS" if env.isdigit() and int(env) > 0 else "cores"
         threads = num_threads or max(1, default_num_threads(frontend, overlap) // share)
-        return cls(usable_cores(), threads, overlap, frontend, source)
+        cores = usable_cores()
+        if source != "cores":
+            return cls(cores, threads, overlap, frontend, source, f"{source} sets the torch threads")
+        left = [what for what, on in (("the HTTP frontend", frontend), ("the overlapped scheduler thread", overlap))
+                if on]
+        reason = f"{cores} usable cores" + (f" over {share} ranks" if share > 1 else "") + \
+            (f", one left to {' and one to '.join(left)}" if left else "") + \
+            ("; at least one thread, so these share a core" if cores - len(left) < share else "")
+        return cls(cores, threads, overlap, frontend, source, reason)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -170,3 +170,26 @@ def test_indexer_selection_shortcuts_pick_what_the_masked_scores_pick():
     for topk in (L, L + 7):
         chosen, valid = select_top_tokens(q, w, keys, causal, 0.5, topk)
         assert chosen.tolist() == [[list(range(L))] * Q] * B and torch.equal(valid, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_without_prefixes_takes_is_causal_with_the_masks_bits(dtype):
+    """An extend where no request has a prefix runs SDPA with is_causal (skipping the blocks above
+    the diagonal); the mask it replaces gives the very same bits on every real row. With a prefix
+    the mask is kept."""
+    import dataclasses
+
+    Hq, Hkv, D, scale, layer = 8, 4, 32, 32 ** -0.5, 0
+    g = torch.Generator().manual_seed(5)
+    pool = GQAKVPool(64, 16, 1, Hkv, D, dtype)
+    paged = PagedRequests(pool, seed=1)
+    lens = [70, 9, 33]
+    fb = paged.batch([(r, [0] * n) for r, n in enumerate(lens)])
+    md = fb.attn_metadata
+    assert md.causal
+    q, k, v = (torch.randn(sum(lens), H, D, generator=g).to(dtype) for H in (Hq, Hkv, Hkv))
+    fast = fb.attn_backend.forward_gqa(q, k, v, layer, scale, fb)
+    fb.attn_metadata = dataclasses.replace(md, causal=False)
+    masked = fb.attn_backend.forward_gqa(q, k, v, layer, scale, fb)
+    assert torch.equal(fast, masked)
+    assert not paged.batch([(0, [0] * 5), (3, [0] * 4)]).attn_metadata.causal  # request 0 has a prefix now

@@ -115,3 +115,29 @@ def test_table_grows_past_max_positions():
 def test_unsupported_rope_type_is_a_value_error():
     with pytest.raises(ValueError, match="rope_type.*longrope"):
         get_rope(16, 64, {"rope_type": "longrope", "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # full head, and a partial rotary factor of 1/2
+def test_rotation_by_halves_is_bit_identical_to_rotate(dtype, rotary_dim):
+    """The per-forward Rotation (neox) swaps halves and multiply-adds once; it must give exactly
+    the seven-kernel ``rotate``'s bits, on a strided view as the layers pass it (q and k out of qkv)."""
+    rope = get_rope(rotary_dim, 2048, ROPES["llama3"], dtype=dtype)
+    pos = torch.tensor([0, 1, 5, 77, 1000, 3, 2047])
+    qkv = torch.randn(7, 10 * 32, dtype=dtype)
+    x = qkv[:, :6 * 32].view(7, 6, 32)  # strided, like GQAAttention's q|k
+    rotation = rope.rotation(pos)
+    assert rotation.halves is not None
+    got = rotation(x)
+    want = rope.rotate(x, *rope.lookup(pos))
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_interleaved_rotation_keeps_rotate():
+    rope = get_rope(16, 2048, {"rope_type": "default", "rope_theta": 10000.0}, interleaved=True)
+    pos = torch.tensor([3, 9])
+    x = torch.randn(2, 4, 16)
+    rotation = rope.rotation(pos)
+    assert rotation.halves is None
+    assert torch.equal(rotation(x), rope.rotate(x, *rope.lookup(pos)))

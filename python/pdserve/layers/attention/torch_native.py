@@ -46,6 +46,10 @@ class TorchNativeMetadata(AttentionMetadata):
     uniform: bool  # every request has exactly Q new tokens (decode, one request): pad and unpad by reshaping
     sees_all: bool  # one query per request and all of length L (a decode step of equal lengths): mask all True
     stage: StagePlan | None  # set for a decode step that reads the stage; None: gather pages
+    # No request has a prefix: ``mask`` is plain causal on every real query row (each row's padded
+    # keys lie past its last real query), so SDPA may take is_causal instead and skip the blocks
+    # above the diagonal. Rows past a request's tokens differ, and are dropped by _unpad.
+    causal: bool = False
 
     @cached_property
     def mask(self) -> torch.Tensor:
@@ -170,7 +174,9 @@ class TorchNativeBackend(AttentionBackend):
         seen = torch.minimum(pre[:, None] + qi[None, :] + 1, seq[:, None])  # [B, Q]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
         sees_all = Q == 1 and bool(seq.min() == fb.kv_slots.shape[1])  # kv_slots: L = the longest sequence wide
-        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage)
+        causal = stage is None and Q > 1 and not bool(pre.any())
+        return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage,
+                                   causal)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
@@ -185,8 +191,11 @@ class TorchNativeBackend(AttentionBackend):
         k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         if _grouped_decode_pays(qp):
             return _unpad(_attend_grouped(qp, k_all, v_all, md, scale), md)  # [T, Hq, D]
-        o = F.scaled_dot_product_attention(qp, k_all, v_all, attn_mask=md.mask,
-                                           scale=scale, enable_gqa=qp.shape[1] != k_all.shape[1])
+        gqa = qp.shape[1] != k_all.shape[1]
+        if md.causal:  # the same scores and sums on real rows as the mask's (test_attention checks the bits)
+            o = F.scaled_dot_product_attention(qp, k_all, v_all, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qp, k_all, v_all, attn_mask=md.mask, scale=scale, enable_gqa=gqa)
         return _unpad(o, md)  # [T, Hq, D]
 
     def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
