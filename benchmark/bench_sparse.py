@@ -20,11 +20,12 @@ ever add time, so the minimum is the steadiest estimate on a shared machine):
 * attention (ms), the backend's MLA call (for V3.2 that includes the paged score and top-k over
   the index keys, and the sparse MLA), and its ratio to the first model's;
 * the indexer's share of the step: its projections plus the paged score and top-k;
-* the state bytes per token (``ModelConfig.kv_bytes_per_token``: latent plus index keys; for V4 every
-  per-token region as built today, docs/kv-cache.md "What is built for DeepSeek-V4");
-* for V4 also the design's bytes per token at that context (docs/kv-cache.md "Bytes per token":
-  compressed entries and index keys at 1 per 4 or 128 tokens, the windows and open-window records
-  per request, spread over the context), and both as a ratio to the first model's.
+* the state bytes per token (``ModelConfig.kv_bytes_per_token``: latent plus index keys; for V4 the
+  page layout P/D and the tiers move, docs/kv-cache.md "What is built for DeepSeek-V4");
+* for V4 also the bounded layout's bytes per token at that context, what a colocated server keeps
+  (docs/kv-cache.md "What is built for DeepSeek-V4": compressed entries and index keys at 1 per 4 or
+  m' tokens, the reusable boundaries' tails, one request's record spread over the context), and both
+  as a ratio to the first model's.
 
 Times are this process's CPU time by default (``--clock cpu``, one torch thread), which other
 processes inflate less than elapsed time; compare the ratios, not the absolute times.
@@ -193,33 +194,19 @@ def run(models: tuple[BenchModel, ...], contexts: list[int], batch_size: int, wa
                     samples[model.label] += time_steps(runner, context, batch_size, warmup, steps, timer)
         for model, (mc, _) in zip(models, runners):
             rows.append(summarize(model.label, context, samples[model.label], mc.kv_bytes_per_token(),
-                                  design_bytes_per_token(mc, context)))
+                                  design_bytes_per_token(mc, context, page_size)))
     rows.sort(key=lambda r: [m.label for m in models].index(r["model"]))
     return with_ratios(rows, models[0].label, min(contexts))
 
 
-def design_bytes_per_token(mc, context: int) -> float:
-    """Bytes per token of docs/kv-cache.md's design at ``context`` tokens of one request: V4's compressed
-    entries (and CSA's index keys) per 4 or m' tokens, plus per request every layer's window (W raw
-    rows) and the open-window records (CSA: up to 2m - 1 source rows, the overlap slice included, of
-    its compressor and indexer; HCA: up to m' - 1), spread over the context. Other models: as built."""
-    c = mc.hf_config
+def design_bytes_per_token(mc, context: int, page_size: int | None = None) -> float:
+    """Bytes per token a colocated server keeps at ``context`` tokens of one request: V4's bounded layout
+    as built (docs/kv-cache.md "What is built for DeepSeek-V4": compressed entries and index keys at
+    their rate, the reusable boundaries' tails, one request's record spread over the context) in pages
+    of ``page_size``. Other models: as built."""
     if not mc.state_regions:
         return float(mc.kv_bytes_per_token())
-    item = mc.torch_dtype.itemsize
-    D, Di, W = int(c.head_dim), int(c.index_head_dim), int(c.sliding_window)
-    per_token = per_request = 0.0
-    for kind in c.layer_types:
-        per_request += W * D
-        if kind == "compressed_sparse_attention":
-            m = int(c.compress_rates[kind])
-            per_token += (D + Di) / m
-            per_request += (2 * m - 1) * (4 * D + 4 * Di)
-        elif kind == "heavily_compressed_attention":
-            m = int(c.compress_rates[kind])
-            per_token += D / m
-            per_request += (m - 1) * 2 * D
-    return (per_token + per_request / context) * item
+    return float(mc.kv_bytes_per_token(page_size=page_size, bounded=True, context=context))
 
 
 def summarize(label: str, context: int, samples: list[dict], state_bytes: int, design_bytes: float) -> dict:
@@ -247,8 +234,8 @@ def with_ratios(rows: list[dict], baseline: str, first_context: int) -> list[dic
 
 def table(rows: list[dict], baseline: str) -> str:
     out = [f"| model | context | step ms | step vs {baseline} | growth from {rows[0]['context']} | attention ms | "
-           f"attention vs {baseline} | indexer share | state B/token (built) | vs {baseline} | "
-           f"design B/token | vs {baseline} |", "|---|" + "---:|" * 11]
+           f"attention vs {baseline} | indexer share | state B/token (pages: P/D, tiers) | vs {baseline} | "
+           f"colocated B/token (V4 bounded) | vs {baseline} |", "|---|" + "---:|" * 11]
     for r in rows:
         out.append(f"| {r['model']} | {r['context']} | {r['step_ms']:.2f} | {r['vs_baseline']:.2f}x | "
                    f"{r['growth']:.2f}x | {r['attention_ms']:.2f} | {r['attention_vs_baseline']:.2f}x | "

@@ -10,7 +10,9 @@ pays: interactive requests while long prompts keep arriving. One run, side by si
 Against each, ``pdserve bench --dataset-name mixed`` with the same seed (same prompts, same
 arrival times). Writes ``compare_pd.json`` (both bench results and the ratios) and
 ``compare_pd.png`` (TTFT and ITL distributions of both deployments, per stream).
-Target: P99 ITL of 1P1D <= 0.5 x colocated, goodput no worse.
+Target: P99 ITL of 1P1D <= 0.5 x colocated, goodput no worse. Also printed: the interactive
+stream's tokens per second of the run, 1P1D over colocated (a side that falls behind on the long
+prompts lengthens the run), and the long prompts' TTFT.
 """
 
 from __future__ import annotations
@@ -92,11 +94,32 @@ def ratios(colo: dict, pd: dict) -> dict:
         groups = r.get("groups") or {}
         return (groups.get("interactive") or r)[key]
 
+    colo_tokens = inter(colo, "output_throughput")
     return {"p99_itl_1p1d_over_colocated": pd["p99_itl_ms"] / colo["p99_itl_ms"],
+            # the interactive stream's output tokens per second of the run (the run lasts until the last
+            # request ends, so a prefill side that falls behind shows here)
+            "interactive_tokens_1p1d_over_colocated": (inter(pd, "output_throughput") / colo_tokens
+                                                       if colo_tokens else None),
             "interactive_p99_itl_1p1d_over_colocated": inter(pd, "p99_itl_ms") / inter(colo, "p99_itl_ms"),
             "goodput_1p1d_over_colocated": (pd["request_goodput"] / colo["request_goodput"]
                                             if colo["request_goodput"] else None),
             "mean_ttft_1p1d_over_colocated": pd["mean_ttft_ms"] / colo["mean_ttft_ms"]}
+
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def inter_of(r: dict, key: str):
+    return ((r.get("groups") or {}).get("interactive") or r)[key]
+
+
+def _ttft(r: dict) -> str:
+    """The background stream's (long prompts') mean and max TTFT, in seconds."""
+    bg = (r.get("groups") or {}).get("background")
+    if not bg:
+        return "n/a"
+    return f"{bg['mean_ttft_ms'] / 1e3:.2f} / {bg.get('max_ttft_ms', float('nan')) / 1e3:.2f} s"
 
 
 def main(argv=None) -> int:
@@ -117,8 +140,12 @@ def main(argv=None) -> int:
     print(f"P99 ITL: colocated {colo['p99_itl_ms']:.1f} ms, 1P1D {pd['p99_itl_ms']:.1f} ms "
           f"(ratio {r['p99_itl_1p1d_over_colocated']:.2f}, target <= 0.5; interactive stream "
           f"{r['interactive_p99_itl_1p1d_over_colocated']:.2f})")
+    print(f"interactive tokens: colocated {inter_of(colo, 'output_throughput'):.1f} tok/s, 1P1D "
+          f"{inter_of(pd, 'output_throughput'):.1f} tok/s (ratio {r['interactive_tokens_1p1d_over_colocated']:.2f}); "
+          f"long prompts' TTFT mean / max: colocated {_ttft(colo)}, 1P1D {_ttft(pd)}")
+    goodput = r["goodput_1p1d_over_colocated"]
     print(f"goodput: colocated {colo['request_goodput']:.2f} req/s, 1P1D {pd['request_goodput']:.2f} req/s "
-          f"(ratio {r['goodput_1p1d_over_colocated']:.2f}, target >= 1); mean TTFT ratio "
+          f"(ratio {_ratio(goodput)}, target >= 1); mean TTFT ratio "
           f"{r['mean_ttft_1p1d_over_colocated']:.2f}")
     print(f"wrote {out_dir / 'compare_pd.json'} and {out_dir / 'compare_pd.png'} in {summary['wall_s']:.0f} s")
     return 0

@@ -2,13 +2,16 @@
 
     python benchmark/handoff_profile.py --model-path tiny-llama --num-requests 32 --output-len 64
     python benchmark/handoff_profile.py --model-path tiny-llama --compare-overlap   # overlap on vs off
+    python benchmark/handoff_profile.py --baseline-pythonpath /tmp/base/python   # this tree vs another
 
 N concurrent streaming clients of ``/generate`` (token-id prompts, greedy, ``ignore_eos``). The
 client side measures TTFT and the gap between a request's SSE events (ITL); the server side is the
 frontend's handoff profile (``/get_server_info`` -> ``handoff``, obs/handoff.py): scheduler send ->
 message in the frontend (``socket``), routing, the request coroutine's wake-up, detokenizing, and
 the HTTP write. ``--compare-overlap`` starts a second server with ``--disable-overlap-schedule``
-and alternates rounds between the two (the machine's other load hits both alike). The whole-step
+and alternates rounds between the two (the machine's other load hits both alike);
+``--baseline-pythonpath`` does the same against a server running another checkout's package (a
+change's before and after from one run). The whole-step
 view of the frontend's CPU is ``bench_server.py --profile-frontend`` + ``frontend_profile.py``.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-overlap", action="store_true",
                    help="also a server with --disable-overlap-schedule, rounds alternating")
+    p.add_argument("--baseline-pythonpath", default=None,
+                   help="also a server importing pdserve from this directory (e.g. an older checkout's python/), "
+                        "rounds alternating")
     a = p.parse_args(argv)
     a.stream_interval, a.profile_frontend, a.endpoint = 1, None, "/generate"  # what bench_server's helpers read
     return a
@@ -76,11 +83,12 @@ async def server_info(url: str) -> dict:
         return json.loads(await r.read())
 
 
-def start(a: argparse.Namespace, extra: list[str]):
+def start(a: argparse.Namespace, extra: list[str], pythonpath: str | None = None):
     port = bench_server.free_port()
+    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
     proc = bench_server.subprocess.Popen(
         [sys.executable, "-m", "pdserve", "serve", *bench_server.server_flags(a), *extra, "--port", str(port),
-         "--log-level", "warning"], start_new_session=True)
+         "--log-level", "warning"], start_new_session=True, env=env)
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -99,11 +107,15 @@ def main(argv=None) -> int:
 
     vocab = ModelConfig.from_path(a.model_path).vocab_size
     prompts = bench_server.make_prompts(a.num_requests, a.prompt_len, vocab, a.seed)
-    sides = {"overlap": []} if not a.compare_overlap else {"overlap": [], "plain loop": ["--disable-overlap-schedule"]}
+    sides: dict[str, tuple[list[str], str | None]] = {"overlap": ([], None)}
+    if a.compare_overlap:
+        sides["plain loop"] = (["--disable-overlap-schedule"], None)
+    if a.baseline_pythonpath:
+        sides["baseline"] = ([], a.baseline_pythonpath)
     servers = {}
     try:
-        for name, extra in sides.items():
-            servers[name] = start(a, extra)
+        for name, (extra, pythonpath) in sides.items():
+            servers[name] = start(a, extra, pythonpath)
         for url, proc in servers.values():
             asyncio.run(bench_server.wait_healthy(url, proc))
             asyncio.run(one_round(url, prompts[:4], 4))  # warm-up
@@ -125,6 +137,9 @@ def main(argv=None) -> int:
         if a.compare_overlap:
             pairs = [o["tok_s"] / p["tok_s"] for o, p in zip(rounds["overlap"], rounds["plain loop"])]
             print(f"overlap / plain loop tok/s per round pair: {', '.join(f'{x:.2f}' for x in pairs)}")
+        if a.baseline_pythonpath:
+            pairs = [o["tok_s"] / p["tok_s"] for o, p in zip(rounds["overlap"], rounds["baseline"])]
+            print(f"this tree / baseline tok/s per round pair: {', '.join(f'{x:.2f}' for x in pairs)}")
     finally:
         for _, proc in servers.values():
             bench_server.stop_server(proc)

@@ -1,4 +1,5 @@
 import collections
+import gc
 import os
 import sys
 
@@ -33,6 +34,26 @@ HEAVY_MODULES = (
     "test/disagg/test_pd_ranks.py",  # 86 s
     "test/entrypoints/test_no_pickle.py",  # 62 s: two-node servers
 )
+
+
+# An engine or scheduler is a reference cycle (a scheduler and its mode point at each other) that holds
+# its KV pool, so what a test built is freed only by the cyclic collector, which runs rarely: a module
+# that builds a P/D pair per test held 14 GB of such garbage by its end and starved the other worker.
+# A test that leaves this process above the bound is followed by a collection.
+COLLECT_ABOVE_BYTES = 3 << 29  # 1.5 GiB
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE_BYTES
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_above_the_bound():
+    yield
+    if _rss_bytes() > COLLECT_ABOVE_BYTES:
+        gc.collect()
 
 
 def pytest_configure(config):

@@ -564,7 +564,9 @@ MUTATIONS = (
         "        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
         "        fb.layer_hook = None\n        hidden = self.draft(fb, target_hidden.to(self.device))  # [T, hidden]\n",
         ("test/disagg/test_pd_speculative.py::test_1p1d_greedy_equals_colocated_plain_decoding[NEXTN]",
-         "test/disagg/test_pd_speculative.py::test_the_mtp_layers_prompt_kv_lands_on_decode")),
+         "test/disagg/test_pd_speculative.py::test_the_mtp_layers_prompt_kv_lands_on_decode",
+         "test/disagg/test_pd_deepseek_v4.py::test_nextn_1p1d_matches_transformers_and_moves_the_draft_layer",
+         "test/disagg/test_pd_deepseek_v4.py::test_nextn_through_the_routers_as_real_servers")),
     Mutation(
         "fp8_scale_transposed", "an FP8 checkpoint's [So, Si] block scales are read in column-major order",
         "python/pdserve/layers/quant/fp8.py",
@@ -964,6 +966,35 @@ MUTATIONS = (
         "            self._inflight.ended.append(req)\n            return\n",
         "",
         ("test/engine/test_overlap.py::test_pages_of_a_request_ended_under_the_step_in_flight_stay_taken_until_it_lands",)),
+    # issue 35: DeepSeek-V4's state kinds (compressed regions at their rate, the bounded layout's records)
+    Mutation(
+        "v4_open_window_dropped_in_transfer", "P/D leaves out the compressors' source rows (the open-window state "
+        "of the page layout): both sides agree on the shorter count, decode pools windows from stale rows",
+        "python/pdserve/disagg/layout.py",
+        "                return r.layers.index(layer) if layer in r.layers else None",
+        "                return r.layers.index(layer) if layer in r.layers and not r.name.endswith('_src') else None",
+        ("test/disagg/test_pd_deepseek_v4.py::test_greedy_tokens_match_transformers_through_the_router[mooncake]",)),
+    Mutation(
+        "v4_window_not_trimmed", "the bounded layout's window ring keeps every position of the context instead of "
+        "the last W - 1 (a request's window memory grows with its length)",
+        "python/pdserve/config.py",
+        '    rings, tails = {"window_kv": W - 1}, {"window_kv": W - 1}',
+        '    rings, tails = {"window_kv": int(c.max_position_embeddings)}, {"window_kv": W - 1}',
+        ("test/models/test_deepseek_v4.py::test_bounded_state_is_a_fifth_of_v3_at_64k",)),
+    Mutation(
+        "v4_compressed_entry_kept_one_block_early", "a compressed entry is kept in the row of the entry before it "
+        "(one block early), so every read sees its neighbour's entry",
+        "python/pdserve/models/deepseek_v4_attention.py",
+        'io.pool.set_rows(name, self.layer_id, fb.kv_slots[b, closing], entries)',
+        'io.pool.set_rows(name, self.layer_id, fb.kv_slots[b, (closing - m).clamp(min=0)], entries)',
+        ("test/models/test_deepseek_v4.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+    Mutation(
+        "v4_prefix_hit_at_non_reusable_boundary", "the radix cache gives a hit at any page boundary, where the "
+        "bounded layout keeps no window or open-window state to continue from",
+        "python/pdserve/mem/radix_cache.py",
+        "            del pages[len(pages) // self.reuse_pages * self.reuse_pages:]\n",
+        "",
+        ("test/models/test_deepseek_v4.py::test_prefix_hits_give_identical_output",)),
 )
 
 

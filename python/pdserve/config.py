@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,22 +64,49 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 )}
 
 
-def deepseek_v4_regions(c) -> tuple[tuple[str, tuple[int, ...], int], ...]:
-    """DeepSeek-V4's per-token state as (region, layers, width): every layer's raw K=V row, and on
+def deepseek_v4_regions(c) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
+    """DeepSeek-V4's state as (region, layers, width, rate): every layer's raw K=V row, and on
     compressed layers the compressor's source rows (kv and gate, two series for CSA), the
-    compressed entry (in the slot of its window's last token) and, for CSA, the same for the
-    indexer (docs/kv-cache.md, "What is built for DeepSeek-V4")."""
+    compressed entry (one row per ``rate`` tokens, kept with its window's last token) and, for CSA,
+    the same for the indexer (docs/kv-cache.md, "What is built for DeepSeek-V4")."""
     kinds = list(c.layer_types)
     csa = tuple(i for i, k in enumerate(kinds) if k == "compressed_sparse_attention")
     hca = tuple(i for i, k in enumerate(kinds) if k == "heavily_compressed_attention")
     D, Di = int(c.head_dim), int(c.index_head_dim)
-    regions = [("window_kv", tuple(range(len(kinds))), D)]
+    regions = [("window_kv", tuple(range(len(kinds))), D, 1)]
     if csa:
-        regions += [("csa_src", csa, 4 * D), ("csa_kv", csa, D), ("csa_index_src", csa, 4 * Di),
-                    ("csa_index_k", csa, Di)]
+        m = int(c.compress_rates["compressed_sparse_attention"])
+        regions += [("csa_src", csa, 4 * D, 1), ("csa_kv", csa, D, m), ("csa_index_src", csa, 4 * Di, 1),
+                    ("csa_index_k", csa, Di, m)]
     if hca:
-        regions += [("hca_src", hca, 2 * D), ("hca_kv", hca, D)]
+        m = int(c.compress_rates["heavily_compressed_attention"])
+        regions += [("hca_src", hca, 2 * D, 1), ("hca_kv", hca, D, m)]
     return tuple(regions)
+
+
+# A reusable boundary of DeepSeek-V4's bounded layout every >= this many windows: the window rows
+# kept for a boundary then cost 1/16 of keeping every token's (docs/kv-cache.md, "The bounded layout").
+V4_REUSE_WINDOWS = 16
+
+
+def deepseek_v4_bounded(c, page_size: int, rollback: int = 0) -> tuple[dict[str, int], dict[str, int], int]:
+    """DeepSeek-V4's bounded layout: (rings, tails, reuse_tokens). rings: rate-1 region -> rows its
+    per-request ring keeps (the rows a step still reads, plus ``rollback``: positions a speculative
+    step may roll back); tails: region -> rows before a reusable boundary kept for a prefix resumed
+    there (the window's W - 1; CSA's last closed window of sources, the overlap slice); reuse_tokens:
+    the smallest multiple of page_size and every rate of at least V4_REUSE_WINDOWS windows."""
+    W = int(c.sliding_window)
+    rates = {k: int(m) for k, m in c.compress_rates.items() if k in set(c.layer_types)}
+    rings, tails = {"window_kv": W - 1}, {"window_kv": W - 1}
+    if "compressed_sparse_attention" in rates:
+        m = rates["compressed_sparse_attention"]
+        rings |= {"csa_src": 2 * m - 1, "csa_index_src": 2 * m - 1}
+        tails |= {"csa_src": m, "csa_index_src": m}
+    if "heavily_compressed_attention" in rates:
+        rings["hca_src"] = rates["heavily_compressed_attention"] - 1
+    step = math.lcm(page_size, *rates.values())
+    reuse = -(-V4_REUSE_WINDOWS * W // step) * step
+    return ({k: max(1, r + rollback) for k, r in rings.items()}, {k: t for k, t in tails.items() if t > 0}, reuse)
 
 
 def supported_architecture(name: str) -> Architecture:
@@ -260,11 +288,35 @@ class ModelConfig:
         return ARCHITECTURES[self.architecture].attention == "mla"
 
     @property
-    def state_regions(self) -> tuple[tuple[str, tuple[int, ...], int], ...]:
-        """Named per-token regions of a "regions" model (DeepSeek-V4), () for GQA and MLA pools."""
+    def state_regions(self) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
+        """Named regions (name, layers, width, rate) of a "regions" model (DeepSeek-V4), () for GQA and
+        MLA pools."""
         if ARCHITECTURES[self.architecture].attention != "regions":
             return ()
         return deepseek_v4_regions(self.hf_config)
+
+    def _v4_elements_per_token(self, page_size: int | None, bounded: bool, context: int | None) -> float:
+        rings, tails, reuse = deepseek_v4_bounded(self.hf_config, page_size or 1) if bounded else ({}, {}, 1)
+        total = 0.0
+        for name, layers, width, rate in self.state_regions:
+            rows = len(layers) * width
+            if name in rings:
+                tail = tails.get(name, 0)
+                total += rows * (tail / reuse if page_size is None else -(-tail * page_size // reuse) / page_size)
+                total += rows * rings[name] / context if context else 0.0
+            else:
+                total += rows * (1 / rate if page_size is None else -(-page_size // rate) / page_size)
+        return total
+
+    def state_record_bytes(self, page_size: int, rollback: int = 0, extra_layers: int = 0) -> int:
+        """Bytes of one request's record in DeepSeek-V4's bounded layout (its rings; a draft's
+        ``extra_layers`` keep a window ring too); 0 for models without records."""
+        if not self.state_regions:
+            return 0
+        rings, _, _ = deepseek_v4_bounded(self.hf_config, page_size, rollback)
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return sum((len(layers) + (extra_layers if name == "window_kv" else 0)) * width * rings[name] * itemsize
+                   for name, layers, width, _ in self.state_regions if name in rings)
 
     @property
     def index_head_dim(self) -> int:
@@ -300,13 +352,18 @@ class ModelConfig:
             return self.context_length_override
         return int(self.hf_config.max_position_embeddings)
 
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
-        """Bytes of KV cache one token occupies over all layers (``kv_cache_dtype``: --kv-cache-dtype)."""
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", page_size: int | None = None,
+                           bounded: bool = False, context: int | None = None) -> int:
+        """Bytes of KV cache one token occupies over all layers (``kv_cache_dtype``: --kv-cache-dtype).
+        A region of rate r (DeepSeek-V4's compressed entries) keeps ``ceil(page_size / r)`` rows per
+        page: ``page_size`` None counts r tokens a row (pages a multiple of every rate), rounded up.
+        ``bounded``: V4's bounded layout (CacheConfig.state_records): its pages' bytes, and with
+        ``context`` one request's record spread over that many tokens too."""
         _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         compute = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else compute
         if self.state_regions:
-            return sum(len(layers) * width for _, layers, width in self.state_regions) * itemsize
+            return math.ceil(self._v4_elements_per_token(page_size, bounded, context) * itemsize)
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         # V3.2's index keys stay in the compute dtype under an FP8 pool (mem/kv_pool.py MLAKVPool)
         return self.num_layers * (per_layer * itemsize + self.index_head_dim * compute)
@@ -465,6 +522,10 @@ class CacheConfig:
     # --kv-cache-memory-bytes (vLLM's) or --mem-fraction-static (SGLang's), else a small default.
     kv_cache_memory_bytes: int | None = None
     mem_fraction_static: float | None = None
+    # Per-request record slots (one per request-table row) of a model whose state has records
+    # (DeepSeek-V4's bounded layout, docs/kv-cache.md); 0: every state in pages. ServerArgs gives
+    # records to a colocated server without the hierarchical cache, which move no records.
+    state_records: int = 0
 
     def __post_init__(self):
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -608,7 +669,7 @@ class ParallelConfig:
     def check_model(self, model: ModelConfig) -> None:
         """Raise ValueError naming the field when this split cannot shard ``model``."""
         c, arch = model.hf_config, model.architecture
-        if self.enable_dp_attention and not model.is_mla:
+        if self.enable_dp_attention and not model.is_mla and not model.state_regions:  # V4: its own refusal
             raise ValueError(f"enable_dp_attention: only MLA (DeepSeek) models support DP attention; "
                              f"{arch} uses GQA")
         heads = c.num_attention_heads
@@ -1151,15 +1212,12 @@ class ServerArgs:
         return model
 
     def _check_deepseek_v4(self, model: ModelConfig) -> None:
-        """DeepSeek-V4 runs on one rank, eagerly on torch, with a full-precision checkpoint and pool for now
-        (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its state
-        regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py)."""
+        """DeepSeek-V4 runs in one attention group (TP and EP, no DP), eagerly on torch, with a full-precision
+        pool for now (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its
+        state regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py);
+        so does NEXTN's draft layer (its window rows, one more layer of ``window_kv``)."""
         v4 = "DeepSeek-V4"
         dev = self.device_config()
-        if self.speculative_algorithm is not None and self.disaggregation_mode != "null":
-            raise _flag_error("speculative_algorithm", f"{self.speculative_algorithm}: {v4}'s NEXTN runs colocated "
-                              f"only: in P/D the aux row carries one hidden state where its MTP layer reads all "
-                              f"hc_mult streams, and the draft layer's window rows do not move yet")
         refusals = {
             "speculative_algorithm": (self.speculative_algorithm not in (None, "NEXTN"),
                                       f"{self.speculative_algorithm}: {v4} drafts with NEXTN (its MTP layer) only: "
@@ -1167,8 +1225,13 @@ class ServerArgs:
             "attention_backend": (dev.attention_backend != "torch_native",
                                   f"{dev.attention_backend}: {v4}'s attention runs in torch only (no Triton or "
                                   f"flashinfer kernels yet)"),
-            "tp_size": (self.parallel_config().world_size > 1,
-                        f"{v4} runs on one rank for now (tp_size, dp_size and ep_size 1)"),
+            "enable_dp_attention": (self.enable_dp_attention, f"{v4} runs without DP attention for now (TP and EP "
+                                                              f"split it; its replicated state has no DP split)"),
+            "dp_size": (self.dp_size > 1, f"{self.dp_size}: {v4} runs one attention group for now (dp_size 1; "
+                                          f"tp_size and ep_size split it)"),
+            "tp_size": (model.hf_config.o_groups % self.parallel_config().attn_tp_size != 0,
+                        f"{self.tp_size}: {v4}'s o_groups ({model.hf_config.o_groups}) must be divisible by it "
+                        f"(each rank projects whole output groups of its heads)"),
             "kv_cache_dtype": (self.kv_cache_dtype != "auto",
                                f"{self.kv_cache_dtype}: {v4}'s state stays in the model dtype (no FP8 regions yet)"),
             "enable_torch_compile": (self.enable_torch_compile, f"{v4}'s attention runs eagerly"),
@@ -1203,7 +1266,9 @@ class ServerArgs:
                            hicache=self.hicache_config(), kv_cache_dtype=self.kv_cache_dtype,
                            hash_key=resolve_kv_hash_key(self.kv_hash_key_file),
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                           mem_fraction_static=self.mem_fraction_static)
+                           mem_fraction_static=self.mem_fraction_static,
+                           state_records=self.max_running_requests if self.disaggregation_mode == "null"
+                           and not self.enable_hierarchical_cache else 0)
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

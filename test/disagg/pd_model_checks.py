@@ -37,9 +37,10 @@ def pages(tokens: int) -> int:
 
 
 class Deployment(RoutedPair):
-    def __init__(self, path: str, backend: str):
+    def __init__(self, path: str, backend: str, *flags: str):
+        """``flags``: more flags for both servers (``--speculative-algorithm NEXTN``)."""
         super().__init__(path, "--page-size", str(PAGE), "--chunked-prefill-size", "16", "--max-total-tokens", "4096",
-                         "--num-threads", "1", "--disaggregation-transfer-backend", backend)
+                         "--num-threads", "1", "--disaggregation-transfer-backend", backend, *flags)
 
 
 def send(url: str, prompts: list[list[int]]) -> list[list[int]]:

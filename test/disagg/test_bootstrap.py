@@ -470,7 +470,8 @@ def test_a_v4_side_never_pairs_with_a_v3_or_v32_side_or_other_layer_kinds():
     D = v4_config.hf_config.head_dim
     assert v4.kv_layout == "regions"
     assert v4.state_layout.startswith(f"window_kv[{D}]:{v4_config.dtype}@{','.join(map(str, range(len(kinds))))}+")
-    assert f"+csa_kv[{D}]:{v4_config.dtype}@{csa}+" in v4.state_layout
+    rate = v4_config.hf_config.compress_rates["compressed_sparse_attention"]
+    assert f"+csa_kv[{D}]/{rate}:{v4_config.dtype}@{csa}+" in v4.state_layout  # one entry per `rate` tokens
     v32 = CompatRecord.from_model(ModelConfig.from_path("tiny-deepseek-v32"), page_size=4)
     with pytest.raises(IncompatiblePeer, match="^architecture: prefill has DeepseekV32ForCausalLM"):
         v32.check(v4)

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 
 import pytest
 import torch
-from pd_pair import PDPair, greedy
+from pd_pair import RUN_TIMEOUT_S, PDPair, greedy
 
 import pdserve
 from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig
+from pdserve.disagg import prefill as prefill_mode
 from pdserve.disagg.layout import page_runs
 from pdserve.engine.request import ReqState, SamplingParams
 from pdserve.models.fingerprint import weights_fingerprint
@@ -218,6 +220,42 @@ def test_kv_streams_layer_by_layer_in_one_write_per_page_run(pair_factory):
     pair.assert_idle_and_accounted()
 
 
+@pytest.mark.parametrize("path", ["after its forward", "in the next forward's layers"])
+def test_a_landed_room_s_completion_does_not_wait_for_the_next_forward(pair_factory, monkeypatch, path):
+    """On a busy prefill server another forward follows the one that finished a room: decode hears
+    of the room once its writes have landed, while prefill waits briefly after the room's forward
+    or from a layer of the next forward, not only when that forward has ended. Here prefill never
+    steps again: decode alone must get the completion and decode the colocated tokens."""
+    pair = pair_factory("tiny-llama", page_size=4)
+    mode = pair.prefill.mode
+    if path == "after its forward":  # wait until landed, however loaded the machine
+        monkeypatch.setattr(prefill_mode, "LANDING_WAIT_S", RUN_TIMEOUT_S)
+        monkeypatch.setattr(prefill_mode, "LANDING_WAIT_SHARE", float("inf"))
+    else:
+        monkeypatch.setattr(mode, "_await_landing", lambda forward_s: None)
+    (prompt,) = _prompts([37])
+    room = pair.submit("a", prompt, greedy(NEW))
+    pair.run(until=lambda: room in mode.transferring)
+    if path != "after its forward":
+        assert room not in mode.notified
+        r = mode.sender.rooms[room]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not r.settled(mode.sender.backend):
+            assert time.monotonic() < deadline, "the room's writes never landed"
+            time.sleep(0.001)
+        pair.prefill.runner.layer_hook(0, None)  # the next forward's first layer
+    assert room in mode.notified
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while pair.decode.reqs["a"].state is ReqState.WAITING_FOR_KV:
+        assert time.monotonic() < deadline, "decode never heard of the landed room"
+        pair.decode.step()
+    pair.run()
+    assert pair.decode.stats()["fallbacks"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    assert pair.prefill.stats()["rooms_completed"] == 1
+    pair.assert_idle_and_accounted()
+
+
 # ------------------------------------------------------------------ handshake
 @pytest.mark.parametrize("field, prefill, decode", [
     ("page_size", {"page_size": 16}, {"page_size": 1}),
@@ -413,6 +451,19 @@ def test_unpaired_halves_time_out(pair_factory):
     assert finals[0].rid == "b" and "no KV request from decode" in finals[0].finish_reason["message"]
     assert pair.prefill.stats()["rooms_expired"] == expired + 1
     pair.run()
+    pair.assert_idle_and_accounted()
+
+
+@pytest.mark.parametrize("pair_factory", ["memory"], indirect=True)
+def test_a_kv_wait_past_the_timeout_names_the_flag(pair_factory):
+    """A prompt whose KV does not arrive within --disaggregation-timeout-s (a long prefill, a lost
+    prefill half) fails with a reason naming the flag an operator raises for long prompts."""
+    pair = pair_factory("tiny-llama", disaggregation_timeout_s=1.0, disaggregation_fallback="error")
+    (a,) = _prompts([25])
+    pair.submit("a", a, greedy(NEW), to_prefill=False)
+    pair.run()
+    reason = pair.outputs["a"]["final"].finish_reason
+    assert reason["type"] == "abort" and "--disaggregation-timeout-s" in reason["message"], reason
     pair.assert_idle_and_accounted()
 
 

@@ -7,8 +7,10 @@ the single-rank colocated engine's, for: GQA prefill TP2 -> decode TP1 and TP1 -
 (a block-FP8 checkpoint, whose single-rank answers are transformers' on its dequantized copy)
 prefill TP2 + EP2 -> decode DP2 with DP attention, and a GQA model with one KV head (replicated
 over prefill's two ranks), and DeepSeek-V3.2 (whose index keys move with the latent) prefill TP2 + EP2 ->
-decode DP2 with DP attention. The two llama pairs move their KV packed (one write per forward,
-layer, buffer and head block through staging buffers), the others unpacked. Every prefill rank
+decode DP2 with DP attention, and DeepSeek-V4 (every state region replicated: the window's K=V
+rows, the compressors' sources and entries, CSA's index keys) prefill TP2 -> decode TP1. The two
+llama pairs move their KV packed (one write per forward, layer, buffer and head block through
+staging buffers), the others unpacked. Every prefill rank
 that holds a source sends, no request falls back, and afterwards every rank's pages add up on
 both sides. One deployment per configuration.
 
@@ -46,6 +48,8 @@ CONFIGS = {  # name -> (model, prefill flags, decode flags)
     # DeepSeek-V3.2: the index keys ride the latent's pages from the random source rank
     "deepseek-v32-prefill-tp2-ep2-decode-dp2-attention": (
         "deepseek-v32", (*TP2, "--ep-size", "2"), (*TP2, "--dp-size", "2", "--enable-dp-attention")),
+    # DeepSeek-V4: every region from the random source rank; prefill splits heads and experts, decode holds all
+    "deepseek-v4-prefill-tp2-decode-tp1": ("deepseek-v4", TP2, ()),
 }
 # Decode's default --disaggregation-transfer-pack auto packs where the TP sizes split heads
 # differently: the llama pairs; MLA and a replicated single head move whole pages unpacked.
@@ -63,7 +67,16 @@ def checkpoints(tmp_path_factory):
     fp8, dequantized = make_fp8_checkpoint("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("ds-fp8"), mtp_layer=True)
     v32 = make_tiny_hf_model("DeepseekV32ForCausalLM", tmp_path_factory.mktemp("ds-v32"))
     return {"qwen2-one-kv-head": path, "deepseek-fp8": fp8, "deepseek-fp8-dequantized": dequantized,
-            "deepseek-v32": v32}
+            "deepseek-v32": v32, "deepseek-v4": _v4_checkpoint(tmp_path_factory.mktemp("ds-v4"))}
+
+
+def _v4_checkpoint(folder) -> str:
+    from fixtures.tiny_models import fill_hash_table, make_hf_model_and_dir
+
+    hf, path = make_hf_model_and_dir("DeepseekV4ForCausalLM", folder)
+    fill_hash_table(hf)
+    hf.save_pretrained(path, safe_serialization=True)  # again, with the hash table
+    return path
 
 
 def test_the_fp8_reference_is_transformers_on_the_dequantized_copy(checkpoints):
@@ -80,18 +93,20 @@ def test_the_fp8_reference_is_transformers_on_the_dequantized_copy(checkpoints):
     assert [o["output_ids"] for o in single_rank_answers(checkpoints["deepseek-fp8"])] == want
 
 
-def test_the_v32_reference_is_transformers(checkpoints):
-    """What the V3.2 pair's decode is held to (the single-rank engine's answers, prompts from 1 to
-    9x index_topk) is transformers' greedy output."""
+@pytest.mark.parametrize("name", ["deepseek-v32", "deepseek-v4"])
+def test_the_sparse_references_are_transformers(checkpoints, name):
+    """What the V3.2 and V4 pairs' decode is held to (the single-rank engine's answers, prompts from 1
+    to 9x V3.2's index_topk, and to 9 of V4's windows of 8, 17 of its CSA blocks) is transformers'
+    greedy output."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fixtures.tiny_models import greedy_continuation
 
-    hf = AutoModelForCausalLM.from_pretrained(checkpoints["deepseek-v32"], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32).eval()
     prompts, params = mixed_requests(2048)
     want = [greedy_continuation(hf, p, sp["max_new_tokens"]) for p, sp in zip(prompts, params)]
-    assert [o["output_ids"] for o in single_rank_answers(checkpoints["deepseek-v32"])] == want
+    assert [o["output_ids"] for o in single_rank_answers(checkpoints[name])] == want
 
 
 class Pair:

@@ -587,6 +587,6 @@ def test_server_info_shows_the_thread_layout_and_the_handoff_profile(server):
     want = int(env) if env.isdigit() and int(env) > 0 else max(1, layout["cores"] - 2)
     assert layout["torch_threads"] == want and layout["source"] == ("OMP_NUM_THREADS" if env.isdigit() else "cores")
     stages = info["handoff"]
-    assert set(stages) == {"socket", "route", "wake", "detokenize", "write"}
-    for name in ("socket", "route", "wake", "detokenize", "write"):
+    assert set(stages) == {"emit", "socket", "route", "wake", "detokenize", "write"}
+    for name in ("emit", "socket", "route", "wake", "detokenize", "write"):
         assert stages[name]["count"] > 0 and 0 <= stages[name]["p50_ms"] <= stages[name]["max_ms"], (name, stages)

@@ -103,6 +103,33 @@ def test_one_message_per_step_and_all_queued_requests_join_the_first_step(socket
     assert all(o.finished and o.finish_reason == {"type": "length", "length": 3} for o in msgs[-1].outputs)
 
 
+def test_decode_tokens_already_sampled_leave_before_an_extend_runs(sockets, scheduler, engine):
+    """Overlap scheduling: the decode step in flight when a new prompt arrives lands before that
+    prompt's extend; its tokens go out then, in their own message stamped with their sampling
+    time, instead of waiting out the prefill in the extend's message."""
+    push, pull, out_push, out_pull = sockets
+    loop = SchedulerLoop(scheduler, pull, out_push)
+    push.send(FRONTEND_CODEC.encode(_req("a", max_new_tokens=4)))
+    loop.drain(block=True)
+    loop.run_step()  # a's extend: its first token
+    loop.run_step()  # a's first decode step, launched on the worker
+    push.send(FRONTEND_CODEC.encode(_req("b", (7, 8, 9, 10), max_new_tokens=2)))
+    loop.drain(block=True)
+    while scheduler.has_work():
+        loop.run_step()
+    msgs = _recv_all(out_pull)
+    first_b = next(i for i, m in enumerate(msgs) if any(o.rid == "b" for o in m.outputs))
+    before_b = [t for m in msgs[:first_b] for o in m.outputs if o.rid == "a" for t in o.new_token_ids]
+    assert len(before_b) == 2, [[(o.rid, o.new_token_ids) for o in m.outputs] for m in msgs]
+    early = msgs[first_b - 1]
+    assert [o.rid for o in early.outputs] == ["a"] and 0 < early.sampled_at <= early.sent_at
+    got = {rid: [t for m in msgs for o in m.outputs if o.rid == rid for t in o.new_token_ids] for rid in "ab"}
+    greedy = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in (4, 2)]
+    want = engine.generate(input_ids=[[5, 17, 99, 3], [7, 8, 9, 10]], sampling_params=greedy)
+    assert [got["a"], got["b"]] == [w["output_ids"] for w in want]
+    assert scheduler.emit is None  # only a step the loop runs sends early
+
+
 def test_idle_loop_blocks_on_the_socket_instead_of_spinning(sockets, scheduler):
     push, pull, out_push, out_pull = sockets
     steps_before = scheduler.stats()["forward_steps"]

@@ -113,3 +113,16 @@ def test_the_flags_reach_the_cache_config():
     assert server_args_from_namespace(ns).cache_config().kv_cache_memory_bytes == 64 << 20
     ns = build_parser().parse_args(["serve", "--model-path", "tiny-llama", "--mem-fraction-static", "0.25"])
     assert server_args_from_namespace(ns).cache_config().mem_fraction_static == 0.25
+
+
+def test_per_request_records_come_out_of_the_budget_first():
+    """DeepSeek-V4's bounded layout keeps a record per request-table row beside the pages: a byte budget
+    pays for them before pages; one they would exhaust is refused naming the flag."""
+    b = size_pool(page_size=16, bytes_per_token=1000, max_total_tokens=None, kv_cache_memory_bytes=1_000_000,
+                  record_bytes=200_000)
+    assert b.num_pages == 800_000 // 1000 // 16 and b.record_bytes == 200_000
+    assert b.to_dict()["record_bytes"] == 200_000 and "of per-request records" in b.describe()
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes: the budget of 1000000 B leaves nothing for pages "
+                                         "after 1000000 B of per-request state records"):
+        size_pool(page_size=16, bytes_per_token=1000, max_total_tokens=None, kv_cache_memory_bytes=1_000_000,
+                  record_bytes=1_000_000)

@@ -23,7 +23,13 @@ from fixtures.engine_checks import (
     check_host_tier_hit,
     check_tokens_and_logprobs,
 )
-from fixtures.tiny_models import check_not_degenerate, fill_hash_table, greedy_continuation, make_hf_model_and_dir
+from fixtures.tiny_models import (
+    add_v4_mtp_layer,
+    check_not_degenerate,
+    fill_hash_table,
+    greedy_continuation,
+    make_hf_model_and_dir,
+)
 from pdserve.config import ServerArgs
 
 ARCH = "DeepseekV4ForCausalLM"
@@ -75,23 +81,69 @@ def test_batched_requests_of_mixed_lengths_match_transformers(tiny):
     assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, STEPS) for p in prompts]
 
 
+REUSE = 16 * WINDOW  # reusable boundaries of the bounded layout: lcm(page, rates) multiples of >= 16 windows
+
+
 def test_prefix_hits_give_identical_output(tiny):
-    """Every region is per token and causal, so a radix hit at any page boundary (inside an open
-    window and mid HCA block here) restores exactly what recomputing the prefix would write."""
+    """Colocated, V4 keeps its window and open windows as per-request records and the state a prefix
+    needs only at reusable boundaries (multiples of REUSE tokens): a hit is shortened to the last one,
+    never longer, and continues from the boundary's tails exactly as recomputing the prefix would."""
     hf, path = tiny
     engine = pdserve.Engine(model_path=path, page_size=2)
-    prompt = _prompt(5 * WINDOW + 3, seed=7)
+    assert engine.scheduler.runner.pool.reuse_tokens == REUSE
+    prompt = _prompt(2 * REUSE + 5 * WINDOW + 3, seed=7)
     first = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=-1)
     second = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=-1)
     assert first["meta_info"]["cached_tokens"] == 0
-    assert second["meta_info"]["cached_tokens"] >= 4 * WINDOW
+    assert second["meta_info"]["cached_tokens"] == 2 * REUSE
     assert second["output_ids"] == first["output_ids"] == greedy_continuation(hf, prompt, STEPS)
     got = [lp for lp, _, _ in second["meta_info"]["output_token_logprobs"]]
     assert got == pytest.approx([lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]], abs=TOL)
-    branch = prompt[:3 * WINDOW + 2] + _prompt(9, seed=8)  # shares 26 tokens: 2 past a CSA block, mid HCA block
+    branch = prompt[:REUSE + 3 * WINDOW + 2] + _prompt(9, seed=8)  # shares a block, then mid CSA, HCA, window
     third = engine.generate(input_ids=branch, sampling_params=GREEDY)
-    assert third["meta_info"]["cached_tokens"] == 3 * WINDOW + 2  # mid CSA block, mid HCA block, mid window
+    assert third["meta_info"]["cached_tokens"] == REUSE  # shortened to the boundary, never mid block
     assert third["output_ids"] == greedy_continuation(hf, branch, STEPS)
+    engine.scheduler.check_memory()
+
+
+def test_bounded_state_is_a_fifth_of_v3_at_64k():
+    """The bounded layout's bytes per token at 64K context (pages of compressed entries and boundary
+    tails, plus one request's record spread over the context) against tiny-deepseek (V3) at the same
+    dims; a request's record is a fixed number of rows whatever its length (the window trimmed)."""
+    from pdserve.config import ModelConfig
+
+    v3, v4 = ModelConfig.from_path("tiny-deepseek"), ModelConfig.from_path("tiny-deepseek-v4")
+    c = v4.hf_config
+    assert v4.kv_bytes_per_token(page_size=64, bounded=True, context=65536) <= 0.2 * v3.kv_bytes_per_token()
+    assert v4.kv_bytes_per_token(page_size=64) > v3.kv_bytes_per_token()  # the page layout: every token's rows
+    engine = pdserve.Engine(model_path="tiny-deepseek-v4", page_size=64, max_running_requests=2)
+    pool = engine.scheduler.runner.pool
+    W, m, h = c.sliding_window, c.compress_rates["compressed_sparse_attention"], \
+        c.compress_rates["heavily_compressed_attention"]
+    assert {k: tuple(r.shape[1:3]) for k, r in pool.records.items()} == {
+        "window_kv": (2, W - 1), "csa_src": (2, 2 * m - 1), "csa_index_src": (2, 2 * m - 1), "hca_src": (2, h - 1)}
+    assert "window_kv" not in pool.buffers and "window_kv_tail" in pool.buffers
+    # the budget paid for exactly the records the pool holds
+    assert engine.scheduler.runner.kv_budget.record_bytes == sum(r.numel() * r.element_size()
+                                                                 for r in pool.records.values())
+    out = engine.generate(input_ids=_prompt(3 * pool.reuse_tokens // 2, seed=3), sampling_params=GREEDY)
+    assert len(out["output_ids"]) == STEPS
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("split", [dict(tp_size=2), dict(tp_size=2, ep_size=2)], ids=["tp2", "tp2-ep2"])
+def test_two_ranks_decode_like_transformers(tiny, split):
+    """Two rank processes (gloo): each holds 2 of the 4 query heads and 1 of the 2 output groups, the
+    K=V head, compressors and indexer whole; the MoE splits I (tp2) or holds 4 of the 8 experts whole
+    (ep2, the hash-routed layer too). Batched prompts past the window and over many blocks, chunked:
+    transformers' greedy tokens, and logprobs within TOL."""
+    hf, path = tiny
+    prompts = [_prompt(n, seed=200 + n) for n in (3, 11, 6 * WINDOW + 5)]
+    with pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16, **split) as engine:
+        assert len(engine.scheduler.ranks.pids) == 2
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, STEPS) for p in prompts]
+        check_tokens_and_logprobs(hf, engine, _prompt(4 * WINDOW + 1, seed=9), TOL)
 
 
 def test_index_topk_selection_matters_on_long_prompts(tiny, tmp_path):
@@ -122,17 +174,41 @@ def test_pool_holds_each_region_on_its_layers_only(tiny):
     _, path = tiny
     model = ModelConfig.from_path(path)
     D, Di = 32, 16
-    assert model.state_regions == (("window_kv", (0, 1, 2), D), ("csa_src", (1,), 4 * D), ("csa_kv", (1,), D),
-                                   ("csa_index_src", (1,), 4 * Di), ("csa_index_k", (1,), Di),
-                                   ("hca_src", (2,), 2 * D), ("hca_kv", (2,), D))
-    assert model.kv_bytes_per_token() == 4 * (3 * D + 4 * D + D + 4 * Di + Di + 2 * D + D)
-    pool = RegionKVPool(4, 2, 3, tuple(RegionSpec(n, ls, w) for n, ls, w in model.state_regions), torch.float32)
+    assert model.state_regions == (("window_kv", (0, 1, 2), D, 1), ("csa_src", (1,), 4 * D, 1),
+                                   ("csa_kv", (1,), D, CSA_RATE), ("csa_index_src", (1,), 4 * Di, 1),
+                                   ("csa_index_k", (1,), Di, CSA_RATE), ("hca_src", (2,), 2 * D, 1),
+                                   ("hca_kv", (2,), D, HCA_RATE))
+    per_token = 3 * D + 4 * D + D / CSA_RATE + 4 * Di + Di / CSA_RATE + 2 * D + D / HCA_RATE
+    assert model.kv_bytes_per_token() == 4 * per_token
+    # pages of 2 tokens: every compressed region still keeps one row a page (half of them unused)
+    assert model.kv_bytes_per_token(page_size=2) == 4 * (3 * D + 4 * D + D / 2 + 4 * Di + Di / 2 + 2 * D + D / 2)
+    pool = RegionKVPool(4, 2, 3, tuple(RegionSpec(*r) for r in model.state_regions), torch.float32)
     rows = torch.randn(2, D)
     pool.set_rows("csa_kv", 1, torch.tensor([5, 6]), rows)
     assert torch.equal(pool.get_rows("csa_kv", 1, torch.tensor([[6, 5]])), rows.flip(0)[None])
     with pytest.raises(KeyError, match="region 'csa_kv': layer 2 does not keep it"):
         pool.get_rows("csa_kv", 2, torch.tensor([0]))
-    assert [name for name, _ in pool.page_buffers()] == [n for n, _, _ in model.state_regions]
+    assert [name for name, _ in pool.page_buffers()] == [n for n, *_ in model.state_regions]
+
+
+def test_compressed_regions_keep_one_row_per_rate_tokens():
+    """A rate-4 region in pages of 8: two rows a page, entry w (ending at position 4w + 3) in the page
+    holding that position, at row (position % 8) // 4; a rate-16 region: one row a page, used by
+    every other page."""
+    from pdserve.mem.region_pool import RegionKVPool, RegionSpec
+
+    pool = RegionKVPool(6, 8, 1, (RegionSpec("c", (0,), 3, 4), RegionSpec("h", (0,), 3, 16)), torch.float32)
+    assert pool.buffers["c"].shape == (1, 6, 2, 3) and pool.buffers["h"].shape == (1, 6, 1, 3)
+    pages = torch.tensor([4, 1, 5])  # a request's pages: positions 0..23
+    slots = pages.repeat_interleave(8) * 8 + torch.arange(8).repeat(3)  # [24]
+    ends = slots[3::4]  # entries 0..5
+    entries = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 3)
+    pool.set_rows("c", 0, ends, entries)
+    assert torch.equal(pool.buffers["c"][0, :, :, 0], torch.tensor(
+        [[0, 0], [2, 3], [0, 0], [0, 0], [0, 1], [4, 5]], dtype=torch.float32))
+    assert torch.equal(pool.get_rows("c", 0, ends), entries)
+    pool.set_rows("h", 0, slots[15::16], entries[:1] + 7)
+    assert pool.buffers["h"][0, 1, 0, 0] == 7 and pool.buffers["h"][0].abs().sum() == 21
 
 
 def _serve(model_path: str, *argv: str) -> subprocess.CompletedProcess:
@@ -147,13 +223,16 @@ REFUSALS = [
     ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "tiny-llama"},
      "--speculative-algorithm): EAGLE: DeepSeek-V4 drafts with NEXTN (its MTP layer) only"),
     ({"attention_backend": "triton"}, "--attention-backend): triton: DeepSeek-V4's attention runs in torch only"),
-    ({"tp_size": 2}, "--tp-size): DeepSeek-V4 runs on one rank"),
+    ({"tp_size": 4}, "--tp-size): 4: DeepSeek-V4's o_groups (2) must be divisible by it"),
+    ({"dp_size": 2}, "--dp-size): 2: DeepSeek-V4 runs one attention group for now"),
+    ({"tp_size": 2, "dp_size": 2, "enable_dp_attention": True},
+     "--enable-dp-attention): DeepSeek-V4 runs without DP attention for now"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype): fp8_e4m3: DeepSeek-V4's state stays in the model dtype"),
     ({"enable_torch_compile": True}, "--enable-torch-compile): DeepSeek-V4's attention runs eagerly"),
 ]
 
 
-@pytest.mark.parametrize("flags,message", REFUSALS, ids=[next(iter(f)) for f, _ in REFUSALS])
+@pytest.mark.parametrize("flags,message", REFUSALS, ids=["-".join(f) for f, _ in REFUSALS])
 def test_unsupported_modes_are_refused_at_start_up(tiny, flags, message):
     _, path = tiny
     with pytest.raises(ValueError) as err:
@@ -313,9 +392,9 @@ def test_mtp_layer_tensors_are_accepted_and_loaded_only_for_nextn(with_mtp):
 
 
 def test_refusal_reaches_the_cli_as_one_line():
-    proc = _serve("tiny-deepseek-v4", "--tp-size", "2")
+    proc = _serve("tiny-deepseek-v4", "--tp-size", "4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "tp_size (--tp-size): DeepSeek-V4 runs on one rank for now" in proc.stderr
+    assert "tp_size (--tp-size): 4: DeepSeek-V4's o_groups (2) must be divisible by it" in proc.stderr
 
 
 def test_preset_serves_a_chat_request():
@@ -386,35 +465,14 @@ def test_retracted_requests_resume_with_transformers_tokens(tiny):
 
 
 # ------------------------------------------------------------------ NEXTN (the MTP layer, with its own mHC)
-def _mtp_tensors(tensors: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
-    """DeepSeek-V4's MTP layer as the official checkpoint names it (``mtp.0.*``): the last layer's
-    attention (no compressor: the MTP layer attends in a window), MoE, norms and hyper-connections,
-    plus its own ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and ``hc_head_*``."""
-    g = torch.Generator().manual_seed(seed)
-    src = "model.layers.2."
-    out = {"mtp.0." + k[len(src):]: t.clone() for k, t in tensors.items()
-           if k.startswith(src) and ".compressor." not in k}
-    H, n = tensors["model.norm.weight"].shape[0], tensors["model.hc_head.hc_base"].shape[0]
-    for name in ("e_proj", "h_proj"):
-        out[f"mtp.0.{name}.weight"] = torch.randn(H, H, generator=g) * 3 * H ** -0.5
-    for name in ("enorm", "hnorm", "norm"):
-        out[f"mtp.0.{name}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
-    out["mtp.0.hc_head_fn"] = torch.randn(n, n * H, generator=g) * 0.1
-    out["mtp.0.hc_head_base"] = torch.randn(n, generator=g) * 0.1
-    out["mtp.0.hc_head_scale"] = torch.ones(1)
-    return out
-
-
 @pytest.fixture(scope="module")
 def with_mtp(tiny, tmp_path_factory):
     """The tiny checkpoint plus an MTP layer in a second file, as DeepSeek ships it (transformers
     drops ``mtp.*`` on load, so its logits are the reference without it)."""
-    from safetensors.torch import load_file, save_file
-
     hf, path = tiny
     d = tmp_path_factory.mktemp("v4mtp") / "ckpt"
     shutil.copytree(path, d)
-    save_file(_mtp_tensors(load_file(str(d / "model.safetensors"))), str(d / "mtp.safetensors"))
+    add_v4_mtp_layer(d)
     return hf, str(d)
 
 
@@ -489,8 +547,8 @@ def test_mtp_layer_matches_its_definition_over_transformers_modules(with_mtp, mo
 
 @pytest.mark.parametrize("length", [5, 4 * WINDOW + 3])
 def test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers(with_mtp, length):
-    """The MTP layer's window rows go to the pool's extra layer 3 (and nowhere else); the target's
-    output does not change."""
+    """The MTP layer's window rows go to the pool's extra layer 3 (its record ring, and nowhere else);
+    the target's output does not change."""
     hf, path = with_mtp
     prompt = _prompt(length, seed=40 + length)
     plain = pdserve.Engine(model_path=path, page_size=4).generate(input_ids=prompt, sampling_params=GREEDY)
@@ -500,8 +558,39 @@ def test_nextn_keeps_greedy_output_equal_to_plain_decoding_and_transformers(with
     assert out["output_ids"] == plain["output_ids"] == greedy_continuation(hf, prompt, STEPS)
     assert out["meta_info"]["spec_verify_ct"] >= 1
     pool = engine.scheduler.runner.pool
-    assert pool.rows["window_kv"] == {0: 0, 1: 1, 2: 2, 3: 3} and pool.buffers["window_kv"][3].abs().sum() > 0
-    assert all(3 not in layers for name, layers in pool.rows.items() if name != "window_kv")
+    assert pool.rows["window_kv"] == {0: 0, 1: 1, 2: 2, 3: 3} and pool.records["window_kv"][3].abs().sum() > 0
+    assert all(3 not in layers for name, layers in pool.rows.items() if not name.startswith("window_kv"))
+
+
+def test_nextn_resumes_its_draft_layer_from_a_boundarys_tail(with_mtp, monkeypatch):
+    """A radix hit at a reusable boundary with NEXTN: the MTP layer's window ring starts from the
+    boundary's tail as the target's layers do. Verify would hide a wrong draft from the output, so
+    the draft's own logits past the boundary are compared with the run that computed every row."""
+    from pdserve.models.deepseek_v4_mtp import DeepseekV4MTP
+
+    hf, path = with_mtp
+    runs: list[dict[int, torch.Tensor]] = []
+    forward = DeepseekV4MTP.forward
+
+    def recording(self, fb, target_hidden):
+        out = forward(self, fb, target_hidden)
+        for p, h in zip(fb.positions.tolist(), self.compute_logits(out)):
+            runs[-1].setdefault(p, h)
+        return out
+
+    monkeypatch.setattr(DeepseekV4MTP, "forward", recording)
+    engine = pdserve.Engine(model_path=path, page_size=4, speculative_algorithm="NEXTN", speculative_num_steps=3)
+    prompt = _prompt(REUSE + 2 * WINDOW + 3, seed=60)
+    outs = []
+    for _ in range(2):
+        runs.append({})
+        outs.append(engine.generate(input_ids=prompt, sampling_params=GREEDY))
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, REUSE]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] == greedy_continuation(hf, prompt, STEPS)
+    assert min(runs[1]) == REUSE and len(runs[1]) > 2 * WINDOW
+    for p, logits in runs[1].items():
+        torch.testing.assert_close(logits, runs[0][p], atol=1e-4, rtol=1e-4)
+    engine.shutdown()
 
 
 def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
@@ -520,13 +609,6 @@ def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
     assert [o["output_ids"] for o in outs] == [list(seqs[tuple(p)][len(p):]) for p in prompts]
     for o in outs:
         assert o["meta_info"]["spec_accept_length"] > 1.5
-
-
-def test_nextn_is_refused_in_pd():
-    with pytest.raises(ValueError, match=r"speculative_algorithm \(--speculative-algorithm\): NEXTN: DeepSeek-V4's "
-                                         r"NEXTN runs colocated only: in P/D the aux row carries one hidden state"):
-        ServerArgs(model_path="tiny-deepseek-v4", speculative_algorithm="NEXTN",
-                   disaggregation_mode="decode").model_config()
 
 
 # ------------------------------------------------------------------ tiers (every region, host and file)

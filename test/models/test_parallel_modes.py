@@ -1,7 +1,7 @@
 """Engine-shaped splits over real processes (gloo on loopback), at the model level: the groups
 ``init_rank_groups`` builds, dummy weights under TP, EP with all-to-all dispatch (and its
-all-reduce twin), DP attention with one attention group idle. Every rank's logits equal a
-single-rank run of the same requests.
+all-reduce twin), DP attention with one attention group idle, DeepSeek-V4 under TP and EP. Every
+rank's logits equal a single-rank run of the same requests.
 """
 
 from __future__ import annotations
@@ -100,6 +100,10 @@ CASES = {
     "deepseek-v32-tp2-ep2": ("DeepseekV32ForCausalLM", dict(tp_size=2, ep_size=2), "all_to_all"),
     "deepseek-v32-dp2-attention": ("DeepseekV32ForCausalLM", dict(tp_size=2, dp_size=2, enable_dp_attention=True),
                                    "all_to_all"),
+    # V4: query heads and output groups split, its K=V head, compressors and indexer replicated; dummy
+    # weights (and the FP4 twin's, quantized once on the whole model) loaded as every rank's slices
+    "deepseek-v4-tp2-dummy-weights": ("tiny-deepseek-v4", dict(tp_size=2), "all_to_all"),
+    "deepseek-v4-fp4-tp2-ep2-dummy-weights": ("tiny-deepseek-v4-fp4", dict(tp_size=2, ep_size=2), "all_to_all"),
 }
 
 

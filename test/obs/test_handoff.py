@@ -34,3 +34,12 @@ def test_socket_stage_skips_unstamped_and_cross_clock_messages():
     assert p.summary()["socket"]["count"] == 1 and abs(p.summary()["socket"]["p50_ms"] - 2) < 1e-6
     p.reset()
     assert p.summary()["socket"] == {"count": 0}
+
+
+def test_emit_stage_from_the_sampling_stamp_to_the_send():
+    p = HandoffProfile()
+    p.socket(10.0, 10.002)  # no sampling stamp (a control reply, an older sender): socket only
+    p.socket(10.0, 10.002, 10.5)  # stamped after its send: not a wait, left out
+    assert p.summary()["emit"] == {"count": 0} and p.summary()["socket"]["count"] == 2
+    p.socket(10.0, 10.002, 9.997)
+    assert p.summary()["emit"]["count"] == 1 and abs(p.summary()["emit"]["p50_ms"] - 3) < 1e-6

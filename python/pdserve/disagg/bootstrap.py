@@ -148,8 +148,8 @@ def state_layout(model_config) -> str:
     (DeepSeek-V4: a V3 or V3.2 side, or a V4 of other layer kinds, never pairs with it)."""
     mc = model_config
     if mc.state_regions:
-        return "+".join(f"{name}[{width}]:{mc.dtype}@{','.join(map(str, layers))}"
-                        for name, layers, width in mc.state_regions)
+        return "+".join(f"{name}[{width}]{f'/{rate}' if rate > 1 else ''}:{mc.dtype}@{','.join(map(str, layers))}"
+                        for name, layers, width, rate in mc.state_regions)
     regions = ["latent"] if mc.is_mla else ["k", "v"]
     if mc.index_head_dim:
         regions.append(f"index_k[{mc.index_head_dim}]:{mc.dtype}")

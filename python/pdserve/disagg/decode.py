@@ -169,7 +169,8 @@ class DecodeMode(SchedulerMode):
                 break  # FCFS: a request that cannot get pages holds back the ones behind it
         for room, w in list(self.rooms.items()):
             if w.incoming.overdue(now):
-                self._fail(room, f"no KV from prefill {w.incoming.peer.name} within {self.config.timeout_s:.0f} s")
+                self._fail(room, f"no KV from prefill {w.incoming.peer.name} within {self.config.timeout_s:.0f} s "
+                                 f"(--disaggregation-timeout-s; a prefill of a long prompt can take longer)")
         self._release_quarantine(now)
         if self.monitor is not None:
             self.monitor.watch(self.directory.sessions())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 
 from pdserve.config import DisaggConfig
@@ -51,6 +52,12 @@ from pdserve.transfer import TransferError
 logger = logging.getLogger(__name__)
 
 MAX_DECODE_RECORDS = 4096  # decode ranks remembered; the oldest is dropped past this
+# After a prefill forward, the scheduler waits this long at most for the rooms it just finished to
+# land (their last layer's and aux writes were posted moments before), and at most this share of
+# the forward it just ran, so a completion does not wait out the whole next forward.
+LANDING_WAIT_S = 0.01
+LANDING_WAIT_SHARE = 0.05
+LANDING_POLL_S = 0.0002  # a sleep, not a spin: the transfer engine's threads may need this core to send
 
 
 class PrefillMode(SchedulerMode):
@@ -67,6 +74,8 @@ class PrefillMode(SchedulerMode):
         self.reqs: dict[int, Req] = {}  # room -> its request, from pairing until it finishes
         self.reply_to: dict[int, tuple[str, int]] = {}  # room -> decode's (endpoint, nonce), while open
         self.transferring: dict[int, Req] = {}
+        self.notified: set[int] = set()  # transferring rooms whose completions this rank already sent
+        self._forward_started = 0.0  # time.monotonic() when the forward now running was launched
         self.closing: dict[int, tuple[str, int] | None] = {}  # aborted room -> (endpoint, nonce) awaiting the ack
         self.decodes: OrderedDict[tuple[str, int], DecodeRecord] = OrderedDict()  # (decode_id, rank) -> record
         self.kv_arrival: dict[int, float] = {}  # room -> when its first KV request arrived (unpaired rooms)
@@ -75,7 +84,7 @@ class PrefillMode(SchedulerMode):
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
-        scheduler.runner.layer_hook = lambda layer_id, _fb: self.sender.on_layer(layer_id)
+        scheduler.runner.layer_hook = self._on_layer
 
     def connect(self, loop) -> None:
         self.io.connect(loop)
@@ -133,7 +142,16 @@ class PrefillMode(SchedulerMode):
         self.scheduler.enqueue(req)
 
     # ------------------------------------------------------------- forward
+    def _on_layer(self, layer_id: int, _fb) -> None:
+        """The model runner's hook, after each layer of every forward: post that layer's writes, and
+        tell decode about rooms that landed meanwhile (their completions need not wait for this
+        forward to end)."""
+        self.sender.on_layer(layer_id)
+        if self.transferring:
+            self._notify_landed()
+
     def before_extend(self, reqs: list[Req], lens: list[int]) -> None:
+        self._forward_started = time.monotonic()
         for req, n in zip(reqs, lens):
             room = req.room
             if room in self.sender.rooms:
@@ -153,13 +171,40 @@ class PrefillMode(SchedulerMode):
             self.sender.finish(room, hidden[i])
             reqs[i].state = ReqState.TRANSFERRING
             self.transferring[room] = reqs[i]
+        self._await_landing(time.monotonic() - self._forward_started)
         return rest
+
+    def _await_landing(self, forward_s: float) -> None:
+        """Wait briefly (``LANDING_WAIT_*``) for the transferring rooms to land and tell decode of
+        each as it does: over a fast link the last writes land within a millisecond or two, and
+        the next forward (on a busy prefill server there always is one) would hold them up for its
+        whole length."""
+        deadline = time.monotonic() + min(LANDING_WAIT_S, LANDING_WAIT_SHARE * max(0.0, forward_s))
+        while self._notify_landed() and time.monotonic() < deadline:
+            time.sleep(LANDING_POLL_S)
+
+    def _notify_landed(self) -> bool:
+        """Send this rank's completions of each transferring room whose writes have all settled
+        here (what ``_complete`` would send for it; a rank's own completions change nothing
+        locally, so they need no agreement); the room ends at the agreed ``_complete``. True
+        while some room's writes are still in flight here."""
+        waiting = False
+        for room in self.transferring:
+            if room in self.notified:
+                continue
+            if self.sender.poll(room) in (RoomState.DONE, RoomState.FAILED):
+                self._send_completions(room)
+                self.notified.add(room)
+            else:
+                waiting = True
+        return waiting
 
     # ------------------------------------------------------------- progress
     def poll(self) -> None:
         now = self.io.now()
         for msg in self.io.recv_all():
             self._on_message(msg, now)
+        self._notify_landed()
         self._settle(self.io.agree(self._drained_here()))
         for room in list(self.closing):
             self._close_if_settled(room)
@@ -293,6 +338,21 @@ class PrefillMode(SchedulerMode):
         """Every rank's writes settled: each rank reports its own (source, destination) pairs; the
         request ends (its pages to the radix cache) or fails with ``error`` (some rank's)."""
         req = self.transferring.pop(room)
+        if room not in self.notified:
+            self._send_completions(room, req)
+        self.notified.discard(room)
+        if error is None:
+            self.counters["rooms_completed"] += 1
+            self._finish(req, finish_length(0))
+        else:
+            self.counters["rooms_failed"] += 1
+            logger.warning("prefill: room %d failed: %s", room, error)
+            self._finish(req, finish_abort(f"KV transfer to decode failed: {error}"))
+        self.sender.close_room(room)
+
+    def _send_completions(self, room: int, req: Req | None = None) -> None:
+        """This rank's completion of ``room`` to each decode rank it wrote (its writes have settled)."""
+        req = req if req is not None else self.transferring[room]
         r = self.sender.rooms[room]
         queue_s, prefill_s = r.timings()
         status = "failed" if r.state is RoomState.FAILED else "ok"
@@ -302,14 +362,6 @@ class PrefillMode(SchedulerMode):
             self.io.send(kv.reply_to, KVCompletion(room, kv.nonce, self.sender.rank, d, r.writes.get(d, 0), status,
                                                    r.error or "", queue_s, prefill_s, req.cached_tokens_reported,
                                                    by_tier.get("host", 0), by_tier.get("storage", 0)))
-        if error is None:
-            self.counters["rooms_completed"] += 1
-            self._finish(req, finish_length(0))
-        else:
-            self.counters["rooms_failed"] += 1
-            logger.warning("prefill: room %d failed: %s", room, error)
-            self._finish(req, finish_abort(f"KV transfer to decode failed: {error}"))
-        self.sender.close_room(room)
 
     def _close_if_settled(self, room: int) -> None:
         """An aborted room: once this rank's posted writes have settled, it acknowledges (for its
@@ -332,6 +384,7 @@ class PrefillMode(SchedulerMode):
                 why = f"writes not landed after {self.config.timeout_s:.0f} s"
                 self.sender.fail_unsettled(room, why)
                 self.transferring.pop(room)
+                self.notified.discard(room)
                 reply = self.closing[room] = self.reply_to.get(room)
                 if reply is not None:  # decode fails over now; the ack follows once the writes settled
                     self.io.send_once(reply[0], KVAbort(room, why, "prefill", self.server_id, reply[1]))
@@ -368,6 +421,7 @@ class PrefillMode(SchedulerMode):
         if room is None:
             return
         self.transferring.pop(room, None)
+        self.notified.discard(room)
         self.reqs.pop(room, None)
         reply = self.reply_to.pop(room, None)
         r = self.sender.rooms.get(room)
@@ -404,6 +458,7 @@ class PrefillMode(SchedulerMode):
         if idle:
             for what, n in (("rooms waiting to pair", len(self.rooms)), ("requests", len(self.reqs)),
                             ("transferring rooms", len(self.transferring)), ("rooms closing", len(self.closing)),
+                            ("rooms notified", len(self.notified)),
                             ("KV arrival stamps", len(self.kv_arrival)), ("sender rooms", len(self.sender.rooms)),
                             ("transfer batches in flight", self.sender.backend.outstanding().batches)):
                 _balance(f"prefill {what}", n, 0)

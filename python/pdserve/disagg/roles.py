@@ -114,8 +114,10 @@ class RoleModes:
         self.rank = groups.layout.rank if groups is not None else 0
         self.backend = transfer_backend(self.cfg, args.host, local_gpu(runner.device))
         self.descriptors = runner.pool.buffer_descriptors()
-        hidden = model_config.hf_config.hidden_size
-        self.aux = torch.zeros(2 * args.max_running_requests, hidden, dtype=torch.float32)  # [slots, hidden]
+        # A row of what the model's forward returns (the model declares its width: DeepSeek-V4 with a
+        # draft hands on all hc_mult streams), so the last prefilled position's row fits whole.
+        width = runner.model.hidden_width
+        self.aux = torch.zeros(2 * args.max_running_requests, width, dtype=torch.float32)  # [slots, width]
         # Packed transfers' staging buffer (either role uses it: prefill packs into it, decode lends
         # ranges of it), registered with the pool once.
         self.staging = staging_pool(self.cfg, model_config, runner.device)

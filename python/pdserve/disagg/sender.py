@@ -328,7 +328,8 @@ class KVSender:
             return False
         if not r.aborted:
             logger.warning("prefill: room %d is past its deadline: no more writes for it", r.room)
-            r.aborted, r.error = True, "the room passed its deadline before its KV was sent"
+            r.aborted, r.error = True, ("the room passed its deadline (--disaggregation-timeout-s after decode's KV "
+                                        "request) before its KV was sent")
         return True
 
     # ------------------------------------------------------------- progress

@@ -136,6 +136,7 @@ def spec_meta(verify_ct: int | None, draft_tokens: int | None, accepted: int | N
 class BatchTokenOutput:
     outputs: list[TokenOutput] = field(default_factory=list)
     sent_at: float = 0.0  # the sender's time.monotonic() (the frontend's handoff profile, obs/handoff.py)
+    sampled_at: float = 0.0  # when the oldest of these tokens was sampled, the same clock (0.0: unknown)
 
 
 @dataclass

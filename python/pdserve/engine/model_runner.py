@@ -10,14 +10,22 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import CacheConfig, CompileConfig, DeviceConfig, ModelConfig, ServerArgs, SpeculativeConfig
+from pdserve.config import (
+    CacheConfig,
+    CompileConfig,
+    DeviceConfig,
+    ModelConfig,
+    ServerArgs,
+    SpeculativeConfig,
+    deepseek_v4_bounded,
+)
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
 from pdserve.layers.cpu_gemm import PackPolicy, pack_linears
 from pdserve.layers.forward_batch import ForwardBatch, ForwardMode, LayerHook
 from pdserve.mem.kv_budget import KVBudget, device_memory, size_pool
 from pdserve.mem.kv_pool import GQAKVPool, KVPool, MLAKVPool, kv_storage_dtype
-from pdserve.mem.region_pool import RegionKVPool, RegionSpec
+from pdserve.mem.region_pool import BoundedState, RegionKVPool, RegionSpec
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +47,21 @@ class ScheduledBatch:
 
 
 def kv_pool_budget(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
-                   device: str | torch.device = "cpu", extra_layers: int = 0) -> KVBudget:
+                   device: str | torch.device = "cpu", extra_layers: int = 0, rollback: int = 0) -> KVBudget:
     """The pool's size on this rank (mem/kv_budget.py): its byte budget over the bytes one token
-    takes here, in the pool's dtype, over the draft's ``extra_layers`` too, with this rank's KV heads."""
-    per_token = model.kv_bytes_per_token(cache.kv_cache_dtype) * (model.num_layers + extra_layers) // model.num_layers
+    takes here, in the pool's dtype, over the draft's ``extra_layers`` too, with this rank's KV heads;
+    a bounded DeepSeek-V4 layout's records (``rollback``: see create_kv_pool) come out of it first."""
+    per_token = model.kv_bytes_per_token(cache.kv_cache_dtype, cache.page_size, bool(cache.state_records))
+    per_token = per_token * (model.num_layers + extra_layers) // model.num_layers
     if not model.is_mla:
         per_token = per_token * _local_kv_heads(model, parallel) // model.num_kv_heads
     exact = cache.max_total_tokens is not None and cache.kv_cache_memory_bytes is None \
         and cache.mem_fraction_static is None
     memory = None if exact else device_memory(torch.device(device))
+    records = cache.state_records * model.state_record_bytes(cache.page_size, rollback, extra_layers) \
+        if cache.state_records else 0
     return size_pool(cache.page_size, per_token, cache.max_total_tokens, cache.kv_cache_memory_bytes,
-                     cache.mem_fraction_static, memory)
+                     cache.mem_fraction_static, memory, records)
 
 
 def _local_kv_heads(model: ModelConfig, parallel: ParallelState) -> int:
@@ -59,12 +71,14 @@ def _local_kv_heads(model: ModelConfig, parallel: ParallelState) -> int:
 
 def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelState,
                    device: str | torch.device = "cpu", extra_layers: int = 0,
-                   budget: KVBudget | None = None) -> KVPool:
+                   budget: KVBudget | None = None, rollback: int = 0) -> KVPool:
     """``extra_layers``: a speculative draft's layers after the target's (index num_layers on),
     at the same slots as the target's tokens, so their pages live and die with the request's.
-    ``budget``: the size ``kv_pool_budget`` gave (measured here when not given)."""
+    ``budget``: the size ``kv_pool_budget`` gave (measured here when not given). ``rollback``:
+    positions a speculative step may roll back (DeepSeek-V4's bounded layout keeps that many more
+    rows in its rings)."""
     if budget is None:
-        budget = kv_pool_budget(model, cache, parallel, device, extra_layers)
+        budget = kv_pool_budget(model, cache, parallel, device, extra_layers, rollback)
     num_pages = budget.num_pages
     layers = model.num_layers + extra_layers
     c = model.hf_config
@@ -72,9 +86,13 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     if model.state_regions:  # DeepSeek-V4: named per-token regions (mem/region_pool.py)
         # its MTP draft layer attends in a sliding window: it keeps the raw rows only
         draft = tuple(range(model.num_layers, layers))
-        specs = tuple(RegionSpec(name, tuple(ls) + (draft if name == "window_kv" else ()), width)
-                      for name, ls, width in model.state_regions)
-        return RegionKVPool(num_pages, cache.page_size, layers, specs, model.torch_dtype, device)
+        specs = tuple(RegionSpec(name, tuple(ls) + (draft if name == "window_kv" else ()), width, rate)
+                      for name, ls, width, rate in model.state_regions)
+        bounded = None
+        if cache.state_records:  # colocated: the window and open windows as records (docs/kv-cache.md)
+            rings, tails, reuse = deepseek_v4_bounded(c, cache.page_size, rollback)
+            bounded = BoundedState(rings, tails, reuse, cache.state_records)
+        return RegionKVPool(num_pages, cache.page_size, layers, specs, model.torch_dtype, device, bounded)
     if model.is_mla:
         return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,
                          c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype,
@@ -114,9 +132,11 @@ class ModelRunner:
             if self.device.type != "cpu":
                 self.draft.to(self.device)
         self.cpu_pack_policy = self._pack_cpu_linears(device_config, compile_config)  # None: F.linear
-        self.kv_budget = kv_pool_budget(model_config, cache_config, parallel, device, self.speculative.draft_layers)
-        self.pool = create_kv_pool(model_config, cache_config, parallel, device, self.speculative.draft_layers,
-                                   self.kv_budget)
+        spec = self.speculative
+        rollback = (spec.num_draft_tokens or spec.num_steps + 1) if spec.enabled else 0
+        self.kv_budget = kv_pool_budget(model_config, cache_config, parallel, device, spec.draft_layers, rollback)
+        self.pool = create_kv_pool(model_config, cache_config, parallel, device, spec.draft_layers, self.kv_budget,
+                                   rollback)
         # Speculation reads every token row's hidden state of an extend (draft extend input).
         self.capture_hidden = self.speculative.enabled
         self.step_hidden: torch.Tensor | None = None  # [T, hidden] of the latest forward, if captured
@@ -167,7 +187,7 @@ class ModelRunner:
         kv_slots = req_to_token[rows, :max_len].to(self.device)  # [B, L]
         return ForwardBatch(batch.mode, t(batch.input_ids), t(batch.positions), t(batch.out_cache_loc),
                             prefix, ext, seq, kv_slots, self.pool, self.backend, self.layer_hook,
-                            batch.req_uids)
+                            batch.req_uids, req_rows=tuple(batch.rows))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:

@@ -342,7 +342,7 @@ class RankSchedulerLoop:
         outputs = self.scheduler.step()
         self.scheduler.runner.end_step()
         if outputs and self.layout.is_dp_leader:
-            send_message(self.outbox, io.BatchTokenOutput(outputs, time.monotonic()))
+            send_message(self.outbox, io.BatchTokenOutput(outputs, time.monotonic(), self.scheduler.outputs_sampled_at))
 
     def handle(self, msg) -> None:
         handler = self.handlers.get(type(msg))

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,6 +102,14 @@ class Scheduler:
         self.chunked: Req | None = None  # the request whose prefill is split over steps
         self.reqs: dict[str, Req] = {}
         self._pending: list[TokenOutput] = []
+        # time.monotonic() when the oldest sampled token in ``_pending`` was appended (0.0: none),
+        # and that stamp of the outputs ``step`` returned last (the frontend's handoff profile)
+        self._sampled_at = 0.0
+        self.outputs_sampled_at = 0.0
+        # Set by whoever sends the outputs (the scheduler process's loop): a step about to run an
+        # extend forward hands it the outputs already due, so a decode token sampled before a long
+        # prefill reaches its client before that prefill runs, not after.
+        self.emit: Callable[[list[TokenOutput], float], None] | None = None
         self._arrivals = itertools.count()
         self._uids = itertools.count()  # Req.uid: never reused, unlike a client's rid
         self.num_retractions = 0
@@ -270,6 +279,7 @@ class Scheduler:
         batch = self._schedule_extend()
         if batch is not None:
             self.sync()  # an extend samples on this thread, after the step in flight
+            self._emit_due()
             self._run_extend(*batch)
         elif self.running:
             self.decode_step.run()
@@ -277,10 +287,19 @@ class Scheduler:
             self.sync()
             if self.grammar.pending and (self.waiting or self.parked) and not self._pending:
                 self.grammar.wait(GRAMMAR_IDLE_WAIT_S)  # only compiles are left to run: wait for one, do not spin
-        out, self._pending = self._pending, []
+        out, self.outputs_sampled_at = self._take_outputs()
         if self.kv_events is not None:
             self.kv_events.flush()
         return out
+
+    def _take_outputs(self) -> tuple[list[TokenOutput], float]:
+        out, at = self._pending, self._sampled_at
+        self._pending, self._sampled_at = [], 0.0
+        return out, at
+
+    def _emit_due(self) -> None:
+        if self.emit is not None and self._pending:
+            self.emit(*self._take_outputs())
 
     def _poll_grammars(self) -> None:
         """Compiles that finished: failed ones end their request (a 400 naming the field), parked
@@ -560,6 +579,8 @@ class Scheduler:
     def _append_sampled(self, reqs: list[Req], res: SampleResult, top_ks: list[int] | None,
                         advanced: list[bool] | None) -> None:
         """Append each request's sampled token, end the requests it finishes, queue the outputs."""
+        if not self._sampled_at:
+            self._sampled_at = time.monotonic()
         for i, (req, tok) in enumerate(zip(reqs, res.tokens)):
             req.append_output(tok)
             lp = top = None

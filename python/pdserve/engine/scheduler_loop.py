@@ -9,7 +9,8 @@ messages is counted and dropped. The processes that run these loops are started 
 Loop contract (throughput depends on it):
 - while the scheduler has work, incoming messages are drained without blocking
   and ``step()`` runs back to back;
-- every step's outputs leave as ONE ``BatchTokenOutput`` message;
+- every step's outputs leave as ONE ``BatchTokenOutput`` message (a step that runs an extend
+  first sends the decode tokens already sampled, so they do not wait out the prefill);
 - when idle, the loop blocks on the socket with a poll timeout (never spins).
 """
 
@@ -111,9 +112,20 @@ class SchedulerLoop:
                 break
 
     def run_step(self) -> None:
-        outputs = self.scheduler.step()
+        early = hasattr(self.scheduler, "emit")  # Scheduler's: outputs due before an extend leave at once
+        if early:
+            self.scheduler.emit = self.send_outputs
+        try:
+            outputs = self.scheduler.step()
+        finally:
+            if early:
+                self.scheduler.emit = None
+        self.send_outputs(outputs, getattr(self.scheduler, "outputs_sampled_at", 0.0))
+
+    def send_outputs(self, outputs: list[io_struct.TokenOutput], sampled_at: float = 0.0) -> None:
+        """One message for ``outputs`` (also the scheduler's ``emit``: outputs due before a long forward)."""
         if outputs:
-            send_message(self.send, io_struct.BatchTokenOutput(outputs, time.monotonic()))
+            send_message(self.send, io_struct.BatchTokenOutput(outputs, time.monotonic(), sampled_at))
 
     def drain(self, block: bool) -> bool:
         """Handle every queued frontend message; if ``block``, first wait up to the idle poll

@@ -595,7 +595,7 @@ class TokenizerManager:
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, BatchTokenOutput):
-            self._route_outputs(msg.outputs, msg.sent_at)
+            self._route_outputs(msg.outputs, msg.sent_at, msg.sampled_at)
         elif isinstance(msg, RejectedReq):
             self._reject(msg)
         elif isinstance(msg, StatsResp):
@@ -611,9 +611,9 @@ class TokenizerManager:
         else:
             logger.warning("frontend: unexpected message %s", type(msg).__name__)
 
-    def _route_outputs(self, outputs: list[TokenOutput], sent_at: float = 0.0) -> None:
+    def _route_outputs(self, outputs: list[TokenOutput], sent_at: float = 0.0, sampled_at: float = 0.0) -> None:
         arrived = handoff.now()
-        self.handoff.socket(sent_at, arrived)
+        self.handoff.socket(sent_at, arrived, sampled_at)
         now = time.perf_counter()
         for o in outputs:
             state = self._reqs.get(o.rid)

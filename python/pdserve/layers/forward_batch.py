@@ -54,6 +54,9 @@ class ForwardBatch:
     # Identity of the requests in order (Req.uid: unique for the scheduler's life, never a
     # client-chosen rid); lets a backend recognise the same decode batch across steps.
     req_uids: tuple[int, ...] | None = None
+    # Rows of the req->token table, in order: the slot of a per-request record (DeepSeek-V4's
+    # bounded state, mem/region_pool.py), which the cache manager gives and takes with the row.
+    req_rows: tuple[int, ...] | None = None
     # Set once per forward by the model runner: ``attn_backend.prepare(self)``.
     attn_metadata: AttentionMetadata | None = None
     # DP attention: tokens of every attention group this step ([attn DP size]), agreed by the

@@ -101,6 +101,7 @@ class KVCacheManager:
         self.page_size = page_size
         self.hash_key = hash_key  # of the block hash chain (mem/radix_cache.py) and the storage namespace
         self.allocator = PageAllocator(num_pages)
+        self.pool = pool  # told when a table row changes hands (a per-request record lives there)
         # The cache returns the pages it lets go of (evicted, duplicates, flushed); freed here only.
         self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool, storage_compat)
         self.table = ReqToTokenTable(max_reqs, max_context_len, page_size)
@@ -113,7 +114,8 @@ class KVCacheManager:
     def _make_cache(self, disable: bool, hicache: HiCacheConfig | None, pool: KVPool | None,
                     compat: Mapping[str, object] | None) -> RadixCache:
         if hicache is None or not hicache.enabled:
-            return RadixCache(self.allocator, self.page_size, disable=disable, hash_key=self.hash_key)
+            return RadixCache(self.allocator, self.page_size, disable=disable, hash_key=self.hash_key,
+                              reuse_tokens=pool.reuse_tokens if pool is not None else self.page_size)
         if pool is None:
             raise ValueError("enable_hierarchical_cache: the host tier needs the device KV pool")
         host = HostKVPool(pool, hicache.num_host_pages(self.allocator.num_pages, host_page_bytes(pool)),
@@ -301,6 +303,8 @@ class KVCacheManager:
         row = self.table.alloc_row()
         if row is None:
             return False
+        if self.pool is not None:
+            self.pool.take_row(row)
         match = self.cache.match_prefix(tokens, req.cache_salt)
         self.cache.lock(match.node)
         req.row, req.cache_node = row, match.node

@@ -46,6 +46,8 @@ class KVBudget:
     num_pages: int
     page_size: int
     memory: DeviceMemory | None = None  # what the device had, when a budget was measured against it
+    # per-request records beside the pages (DeepSeek-V4's bounded layout), taken from the budget first
+    record_bytes: int = 0
 
     @property
     def max_total_tokens(self) -> int:
@@ -60,6 +62,8 @@ class KVBudget:
             "source": self.source, "budget_bytes": self.budget_bytes, "bytes_per_token": self.bytes_per_token,
             "num_pages": self.num_pages, "page_size": self.page_size, "max_total_tokens": self.max_total_tokens,
             "pool_bytes": self.pool_bytes}
+        if self.record_bytes:
+            info["record_bytes"] = self.record_bytes
         if self.memory is not None:
             info["device_memory"] = {"device": self.memory.device, "total": self.memory.total,
                                      "available": self.memory.available, "used": self.memory.used}
@@ -69,6 +73,8 @@ class KVBudget:
         """One line for the start-up log."""
         pool = f"{self.num_pages} pages x {self.page_size} tokens = {self.max_total_tokens} tokens, " \
                f"{_gib(self.pool_bytes)} at {self.bytes_per_token} B/token"
+        if self.record_bytes:
+            pool += f" + {_gib(self.record_bytes)} of per-request records"
         if self.source == "max_total_tokens":
             return f"{pool} (--max-total-tokens)"
         if self.source == "mem_fraction_static" and self.memory is not None:
@@ -107,19 +113,23 @@ def budget_bytes(kv_cache_memory_bytes: int | None, mem_fraction_static: float |
 
 def size_pool(page_size: int, bytes_per_token: int, max_total_tokens: int | None,
               kv_cache_memory_bytes: int | None = None, mem_fraction_static: float | None = None,
-              memory: DeviceMemory | None = None) -> KVBudget:
+              memory: DeviceMemory | None = None, record_bytes: int = 0) -> KVBudget:
     """The pool's pages: ``max_total_tokens`` alone sizes it exactly; a byte budget gives
-    ``budget // bytes_per_token`` tokens (capped by ``max_total_tokens`` when both are given), at
-    least one page."""
+    ``(budget - record_bytes) // bytes_per_token`` tokens (capped by ``max_total_tokens`` when both are
+    given), at least one page. ``record_bytes``: per-request records allocated beside the pages."""
     if bytes_per_token < 1:
         raise ValueError(f"bytes_per_token: must be >= 1, got {bytes_per_token}")
     if max_total_tokens is not None and kv_cache_memory_bytes is None and mem_fraction_static is None:
-        return KVBudget("max_total_tokens", None, bytes_per_token, max(1, max_total_tokens // page_size), page_size)
+        return KVBudget("max_total_tokens", None, bytes_per_token, max(1, max_total_tokens // page_size), page_size,
+                        record_bytes=record_bytes)
     source, budget = budget_bytes(kv_cache_memory_bytes, mem_fraction_static, memory)
-    tokens = budget // bytes_per_token
+    if record_bytes >= budget:
+        raise ValueError(f"{source}: the budget of {budget} B leaves nothing for pages after {record_bytes} B of "
+                         f"per-request state records (lower --max-running-requests or raise the budget)")
+    tokens = (budget - record_bytes) // bytes_per_token
     if max_total_tokens is not None:
         tokens = min(tokens, max_total_tokens)
-    return KVBudget(source, budget, bytes_per_token, max(1, tokens // page_size), page_size, memory)
+    return KVBudget(source, budget, bytes_per_token, max(1, tokens // page_size), page_size, memory, record_bytes)
 
 
 def host_memory() -> DeviceMemory:

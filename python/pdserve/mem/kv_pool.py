@@ -81,6 +81,18 @@ class KVPool(ABC):
     def is_fp8(self) -> bool:
         return self.dtype == FP8_DTYPE
 
+    @property
+    def reuse_tokens(self) -> int:
+        """A cached prefix is reusable at multiples of this many tokens (a page for a pool whose
+        every page boundary restores the whole state; more where state is kept only at
+        boundaries, mem/region_pool.py)."""
+        return self.page_size
+
+    def take_row(self, row: int) -> None:
+        """Request-table row ``row`` changed hands (the cache manager calls this at admission): a pool
+        keeping a per-request record there forgets what it held for the last owner. None here."""
+        return None
+
     def _check_scales(self, **scales: float) -> None:
         for name, value in scales.items():
             if not value > 0:

@@ -167,9 +167,16 @@ class RadixCache:
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False,
-                 sink: KVEventSink | None = None, medium: str = MEDIUM_GPU, hash_key: bytes = b""):
+                 sink: KVEventSink | None = None, medium: str = MEDIUM_GPU, hash_key: bytes = b"",
+                 reuse_tokens: int | None = None):
+        """``reuse_tokens``: a match is shortened to a multiple of it (``KVPool.reuse_tokens``: where the
+        pool keeps what a prefix's continuation needs; a page by default)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        reuse_tokens = reuse_tokens or page_size
+        if reuse_tokens % page_size:
+            raise ValueError(f"reuse_tokens: {reuse_tokens} is not a multiple of page_size {page_size}")
+        self.reuse_pages = reuse_tokens // page_size
         if len(hash_key) > 64:
             raise ValueError(f"hash_key: at most 64 bytes (BLAKE2b's key), got {len(hash_key)}")
         self.hash_key = hash_key
@@ -217,6 +224,7 @@ class RadixCache:
             return MatchResult(pages, 0, self._root)
         if not self.disable:
             now = self._tick()
+            path = [node]
             for key in self._blocks(_token_list(token_ids)):
                 child = node.children.get(key)
                 if child is None or child.page is None:
@@ -225,6 +233,10 @@ class RadixCache:
                 child.hits += 1
                 pages.append(child.cached_page)
                 node = child
+                path.append(node)
+            # A hit ends only where the pool can restore the state (a reusable boundary), never past it.
+            del pages[len(pages) // self.reuse_pages * self.reuse_pages:]
+            node = path[len(pages)]
         return MatchResult(pages, len(pages) * self.page_size, node if pages else self._root)
 
     # ---- locking -----------------------------------------------------------------

@@ -84,6 +84,8 @@ class CausalLM(nn.Module):
     - ``forward(fb)`` -> final-normed hidden states [T, H]; it writes this step's KV into
       ``fb.kv_pool`` through ``fb.attn_backend`` (one write per layer) and nothing else.
     - ``compute_logits(hidden [N, H])`` -> [N, V] float32.
+    - ``hidden_width``: H, the width of a row ``forward`` returns (what a disaggregated prefill
+      sends as a request's aux row); ``hidden_size`` unless the model hands on more.
     - ``load_weights(weights)`` fills every parameter from HF-named tensors, then derives
       whatever the layers precompute (``process_weights_after_loading``).
     """
@@ -97,6 +99,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    @property
+    def hidden_width(self) -> int:
+        return int(self.config.hidden_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self, weights)

@@ -5,8 +5,14 @@ DeepSeek's names (``layers.N.attn.wq_a``, ``ffn.experts.E.w1`` …, which transf
 on load by ``module_key``. The checkpoint's MTP layer (``mtp.0.*``) is loaded only as NEXTN's draft
 (models/deepseek_v4_mtp.py).
 
-Legend: T tokens, Hd hidden, n hc_mult (residual streams), E routed experts, k experts per token,
-I moe_intermediate_size, V vocab.
+Legend: T tokens, Hd hidden, n hc_mult (residual streams), E routed experts (El on this EP rank), k experts
+per token, I moe_intermediate_size (on this TP rank), V vocab.
+
+Under TP/EP the attention splits its query heads (models/deepseek_v4_attention.py); the MoE splits as
+DeepSeek-V3's (layers/moe): without EP every rank holds every expert's I / p slice, with EP (ep_size =
+tp_size) each rank holds E / ep experts whole; the shared expert is TP-split either way, and one
+all-reduce sums both. Router (hash table included), hyper-connections, norms and the embedding's
+replicated work stay whole on every rank, so the n streams are identical everywhere.
 
 Every layer keeps n streams [T, n, Hd]. A hyper-connection computes from them (flattened, normed)
 three mixes: ``pre`` [T, n] collapses the streams into the block's input, ``post`` [T, n] spreads the
@@ -24,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed.parallel_state import ParallelState
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.layers.forward_batch import ForwardBatch
-from pdserve.layers.linear import ReplicatedLinear
+from pdserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding, get_rope
-from pdserve.layers.weights import WeightEntry, copy_into
+from pdserve.layers.weights import WeightEntry, check_shape, copy_into
 from pdserve.models.base import CausalLM, load_into
 from pdserve.models.deepseek_v4_attention import SLIDING, DeepseekV4Attention, unweighted_rms_norm
 
@@ -93,14 +99,15 @@ class HyperHead(nn.Module):
 
 
 class ClampedMLP(nn.Module):
-    """The shared expert: SwiGLU with gate <= limit and |up| <= limit (``swiglu_limit``)."""
+    """The shared expert: SwiGLU with gate <= limit and |up| <= limit (``swiglu_limit``). Under TP each
+    rank holds I / p of it and returns its partial sum (the MoE block reduces)."""
 
-    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype, parallel: ParallelState = SINGLE):
         super().__init__()
         self.limit = limit
-        self.gate_proj = ReplicatedLinear(hidden, inter, False, dtype)
-        self.up_proj = ReplicatedLinear(hidden, inter, False, dtype)
-        self.down_proj = ReplicatedLinear(inter, hidden, False, dtype)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, parallel, dtype=dtype)
+        self.up_proj = ColumnParallelLinear(hidden, inter, parallel, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, parallel, dtype=dtype, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
@@ -145,46 +152,87 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as transformers stores them: ``gate_up_proj`` [E, 2I, Hd], ``down_proj`` [E, Hd, I]."""
+    """Routed experts as transformers stores them: ``gate_up_proj`` [El, 2I, Hd], ``down_proj`` [El, Hd, I]
+    (rank r of EP holds experts r El .. (r + 1) El whole; without EP, TP rank r holds rows i_start.. of I)."""
 
     gate_up_proj_scale: torch.Tensor  # held FP4 only (keep_fp4): uint8 [E, 2I, Hd / 32]
     down_proj_scale: torch.Tensor  # held FP4 only: uint8 [E, Hd, I / 32]
 
-    def __init__(self, c, dtype: torch.dtype):
+    def __init__(self, c, dtype: torch.dtype, parallel: ParallelState = SINGLE):
         super().__init__()
         E, I, Hd = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
-        self.limit = c.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, Hd, dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(E, Hd, I, dtype=dtype), requires_grad=False)
+        if E % parallel.ep_size:
+            raise ValueError(f"n_routed_experts: {E} is not divisible by ep_size={parallel.ep_size}")
+        self.limit, self.num_experts, self.full_i = c.swiglu_limit, E, I
+        El = E // parallel.ep_size
+        self.expert_start = parallel.ep_rank * El
+        i_lo, i_hi = parallel.shard(I) if parallel.ep_size == 1 else (0, I)  # under EP an expert lives whole
+        self.i_start, Il = i_lo, i_hi - i_lo
+        self.gate_up_proj = nn.Parameter(torch.empty(El, 2 * Il, Hd, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(El, Hd, Il, dtype=dtype), requires_grad=False)
+        self.is_split = El != E or Il != I
 
     def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
         """DeepSeek's per-expert ``{e}.w1`` (gate), ``w3`` (up), ``w2`` (down), as shipped; or the fused
-        tensors transformers holds in memory (our dummy weights)."""
+        tensors transformers holds in memory (our dummy weights). Another EP rank's experts are
+        accepted and dropped."""
+        if self.gate_up_proj.dtype != torch.int8:
+            yield from self._split_entries(prefix)
+            return
+        # held FP4 (keep_fp4, never split): the packed pairs and their ue8m0 scales, copied whole
         E, I = self.gate_up_proj.shape[0], self.gate_up_proj.shape[1] // 2
         pieces = {"w1": lambda e: self.gate_up_proj[e, :I], "w3": lambda e: self.gate_up_proj[e, I:],
                   "w2": lambda e: self.down_proj[e]}
-        for e in range(E):
-            for name, dst in pieces.items():
-                key = f"{prefix}.{e}.{name}.weight"
-                yield WeightEntry(key, partial(copy_into, key, dst(e)), (key,))
-        if self.gate_up_proj.dtype == torch.int8:  # held FP4 (keep_fp4): the ue8m0 scales, same pieces
-            scales = {"w1": lambda e: self.gate_up_proj_scale[e, :I], "w3": lambda e: self.gate_up_proj_scale[e, I:],
-                      "w2": lambda e: self.down_proj_scale[e]}
+        scales = {"w1": lambda e: self.gate_up_proj_scale[e, :I], "w3": lambda e: self.gate_up_proj_scale[e, I:],
+                  "w2": lambda e: self.down_proj_scale[e]}
+        for suffix, dsts in (("weight", pieces), ("weight_scale_inv", scales)):
             for e in range(E):
-                for name, dst in scales.items():
-                    key = f"{prefix}.{e}.{name}.weight_scale_inv"
+                for name, dst in dsts.items():
+                    key = f"{prefix}.{e}.{name}.{suffix}"
                     yield WeightEntry(key, partial(copy_into, key, dst(e)), (key,))
-            return
+
+    def _split_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        El = self.gate_up_proj.shape[0]
+        mine = range(self.expert_start, self.expert_start + El)
+        for e in range(self.num_experts):
+            for name in ("w1", "w3", "w2"):
+                key = f"{prefix}.{e}.{name}.weight"
+                yield WeightEntry(key, partial(self._load_one, key, e, name), (key,) if e in mine else ())
         for fused, names in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
             key = f"{prefix}.{fused}"
-            units = tuple(f"{prefix}.{e}.{n}.weight" for e in range(E) for n in names)
-            yield WeightEntry(key, partial(copy_into, key, getattr(self, fused)), units, canonical=False)
+            units = tuple(f"{prefix}.{e}.{n}.weight" for e in mine for n in names)
+            yield WeightEntry(key, partial(self._load_fused, key, names), units, canonical=False)
+
+    def _load_one(self, key: str, expert: int, name: str, src: torch.Tensor) -> None:
+        """One expert's w1/w3 [I, Hd] or w2 [Hd, I], whole: this rank's slice of I, if the expert is its."""
+        e, Il, i0 = expert - self.expert_start, self.down_proj.shape[-1], self.i_start
+        if not 0 <= e < self.gate_up_proj.shape[0]:
+            return  # another EP rank's expert
+        Hd = self.down_proj.shape[1]
+        if name == "w2":
+            check_shape(key, src, (Hd, self.full_i))
+            copy_into(key, self.down_proj.data[e], src[:, i0:i0 + Il])
+        else:
+            check_shape(key, src, (self.full_i, Hd))
+            row = 0 if name == "w1" else Il
+            copy_into(key, self.gate_up_proj.data[e, row:row + Il], src[i0:i0 + Il])
+
+    def _load_fused(self, key: str, names: tuple[str, ...], src: torch.Tensor) -> None:
+        """transformers' fused ``gate_up_proj`` [E, 2I, Hd] (gate rows, then up) or ``down_proj`` [E, Hd, I]."""
+        E, I, Hd = self.num_experts, self.full_i, self.down_proj.shape[1]
+        check_shape(key, src, (E, 2 * I, Hd) if len(names) == 2 else (E, Hd, I))
+        for e in range(E):
+            for j, name in enumerate(names):
+                self._load_one(key, e, name, src[e, j * I:(j + 1) * I] if len(names) == 2 else src[e])
 
     def keep_fp4(self, prefix: str) -> set[str]:
         """Hold the experts as an FP4 checkpoint ships them (GPU: layers/quant/fp4.fused_moe_fp4 runs them);
-        returns the (module-named) checkpoint keys to load as packed pairs."""
+        returns the (module-named) checkpoint keys to load as packed pairs. Split experts (TP, EP) are
+        not held: fused_moe_fp4 takes every expert whole, so they load dequantized."""
         from pdserve.layers.quant.fp4 import hold_fp4
 
+        if self.is_split:
+            return set()
         hold_fp4(self, "gate_up_proj")
         hold_fp4(self, "down_proj")
         return {f"{prefix}.{e}.{n}.weight" for e in range(self.gate_up_proj.shape[0]) for n in ("w1", "w2", "w3")}
@@ -197,36 +245,51 @@ class Experts(nn.Module):
             return fused_moe_fp4(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,
                                  weights.float(), experts, self.limit)
         out = torch.zeros_like(x)
+        El = self.gate_up_proj.shape[0]
         for e in experts.unique().tolist():
+            if not 0 <= e - self.expert_start < El:
+                continue  # another EP rank's expert
             tok, slot = (experts == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[tok, slot, None]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e - self.expert_start]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e - self.expert_start]) \
+                * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, c, layer_id: int, dtype: torch.dtype, kind: str | None = None):
+    """Input x [T, Hd], the same on every rank; each rank's routed experts (its slice of I, or its EP
+    experts) and shared-expert slice give partial sums, reduced by one all-reduce (two when the EP
+    group is not the TP group)."""
+
+    def __init__(self, c, layer_id: int, dtype: torch.dtype, kind: str | None = None, parallel: ParallelState = SINGLE):
         super().__init__()
+        self.parallel = parallel
         self.gate = Router(c, (kind or c.mlp_layer_types[layer_id]) == "hash_moe", dtype)
-        self.experts = Experts(c, dtype)
-        self.shared_experts = ClampedMLP(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
+        self.experts = Experts(c, dtype, parallel)
+        self.shared_experts = ClampedMLP(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype, parallel)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, input_ids)
-        return self.experts(x, weights, experts) + self.shared_experts(x)
+        routed, shared = self.experts(x, weights, experts), self.shared_experts(x)  # [T, Hd] partial sums each
+        par = self.parallel
+        if par.ep_size == 1:
+            return par.tp_all_reduce(routed + shared)
+        if par.ep_is_tp:
+            return par.ep_all_reduce(routed + shared)
+        return par.ep_all_reduce(routed) + par.tp_all_reduce(shared)
 
 
 class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, c, layer_id: int, ropes: nn.ModuleDict, dtype: torch.dtype,
-                 kinds: tuple[str, str] | None = None):
+                 kinds: tuple[str, str] | None = None, parallel: ParallelState = SINGLE):
         """``kinds``: (attention kind, MLP kind) of a layer outside ``layer_types`` (the MTP layer)."""
         super().__init__()
         attn_kind, mlp_kind = kinds or (c.layer_types[layer_id], c.mlp_layer_types[layer_id])
         rope = ropes["main" if attn_kind == SLIDING else "compress"]
         assert isinstance(rope, RotaryEmbedding)
-        self.self_attn = DeepseekV4Attention(c, layer_id, rope, dtype, attn_kind)
-        self.mlp = SparseMoE(c, layer_id, dtype, mlp_kind)
+        self.self_attn = DeepseekV4Attention(c, layer_id, rope, dtype, attn_kind, parallel.attention)
+        self.mlp = SparseMoE(c, layer_id, dtype, mlp_kind, parallel)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.attn_hc = HyperConnection(c)
@@ -248,8 +311,8 @@ class DeepseekV4Model(nn.Module):
         table = min(int(c.max_position_embeddings), 4096)  # grown on demand (ensure_capacity)
         self.ropes = nn.ModuleDict({name: get_rope(R, table, c.rope_parameters[name], interleaved=True, dtype=dtype)
                                     for name in ("main", "compress")})
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel, dtype)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i, self.ropes, dtype)
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, parallel.attention, dtype)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i, self.ropes, dtype, parallel=parallel)
                                     for i in range(c.num_hidden_layers))
         self.hc_head = HyperHead(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -278,7 +341,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__()
         self.config = c = hf_config
         check_config(c)
-        self.model = DeepseekV4Model(c, parallel.attention, dtype)  # type: ignore[assignment]
+        self.model = DeepseekV4Model(c, parallel, dtype)  # type: ignore[assignment]
         tie = self.model.embed_tokens if getattr(c, "tie_word_embeddings", False) else None
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, parallel.attention, dtype, tie_to=tie)
         # With NEXTN the MTP layer reads the target's n streams, not their collapse: forward then
@@ -292,6 +355,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         model = self.model
         assert isinstance(model, DeepseekV4Model)
         return self.lm_head(model.collapse(hidden) if self.hidden_streams else hidden)
+
+    @property
+    def hidden_width(self) -> int:
+        """n Hd while a draft reads the streams (so a P/D aux row carries every stream), else Hd."""
+        c = self.config
+        return int(c.hidden_size) * (int(c.hc_mult) if self.hidden_streams else 1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self, ((module_key(name), tensor) for name, tensor in weights))

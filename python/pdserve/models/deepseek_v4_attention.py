@@ -3,30 +3,41 @@ plus, on compressed layers, entries pooled from the source tokens by a gated com
 m tokens over two overlapping series, a lightning indexer picking each query's top-k entries; HCA:
 every m' tokens, all attended). Checkpoint names as transformers' ``DeepseekV4Attention``.
 
-Legend: T tokens, Hd hidden, H heads, D head_dim, R rope dims (the trailing R of a row), Q q_lora_rank,
-m compression rate, W sliding window, Hi/Di index heads/head dim, E compressed entries, K keys read,
-G o_groups, Ro o_lora_rank, n series (2 for CSA's overlap, 1 for HCA).
+Legend: T tokens, Hd hidden, H heads (on this TP rank), D head_dim, R rope dims (the trailing R of a row),
+Q q_lora_rank, m compression rate, W sliding window, Hi/Di index heads/head dim, E compressed entries, K keys read,
+G o_groups (on this TP rank), Ro o_lora_rank, n series (2 for CSA's overlap, 1 for HCA).
 
-State (docs/kv-cache.md, "What is built for DeepSeek-V4"), all per token slot in a RegionKVPool:
-``window_kv`` the raw K=V row of every token; ``{csa,hca}_src`` the compressor's projected source
-rows and gates; ``{csa,hca}_kv`` compressed entry w, written in the slot of the window's last
-token (position (w + 1) m - 1) when that token is computed; for CSA ``csa_index_src`` and
-``csa_index_k`` the indexer's. The reference's open-window record (the unfinished window's sources
-and CSA's overlap slice) is read back from the source rows whenever a window closes, so nothing
-but token slots is kept, and every slot depends only on the tokens up to its own: a prefix hit
-restores exactly the state the prefix's forward wrote.
+Tensor parallelism splits the query heads (``q_b_proj`` column-parallel, the sinks) and with them
+the output groups: group g projects heads g H/G .. (g + 1) H/G, so a rank holding whole groups holds
+exactly its heads' ``o_a_proj`` blocks and the matching ``o_b_proj`` input columns (row-parallel, one
+all-reduce). The single K=V head, q_a, the compressors and the indexer stay replicated: every rank
+writes the same state, like MLA's latent, so P/D moves it from any one rank.
+
+State (docs/kv-cache.md, "What is built for DeepSeek-V4") in a RegionKVPool: ``window_kv`` the raw
+K=V rows; ``{csa,hca}_src`` the compressor's projected source rows and gates; ``{csa,hca}_kv``
+compressed entry w, kept with the window's last token (position (w + 1) m - 1) when that token is
+computed, one row per m tokens of the pages; for CSA ``csa_index_src`` and ``csa_index_k`` the
+indexer's. The rows before a step (the window's, the open windows' sources and CSA's overlap
+slice: the reference's open-window record) come from the pool's ``request_state``: every token's
+slot in the page layout, the request's record ring (or a reusable boundary's tails) in the bounded
+one. A step joins them to its own rows, pools the windows it closes, then keeps its rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+
 import torch
 from torch import nn
 
+from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.forward_batch import ForwardBatch
-from pdserve.layers.linear import ReplicatedLinear
+from pdserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
-from pdserve.mem.region_pool import RegionKVPool
+from pdserve.layers.weights import WeightEntry, check_shape, copy_into
+from pdserve.mem.region_pool import RegionKVPool, RequestState
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -114,8 +125,9 @@ class Indexer(Compressor):
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """q [Tq, Hi, Di], w [Tq, Hi], keys [E, Di], visible [Tq, E] -> chosen [Tq, E]: the top ``index_topk``
         visible entries of each query (every visible one when it sees fewer)."""
-        s = torch.relu(torch.einsum("qhd,ed->qhe", q.float(), keys.float())) * self.width ** -0.5  # [Tq, Hi, E]
-        score = torch.einsum("qh,qhe->qe", w, s).masked_fill(~visible, float("-inf"))  # [Tq, E]
+        s = torch.einsum("qhd,ed->qhe", q.float(), keys.float()).relu_()  # [Tq, Hi, E]
+        # the scale folded into the [Tq, Hi] weights: one pass less over the [Tq, Hi, E] scores
+        score = torch.einsum("qh,qhe->qe", w * self.width ** -0.5, s).masked_fill_(~visible, float("-inf"))  # [Tq, E]
         top = score.topk(min(self.topk, keys.shape[0]), dim=-1).indices  # [Tq, k]
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
         return chosen & visible
@@ -130,15 +142,30 @@ class CSACompressor(Compressor):
 
 
 class GroupedLinear(nn.Module):
-    """``o_a_proj``: G independent blocks, weight [G Ro, In / G] with group g's rows at g Ro..(g+1) Ro."""
+    """``o_a_proj``: G independent blocks, weight [G Ro, In / G] with group g's rows at g Ro..(g+1) Ro;
+    under TP each rank holds its G / p groups' rows."""
 
-    def __init__(self, in_features: int, out_features: int, groups: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, groups: int, dtype: torch.dtype,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         if in_features % groups or out_features % groups:
             raise ValueError(f"o_groups: {groups} must divide num_attention_heads * head_dim ({in_features}) "
                              f"and o_groups * o_lora_rank ({out_features})")
-        self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // groups, dtype=dtype), requires_grad=False)
+        if groups % parallel.tp_size:
+            raise ValueError(f"o_groups: {groups} is not divisible by tp_size={parallel.tp_size} "
+                             f"(each rank projects whole output groups)")
+        self.full = (out_features, in_features // groups)  # the checkpoint tensor's shape
+        lo, hi = parallel.shard(out_features)
+        self.row_start, self.groups = lo, groups // parallel.tp_size
+        self.weight = nn.Parameter(torch.empty(hi - lo, in_features // groups, dtype=dtype), requires_grad=False)
+
+    def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        key = f"{prefix}.weight"
+        yield WeightEntry(key, partial(self._load, key), (key,))
+
+    def _load(self, key: str, src: torch.Tensor) -> None:
+        check_shape(key, src, self.full)
+        copy_into(key, self.weight.data, src.narrow(0, self.row_start, self.weight.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, In / G] -> [T, G Ro]."""
@@ -155,20 +182,25 @@ class DeepseekV4Attention(nn.Module):
     # (window + compressed entries wide) instead of the chunk's length squared.
     QUERY_BLOCK = 256
 
-    def __init__(self, c, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype, kind: str | None = None):
-        """``kind``: the attention kind of a layer outside ``layer_types`` (the MTP layer's, sliding)."""
+    def __init__(self, c, layer_id: int, rope: RotaryEmbedding, dtype: torch.dtype, kind: str | None = None,
+                 parallel: ParallelState = SINGLE):
+        """``kind``: the attention kind of a layer outside ``layer_types`` (the MTP layer's, sliding);
+        ``parallel``: the attention's TP split (query heads and output groups)."""
         super().__init__()
         self.layer_id, self.kind = layer_id, kind or c.layer_types[layer_id]
-        self.H, self.D, self.W = c.num_attention_heads, c.head_dim, c.sliding_window
-        self.eps, self.G = c.rms_norm_eps, c.o_groups
+        H_all, self.D, self.W = c.num_attention_heads, c.head_dim, c.sliding_window
+        self.head_start, head_end = parallel.shard(H_all)
+        self.H, self.H_all = head_end - self.head_start, H_all
+        self.eps = c.rms_norm_eps
         self.rope = rope  # "main" for sliding layers, "compress" for CSA/HCA (shared, not a checkpoint tensor)
         self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, False, dtype)
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
-        self.q_b_proj = ReplicatedLinear(c.q_lora_rank, self.H * self.D, False, dtype)
+        self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, H_all * self.D, parallel, dtype=dtype)
         self.kv_proj = ReplicatedLinear(c.hidden_size, self.D, False, dtype)
         self.kv_norm = RMSNorm(self.D, c.rms_norm_eps, dtype)
-        self.o_a_proj = GroupedLinear(self.H * self.D, self.G * c.o_lora_rank, self.G, dtype)
-        self.o_b_proj = ReplicatedLinear(self.G * c.o_lora_rank, c.hidden_size, False, dtype)
+        self.o_a_proj = GroupedLinear(H_all * self.D, c.o_groups * c.o_lora_rank, c.o_groups, dtype, parallel)
+        self.G = self.o_a_proj.groups
+        self.o_b_proj = RowParallelLinear(c.o_groups * c.o_lora_rank, c.hidden_size, parallel, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32), requires_grad=False)
         self.compressor: Compressor | None = None
         if self.kind != SLIDING:
@@ -176,6 +208,15 @@ class DeepseekV4Attention(nn.Module):
             self.compressor = (CSACompressor(c, rate, dtype) if self.kind == CSA
                                else Compressor(c.hidden_size, self.D, rate, False, c.rms_norm_eps, dtype))
         self.region = {CSA: "csa", HCA: "hca"}.get(self.kind, "")
+
+    def weight_entries(self, prefix: str) -> Iterator[WeightEntry]:
+        """The sinks, one per head: this rank's heads' (the submodules list their own tensors)."""
+        key = f"{prefix}.sinks"
+        yield WeightEntry(key, partial(self._load_sinks, key), (key,))
+
+    def _load_sinks(self, key: str, src: torch.Tensor) -> None:
+        check_shape(key, src, (self.H_all,))
+        copy_into(key, self.sinks.data, src.narrow(0, self.head_start, self.H))
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x [T, Hd] -> [T, Hd]; writes this step's rows of every region of the layer, then attends."""
@@ -186,59 +227,79 @@ class DeepseekV4Attention(nn.Module):
         kv = rotate_tail(self.kv_norm(self.kv_proj(x)), self.rope, pos)  # [T, D]
         pool = fb.kv_pool
         assert isinstance(pool, RegionKVPool), "DeepSeek-V4 runs over a RegionKVPool (engine/model_runner.py)"
-        pool.set_rows("window_kv", self.layer_id, fb.out_cache_loc, kv)
         index_q = None
-        if self.compressor is not None:
-            self._write_compressed(self.compressor, self.region, x, fb)
-            if isinstance(self.compressor, CSACompressor):
-                indexer = self.compressor.indexer
-                self._write_compressed(indexer, "csa_index", x, fb)
-                index_q = indexer.queries(x, q_resid, self.rope, pos)
+        if isinstance(self.compressor, CSACompressor):
+            index_q = self.compressor.indexer.queries(x, q_resid, self.rope, pos)
+        window = [self._write_request(b, x, kv, fb) for b in range(fb.batch_size)]  # [Kb, D] each
         fb.kv_written(self.layer_id)
-        o = torch.cat([self._attend_request(b, q, index_q, fb) for b in range(fb.batch_size)])  # [T, H, D]
+        o = torch.cat([self._attend_request(b, q, index_q, window[b], fb) for b in range(fb.batch_size)])  # [T, H, D]
         o = rotate_tail(o, self.rope, pos, inverse=True)
         return self.o_b_proj(self.o_a_proj(o.reshape(T, self.G, -1)))  # [T, Hd]
 
-    def _write_compressed(self, comp: Compressor, region: str, x: torch.Tensor, fb: ForwardBatch) -> None:
-        """Store this step's source rows, then pool every window a token of this step closes and store
-        its entry in that token's slot (sources read back from the pool: earlier steps wrote them)."""
-        pool, m = fb.kv_pool, comp.rate
+    def _write_request(self, b: int, x: torch.Tensor, kv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Request b's step: pool every compressor window one of its tokens closes (entries into the
+        pages), keep its window and source rows (pages, or the record and boundary tails), and return
+        its window rows [Kb, D] of positions max(0, p0 - W + 1)..p0 + n - 1, read before they were kept."""
+        pool = fb.kv_pool
         assert isinstance(pool, RegionKVPool)
-        pool.set_rows(f"{region}_src", self.layer_id, fb.out_cache_loc, comp.sources(x))
-        closing = ((fb.positions + 1) % m == 0).nonzero().squeeze(1)  # [E] token index in the step
+        t0, n, p0 = int(fb.extend_lens[:b].sum()), int(fb.extend_lens[b]), int(fb.prefix_lens[b])
+        row = fb.req_rows[b] if fb.req_rows is not None else None
+        io = pool.request_state(self.layer_id, fb.kv_slots[b], p0, n, row)
+        window = torch.cat([io.prior("window_kv", max(0, p0 - self.W + 1)), kv[t0:t0 + n]])
+        io.keep("window_kv", kv[t0:t0 + n])
+        if self.compressor is not None:
+            self._compress(self.compressor, self.region, x[t0:t0 + n], io, fb, b)
+            if isinstance(self.compressor, CSACompressor):
+                self._compress(self.compressor.indexer, "csa_index", x[t0:t0 + n], io, fb, b)
+        io.done()
+        return window
+
+    def _compress(self, comp: Compressor, region: str, x: torch.Tensor, io: RequestState, fb: ForwardBatch,
+                  b: int) -> None:
+        """x [n, Hd] request b's step: its source rows joined to the open windows' earlier ones (and, for
+        CSA, the previous window's), every window a token of the step closes pooled into its entry, kept
+        in the slot of that window's last token; then the step's source rows kept."""
+        m, p0, n = comp.rate, io.p0, x.shape[0]
+        dev = x.device
+        start0 = max(0, p0 // m * m - (m if comp.n == 2 else 0))  # first source position still needed
+        src = comp.sources(x)  # [n, 2 n X]
+        rows = torch.cat([io.prior(f"{region}_src", start0), src])  # [p0 + n - start0, 2 n X]
+        io.keep(f"{region}_src", src)
+        pos = torch.arange(p0, p0 + n, device=dev)
+        closing = pos[(pos + 1) % m == 0]  # [E] positions closing a window
         if closing.numel() == 0:
             return
-        req = torch.repeat_interleave(torch.arange(fb.batch_size, device=x.device), fb.extend_lens)[closing]  # [E]
-        start = fb.positions[closing] + 1 - m  # [E] first position of each closing window
-        offs = torch.arange(m, device=x.device)
-        src_slots = fb.kv_slots[req[:, None], start[:, None] + offs]  # [E, m]
+        start = closing + 1 - m  # [E] first position of each closing window
+        offs = torch.arange(m, device=dev)
+        src_w = rows[(start - start0)[:, None] + offs]  # [E, m, 2 n X]
+        prev_w = rows[(start - m - start0).clamp(min=0)[:, None] + offs]  # [E, m, 2 n X] (read where start > 0)
         has_prev = start > 0
-        prev_slots = fb.kv_slots[req[:, None], (start[:, None] - m + offs).clamp(min=0)]  # [E, m]
-        src = pool.get_rows(f"{region}_src", self.layer_id, src_slots)
-        prev = pool.get_rows(f"{region}_src", self.layer_id, prev_slots)
-        entries = rotate_tail(comp.pool(src, prev, has_prev), self.rope, start)  # rope at the window's start
+        entries = rotate_tail(comp.pool(src_w, prev_w, has_prev), self.rope, start)  # rope at the window's start
         name = "csa_index_k" if region == "csa_index" else f"{region}_kv"
-        pool.set_rows(name, self.layer_id, fb.out_cache_loc[closing], entries)
+        io.pool.set_rows(name, self.layer_id, fb.kv_slots[b, closing], entries)
 
     def _attend_request(self, b: int, q: torch.Tensor, index_q: tuple[torch.Tensor, torch.Tensor] | None,
-                        fb: ForwardBatch) -> torch.Tensor:
+                        window: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Request b's queries -> [Tb, H, D], in blocks of QUERY_BLOCK queries."""
         start = int(fb.extend_lens[:b].sum())
         ext, pre = int(fb.extend_lens[b]), int(fb.prefix_lens[b])
-        return torch.cat([self._attend_block(b, start + lo, pre + lo, min(self.QUERY_BLOCK, ext - lo), q, index_q, fb)
+        first = max(0, pre - self.W + 1)  # position of window[0]
+        return torch.cat([self._attend_block(b, start + lo, pre + lo, min(self.QUERY_BLOCK, ext - lo), q, index_q,
+                                             window[max(0, pre + lo - self.W + 1) - first:], fb)
                           for lo in range(0, ext, self.QUERY_BLOCK)])
 
     def _attend_block(self, b: int, t0: int, p0: int, n: int, q: torch.Tensor,
-                      index_q: tuple[torch.Tensor, torch.Tensor] | None, fb: ForwardBatch) -> torch.Tensor:
-        """Tokens t0..t0+n-1 of the step (request b's positions p0..p0+n-1) over their window rows and
-        visible compressed entries -> [n, H, D]."""
+                      index_q: tuple[torch.Tensor, torch.Tensor] | None, window: torch.Tensor,
+                      fb: ForwardBatch) -> torch.Tensor:
+        """Tokens t0..t0+n-1 of the step (request b's positions p0..p0+n-1) over their window rows
+        (``window`` [>= Kw, D] from position max(0, p0 - W + 1)) and visible compressed entries -> [n, H, D]."""
         pool = fb.kv_pool
         assert isinstance(pool, RegionKVPool)
         dev, end = q.device, p0 + n
         qpos = torch.arange(p0, end, device=dev)  # [n]
         first = max(0, p0 - self.W + 1)
         kpos = torch.arange(first, end, device=dev)  # [Kw]
-        keys = pool.get_rows("window_kv", self.layer_id, fb.kv_slots[b, first:end])  # [Kw, D]
+        keys = window[:end - first]  # [Kw, D]
         allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.W)  # [n, Kw]
         if self.compressor is not None and end // self.compressor.rate:
             m, n_entries = self.compressor.rate, end // self.compressor.rate
@@ -249,6 +310,10 @@ class DeepseekV4Attention(nn.Module):
                 index_k = pool.get_rows("csa_index_k", self.layer_id, slots)  # [E, Di]
                 visible = self.compressor.indexer.select(index_q[0][t0:t0 + n], index_q[1][t0:t0 + n], index_k,
                                                          visible)
+                # only the entries some query of the block chose (at most n x index_topk, not all E):
+                # a long prompt's attention then grows with its length, not its square
+                chosen = visible.any(dim=0).nonzero().squeeze(1)  # [E']
+                entries, visible = entries[chosen], visible[:, chosen]
             keys = torch.cat([keys, entries])  # [K, D]
             allowed = torch.cat([allowed, visible], dim=1)  # [n, K]
         return self._sink_attention(q[t0:t0 + n], keys.to(q.dtype), allowed)

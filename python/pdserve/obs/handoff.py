@@ -5,6 +5,9 @@ Stages of one step's tokens, each timed on the frontend with the system-wide mon
 (the scheduler stamps ``BatchTokenOutput.sent_at`` with the same clock, so on one machine the
 socket stage spans both processes):
 
+- ``emit``: the step's oldest token sampled -> the scheduler sends the step's message (the rest of
+  the step: stop checks, outputs, and with overlap scheduling the scheduler's wait for the worker;
+  stamped by the scheduler as ``BatchTokenOutput.sampled_at``);
 - ``socket``: the scheduler's send -> the frontend holds the decoded message (encode, ZMQ, the
   frontend's wake-up, decode);
 - ``route``: the step's outputs to their requests, waking their coroutines (once per step);
@@ -18,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-STAGES = ("socket", "route", "wake", "detokenize", "write")
+STAGES = ("emit", "socket", "route", "wake", "detokenize", "write")
 WINDOW = 4096  # the latest samples of each stage kept for percentiles
 MAX_CROSS_PROCESS_S = 60.0  # a socket stage beyond this is two clocks (another node), not a wait
 
@@ -34,10 +37,13 @@ class HandoffProfile:
         self.samples[stage].append(seconds)
         self.counts[stage] += 1
 
-    def socket(self, sent_at: float, now: float) -> None:
-        """A frame stamped ``sent_at`` by the scheduler arrived ``now`` (both ``time.monotonic``)."""
+    def socket(self, sent_at: float, now: float, sampled_at: float = 0.0) -> None:
+        """A frame stamped ``sent_at`` by the scheduler (its oldest token sampled at ``sampled_at``)
+        arrived ``now`` (all ``time.monotonic``)."""
         if sent_at > 0 and 0 <= now - sent_at < MAX_CROSS_PROCESS_S:
             self.add("socket", now - sent_at)
+            if 0 < sampled_at <= sent_at:
+                self.add("emit", sent_at - sampled_at)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per stage: samples seen, and mean / p50 / p90 / p99 / max of the recent ones, in ms."""
