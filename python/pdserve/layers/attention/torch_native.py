@@ -66,8 +66,9 @@ class RequestSpan:
 
 
 # A ragged extend runs request by request when the padded batch's scores (B * Q * L) exceed the real
-# ones (sum of ext * seq) by this factor; below it one batched call beats B small ones.
-RAGGED_PADDING_FACTOR = 2
+# ones (sum of ext * seq) by this factor (one long prompt beside a short one: about 2); below it one
+# batched call beats B small ones.
+RAGGED_PADDING_FACTOR = 1.5
 
 
 def _ragged_spans(ext: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor, S: int) -> tuple[RequestSpan, ...]:
