@@ -282,33 +282,33 @@ class TorchNativeBackend(AttentionBackend):
 
     def _mla_ragged(self, q_nope, q_pe, C, w_kc, w_vc, layer_id, scale, fb, md, absorbed):
         """Each request's queries over its own pages' latent rows, none padded (nor up-projected)."""
+        grid = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [ext, H, X] -> [1, H, ext, X]
         outs = []
         for i, r in enumerate(md.spans):
             cache = fb.kv_pool.get_latent_pages(layer_id, md.pages[i:i + 1, :r.pages])[:, :r.seq]  # [1, seq, C+R]
             cache = cache.to(q_nope.dtype)
             rows = slice(r.start, r.start + r.ext)
-            pad = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [ext, H, X] -> [1, H, ext, X]
-            mask = _span_mask(md, i, r)
             if absorbed:  # the mask even without a prefix: _attend_grouped has no causal shortcut
                 o = self._mla_absorbed(q_nope[rows], q_pe[rows], cache, C, w_kc, w_vc, scale,
-                                       md.mask[i:i + 1, :, :r.ext, :r.seq], pad)
+                                       md.mask[i:i + 1, :, :r.ext, :r.seq], grid)
             else:
-                o = self._mla_expanded(q_nope[rows], q_pe[rows], cache, C, w_kc, w_vc, scale, mask, pad)
+                o = self._mla_expanded(q_nope[rows], q_pe[rows], cache, C, w_kc, w_vc, scale, _span_mask(md, i, r),
+                                       grid)
             outs.append(o[0].transpose(0, 1))  # [ext, H, Dv]
         return torch.cat(outs)  # [T, H, Dv]
 
     @staticmethod
-    def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, pad):
+    def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, grid):
         # W_UK folds into the query, so attention runs in the C-wide latent space
-        # against one shared "head": cheap per token, ideal for decode.
+        # against one shared "head": cheap per token, ideal for decode. grid: [T, H, X] -> [B, H, Q, X].
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
-        qp = pad(torch.cat([q_lat, q_pe], dim=-1))  # [B, H, Q, C+R]
+        qp = grid(torch.cat([q_lat, q_pe], dim=-1))  # [B, H, Q, C+R]
         kv = cache.unsqueeze(1)  # [B, 1, K, C+R]
         o_lat = _attend_grouped(qp, kv, kv[..., :C], mask, scale)  # [B, H, Q, C]
         return torch.einsum("bhqc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
 
     @staticmethod
-    def _mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, pad):
+    def _mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, grid):
         # Up-project the latent into per-head K and V: more FLOPs per key, fewer
         # per query, which suits long extends. mask None: causal (no request has a prefix).
         H = q_nope.shape[1]
@@ -316,7 +316,7 @@ class TorchNativeBackend(AttentionBackend):
         k_nope = torch.einsum("blc,hdc->bhld", c, w_kc)  # [B, H, K, Dn]
         v = torch.einsum("blc,hcv->bhlv", c, w_vc)  # [B, H, K, Dv]
         k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, H, -1, -1)], dim=-1)  # [B, H, K, Dn+R]
-        qp = pad(torch.cat([q_nope, q_pe], dim=-1))  # [B, H, Q, Dn+R]
+        qp = grid(torch.cat([q_nope, q_pe], dim=-1))  # [B, H, Q, Dn+R]
         return _sdpa(qp, k, v, mask, scale)  # [B, H, Q, Dv]
 
     def forward_mla_sparse(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, index, fb):
