@@ -218,8 +218,10 @@ class TorchNativeBackend(AttentionBackend):
         starts = torch.cumsum(ext, 0) - ext  # [B]
         q_index = (starts[:, None] + qi[None, :]).clamp(max=max(fb.num_tokens - 1, 0))  # [B, Q]
         kj = torch.arange(K, device=dev)[None, None, :]  # [1, 1, K]
-        # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding)
-        mask = (kj <= pre[:, None, None] + qi[None, :, None]) & (kj < seq[:, None, None])  # [B, Q, K]
+        # key j visible to new token i iff j <= prefix + i (causal) and j < seq_len (not padding):
+        # one comparison against the smaller bound, the [B, Q, K] mask being long prompts' costliest prep
+        limit = torch.minimum(pre[:, None] + qi[None, :] + 1, seq[:, None])  # [B, Q]
+        mask = kj < limit[:, :, None]  # [B, Q, K]
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
         causal = stage is None and Q > 1 and not bool(pre.any())
         spans = _ragged_spans(ext, pre, seq, S) if stage is None and Q > 1 else ()
