@@ -128,13 +128,12 @@ def bench_attention(cfg, rows: list[int], kv_len: int, calls: int, blocks: int) 
         q, k, v = torch.randn(b, Hq, 1, D), torch.randn(b, Hkv, kv_len, D), torch.randn(b, Hkv, kv_len, D)
         lens = torch.randint(kv_len // 2, kv_len + 1, (b,), generator=torch.Generator().manual_seed(0))
         mask = torch.arange(kv_len)[None, None, None, :] < lens[:, None, None, None]  # [B, 1, 1, L]
-        md = argparse.Namespace(mask=mask)
         row = {"op": f"decode attention L={kv_len}", "M": b}
         for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
             row[f"{tag} SDPA"] = best_us(calls, blocks, F.scaled_dot_product_attention, qd, kd, vd,
                                          attn_mask=mask, scale=D ** -0.5, enable_gqa=Hq != Hkv)
-            row[f"{tag} grouped"] = best_us(calls, blocks, _attend_grouped, qd, kd, vd, md, D ** -0.5)
+            row[f"{tag} grouped"] = best_us(calls, blocks, _attend_grouped, qd, kd, vd, mask, D ** -0.5)
         out.append(row)
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fixtures.paged_batches import PagedRequests
 from pdserve.layers.attention.reference import gqa_reference, mla_reference
@@ -185,7 +186,8 @@ def test_prefill_without_prefixes_takes_is_causal_with_the_masks_bits(dtype):
     paged = PagedRequests(pool, seed=1)
     lens = [70, 9, 33]
     fb = paged.batch([(r, [0] * n) for r, n in enumerate(lens)])
-    md = fb.attn_metadata
+    assert fb.attn_metadata.spans  # these lengths run request by request; the padded batch is checked here
+    md = fb.attn_metadata = dataclasses.replace(fb.attn_metadata, spans=())
     assert md.causal
     q, k, v = (torch.randn(sum(lens), H, D, generator=g).to(dtype) for H in (Hq, Hkv, Hkv))
     fast = fb.attn_backend.forward_gqa(q, k, v, layer, scale, fb)
@@ -193,3 +195,89 @@ def test_prefill_without_prefixes_takes_is_causal_with_the_masks_bits(dtype):
     masked = fb.attn_backend.forward_gqa(q, k, v, layer, scale, fb)
     assert torch.equal(fast, masked)
     assert not paged.batch([(0, [0] * 5), (3, [0] * 4)]).attn_metadata.causal  # request 0 has a prefix now
+
+
+def _mla_inputs(g, n, H, Dn, R, C):
+    return (torch.randn(n, H, Dn, generator=g), torch.randn(n, H, R, generator=g), torch.randn(n, C, generator=g),
+            torch.randn(n, R, generator=g))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["gqa", "mla_expanded", "mla_absorbed"])
+def test_mixed_length_extend_matches_each_request_alone(page_size, kind):
+    """One long extend among short ones (two of them on cached prefixes) runs request by request:
+    each request's output is what it gets alone (the same bits where its keys are exactly its own
+    tokens, page size 1), and matches the contiguous reference."""
+    H, Hkv, D, Dn, R, Dv, C, layer = 4, 2, 16, 16, 8, 12, 32, 0
+    scale = 0.25
+    g = torch.Generator().manual_seed(11)
+    prefix, ext = [0, 6, 0, 13], [90, 7, 5, 3]
+    w_kc, w_vc = torch.randn(H, Dn, C, generator=g) * 0.2, torch.randn(H, C, Dv, generator=g) * 0.2
+    if kind == "gqa":
+        data = [tuple(torch.randn(p + e, h, D, generator=g) for h in (H, Hkv, Hkv)) for p, e in zip(prefix, ext)]
+        new_pool = lambda: GQAKVPool(64 * 16 // page_size, page_size, 1, Hkv, D, torch.float32)  # noqa: E731
+        want = [gqa_reference(q[p:], k, v, scale) for (q, k, v), p in zip(data, prefix)]
+    else:
+        data = [_mla_inputs(g, p + e, H, Dn, R, C) for p, e in zip(prefix, ext)]
+        new_pool = lambda: MLAKVPool(64 * 16 // page_size, page_size, 1, C, R, torch.float32)  # noqa: E731
+        want = [mla_reference(qn[p:], qp[p:], lat, kp, w_kc, w_vc, scale) for (qn, qp, lat, kp), p in zip(data, prefix)]
+
+    def run(paged, reqs, spans_expected=None):  # reqs: (index, start, n); returns each request's output
+        fb = paged.batch([(r, [0] * n) for r, _, n in reqs])
+        if spans_expected is not None:
+            assert bool(fb.attn_metadata.spans) == spans_expected
+        cat = lambda i: torch.cat([data[r][i][s:s + n] for r, s, n in reqs])  # noqa: E731
+        if kind == "gqa":
+            out = fb.attn_backend.forward_gqa(cat(0), cat(1), cat(2), layer, scale, fb)
+        else:
+            out = fb.attn_backend.forward_mla(cat(0), cat(1), cat(2), cat(3), w_kc, w_vc, layer, scale, fb,
+                                              absorbed=kind == "mla_absorbed")
+        return out.split([n for _, _, n in reqs])
+
+    together = PagedRequests(new_pool(), seed=2)
+    run(together, [(r, 0, p) for r, p in enumerate(prefix) if p])
+    mixed = run(together, [(r, p, e) for r, (p, e) in enumerate(zip(prefix, ext))], spans_expected=True)
+    for r, (p, e) in enumerate(zip(prefix, ext)):
+        alone = PagedRequests(new_pool(), seed=3)
+        if p:
+            run(alone, [(r, 0, p)])
+        (solo,) = run(alone, [(r, p, e)], spans_expected=False)
+        if page_size == 1:
+            assert torch.equal(mixed[r], solo), r
+        else:
+            torch.testing.assert_close(mixed[r], solo, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(mixed[r], want[r], atol=1e-5, rtol=1e-5)
+
+
+def test_equal_or_mildly_padded_extends_stay_batched():
+    from pdserve.layers.attention.torch_native import _ragged_spans
+
+    t = lambda *x: torch.tensor(x)  # noqa: E731
+    assert _ragged_spans(t(16, 16), t(0, 0), t(16, 16), 4) == ()  # equal: nothing padded
+    assert _ragged_spans(t(12, 16), t(0, 0), t(12, 16), 4) == ()  # padding a fifth of the work
+    assert _ragged_spans(t(40), t(0), t(40), 4) == ()  # one request
+    spans = _ragged_spans(t(40, 3), t(0, 5), t(40, 8), 4)
+    assert [(r.start, r.ext, r.prefix, r.seq, r.pages) for r in spans] == [(0, 40, 0, 40, 10), (40, 3, 5, 8, 2)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_value_padding_keeps_the_outputs_and_takes_the_flash_kernel(causal):
+    """MLA's values (Dv) are narrower than its keys (Dn + R): ``_sdpa`` zero-pads them to the key width
+    so SDPA runs its flash kernel instead of the math path; the outputs match SDPA on the narrow values."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.layers.attention.torch_native import _sdpa
+
+    g = torch.Generator().manual_seed(4)
+    Q, K = 20, 20 if causal else 29
+    q, k, v = torch.randn(2, 4, Q, 24, generator=g), torch.randn(2, 4, K, 24, generator=g), torch.randn(
+        2, 4, K, 12, generator=g)
+    mask = None if causal else torch.rand(2, 1, Q, K, generator=g) < 0.7
+    mask = mask if mask is None else mask | torch.eye(Q, K, dtype=torch.bool)  # every row sees a key
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = _sdpa(q, k, v, mask, 0.3)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops, ops
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3)  # the math path
+    assert got.shape == want.shape == (2, 4, Q, 12)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

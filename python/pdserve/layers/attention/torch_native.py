@@ -1,4 +1,5 @@
-"""Reference paged attention in plain torch (CPU and GPU), batched with padding + masks.
+"""Reference paged attention in plain torch (CPU and GPU), batched with padding + masks; an extend
+of unequal requests runs request by request instead (``TorchNativeMetadata.spans``).
 
 Legend: T tokens, B requests, Q longest new-token run, L longest KV length, Lp pages per row,
 k tokens a sparse (DeepSeek-V3.2) query keeps, Hi/Di index heads and head dim,
@@ -50,12 +51,68 @@ class TorchNativeMetadata(AttentionMetadata):
     # keys lie past its last real query), so SDPA may take is_causal instead and skip the blocks
     # above the diagonal. Rows past a request's tokens differ, and are dropped by _unpad.
     causal: bool = False
+    # Set for an extend whose padding would be most of the work (one long prompt among short ones):
+    # attention then runs request by request, each over its own pages, so a request's output has the
+    # same bits as if it ran alone. Empty: the padded batch.
+    spans: tuple[RequestSpan, ...] = ()
 
     @cached_property
     def mask(self) -> torch.Tensor:
         """[B, 1, Q, K] key k visible to query q."""
         kj = torch.arange(self.num_keys, device=self.seen.device)  # [K]
         return (kj < self.seen[:, :, None])[:, None]
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """One request of a ragged extend: its new tokens are T[start : start + ext], its keys its first
+    ``seq`` positions (prefix + ext), on its first ``pages`` pages."""
+
+    start: int
+    ext: int
+    prefix: int
+    seq: int
+    pages: int
+
+
+# A ragged extend runs request by request when the padded batch's scores (B * Q * L) exceed the real
+# ones (sum of ext * seq) by this factor (one long prompt beside a short one: about 2); below it one
+# batched call beats B small ones.
+RAGGED_PADDING_FACTOR = 1.5
+
+
+def _ragged_spans(ext: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor, S: int) -> tuple[RequestSpan, ...]:
+    """The per-request spans of an extend worth running request by request, else ()."""
+    B = ext.shape[0]
+    if B < 2:
+        return ()
+    padded = B * int(ext.max()) * int(seq.max())
+    if padded <= RAGGED_PADDING_FACTOR * int((ext * seq).sum()):
+        return ()
+    starts = (torch.cumsum(ext, 0) - ext).tolist()
+    return tuple(RequestSpan(st, e, p, s, -(-s // S))
+                 for st, e, p, s in zip(starts, ext.tolist(), pre.tolist(), seq.tolist()))
+
+
+def _span_mask(md: TorchNativeMetadata, i: int, r: RequestSpan) -> torch.Tensor | None:
+    """Request i's [1, 1, ext, seq] causal mask, or None where it has no prefix (then is_causal)."""
+    return md.mask[i:i + 1, :, :r.ext, :r.seq] if r.prefix else None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA with ``mask`` or, where it is None, is_causal. Values narrower than the keys (MLA's
+    Dv < Dn + R) are zero-padded to the key width and the output sliced back: SDPA's flash kernels
+    need one head dim for q, k and v and otherwise fall back to the math path (several times slower
+    on CPU); the zero columns add nothing to the real ones."""
+    Dk, Dv = k.shape[-1], v.shape[-1]
+    if Dv < Dk:
+        v = F.pad(v, (0, Dk - Dv))
+    if mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return o[..., :Dv] if Dv < Dk else o
 
 
 def _pad_q(x: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
@@ -74,7 +131,7 @@ def _unpad(o: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
     return o[md.q_valid]
 
 
-def _attend_grouped(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: TorchNativeMetadata,
+def _attend_grouped(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """Masked softmax attention with each KV head shared by a group of query heads, without
     expanding K/V: qp [B, Hq, Q, D], k [B, Hkv, K, D], v [B, Hkv, K, X] -> [B, Hq, Q, X].
@@ -89,7 +146,7 @@ def _attend_grouped(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Torc
     G = Hq // Hkv
     scores = torch.matmul(qp.reshape(B, Hkv, G * Q, D), k.transpose(-1, -2))  # [B, Hkv, G Q, K]
     scores = scores.float().mul_(scale).view(B, Hkv, G, Q, K)
-    scores.masked_fill_(md.mask.logical_not()[:, :, None], float("-inf"))  # mask [B, 1, 1, Q, K]
+    scores.masked_fill_(mask.logical_not()[:, :, None], float("-inf"))  # mask [B, 1, 1, Q, K]
     p = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * Q, K)
     return torch.matmul(p, v).view(B, Hq, Q, v.shape[-1])  # [B, Hq, Q, X]
 
@@ -175,14 +232,17 @@ class TorchNativeBackend(AttentionBackend):
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
         sees_all = Q == 1 and bool(seq.min() == fb.kv_slots.shape[1])  # kv_slots: L = the longest sequence wide
         causal = stage is None and Q > 1 and not bool(pre.any())
+        spans = _ragged_spans(ext, pre, seq, S) if stage is None and Q > 1 else ()
         return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage,
-                                   causal)
+                                   causal, spans)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
         md = self.metadata_of(fb, TorchNativeMetadata)
+        if md.spans:
+            return self._gqa_ragged(q, layer_id, scale, fb, md)
         # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
         # an appended step and a rebuilt one read the same keys.
         staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)
@@ -190,13 +250,23 @@ class TorchNativeBackend(AttentionBackend):
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
         k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         if _grouped_decode_pays(qp):
-            return _unpad(_attend_grouped(qp, k_all, v_all, md, scale), md)  # [T, Hq, D]
+            return _unpad(_attend_grouped(qp, k_all, v_all, md.mask, scale), md)  # [T, Hq, D]
         gqa = qp.shape[1] != k_all.shape[1]
-        if md.causal:  # the same scores and sums on real rows as the mask's (test_attention checks the bits)
-            o = F.scaled_dot_product_attention(qp, k_all, v_all, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(qp, k_all, v_all, attn_mask=md.mask, scale=scale, enable_gqa=gqa)
+        # is_causal: the same scores and sums on real rows as the mask's (test_attention checks the bits)
+        o = _sdpa(qp, k_all, v_all, None if md.causal else md.mask, scale, gqa)
         return _unpad(o, md)  # [T, Hq, D]
+
+    @staticmethod
+    def _gqa_ragged(q, layer_id, scale, fb, md):
+        """Each request's [1, Hq, ext, D] queries over its own pages' keys, none padded."""
+        outs = []
+        for i, r in enumerate(md.spans):
+            k, v = fb.kv_pool.get_kv_pages(layer_id, md.pages[i:i + 1, :r.pages])  # [1, Hkv, pages S, D]
+            k, v = k[:, :, :r.seq].to(q.dtype), v[:, :, :r.seq].to(q.dtype)
+            qi = q[r.start:r.start + r.ext].transpose(0, 1).unsqueeze(0)  # [1, Hq, ext, D]
+            o = _sdpa(qi, k, v, _span_mask(md, i, r), scale, qi.shape[1] != k.shape[1])
+            outs.append(o[0].transpose(0, 1))  # [ext, Hq, D]
+        return torch.cat(outs)  # [T, Hq, D]
 
     def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
         pool = fb.kv_pool
@@ -204,40 +274,60 @@ class TorchNativeBackend(AttentionBackend):
         pool.set_latent(layer_id, fb.out_cache_loc, new)
         fb.kv_written(layer_id)
         md = self.metadata_of(fb, TorchNativeMetadata)
+        if absorbed is None:
+            absorbed = fb.is_decode
+        if md.spans:
+            return self._mla_ragged(q_nope, q_pe, latent.shape[-1], w_kc, w_vc, layer_id, scale, fb, md, absorbed)
         staged = pool.round_trip_latent(new) if md.stage is not None else new  # as the pool holds it
         (cache,) = self._kv(layer_id, md, (staged.unsqueeze(1),),
                             lambda: (pool.get_latent_pages(layer_id, md.pages).unsqueeze(1),))
         cache = cache[:, 0].to(q_nope.dtype)  # [B, K, C+R]
         C = latent.shape[-1]
-        if absorbed is None:
-            absorbed = fb.is_decode
         if absorbed:
-            o = self._mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md)
+            o = self._mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md.mask, lambda x: _pad_q(x, md))
         else:
-            o = self._mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md)
+            o = self._mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, None if md.causal else md.mask,
+                                   lambda x: _pad_q(x, md))
         return _unpad(o, md)  # [T, H, Dv]
 
+    def _mla_ragged(self, q_nope, q_pe, C, w_kc, w_vc, layer_id, scale, fb, md, absorbed):
+        """Each request's queries over its own pages' latent rows, none padded (nor up-projected)."""
+        grid = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [ext, H, X] -> [1, H, ext, X]
+        outs = []
+        for i, r in enumerate(md.spans):
+            cache = fb.kv_pool.get_latent_pages(layer_id, md.pages[i:i + 1, :r.pages])[:, :r.seq]  # [1, seq, C+R]
+            cache = cache.to(q_nope.dtype)
+            rows = slice(r.start, r.start + r.ext)
+            if absorbed:  # the mask even without a prefix: _attend_grouped has no causal shortcut
+                o = self._mla_absorbed(q_nope[rows], q_pe[rows], cache, C, w_kc, w_vc, scale,
+                                       md.mask[i:i + 1, :, :r.ext, :r.seq], grid)
+            else:
+                o = self._mla_expanded(q_nope[rows], q_pe[rows], cache, C, w_kc, w_vc, scale, _span_mask(md, i, r),
+                                       grid)
+            outs.append(o[0].transpose(0, 1))  # [ext, H, Dv]
+        return torch.cat(outs)  # [T, H, Dv]
+
     @staticmethod
-    def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md):
+    def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, grid):
         # W_UK folds into the query, so attention runs in the C-wide latent space
-        # against one shared "head": cheap per token, ideal for decode.
+        # against one shared "head": cheap per token, ideal for decode. grid: [T, H, X] -> [B, H, Q, X].
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
-        qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md)  # [B, H, Q, C+R]
+        qp = grid(torch.cat([q_lat, q_pe], dim=-1))  # [B, H, Q, C+R]
         kv = cache.unsqueeze(1)  # [B, 1, K, C+R]
-        o_lat = _attend_grouped(qp, kv, kv[..., :C], md, scale)  # [B, H, Q, C]
+        o_lat = _attend_grouped(qp, kv, kv[..., :C], mask, scale)  # [B, H, Q, C]
         return torch.einsum("bhqc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
 
     @staticmethod
-    def _mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md):
+    def _mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, grid):
         # Up-project the latent into per-head K and V: more FLOPs per key, fewer
-        # per query, which suits long extends.
+        # per query, which suits long extends. mask None: causal (no request has a prefix).
         H = q_nope.shape[1]
         c, kpe = cache[..., :C], cache[..., C:]  # [B, K, C], [B, K, R]
         k_nope = torch.einsum("blc,hdc->bhld", c, w_kc)  # [B, H, K, Dn]
         v = torch.einsum("blc,hcv->bhlv", c, w_vc)  # [B, H, K, Dv]
         k = torch.cat([k_nope, kpe.unsqueeze(1).expand(-1, H, -1, -1)], dim=-1)  # [B, H, K, Dn+R]
-        qp = _pad_q(torch.cat([q_nope, q_pe], dim=-1), md)  # [B, H, Q, Dn+R]
-        return F.scaled_dot_product_attention(qp, k, v, attn_mask=md.mask, scale=scale)
+        qp = grid(torch.cat([q_nope, q_pe], dim=-1))  # [B, H, Q, Dn+R]
+        return _sdpa(qp, k, v, mask, scale)  # [B, H, Q, Dv]
 
     def forward_mla_sparse(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, index, fb):
         pool = fb.kv_pool
