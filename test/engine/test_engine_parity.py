@@ -55,15 +55,19 @@ def test_warm_radix_cache_gives_same_tokens(oracle):
     engine = pdserve.Engine(model_path=path, page_size=4)
     first = engine.generate(input_ids=prompts[3], sampling_params=GREEDY)
     assert first["meta_info"]["cached_tokens"] == 0
-    # Same prompt again: everything but the last partial page comes from the cache.
+    # A prefix is reused in whole pages, or for DeepSeek-V4's bounded state only at its reusable
+    # boundaries (KVPool.reuse_tokens: 256 tokens for the tiny preset, so these prompts never hit it;
+    # test_deepseek_v4.py hits its boundaries).
+    reuse = engine.scheduler.runner.pool.reuse_tokens
+    # Same prompt again: everything but the last partial block comes from the cache.
     again = engine.generate(input_ids=prompts[3], sampling_params=GREEDY)
     assert again["output_ids"] == expected[3]
-    assert again["meta_info"]["cached_tokens"] == (len(prompts[3]) - 1) // 4 * 4
+    assert again["meta_info"]["cached_tokens"] == (len(prompts[3]) - 1) // reuse * reuse
     # A prompt that shares a 40-token prefix with the first one.
     shared = prompts[3][:40] + prompts[1]
     want = greedy_continuation_for(path, shared)
     got = engine.generate(input_ids=shared, sampling_params=GREEDY)
-    assert got["meta_info"]["cached_tokens"] == 40
+    assert got["meta_info"]["cached_tokens"] == 40 // reuse * reuse
     assert got["output_ids"] == want
     _assert_no_leak(engine)
 
