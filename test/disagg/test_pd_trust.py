@@ -79,7 +79,7 @@ HOSTILE = [
     _completion_frame("writes", "9" * 5000),  # ValueError: int digit limit before
     b"[" * 100_000,  # RecursionError before
     b'{"v": 1, "type": "Heartbeat", "body": {"server_id": "not an endpoint", "time": 1.0}}',  # connect() raised
-    json.dumps({"v": 3, "type": "KVAbort", "body": {"room": 1, "reason": "x", "side": "decode",
+    json.dumps({"v": 4, "type": "KVAbort", "body": {"room": 1, "reason": "x", "side": "decode",
                                                     "sender": "tcp://[", "nonce": 0}}).encode(),
     b"\xff" * 1000,
     b"",
