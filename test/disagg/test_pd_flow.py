@@ -522,7 +522,7 @@ def test_a_forged_or_stale_progress_notice_extends_nothing(pair_factory):
     wait, now = inc.deadline, time.monotonic()
     stale = decode.counters["stale_messages"]
     for forged in (KVProgress(room, inc.nonce % MAX_NONCE + 1, 0, session, seq),  # another life of the room
-                   KVProgress(room, inc.nonce, 0, "127.0.0.1:1", seq),  # not the room's prefill
+                   KVProgress(room, inc.nonce, 0, session + "0", seq),  # not the room's prefill
                    KVProgress(room, inc.nonce, 5, session, seq),  # a rank that prefill does not have
                    KVProgress(room ^ 1, inc.nonce, 0, session, seq)):  # a room decode is not waiting on
         decode._on_message(forged, now)
