@@ -528,14 +528,16 @@ def test_a_forged_or_stale_progress_notice_extends_nothing(pair_factory):
         decode._on_message(forged, now)
     assert inc.deadline == wait and decode.counters["stale_messages"] == stale + 4
     deadline, stale = r.deadline, prefill.counters["stale_messages"]
-    for forged_ack in (KVProgressAck(room, inc.nonce % MAX_NONCE + 1, seq, decode.server_id),
-                       KVProgressAck(room, inc.nonce, seq + 1, decode.server_id),  # a notice never sent
-                       KVProgressAck(room, inc.nonce, seq, "another-decode")):
+    timeout = prefill.config.timeout_s
+    for forged_ack in (KVProgressAck(room, inc.nonce % MAX_NONCE + 1, seq, decode.server_id, timeout),
+                       KVProgressAck(room, inc.nonce, seq + 1, decode.server_id, timeout),  # a notice never sent
+                       KVProgressAck(room, inc.nonce, seq, "another-decode", timeout)):
         prefill._on_message(forged_ack, now)
     assert (r.deadline, r.acked_at) == (deadline, float("-inf"))
     assert prefill.counters["stale_messages"] == stale + 3
-    prefill._on_message(KVProgressAck(room, inc.nonce, seq, decode.server_id), now)  # the genuine one
-    assert r.acked_at == sent_at and r.deadline >= sent_at + pair.prefill.mode.config.timeout_s
+    # The genuine one, from a decode that claims a far longer wait: prefill keeps to its own timeout.
+    prefill._on_message(KVProgressAck(room, inc.nonce, seq, decode.server_id, 100 * timeout), now)
+    assert r.acked_at == sent_at and r.deadline == max(deadline, sent_at + timeout)
     pair.run()
     assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
     assert pair.decode.stats()["fallbacks"] == 0

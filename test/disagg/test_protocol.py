@@ -54,7 +54,7 @@ MESSAGES = [
     KVAbortAck(room=7, nonce=9, src_rank=1),
     DropRoom(room=0),
     KVProgress(room=7, nonce=9, src_rank=0, session="127.0.0.1:17000", seq=3),
-    KVProgressAck(room=7, nonce=9, seq=3, sender="decode-0"),
+    KVProgressAck(room=7, nonce=9, seq=3, sender="decode-0", wait_s=30.0),
 ]
 
 
@@ -243,6 +243,8 @@ def test_progress_notices_name_the_field_they_break():
     with pytest.raises(ProtocolError, match="session: 0 characters"):
         KVProgress(room=1, nonce=2, src_rank=0, session="", seq=1)
     with pytest.raises(ProtocolError, match="seq: .* is not in"):
-        KVProgressAck(room=1, nonce=2, seq=2**63, sender="d")
+        KVProgressAck(room=1, nonce=2, seq=2**63, sender="d", wait_s=1.0)
     with pytest.raises(ProtocolError, match="sender: empty"):
-        KVProgressAck(room=1, nonce=2, seq=1, sender="")
+        KVProgressAck(room=1, nonce=2, seq=1, sender="", wait_s=1.0)
+    with pytest.raises(ProtocolError, match="wait_s: must be finite and > 0"):
+        KVProgressAck(room=1, nonce=2, seq=1, sender="d", wait_s=0.0)

@@ -148,7 +148,7 @@ messages = st.one_of(
     st.builds(KVAbortAck, rooms, nonces, st.integers(0, 64)),
     st.builds(DropRoom, rooms),
     st.builds(KVProgress, rooms, nonces, st.integers(0, 64), sessions, nonces),
-    st.builds(KVProgressAck, rooms, nonces, nonces, texts.filter(bool)),
+    st.builds(KVProgressAck, rooms, nonces, nonces, texts.filter(bool), st.floats(1e-3, 1e6)),
 )
 
 

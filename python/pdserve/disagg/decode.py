@@ -401,7 +401,7 @@ class DecodeMode(SchedulerMode):
             return
         inc.progress(self.io.now(), self.config.timeout_s)
         for control in inc.peer.controls(range(len(ranks))):
-            self.io.send_once(control, KVProgressAck(p.room, p.nonce, p.seq, self.server_id))
+            self.io.send_once(control, KVProgressAck(p.room, p.nonce, p.seq, self.server_id, self.config.timeout_s))
 
     def _on_completion(self, c: KVCompletion, now: float) -> None:
         if self.quarantine.settled(c.room, c.nonce, c.src_rank):  # a room decode already gave up on

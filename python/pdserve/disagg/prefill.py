@@ -307,8 +307,9 @@ class PrefillMode(SchedulerMode):
                                                    self._notice_seq))
 
     def _on_progress_ack(self, ack: KVProgressAck) -> None:
-        """Decode extended the room's wait on one of its notices: the room may be written until
-        that notice's send time + T, no later than decode's new deadline (module docstring)."""
+        """Decode extended the room's wait on one of its notices by ``wait_s``: the room may be
+        written until that notice's send time + the shorter of T and ``wait_s``, no later than
+        decode's new deadline (module docstring)."""
         reply, n, r = self.reply_to.get(ack.room), self.notices.get(ack.room), self.sender.rooms.get(ack.room)
         ok = reply is not None and reply[1] == ack.nonce and n is not None and r is not None \
             and any(kv.decode_id == ack.sender for kv in r.kvs.values())
@@ -316,7 +317,7 @@ class PrefillMode(SchedulerMode):
         if sent is None:  # another life of the room, a notice never sent or long expired, or forged
             self.counters["stale_messages"] += 1
             return
-        self.sender.extend(ack.room, sent, self.config.timeout_s)
+        self.sender.extend(ack.room, sent, min(self.config.timeout_s, ack.wait_s))
 
     def _drained_here(self) -> dict[int, str | None]:
         """This rank's writes of each transferring room: None while some are in flight, "" once

@@ -305,20 +305,24 @@ class KVProgress:
 
 @dataclass(frozen=True)
 class KVProgressAck:
-    """Decode extended ``room``'s wait on prefill's notice ``seq``; ``sender``: decode's server id.
-    Prefill extends its write deadline only on this echo, from when it sent that notice, so its
-    deadline never passes decode's (a notice lost or refused extends nothing)."""
+    """Decode extended ``room``'s wait on prefill's notice ``seq`` to ``wait_s`` (its
+    ``--disaggregation-timeout-s``) after receiving it; ``sender``: decode's server id. Prefill
+    extends its write deadline only on this echo, to the notice's send time plus the shorter of
+    ``wait_s`` and its own timeout, so its deadline never passes decode's (a notice lost or refused
+    extends nothing; two servers configured with different timeouts stay safe)."""
 
     room: int
     nonce: int
     seq: int
     sender: str
+    wait_s: float
 
     def __post_init__(self):
         _check_room(self.room)
         _check_nonce(self.nonce)
         _require(1 <= self.seq <= MAX_NONCE, f"seq: {self.seq} is not in [1, 2**63)")
         _require(bool(self.sender), "sender: empty")
+        _require(0 < self.wait_s < math.inf, f"wait_s: must be finite and > 0, got {self.wait_s}")
 
 
 Message = DecodeRecord | KVRequest | KVCompletion | KVAbort | KVAbortAck | DropRoom | KVProgress | KVProgressAck
