@@ -298,7 +298,7 @@ class PrefillMode(SchedulerMode):
             r, reply = self.sender.rooms.get(room), self.reply_to.get(room)
             n = self.notices.setdefault(room, Notices())
             if r is None or reply is None or r.state is not RoomState.SENDING or r.aborted or room in self.closing \
-                    or now - n.last < t / NOTICES_PER_TIMEOUT:
+                    or now - n.last < t / NOTICES_PER_TIMEOUT or self.sender.expired(room):
                 continue
             self._notice_seq += 1
             n.sent = {seq: at for seq, at in n.sent.items() if at + t > now}

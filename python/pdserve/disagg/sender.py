@@ -374,11 +374,15 @@ class KVSender:
     def extend(self, room: int, sent_at: float, timeout_s: float) -> None:
         """Decode acknowledged a progress notice sent at ``sent_at`` (``time.monotonic``'s clock:
         rank 0's, the same on one host): the room may be written until ``sent_at + timeout_s``,
-        never earlier than before; a room given up on stays so."""
+        never earlier than before; a room given up on or past its deadline stays so."""
         r = self.rooms.get(room)
-        if r is not None and not r.aborted:
+        if r is not None and not r.aborted and not self._past_deadline(r):
             r.acked_at = max(r.acked_at, sent_at)
             r.deadline = max(r.deadline, sent_at + timeout_s)
+
+    def expired(self, room: int) -> bool:
+        """``room`` is past its deadline (then it is given up on: nothing more is posted for it)."""
+        return self._past_deadline(self.rooms[room])
 
     def fail_unsettled(self, room: int, why: str) -> None:
         r = self.rooms[room]
