@@ -445,6 +445,8 @@ class PrefillMode(SchedulerMode):
     def poll_interval_ms(self) -> int | None:
         if self.transferring or self.closing:
             return 1
+        if self.reqs:  # their progress notices fall due even if nothing else wakes the loop
+            return max(1, int(self.config.timeout_s * 1000 / (2 * NOTICES_PER_TIMEOUT)))
         return 50 if len(self.rooms) else None
 
     def held_reqs(self) -> list[Req]:
