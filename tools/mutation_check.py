@@ -1003,6 +1003,25 @@ MUTATIONS = (
         "            del pages[len(pages) // self.reuse_pages * self.reuse_pages:]\n",
         "",
         ("test/models/test_deepseek_v4.py::test_prefix_hits_give_identical_output",)),
+    Mutation(
+        "progress_nonce_unchecked", "decode extends a room's wait on a progress notice with the wrong nonce",
+        "python/pdserve/disagg/decode.py",
+        "        if not self._current(p.room, p.nonce):\n",
+        "        if p.room not in self.rooms:\n",
+        (f"{T_PD}::test_a_forged_or_stale_progress_notice_extends_nothing[memory]",)),
+    Mutation(
+        "prefill_deadline_on_send", "prefill extends its write deadline when it sends a progress notice, not when "
+        "decode acknowledges it (a lost notice lets prefill write past decode's wait)",
+        "python/pdserve/disagg/prefill.py",
+        "            n.last = n.sent[self._notice_seq] = now\n",
+        "            n.last = n.sent[self._notice_seq] = now\n            self.sender.extend(room, now, t)\n",
+        (f"{T_PD}::test_a_notice_decode_never_accepted_extends_no_deadline[memory]",)),
+    Mutation(
+        "no_progress_notices", "prefill never reports progress: a prefill longer than the timeout falls back",
+        "python/pdserve/disagg/prefill.py",
+        "        self._notify_progress(now)\n",
+        "",
+        (f"{T_PD}::test_a_prefill_slower_than_the_timeout_lands_its_kv_while_it_reports_progress[memory]",)),
 )
 
 

@@ -910,7 +910,7 @@ class DisaggConfig:
     transfer_backend: str = "mooncake"
     bootstrap_port: int = 8998  # prefill: where its bootstrap registry listens
     ib_device: str | None = None  # RDMA device(s) for the transfer engine; None: TCP
-    timeout_s: float = 30.0  # bound on every waiting state (unpaired room, KV in flight, quarantine)
+    timeout_s: float = 30.0  # longest wait without progress (unpaired room, KV in flight); quarantine lease 2x
     heartbeat_s: float = 1.0  # decode probes each prefill peer it waits on this often
     fallback: str = "local"  # decode, when a transfer fails: prefill locally, or fail the request
     min_prefill_tokens: int = 0  # decode prefills locally when it would receive fewer tokens

@@ -19,6 +19,8 @@ from fixtures.tiny_models import make_tiny_hf_model
 from pdserve.config import ModelConfig
 from pdserve.disagg import prefill as prefill_mode
 from pdserve.disagg.layout import page_runs
+from pdserve.disagg.protocol import MAX_NONCE, KVProgress, KVProgressAck
+from pdserve.disagg.sender import RoomState
 from pdserve.engine.request import ReqState, SamplingParams
 from pdserve.models.fingerprint import weights_fingerprint
 from pdserve.transfer import (
@@ -464,6 +466,142 @@ def test_a_kv_wait_past_the_timeout_names_the_flag(pair_factory):
     pair.run()
     reason = pair.outputs["a"]["final"].finish_reason
     assert reason["type"] == "abort" and "--disaggregation-timeout-s" in reason["message"], reason
+    pair.assert_idle_and_accounted()
+
+
+def _slow_chunks(pair: PDPair, room: int, seconds: float) -> list[int]:
+    """Each prefill forward that computes a chunk of ``room`` takes ``seconds`` longer (a long
+    prompt on a slow prefill); returns the list the chunks are counted in."""
+    mode, chunks = pair.prefill.mode, []
+    before = mode.before_extend
+
+    def slow(reqs, lens):
+        if any(r.room == room for r in reqs):
+            chunks.append(room)
+            time.sleep(seconds)  # the forward's compute, not a wait for an event
+        before(reqs, lens)
+
+    mode.before_extend = slow
+    return chunks
+
+
+@pytest.mark.parametrize("pair_factory", ["memory"], indirect=True)
+def test_a_prefill_slower_than_the_timeout_lands_its_kv_while_it_reports_progress(pair_factory):
+    """The timeout bounds a wait without progress, not the whole prefill: a room whose chunks
+    together take longer than --disaggregation-timeout-s, each well within it, keeps decode
+    waiting through prefill's progress notices and lands, token-identical, with no fallback."""
+    timeout, per_chunk = 3.0, 0.5
+    pair = pair_factory("tiny-llama", page_size=4, chunked_prefill_size=8, disaggregation_timeout_s=timeout,
+                        disaggregation_fallback="error")
+    (prompt,) = _prompts([81])
+    room = pair.submit("a", prompt, greedy(NEW))
+    chunks = _slow_chunks(pair, room, per_chunk)
+    pair.run()
+    assert len(chunks) * per_chunk > timeout  # the prefill really outlasted the timeout
+    assert pair.outputs["a"]["final"].finish_reason["type"] == "length", pair.outputs["a"]["final"].finish_reason
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    stats = pair.decode.stats()
+    assert stats["kv_received"] == 1 and stats["fallbacks"] == 0 and stats["transfer_failures"] == 0, stats
+    assert pair.prefill.stats()["rooms_completed"] == 1
+    pair.assert_idle_and_accounted()
+
+
+@pytest.mark.parametrize("pair_factory", ["memory"], indirect=True)
+def test_a_stalled_prefill_still_times_out_and_cannot_write_pages_decode_released(pair_factory):
+    """A prefill that stops making progress mid-prompt (paused, or a forward longer than the
+    timeout: no step, no notice) for longer than --disaggregation-timeout-s: decode falls back on
+    its own timer, token-identical; once the prefill resumes it posts nothing for the room, and
+    decode's abandoned pages never leave quarantine while the prefill could still write them."""
+    pair = pair_factory("tiny-llama", page_size=4, chunked_prefill_size=8, disaggregation_timeout_s=1.0)
+    (prompt,) = _prompts([81])
+    room = pair.submit("a", prompt, greedy(NEW))
+    sender = pair.prefill.mode.sender
+    pair.run(until=lambda: room in sender.rooms and sender.rooms[room].next_page > sender.rooms[room].start_page)
+    assert sender.rooms[room].state is RoomState.SENDING  # some chunks computed, more to come
+    posted = sender.writes_posted
+    unsafe: list[float] = []
+
+    def released_while_writable() -> None:
+        """Decode's pages for the room left quarantine while prefill may still post to them."""
+        quarantined = any(e.room == room for e in pair.decode.mode.quarantine.entries.values())
+        waiting = room in pair.decode.mode.rooms
+        r = sender.rooms.get(room)
+        if r is not None and not waiting and not quarantined and not r.aborted and time.monotonic() <= r.deadline:
+            unsafe.append(r.deadline)
+
+    pair.prefill.step = lambda: []  # prefill stalls: no forward, no notice
+    pair.run(until=lambda: released_while_writable() or pair.outputs["a"]["final"] is not None)
+    stats = pair.decode.stats()
+    assert stats["fallbacks"] == 1 and stats["transfer_failures"] == 1 and stats["kv_received"] == 0, stats
+    del pair.prefill.step  # prefill resumes
+    pair.run(until=lambda: released_while_writable() or not (pair.prefill.has_work() or pair.decode.has_work()))
+    assert not unsafe, "decode released a room's pages while prefill could still write them"
+    assert sender.writes_posted == posted  # nothing posted for the room once decode had given up
+    assert pair.prefill.stats()["rooms_completed"] == 0
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    assert pair.decode.stats()["quarantined_pages"] == 0
+    pair.assert_idle_and_accounted()
+
+
+@pytest.mark.parametrize("pair_factory", ["memory"], indirect=True)
+def test_a_forged_or_stale_progress_notice_extends_nothing(pair_factory):
+    """Progress notices and their acknowledgements count only for the room's current life, from
+    its prefill's own session and for a notice prefill sent; anything else is counted stale and
+    moves neither decode's wait nor prefill's write deadline."""
+    pair = pair_factory("tiny-llama", page_size=4, chunked_prefill_size=8)
+    (prompt,) = _prompts([41])
+    room = pair.submit("a", prompt, greedy(NEW))
+    prefill, decode = pair.prefill.mode, pair.decode.mode
+    pair.run(until=lambda: room in prefill.notices and prefill.notices[room].sent)  # a notice not yet acknowledged
+    inc, r = decode.rooms[room].incoming, prefill.sender.rooms[room]
+    (seq, sent_at), = prefill.notices[room].sent.items()
+    session = pair.decode.mode.directory.peers()[0].fetched_info.ranks[0].session
+    wait, now = inc.deadline, time.monotonic()
+    stale = decode.counters["stale_messages"]
+    for forged in (KVProgress(room, inc.nonce % MAX_NONCE + 1, 0, session, seq),  # another life of the room
+                   KVProgress(room, inc.nonce, 0, session + "0", seq),  # not the room's prefill
+                   KVProgress(room, inc.nonce, 5, session, seq),  # a rank that prefill does not have
+                   KVProgress(room ^ 1, inc.nonce, 0, session, seq)):  # a room decode is not waiting on
+        decode._on_message(forged, now)
+    assert inc.deadline == wait and decode.counters["stale_messages"] == stale + 4
+    deadline, stale = r.deadline, prefill.counters["stale_messages"]
+    timeout = prefill.config.timeout_s
+    for forged_ack in (KVProgressAck(room, inc.nonce % MAX_NONCE + 1, seq, decode.server_id, timeout),
+                       KVProgressAck(room, inc.nonce, seq + 1, decode.server_id, timeout),  # a notice never sent
+                       KVProgressAck(room, inc.nonce, seq, "another-decode", timeout)):
+        prefill._on_message(forged_ack, now)
+    assert (r.deadline, r.acked_at) == (deadline, float("-inf"))
+    assert prefill.counters["stale_messages"] == stale + 3
+    # The genuine one, from a decode that claims a far longer wait: prefill keeps to its own timeout.
+    prefill._on_message(KVProgressAck(room, inc.nonce, seq, decode.server_id, 100 * timeout), now)
+    assert r.acked_at == sent_at and r.deadline == max(deadline, sent_at + timeout)
+    pair.run()
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
+    assert pair.decode.stats()["fallbacks"] == 0
+    pair.assert_idle_and_accounted()
+
+
+@pytest.mark.parametrize("pair_factory", ["memory"], indirect=True)
+def test_a_notice_decode_never_accepted_extends_no_deadline(pair_factory):
+    """Prefill extends its write deadline only on decode's acknowledgement, never on sending a
+    notice: a notice lost on the way (or refused) must not let prefill write past decode's wait."""
+    pair = pair_factory("tiny-llama", page_size=4, chunked_prefill_size=8)
+    (prompt,) = _prompts([41])
+    room = pair.submit("a", prompt, greedy(NEW))
+    dropped: list = []
+    pair.decode.mode._on_progress = dropped.append  # every notice is lost before decode
+    sender, seen = pair.prefill.mode.sender, []
+
+    def record() -> bool:
+        r = sender.rooms.get(room)
+        if r is not None:
+            seen.append((r.deadline, r.acked_at))
+        return not (pair.prefill.has_work() or pair.decode.has_work())
+
+    pair.run(until=record)
+    assert dropped and all(p.room == room for p in dropped)  # notices went out
+    assert seen and set(seen) == {(seen[0][0], float("-inf"))}, set(seen)
+    assert pair.outputs["a"]["ids"] == _colocated("tiny-llama", [prompt], page_size=4)[0]
     pair.assert_idle_and_accounted()
 
 

@@ -16,6 +16,8 @@ from pdserve.disagg.protocol import (
     KVAbort,
     KVAbortAck,
     KVCompletion,
+    KVProgress,
+    KVProgressAck,
     KVRequest,
     ProtocolError,
     decode,
@@ -51,6 +53,8 @@ MESSAGES = [
     KVAbort(room=7, reason="never paired", side="decode", sender="decode-0"),
     KVAbortAck(room=7, nonce=9, src_rank=1),
     DropRoom(room=0),
+    KVProgress(room=7, nonce=9, src_rank=0, session="127.0.0.1:17000", seq=3),
+    KVProgressAck(room=7, nonce=9, seq=3, sender="decode-0", wait_s=30.0),
 ]
 
 
@@ -68,7 +72,7 @@ def envelope(msg) -> dict:
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda e: e.update(v=PROTOCOL_VERSION + 1), "v: unsupported protocol version 4"),
+    (lambda e: e.update(v=PROTOCOL_VERSION + 1), f"v: unsupported protocol version {PROTOCOL_VERSION + 1}"),
     (lambda e: e.update(type="KVRead"), "type: unknown message type 'KVRead'"),
     (lambda e: e.pop("body"), "malformed message"),
     (lambda e: e["body"].pop("room"), r"KVCompletion.room: missing field"),
@@ -122,8 +126,8 @@ def test_nested_layout_is_checked():
     (b"\xff\xfe", "not JSON"),
     (b"{not json", "not JSON"),
     (b"[1, 2]", "malformed message"),
-    (b'{"v": 3, "type": 3, "body": {}}', "unknown message type 3"),
-    (b'{"v": 3, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
+    (b'{"v": 4, "type": 3, "body": {}}', "unknown message type 3"),
+    (b'{"v": 4, "type": "DropRoom", "body": []}', "DropRoom: expected an object"),
 ])
 def test_garbage_is_refused(data, match):
     with pytest.raises(ProtocolError, match=match):
@@ -227,3 +231,20 @@ def test_nonces_are_required_and_bounded():
         kv_request(nonce=0)
     with pytest.raises(ProtocolError, match="nonce: .* is not in"):
         KVAbortAck(room=1, nonce=2**63, src_rank=0)
+
+
+def test_progress_notices_name_the_field_they_break():
+    with pytest.raises(ProtocolError, match="nonce: 0 is not in"):
+        KVProgress(room=1, nonce=0, src_rank=0, session="h:1", seq=1)
+    with pytest.raises(ProtocolError, match="seq: 0 is not in"):
+        KVProgress(room=1, nonce=2, src_rank=0, session="h:1", seq=0)
+    with pytest.raises(ProtocolError, match="src_rank: must be >= 0"):
+        KVProgress(room=1, nonce=2, src_rank=-1, session="h:1", seq=1)
+    with pytest.raises(ProtocolError, match="session: 0 characters"):
+        KVProgress(room=1, nonce=2, src_rank=0, session="", seq=1)
+    with pytest.raises(ProtocolError, match="seq: .* is not in"):
+        KVProgressAck(room=1, nonce=2, seq=2**63, sender="d", wait_s=1.0)
+    with pytest.raises(ProtocolError, match="sender: empty"):
+        KVProgressAck(room=1, nonce=2, seq=1, sender="", wait_s=1.0)
+    with pytest.raises(ProtocolError, match="wait_s: must be finite and > 0"):
+        KVProgressAck(room=1, nonce=2, seq=1, sender="d", wait_s=0.0)

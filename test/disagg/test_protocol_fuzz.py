@@ -26,6 +26,8 @@ from pdserve.disagg.protocol import (
     KVAbort,
     KVAbortAck,
     KVCompletion,
+    KVProgress,
+    KVProgressAck,
     KVRequest,
     ProtocolError,
     decode,
@@ -145,6 +147,8 @@ messages = st.one_of(
     st.builds(KVAbort, rooms, texts, st.sampled_from(SIDES), texts, st.integers(0, MAX_NONCE)),
     st.builds(KVAbortAck, rooms, nonces, st.integers(0, 64)),
     st.builds(DropRoom, rooms),
+    st.builds(KVProgress, rooms, nonces, st.integers(0, 64), sessions, nonces),
+    st.builds(KVProgressAck, rooms, nonces, nonces, texts.filter(bool), st.floats(1e-3, 1e6)),
 )
 
 

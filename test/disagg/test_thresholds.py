@@ -59,6 +59,14 @@ def test_decode_waits_the_full_timeout_then_fails_over():
     assert inc.overdue(40.0 + EPS)
 
 
+def test_decode_waits_the_full_timeout_after_the_last_progress_never_less():
+    inc = IncomingRoom(room=1, nonce=1, peer=Peer(("h", 1)), expected={(0, 0): 3}, deadline=40.0, sent_at=10.0)
+    inc.progress(35.0, 30.0)  # a notice at 35 s: the wait restarts
+    assert not inc.overdue(65.0) and inc.overdue(65.0 + EPS)
+    inc.progress(20.0, 30.0)  # an older sign of progress never shortens it
+    assert not inc.overdue(65.0)
+
+
 class _Probe:
     def __init__(self):
         self.answers: list[bool] = []

@@ -28,6 +28,23 @@ prefill writes each forward's head blocks there in one write apiece, and once th
 completed the rank scatters the range into the room's pages before the request runs. A room
 given up on keeps its range in quarantine with its pages. With no range free the room is asked
 for unpacked: the staging buffer bounds memory, never a request.
+
+Timeouts are about progress, not total time (docs/disaggregation.md): a room fails over once
+``--disaggregation-timeout-s`` (T) passed with no sign of progress: since its KV request, since
+prefill's last ``KVProgress`` for it (prefill sends one when it pairs the room and then at least
+every T/4 while the room is queued or being computed), or since its last counted completion. A
+prefill that is slow but working never trips it; one that is stuck (a forward longer than T, a
+pause) or dead does. Prefill still never writes a room after decode gave up on it without saying
+so, and the quarantine lease still covers the rest:
+
+- prefill extends its own write deadline only when decode acknowledges a notice
+  (``KVProgressAck``), and only to that notice's *send* time + T, while decode extended its
+  deadline to the notice's *receipt* time + T (read after it arrived); receipt >= send, so the
+  extension never puts prefill's deadline past decode's. A notice lost, refused or arriving for
+  a room decode already gave up on (counted stale, never acknowledged) extends neither side;
+- before any notice, prefill's deadline is T after the KV request *arrived* there, decode's T
+  after it was *sent*: prefill may post until decode's give-up time plus that one-way delay, as
+  before progress existed, which the lease (``LEASE_TIMEOUTS`` x T after the give-up) covers.
 """
 
 from __future__ import annotations
@@ -43,7 +60,17 @@ import torch
 from pdserve.config import DisaggConfig
 from pdserve.disagg.layout import KVLayout, LayoutError, expected_writes, packing_pays, staging_blocks, staging_bytes
 from pdserve.disagg.mode_io import ModeIO
-from pdserve.disagg.protocol import MAX_NONCE, DecodeRecord, DropRoom, KVAbort, KVAbortAck, KVCompletion, KVRequest
+from pdserve.disagg.protocol import (
+    MAX_NONCE,
+    DecodeRecord,
+    DropRoom,
+    KVAbort,
+    KVAbortAck,
+    KVCompletion,
+    KVProgress,
+    KVProgressAck,
+    KVRequest,
+)
 from pdserve.disagg.receiver import (
     AuxSlots,
     IncomingRoom,
@@ -169,8 +196,8 @@ class DecodeMode(SchedulerMode):
                 break  # FCFS: a request that cannot get pages holds back the ones behind it
         for room, w in list(self.rooms.items()):
             if w.incoming.overdue(now):
-                self._fail(room, f"no KV from prefill {w.incoming.peer.name} within {self.config.timeout_s:.0f} s "
-                                 f"(--disaggregation-timeout-s; a prefill of a long prompt can take longer)")
+                self._fail(room, f"no progress from prefill {w.incoming.peer.name} for {self.config.timeout_s:g} s "
+                                 f"(--disaggregation-timeout-s: the longest wait for a room's KV without progress)")
         self._release_quarantine(now)
         if self.monitor is not None:
             self.monitor.watch(self.directory.sessions())
@@ -340,6 +367,8 @@ class DecodeMode(SchedulerMode):
             self.directory.buried(msg.sessions)
         elif isinstance(msg, KVCompletion):
             self._on_completion(msg, now)
+        elif isinstance(msg, KVProgress):
+            self._on_progress(msg)
         elif isinstance(msg, KVAbort):
             if self._current(msg.room, msg.nonce):
                 self._fail(msg.room, f"prefill gave up: {msg.reason}", notify=False)
@@ -358,6 +387,22 @@ class DecodeMode(SchedulerMode):
         self.counters["stale_messages"] += 1
         return False
 
+    def _on_progress(self, p: KVProgress) -> None:
+        """Prefill still works on the room: its wait restarts now (read after the notice arrived,
+        so no earlier than prefill sent it) and prefill hears which notice did it (module
+        docstring). Another life of the room, or a rank or session the room's prefill does not
+        have: stale or forged, counted, extends nothing."""
+        if not self._current(p.room, p.nonce):
+            return
+        inc = self.rooms[p.room].incoming
+        ranks = inc.peer.fetched_info.ranks
+        if p.src_rank >= len(ranks) or ranks[p.src_rank].session != p.session:
+            self.counters["stale_messages"] += 1
+            return
+        inc.progress(self.io.now(), self.config.timeout_s)
+        for control in inc.peer.controls(range(len(ranks))):
+            self.io.send_once(control, KVProgressAck(p.room, p.nonce, p.seq, self.server_id, self.config.timeout_s))
+
     def _on_completion(self, c: KVCompletion, now: float) -> None:
         if self.quarantine.settled(c.room, c.nonce, c.src_rank):  # a room decode already gave up on
             return
@@ -369,6 +414,8 @@ class DecodeMode(SchedulerMode):
             self._fail(c.room, err, notify=False, settled={c.src_rank})
         elif inc.complete:
             self._land(c.room, now)
+        else:  # a source rank's writes landed: progress (decode waiting longer is always safe)
+            inc.progress(now, self.config.timeout_s)
 
     def _land(self, room: int, now: float) -> None:
         """Every byte is in place: the request joins the running batch."""

@@ -18,9 +18,16 @@ rank whose ``DecodeRecord`` arrived first, and only if its session, buffers, lay
 reply endpoint are the ones that record published; replies go to record endpoints, never to an
 address an unrecorded message names. Every way a room ends without a completion (refused,
 expired, timed out, aborted) sends decode a ``KVAbortAck`` once nothing posted can still land,
-so decode's quarantine empties on acknowledgements, not leases. A room is never written more
-than ``--disaggregation-timeout-s`` after its KV request arrived (the sender's deadline), which is
-inside the lease decode keeps abandoned pages for.
+so decode's quarantine empties on acknowledgements, not leases.
+
+Timeouts are about progress (``disagg/decode.py`` states the safety argument): from pairing until
+its last chunk is computed, a room sends decode a ``KVProgress`` at once and then at least every
+``--disaggregation-timeout-s`` / 4 (T/4; from ``poll``, which runs between forwards), so a
+queued room and a long prefill keep decode waiting while a stuck one does not; a forward (one
+chunk) must take well under T (a third leaves margin). The sender's deadline (nothing posted past
+it) starts T after the KV request arrived and moves only when decode acknowledges a notice, to
+that notice's send time + T; a transferring room fails once T passed since pairing or since the
+last acknowledged notice.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from pdserve.disagg.protocol import (
     KVAbort,
     KVAbortAck,
     KVCompletion,
+    KVProgress,
+    KVProgressAck,
     KVRequest,
     ProtocolError,
 )
@@ -58,6 +67,16 @@ MAX_DECODE_RECORDS = 4096  # decode ranks remembered; the oldest is dropped past
 LANDING_WAIT_S = 0.01
 LANDING_WAIT_SHARE = 0.05
 LANDING_POLL_S = 0.0002  # a sleep, not a spin: the transfer engine's threads may need this core to send
+NOTICES_PER_TIMEOUT = 4  # a queued or computing room tells decode at least this often per timeout
+
+
+@dataclasses.dataclass
+class Notices:
+    """A room's progress notices: when the last went out, and the send time of each one decode may
+    still acknowledge (older than the timeout: it could extend nothing)."""
+
+    last: float = float("-inf")
+    sent: dict[int, float] = dataclasses.field(default_factory=dict)  # seq -> send time
 
 
 class PrefillMode(SchedulerMode):
@@ -79,6 +98,8 @@ class PrefillMode(SchedulerMode):
         self.closing: dict[int, tuple[str, int] | None] = {}  # aborted room -> (endpoint, nonce) awaiting the ack
         self.decodes: OrderedDict[tuple[str, int], DecodeRecord] = OrderedDict()  # (decode_id, rank) -> record
         self.kv_arrival: dict[int, float] = {}  # room -> when its first KV request arrived (unpaired rooms)
+        self.notices: dict[int, Notices] = {}  # open room -> its progress notices
+        self._notice_seq = 0  # the same on every rank (lock step)
         self.counters = {"rooms_completed": 0, "rooms_failed": 0, "rooms_dropped": 0, "rooms_aborted": 0,
                          "rooms_expired": 0, "kv_requests_refused": 0, "stale_messages": 0, "kv_pages_requested": 0}
 
@@ -209,6 +230,7 @@ class PrefillMode(SchedulerMode):
         for room in list(self.closing):
             self._close_if_settled(room)
         self._expire(now)
+        self._notify_progress(now)
 
     def wants_agreement(self) -> bool:
         return bool(self.transferring)
@@ -222,6 +244,8 @@ class PrefillMode(SchedulerMode):
             self._on_drop(msg.room, now)
         elif isinstance(msg, KVAbort):
             self._on_decode_abort(msg, now)
+        elif isinstance(msg, KVProgressAck):
+            self._on_progress_ack(msg)
         else:
             self.counters["stale_messages"] += 1
             logger.warning("prefill: unexpected %s", type(msg).__name__)
@@ -312,6 +336,34 @@ class PrefillMode(SchedulerMode):
         logger.info("prefill: abort for unknown room %d (%s): acknowledged", msg.room, msg.reason)
         self.io.send(reply, KVAbortAck(msg.room, msg.nonce, self.sender.rank))
 
+    def _notify_progress(self, now: float) -> None:
+        """Rooms queued or being computed tell decode so, at most every T/4 (module docstring)."""
+        t = self.config.timeout_s
+        for room in self.reqs:
+            r, reply = self.sender.rooms.get(room), self.reply_to.get(room)
+            n = self.notices.setdefault(room, Notices())
+            if r is None or reply is None or r.state is not RoomState.SENDING or r.aborted or room in self.closing \
+                    or now - n.last < t / NOTICES_PER_TIMEOUT or self.sender.expired(room):
+                continue
+            self._notice_seq += 1
+            n.sent = {seq: at for seq, at in n.sent.items() if at + t > now}
+            n.last = n.sent[self._notice_seq] = now
+            self.io.send_once(reply[0], KVProgress(room, reply[1], self.sender.rank, self.sender.backend.session_id,
+                                                   self._notice_seq))
+
+    def _on_progress_ack(self, ack: KVProgressAck) -> None:
+        """Decode extended the room's wait on one of its notices by ``wait_s``: the room may be
+        written until that notice's send time + the shorter of T and ``wait_s``, no later than
+        decode's new deadline (module docstring)."""
+        reply, n, r = self.reply_to.get(ack.room), self.notices.get(ack.room), self.sender.rooms.get(ack.room)
+        ok = reply is not None and reply[1] == ack.nonce and n is not None and r is not None \
+            and any(kv.decode_id == ack.sender for kv in r.kvs.values())
+        sent = n.sent.pop(ack.seq, None) if ok and n is not None else None
+        if sent is None:  # another life of the room, a notice never sent or long expired, or forged
+            self.counters["stale_messages"] += 1
+            return
+        self.sender.extend(ack.room, sent, min(self.config.timeout_s, ack.wait_s))
+
     def _drained_here(self) -> dict[int, str | None]:
         """This rank's writes of each transferring room: None while some are in flight, "" once
         all landed, else why one failed."""
@@ -380,7 +432,7 @@ class PrefillMode(SchedulerMode):
             self.counters["rooms_expired"] += 1
             self._fail_expired(e)
         for room, req in list(self.transferring.items()):
-            if now - self.sender.rooms[room].paired_at > self.config.timeout_s:
+            if now - self.sender.rooms[room].progress_at > self.config.timeout_s:
                 why = f"writes not landed after {self.config.timeout_s:.0f} s"
                 self.sender.fail_unsettled(room, why)
                 self.transferring.pop(room)
@@ -423,6 +475,7 @@ class PrefillMode(SchedulerMode):
         self.transferring.pop(room, None)
         self.notified.discard(room)
         self.reqs.pop(room, None)
+        self.notices.pop(room, None)
         reply = self.reply_to.pop(room, None)
         r = self.sender.rooms.get(room)
         if r is None or r.state in (RoomState.DONE, RoomState.FAILED):
@@ -446,6 +499,8 @@ class PrefillMode(SchedulerMode):
     def poll_interval_ms(self) -> int | None:
         if self.transferring or self.closing:
             return 1
+        if self.reqs:  # their progress notices fall due even if nothing else wakes the loop
+            return max(1, int(self.config.timeout_s * 1000 / (2 * NOTICES_PER_TIMEOUT)))
         return 50 if len(self.rooms) else None
 
     def held_reqs(self) -> list[Req]:
@@ -460,6 +515,7 @@ class PrefillMode(SchedulerMode):
                             ("transferring rooms", len(self.transferring)), ("rooms closing", len(self.closing)),
                             ("rooms notified", len(self.notified)),
                             ("KV arrival stamps", len(self.kv_arrival)), ("sender rooms", len(self.sender.rooms)),
+                            ("rooms with progress notices", len(self.notices)),
                             ("transfer batches in flight", self.sender.backend.outstanding().batches)):
                 _balance(f"prefill {what}", n, 0)
             _balance("prefill aux rows free", self.sender.aux_rows_free, self.sender.aux.shape[0])

@@ -12,7 +12,8 @@ Who sends what (docs/disaggregation.md, "One request"):
   KV request: what prefill checks every KV request against), ``KVRequest`` (one per destination
   rank), ``KVAbort``, ``DropRoom``.
 - prefill -> decode: ``KVCompletion`` (one per source rank and destination rank), ``KVAbort``,
-  ``KVAbortAck``.
+  ``KVAbortAck``, ``KVProgress`` (while a room is queued or being computed).
+- decode -> prefill: ``KVProgressAck`` (one per ``KVProgress`` that extended a room's wait).
 
 Every room carries decode's random ``nonce``: a completion, abort or acknowledgement counts only
 for the room instance whose nonce it echoes, so a late message of an earlier life of a room (or
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 from pdserve.disagg.layout import KVLayout, staging_bytes
 
-PROTOCOL_VERSION = 3  # 3: packed transfers (DecodeRecord.staging, KVRequest.staging_*)
+PROTOCOL_VERSION = 4  # 3: packed transfers (DecodeRecord.staging, KVRequest.staging_*); 4: KVProgress(Ack)
 SIDES = ("prefill", "decode")
 STATUSES = ("ok", "failed")
 MAX_ROOM = 2**64 - 1
@@ -281,7 +282,50 @@ class DropRoom:
         _check_room(self.room)
 
 
-Message = DecodeRecord | KVRequest | KVCompletion | KVAbort | KVAbortAck | DropRoom
+@dataclass(frozen=True)
+class KVProgress:
+    """Prefill still works on ``room`` (queued or computing it): decode's wait for the room's KV
+    restarts (docs/disaggregation.md, "Timeouts are about progress"). ``session``: the transfer
+    session of prefill rank ``src_rank``, which decode checks against the records it fetched;
+    ``seq``: this notice, echoed by the ``KVProgressAck`` that lets prefill extend its own deadline."""
+
+    room: int
+    nonce: int
+    src_rank: int
+    session: str
+    seq: int
+
+    def __post_init__(self):
+        _check_room(self.room)
+        _check_nonce(self.nonce)
+        _require(self.src_rank >= 0, f"src_rank: must be >= 0, got {self.src_rank}")
+        _require(0 < len(self.session) <= 300, f"session: {len(self.session)} characters (1 to 300)")
+        _require(1 <= self.seq <= MAX_NONCE, f"seq: {self.seq} is not in [1, 2**63)")
+
+
+@dataclass(frozen=True)
+class KVProgressAck:
+    """Decode extended ``room``'s wait on prefill's notice ``seq`` to ``wait_s`` (its
+    ``--disaggregation-timeout-s``) after receiving it; ``sender``: decode's server id. Prefill
+    extends its write deadline only on this echo, to the notice's send time plus the shorter of
+    ``wait_s`` and its own timeout, so its deadline never passes decode's (a notice lost or refused
+    extends nothing; two servers configured with different timeouts stay safe)."""
+
+    room: int
+    nonce: int
+    seq: int
+    sender: str
+    wait_s: float
+
+    def __post_init__(self):
+        _check_room(self.room)
+        _check_nonce(self.nonce)
+        _require(1 <= self.seq <= MAX_NONCE, f"seq: {self.seq} is not in [1, 2**63)")
+        _require(bool(self.sender), "sender: empty")
+        _require(0 < self.wait_s < math.inf, f"wait_s: must be finite and > 0, got {self.wait_s}")
+
+
+Message = DecodeRecord | KVRequest | KVCompletion | KVAbort | KVAbortAck | DropRoom | KVProgress | KVProgressAck
 MESSAGES: dict[str, type] = {c.__name__: c for c in typing.get_args(Message)}
 
 

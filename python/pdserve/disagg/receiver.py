@@ -303,8 +303,13 @@ class IncomingRoom:
         return {s for s, _ in self.expected}
 
     def overdue(self, now: float) -> bool:
-        """More than ``--disaggregation-timeout-s`` since the KV request went out."""
+        """More than ``--disaggregation-timeout-s`` without progress: since the KV request went
+        out, prefill's last progress notice or the last counted completion."""
         return now > self.deadline
+
+    def progress(self, now: float, timeout_s: float) -> None:
+        """The room made progress at ``now``: it may wait ``timeout_s`` more (never less than before)."""
+        self.deadline = max(self.deadline, now + timeout_s)
 
     def add(self, c: KVCompletion) -> str | None:
         """Record a completion; returns an error when it breaks the room."""

@@ -14,9 +14,10 @@ destination rank's aux row only if it is that destination's first source. A rank
 for a room settles at once and reports nothing.
 
 A room has a deadline (``open``'s ``budget_s``: what is left of ``--disaggregation-timeout-s``
-since its KV request arrived): past it the sender posts nothing more for the room, whatever the
-scheduler asks, because decode may have failed the room over and, once its lease ends, reused the
-pages. A prefill that was paused (GC, VM stall, SIGSTOP) checks this before every post.
+since its KV request arrived; ``extend`` moves it when decode acknowledged progress): past it the
+sender posts nothing more for the room, whatever the scheduler asks, because decode may have
+failed the room over and, once its lease ends, reused the pages. A prefill that was paused (GC,
+VM stall, SIGSTOP) checks this before every post.
 
 Packed transfers: when decode lent a room a staging region (``KVRequest.staging_bytes``), each
 forward's head block of a layer moves in one write (``layout.plan_packed_writes``): the sender
@@ -75,6 +76,7 @@ class OutgoingRoom:
     next_page: int  # first prompt page (index) not yet staged
     paired_at: float
     deadline: float = float("inf")  # time.monotonic() past which nothing more is posted
+    acked_at: float = float("-inf")  # send time of the last progress notice decode acknowledged
     state: RoomState = RoomState.SENDING
     handles: list[WriteHandle] = field(default_factory=list)
     writes: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # page-writes by decode rank
@@ -93,6 +95,11 @@ class OutgoingRoom:
 
     def settled(self, backend: TransferBackend) -> bool:
         return all(backend.poll(h) is not WriteState.PENDING for h in self.handles)
+
+    @property
+    def progress_at(self) -> float:
+        """The room's latest sign of life decode knows of: pairing, or an acknowledged notice."""
+        return max(self.paired_at, self.acked_at)
 
     def timings(self) -> tuple[float, float]:
         """(queue, prefill) seconds: pairing to first forward, first forward to last."""
@@ -329,7 +336,7 @@ class KVSender:
         if not r.aborted:
             logger.warning("prefill: room %d is past its deadline: no more writes for it", r.room)
             r.aborted, r.error = True, ("the room passed its deadline (--disaggregation-timeout-s after decode's KV "
-                                        "request) before its KV was sent")
+                                        "request or its last acknowledged progress) before its KV was sent")
         return True
 
     # ------------------------------------------------------------- progress
@@ -363,6 +370,19 @@ class KVSender:
         if slot is not None:
             self._aux_free.append(slot)
         return self.rooms.pop(room, None)
+
+    def extend(self, room: int, sent_at: float, timeout_s: float) -> None:
+        """Decode acknowledged a progress notice sent at ``sent_at`` (``time.monotonic``'s clock:
+        rank 0's, the same on one host): the room may be written until ``sent_at + timeout_s``,
+        never earlier than before; a room given up on or past its deadline stays so."""
+        r = self.rooms.get(room)
+        if r is not None and not r.aborted and not self._past_deadline(r):
+            r.acked_at = max(r.acked_at, sent_at)
+            r.deadline = max(r.deadline, sent_at + timeout_s)
+
+    def expired(self, room: int) -> bool:
+        """``room`` is past its deadline (then it is given up on: nothing more is posted for it)."""
+        return self._past_deadline(self.rooms[room])
 
     def fail_unsettled(self, room: int, why: str) -> None:
         r = self.rooms[room]

@@ -256,8 +256,8 @@ def add_disagg_args(parser: argparse.ArgumentParser, per_server: bool = True) ->
     _flag(g, "--disaggregation-transfer-backend", "KV transfer engine (mooncake or nixl; memory: in-process test "
           "pairs only, refused by servers)", choices=TRANSFER_BACKENDS)
     _flag(g, "--disaggregation-ib-device", "RDMA device(s) for KV transfer, e.g. mlx5_0 (default: TCP)")
-    _flag(g, "--disaggregation-timeout-s", "bound on every waiting state (unpaired room, KV in flight)",
-          type=float)
+    _flag(g, "--disaggregation-timeout-s", "the longest wait without progress: an unpaired room, a room's KV "
+          "(a slow but progressing prefill never trips it), writes draining", type=float)
     _flag(g, "--disaggregation-heartbeat-s", "decode: how often it checks the prefill servers it waits on",
           type=float)
     _flag(g, "--disaggregation-fallback", "decode, when a transfer fails: prefill locally or fail the request",
