@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pdserve.config import CompileConfig, ServerArgs, default_num_threads, omp_passive_wait, usable_cores
+from pdserve.config import CompileConfig, ServerArgs, default_num_threads, usable_cores
 
 
 def test_usable_cores_follow_the_affinity_mask():
@@ -234,27 +234,3 @@ def test_kv_cache_dtype_flag_reaches_the_cache_config():
 
     ns = build_parser().parse_args(["serve", "--model-path", "tiny-llama", "--kv-cache-dtype", "fp8_e4m3"])
     assert server_args_from_namespace(ns).cache_config().kv_cache_dtype == "fp8_e4m3"
-
-
-def test_extends_take_the_scheduler_threads_core_only_where_openmp_waits_passively(monkeypatch, tmp_path):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    model = tmp_path / "m"
-    model.mkdir()
-    engine = ServerArgs(model_path=str(model)).thread_layout(frontend=False, passive_wait=True)
-    assert (engine.torch_threads, engine.extend_threads) == (1, 2)
-    assert "extends on 2 threads" in engine.reason and engine.to_dict()["extend_threads"] == 2
-    assert ServerArgs(model_path=str(model)).thread_layout(frontend=False).extend_threads == 0  # spinning
-    assert ServerArgs(model_path=str(model)).thread_layout(passive_wait=True).extend_threads == 0  # frontend's core
-    off = ServerArgs(model_path=str(model), disable_overlap_schedule=True).thread_layout(frontend=False,
-                                                                                        passive_wait=True)
-    assert off.extend_threads == 0  # the plain loop's extends and decodes share its threads
-    assert ServerArgs(model_path=str(model), num_threads=1).thread_layout(frontend=False,
-                                                                          passive_wait=True).extend_threads == 0
-    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    assert omp_passive_wait()
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
-    assert omp_passive_wait()
-    monkeypatch.delenv("GOMP_SPINCOUNT")
-    assert not omp_passive_wait()

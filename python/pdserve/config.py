@@ -1311,14 +1311,13 @@ class ServerArgs:
                             self.disaggregation_transfer_pack, self.disaggregation_pack_staging_mb,
                             tuple(self.disaggregation_bootstrap_allow))
 
-    def thread_layout(self, frontend: bool = True, share: int = 1, passive_wait: bool = False) -> ThreadLayout:
+    def thread_layout(self, frontend: bool = True, share: int = 1) -> ThreadLayout:
         """This compute process's threads (``ThreadLayout``); the scheduler runs overlapped unless
         --disable-overlap-schedule, speculation or several ranks keep it on one thread (a prefill
-        server never decodes: nothing of its runs beside a forward). ``passive_wait``: OpenMP's
-        idle threads sleep in this process (``omp_passive_wait``), so extends may take one more."""
+        server never decodes: nothing of its runs beside a forward)."""
         overlap = (not self.disable_overlap_schedule and not self.speculative_config().enabled
                    and self.parallel_config().world_size == 1 and self.disaggregation_mode != "prefill")
-        return ThreadLayout.choose(self.num_threads, overlap, frontend, share, passive_wait)
+        return ThreadLayout.choose(self.num_threads, overlap, frontend, share)
 
     @_built_once
     def speculative_config(self) -> SpeculativeConfig:
@@ -1379,14 +1378,6 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def omp_passive_wait() -> bool:
-    """Idle OpenMP threads of this process sleep instead of spinning: OMP_WAIT_POLICY=PASSIVE or
-    GOMP_SPINCOUNT=0, which libgomp reads once, when torch loads it (so the environment at start-up
-    is what counts; entrypoints/engine.py sets the first before torch loads, where it can)."""
-    return (os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
-            or os.environ.get("GOMP_SPINCOUNT", "").strip() == "0")
-
-
 def default_num_threads(frontend: bool = True, overlap: bool = False) -> int:
     """Torch threads of a compute process when ``--num-threads`` is not given.
 
@@ -1419,17 +1410,10 @@ class ThreadLayout:
     frontend: bool
     source: str
     reason: str = ""
-    # Torch threads of an extend (prefill) forward; 0: ``torch_threads``. An extend runs on the
-    # scheduler thread while the overlap worker waits, so the core kept for the scheduler thread
-    # is free for one more OpenMP thread, where idle OpenMP threads sleep instead of spinning.
-    extend_threads: int = 0
 
     @classmethod
-    def choose(cls, num_threads: int | None, overlap: bool, frontend: bool, share: int = 1,
-               passive_wait: bool = False) -> ThreadLayout:
-        """``share``: compute processes (ranks) on this machine splitting the cores; ``passive_wait``:
-        idle OpenMP threads sleep (``omp_passive_wait``), so extends may run on the scheduler
-        thread's core too."""
+    def choose(cls, num_threads: int | None, overlap: bool, frontend: bool, share: int = 1) -> ThreadLayout:
+        """``share``: compute processes (ranks) on this machine splitting the cores."""
         env = os.environ.get("OMP_NUM_THREADS", "")
         source = "--num-threads" if num_threads else "OMP_NUM_THREADS" if env.isdigit() and int(env) > 0 else "cores"
         threads = num_threads or max(1, default_num_threads(frontend, overlap) // share)
@@ -1441,11 +1425,7 @@ class ThreadLayout:
         reason = f"{cores} usable cores" + (f" over {share} ranks" if share > 1 else "") + \
             (f", one left to {' and one to '.join(left)}" if left else "") + \
             ("; at least one thread, so these share a core" if cores - len(left) < share else "")
-        extend = threads + 1 if passive_wait and overlap and share == 1 and threads + 1 <= cores - frontend else 0
-        if extend:
-            reason += (f"; extends on {extend} threads (the scheduler thread's core is free while it runs them, "
-                       "and idle OpenMP threads sleep: OMP_WAIT_POLICY=PASSIVE)")
-        return cls(cores, threads, overlap, frontend, source, reason, extend)
+        return cls(cores, threads, overlap, frontend, source, reason)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -190,26 +190,3 @@ def test_pages_of_a_request_ended_under_the_step_in_flight_stay_taken_until_it_l
         sched.check_memory()
     assert held > 0  # the case happened
     _no_leak(over)
-
-
-def test_extends_on_the_layouts_extend_threads_match_the_plain_loop(engines, monkeypatch):
-    """With ``extend_threads`` set (passive OpenMP waits), each extend runs on that many torch
-    threads and the decode worker keeps its own; the tokens stay the plain loop's."""
-    import dataclasses
-
-    from pdserve.config import ThreadLayout
-    from pdserve.engine import overlap
-
-    flags = {"chunked_prefill_size": 16}
-    plain, over = engines(**flags)
-    layout = ThreadLayout.choose(1, True, False)
-    monkeypatch.setattr(over.scheduler, "thread_layout", dataclasses.replace(layout, extend_threads=2))
-    seen = []
-    real = overlap.torch.set_num_threads
-    monkeypatch.setattr(overlap.torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
-    prompts = _prompts(8, seed=5)
-    a, b = _both(engines, flags, prompts, _greedy(10))
-    assert _ids(a) == _ids(b)
-    # each extend: 2 threads, then back to 1 (the worker's first job sets its own team's size too)
-    assert 2 in seen and all(seen[i + 1] == 1 for i, n in enumerate(seen) if n == 2)
-    assert torch.get_num_threads() == 1

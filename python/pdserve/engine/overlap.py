@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,19 +97,3 @@ class ForwardWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """This thread's torch ops run on ``n`` threads inside the block (0: unchanged). OpenMP's team
-    size is per calling thread, so the worker's own team keeps its size; the call costs
-    microseconds, once per extend."""
-    before = torch.get_num_threads()
-    if n <= 0 or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -24,7 +24,7 @@ from pdserve.engine.io_struct import BootstrapRef, TokenOutput
 from pdserve.engine.logprobs import PromptLogitPlan, ReqLogprobs, check_logprob_params
 from pdserve.engine.model_runner import ModelRunner, ScheduledBatch
 from pdserve.engine.modes import SchedulerMode
-from pdserve.engine.overlap import ForwardWorker, LaunchedDecode, torch_threads
+from pdserve.engine.overlap import ForwardWorker, LaunchedDecode
 from pdserve.engine.request import (
     Req,
     ReqState,
@@ -407,11 +407,6 @@ class Scheduler:
             hi.costs.observe_prefill(tokens, seconds)
 
     def _run_extend(self, reqs: list[Req], lens: list[int]) -> None:
-        threads = self.thread_layout.extend_threads if self.thread_layout is not None else 0
-        with torch_threads(threads):  # the overlap worker waits meanwhile (step synced before)
-            self._extend(reqs, lens)
-
-    def _extend(self, reqs: list[Req], lens: list[int]) -> None:
         ids: list[int] = []
         pos: list[int] = []
         loc: list[int] = []

@@ -5,25 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
-import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config import ServerArgs, omp_passive_wait, usable_cores
+import torch
 
-# OpenMP's wait policy is read once, when torch loads libgomp. With it passive, an extend may take
-# the overlapped scheduler thread's core as a second OpenMP thread (ThreadLayout.extend_threads);
-# spinning, that thread would burn the core the decode worker needs (docs/benchmarking.md,
-# "Extends on two threads"). Too late once torch is loaded, and the operator's setting wins. Only
-# where the default decode runs on one thread (two cores, measured): with more, the decode's own
-# OpenMP team would sleep and wake at every op (not measured).
-if "torch" not in sys.modules and usable_cores() <= 2:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
-
+from pdserve.config import ServerArgs
 from pdserve.engine.io_struct import TokenOutput
 from pdserve.engine.logprobs import check_logprob_params
 from pdserve.engine.model_runner import build_model_runner
@@ -70,7 +58,7 @@ class Engine:
             require_backend(self.args.moe_a2a_backend)
             self.scheduler: RankClient | Scheduler = RankClient(self.args, model_config)
         else:
-            layout = self.args.thread_layout(frontend=False, passive_wait=omp_passive_wait())
+            layout = self.args.thread_layout(frontend=False)
             torch.set_num_threads(layout.torch_threads)
             cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
             runner = build_model_runner(self.args, model_config)
