@@ -29,11 +29,18 @@ def test_omp_num_threads_wins_for_both(monkeypatch):
     assert default_num_threads(frontend=False) == 3
 
 
-def test_the_overlapped_scheduler_thread_keeps_a_core_of_its_own(monkeypatch, tmp_path):
+@pytest.fixture
+def eight_cores(monkeypatch, tmp_path):
+    """A model directory on a host whose process may use 8 cores and sets no OMP_NUM_THREADS."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     model = tmp_path / "m"
     model.mkdir()
+    return model
+
+
+def test_the_overlapped_scheduler_thread_keeps_a_core_of_its_own(monkeypatch, eight_cores):
+    model = eight_cores
     on = ServerArgs(model_path=str(model)).thread_layout()
     assert (on.cores, on.torch_threads, on.overlap, on.frontend, on.source) == (8, 6, True, True, "cores")
     assert ServerArgs(model_path=str(model)).thread_layout(frontend=False).torch_threads == 7
@@ -44,11 +51,8 @@ def test_the_overlapped_scheduler_thread_keeps_a_core_of_its_own(monkeypatch, tm
     assert ServerArgs(model_path=str(model)).thread_layout().torch_threads == 1  # never zero
 
 
-def test_the_thread_layout_says_why_in_words(monkeypatch, tmp_path):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    model = tmp_path / "m"
-    model.mkdir()
+def test_the_thread_layout_says_why_in_words(monkeypatch, eight_cores):
+    model = eight_cores
     server = ServerArgs(model_path=str(model)).thread_layout()
     assert server.reason == "8 usable cores, one left to the HTTP frontend and one to the overlapped scheduler thread"
     assert ServerArgs(model_path=str(model), disable_overlap_schedule=True).thread_layout(
