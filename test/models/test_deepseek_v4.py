@@ -106,6 +106,20 @@ def test_prefix_hits_give_identical_output(tiny):
     engine.scheduler.check_memory()
 
 
+def test_a_step_shorter_than_the_tail_after_a_boundary_hit(tiny):
+    """A hit at a boundary followed by a step of 2 tokens (shorter than the window's tail): the decode
+    steps after it read window and source rows from before the boundary out of the request's ring, which
+    must have taken them from the tail (the first token alone would not show it: it reads the tail)."""
+    hf, path = tiny
+    engine = pdserve.Engine(model_path=path, page_size=2)
+    first = _prompt(REUSE + 5 * WINDOW, seed=11)
+    engine.generate(input_ids=first, sampling_params=GREEDY)
+    short = first[:REUSE] + _prompt(2, seed=12)
+    out = engine.generate(input_ids=short, sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] == REUSE
+    assert out["output_ids"] == greedy_continuation(hf, short, STEPS)
+
+
 def test_bounded_state_is_a_fifth_of_v3_at_64k():
     """The bounded layout's bytes per token at 64K context (pages of compressed entries and boundary
     tails, plus one request's record spread over the context) against tiny-deepseek (V3) at the same

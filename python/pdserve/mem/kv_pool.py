@@ -93,6 +93,31 @@ class KVPool(ABC):
         keeping a per-request record there forgets what it held for the last owner. None here."""
         return None
 
+    def record_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Per-request records, each ``[N, slots, ...]`` (layer row, record slot = request-table row, then
+        one slot's shape), outside the pages: what P/D moves whole for a request beside its pages
+        (DeepSeek-V4's bounded layout, mem/region_pool.py). None here."""
+        return []
+
+    def record_layers(self) -> dict[str, tuple[int, ...]]:
+        """The model layers each record buffer keeps, by name (row ``i`` holds the ``i``-th)."""
+        return {}
+
+    def record_descriptors(self) -> list[BufferDescriptor]:
+        """The record buffers to register with a transfer engine: a "page" is one record slot of one layer."""
+        out = []
+        for name, buf in self.record_buffers():
+            item = buf.element_size()
+            out.append(BufferDescriptor(name, buf.data_ptr(), buf.stride(1) * item, buf.stride(0) * item,
+                                        buf.shape[0], buf.shape[1]))
+        return out
+
+    def record_filled(self, row: int, upto: int) -> None:
+        """Row ``row``'s record was written from outside (P/D: prefill's record of the same request):
+        it holds the state of positions before ``upto`` on every layer. A pool without records has
+        nothing to hold it and raises."""
+        raise RuntimeError(f"record_filled: {type(self).__name__} keeps no per-request records")
+
     def _check_scales(self, **scales: float) -> None:
         for name, value in scales.items():
             if not value > 0:

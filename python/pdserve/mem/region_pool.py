@@ -150,6 +150,17 @@ class RegionKVPool(KVPool):
     def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.buffers.items())
 
+    def record_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.records.items())
+
+    def record_layers(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(self.rows[name]) for name in self.records}
+
+    def record_filled(self, row: int, upto: int) -> None:
+        if not self.records:
+            super().record_filled(row, upto)
+        self._held[row] = {layer: upto for name in self.records for layer in self.rows[name]}
+
     def buffer_layers(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(self.rows[name]) for name in self.buffers}
 
@@ -224,6 +235,11 @@ class RecordState(RequestState):
     def keep(self, region: str, rows: torch.Tensor) -> None:
         ring = self.pool.records[region][self.pool.rows[region][self.layer], self.row]  # [R, X]
         R = ring.shape[0]
+        if not self.from_ring and self.p0 and region in self.bounded.tails:
+            # Resumed from a boundary's tail: the ring gets the tail's rows too, or a step shorter than
+            # the tail would leave the next one (or a P/D peer receiving this record) rows never written.
+            lo = self.p0 - self.bounded.tails[region]
+            ring[torch.arange(lo, self.p0, device=self.slots.device) % R] = self.prior(region, lo).to(ring.dtype)
         positions = torch.arange(self.p0, self.p0 + self.n, device=self.slots.device)
         ring[positions[-R:] % R] = rows[-R:].to(ring.dtype)
         if region not in self.bounded.tails:
