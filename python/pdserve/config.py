@@ -524,7 +524,7 @@ class CacheConfig:
     mem_fraction_static: float | None = None
     # Per-request record slots (one per request-table row) of a model whose state has records
     # (DeepSeek-V4's bounded layout, docs/kv-cache.md); 0: every state in pages. ServerArgs gives
-    # records to a colocated server without the hierarchical cache, which move no records.
+    # records to every server without the hierarchical cache, whose tiers move no records (P/D moves them).
     state_records: int = 0
 
     def __post_init__(self):
@@ -1267,8 +1267,7 @@ class ServerArgs:
                            hash_key=resolve_kv_hash_key(self.kv_hash_key_file),
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                            mem_fraction_static=self.mem_fraction_static,
-                           state_records=self.max_running_requests if self.disaggregation_mode == "null"
-                           and not self.enable_hierarchical_cache else 0)
+                           state_records=0 if self.enable_hierarchical_cache else self.max_running_requests)
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

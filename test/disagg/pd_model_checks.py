@@ -57,9 +57,10 @@ def idle(pd) -> tuple[dict, dict]:
     return pd.prefill.wait_idle(60), pd.decode.wait_idle(60)
 
 
-def check_router_tokens(pd, hf, lengths, page_bytes: int) -> None:
+def check_router_tokens(pd, hf, lengths, page_bytes: int, record_bytes: int = 0) -> None:
     """Transformers' tokens through pdserve's router; every page moved ``page_bytes`` (every region
-    its layers keep), nothing more; no fallback, failure or quarantine."""
+    its layers keep) and every room ``record_bytes`` (its per-request record, whatever its length),
+    nothing more; no fallback, failure or quarantine."""
     prompts = [prompt(n, seed=n) for n in lengths]
     before = pd.decode.info()
     assert send(pd.router.url, prompts) == [greedy_continuation(hf, p, NEW) for p in prompts]
@@ -68,14 +69,16 @@ def check_router_tokens(pd, hf, lengths, page_bytes: int) -> None:
     requested = d["kv_pages_requested"] - before["kv_pages_requested"]
     assert moved == sum(n > 1 for n in lengths) and d["fallbacks"] == 0 and d["transfer_failures"] == 0, d
     assert requested == sum(pages(len(x) - 1) for x in prompts)
-    assert d["kv_bytes_received"] - before["kv_bytes_received"] == requested * page_bytes
+    assert d["kv_bytes_received"] - before["kv_bytes_received"] == requested * page_bytes + moved * record_bytes
     assert p["rooms_failed"] == p["rooms_expired"] == 0 and d["quarantined_pages"] == 0
 
 
-def check_turn_two(pd, hf, turn1_len: int, more_len: int, page_bytes: int) -> None:
+def check_turn_two(pd, hf, turn1_len: int, more_len: int, page_bytes: int, record_bytes: int = 0,
+                   reuse: int = PAGE) -> None:
     """Decode caches turn 1's prompt and answer (every region of the same pages): turn 2 receives only
-    the pages after its own hit, and still decodes transformers' tokens, which it could not with a
-    region missing from the pages it already held."""
+    the pages after its own hit (at a multiple of ``reuse`` tokens, the pool's reusable boundaries) and
+    its record whole, and still decodes transformers' tokens, which it could not with a region missing
+    from the pages it already held."""
     turn1 = prompt(turn1_len, seed=100)
     r1 = httpx.post(pd.router.url + "/generate", json={"input_ids": turn1, "sampling_params": greedy()},
                     timeout=180).json()
@@ -85,11 +88,12 @@ def check_turn_two(pd, hf, turn1_len: int, more_len: int, page_bytes: int) -> No
     r2 = httpx.post(pd.router.url + "/generate", json={"input_ids": turn2, "sampling_params": greedy()},
                     timeout=180).json()
     _, d = idle(pd)
-    decode_hit = (len(turn1) + NEW - 1) // PAGE * PAGE
+    decode_hit = (len(turn1) + NEW - 1) // reuse * reuse
+    assert decode_hit > 0, "turn 1 too short for a hit at a reusable boundary"
     assert r2["meta_info"]["decode_cached_tokens"] == decode_hit
     lacking = pages(len(turn2) - 1) - decode_hit // PAGE
     assert d["kv_pages_requested"] - before["kv_pages_requested"] == lacking
-    assert d["kv_bytes_received"] - before["kv_bytes_received"] == lacking * page_bytes
+    assert d["kv_bytes_received"] - before["kv_bytes_received"] == lacking * page_bytes + record_bytes
     assert (r1["output_ids"], r2["output_ids"]) == (greedy_continuation(hf, turn1, NEW),
                                                     greedy_continuation(hf, turn2, NEW))
 

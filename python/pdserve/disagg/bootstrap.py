@@ -182,6 +182,9 @@ class CompatRecord:
     # the regions of a token's slot beyond kv_layout's own, with their widths and dtypes (``state_layout``):
     # a V3 prefill's pages lack the index keys a V3.2 decode would read
     state_layout: str = ""
+    # per-request records outside the pages (roles.state_records; DeepSeek-V4's bounded layout): a side
+    # keeping the window in pages ("none") and one keeping it in records read each other's bytes as garbage
+    state_records: str = "none"
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
@@ -192,7 +195,7 @@ class CompatRecord:
     @classmethod
     def from_model(cls, model_config, page_size: int, model: str | None = None, seed: int = 0,
                    transfer_backend: str = "mooncake", kv_cache_dtype: str = "auto",
-                   speculative: str | None = None) -> CompatRecord:
+                   speculative: str | None = None, state_records: str = "none") -> CompatRecord:
         """From a ``config.ModelConfig`` (``model`` defaults to its path; ``seed``: of dummy weights;
         ``speculative``: the speculative algorithm, None when off)."""
         from pdserve.models.fingerprint import weights_fingerprint
@@ -203,7 +206,7 @@ class CompatRecord:
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, kv_layout,
                    mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend,
                    quant.name if quant is not None else "none", kv_cache_dtype, speculative or "none",
-                   state_layout(mc))
+                   state_layout(mc), state_records)
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
         """Raise IncompatiblePeer naming the first compared field that differs. The weights

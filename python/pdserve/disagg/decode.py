@@ -14,7 +14,8 @@ nothing to receive (a one-token prompt, or ``prompt[:-1]`` already cached), when
 receive is shorter than ``--disaggregation-min-prefill-tokens``, or when the request wants
 prompt logprobs (only a local prefill computes them); prefill is told to drop the room. On a
 failed transfer (prefill dead, write error, timeout) it falls back the same way on fresh pages,
-and the abandoned pages stay in quarantine until no late write can land; with
+and the abandoned pages (and, in a layout with per-request records, the table row whose record
+prefill writes) stay in quarantine until no late write can land; with
 ``--disaggregation-fallback error`` the request fails instead.
 
 With several ranks (TP, DP attention) every rank of the request's attention group pins the same
@@ -306,7 +307,8 @@ class DecodeMode(SchedulerMode):
         addr = self.staging.addr + at if self.staging is not None and at is not None else 0
         kv = KVRequest(room, nonce, self.server_id, self.rank, self.backend.session_id, self.bases, self.layout,
                        pages, req.kv_len, len(req.fill_ids) - 1 - req.kv_len, row.data_ptr(),
-                       row.numel() * row.element_size(), self.io.endpoint, addr, need)
+                       row.numel() * row.element_size(), self.io.endpoint, addr, need,
+                       record_slot=req.table_row if self.layout.records else -1)
         controls = peer.controls({s for s, _ in expected})
         if peer.key not in self.introduced and self.record is not None:
             for control in peer.controls(range(len(info.ranks))):  # before the KV request, on the same pipe
@@ -426,6 +428,8 @@ class DecodeMode(SchedulerMode):
             unpack_room(self.staging, w.staging, w.blocks, self.pools, w.pages)
             self.staging.free(w.staging)
         req.kv_len = len(req.fill_ids) - 1
+        if self.layout.records:  # the record prefill wrote holds the state before kv_len (module docstring)
+            self.scheduler.kv_manager.record_received(req)
         clock = req.stage_clock
         clock.end_prefill(now)
         clock.remote_queue, clock.remote_prefill = inc.remote_timings()
@@ -438,7 +442,8 @@ class DecodeMode(SchedulerMode):
         self.counters["kv_received"] += 1
         self.outcomes.append(False)
         self.counters["kv_pages_received"] += len(req.pages) - req.num_cached_pages
-        self.counters["kv_bytes_received"] += staging_bytes(self.layout, len(w.pages))  # every layer and buffer
+        # every layer and page buffer, and the request's records
+        self.counters["kv_bytes_received"] += staging_bytes(self.layout, len(w.pages)) + self.layout.record_bytes
 
     # ------------------------------------------------------------- failures
     def _fail(self, room: int, reason: str, notify: bool = True, settled: AbstractSet[int] = frozenset()) -> None:
@@ -458,8 +463,11 @@ class DecodeMode(SchedulerMode):
         range) wait in quarantine, kept allocated, until no late write can land."""
         pending = inc.sources - set(settled)  # the prefill ranks that may still write these pages
         sessions = {s: inc.peer.fetched_info.ranks[s].session for s in pending}
-        own = self.scheduler.kv_manager.quarantine(req)
-        self.quarantine.add(req.bootstrap_room, inc.nonce, own, w.aux_slot, sessions, now, staging=w.staging)
+        records = bool(self.layout.records)  # prefill may still write the row's record
+        row = req.table_row if records else None
+        own = self.scheduler.kv_manager.quarantine(req, keep_row=records)
+        self.quarantine.add(req.bootstrap_room, inc.nonce, own, w.aux_slot, sessions, now, staging=w.staging,
+                            row=row)
 
     def _fall_back(self, req: Req, reason: str) -> None:
         if self.config.fallback == "error":
@@ -515,7 +523,7 @@ class DecodeMode(SchedulerMode):
 
     def _release_quarantine(self, now: float) -> None:
         for e in self.quarantine.release(now):
-            self.scheduler.kv_manager.free_quarantined(e.pages)
+            self.scheduler.kv_manager.free_quarantined(e.pages, row=e.row)
             self.aux_slots.free(e.aux_slot)
             if e.staging is not None and self.staging is not None:
                 self.staging.free(e.staging)

@@ -28,6 +28,13 @@ A ``regions`` layout (``mem.region_pool.RegionKVPool``, DeepSeek-V4) has no buff
 buffer is such a region, replicated like MLA's latent, and a region may be kept by only some layers
 (``Region.layers``): its buffer's row ``i`` is model layer ``layers[i]``, so layer ``l``'s writes are
 those of the regions that layer keeps, and the count both sides expect sums exactly those.
+
+Records (``KVLayout.records``; DeepSeek-V4's bounded layout, docs/kv-cache.md): per-request state
+outside the pages, one slot per request-table row. A record buffer is ``[N, slots, ...]``: layer
+``l``'s slot ``s`` is ``page_bytes`` at ``row(l) * layer_stride + s * page_bytes``. A request's record
+moves whole, once, after the last chunk of its layer has written it (``plan_record_writes``), from the
+same random source rank as its pages, into the slot decode's KV request names; each (layer, record)
+write counts one in the page-write count both sides agree on, so a record left out leaves the room short.
 """
 
 from __future__ import annotations
@@ -85,6 +92,8 @@ class KVLayout:
     layer_stride: int  # bytes from layer l to l + 1 in one buffer
     dp_size: int = 1  # attention-DP groups (decode's DP attention)
     regions: tuple[Region, ...] = field(default=())  # replicated regions after the kind's buffers
+    records: tuple[Region, ...] = field(default=())  # per-request records (a "page" is one record slot)
+    record_slots: int = 0  # record slots of each record buffer (the side's request-table rows)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -116,29 +125,39 @@ class KVLayout:
                               f"got {self.kind} with {[r.name for r in self.regions]}")
         if self.kind == "regions" and not self.regions:
             raise LayoutError("regions: a regions layout needs at least one region")
-        names = [r.name for r in self.regions]
+        if self.records and self.kind not in REPLICATED:
+            raise LayoutError(f"records: only a replicated layout moves per-request records, got {self.kind}")
+        if bool(self.records) != (self.record_slots > 0) or self.record_slots < 0:
+            raise LayoutError(f"record_slots: {self.record_slots} for records {[r.name for r in self.records]}")
+        names = [r.name for r in self.regions + self.records]
         if len(set(names)) != len(names) or set(names) & set(BUFFERS[self.kind]):
-            raise LayoutError(f"regions: {names} repeat a buffer name")
-        for r in self.regions:
-            if r.dtype not in DTYPE_BYTES:
-                raise LayoutError(f"regions.{r.name}.dtype: {r.dtype!r} is not one of {tuple(DTYPE_BYTES)}")
-            if r.page_bytes < 1 or r.layer_stride < self.num_pages * r.page_bytes:
-                raise LayoutError(f"regions.{r.name}: page_bytes {r.page_bytes}, layer_stride {r.layer_stride} "
-                                  f"do not hold {self.num_pages} pages")
-            if list(r.layers) != sorted(set(r.layers)) or any(not 0 <= x < self.num_layers for x in r.layers):
-                raise LayoutError(f"regions.{r.name}.layers: {r.layers} are not distinct ascending layers "
-                                  f"of [0, {self.num_layers})")
+            raise LayoutError(f"regions, records: {names} repeat a buffer name")
+        for field_name, group, count in (("regions", self.regions, self.num_pages),
+                                         ("records", self.records, self.record_slots)):
+            for r in group:
+                self._check_region(field_name, r, count)
+
+    def _check_region(self, field_name: str, r: Region, count: int) -> None:
+        if r.dtype not in DTYPE_BYTES:
+            raise LayoutError(f"{field_name}.{r.name}.dtype: {r.dtype!r} is not one of {tuple(DTYPE_BYTES)}")
+        if r.page_bytes < 1 or r.layer_stride < count * r.page_bytes:
+            raise LayoutError(f"{field_name}.{r.name}: page_bytes {r.page_bytes}, layer_stride {r.layer_stride} "
+                              f"do not hold {count} {'pages' if field_name == 'regions' else 'slots'}")
+        if list(r.layers) != sorted(set(r.layers)) or any(not 0 <= x < self.num_layers for x in r.layers):
+            raise LayoutError(f"{field_name}.{r.name}.layers: {r.layers} are not distinct ascending layers "
+                              f"of [0, {self.num_layers})")
 
     @classmethod
     def from_descriptors(cls, kind: str, tp_size: int, num_kv_heads: int, page_size: int, dtype: str,
                          descriptors: Sequence, dp_size: int = 1,
                          region_dtypes: Mapping[str, str] | None = None,
                          region_layers: Mapping[str, tuple[int, ...]] | None = None,
-                         num_layers: int | None = None) -> KVLayout:
+                         num_layers: int | None = None, records: Sequence = ()) -> KVLayout:
         """From a pool's ``buffer_descriptors()``: the kind's buffers first (sharing one geometry),
         then any replicated regions (``region_dtypes``: their dtypes by name, else ``dtype``;
         ``region_layers``: the model layers keeping each, else every one of ``num_layers``, which
-        defaults to the first buffer's rows). A regions layout's own geometry is its first region's."""
+        defaults to the first buffer's rows). A regions layout's own geometry is its first region's.
+        ``records``: the pool's ``record_descriptors()`` (dtypes and layers from the same mappings)."""
         own = BUFFERS.get(kind, ())
         names = tuple(d.name for d in descriptors)
         if kind in BUFFERS and names[:len(own)] != own:
@@ -155,16 +174,33 @@ class KVLayout:
         regions = tuple(Region(d.name, dtypes.get(d.name, dtype), d.page_bytes, d.layer_stride,
                                _held_layers(held.get(d.name), num_layers))
                         for d in descriptors[len(own):])
+        kept = tuple(Region(d.name, dtypes.get(d.name, dtype), d.page_bytes, d.layer_stride,
+                            _held_layers(held.get(d.name), num_layers)) for d in records)
+        slots = {d.num_pages for d in records}
+        if len(slots) > 1:
+            raise LayoutError(f"records: buffers with different slot counts {sorted(slots)}")
         return cls(kind, tp_size, num_kv_heads, page_size, dtype, num_layers, first.num_pages,
-                   first.page_bytes, first.layer_stride, dp_size, regions)
+                   first.page_bytes, first.layer_stride, dp_size, regions, kept, slots.pop() if slots else 0)
 
     @property
     def buffers(self) -> tuple[str, ...]:
+        """Every registered buffer, pages then records (the order of a side's buffer addresses)."""
+        return self.paged + tuple(r.name for r in self.records)
+
+    @property
+    def paged(self) -> tuple[str, ...]:
+        """The buffers of the pages (the kind's own, then its regions)."""
         return BUFFERS[self.kind] + tuple(r.name for r in self.regions)
 
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one request's records over every layer keeping them (what a room moves beside its pages)."""
+        return sum(self.rows(r.name) * r.page_bytes for r in self.records)
+
     def geometry(self, buffer: str) -> tuple[int, int]:
-        """``(page_bytes, layer_stride)`` of ``buffer``: the kind's buffers share the layout's."""
-        for r in self.regions:
+        """``(page_bytes, layer_stride)`` of ``buffer``: the kind's buffers share the layout's (a record's
+        "page" is one slot)."""
+        for r in self.regions + self.records:
             if r.name == buffer:
                 return r.page_bytes, r.layer_stride
         if buffer not in BUFFERS[self.kind]:
@@ -173,25 +209,33 @@ class KVLayout:
 
     def row(self, buffer: str, layer: int) -> int | None:
         """The row of ``buffer`` holding model ``layer``; None where that layer keeps no such buffer."""
-        for r in self.regions:
+        for r in self.regions + self.records:
             if r.name == buffer and r.layers:
                 return r.layers.index(layer) if layer in r.layers else None
         return layer
 
     def rows(self, buffer: str) -> int:
         """How many layers keep ``buffer`` (its rows)."""
-        for r in self.regions:
+        for r in self.regions + self.records:
             if r.name == buffer and r.layers:
                 return len(r.layers)
         return self.num_layers
 
     def layer_buffers(self, layer: int) -> tuple[str, ...]:
-        """The buffers model ``layer`` keeps, in ``buffers`` order (what its writes cover)."""
-        return tuple(b for b in self.buffers if self.row(b, layer) is not None)
+        """The page buffers model ``layer`` keeps, in ``paged`` order (what its page writes cover)."""
+        return tuple(b for b in self.paged if self.row(b, layer) is not None)
+
+    def layer_records(self, layer: int) -> tuple[str, ...]:
+        """The record buffers model ``layer`` keeps (one write each per request)."""
+        return tuple(r.name for r in self.records if self.row(r.name, layer) is not None)
 
     def describe_regions(self) -> str:
         """The buffers as a peer's refusal names them: ``latent+index_k (float32, 2048 B/page)``."""
         return "+".join([*BUFFERS[self.kind], *(r.describe() for r in self.regions)])
+
+    def describe_records(self) -> str:
+        """The records as a peer's refusal names them: ``none`` for a layout keeping every state in pages."""
+        return "+".join(r.describe().replace("B/page", "B/slot") for r in self.records) or "none"
 
     @property
     def local_heads(self) -> int:
@@ -264,6 +308,9 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     if [(r.name, r.dtype, r.page_bytes, r.layers) for r in src.regions] != [
             (r.name, r.dtype, r.page_bytes, r.layers) for r in dst.regions]:
         raise LayoutError(f"regions: prefill has {src.describe_regions()}, decode has {dst.describe_regions()}")
+    if [(r.name, r.dtype, r.page_bytes, r.layers) for r in src.records] != [
+            (r.name, r.dtype, r.page_bytes, r.layers) for r in dst.records]:
+        raise LayoutError(f"records: prefill has {src.describe_records()}, decode has {dst.describe_records()}")
 
 
 def _held_layers(layers: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
@@ -371,16 +418,41 @@ def _segment_ops(src: KVLayout, dst: KVLayout, g: Segment, buffer: str, layer: i
     return [op(i, 1) for i in range(len(src_pages))]
 
 
+def plan_record_writes(src: KVLayout, dst: KVLayout, src_slot: int, dst_slot: int,
+                       layers: Iterable[int] | None = None, *, room: int = 0, seed: int = 0,
+                       src_dp_rank: int = 0, dst_dp_rank: int = 0) -> list[WriteOp]:
+    """The record writes of one request for ``layers`` (default: all): each record a layer keeps,
+    whole, from the source slot (prefill's request-table row) to ``dst_slot`` (decode's), one page-write
+    each, from the request's source rank; ordered by layer, record, destination."""
+    for field_name, layout, slot in (("src_slot", src, src_slot), ("dst_slot", dst, dst_slot)):
+        if not 0 <= slot < layout.record_slots:
+            raise LayoutError(f"{field_name}: record slot {slot} outside [0, {layout.record_slots})")
+    layers = list(range(src.num_layers)) if layers is None else list(layers)
+    _check_layers(src, layers)
+    segs = segments(src, dst, room=room, seed=seed, src_dp_rank=src_dp_rank, dst_dp_rank=dst_dp_rank)
+    ops: list[WriteOp] = []
+    for layer in layers:
+        for name in src.layer_records(layer):
+            (s_bytes, s_stride), (d_bytes, d_stride) = src.geometry(name), dst.geometry(name)
+            row = src.row(name, layer)
+            assert row is not None
+            ops.extend(WriteOp(g.src_rank, g.dst_rank, name, layer, row * s_stride + src_slot * s_bytes,
+                               row * d_stride + dst_slot * d_bytes, s_bytes, 1) for g in segs)
+    return ops
+
+
 def expected_writes(src: KVLayout, dst: KVLayout, num_pages: int, layers: Iterable[int] | None = None, *,
                     room: int = 0, seed: int = 0, src_dp_rank: int = 0,
                     dst_dp_rank: int = 0) -> dict[tuple[int, int], int]:
     """Page-writes per ``(src_rank, dst_rank)`` for a request of ``num_pages`` pages: what
-    ``count_writes(plan_writes(...))`` gives, whatever the page ids and chunking."""
+    ``count_writes(plan_writes(...))`` gives, whatever the page ids and chunking, plus one per record
+    a layer keeps (``plan_record_writes``: a request's records always move whole)."""
     layers = list(range(src.num_layers)) if layers is None else list(layers)
     _check_layers(src, layers)
     out: Counter = Counter()
+    per_request = sum(num_pages * len(src.layer_buffers(x)) + len(src.layer_records(x)) for x in layers)
     for g in segments(src, dst, room=room, seed=seed, src_dp_rank=src_dp_rank, dst_dp_rank=dst_dp_rank):
-        out[(g.src_rank, g.dst_rank)] += num_pages * sum(len(src.layer_buffers(x)) for x in layers)
+        out[(g.src_rank, g.dst_rank)] += per_request
     return dict(out)
 
 
@@ -439,7 +511,7 @@ class PackedWrite:
 def staging_bytes(dst: KVLayout, num_pages: int) -> int:
     """Bytes of a destination rank's staging region for a room of ``num_pages`` pages (what decode
     lends and prefill checks): every layer and buffer (regions included) of those pages, all local heads."""
-    return num_pages * sum(dst.rows(b) * dst.geometry(b)[0] for b in dst.buffers)
+    return num_pages * sum(dst.rows(b) * dst.geometry(b)[0] for b in dst.paged)
 
 
 def staging_blocks(src: KVLayout, dst: KVLayout, dst_rank: int, num_pages: int, *, room: int = 0, seed: int = 0,
@@ -450,7 +522,7 @@ def staging_blocks(src: KVLayout, dst: KVLayout, dst_rank: int, num_pages: int, 
     for g in segments(src, dst, room=room, seed=seed, src_dp_rank=src_dp_rank, dst_dp_rank=dst_dp_rank):
         if g.dst_rank != dst_rank:
             continue
-        for b in dst.buffers:
+        for b in dst.paged:
             out.append((g, b, off))
             off += dst.num_layers * num_pages * g.nheads * dst.head_bytes
     return out

@@ -176,7 +176,7 @@ class PrefillMode(SchedulerMode):
         for req, n in zip(reqs, lens):
             room = req.room
             if room in self.sender.rooms:
-                self.sender.stage(room, req.pages, req.kv_len + n)
+                self.sender.stage(room, req.pages, req.kv_len + n, req.row)
 
     def after_prefill(self, reqs: list[Req], done: list[int]) -> list[int]:
         self.sender.forward_done()

@@ -164,6 +164,9 @@ class KVRequest:
     # the writes go to the pages themselves
     staging_addr: int = 0
     staging_bytes: int = 0
+    # The record slot (decode's request-table row) receiving the request's per-request records
+    # (``layout.records``: DeepSeek-V4's bounded layout); -1 for a layout without records
+    record_slot: int = -1
 
     def __post_init__(self):
         _check_room(self.room)
@@ -187,6 +190,10 @@ class KVRequest:
         check_endpoint(self.reply_to, "reply_to")
         _require((self.staging_addr == 0) == (self.staging_bytes == 0),
                  f"staging_addr, staging_bytes: both zero or both set, got {self.staging_addr}, {self.staging_bytes}")
+        slots = self.layout.record_slots
+        _require(0 <= self.record_slot < slots if self.layout.records else self.record_slot == -1,
+                 f"record_slot: {self.record_slot} is not one of the layout's {slots} record slots"
+                 if self.layout.records else f"record_slot: {self.record_slot} for a layout without records (-1)")
         if self.staging_bytes:
             need = staging_bytes(self.layout, len(self.dst_pages))
             _require(self.layout.kind == "gqa", "staging_bytes: packed transfers are for GQA (HND) pages")

@@ -16,7 +16,8 @@ when the KV has landed, and where abandoned pages wait until no late write can r
   refuses too or no longer lists the session) and posts ``PeersGone``.
 - ``IncomingRoom``: one request's expected page-writes per (prefill rank, decode rank), from
   ``layout.expected_writes``, and the completions that arrived.
-- ``Quarantine``: destination pages (and the aux slot) of a room decode gave up on. They are
+- ``Quarantine``: destination pages (and the aux slot, and the table row whose record prefill
+  writes in a layout with records) of a room decode gave up on. They are
   reused only once every prefill rank acknowledged the abort or completed the room, once the
   exit of the ranks that may still write is confirmed (after a grace period for bytes already
   on the wire), or once the lease runs out; never on a dead verdict alone.
@@ -357,6 +358,7 @@ class QuarantineEntry:
     pending: dict[int, str]  # prefill rank yet to acknowledge or complete -> its transfer session
     until: float  # lease: released then whatever happened
     staging: int | None = None  # the room's staging range (a packed transfer), freed with the pages
+    row: int | None = None  # the request-table row whose record prefill writes (a layout with records)
     gone_at: dict[int, float] = field(default_factory=dict)  # pending rank -> when its exit was confirmed
 
     def safe(self, now: float) -> bool:
@@ -374,12 +376,12 @@ class Quarantine:
         self.entries: dict[tuple[int, int], QuarantineEntry] = {}
 
     def add(self, room: int, nonce: int, pages: list[int], aux_slot: int | None, pending: dict[int, str],
-            now: float, staging: int | None = None) -> None:
+            now: float, staging: int | None = None, row: int | None = None) -> None:
         """``pending``: the prefill ranks that may still write (rank -> transfer session)."""
-        if not pages and aux_slot is None and staging is None:
+        if not pages and aux_slot is None and staging is None and row is None:
             return
         self.entries[(room, nonce)] = QuarantineEntry(room, nonce, list(pages), aux_slot, dict(pending),
-                                                      now + self.lease_s, staging)
+                                                      now + self.lease_s, staging, row)
 
     @property
     def num_pages(self) -> int:

@@ -42,10 +42,12 @@ BOOTSTRAP_FETCH_TIMEOUT_S = 10.0  # decode's bound on reaching a prefill's boots
 MESSAGE_TYPES = (*protocol.MESSAGES.values(), PeerFetched, PeersDead, PeersGone)
 
 
-def compat_record(args: ServerArgs, model_config: ModelConfig) -> CompatRecord:
+def compat_record(args: ServerArgs, model_config: ModelConfig, pool=None) -> CompatRecord:
+    """``pool``: the side's KV pool, whose per-request records (none: every state in pages) the record names."""
     return CompatRecord.from_model(model_config, args.page_size, model=args.served_model_name or args.model_path,
                                    seed=args.random_seed, transfer_backend=args.disaggregation_transfer_backend,
-                                   kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative_algorithm)
+                                   kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative_algorithm,
+                                   state_records=state_records(pool) if pool is not None else "none")
 
 
 def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 1) -> KVLayout:
@@ -56,9 +58,10 @@ def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 
     dtype = str(pool.dtype).removeprefix("torch.")  # what the pages hold: float8_e4m3fn for an fp8 pool
     # every buffer's own dtype: regions beside the latent (V3.2's index keys) keep the model's
     dtypes = {name: str(buf.dtype).removeprefix("torch.") for name, buf in pool.page_buffers()}
+    dtypes |= {name: str(buf.dtype).removeprefix("torch.") for name, buf in pool.record_buffers()}
     return KVLayout.from_descriptors(kind, tp_size, heads, pool.page_size, dtype, pool.buffer_descriptors(), dp_size,
-                                     region_dtypes=dtypes, region_layers=pool.buffer_layers(),
-                                     num_layers=pool.num_layers)
+                                     region_dtypes=dtypes, region_layers={**pool.buffer_layers(), **pool.record_layers()},
+                                     num_layers=pool.num_layers, records=pool.record_descriptors())
 
 
 def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> TransferBackend:
@@ -113,7 +116,9 @@ class RoleModes:
         self.cfg = args.disagg_config()
         self.rank = groups.layout.rank if groups is not None else 0
         self.backend = transfer_backend(self.cfg, args.host, local_gpu(runner.device))
-        self.descriptors = runner.pool.buffer_descriptors()
+        self.pool = runner.pool
+        # pages, then per-request records (DeepSeek-V4's bounded layout): the order of layout.buffers
+        self.descriptors = runner.pool.buffer_descriptors() + runner.pool.record_descriptors()
         # A row of what the model's forward returns (the model declares its width: DeepSeek-V4 with a
         # draft hands on all hc_mult streams), so the last prefilled position's row fits whole.
         width = runner.model.hidden_width
@@ -184,7 +189,7 @@ class RoleModes:
         client, here = BootstrapClient(auth=self.auth), registry_host(self.args)
         port = self.args.disaggregation_bootstrap_port
         if self.rank == 0:
-            client.register_compat(here, port, compat_record(self.args, self.model_config))
+            client.register_compat(here, port, compat_record(self.args, self.model_config, self.pool))
         client.register_rank(here, port, RankRecord(self.rank, self.backend.session_id, self.descriptors, endpoint,
                                                     self.layout, self.args.random_seed, self.backend.peer_info))
         logger.info("prefill: rank %d registered (transfer %s, control %s)", self.rank, self.backend.session_id,
@@ -194,7 +199,7 @@ class RoleModes:
         from pdserve.disagg.decode import DecodeMode
 
         io = self._io()
-        directory = PeerDirectory(compat_record(self.args, self.model_config), self.layout,
+        directory = PeerDirectory(compat_record(self.args, self.model_config, self.pool), self.layout,
                                   min(self.cfg.timeout_s, BOOTSTRAP_FETCH_TIMEOUT_S), io.post, self.auth)
         record = decode_record(self.server_id, self.rank, self.backend.session_id, self.descriptors, self.layout,
                                self.aux, io.endpoint, self.staging, self.backend.peer_info)
@@ -207,6 +212,14 @@ class RoleModes:
     def close(self) -> None:
         for mode in self.modes.values():
             mode.close()
+
+
+def state_records(pool) -> str:
+    """A pool's per-request records as the compatibility record names them, each with its rows x width,
+    dtype and layers (``window_kv[7x512]:bfloat16@0,1,2+...``); "none" when every state is in pages."""
+    layers = pool.record_layers()
+    return "+".join(f"{name}[{'x'.join(map(str, buf.shape[2:]))}]:{str(buf.dtype).removeprefix('torch.')}"
+                    f"@{','.join(map(str, layers[name]))}" for name, buf in pool.record_buffers()) or "none"
 
 
 def staging_pool(cfg: DisaggConfig, model_config: ModelConfig, device: str | torch.device) -> StagingPool | None:

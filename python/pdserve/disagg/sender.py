@@ -25,6 +25,11 @@ gathers it into a range of its own staging buffer (``disagg/staging.py``), posts
 takes the range back once that write settled. With no range free it writes the block page by page
 from the pool into the same staging range, never waiting.
 
+A layout with per-request records (DeepSeek-V4's bounded layout) moves the request's record too:
+the last chunk's forward stages, beside its pages, one write per layer and record from the request's
+table row to the slot decode's KV request names, posted by the same layer hook once that layer (the
+draft's included) has written the record for the last time; they are counted like page writes.
+
 Legend: S page_size, n prompt tokens; the sender moves positions [start_pos, n - 1).
 """
 
@@ -47,6 +52,7 @@ from pdserve.disagg.layout import (
     count_writes,
     op_addresses,
     plan_packed_writes,
+    plan_record_writes,
     plan_writes,
     segments,
     unpacked_writes,
@@ -154,6 +160,9 @@ class KVSender:
                               f"{self.aux.shape[1] * self.aux.element_size()}")
         if kv.staging_bytes and self.layout.kind != "gqa":
             raise LayoutError("staging_bytes: packed transfers are for GQA (HND) pages")
+        if self.layout.records and not 0 <= kv.record_slot < kv.layout.record_slots:
+            raise LayoutError(f"record_slot: {kv.record_slot} is not one of decode's {kv.layout.record_slots} "
+                              f"record slots")
 
     def open(self, room: int, kvs: dict[int, KVRequest], num_tokens: int, now: float,
              budget_s: float = float("inf")) -> OutgoingRoom:
@@ -178,9 +187,10 @@ class KVSender:
         r = self.rooms[room]
         return [d for d in r.kvs if self.rank in r.sources[d]]
 
-    def stage(self, room: int, pages: list[int], end_pos: int) -> None:
+    def stage(self, room: int, pages: list[int], end_pos: int, row: int | None = None) -> None:
         """The coming forward fills positions up to ``end_pos`` of the room's prompt (``pages``:
-        the request's page list); plan the writes of the pages it completes. Chunks end on page
+        the request's page list, ``row``: its table row, where its record is); plan the writes of the
+        pages it completes, and with the last chunk those of the record. Chunks end on page
         boundaries except the last, so every page is sent once per layer."""
         r = self.rooms[room]
         if r.state is not RoomState.SENDING or r.aborted:
@@ -190,7 +200,7 @@ class KVSender:
         end_page = -(-end_pos // S) if last else end_pos // S
         if r.first_forward is None:
             r.first_forward = time.monotonic()
-        if end_page <= r.next_page:
+        if end_page <= r.next_page and not (last and self.layout.records):
             return
         src = pages[r.next_page:end_page]
         first_dst = r.next_page - r.start_page
@@ -198,10 +208,17 @@ class KVSender:
         for d, kv in r.kvs.items():
             if self.rank not in r.sources[d]:
                 continue
-            for op in self._plan(room, kv, src, first_dst):
+            ops = self._plan(room, kv, src, first_dst) if src else []
+            if last and self.layout.records:
+                if row is None:
+                    raise LayoutError("records: the last chunk of a room with records needs the request's table row")
+                ops = [*ops, *plan_record_writes(self.layout, kv.layout, row, kv.record_slot, room=room,
+                                                 seed=self.seed, src_dp_rank=self.dp_rank,
+                                                 dst_dp_rank=kv.dst_dp_rank)]
+            for op in ops:
                 if op.src_rank == self.rank and op.dst_rank == d:
                     r.staged[op.layer].append(op)
-        r.next_page = end_page
+        r.next_page = max(r.next_page, end_page)
         self._active.append(r)
 
     def _plan(self, room: int, kv: KVRequest, src: list[int], first_dst: int) -> list[WriteOp] | list[PackedWrite]:

@@ -89,7 +89,7 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
         specs = tuple(RegionSpec(name, tuple(ls) + (draft if name == "window_kv" else ()), width, rate)
                       for name, ls, width, rate in model.state_regions)
         bounded = None
-        if cache.state_records:  # colocated: the window and open windows as records (docs/kv-cache.md)
+        if cache.state_records:  # the window and open windows as records (docs/kv-cache.md)
             rings, tails, reuse = deepseek_v4_bounded(c, cache.page_size, rollback)
             bounded = BoundedState(rings, tails, reuse, cache.state_records)
         return RegionKVPool(num_pages, cache.page_size, layers, specs, model.torch_dtype, device, bounded)

@@ -74,9 +74,10 @@ class KVCacheManager:
       ``release(req, cache_len)``: full pages of ``fill_ids[:cache_len]`` join the radix cache
       (duplicates freed by it), the other own pages are freed;
       ``drop(req)``: every own page freed, nothing cached (KV never written or not trusted);
-      ``quarantine(req)``: own pages leave the request but stay allocated (a late remote write
-      may still land on them) until ``free_quarantined`` gets them back, once each.
-      Each unlocks the prefix and frees the row. Ending a request that holds no row (never
+      ``quarantine(req, keep_row)``: own pages leave the request but stay allocated (a late remote
+      write may still land on them) until ``free_quarantined`` gets them back, once each; with
+      ``keep_row`` the table row too (a remote write may still land on its per-request record).
+      Each unlocks the prefix and frees the row (unless kept). Ending a request that holds no row (never
       admitted, or already ended) raises: a double release means two owners.
 
     With a hierarchical cache (``hicache`` enabled, ``pool`` given) evicted pages move to a host
@@ -91,7 +92,10 @@ class KVCacheManager:
 
     ``check(live)``: ``free + cached + own pages of live requests + quarantined + loading ==
     total``, the same over host pages (``free + cached + in flight == total``), and every row
-    held by a live request; a leak or double count raises.
+    held by a live request or quarantined; a leak or double count raises.
+
+    ``record_received(req)``: the request's record (its row's, in a pool with per-request records)
+    was written by P/D: the pool's rings hold the state before ``req.kv_len``.
     """
 
     def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_context_len: int,
@@ -106,6 +110,7 @@ class KVCacheManager:
         self.cache: RadixCache = self._make_cache(disable_radix_cache, hicache, pool, storage_compat)
         self.table = ReqToTokenTable(max_reqs, max_context_len, page_size)
         self._quarantined: set[int] = set()
+        self._quarantined_rows: set[int] = set()
         self._loads: dict[int | None, LoadHandle] = {}  # Req.uid -> the load-back it waits for
         self._agree: AgreeFn | None = None  # None: one rank, its hits need no agreement
         self.num_evicted_pages = 0
@@ -408,23 +413,37 @@ class KVCacheManager:
         self.allocator.free(req.pages[req.num_cached_pages:])
         self._unpin(req, "drop")
 
-    def quarantine(self, req: ReqMemory) -> list[int]:
+    def quarantine(self, req: ReqMemory, keep_row: bool = False) -> list[int]:
         """End ``req`` but keep its own pages allocated (returned) until ``free_quarantined``:
-        a write may still land on them."""
+        a write may still land on them. ``keep_row``: its table row too (the row's record may be
+        written), kept out of use until ``free_quarantined`` names it."""
         self._check_held(req, "quarantine")
         own = req.pages[req.num_cached_pages:]
         self._quarantined.update(own)
-        self._unpin(req, "quarantine")
+        row = req.table_row
+        self._unpin(req, "quarantine", free_row=not keep_row)
+        if keep_row:
+            self._quarantined_rows.add(row)
         return own
 
-    def free_quarantined(self, pages: Sequence[int]) -> None:
-        """Quarantined pages no write can reach any more go back to the pool."""
+    def free_quarantined(self, pages: Sequence[int], row: int | None = None) -> None:
+        """Quarantined pages (and ``row``) no write can reach any more go back to the pool."""
         stray = [p for p in pages if p not in self._quarantined]
         if stray or len(set(pages)) != len(pages):
             raise RuntimeError(f"free_quarantined: pages {sorted(stray or pages)} are not quarantined "
                                f"(freed twice, or never quarantined)")
+        if row is not None and row not in self._quarantined_rows:
+            raise RuntimeError(f"free_quarantined: table row {row} is not quarantined")
         self._quarantined.difference_update(pages)
         self.allocator.free(pages)
+        if row is not None:
+            self._quarantined_rows.discard(row)
+            self.table.free_row(row)
+
+    def record_received(self, req: ReqMemory) -> None:
+        if self.pool is None:
+            raise RuntimeError("record_received: this manager was built without its pool")
+        self.pool.record_filled(req.table_row, req.kv_len)
 
     def flush(self) -> bool:
         """Empty the prefix cache (every tier); refused (False) while a request locks part of it."""
@@ -467,13 +486,14 @@ class KVCacheManager:
         if req.row is None:
             raise RuntimeError(f"{what}: {req.rid} holds no KV memory (released twice, or never admitted)")
 
-    def _unpin(self, req: ReqMemory, what: str) -> None:
-        """Let go of the prefix lock and the row; the request holds nothing after."""
+    def _unpin(self, req: ReqMemory, what: str, free_row: bool = True) -> None:
+        """Let go of the prefix lock and the row (unless quarantined); the request holds nothing after."""
         self._check_held(req, what)
         if req.cache_node is None:
             raise RuntimeError(f"{what}: {req.rid} holds a table row but no prefix lock")
         self.cache.unlock(req.cache_node)
-        self.table.free_row(req.table_row)
+        if free_row:
+            self.table.free_row(req.table_row)
         req.row, req.cache_node, req.pages, req.num_cached_pages = None, None, [], 0
         req.kv_len = req.cached_len = 0
 
@@ -495,6 +515,6 @@ class KVCacheManager:
         if self.hicache is not None:
             self.hicache.check_host_pages()
         rows = sum(r.row is not None for r in live)
-        if self.table.num_free_rows + rows != self.table.max_reqs:
+        if self.table.num_free_rows + rows + len(self._quarantined_rows) != self.table.max_reqs:
             raise RuntimeError(f"table rows broken: free {self.table.num_free_rows} + held by live requests {rows} "
-                               f"!= {self.table.max_reqs}")
+                               f"+ quarantined {len(self._quarantined_rows)} != {self.table.max_reqs}")
