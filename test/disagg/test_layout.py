@@ -537,3 +537,84 @@ def test_a_regions_layout_pairs_only_with_the_same_regions_on_the_same_layers():
         KVLayout("regions", 1, 1, 4, "float32", 3, 4, 64, 256)
     with pytest.raises(LayoutError, match="^num_kv_heads: a regions layout"):
         KVLayout("regions", 1, 2, 4, "float32", 3, 4, 64, 256, regions=(Region("w", "float32", 64, 256),))
+
+
+# ------------------------------------------------------------------ records (DeepSeek-V4's bounded layout)
+def _bounded_pools(n: int, seed: int, slots: int = 5):
+    """``n`` pools of V4_SPECS whose window and CSA sources are records (rings of 3 and 5 rows), filled
+    at random, records included."""
+    from pdserve.mem.region_pool import BoundedState, RegionKVPool, RegionSpec
+
+    g = torch.Generator().manual_seed(seed)
+    bounded = BoundedState({"window_kv": 3, "csa_src": 5}, {"window_kv": 3}, 16, slots)
+    pools = [RegionKVPool(12, 4, 3, tuple(RegionSpec(*s) for s in V4_SPECS), torch.float32, bounded=bounded)
+             for _ in range(n)]
+    for p in pools:
+        for _, buf in p.page_buffers() + p.record_buffers():
+            buf.copy_(torch.randn(buf.shape, generator=g))
+    return pools
+
+
+def _bounded_layout(pool, tp: int, dp: int = 1) -> KVLayout:
+    return KVLayout.from_descriptors("regions", tp, 1, pool.page_size, "float32", pool.buffer_descriptors(), dp,
+                                     region_layers={**pool.buffer_layers(), **pool.record_layers()},
+                                     num_layers=pool.num_layers, records=pool.record_descriptors())
+
+
+@pytest.mark.parametrize("src_tp, dst_tp, dst_dp", [(1, 1, 1), (2, 1, 1), (1, 2, 2)])
+def test_a_requests_record_moves_whole_from_the_random_source_rank_and_is_counted(src_tp, dst_tp, dst_dp):
+    """Each layer's slot of each record it keeps moves whole, once, from the page writes' source rank into
+    decode's slot on every rank of the group; decode's expected count adds one page-write per (layer,
+    record); other slots are untouched."""
+    from pdserve.disagg.layout import plan_record_writes
+
+    srcs, dsts = _bounded_pools(src_tp, seed=1), _bounded_pools(dst_tp * dst_dp, seed=2)
+    src, dst = _bounded_layout(srcs[0], src_tp), _bounded_layout(dsts[0], dst_tp, dst_dp)
+    assert src.paged == ("window_kv_tail", "csa_kv", "hca_kv") and src.record_slots == 5
+    assert src.buffers == src.paged + ("window_kv", "csa_src")
+    assert [src.layer_records(x) for x in range(3)] == [("window_kv",), ("window_kv", "csa_src"), ("window_kv",)]
+    assert src.record_bytes == 3 * 3 * 6 * 4 + 5 * 8 * 4
+    before = [{name: buf.clone() for name, buf in p.record_buffers()} for p in dsts]
+    group = dst_dp - 1
+    for room in range(4):
+        ops = plan_record_writes(src, dst, 2, 4, room=room, seed=5, dst_dp_rank=group)
+        pages = plan_writes(src, dst, [3], [7], room=room, seed=5, dst_dp_rank=group)
+        assert {op.src_rank for op in ops} == {op.src_rank for op in pages}  # the request's one source
+        assert count_writes(ops + pages) == expected_writes(src, dst, 1, room=room, seed=5, dst_dp_rank=group)
+        assert sum(count_writes(ops).values()) == 4 * dst.tp_size
+        for op in ops:
+            s = dict(srcs[op.src_rank].record_buffers())[op.buffer].view(-1).view(torch.uint8)
+            d = dict(dsts[op.dst_rank].record_buffers())[op.buffer].view(-1).view(torch.uint8)
+            d[op.dst_offset:op.dst_offset + op.nbytes] = s[op.src_offset:op.src_offset + op.nbytes]
+        (source,) = {op.src_rank for op in ops}
+        for r in dst.group(group):
+            for name, buf in dsts[r].record_buffers():
+                want = before[r][name].clone()
+                want[:, 4] = dict(srcs[source].record_buffers())[name][:, 2]
+                assert buf.equal(want), (room, r, name)
+    with pytest.raises(LayoutError, match=r"^dst_slot: record slot 5 outside \[0, 5\)"):
+        plan_record_writes(src, dst, 0, 5)
+
+
+def test_a_layout_with_records_pairs_only_with_the_same_records():
+    """A side keeping the window in pages (no records) never takes a side's records, or the reverse; the
+    check names both; records survive the wire."""
+    import dataclasses
+
+    from pdserve.disagg import protocol
+    from pdserve.disagg.layout import Region
+
+    (bounded,) = _bounded_pools(1, seed=0)
+    (paged,) = _v4_pools(1, seed=0)
+    lay = _bounded_layout(bounded, 1)
+    with pytest.raises(LayoutError, match="^(head_bytes|regions): prefill has"):  # their pages differ already
+        check_compatible(_v4_layout(paged, 1), lay)
+    stripped = dataclasses.replace(lay, records=(), record_slots=0)
+    with pytest.raises(LayoutError, match=r"^records: prefill has window_kv \(float32, 72 B/slot\)\+csa_src "
+                                          r"\(float32, 160 B/slot, layers 1\), decode has none"):
+        check_compatible(lay, stripped)
+    assert protocol.from_dict(KVLayout, json_round_trip(lay), "layout") == lay
+    with pytest.raises(LayoutError, match="^record_slots: 0 for records"):
+        dataclasses.replace(lay, record_slots=0)
+    with pytest.raises(LayoutError, match="^records: only a replicated layout"):
+        KVLayout("gqa", 1, 1, 4, "float32", 3, 4, 64, 256, records=(Region("w", "float32", 8, 64),), record_slots=2)

@@ -7,8 +7,9 @@ the single-rank colocated engine's, for: GQA prefill TP2 -> decode TP1 and TP1 -
 (a block-FP8 checkpoint, whose single-rank answers are transformers' on its dequantized copy)
 prefill TP2 + EP2 -> decode DP2 with DP attention, and a GQA model with one KV head (replicated
 over prefill's two ranks), and DeepSeek-V3.2 (whose index keys move with the latent) prefill TP2 + EP2 ->
-decode DP2 with DP attention, and DeepSeek-V4 (every state region replicated: the window's K=V
-rows, the compressors' sources and entries, CSA's index keys) prefill TP2 -> decode TP1. The two
+decode DP2 with DP attention, and DeepSeek-V4 in the bounded layout (every state replicated: the
+compressed entries, CSA's index keys and the boundary tails as pages, and each request's record of
+window and open-window rings) prefill TP2 -> decode TP1. The two
 llama pairs move their KV packed (one write per forward, layer, buffer and head block through
 staging buffers), the others unpacked. Every prefill rank
 that holds a source sends, no request falls back, and afterwards every rank's pages add up on
@@ -160,6 +161,7 @@ def pair(request, checkpoints):
     with Pair(checkpoints.get(model, model), prefill_flags, decode_flags) as p:
         p.ranks = (_ranks(prefill_flags), _ranks(decode_flags))
         p.packed = request.param in PACKED
+        p.records = model == "deepseek-v4"  # the bounded layout on both sides: records move beside the pages
         yield p
 
 
@@ -176,6 +178,8 @@ def test_mixed_requests_match_the_single_rank_colocated_engine(pair):
     assert_every_rank_accounted(p, pair.ranks[0])
     assert_every_rank_accounted(d, pair.ranks[1])
     assert d["quarantined_pages"] == 0 and d["staging_ranges_in_use"] == 0
+    if pair.records:  # each side's budget holds records: P/D runs V4's bounded layout, not its pages per token
+        assert p["kv_pool"]["record_bytes"] > 0 and d["kv_pool"]["record_bytes"] > 0, (p["kv_pool"], d["kv_pool"])
     if pair.packed:  # rooms of 2+ pages packed (one write per forward, layer, buffer, head block); 1-page ones not
         assert 0 < d["kv_rooms_packed"] <= d["kv_received"] and p["kv_writes_packed"] > 0, (d, p)
     else:

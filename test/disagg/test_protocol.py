@@ -98,6 +98,7 @@ def test_completion_refusals_name_the_field(mutate, match):
     ({"buffers": [1]}, r"buffers: 1 addresses for buffers \('k', 'v'\)"),
     ({"decode_rank": 4}, r"decode_rank: 4 outside \[0, 4\)"),
     ({"aux_addr": 0}, "aux_addr, aux_bytes: both zero or both set"),
+    ({"record_slot": 0}, r"record_slot: 0 for a layout without records \(-1\)"),
 ])
 def test_kv_request_invariants(change, match):
     with pytest.raises(ProtocolError, match=match):
@@ -248,3 +249,16 @@ def test_progress_notices_name_the_field_they_break():
         KVProgressAck(room=1, nonce=2, seq=1, sender="", wait_s=1.0)
     with pytest.raises(ProtocolError, match="wait_s: must be finite and > 0"):
         KVProgressAck(room=1, nonce=2, seq=1, sender="d", wait_s=0.0)
+
+
+def test_a_kv_request_names_a_record_slot_of_a_layout_with_records():
+    """A layout with per-request records (DeepSeek-V4's bounded layout) needs decode's slot among its own."""
+    from pdserve.disagg.layout import Region
+
+    lay = KVLayout("regions", 1, 1, 16, "float32", 4, 100, 256, 100 * 256, regions=(Region("hca_kv", "float32", 256,
+                   100 * 256),), records=(Region("window_kv", "float32", 96, 8 * 96),), record_slots=8)
+    ok = kv_request(layout=lay, buffers=[0x7F0000000000, 0x7F1000000000], decode_rank=0, record_slot=7)
+    assert decode(encode(ok)) == ok
+    for slot in (-1, 8):
+        with pytest.raises(ProtocolError, match=f"record_slot: {slot} is not one of the layout's 8 record slots"):
+            kv_request(layout=lay, buffers=[0x7F0000000000, 0x7F1000000000], decode_rank=0, record_slot=slot)

@@ -147,6 +147,25 @@ def test_quarantine_keeps_pages_until_freed_once():
     kv.check([])
 
 
+def test_a_quarantined_row_stays_out_of_use_until_freed_with_the_pages():
+    """A row whose per-request record a late P/D write may still reach (keep_row) is not handed to the
+    next request; it comes back with the pages, once."""
+    kv = make(max_reqs=2)
+    r = prefill(kv, req(range(8)))
+    row, own = r.row, r.pages[r.num_cached_pages:]
+    assert kv.quarantine(r, keep_row=True) == own and r.row is None
+    kv.check([])  # the kept row is accounted
+    a = req(range(20, 24), "a")
+    assert kv.admit(a, a.fill_ids) and a.row != row
+    assert not kv.admit(req(range(30, 34), "b"), range(30, 34))  # the other row is still quarantined
+    kv.free_quarantined(own, row=row)
+    kv.check([a])
+    with pytest.raises(RuntimeError, match=f"table row {row} is not quarantined"):
+        kv.free_quarantined([], row=row)
+    b = req(range(30, 34), "b")
+    assert kv.admit(b, b.fill_ids) and b.row == row
+
+
 def test_eviction_goes_through_the_owner():
     kv = make(num_pages=4)
     old = prefill(kv, req(range(12), "old"))
