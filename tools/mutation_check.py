@@ -1022,6 +1022,28 @@ MUTATIONS = (
         "        self._notify_progress(now)\n",
         "",
         (f"{T_PD}::test_a_prefill_slower_than_the_timeout_lands_its_kv_while_it_reports_progress[memory]",)),
+    # issue 35: DeepSeek-V4's bounded layout across P/D (the per-request record moves beside the pages)
+    Mutation(
+        "v4_record_not_transferred", "prefill never posts the request's record writes (window and open-window "
+        "rings): decode's count is short, every room falls back",
+        "python/pdserve/disagg/sender.py",
+        "            if last and self.layout.records:\n                if row is None:",
+        "            if False:\n                if row is None:",
+        ("test/disagg/test_pd_deepseek_v4.py::test_nextn_1p1d_matches_transformers_and_moves_the_draft_layer",)),
+    Mutation(
+        "v4_record_neither_sent_nor_counted", "no layer keeps a record in the transfer plan: both sides agree on "
+        "the shorter count, decode continues from a ring prefill never wrote",
+        "python/pdserve/disagg/layout.py",
+        "        return tuple(r.name for r in self.records if self.row(r.name, layer) is not None)",
+        "        return ()",
+        ("test/disagg/test_pd_deepseek_v4.py::test_nextn_1p1d_matches_transformers_and_moves_the_draft_layer",)),
+    Mutation(
+        "v4_record_row_not_quarantined", "decode gives up on a room but frees its table row at once, while a late "
+        "write may still land on the row's record",
+        "python/pdserve/disagg/decode.py",
+        "own = self.scheduler.kv_manager.quarantine(req, keep_row=records)",
+        "own = self.scheduler.kv_manager.quarantine(req)",
+        ("test/disagg/test_pd_deepseek_v4.py::test_a_record_left_out_is_short_of_decodes_count_and_falls_back",)),
 )
 
 
