@@ -79,14 +79,22 @@ def pool_bytes_per_slot(model_path: str, page_size: int) -> tuple[int, float]:
     return mc.kv_bytes_per_token(), total / (pool.num_pages * pool.page_size)
 
 
-def bytes_table(page_size: int) -> list[dict]:
+def bytes_table(page_size: int, context: int = 65536) -> list[dict]:
+    """Per preset: the page layout's bytes per token (declared, and a pool's slots measured), and what the
+    servers run, colocated and in P/D: V4's bounded layout at ``context`` tokens (its pages' bytes per
+    token plus one request's record spread over them; the same as the page layout for V3 and V3.2)."""
+    from pdserve.config import ModelConfig
+
     rows = []
     for label, path in BYTES_MODELS:
         declared, measured = pool_bytes_per_slot(path, page_size)
-        rows.append({"model": label, "preset": path, "kv_bytes_per_token": declared, "pool_bytes_per_slot": measured})
+        served = ModelConfig.from_path(path).kv_bytes_per_token("auto", page_size, bounded=True, context=context)
+        rows.append({"model": label, "preset": path, "kv_bytes_per_token": declared, "pool_bytes_per_slot": measured,
+                     "served_bytes_per_token": served})
     base = rows[0]["pool_bytes_per_slot"]
     for r in rows:
         r["vs_v3"] = r["pool_bytes_per_slot"] / base
+        r["served_vs_v3"] = r["served_bytes_per_token"] / rows[0]["served_bytes_per_token"]
     return rows
 
 
@@ -160,11 +168,13 @@ def run_pd(a: argparse.Namespace, prompt: list[int], context: int, timeout_s: fl
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    table = bytes_table(a.page_size)
-    print("KV + state bytes per token (float32, tiny dims: hidden 128):")
+    table = bytes_table(a.page_size, a.tokens)
+    print(f"KV + state bytes per token (float32, tiny dims: hidden 128; page layout, and as served at "
+          f"{a.tokens:,} tokens: V4's bounded layout, colocated and P/D):")
     for r in table:
         print(f"  {r['model']:5s} {r['preset']:18s} kv_bytes_per_token {r['kv_bytes_per_token']:6,d}  "
-              f"pool bytes/slot {r['pool_bytes_per_slot']:8,.0f}  vs V3 {r['vs_v3']:.2f}")
+              f"pool bytes/slot {r['pool_bytes_per_slot']:8,.0f}  vs V3 {r['vs_v3']:.2f}  "
+              f"served {r['served_bytes_per_token']:6,d}  vs V3 {r['served_vs_v3']:.3f}")
     result: dict = {"args": vars(a), "bytes_per_token": table}
     if not a.bytes_only:
         context = -(-(a.tokens + a.new_tokens) // a.page_size) * a.page_size

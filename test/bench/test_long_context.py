@@ -22,6 +22,12 @@ def test_bytes_table_is_what_each_pool_holds_per_slot():
     assert v32["pool_bytes_per_slot"] == v32["kv_bytes_per_token"] == v3["kv_bytes_per_token"] + 4 * 32 * 4
     assert v4["pool_bytes_per_slot"] > 0 and v4["kv_bytes_per_token"] > 0
     assert v3["vs_v3"] == 1.0 and v32["vs_v3"] == v32["pool_bytes_per_slot"] / v3["pool_bytes_per_slot"]
+    # as served (colocated and P/D): V4's bounded layout at 64K, V3 and V3.2 as their pages; with pages of
+    # 64 (a multiple of every rate) V4 holds under a fifth of V3's bytes per token
+    assert (v3["served_bytes_per_token"], v32["served_bytes_per_token"]) == (v3["kv_bytes_per_token"],
+                                                                             v32["kv_bytes_per_token"])
+    assert v4["served_bytes_per_token"] < v4["kv_bytes_per_token"] / 10
+    assert long_context.bytes_table(page_size=64)[2]["served_vs_v3"] <= 0.2
 
 
 def test_a_short_prompt_serves_alike_colocated_and_through_1p1d(tmp_path):
