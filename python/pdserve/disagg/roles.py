@@ -59,9 +59,10 @@ def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 
     # every buffer's own dtype: regions beside the latent (V3.2's index keys) keep the model's
     dtypes = {name: str(buf.dtype).removeprefix("torch.") for name, buf in pool.page_buffers()}
     dtypes |= {name: str(buf.dtype).removeprefix("torch.") for name, buf in pool.record_buffers()}
+    layers = {**pool.buffer_layers(), **pool.record_layers()}
     return KVLayout.from_descriptors(kind, tp_size, heads, pool.page_size, dtype, pool.buffer_descriptors(), dp_size,
-                                     region_dtypes=dtypes, region_layers={**pool.buffer_layers(), **pool.record_layers()},
-                                     num_layers=pool.num_layers, records=pool.record_descriptors())
+                                     region_dtypes=dtypes, region_layers=layers, num_layers=pool.num_layers,
+                                     records=pool.record_descriptors())
 
 
 def transfer_backend(cfg: DisaggConfig, host: str, gpu: int | None = None) -> TransferBackend:
