@@ -976,8 +976,8 @@ MUTATIONS = (
         ("test/engine/test_overlap.py::test_pages_of_a_request_ended_under_the_step_in_flight_stay_taken_until_it_lands",)),
     # issue 35: DeepSeek-V4's state kinds (compressed regions at their rate, the bounded layout's records)
     Mutation(
-        "v4_open_window_dropped_in_transfer", "P/D leaves out the compressors' source rows (the open-window state "
-        "of the page layout): both sides agree on the shorter count, decode pools windows from stale rows",
+        "v4_open_window_dropped_in_transfer", "P/D leaves out the compressors' source rows (the open-window rings "
+        "of the bounded layout's record): both sides agree on the shorter count, decode pools windows from stale rows",
         "python/pdserve/disagg/layout.py",
         "                return r.layers.index(layer) if layer in r.layers else None",
         "                return r.layers.index(layer) if layer in r.layers and not r.name.endswith('_src') else None",

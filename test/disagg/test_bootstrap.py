@@ -483,3 +483,26 @@ def test_a_v4_side_never_pairs_with_a_v3_or_v32_side_or_other_layer_kinds():
     with pytest.raises(IncompatiblePeer, match=r"^state_layout: prefill has window_kv"):
         v4.check(moved)
     v4.check(CompatRecord(**vars(v4)))
+
+
+def test_a_bounded_v4_side_never_pairs_with_a_page_layout_one():
+    """The record names a pool's per-request records (rows x width, dtype, layers; ``none`` when every
+    state is in pages): a bounded V4 side and a page-layout one (the hierarchical cache) refuse each other."""
+    import torch
+
+    from pdserve.config import CacheConfig
+    from pdserve.disagg.roles import state_records
+    from pdserve.distributed.parallel_state import SINGLE
+    from pdserve.engine.model_runner import create_kv_pool
+
+    mc = ModelConfig.from_path("tiny-deepseek-v4")
+    c = mc.hf_config
+    bounded = create_kv_pool(mc, CacheConfig(page_size=4, max_total_tokens=64, state_records=2), SINGLE)
+    paged = create_kv_pool(mc, CacheConfig(page_size=4, max_total_tokens=64), SINGLE)
+    every = ",".join(map(str, range(c.num_hidden_layers)))
+    assert state_records(bounded).startswith(f"window_kv[{c.sliding_window - 1}x{c.head_dim}]:float32@{every}+")
+    assert state_records(paged) == "none" and bounded.record_buffers()[0][1].dtype == torch.float32
+    mine = CompatRecord.from_model(mc, page_size=4, state_records=state_records(bounded))
+    theirs = CompatRecord.from_model(mc, page_size=4)
+    with pytest.raises(IncompatiblePeer, match=r"^state_records: decode has window_kv\[.*, prefill has none$"):
+        mine.check(theirs, mine="decode", theirs="prefill")
