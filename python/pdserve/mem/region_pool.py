@@ -219,7 +219,11 @@ class RecordState(RequestState):
             return ring[positions % ring.shape[0]]
         if lo == self.p0:
             return self.pool.records[region].new_zeros(0, self.pool.records[region].shape[-1])
-        return self._tail(f"{region}_tail")[self._tail_rows(region, positions)]
+        rows = self._tail(f"{region}_tail")[self._tail_rows(region, positions)]
+        # into the ring too: a step shorter than the tail leaves some of them for the next step to read
+        ring = self.pool.records[region][self.pool.rows[region][self.layer], self.row]  # [R, X]
+        ring[positions[-ring.shape[0]:] % ring.shape[0]] = rows[-ring.shape[0]:]
+        return rows
 
     def keep(self, region: str, rows: torch.Tensor) -> None:
         ring = self.pool.records[region][self.pool.rows[region][self.layer], self.row]  # [R, X]
