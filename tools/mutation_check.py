@@ -1022,6 +1022,36 @@ MUTATIONS = (
         "        self._notify_progress(now)\n",
         "",
         (f"{T_PD}::test_a_prefill_slower_than_the_timeout_lands_its_kv_while_it_reports_progress[memory]",)),
+    Mutation(
+        "v4_tier_hit_at_non_reusable_boundary", "the hierarchical cache loads a host continuation that ends "
+        "inside a block, where the bounded layout keeps no tails to resume from",
+        "python/pdserve/mem/hiradix_cache.py",
+        "        end = match.num_pages // self.reuse_pages * self.reuse_pages\n",
+        "        end = match.num_pages\n",
+        ("test/models/test_deepseek_v4.py::test_host_tier_hits_resume_at_reusable_boundaries",)),
+    Mutation(
+        "v4_tier_tail_rows_not_stored", "pages go down to host memory (and so to storage) without their "
+        "boundary tail rows",
+        "python/pdserve/mem/host_pool.py",
+        "        for (_, dev), host in zip(self.device_pool.page_buffers(), self.buffers):\n",
+        "        for (name, dev), host in zip(self.device_pool.page_buffers(), self.buffers):\n"
+        "            if to_host and name.endswith('_tail'):\n                continue\n",
+        ("test/models/test_deepseek_v4.py::test_host_tier_hits_resume_at_reusable_boundaries",
+         "test/models/test_deepseek_v4.py::test_storage_tier_hit_resumes_at_a_reusable_boundary[file]")),
+    Mutation(
+        "v4_partial_block_cached", "a request that ends inside a reusable block caches that block's first "
+        "pages, whose tail rows were never written",
+        "python/pdserve/mem/cache_manager.py",
+        "        full = cache_len // self.page_size // self.cache.reuse_pages * self.cache.reuse_pages\n",
+        "        full = cache_len // self.page_size\n",
+        ("test/models/test_deepseek_v4.py::test_a_block_cached_whole_and_a_short_resume_from_its_tails",)),
+    Mutation(
+        "v4_short_resume_ring_not_filled", "a step resumed from a boundary's tails leaves the tail rows out of "
+        "its ring, so a step shorter than the window reads stale rows next",
+        "python/pdserve/mem/region_pool.py",
+        "        ring[positions[-ring.shape[0]:] % ring.shape[0]] = rows[-ring.shape[0]:]\n",
+        "",
+        ("test/models/test_deepseek_v4.py::test_a_block_cached_whole_and_a_short_resume_from_its_tails",)),
 )
 
 
