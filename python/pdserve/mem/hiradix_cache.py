@@ -73,7 +73,8 @@ class TierMatch:
     @property
     def last(self) -> RadixNode | None:
         """The deepest node of the match; None when it is empty."""
-        return (self.host or self.ahead or [None])[-1] or (self.device.node if self.device.pages else None)
+        deeper = self.host or self.ahead
+        return deeper[-1] if deeper else self.device.node if self.device.pages else None
 
 
 @dataclass
@@ -192,10 +193,13 @@ class HiRadixCache(RadixCache):
         return sum(len(h.device_pages) for h in self._loads)
 
     def match_tiers(self, token_ids: Sequence[int], salt: str = "") -> TierMatch:
-        """The device prefix (marked used) and the host-only nodes continuing it, in ``salt``'s tree."""
+        """The device prefix (marked used), the device nodes past its boundary and the host-only nodes
+        continuing them, in ``salt``'s tree."""
         tokens = _token_list(token_ids)
         device = self.match_prefix(tokens, salt)
-        node, ahead, host = device.node if device.pages else self._root_for(salt), [], []
+        node = device.node if device.pages else self._root_for(salt)
+        ahead: list[RadixNode] = []
+        host: list[RadixNode] = []
         for key in [] if node is None else list(self._blocks(tokens))[len(device.pages):]:
             assert node is not None
             child = node.children.get(key)
