@@ -929,7 +929,7 @@ MUTATIONS = (
         "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
         "                elif dev.shape[0] == self.device_pool.num_layers:\n"
         "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
-        ("test/models/test_deepseek_v4.py::test_host_tier_hit_restores_every_region",)),
+        ("test/models/test_deepseek_v4.py::test_host_tier_hits_resume_at_reusable_boundaries",)),
     # issue 35: DeepSeek-V4's FP4 experts
     Mutation(
         "v4_fp4_nibble_order_swapped", "an FP4 byte's high nibble is read as the even column (DeepSeek packs "
