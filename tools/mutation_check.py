@@ -929,7 +929,7 @@ MUTATIONS = (
         "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
         "                elif dev.shape[0] == self.device_pool.num_layers:\n"
         "                    dev[:, d].copy_(self._host_page(host, s), non_blocking=non_blocking)",
-        ("test/models/test_deepseek_v4.py::test_host_tier_hit_restores_every_region",)),
+        ("test/models/test_deepseek_v4.py::test_host_tier_hits_resume_at_reusable_boundaries",)),
     # issue 35: DeepSeek-V4's FP4 experts
     Mutation(
         "v4_fp4_nibble_order_swapped", "an FP4 byte's high nibble is read as the even column (DeepSeek packs "
@@ -1044,6 +1044,37 @@ MUTATIONS = (
         "own = self.scheduler.kv_manager.quarantine(req, keep_row=records)",
         "own = self.scheduler.kv_manager.quarantine(req)",
         ("test/disagg/test_pd_deepseek_v4.py::test_a_record_left_out_is_short_of_decodes_count_and_falls_back",)),
+    Mutation(
+        "v4_tier_hit_at_non_reusable_boundary", "the hierarchical cache loads a host continuation that ends "
+        "inside a block, where the bounded layout keeps no tails to resume from",
+        "python/pdserve/mem/hiradix_cache.py",
+        "        end = match.num_pages // self.reuse_pages * self.reuse_pages\n",
+        "        end = match.num_pages\n",
+        ("test/models/test_deepseek_v4.py::test_host_tier_hits_resume_at_reusable_boundaries",)),
+    Mutation(
+        "v4_tier_tail_rows_not_stored", "pages go down to host memory (and so to storage) without their "
+        "boundary tail rows",
+        "python/pdserve/mem/host_pool.py",
+        "        for (_, dev), host in zip(self.device_pool.page_buffers(), self.buffers):\n",
+        "        for (name, dev), host in zip(self.device_pool.page_buffers(), self.buffers):\n"
+        "            if to_host and name.endswith('_tail'):\n                continue\n",
+        ("test/models/test_deepseek_v4.py::test_host_tier_hits_resume_at_reusable_boundaries",
+         "test/models/test_deepseek_v4.py::test_storage_tier_hit_resumes_at_a_reusable_boundary[file]")),
+    Mutation(
+        "v4_partial_block_cached", "a request that ends inside a reusable block caches that block's first "
+        "pages, whose tail rows were never written",
+        "python/pdserve/mem/cache_manager.py",
+        "        full = cache_len // self.page_size // self.cache.reuse_pages * self.cache.reuse_pages\n",
+        "        full = cache_len // self.page_size\n",
+        ("test/models/test_deepseek_v4.py::test_a_block_cached_whole_and_a_short_resume_from_its_tails",)),
+    Mutation(
+        "v4_short_resume_ring_not_filled", "a step resumed from a boundary's tails leaves the tail rows out of "
+        "its ring, so a step shorter than the window reads stale rows next",
+        "python/pdserve/mem/region_pool.py",
+        "        if not self.from_ring and self.p0 and region in self.bounded.tails:\n",
+        "        if False:\n",
+        ("test/models/test_deepseek_v4.py::test_a_block_cached_whole_and_a_short_resume_from_its_tails",
+         "test/models/test_deepseek_v4.py::test_a_step_shorter_than_the_tail_after_a_boundary_hit")),
 )
 
 

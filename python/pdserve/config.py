@@ -524,7 +524,8 @@ class CacheConfig:
     mem_fraction_static: float | None = None
     # Per-request record slots (one per request-table row) of a model whose state has records
     # (DeepSeek-V4's bounded layout, docs/kv-cache.md); 0: every state in pages. ServerArgs gives
-    # records to every server without the hierarchical cache, whose tiers move no records (P/D moves them).
+    # records to every server: P/D moves them beside the pages, and the hierarchical cache's tiers keep
+    # a boundary's tail rows in the block's pages.
     state_records: int = 0
 
     def __post_init__(self):
@@ -1267,7 +1268,7 @@ class ServerArgs:
                            hash_key=resolve_kv_hash_key(self.kv_hash_key_file),
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                            mem_fraction_static=self.mem_fraction_static,
-                           state_records=0 if self.enable_hierarchical_cache else self.max_running_requests)
+                           state_records=self.max_running_requests)
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

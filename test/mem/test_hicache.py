@@ -567,6 +567,27 @@ def test_write_policies_decide_when_pages_go_down(policy, copies_after_insert, c
     cache.check_host_pages()
 
 
+def test_a_tier_hit_ends_on_a_reusable_boundary():
+    """Blocks of 4 pages (DeepSeek-V4's bounded layout keeps a boundary's tails in the block's
+    pages): a block whose first page is still on the device continues from host memory, and only a
+    continuation that completes the block may be loaded."""
+    from pdserve.mem.allocator import PageAllocator
+
+    dev = GQAKVPool(8, 2, 1, 1, 4, torch.float32)
+    cache = HiRadixCache(PageAllocator(8), 2, HostKVPool(dev, 8), "write_back", reuse_tokens=8)
+    tokens = list(range(16))  # two blocks of 4 pages
+    cache.insert(tokens, cache.allocator.alloc(8) or [])
+    cache.allocator.free(cache.evict(3))  # the second block: its first page on the device, three on host
+    whole = cache.match_tiers(tokens)
+    assert (len(whole.device.pages), len(whole.ahead), len(whole.host)) == (4, 1, 3)
+    assert cache.usable_host(whole) == 3 and whole.last is whole.host[-1]
+    short = cache.match_tiers(tokens[:14])  # ends one page short of the block's end
+    assert (len(short.device.pages), len(short.ahead), len(short.host)) == (4, 1, 2)
+    assert cache.usable_host(short) == 0
+    cache.check_invariants()
+    cache.check_host_pages()
+
+
 def test_metrics_render_per_tier_counters(engines):
     from pdserve.obs.metrics import ServerMetrics
 

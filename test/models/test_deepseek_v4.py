@@ -19,8 +19,6 @@ from entrypoints.server_utils import Server
 from fixtures.engine_checks import (
     GREEDY,
     STEPS,
-    check_file_tier_restart,
-    check_host_tier_hit,
     check_tokens_and_logprobs,
 )
 from fixtures.tiny_models import (
@@ -625,20 +623,109 @@ def test_nextn_with_accepted_drafts_keeps_the_output(with_mtp):
         assert o["meta_info"]["spec_accept_length"] > 1.5
 
 
-# ------------------------------------------------------------------ tiers (every region, host and file)
-def _tier_prompts() -> list[list[int]]:
-    """Two prompts several windows and HCA blocks long and one shorter than a window; 16 device pages
-    of 4 tokens cannot keep all three, so pages cycle through host memory."""
-    return [_prompt(3 * WINDOW + 4, seed=40), _prompt(3 * WINDOW + 6, seed=41), _prompt(WINDOW - 3, seed=42)]
+# ------------------------------------------------------- tiers (the bounded layout at reusable boundaries)
+# Colocated V4 runs the bounded layout with --enable-hierarchical-cache too: the tiers move the
+# compressed regions and the boundary tails (page buffers), never the per-request rings, and a hit
+# from host memory or storage resumes only at a multiple of REUSE.
+TIER_PAGES = 80  # pages of 4: a prompt of two blocks and one of one fit, not with a third
 
 
-def test_host_tier_hit_restores_every_region(tiny):
-    """A prefix found only in host memory comes back with every region (window rows, compressor
-    sources, compressed entries, index keys)."""
-    hf, path = tiny
-    check_host_tier_hit(hf, path, _tier_prompts())
+def _tier_kw(**kw) -> dict:
+    return dict(page_size=4, max_total_tokens=4 * TIER_PAGES, max_running_requests=2, chunked_prefill_size=64,
+                enable_hierarchical_cache=True, **kw)
 
 
-def test_file_tier_stores_every_region_across_a_restart(tiny, tmp_path):
-    hf, path = tiny
-    check_file_tier_restart(hf, path, _tier_prompts()[0], tmp_path)
+@pytest.fixture(scope="module")
+def tier_prompts(tiny) -> dict[str, tuple[list[int], list[int]]]:
+    """name -> (prompt, transformers' greedy continuation): ``one`` ends a window and a half past one
+    block, ``two`` 5 tokens past two; ``mid`` shares ``one``'s first 100 tokens (mid block), then
+    differs; ``other`` only fills the device."""
+    hf, _ = tiny
+    one, two = _prompt(REUSE + 2 * WINDOW + 3, seed=40), _prompt(2 * REUSE + 5, seed=41)
+    mid = one[:REUSE - 3 * WINDOW + 4] + _prompt(WINDOW + 1, seed=43)
+    other = _prompt(2 * REUSE + 5, seed=42)
+    return {name: (p, greedy_continuation(hf, p, STEPS))
+            for name, p in (("one", one), ("two", two), ("mid", mid), ("other", other))}
+
+
+def _gen(engine, prompt: list[int], steps: int = STEPS) -> dict:
+    return engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": steps})
+
+
+def test_a_block_cached_whole_and_a_short_resume_from_its_tails(tiny, tier_prompts):
+    """Two ways a boundary's tails went wrong (no tier involved): a request that ends inside a block
+    must not cache that block's first pages (their tail rows are written only when the block's last
+    tokens are computed, and a later request computing the whole block would find those pages cached
+    and drop its own), and a step that resumes from a tail with fewer tokens than the tail (5 after
+    2 REUSE, window 8) must leave the tail rows in its ring for the next step."""
+    _, path = tiny
+    prompt, want = tier_prompts["two"]
+    with pdserve.Engine(model_path=path, page_size=4) as engine:
+        _gen(engine, prompt[:REUSE + 12], steps=1)
+        assert engine.scheduler.cache.num_cached_pages == REUSE // 4  # the whole first block only
+        hits = [_gen(engine, prompt) for _ in range(2)]
+        assert [o["meta_info"]["cached_tokens"] for o in hits] == [REUSE, 2 * REUSE]
+        assert [o["output_ids"] for o in hits] == [want, want]
+        engine.scheduler.check_memory()
+
+
+def test_host_tier_hits_resume_at_reusable_boundaries(tiny, tier_prompts):
+    """Pages go down to host memory as the device fills (write_back) and come back at multiples of
+    REUSE, with the tails of the block before (compressed entries, index keys and the tail rows are
+    page buffers; the rings are not): every answer is transformers'. ``mid`` finds a host
+    continuation that ends inside a block and recomputes it without loading it; ``one`` again resumes at REUSE from a
+    block whose first pages are still on the device and whose rest comes from host memory."""
+    _, path = tiny
+    with pdserve.Engine(model_path=path, **_tier_kw(hicache_write_policy="write_back")) as engine:
+        pool = engine.scheduler.runner.pool
+        assert pool.bounded is not None and pool.reuse_tokens == REUSE
+        assert {name for name, _ in pool.page_buffers()} >= {"window_kv_tail", "csa_src_tail", "csa_kv", "hca_kv"}
+        for name in ("one", "two", "mid", "other", "one", "two"):
+            prompt, want = tier_prompts[name]
+            loaded = engine.get_server_info()["host_load_bytes"]
+            out = _gen(engine, prompt)
+            assert out["output_ids"] == want, name
+            meta = out["meta_info"]
+            assert meta["cached_tokens"] % REUSE == 0, (name, meta)
+            if name == "mid":  # nothing loaded that could not be resumed from
+                assert meta["cached_tokens"] == 0 and engine.get_server_info()["host_load_bytes"] == loaded
+        assert meta["cached_tokens"] == 2 * REUSE and meta["cached_tokens_by_tier"]["host"] > 0
+        info = engine.get_server_info()
+        assert info["cache_hit_tokens_host"] > 0 and info["host_load_bytes"] > 0
+        engine.scheduler.check_memory()
+
+
+@pytest.fixture(scope="module")
+def mooncake_master():
+    store = pytest.importorskip("pdserve.mem.storage.mooncake_store")
+    pytest.importorskip("mooncake.store")
+    with store.MooncakeMaster() as m:
+        yield m
+
+
+def _storage_kw(backend: str, tmp_path, request) -> dict:
+    kw = dict(hicache_storage_backend=backend, hicache_storage_chunk_tokens=32,
+              hicache_storage_prefetch_policy="wait_complete")
+    if backend == "file":
+        return dict(kw, hicache_storage_dir=str(tmp_path), hicache_storage_size_gb=0.01)
+    master = request.getfixturevalue("mooncake_master")
+    extra = {"master_server_address": master.address, "metadata_server": master.metadata_server,
+             "global_segment_size": "32mb", "local_buffer_size": "16mb"}
+    return dict(kw, hicache_storage_backend_extra_config=json.dumps(extra))
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_storage_tier_hit_resumes_at_a_reusable_boundary(tiny, tier_prompts, backend, tmp_path, request):
+    """Stored in chunks of 32 tokens, ``two`` comes back from storage alone (device and host
+    flushed) as its two whole blocks, tails included, with transformers' answer."""
+    _, path = tiny
+    prompt, want = tier_prompts["two"]
+    with pdserve.Engine(model_path=path, **_tier_kw(**_storage_kw(backend, tmp_path, request))) as engine:
+        assert _gen(engine, prompt)["output_ids"] == want
+        engine.scheduler.cache.storage.flush()
+        assert engine.flush_cache()
+        out = _gen(engine, prompt)
+        assert out["output_ids"] == want
+        assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 2 * REUSE
+        engine.scheduler.check_memory()
+

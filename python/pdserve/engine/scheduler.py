@@ -154,7 +154,9 @@ class Scheduler:
                 "architecture": self.model_config.architecture, "dtype": str(pool.dtype),
                 "page_size": self.page_size, "layout": "page_first", "num_layers": pool.num_layers,
                 "buffers": [[name, str(buf.dtype), *buf.shape[2:]] for name, buf in pool.page_buffers()],
-                "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size}
+                "tp_rank": parallel.tp_rank, "tp_size": parallel.tp_size,
+                # where a page's tail rows sit depends on the boundaries' spacing (V4's bounded layout)
+                **({"reuse_tokens": pool.reuse_tokens} if pool.reuse_tokens != self.page_size else {})}
 
     def close(self) -> None:
         """Stop the KV cache's, the grammars' and the forward worker's threads (the process or Engine

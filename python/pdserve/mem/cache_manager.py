@@ -131,7 +131,7 @@ class KVCacheManager:
         try:
             return HiRadixCache(self.allocator, self.page_size, host, hicache.write_policy, storage=storage,
                                 prefill_tokens_per_s=hicache.pinned_prefill_tokens_per_s(), probe_pages=probe,
-                                hash_key=self.hash_key)
+                                hash_key=self.hash_key, reuse_tokens=pool.reuse_tokens)
         finally:
             self.allocator.free(probe)
 
@@ -228,20 +228,22 @@ class KVCacheManager:
                 match = hi.match_tiers(tokens, req.cache_salt)
         waiting = match.busy or from_storage is None  # busy: another request loads the same pages
         from_storage = from_storage or 0
-        device, host = len(match.device.pages), len(match.host)
+        # host: what to load, up to a reusable boundary; ahead: device pages it resumes after
+        device, host = len(match.device.pages), hi.usable_host(match)
+        ahead = len(match.ahead) if host else 0
         # A host hit too short to beat recomputation is recomputed (stored chunks, already read, are
         # always taken). Each rank judges by its own measured costs; the agreement takes the minimum.
         worth = host == 0 or from_storage > 0 or hi.costs.worth_loading("host", host * self.page_size)
         if not worth:
             hi.counters.host_loads_skipped += 1
-        agreed = self._agreed_hit(req, device, host if worth else 0, waiting)
+        agreed = self._agreed_hit(req, device, ahead + host if worth else 0, waiting)
         if agreed is None:
             return False  # a load or storage read in flight (on some rank): wait for it
-        take = agreed - device
+        take = agreed - device - ahead
         if take <= 0:
             return True
         # Storage pages continue the host ones: those of the first ``take`` that came from storage.
-        return self._start_load(req, hi, match.host[:take], max(0, take - (host - from_storage)))
+        return self._start_load(req, hi, match.host[:take], max(0, take - (len(match.host) - from_storage)))
 
     def _agreed_hit(self, req: ReqMemory, device: int, host: int, busy: bool) -> int | None:
         """Pages of ``req``'s prefix every rank holds (device, then host/storage), None while any
@@ -401,7 +403,9 @@ class KVCacheManager:
         """End ``req``: the full pages of ``fill_ids[:cache_len]`` (KV computed and trusted) go to
         the radix cache, which frees duplicates; the rest of its own pages are freed."""
         self._check_held(req, "release")
-        full = cache_len // self.page_size
+        # Whole reusable blocks only: a block's last pages write tail rows into its first ones
+        # (DeepSeek-V4's bounded layout), so a partial block's pages must never stand for the block.
+        full = cache_len // self.page_size // self.cache.reuse_pages * self.cache.reuse_pages
         inserted = self.cache.insert(req.fill_ids[:full * self.page_size], req.pages[:full], req.cache_salt)
         self.allocator.free(inserted.released)
         self.allocator.free(req.pages[full:])

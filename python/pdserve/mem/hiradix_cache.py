@@ -54,13 +54,27 @@ PROBE_PAGES = 8  # pages per timed copy when measuring the host leg at start-up
 
 @dataclass
 class TierMatch:
-    """``device``: the device-resident prefix (as ``RadixCache.match_prefix``); ``host``: the
-    host-only nodes that continue it; ``busy``: the continuation is being loaded by another
-    request (wait for it rather than load it twice)."""
+    """``device``: the device-resident prefix (as ``RadixCache.match_prefix``, ending on a reusable
+    boundary); ``ahead``: device nodes past that boundary (the start of a block whose rest is only in
+    host memory; empty when every page is reusable); ``host``: the host-only nodes that continue
+    them; ``busy``: the continuation is being loaded by another request (wait for it rather than
+    load it twice)."""
 
     device: MatchResult
     host: list[RadixNode]
     busy: bool
+    ahead: list[RadixNode] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of every tier in the match, reusable or not (where a storage read continues)."""
+        return len(self.device.pages) + len(self.ahead) + len(self.host)
+
+    @property
+    def last(self) -> RadixNode | None:
+        """The deepest node of the match; None when it is empty."""
+        deeper = self.host or self.ahead
+        return deeper[-1] if deeper else self.device.node if self.device.pages else None
 
 
 @dataclass
@@ -108,12 +122,17 @@ class HiRadixCache(RadixCache):
 
     ``probe_pages``: free device pages the caller lends for the start-up copy timing (it writes
     into them and keeps none; the caller frees them after construction). Fewer than 2: not timed.
+
+    ``reuse_tokens`` (``KVPool.reuse_tokens``): the device match is shortened to a multiple of it as in
+    the one-tier cache; ``match_tiers`` answers the whole host continuation and ``usable_host`` how
+    much of it ends on such a boundary (the tiers hold a boundary's tail rows in its block's pages,
+    as the device does: DeepSeek-V4's bounded layout, docs/kv-cache.md).
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, host: HostKVPool, write_policy: str,
                  storage: StorageLeg | None = None, prefill_tokens_per_s: float | None = None,
-                 probe_pages: Sequence[int] = (), hash_key: bytes = b""):
-        super().__init__(allocator, page_size, hash_key=hash_key)
+                 probe_pages: Sequence[int] = (), hash_key: bytes = b"", reuse_tokens: int | None = None):
+        super().__init__(allocator, page_size, hash_key=hash_key, reuse_tokens=reuse_tokens)
         self.host = host
         self.write_policy = write_policy
         self.storage = storage
@@ -174,18 +193,29 @@ class HiRadixCache(RadixCache):
         return sum(len(h.device_pages) for h in self._loads)
 
     def match_tiers(self, token_ids: Sequence[int], salt: str = "") -> TierMatch:
-        """The device prefix (marked used) and the host-only nodes continuing it, in ``salt``'s tree."""
+        """The device prefix (marked used), the device nodes past its boundary and the host-only nodes
+        continuing them, in ``salt``'s tree."""
         tokens = _token_list(token_ids)
         device = self.match_prefix(tokens, salt)
-        node, host = device.node if device.pages else self._root_for(salt), []
+        node = device.node if device.pages else self._root_for(salt)
+        ahead: list[RadixNode] = []
+        host: list[RadixNode] = []
         for key in [] if node is None else list(self._blocks(tokens))[len(device.pages):]:
             assert node is not None
             child = node.children.get(key)
-            if child is None or child.host_page is None or child.page is not None:
+            if child is None or (child.page is None and child.host_page is None):
                 break
-            host.append(child)
+            if child.page is not None and host:  # a device page under a host-only one: not a chain
+                break
+            (ahead if child.page is not None else host).append(child)
             node = child
-        return TierMatch(device, host, any(n.busy for n in host))
+        return TierMatch(device, host, any(n.busy for n in host), ahead)
+
+    def usable_host(self, match: TierMatch) -> int:
+        """Pages of ``match.host`` a request may load: up to the last reusable boundary, so a hit never
+        resumes where the pages keep no tails (0 when that boundary is not past the ``ahead`` pages)."""
+        end = match.num_pages // self.reuse_pages * self.reuse_pages
+        return max(0, end - len(match.device.pages) - len(match.ahead))
 
     # --------------------------------------------------------------- mutation
     def insert(self, token_ids: Sequence[int], pages: Sequence[int], salt: str = "") -> InsertResult:
@@ -328,7 +358,7 @@ class HiRadixCache(RadixCache):
 
     def _start_prefetch(self, tokens: list[int], match: TierMatch, salt: str) -> Prefetch | None:
         assert self.storage is not None
-        cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
+        cp, have = self.storage.chunk_pages, match.num_pages
         keys = self.storage.keys(tokens, salt)
         first = have // cp
         if first >= len(keys):
@@ -351,11 +381,11 @@ class HiRadixCache(RadixCache):
         assert self.storage is not None
         payloads = pf.landed()
         match = self.match_tiers(tokens, salt)
-        cp, have = self.storage.chunk_pages, len(match.device.pages) + len(match.host)
+        cp, have = self.storage.chunk_pages, match.num_pages
         new = (pf.first + len(payloads)) * cp - have
         if match.busy or have < pf.first * cp or new <= 0:
             return 0
-        node = match.host[-1] if match.host else match.device.node if match.device.pages else None
+        node = match.last
         if node is not None:
             self.lock(node)  # the host eviction below must not take the path these pages hang from
         host_pages = self._alloc_host(new)
