@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline-pythonpath", default=None,
                    help="also a server importing pdserve from this directory (e.g. an older checkout's python/), "
                         "rounds alternating")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also a server of this tree with these extra flags (e.g. 'chunk1024=--chunked-prefill-size "
+                        "1024'), rounds alternating; repeatable")
     p.add_argument("--peer-shape", action="store_true",
                    help="bench_peer's online load: /v1/completions, --num-prompts over --clients, default flags")
     p.add_argument("--num-prompts", type=int, default=64, help="--peer-shape: requests per round")
@@ -184,6 +187,9 @@ def main(argv=None) -> int:
         sides["plain loop"] = (["--disable-overlap-schedule"], None)
     if a.baseline_pythonpath:
         sides["baseline"] = ([], a.baseline_pythonpath)
+    for variant in a.variant:
+        name, _, flags = variant.partition("=")
+        sides[name] = (flags.split(), None)
     servers = {}
     try:
         for name, (extra, pythonpath) in sides.items():
