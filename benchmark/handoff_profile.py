@@ -197,6 +197,9 @@ def main(argv=None) -> int:
         for url, proc in servers.values():
             asyncio.run(bench_server.wait_healthy(url, proc))
             asyncio.run(one_round(url, prompts[:4], 4))  # warm-up
+            if a.peer_shape:  # and one round of the real shape (as bench_peer's), not timed
+                warm = bench_peer.make_prompts(a.clients, tuple(a.input_len), vocab, a.seed + 20_000)
+                asyncio.run(peer_round(url, warm, a.output_len, a.clients))
         rounds: dict[str, list[dict]] = {name: [] for name in servers}
         load = [bench_server.load_average()]
         for r in range(a.repeats):
