@@ -49,3 +49,27 @@ def test_refused_and_stale_p_d_messages_are_counted_in_metrics():
                  'pdserve:decode_duplicate_rooms_total{model_name="m"} 1.0',
                  'pdserve:prefill_kv_requests_refused_total{model_name="m"} 3.0'):
         assert line in text, line
+
+
+def test_batch_histogram_renders_as_prometheus_histogram_of_the_same_samples():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from pdserve.obs.metrics import LATENCY_BUCKETS, BatchHistogram
+
+    samples = [0.0, 0.001, 0.0011, 0.01, 0.013, 0.5, 0.75, 59.9, 60.0, 61.0, 1e-6, 0.02]  # bounds, between, beyond
+    batch, slow = CollectorRegistry(), CollectorRegistry()
+    fast = BatchHistogram("h", "doc", {"model_name": "m"}, LATENCY_BUCKETS)
+    batch.register(fast)
+    fast.observe_many(samples[:5])
+    fast.observe_many([])
+    fast.observe_many(samples[5:])
+    reference = Histogram("h", "doc", ["model_name"], buckets=LATENCY_BUCKETS, registry=slow).labels(model_name="m")
+    for x in samples:
+        reference.observe(x)
+
+    def series(registry):
+        return sorted(line for line in generate_latest(registry).decode().splitlines()
+                      if line.startswith(("h_bucket", "h_count", "h_sum")))
+
+    assert series(batch) == series(slow)
+    assert 'h_count{model_name="m"} 12.0' in series(batch)

@@ -62,19 +62,40 @@ async def sse_events(first: T, gen: AsyncGenerator[T, None], render: Callable[[T
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float = DISCONNECT_POLL_S):
-    """Await ``awaitable``; if the client disconnects first, cancel it (which aborts its request)."""
-    task = asyncio.ensure_future(awaitable)
+    """Await ``awaitable``; if the client disconnects first, cancel it (which aborts its request).
+
+    It runs in the calling task, not a task of its own: a request's first step (its send to the
+    scheduler) runs now rather than after every callback the event loop already holds (32 streams'
+    writes under load), and its first token resumes the caller directly rather than a second task
+    that then wakes it. A watcher task polls the client every ``poll_s`` and cancels the caller
+    once it left; that cancellation becomes a 499, any other one propagates.
+    """
+    caller = asyncio.current_task()
+    assert caller is not None, "until_disconnect runs inside a task"
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        while not await _sleep_then_disconnected(request, poll_s):
+            pass
+        left = True
+        caller.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise RequestError("client disconnected", status=499)
+        return await awaitable
+    except asyncio.CancelledError:
+        # Python >= 3.11 counts cancellations: ours is handled here; another one (shutdown) still propagates
+        if not left or (hasattr(caller, "uncancel") and caller.uncancel() > 0):
+            raise
+        raise RequestError("client disconnected", status=499) from None
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+
+
+async def _sleep_then_disconnected(request: Request, poll_s: float) -> bool:
+    await asyncio.sleep(poll_s)
+    return await request.is_disconnected()
 
 
 async def gather_or_cancel(*awaitables: Awaitable) -> list:
