@@ -62,12 +62,14 @@ def first_on_ties_in_row(score: torch.Tensor, values: torch.Tensor, indices: tor
     parts = [indices[values > cut]]  # every score above the cut
     need = k - parts[0].numel()  # the row holds at least this many scores equal to the cut
     start, size = 0, TIE_SCAN_CHUNK
-    while need > 0:
+    while need > 0 and start < L:
         stop = min(L, start + size)
         hits = (score[start:stop] == cut).nonzero()[:need, 0] + start  # ascending
         parts.append(hits)
         need -= hits.numel()
         start, size = stop, 2 * size
+    if need > 0:  # only a NaN compares unequal to itself
+        raise RuntimeError(f"index scores: the top-{k} cut is {cut.item()} (NaN in the scores)")
     return torch.cat(parts).sort().values
 
 

@@ -183,3 +183,10 @@ def test_the_tie_scan_over_chunks_keeps_the_l_wide_rules_picks(monkeypatch, chun
         score[..., 5::11] = float("-inf")
         cut = score.topk(k, dim=-1).values.amin(dim=-1, keepdim=True)
         assert torch.equal(ref.topk_first_on_ties(score, k), ref.first_on_ties_at(score, cut, k))
+
+
+def test_a_nan_at_the_cut_is_an_error_not_a_hang():
+    """NaN scores (an overflowed index score times a zero weight) leave a tied row's scan short of
+    ties: it stops at the row's end and says why."""
+    with pytest.raises(RuntimeError, match="NaN"):
+        ref.topk_first_on_ties(torch.tensor([[float("nan"), float("nan"), 0.0, 1.0]]), 1)
