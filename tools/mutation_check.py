@@ -803,10 +803,16 @@ MUTATIONS = (
         "v32_topk_shortcut_through_a_tie", "the CPU top-k keeps topk's own picks even where the (k+1)-th largest "
         "ties the k-th, so which tied token is kept is left to torch.topk",
         "kernels/pdserve_kernels/sparse_mla_ref.py",
-        "bool((low.values[..., 0] < low.values[..., 1]).all())",
-        "bool((low.values[..., 0] <= low.values[..., 1]).all())",
+        "    clear = low.values[..., 0] < low.values[..., 1]  # [...]",
+        "    clear = low.values[..., 0] <= low.values[..., 1]  # [...]",
         ("test/kernels/test_sparse_mla_kernels.py::test_topk_without_a_tie_at_the_cut_keeps_the_l_wide_rules_picks[3]",
-         "test/kernels/test_sparse_mla_kernels.py::test_a_row_without_ties_takes_the_shortcut_and_one_tie_the_rule")),
+         "test/kernels/test_sparse_mla_kernels.py::test_only_the_rows_tied_at_the_cut_take_the_rule")),
+    Mutation(
+        "v32_tie_scan_restarts", "a tied row's scan for its tied scores starts every chunk from position 0 again, "
+        "so it keeps the same tied tokens twice",
+        "kernels/pdserve_kernels/sparse_mla_ref.py", "        start, size = stop, 2 * size\n",
+        "        start, size = 0, 2 * size\n",
+        ("test/kernels/test_sparse_mla_kernels.py::test_the_tie_scan_over_chunks_keeps_the_l_wide_rules_picks[1]",)),
     # issue 33: cache privacy (keyed block hashes, worker-only snapshot, cache_salt, rooms)
     Mutation(
         "kv_block_hash_unkeyed", "the block hash chain ignores the deployment's key (a dictionary attack works)",

@@ -29,14 +29,48 @@ def topk_first_on_ties(score: torch.Tensor, k: int) -> torch.Tensor:
     # One pick more than kept: its two smallest are the (k+1)-th and the k-th largest (the cut).
     top = score.topk(k + 1, dim=-1, sorted=False)
     low = top.values.topk(2, dim=-1, largest=False)  # [..., 2], ascending
-    # Where the k-th largest is strictly above the (k+1)-th in every row no score outside the picks
-    # ties it, so topk's picks but that (k+1)-th one are the rule's: no L-wide pass, which is most
-    # of a decode step's top-k at long contexts. The check reads a device value: free on CPU, while
-    # a GPU graph cannot branch on it.
-    if score.device.type == "cpu" and bool((low.values[..., 0] < low.values[..., 1]).all()):
-        kept = top.indices.scatter(-1, low.indices[..., :1], L)  # the (k+1)-th largest's position -> L
-        return kept.sort(dim=-1).values[..., :k]
-    return first_on_ties_at(score, low.values[..., 1:], k)
+    if score.device.type != "cpu":  # a GPU graph cannot branch on a device value: the L-wide rule everywhere
+        return first_on_ties_at(score, low.values[..., 1:], k)
+    # Where the k-th largest is strictly above the (k+1)-th no score outside the picks ties it, so
+    # topk's picks but that (k+1)-th one are the rule's: no L-wide pass, which is most of a decode
+    # step's top-k at long contexts. Only the rows tied at the cut take the rule.
+    clear = low.values[..., 0] < low.values[..., 1]  # [...]
+    kept = top.indices.scatter(-1, low.indices[..., :1], L).sort(dim=-1).values[..., :k]  # [..., k]
+    if bool(clear.all()):
+        return kept
+    kept = kept.contiguous()
+    rows = kept.view(-1, k)  # the tied rows are rewritten through this view
+    flat = score.reshape(-1, L)
+    values, indices = top.values.reshape(-1, k + 1), top.indices.reshape(-1, k + 1)
+    cut = low.values[..., 1].reshape(-1)
+    for r in clear.reshape(-1).logical_not().nonzero()[:, 0].tolist():
+        rows[r] = first_on_ties_in_row(flat[r], values[r], indices[r], cut[r], k)
+    return kept
+
+
+# First chunk of a row the tie scan compares with the cut; each later one is twice as long.
+TIE_SCAN_CHUNK = 4096
+
+
+def first_on_ties_in_row(score: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, cut: torch.Tensor,
+                         k: int) -> torch.Tensor:
+    """One row's ``topk_first_on_ties`` given its k+1 largest (``values`` at ``indices``) and the k-th
+    largest ``cut``: score [L] -> [k] positions, ascending. Every score above the cut is among the picks
+    (fewer than k of them), so only the tied ones are looked for in the row, from position 0 and only
+    until enough are found: in chunks, not in ``first_on_ties_at``'s L-wide passes."""
+    L = score.shape[0]
+    parts = [indices[values > cut]]  # every score above the cut
+    need = k - parts[0].numel()  # the row holds at least this many scores equal to the cut
+    start, size = 0, TIE_SCAN_CHUNK
+    while need > 0 and start < L:
+        stop = min(L, start + size)
+        hits = (score[start:stop] == cut).nonzero()[:need, 0] + start  # ascending
+        parts.append(hits)
+        need -= hits.numel()
+        start, size = stop, 2 * size
+    if need > 0:  # only a NaN compares unequal to itself
+        raise RuntimeError(f"index scores: the top-{k} cut is {cut.item()} (NaN in the scores)")
+    return torch.cat(parts).sort().values
 
 
 def first_on_ties_at(score: torch.Tensor, cut: torch.Tensor, k: int) -> torch.Tensor:

@@ -148,16 +148,45 @@ def test_topk_without_a_tie_at_the_cut_keeps_the_l_wide_rules_picks(values):
         assert torch.equal(ref.topk_first_on_ties(score, k), ref.first_on_ties_at(score, cut, k))
 
 
-def test_a_row_without_ties_takes_the_shortcut_and_one_tie_the_rule(monkeypatch):
-    """The shortcut is taken only where no row ties at the cut: one tied row sends the batch to the rule."""
+def test_only_the_rows_tied_at_the_cut_take_the_rule(monkeypatch):
+    """The shortcut is taken row by row: in a batch, only a row whose (k+1)-th largest equals its k-th
+    looks for its tied scores; the other rows keep topk's picks."""
     calls = []
-    rule = ref.first_on_ties_at
-    monkeypatch.setattr(ref, "first_on_ties_at", lambda *a: calls.append(1) or rule(*a))
+    rule = ref.first_on_ties_in_row
+    monkeypatch.setattr(ref, "first_on_ties_in_row", lambda score, *a: calls.append(score.clone()) or rule(score, *a))
     distinct = torch.randperm(100, generator=torch.Generator().manual_seed(0)).float().view(2, 50)
     assert ref.topk_first_on_ties(distinct, 10).tolist() == distinct.topk(10).indices.sort().values.tolist()
     assert calls == []
     tied = distinct.clone()
     tied[1, tied[1].argsort()[-11]] = tied[1].sort().values[-10]  # row 1's 11th largest now equals its 10th
-    assert ref.topk_first_on_ties(tied, 10)[1].tolist() == sorted(
-        tied[1].argsort(descending=True, stable=True)[:10].tolist())
-    assert calls == [1]
+    got = ref.topk_first_on_ties(tied, 10)
+    assert got[1].tolist() == sorted(tied[1].argsort(descending=True, stable=True)[:10].tolist())
+    assert got[0].tolist() == distinct[0].topk(10).indices.sort().values.tolist()
+    assert len(calls) == 1 and torch.equal(calls[0], tied[1])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_the_tie_scan_over_chunks_keeps_the_l_wide_rules_picks(monkeypatch, chunk):
+    """A tied row's scan for its first tied scores, whatever the chunks it takes to find them (ties
+    spread to the far end of a long row, few distinct scores, -inf), picks what the L-wide rule does."""
+    monkeypatch.setattr(ref, "TIE_SCAN_CHUNK", chunk)
+    wide = torch.full((2, 40000), -1.0)
+    wide[:, ::97] = 0.0  # 413 zeros, 97 apart: row 0 at k 413 needs 410 of them, 4 chunks of 4096 doubling
+    wide[0, [5, 700, 39999]] = 2.0
+    wide[1, -1] = float("-inf")
+    for k in (293, 413, 414):
+        cut = wide.topk(k, dim=-1).values.amin(dim=-1, keepdim=True)
+        assert torch.equal(ref.topk_first_on_ties(wide, k), ref.first_on_ties_at(wide, cut, k))
+    g = torch.Generator().manual_seed(chunk)
+    for L, k, shape in ((40, 7, (3, 5)), (300, 256, (2,)), (64, 1, ()), (1000, 100, (1, 4))):
+        score = torch.randint(0, 3, (*shape, L), generator=g).float()
+        score[..., 5::11] = float("-inf")
+        cut = score.topk(k, dim=-1).values.amin(dim=-1, keepdim=True)
+        assert torch.equal(ref.topk_first_on_ties(score, k), ref.first_on_ties_at(score, cut, k))
+
+
+def test_a_nan_at_the_cut_is_an_error_not_a_hang():
+    """NaN scores (an overflowed index score times a zero weight) leave a tied row's scan short of
+    ties: it stops at the row's end and says why."""
+    with pytest.raises(RuntimeError, match="NaN"):
+        ref.topk_first_on_ties(torch.tensor([[float("nan"), float("nan"), 0.0, 1.0]]), 1)

@@ -127,6 +127,19 @@ def test_mla_pool_index_keys_are_a_second_region_of_the_same_pages():
     assert not pool.get_index_k_slots(0, loc).any()  # another layer's region is untouched
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_latent_rows_read_by_slot_take_the_slots_shape(fp8):
+    """A sparse read (DeepSeek-V3.2's chosen tokens, [B, Q, k] slots) returns each slot's row as the
+    page read does, in the compute dtype, slots in any order and repeated."""
+    kw = dict(dtype=FP8_DTYPE, compute_dtype=torch.bfloat16, latent_scale=0.5) if fp8 else dict(dtype=torch.float32)
+    pool = MLAKVPool(5, 2, 2, 6, 2, **kw)
+    pool.set_latent(0, torch.arange(10), torch.randn(10, 8, generator=torch.Generator().manual_seed(2)))
+    pages = pool.get_latent_pages(0, torch.arange(5)[None])[0]  # [10, 8], slot s at row s
+    slots = torch.tensor([[[9, 0, 4], [4, 4, 1]], [[2, 3, 8], [7, 6, 5]]])  # [B 2, Q 2, k 3]
+    got = pool.get_latent_slots(0, slots)
+    assert got.shape == (2, 2, 3, 8) and got.dtype == pages.dtype
+    assert torch.equal(got, pages[slots])
+
 def test_mla_pool_without_index_keys_refuses_them():
     pool = MLAKVPool(num_pages=2, page_size=2, num_layers=1, kv_lora_rank=4, rope_dim=2, dtype=torch.float32)
     assert [d.name for d in pool.buffer_descriptors()] == ["latent"]

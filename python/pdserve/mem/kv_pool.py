@@ -264,7 +264,9 @@ class MLAKVPool(KVPool):
 
     def get_latent_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """slots [...] -> the latent rows stored there, [..., C + R] in the compute dtype (sparse reads)."""
-        return dequantize(self._flat(layer)[slots], self.compute_dtype, self.latent_scale)
+        # index_select copies whole rows; advanced indexing copies element by element (2-4x slower on CPU)
+        rows = self._flat(layer).index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
+        return dequantize(rows, self.compute_dtype, self.latent_scale)
 
     def page_buffers(self) -> list[tuple[str, torch.Tensor]]:
         regions = [("latent", self.latent)]
