@@ -21,6 +21,7 @@ the last prefilled position (what V4's MTP layer reads).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shutil
 
@@ -30,6 +31,7 @@ from pd_model_checks import NEW, PAGE, Deployment, check_router_tokens, check_sg
 from pd_pair import PDPair, greedy
 
 from fixtures.tiny_models import add_v4_mtp_layer, fill_hash_table, greedy_continuation, make_hf_model_and_dir
+from pdserve.config import ServerArgs
 from pdserve.transfer import BACKEND_NAMES
 
 pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="needs mooncake")
@@ -243,12 +245,20 @@ def test_a_record_left_out_is_short_of_decodes_count_and_falls_back(tiny, monkey
         pair.close()
 
 
-def test_a_prefill_keeping_the_window_in_pages_is_refused(tiny):
-    """A prefill with the hierarchical cache keeps V4's window in pages, decode keeps it in records:
-    decode refuses the peer at the handshake, naming the compatibility record's field."""
+def test_a_prefill_keeping_the_window_in_pages_is_refused(tiny, monkeypatch):
+    """A prefill whose pool keeps V4's window in pages (a pool built without records, as a server of
+    another layout would run it) against a decode that keeps it in records: decode refuses the peer
+    at the handshake, naming the compatibility record's field."""
     hf, path = tiny
-    pair = PDPair(path, prefill_flags={"enable_hierarchical_cache": True}, backend="mooncake", page_size=PAGE,
-                  chunked_prefill_size=16, max_total_tokens=4096)
+    built = ServerArgs.cache_config
+
+    def page_layout_prefill(args):
+        cfg = built(args)
+        return dataclasses.replace(cfg, state_records=0) if args.disaggregation_mode == "prefill" else cfg
+
+    monkeypatch.setattr(ServerArgs, "cache_config", page_layout_prefill)
+    pair = PDPair(path, backend="mooncake", page_size=PAGE, chunked_prefill_size=16, max_total_tokens=4096)
+    monkeypatch.undo()
     try:
         assert not pair.prefill.runner.pool.records and pair.decode.runner.pool.records
         pair.submit("a", prompt(3 * WINDOW + 1, seed=3), greedy(NEW))
