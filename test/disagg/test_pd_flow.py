@@ -43,8 +43,13 @@ def _prompts(lengths, seed=0, vocab=1500):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+# KV pool of every engine here unless a test sets its own: the prompts are at most a few hundred tokens, and
+# the default budget (256 MiB per scheduler, zeroed at start) costs far more CPU than a test here.
+POOL_TOKENS = 4096
+
+
 def _colocated(model: str, prompts, n=NEW, **flags) -> list[list[int]]:
-    eng = pdserve.Engine(model_path=model, num_threads=1, **flags)
+    eng = pdserve.Engine(model_path=model, num_threads=1, **{"max_total_tokens": POOL_TOKENS, **flags})
     out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
     return [o["output_ids"] for o in out]
 
@@ -54,7 +59,7 @@ def pair_factory(request):
     pairs = []
 
     def make(model="tiny-llama", **flags) -> PDPair:
-        pairs.append(PDPair(model, backend=request.param, **flags))
+        pairs.append(PDPair(model, backend=request.param, **{"max_total_tokens": POOL_TOKENS, **flags}))
         return pairs[-1]
 
     yield make
@@ -126,7 +131,7 @@ def test_a_shared_prompt_lands_in_decode_s_cache_and_its_samples_fork_from_it(pa
     assert pair.prefill.stats()["forward_steps"] == before  # the samples never reached prefill
     got = [pair.outputs[f"s{j}"] for j in range(3)]
     assert all(g["final"].cached_tokens == 20 for g in got)  # prompt[:-1]'s whole pages, received from prefill
-    eng = pdserve.Engine(model_path="tiny-llama", num_threads=1, page_size=4)
+    eng = pdserve.Engine(model_path="tiny-llama", num_threads=1, page_size=4, max_total_tokens=POOL_TOKENS)
     want = eng.generate(input_ids=prompt, sampling_params={**_seeded(sampling), "n": 3})
     assert [g["ids"] for g in got] == [w["output_ids"] for w in want]
     assert len({tuple(g["ids"]) for g in got}) > 1  # the seeds differ per sample
