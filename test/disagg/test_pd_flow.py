@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from pd_pair import RUN_TIMEOUT_S, PDPair, greedy
+from pd_pair import POOL_TOKENS, RUN_TIMEOUT_S, PDPair, greedy
 
 import pdserve
 from fixtures.tiny_models import make_tiny_hf_model
@@ -43,12 +43,8 @@ def _prompts(lengths, seed=0, vocab=1500):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-# KV pool of every engine here unless a test sets its own: the prompts are at most a few hundred tokens, and
-# the default budget (256 MiB per scheduler, zeroed at start) costs far more CPU than a test here.
-POOL_TOKENS = 4096
-
-
 def _colocated(model: str, prompts, n=NEW, **flags) -> list[list[int]]:
+    """The colocated engine's greedy tokens (with the pairs' KV pool unless ``flags`` set one)."""
     eng = pdserve.Engine(model_path=model, num_threads=1, **{"max_total_tokens": POOL_TOKENS, **flags})
     out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
     return [o["output_ids"] for o in out]
@@ -59,7 +55,7 @@ def pair_factory(request):
     pairs = []
 
     def make(model="tiny-llama", **flags) -> PDPair:
-        pairs.append(PDPair(model, backend=request.param, **{"max_total_tokens": POOL_TOKENS, **flags}))
+        pairs.append(PDPair(model, backend=request.param, **flags))
         return pairs[-1]
 
     yield make

@@ -32,9 +32,6 @@ pytestmark = pytest.mark.skipif(not pytest.importorskip("mooncake"), reason="nee
 
 NEW = 8
 MODEL = "tiny-llama"
-# Each pair's KV pool unless a test sets its own (the requests here are a few dozen tokens; the default
-# budget, 256 MiB per scheduler registered with the transfer engine, costs more CPU than a test).
-POOL_TOKENS = 4096
 
 
 @pytest.fixture
@@ -42,7 +39,7 @@ def pair_factory():
     pairs = []
 
     def make(model=MODEL, **flags) -> PDPair:
-        pairs.append(PDPair(model, **{"max_total_tokens": POOL_TOKENS, **flags}))
+        pairs.append(PDPair(model, **flags))
         return pairs[-1]
 
     yield make
