@@ -79,10 +79,12 @@ def test_over_the_cpu_limit_the_child_is_ended_and_the_next_compile_gets_a_new_o
         w.close()
 
 
-def test_a_running_compile_nobody_waits_for_is_killed_and_reaped():
-    """The service kills the child of a started compile once its last waiter released it and it ran
-    KILL_GRACE_S: nothing is cached, the kill is counted (not as a failure), no process is left, and
-    the next check works."""
+@pytest.fixture(scope="module")
+def service():
+    """A CompileService with one compile thread, and the children (``IsolatedCompiler``) it made. Shared by
+    the two tests below, in this order: the child the first one keeps serves the second one's first
+    compile, so the module starts one child fewer (each is a new interpreter that imports torch and
+    xgrammar)."""
     config = GrammarConfig(compile_threads=1, compile_memory_mb=4096)
     spec = BackendSpec(config, tokenizer(), VOCAB, (EOS,))
     workers: list[IsolatedCompiler] = []
@@ -93,57 +95,55 @@ def test_a_running_compile_nobody_waits_for_is_killed_and_reaped():
 
     s = CompileService(lambda: pytest.fail("no compile in this process"), config, make_worker=make_worker)
     try:
-        assert s.submit("regex", "a+", "alice").result(60) >= 0  # the child is up
-        (worker,) = workers
-        pid = worker.pid
-        assert s.submit("regex", "d+", "alice").result(60) >= 0  # released at once, but it ends first:
-        s.release("regex", "d+")
-        assert s.submit("regex", "d+", "alice").result(0) >= 0  # cached, and the child lives on
-        assert worker.pid == pid
-        slow = wide_schema(6000, "gone")
-        fut = s.submit("json_schema", slow, "mallory")
-        _wait(lambda: s._jobs.get(("json_schema", slow)) is not None and s._jobs[("json_schema", slow)].started)
-        s.release("json_schema", slow)
-        with pytest.raises(CompileKilled, match="nobody waits"):
-            fut.result(30)
-        assert pid is not None and _gone(pid)
-        st = s.stats.to_dict()
-        assert (st["killed"], st["compile_failures"]) == (1, 0)
-        _wait(lambda: s.queued("mallory") == 0)  # its thread forgets it after setting the Future
-        assert ("json_schema", slow) not in s._cache
-        assert s.submit("regex", "c+", "alice").result(60) >= 0 and worker.pid not in (None, pid)
+        yield s, workers
     finally:
         s.close()
     assert all(w.pid is None for w in workers)
 
 
-def test_a_compile_abandoned_while_its_child_starts_is_dropped_and_the_child_kept():
+def test_a_compile_abandoned_while_its_child_starts_is_dropped_and_the_child_kept(service):
     """A child's start (imports, backend) is no compile's time: abandoned meanwhile, the compile is
     dropped (counted as abandoned, not killed) and the child starts on for the next one."""
-    config = GrammarConfig(compile_threads=1)
-    spec = BackendSpec(config, tokenizer(), VOCAB, (EOS,))
-    workers: list[IsolatedCompiler] = []
+    s, workers = service
+    assert all(w.pid is None for w in workers)  # no child yet: this compile waits for its start (this test runs first)
+    fut = s.submit("regex", "x+", "mallory")
+    _wait(lambda: s._jobs[("regex", "x+")].started)  # its thread took it: the child is starting
+    s.release("regex", "x+")
+    with pytest.raises(CompileDropped):
+        fut.result(60)
+    _wait(lambda: s.queued("mallory") == 0)
+    pid = workers[0].pid
+    st = s.stats.to_dict()
+    assert (st["killed"], st["abandoned"], st["compile_failures"]) == (0, 1, 0)
+    assert ("regex", "x+") not in s._cache
+    assert s.submit("regex", "y+", "alice").result(60) >= 0
+    assert pid is not None and workers[0].pid == pid  # the same child served it
 
-    def make_worker():
-        workers.append(IsolatedCompiler(spec, config.compile_memory_mb, 600))
-        return workers[-1]
 
-    s = CompileService(lambda: pytest.fail("no compile in this process"), config, make_worker=make_worker)
-    try:
-        fut = s.submit("regex", "x+", "mallory")
-        _wait(lambda: s._jobs[("regex", "x+")].started)  # its thread took it: the child is starting
-        s.release("regex", "x+")
-        with pytest.raises(CompileDropped):
-            fut.result(60)
-        _wait(lambda: s.queued("mallory") == 0)
-        pid = workers[0].pid
-        st = s.stats.to_dict()
-        assert (st["killed"], st["abandoned"], st["compile_failures"]) == (0, 1, 0)
-        assert ("regex", "x+") not in s._cache
-        assert s.submit("regex", "y+", "alice").result(60) >= 0
-        assert pid is not None and workers[0].pid == pid  # the same child served it
-    finally:
-        s.close()
+def test_a_running_compile_nobody_waits_for_is_killed_and_reaped(service):
+    """The service kills the child of a started compile once its last waiter released it and it ran
+    KILL_GRACE_S: nothing is cached, the kill is counted (not as a failure), no process is left, and
+    the next check works."""
+    s, workers = service
+    assert s.submit("regex", "a+", "alice").result(60) >= 0  # the child is up
+    (worker,) = workers
+    pid = worker.pid
+    assert s.submit("regex", "d+", "alice").result(60) >= 0  # released at once, but it ends first:
+    s.release("regex", "d+")
+    assert s.submit("regex", "d+", "alice").result(0) >= 0  # cached, and the child lives on
+    assert worker.pid == pid
+    slow = wide_schema(6000, "gone")
+    fut = s.submit("json_schema", slow, "mallory")
+    _wait(lambda: s._jobs.get(("json_schema", slow)) is not None and s._jobs[("json_schema", slow)].started)
+    s.release("json_schema", slow)
+    with pytest.raises(CompileKilled, match="nobody waits"):
+        fut.result(30)
+    assert pid is not None and _gone(pid)
+    st = s.stats.to_dict()
+    assert (st["killed"], st["compile_failures"]) == (1, 0)
+    _wait(lambda: s.queued("mallory") == 0)  # its thread forgets it after setting the Future
+    assert ("json_schema", slow) not in s._cache
+    assert s.submit("regex", "c+", "alice").result(60) >= 0 and worker.pid not in (None, pid)
 
 
 def test_a_child_that_cannot_start_is_each_requests_error_and_the_thread_lives_on():

@@ -18,6 +18,10 @@ from pdserve.entrypoints.scheduler_process import build_scheduler
 from pdserve.transfer import Outstanding
 
 RUN_TIMEOUT_S = 120.0
+# Each side's KV pool unless the flags set one: test requests are at most a few hundred tokens, and the
+# default budget (256 MiB per scheduler, zeroed and registered with the transfer engine) cost a pair more
+# CPU than most tests here (test_pd_flow: 85 s -> 46 s of CPU for its 80 tests).
+POOL_TOKENS = 4096
 
 
 def free_port() -> int:
@@ -40,7 +44,7 @@ class PDPair:
         token = {**flags, **(prefill_flags or {})}.get("disaggregation_auth_token")
         self.bootstrap = BootstrapServer("127.0.0.1", free_port(), PeerAuth(token)).start()
         base = {"model_path": model, "disaggregation_bootstrap_port": self.bootstrap.port, "num_threads": 1,
-                "disaggregation_transfer_backend": backend, **flags}
+                "disaggregation_transfer_backend": backend, "max_total_tokens": POOL_TOKENS, **flags}
         # a side's own flags win over the shared ones (model_path too: two copies of one model)
         self.prefill = build_scheduler(ServerArgs(**{**base, **(prefill_flags or {})}, disaggregation_mode="prefill",
                                                   port=free_port()))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from pd_pair import RUN_TIMEOUT_S, PDPair, greedy
+from pd_pair import POOL_TOKENS, RUN_TIMEOUT_S, PDPair, greedy
 
 import pdserve
 from fixtures.tiny_models import make_tiny_hf_model
@@ -44,7 +44,8 @@ def _prompts(lengths, seed=0, vocab=1500):
 
 
 def _colocated(model: str, prompts, n=NEW, **flags) -> list[list[int]]:
-    eng = pdserve.Engine(model_path=model, num_threads=1, **flags)
+    """The colocated engine's greedy tokens (with the pairs' KV pool unless ``flags`` set one)."""
+    eng = pdserve.Engine(model_path=model, num_threads=1, **{"max_total_tokens": POOL_TOKENS, **flags})
     out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
     return [o["output_ids"] for o in out]
 
@@ -126,7 +127,7 @@ def test_a_shared_prompt_lands_in_decode_s_cache_and_its_samples_fork_from_it(pa
     assert pair.prefill.stats()["forward_steps"] == before  # the samples never reached prefill
     got = [pair.outputs[f"s{j}"] for j in range(3)]
     assert all(g["final"].cached_tokens == 20 for g in got)  # prompt[:-1]'s whole pages, received from prefill
-    eng = pdserve.Engine(model_path="tiny-llama", num_threads=1, page_size=4)
+    eng = pdserve.Engine(model_path="tiny-llama", num_threads=1, page_size=4, max_total_tokens=POOL_TOKENS)
     want = eng.generate(input_ids=prompt, sampling_params={**_seeded(sampling), "n": 3})
     assert [g["ids"] for g in got] == [w["output_ids"] for w in want]
     assert len({tuple(g["ids"]) for g in got}) > 1  # the seeds differ per sample

@@ -61,6 +61,17 @@ def test_http_answers_equal_single_rank(dp_server):
     assert dp_server.get("/health").status_code == 200
 
 
+def test_killed_frontend_takes_every_rank_with_it(dp_server):
+    """SIGKILL of the server process (no cleanup code runs): the kernel ends every rank. On the
+    module's two-rank server, which no test uses after this one (a server of its own would cost a
+    start of three processes)."""
+    ranks = dp_server.info()["scheduler_pids"]
+    assert len(ranks) == 2
+    os.kill(dp_server.proc.pid, signal.SIGKILL)
+    dp_server.wait(10)
+    assert_gone(dp_server, ranks)
+
+
 def _stream_long(url: str, result: dict, started: threading.Event) -> None:
     body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
     try:
@@ -96,18 +107,6 @@ def test_sigterm_stops_every_rank():
         assert result["events"][-1] == "[DONE]", result
         assert json.loads(result["events"][-2])["meta_info"]["finish_reason"]["type"] == "abort"
         assert_gone(server, [server.proc.pid, *children])
-    finally:
-        server.stop()
-
-
-def test_killed_frontend_takes_every_rank_with_it():
-    """SIGKILL of the server process (no cleanup code runs): the kernel ends every rank."""
-    server = Server("--tp-size", "2", "--max-total-tokens", "4096", model="tiny-llama").start()
-    try:
-        ranks = server.info()["scheduler_pids"]
-        os.kill(server.proc.pid, signal.SIGKILL)
-        server.wait(10)
-        assert_gone(server, ranks)
     finally:
         server.stop()
 
