@@ -2,10 +2,12 @@
 
 Legend: B requests (= tokens) in a decode step, Bp its bucket (the padded batch size), H hidden.
 
-What is compiled: each decoder layer's ``forward`` (norms, projections, rotary, attention,
-MLP/MoE), one graph per layer variant and bucket, for decode steps whose batch fits a bucket
-(``CompileConfig.buckets``); extend steps and larger decode batches run the very same layers
-eagerly. The GEMMs keep their oneDNN-packed weights through the custom op
+What is compiled: the model's layer stack (``DecoderStack.layers_forward``: every layer's norms,
+projections, rotary, attention and MLP/MoE, then the final norm), one graph per bucket, for decode
+steps whose batch fits a bucket (``CompileConfig.buckets``); extend steps and larger decode batches
+run the very same layers eagerly. One graph for the stack, not one per layer: a custom op
+specialises its int arguments (``layer_id``), so per-layer graphs could not be shared, and each
+compiled call costs a guard check (a cache lookup that grows with the graphs held). The GEMMs keep their oneDNN-packed weights through the custom op
 ``pdserve::packed_linear`` (layers/cpu_gemm.py).
 
 Attention is a custom op too (``pdserve::bucket_gqa`` / ``pdserve::bucket_mla``), opaque to
@@ -28,8 +30,7 @@ Padded rows are computed and dropped; they never reach the pool, the hook or the
 Routed MoE experts stay eager (``torch._grouped_mm`` has no float32 CPU kernel dynamo can
 trace, and their sort and bincount are data-dependent); the router and shared experts compile.
 
-Layers of one model share their compiled graphs (parameters are graph inputs and
-``layer_id`` is not specialised), so warm-up compiles a few graphs per bucket, not per layer.
+Warm-up compiles one graph per bucket (a larger one on deeper models: the loop is unrolled).
 """
 
 from __future__ import annotations
@@ -61,15 +62,14 @@ EAGER_MODULES = (Experts,)
 def dynamo_config(config: CompileConfig, warm_up: bool = False) -> dict:
     """Dynamo settings for the compiled layers, applied around each compiled forward.
 
-    allow_unspec_int_on_nn_module: layer_id is an input, not a constant: one graph for all layers.
     nested_graph_breaks: where a layer still breaks (DeepSeek-V3.2's sparse attention, MoE experts),
     the break inside the module does not also split the layer around its call.
-    recompile_limit: a layer's code holds a graph per bucket and layer variant (the first layer,
-    which has no residual yet; dense and MoE layers), of every compiled model in the process:
-    far more than dynamo's default of 8. Past the limit dynamo would silently run that code
+    recompile_limit: the stack's code holds a graph per bucket of every compiled model in the
+    process (and, past a graph break, each resumed piece one per bucket): more than dynamo's
+    default of 8. Past the limit dynamo would silently run that code
     eagerly, so warm-up (``warm_up``) fails loudly instead.
     """
-    return {"allow_unspec_int_on_nn_module": True, "nested_graph_breaks": True,
+    return {"nested_graph_breaks": True,
             "recompile_limit": max(64, 8 * len(config.buckets)), "accumulated_recompile_limit": 4096,
             "fail_on_recompile_limit_hit": warm_up}
 
@@ -176,10 +176,10 @@ def _(q_nope, q_pe, latent, k_pe, w_kc, w_vc, kv_buffers, layer_id, scale, absor
 
 
 class CompiledDecode:
-    """Owns the compiled layer forwards of one model and runs padded decode steps through them.
+    """Owns the compiled layer stack of one model and runs padded decode steps through it.
 
-    Installing replaces each decoder layer's ``forward`` with a dispatcher: the compiled
-    forward when the layer is called with a ``BucketAttention`` batch (a step run by
+    Installing replaces the stack's ``layers_forward`` (every layer, then the final norm) with a
+    dispatcher: the compiled one when called with a ``BucketAttention`` batch (a step run by
     ``__call__``), the original one otherwise. The model's weights and structure are untouched.
     """
 
@@ -190,8 +190,7 @@ class CompiledDecode:
         self.dynamo_config = dynamo_config(config)
         self.warmup_s = 0.0
         self.steps: Counter[int] = Counter()  # decode steps run per bucket (observable in tests)
-        for layer in model.model.layers:
-            _install(layer)
+        _install(model.model)
         for module in model.modules():
             if isinstance(module, EAGER_MODULES):
                 _run_eagerly(module)
@@ -235,12 +234,12 @@ def _run_eagerly(module: nn.Module) -> None:
     module.forward = torch.compiler.disable(module.forward)
 
 
-def _install(layer: nn.Module) -> None:
-    eager = layer.forward
+def _install(stack: nn.Module) -> None:
+    eager = stack.layers_forward
     compiled = torch.compile(eager, dynamic=False)
 
-    def forward(x, residual, rotation, fb: ForwardBatch):
+    def layers_forward(hidden, rotation, fb: ForwardBatch):
         run = compiled if isinstance(fb.attn_backend, BucketAttention) else eager
-        return run(x, residual, rotation, fb)
+        return run(hidden, rotation, fb)
 
-    layer.forward = forward
+    stack.layers_forward = layers_forward
