@@ -5,8 +5,9 @@
 Each variant is an Engine in its own interpreter (``peer_worker.py``, as bench_peer.py runs it):
 ``default`` is the Engine's own ``ThreadLayout`` (``/get_server_info``'s ``thread_layout``), a
 number N is ``num_threads=N`` (every forward on N threads); either with ``+compile`` appended also
-runs ``enable_torch_compile`` (``default+compile``), whose start-up (compile included) is reported. Every round sends one fresh prompt set
-(bench_peer.py's prompts: no shared prefixes) to each variant in turn, the order rotating per
+runs ``enable_torch_compile`` (``default+compile``), whose start-up (compile included) is reported.
+Every round sends one fresh prompt set (bench_peer.py's prompts: no shared prefixes) to each
+variant in turn, the order rotating per
 round, so load from other processes hits each alike. Reports per variant the median (min-max) of
 output tok/s and of CPU-seconds per 1,000 output tokens (the worker's process tree), and each
 variant's per-round ratio to the first. Greedy outputs must agree between variants on the first

@@ -59,7 +59,8 @@ def test_packed_linear_op_is_the_packed_call_with_a_consistent_fake():
         real = packed_linear(x, w, bias)
         assert torch.equal(real, packed(x, bias))
         with FakeTensorMode() as mode:
-            fake = packed_linear(mode.from_tensor(x), mode.from_tensor(w), None if bias is None else mode.from_tensor(b))
+            fb = None if bias is None else mode.from_tensor(bias)
+            fake = packed_linear(mode.from_tensor(x), mode.from_tensor(w), fb)
         assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
     with pytest.raises(RuntimeError, match="never packed"):
         packed_linear(x, w.clone(), None)

@@ -7,11 +7,11 @@ projections, rotary, attention and MLP/MoE, then the final norm), one graph per 
 steps whose batch fits a bucket (``CompileConfig.buckets``); extend steps and larger decode batches
 run the very same layers eagerly. One graph for the stack, not one per layer: a custom op
 specialises its int arguments (``layer_id``), so per-layer graphs could not be shared, and each
-compiled call costs a guard check (a cache lookup that grows with the graphs held). The GEMMs keep their oneDNN-packed weights through the custom op
-``pdserve::packed_linear`` (layers/cpu_gemm.py).
+compiled call costs a guard check (a cache lookup that grows with the graphs held). The GEMMs
+keep their oneDNN-packed weights through the custom op ``pdserve::packed_linear`` (layers/cpu_gemm.py).
 
 Attention is a custom op too (``pdserve::bucket_gqa`` / ``pdserve::bucket_mla``), opaque to
-inductor, so the layer is one graph instead of two around a graph break. The op runs the real
+inductor, so no graph break is left around it. The op runs the real
 backend eagerly on the real batch: its pool write, the per-layer KV hook
 (``ForwardBatch.kv_written``, which disaggregation streams from) and torch_native's staged decode
 KV all happen exactly as without compile. It declares that it mutates the pool's page buffers
@@ -52,6 +52,7 @@ from pdserve.layers.moe.experts import Experts
 
 if TYPE_CHECKING:
     from pdserve.models.base import CausalLM
+    from pdserve.models.decoder import DecoderStack
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def _run_eagerly(module: nn.Module) -> None:
     module.forward = torch.compiler.disable(module.forward)
 
 
-def _install(stack: nn.Module) -> None:
+def _install(stack: DecoderStack) -> None:
     eager = stack.layers_forward
     compiled = torch.compile(eager, dynamic=False)
 
@@ -242,4 +243,4 @@ def _install(stack: nn.Module) -> None:
         run = compiled if isinstance(fb.attn_backend, BucketAttention) else eager
         return run(hidden, rotation, fb)
 
-    stack.layers_forward = layers_forward
+    stack.layers_forward = layers_forward  # type: ignore[method-assign]
