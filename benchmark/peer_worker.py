@@ -1,6 +1,6 @@
 """One offline engine for ``bench_peer.py``, driven over stdin/stdout (one JSON object a line).
 
-    python peer_worker.py --engine pdserve|vllm --model DIR --batch N [--num-threads T]
+    python peer_worker.py --engine pdserve|vllm --model DIR --batch N [--num-threads T] [--enable-torch-compile]
 
 Runs in the engine's own interpreter (vLLM's lives in its own venv), so it imports nothing from
 this repository. After start-up it prints ``{"ready": ..., "startup_s": ...}``; then for each
@@ -22,7 +22,7 @@ class PdserveSide:
         import pdserve
 
         self.engine = pdserve.Engine(model_path=a.model, max_running_requests=a.batch, random_seed=0,
-                                     num_threads=a.num_threads)
+                                     num_threads=a.num_threads, enable_torch_compile=a.enable_torch_compile)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         sp = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--num-threads", type=int, default=None, help="pdserve: torch threads (default: its own)")
+    ap.add_argument("--enable-torch-compile", action="store_true", help="pdserve: compiled decode steps")
     a = ap.parse_args()
     # The protocol keeps its own copy of stdout; fd 1 becomes stderr, so nothing an engine or its
     # child processes print can mix into it.

@@ -7,7 +7,7 @@ part. Requests with different output lengths finish one by one, so a run decodes
 under ``torch.compiler.set_stance("fail_on_recompile")``: the graphs compiled at start-up serve
 it, and a guard miss would fail the test instead of compiling silently. The per-layer KV hook
 (disaggregation's seam) and the torch_native staged decode KV are checked against the eager
-run write by write.
+run write by write, and the compiled steps keep the oneDNN-packed GEMMs (``pdserve::packed_linear``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,34 @@ def test_compiled_greedy_tokens_equal_eager(engines):
     assert [len(ids) for ids in got] == OUTPUT_LENS
     used = {b: compiled.steps[b] - before.get(b, 0) for b in compiled.steps}
     assert used == expected_bucket_steps(OUTPUT_LENS)
+
+
+class CountingLookup:
+    """Stands in for cpu_gemm's packed-weight table: counts the lookups pdserve::packed_linear makes."""
+
+    def __init__(self, table):
+        self.table, self.hits = table, 0
+
+    def get(self, weight):
+        self.hits += 1
+        return self.table.get(weight)
+
+
+def test_compiled_steps_keep_the_packed_gemms(engines, monkeypatch):
+    """Bucket 4 has the rows where the float32 policy packs: its compiled steps run those GEMMs on the
+    packed weights through the custom op, which eager layers never call (they call oneDNN directly)."""
+    from pdserve.layers import cpu_gemm
+
+    layers = engines[True].scheduler.runner.model.model.layers  # the compiled part (not the LM head)
+    packed = [m.packed for m in layers.modules() if getattr(m, "packed", None)]
+    if not any(p.policy.pays(MAX_BS, p.numel) for p in packed):
+        pytest.skip("no weight of this model is packed for the GEMMs of a bucket-4 step")
+    lookups = CountingLookup(cpu_gemm._PACKED)
+    monkeypatch.setattr(cpu_gemm, "_PACKED", lookups)
+    generate(engines[False])
+    assert lookups.hits == 0
+    generate(engines[True])
+    assert lookups.hits > 0
 
 
 def expected_bucket_steps(lens: list[int]) -> dict[int, int]:

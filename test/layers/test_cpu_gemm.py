@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
-from pdserve.layers.cpu_gemm import PACK_ALWAYS, PackedLinear, PackPolicy, linear, pack_linears
+from pdserve.layers.cpu_gemm import PACK_ALWAYS, PackedLinear, PackPolicy, linear, pack_linears, packed_linear
 from pdserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -45,6 +45,46 @@ def test_packed_takes_strided_and_batched_inputs():
     torch.testing.assert_close(packed(strided), F.linear(strided, w), atol=1e-5, rtol=1e-5)
     batched = _randn(2, 5, 32, seed=3)  # [2, 5, K]: rows counted over the leading dims
     torch.testing.assert_close(packed(batched), F.linear(batched, w), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_op_is_the_packed_call_with_a_consistent_fake():
+    """The custom op compiled decode calls: the packed GEMM found through the plain weight (the very
+    object: torch.library.opcheck, which clones its inputs, cannot run it), its fake (meta) impl of
+    the real output's shape, dtype and strides; an unpacked weight is refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w, b, x = _randn(96, 64, seed=1), _randn(96, seed=2), _randn(2, 5, 64, seed=3)
+    packed = PackedLinear(w, PACK_ALWAYS)
+    for bias in (None, b):
+        real = packed_linear(x, w, bias)
+        assert torch.equal(real, packed(x, bias))
+        with FakeTensorMode() as mode:
+            fb = None if bias is None else mode.from_tensor(bias)
+            fake = packed_linear(mode.from_tensor(x), mode.from_tensor(w), fb)
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+    with pytest.raises(RuntimeError, match="never packed"):
+        packed_linear(x, w.clone(), None)
+
+
+def test_compiled_layer_keeps_the_packed_weight():
+    """Under torch.compile the packed layer runs pdserve::packed_linear (not F.linear) on the
+    packed copy: the same bits as the eager packed call."""
+    layer = MergedColumnParallelLinear(64, [96, 96], SINGLE)
+    layer.weight.data.copy_(_randn(192, 64, seed=1))
+    assert layer.pack_cpu(PACK_ALWAYS)
+    x = _randn(4, 64, seed=2)
+    ops = []
+
+    def inductor_seeing(gm, inputs):  # dynamo's graph, then inductor as usual
+        from torch._inductor.compile_fx import compile_fx
+
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return compile_fx(gm, inputs)
+
+    compiled = torch.compile(lambda t: torch.relu(layer(t)), backend=inductor_seeing, dynamic=False, fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), torch.relu(layer(x)))
+    assert "pdserve.packed_linear.default" in ops and "<built-in function linear>" not in ops, ops
 
 
 def test_policy_picks_by_rows_and_weight_size():

@@ -131,7 +131,7 @@ class ModelRunner:
             self.draft = load_draft(model_config, self.speculative, self.model, seed)
             if self.device.type != "cpu":
                 self.draft.to(self.device)
-        self.cpu_pack_policy = self._pack_cpu_linears(device_config, compile_config)  # None: F.linear
+        self.cpu_pack_policy = self._pack_cpu_linears(device_config)  # None: F.linear
         spec = self.speculative
         rollback = (spec.num_draft_tokens or spec.num_steps + 1) if spec.enabled else 0
         self.kv_budget = kv_pool_budget(model_config, cache_config, parallel, device, spec.draft_layers, rollback)
@@ -158,15 +158,13 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self, device_config)
             self.graphs.capture()
 
-    def _pack_cpu_linears(self, device_config: DeviceConfig | None,
-                          compile_config: CompileConfig | None) -> PackPolicy | None:
+    def _pack_cpu_linears(self, device_config: DeviceConfig | None) -> PackPolicy | None:
         """Pack the loaded CPU linears for oneDNN where ``--cpu-gemm`` and this host say so
-        (layers/cpu_gemm.py); returns the policy they follow. Compiled decode keeps the plain
-        weights: inductor fails to lower the packed call (its oneDNN tensor is a graph input it
-        cannot lay out), so its compiled layers fuse element-wise ops around F.linear instead."""
+        (layers/cpu_gemm.py); returns the policy they follow. Compiled decode calls the same packed
+        weights through the custom op ``pdserve::packed_linear``."""
         from pdserve.engine.device import CpuFeatures, cpu_pack_policy
 
-        if device_config is None or self.device.type != "cpu" or (compile_config and compile_config.enabled):
+        if device_config is None or self.device.type != "cpu":
             return None
         features = CpuFeatures.detect()
         if device_config.dtype == "bfloat16" and not features.native_bf16:

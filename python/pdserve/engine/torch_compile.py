@@ -2,12 +2,24 @@
 
 Legend: B requests (= tokens) in a decode step, Bp its bucket (the padded batch size), H hidden.
 
-What is compiled: each decoder layer's ``forward`` (norms, projections, rotary, MLP/MoE), for
-decode steps whose batch fits a bucket (``CompileConfig.buckets``); extend steps and larger
-decode batches run the very same layers eagerly. Attention stays eager behind
-``torch.compiler.disable``: dynamo breaks the graph there, so the backend runs exactly as
-without compile: its pool write, the per-layer KV hook (``ForwardBatch.kv_written``, which
-disaggregation streams from) and torch_native's staged decode KV all see the real batch.
+What is compiled: the model's layer stack (``DecoderStack.layers_forward``: every layer's norms,
+projections, rotary, attention and MLP/MoE, then the final norm), one graph per bucket, for decode
+steps whose batch fits a bucket (``CompileConfig.buckets``); extend steps and larger decode batches
+run the very same layers eagerly. One graph for the stack, not one per layer: a custom op
+specialises its int arguments (``layer_id``), so per-layer graphs could not be shared, and each
+compiled call costs a guard check (a cache lookup that grows with the graphs held). The GEMMs
+keep their oneDNN-packed weights through the custom op ``pdserve::packed_linear`` (layers/cpu_gemm.py).
+
+Attention is a custom op too (``pdserve::bucket_gqa`` / ``pdserve::bucket_mla``), opaque to
+inductor, so no graph break is left around it. The op runs the real
+backend eagerly on the real batch: its pool write, the per-layer KV hook
+(``ForwardBatch.kv_written``, which disaggregation streams from) and torch_native's staged decode
+KV all happen exactly as without compile. It declares that it mutates the pool's page buffers
+(``KVPool.page_buffers``), which the graph passes it, so the compiler orders it as the writer of
+the pool it is (inductor re-inplaces: the buffers are never copied). What else it touches is the
+backend's own cache of the pool (the decode stage) and the hook, neither visible to the graph.
+The op finds its ``BucketAttention`` (the step's real batch) by a handle, since a custom op takes
+tensors and numbers only. DeepSeek-V3.2's sparse MLA stays eager behind a graph break.
 
 Padding: the dense parts run on Bp rows, so each bucket compiles once with static shapes.
 The model gets a padded ForwardBatch (``input_ids`` and ``positions`` padded with zeros)
@@ -15,11 +27,10 @@ whose ``attn_backend`` is a ``BucketAttention``: it hands the real backend the f
 of its inputs together with the real ForwardBatch, and pads the output back to Bp rows.
 Padded rows are computed and dropped; they never reach the pool, the hook or the sampler.
 
-Routed MoE experts stay eager too (``torch._grouped_mm`` has no float32 CPU kernel dynamo can
+Routed MoE experts stay eager (``torch._grouped_mm`` has no float32 CPU kernel dynamo can
 trace, and their sort and bincount are data-dependent); the router and shared experts compile.
 
-Layers of one model share their compiled graphs (parameters are graph inputs and
-``layer_id`` is not specialised), so warm-up compiles a few graphs per bucket, not per layer.
+Warm-up compiles one graph per bucket (a larger one on deeper models: the loop is unrolled).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -40,6 +52,7 @@ from pdserve.layers.moe.experts import Experts
 
 if TYPE_CHECKING:
     from pdserve.models.base import CausalLM
+    from pdserve.models.decoder import DecoderStack
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +63,14 @@ EAGER_MODULES = (Experts,)
 def dynamo_config(config: CompileConfig, warm_up: bool = False) -> dict:
     """Dynamo settings for the compiled layers, applied around each compiled forward.
 
-    allow_unspec_int_on_nn_module: layer_id is an input, not a constant: one graph for all layers.
-    nested_graph_breaks: the break inside the attention module does not also split the layer
-    around the attention call, so a layer is two graphs (before / after attention), not four.
-    recompile_limit: a layer's code holds a graph per bucket and layer variant (the first layer,
-    which has no residual yet; dense and MoE layers), of every compiled model in the process:
-    far more than dynamo's default of 8. Past the limit dynamo would silently run that code
+    nested_graph_breaks: where a layer still breaks (DeepSeek-V3.2's sparse attention, MoE experts),
+    the break inside the module does not also split the layer around its call.
+    recompile_limit: the stack's code holds a graph per bucket of every compiled model in the
+    process (and, past a graph break, each resumed piece one per bucket): more than dynamo's
+    default of 8. Past the limit dynamo would silently run that code
     eagerly, so warm-up (``warm_up``) fails loudly instead.
     """
-    return {"allow_unspec_int_on_nn_module": True, "nested_graph_breaks": True,
+    return {"nested_graph_breaks": True,
             "recompile_limit": max(64, 8 * len(config.buckets)), "accumulated_recompile_limit": 4096,
             "fail_on_recompile_limit_hit": warm_up}
 
@@ -66,8 +78,8 @@ def dynamo_config(config: CompileConfig, warm_up: bool = False) -> dict:
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """[B, ...] -> contiguous [rows, ...], zero rows appended.
 
-    Always contiguous: the compiled graph after the attention was traced (at warm-up) with a
-    contiguous input, and dynamo guards on strides.
+    Always contiguous: the attention ops' fake outputs are (inductor checks a custom op's strides),
+    and after a graph break (sparse MLA) dynamo guards on them.
     """
     if x.shape[0] == rows:
         return x.contiguous()
@@ -81,6 +93,7 @@ class BucketAttention(AttentionBackend):
     the forward, None outside it); with ``real`` None (warm-up) it returns zeros of the
     right shape and touches nothing, so compiling never writes the pool or calls the hook.
     One instance serves the runner's life, so dynamo's guards on it hold from step to step.
+    ``forward_*`` are traced into the graph as the custom ops; ``run_*`` are their bodies.
     """
 
     name = "bucket"
@@ -88,20 +101,27 @@ class BucketAttention(AttentionBackend):
     def __init__(self, inner: AttentionBackend):
         self.inner = inner
         self.real: ForwardBatch | None = None
+        self.handle = id(self)  # how the custom ops find this instance (_LIVE)
+        _LIVE[self.handle] = self
 
     def prepare(self, fb: ForwardBatch) -> AttentionMetadata:
         raise RuntimeError("BucketAttention is never prepared: the real backend prepares the real batch")
 
-    @torch.compiler.disable
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
+        return bucket_gqa(q, k, v, _pool_buffers(fb), layer_id, scale, self.handle)  # [Bp, Hq, D]
+
+    def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
+        return bucket_mla(q_nope, q_pe, latent, k_pe, w_kc, w_vc, _pool_buffers(fb), layer_id, scale, absorbed,
+                          self.handle)  # [Bp, H, Dv]
+
+    def run_gqa(self, q, k, v, layer_id, scale):
         if self.real is None:
             return q.new_zeros(q.shape)  # [Bp, Hq, D]
         B = self.real.batch_size
         o = self.inner.forward_gqa(q[:B], k[:B], v[:B], layer_id, scale, self.real)  # [B, Hq, D]
         return _pad_rows(o, q.shape[0])  # [Bp, Hq, D]
 
-    @torch.compiler.disable
-    def forward_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, fb, absorbed=None):
+    def run_mla(self, q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, absorbed):
         if self.real is None:
             return q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], w_vc.shape[-1])  # [Bp, H, Dv]
         B = self.real.batch_size
@@ -122,11 +142,45 @@ class BucketAttention(AttentionBackend):
         return _pad_rows(o, q_nope.shape[0])  # [Bp, H, Dv]
 
 
-class CompiledDecode:
-    """Owns the compiled layer forwards of one model and runs padded decode steps through them.
+# handle -> live BucketAttention, for the custom ops below (weak: a dropped runner takes its entry along)
+_LIVE: weakref.WeakValueDictionary[int, BucketAttention] = weakref.WeakValueDictionary()
 
-    Installing replaces each decoder layer's ``forward`` with a dispatcher: the compiled
-    forward when the layer is called with a ``BucketAttention`` batch (a step run by
+
+def _pool_buffers(fb: ForwardBatch) -> list[torch.Tensor]:
+    """The pool tensors attention writes, each [N, P, ...]: what the ops declare they mutate."""
+    return [t for _, t in fb.kv_pool.page_buffers()]
+
+
+@torch.library.custom_op("pdserve::bucket_gqa", mutates_args=("kv_buffers",))
+def bucket_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_buffers: list[torch.Tensor], layer_id: int,
+               scale: float, handle: int) -> torch.Tensor:
+    """q [Bp, Hq, D], k/v [Bp, Hkv, D] -> [Bp, Hq, D]: BucketAttention.run_gqa; writes the pool."""
+    return _LIVE[handle].run_gqa(q, k, v, layer_id, scale)
+
+
+@bucket_gqa.register_fake
+def _(q, k, v, kv_buffers, layer_id, scale, handle):
+    return q.new_empty(q.shape)  # contiguous, as _pad_rows returns it
+
+
+@torch.library.custom_op("pdserve::bucket_mla", mutates_args=("kv_buffers",))
+def bucket_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+               w_kc: torch.Tensor, w_vc: torch.Tensor, kv_buffers: list[torch.Tensor], layer_id: int, scale: float,
+               absorbed: bool | None, handle: int) -> torch.Tensor:
+    """Shapes as AttentionBackend.forward_mla, on Bp rows: BucketAttention.run_mla; writes the pool."""
+    return _LIVE[handle].run_mla(q_nope, q_pe, latent, k_pe, w_kc, w_vc, layer_id, scale, absorbed)
+
+
+@bucket_mla.register_fake
+def _(q_nope, q_pe, latent, k_pe, w_kc, w_vc, kv_buffers, layer_id, scale, absorbed, handle):
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_vc.shape[-1])
+
+
+class CompiledDecode:
+    """Owns the compiled layer stack of one model and runs padded decode steps through it.
+
+    Installing replaces the stack's ``layers_forward`` (every layer, then the final norm) with a
+    dispatcher: the compiled one when called with a ``BucketAttention`` batch (a step run by
     ``__call__``), the original one otherwise. The model's weights and structure are untouched.
     """
 
@@ -137,8 +191,7 @@ class CompiledDecode:
         self.dynamo_config = dynamo_config(config)
         self.warmup_s = 0.0
         self.steps: Counter[int] = Counter()  # decode steps run per bucket (observable in tests)
-        for layer in model.model.layers:
-            _install(layer)
+        _install(model.model)
         for module in model.modules():
             if isinstance(module, EAGER_MODULES):
                 _run_eagerly(module)
@@ -182,12 +235,12 @@ def _run_eagerly(module: nn.Module) -> None:
     module.forward = torch.compiler.disable(module.forward)
 
 
-def _install(layer: nn.Module) -> None:
-    eager = layer.forward
+def _install(stack: DecoderStack) -> None:
+    eager = stack.layers_forward
     compiled = torch.compile(eager, dynamic=False)
 
-    def forward(x, residual, rotation, fb: ForwardBatch):
+    def layers_forward(hidden, rotation, fb: ForwardBatch):
         run = compiled if isinstance(fb.attn_backend, BucketAttention) else eager
-        return run(x, residual, rotation, fb)
+        return run(hidden, rotation, fb)
 
-    layer.forward = forward
+    stack.layers_forward = layers_forward  # type: ignore[method-assign]

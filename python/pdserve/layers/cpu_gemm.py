@@ -15,6 +15,12 @@ The packed copy sits beside the plain weight, which stays the layer's parameter:
 fingerprints, tied embeddings and the small-M fallback read it. Packing happens after loading
 (after the TP split and FP8 dequantization), so nothing about the weights' meaning changes.
 Results differ from F.linear's by float rounding only (another summation order).
+
+Under ``torch.compile`` (``--enable-torch-compile``) the packed call is the custom op
+``pdserve::packed_linear``: inductor cannot take the oneDNN tensor as a graph input (it has no
+strides to fake), so the op takes the plain weight, which is a graph input like any parameter,
+and finds its packed copy through it. Inductor then fuses the element-wise ops around an opaque
+GEMM instead of falling back to F.linear.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,8 @@ class PackedLinear:
         self.in_features = weight.shape[1]
         self.numel = weight.numel()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # [N, K] opaque layout
+        self.plain = weight  # the compiled call's handle on the packed copy (packed_linear)
+        _PACKED[weight] = self.weight
 
     @classmethod
     def supports(cls, weight: torch.Tensor) -> bool:
@@ -80,7 +89,28 @@ class PackedLinear:
         return self.policy.pays(rows, self.numel)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.plain, bias)  # [..., N]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")  # [..., N]
+
+
+# plain weight -> its packed copy, for packed_linear. Keyed by the parameter object (a compiled graph
+# hands the op the very parameter it was given); weak, so a dropped model takes its copies along.
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N] on the packed copy of ``weight`` [N, K] (a weight PackedLinear packed)."""
+    packed = _PACKED.get(weight)
+    if packed is None:
+        raise RuntimeError(f"pdserve::packed_linear: the weight {tuple(weight.shape)} was never packed")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

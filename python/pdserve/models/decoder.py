@@ -84,7 +84,12 @@ class DecoderStack(nn.Module):
         if not (fb.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.rotary_emb.ensure_capacity(int(fb.positions.max()) + 1)
         rotation = self.rotary_emb.rotation(fb.positions)
-        hidden, residual = self.embed_tokens(fb.input_ids), None  # [T, H]
+        return self.layers_forward(self.embed_tokens(fb.input_ids), rotation, fb)  # [T, H]
+
+    def layers_forward(self, hidden: torch.Tensor, rotation: Rotation, fb: ForwardBatch) -> torch.Tensor:
+        """The embedded tokens [T, H] through every layer and the final norm -> [T, H]; what
+        ``--enable-torch-compile`` compiles whole (engine/torch_compile.py)."""
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotation, fb)
         hidden, _ = self.norm(hidden, residual)
