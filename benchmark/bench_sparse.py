@@ -21,8 +21,9 @@ ever add time, so the minimum is the steadiest estimate on a shared machine):
   the index keys, and the sparse MLA), and its ratio to the first model's;
 * the indexer's share of the step: its projections plus the paged score and top-k;
 * the state bytes per token (``ModelConfig.kv_bytes_per_token``: latent plus index keys; for V4 the
-  page layout P/D and the tiers move, docs/kv-cache.md "What is built for DeepSeek-V4");
-* for V4 also the bounded layout's bytes per token at that context, what a colocated server keeps
+  page layout, every per-token row in pages: a pool built without records);
+* for V4 also the bounded layout's bytes per token at that context, what every server keeps
+  (colocated, P/D and the tiers)
   (docs/kv-cache.md "What is built for DeepSeek-V4": compressed entries and index keys at 1 per 4 or
   m' tokens, the reusable boundaries' tails, one request's record spread over the context), and both
   as a ratio to the first model's.
@@ -200,7 +201,7 @@ def run(models: tuple[BenchModel, ...], contexts: list[int], batch_size: int, wa
 
 
 def design_bytes_per_token(mc, context: int, page_size: int | None = None) -> float:
-    """Bytes per token a colocated server keeps at ``context`` tokens of one request: V4's bounded layout
+    """Bytes per token a server keeps at ``context`` tokens of one request: V4's bounded layout
     as built (docs/kv-cache.md "What is built for DeepSeek-V4": compressed entries and index keys at
     their rate, the reusable boundaries' tails, one request's record spread over the context) in pages
     of ``page_size``. Other models: as built."""
@@ -234,8 +235,8 @@ def with_ratios(rows: list[dict], baseline: str, first_context: int) -> list[dic
 
 def table(rows: list[dict], baseline: str) -> str:
     out = [f"| model | context | step ms | step vs {baseline} | growth from {rows[0]['context']} | attention ms | "
-           f"attention vs {baseline} | indexer share | state B/token (pages: P/D, tiers) | vs {baseline} | "
-           f"colocated B/token (V4 bounded) | vs {baseline} |", "|---|" + "---:|" * 11]
+           f"attention vs {baseline} | indexer share | state B/token (page layout) | vs {baseline} | "
+           f"served B/token (V4 bounded) | vs {baseline} |", "|---|" + "---:|" * 11]
     for r in rows:
         out.append(f"| {r['model']} | {r['context']} | {r['step_ms']:.2f} | {r['vs_baseline']:.2f}x | "
                    f"{r['growth']:.2f}x | {r['attention_ms']:.2f} | {r['attention_vs_baseline']:.2f}x | "
