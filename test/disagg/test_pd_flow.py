@@ -190,11 +190,11 @@ def test_kv_streams_layer_by_layer_in_one_write_per_page_run(pair_factory):
     staged = []
     stage = sender.stage
 
-    def record_stage(room, pages, end_pos):
+    def record_stage(room, pages, end_pos, row=None):
         r = sender.rooms[room]
         kv = next(iter(r.kvs.values()))
         staged.append((list(pages[r.start_page:]), list(kv.dst_pages)))
-        stage(room, pages, end_pos)
+        stage(room, pages, end_pos, row)
 
     sender.stage = record_stage
     taken = sched.allocator.alloc(24)
