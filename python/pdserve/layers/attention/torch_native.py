@@ -263,7 +263,7 @@ class _DecodeStage:
         pooled = gather(plan.fill) if plan.fill is not None else (None,) * len(bufs)
         for buf, t, p in zip(bufs, new, pooled):
             if plan.move_src is not None:
-                buf[plan.move_dst] = buf[plan.move_src]  # the source rows are read out before any is written
+                buf.index_copy_(0, plan.move_dst, buf.index_select(0, plan.move_src))  # read out, then written
             if plan.keep is not None and plan.keep.numel():
                 buf[plan.keep, :, plan.pos[plan.keep]] = t[plan.keep]
             if p is not None:
