@@ -8,6 +8,7 @@ wave of requests (their sequences into the radix cache).
 ``join``: tiny-llama's attention shapes (4 layers, 8 query heads over 4 KV heads of 32), 32 requests
 of 64-256 prompt tokens decoding; per round the median attention time (prepare + every layer's
 forward) of a plain decode step and of the step right after one request leaves and another joins.
+``--engine``: the offline Engine's tok/s on that load instead, in waves and with steady joins.
 ``finish``: the radix cache (page size 1, a keyed hash chain, a KV-event sink) takes 32 finished
 requests of 64-256 + 64 tokens; per round the median time of that insert.
 With ``--baseline-pythonpath``, each round runs this tree and the other checkout's package in
@@ -108,18 +109,44 @@ def _measure_finish(samples: int, seed: int) -> dict:
     return {"finish_ms": 1e3 * statistics.median(times), "pages": sum(len(s) for s in seqs)}
 
 
-def _child(samples: int, seed: int) -> None:
+def _measure_engine(seed: int) -> dict:
+    """Offline tok/s of the Engine at default flags over 64 prompts of 64-256 tokens, 32 running: in waves
+    (64 output tokens each: 32 leave and 32 join at once) and steady (32-96 each: a join every step or two)."""
+    import pdserve
+
+    rng = random.Random(seed)
+    prompt_sets = [[[rng.randrange(3, 2000) for _ in range(rng.randint(64, 256))] for _ in range(64)] for _ in range(2)]
+    engine = pdserve.Engine(model_path="tiny-llama", max_running_requests=BATCH)
+    try:
+        warm = [[rng.randrange(3, 2000) for _ in range(64)] for _ in range(4)]
+        engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 8, "temperature": 0})
+        out = {}
+        shapes = (("waves", [OUTPUT] * 64), ("steady", [rng.randint(32, 96) for _ in range(64)]))
+        for (shape, lens), prompts in zip(shapes, prompt_sets):  # fresh prompts each: no prefix-cache hits
+            sp = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in lens]
+            t0 = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params=sp)
+            out[f"{shape}_tok_s"] = sum(lens) / (time.perf_counter() - t0)
+        return out
+    finally:
+        engine.shutdown()
+
+
+def _child(samples: int, seed: int, engine: bool) -> None:
     import torch
 
+    if engine:
+        print(json.dumps(_measure_engine(seed)))
+        return
     torch.set_num_threads(1)
     print(json.dumps({**_measure_join(samples, seed), **_measure_finish(samples, seed)}))
 
 
-def _run(pythonpath: str, samples: int, seed: int) -> dict:
+def _run(pythonpath: str, samples: int, seed: int, engine: bool) -> dict:
     kernels = str(Path(__file__).resolve().parents[1] / "kernels")
     env = {**os.environ, "PYTHONPATH": f"{pythonpath}{os.pathsep}{kernels}"}
-    out = subprocess.run([sys.executable, __file__, "--child", "--samples", str(samples), "--seed", str(seed)],
-                         env=env, check=True, capture_output=True, text=True).stdout
+    cmd = [sys.executable, __file__, "--child", "--samples", str(samples), "--seed", str(seed)]
+    out = subprocess.run(cmd + ["--engine"] * engine, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -129,23 +156,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=15, help="steps (or inserts) per round and side")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", action="store_true", help="the offline Engine's tok/s instead (waves, steady)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return _child(args.samples, args.seed)
+        return _child(args.samples, args.seed, args.engine)
     tree = str(Path(__file__).resolve().parents[1] / "python")
     sides = {"tree": tree} if not args.baseline_pythonpath else {"tree": tree, "base": args.baseline_pythonpath}
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for rnd in range(args.rounds):
         order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
         for name in order:
-            results[name].append(_run(sides[name], args.samples, args.seed + rnd))
+            results[name].append(_run(sides[name], args.samples, args.seed + rnd, args.engine))
         print(f"round {rnd}: " + "; ".join(f"{n} " + ", ".join(f"{k} {v:.1f}" for k, v in results[n][-1].items()
                                                               if k != "pages") for n in sides), flush=True)
+    keys = ("waves_tok_s", "steady_tok_s") if args.engine else ("plain_ms", "join_ms", "finish_ms")
     for name, rows in results.items():
         print(f"{name}: " + ", ".join(f"{k} median {statistics.median(r[k] for r in rows):.1f} "
-                                      f"[{min(r[k] for r in rows):.1f}-{max(r[k] for r in rows):.1f}]"
-                                      for k in ("plain_ms", "join_ms", "finish_ms")) + f" ({rows[0]['pages']} pages)")
+                                      f"[{min(r[k] for r in rows):.1f}-{max(r[k] for r in rows):.1f}]" for k in keys))
 
 
 if __name__ == "__main__":

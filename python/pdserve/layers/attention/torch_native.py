@@ -311,7 +311,8 @@ class TorchNativeBackend(AttentionBackend):
         # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
         # an appended step and a rebuilt one read the same keys.
         staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)
-        k_all, v_all = self._kv(layer_id, md, staged, lambda pages: pool.get_kv_pages(layer_id, pages))  # [B, Hkv, K, D]
+        gather = lambda pages: pool.get_kv_pages(layer_id, pages)  # noqa: E731
+        k_all, v_all = self._kv(layer_id, md, staged, gather)  # [B, Hkv, K, D]
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
         k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         if _grouped_decode_pays(qp):
