@@ -109,6 +109,38 @@ def _measure_finish(samples: int, seed: int) -> dict:
     return {"finish_ms": 1e3 * statistics.median(times), "pages": sum(len(s) for s in seqs)}
 
 
+class _StepProbe:
+    """Times the Engine's decode forwards (split: same requests as the decode before, or changed) and
+    its ``release`` of finished requests (the radix insert), by wrapping the runner and the KV manager."""
+
+    def __init__(self, engine):
+        self.same: list[float] = []
+        self.changed: list[float] = []
+        self.release: list[float] = []
+        self.last: tuple | None = None
+        runner, kv = engine.scheduler.runner, engine.scheduler.kv_manager
+        run, release = runner.run, kv.release
+
+        def timed_run(fb, *a, **kw):
+            t0 = time.perf_counter()
+            out = run(fb, *a, **kw)
+            if fb.is_decode:
+                (self.same if fb.req_uids == self.last else self.changed).append(time.perf_counter() - t0)
+                self.last = fb.req_uids
+            return out
+
+        def timed_release(*a, **kw):
+            t0 = time.perf_counter()
+            release(*a, **kw)
+            self.release.append(time.perf_counter() - t0)
+        runner.run, kv.release = timed_run, timed_release
+
+    def summary(self) -> dict:
+        ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+        return {"decode_same_ms": ms(self.same), "decode_changed_ms": ms(self.changed),
+                "release_ms": ms(self.release), "changed_steps": len(self.changed)}
+
+
 def _measure_engine(seed: int) -> dict:
     """Offline tok/s of the Engine at default flags over 64 prompts of 64-256 tokens, 32 running: in waves
     (64 output tokens each: 32 leave and 32 join at once) and steady (32-96 each: a join every step or two)."""
@@ -117,6 +149,7 @@ def _measure_engine(seed: int) -> dict:
     rng = random.Random(seed)
     prompt_sets = [[[rng.randrange(3, 2000) for _ in range(rng.randint(64, 256))] for _ in range(64)] for _ in range(2)]
     engine = pdserve.Engine(model_path="tiny-llama", max_running_requests=BATCH)
+    probe = _StepProbe(engine)
     try:
         warm = [[rng.randrange(3, 2000) for _ in range(64)] for _ in range(4)]
         engine.generate(input_ids=warm, sampling_params={"max_new_tokens": 8, "temperature": 0})
@@ -127,7 +160,7 @@ def _measure_engine(seed: int) -> dict:
             t0 = time.perf_counter()
             engine.generate(input_ids=prompts, sampling_params=sp)
             out[f"{shape}_tok_s"] = sum(lens) / (time.perf_counter() - t0)
-        return out
+        return {**out, **probe.summary()}
     finally:
         engine.shutdown()
 
@@ -169,8 +202,10 @@ def main() -> None:
         for name in order:
             results[name].append(_run(sides[name], args.samples, args.seed + rnd, args.engine))
         print(f"round {rnd}: " + "; ".join(f"{n} " + ", ".join(f"{k} {v:.1f}" for k, v in results[n][-1].items()
-                                                              if k != "pages") for n in sides), flush=True)
-    keys = ("waves_tok_s", "steady_tok_s") if args.engine else ("plain_ms", "join_ms", "finish_ms")
+                                                              if k not in ("pages", "changed_steps")) for n in sides),
+              flush=True)
+    keys = (("waves_tok_s", "steady_tok_s", "decode_same_ms", "decode_changed_ms", "release_ms") if args.engine
+            else ("plain_ms", "join_ms", "finish_ms"))
     for name, rows in results.items():
         print(f"{name}: " + ", ".join(f"{k} median {statistics.median(r[k] for r in rows):.1f} "
                                       f"[{min(r[k] for r in rows):.1f}-{max(r[k] for r in rows):.1f}]" for k in keys))
