@@ -4,6 +4,8 @@ staged decode KV when the decode batch changes under it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -281,3 +283,91 @@ def test_mla_value_padding_keeps_the_outputs_and_takes_the_flash_kernel(causal):
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3)  # the math path
     assert got.shape == want.shape == (2, 4, Q, 12)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+class _StagedPool:
+    """Requests' KV by uid ([H, n, X] each) as a pool gathers it: rows past a request's length are
+    the pool's padding (finite, not zero), what a padded page-table slot reads."""
+
+    H, X = 2, 8
+
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.kv: dict[str, torch.Tensor] = {}
+
+    def batch(self, entries):  # entries: (uid, length); a new uid gets fresh KV
+        for uid, n in entries:
+            if uid not in self.kv or self.kv[uid].shape[1] < n:
+                old = self.kv.get(uid, torch.empty(self.H, 0, self.X))
+                more = torch.randn(self.H, 400 - old.shape[1], self.X, generator=self.g)
+                self.kv[uid] = torch.cat([old, more], dim=1)
+        uids = tuple(u for u, _ in entries)
+        lens = torch.tensor([n for _, n in entries])
+        return SimpleNamespace(req_uids=uids, seq_lens=lens, batch_size=len(entries))
+
+    def gather(self, fb, calls):
+        L = int(fb.seq_lens.max())
+
+        def gather(rows):
+            calls.append(rows.tolist())
+            return (torch.stack([self.kv[fb.req_uids[r]][:, :L + 3] for r in rows.tolist()]),)
+        return gather
+
+    def new(self, fb):
+        return (torch.stack([self.kv[u][:, n - 1] for u, n in zip(fb.req_uids, fb.seq_lens.tolist())]),)
+
+
+# (uid, length) per decode step: appends, a leaver mid-batch, a joiner at the end and one at the front, a
+# reorder, a length jump (a retracted request back with more tokens), a joiner longer than the capacity,
+# and more joiners at once than the spare rows.
+STAGE_STEPS = [
+    [("a", 20), ("b", 9), ("c", 31)], [("a", 21), ("b", 10), ("c", 32)],
+    [("a", 22), ("c", 33)], [("a", 23), ("c", 34), ("d", 12)], [("e", 5), ("a", 24), ("c", 35), ("d", 13)],
+    [("c", 36), ("a", 25), ("d", 14)], [("c", 37), ("a", 30), ("d", 15)], [("c", 38), ("a", 31), ("f", 150)],
+    [("c", 39), ("a", 32), ("f", 151)] + [(f"g{i}", 7 + i) for i in range(10)],
+]
+
+
+def test_decode_stage_across_joins_and_leaves_matches_a_fresh_stage():
+    """Every step's staged keys equal a stage built afresh from the pool on the real positions, and
+    masked attention over them gives the same bits (the padding differs: zeros against pool rows)."""
+    from pdserve.layers.attention.torch_native import _DecodeStage
+
+    pool, stage = _StagedPool(5), _DecodeStage()
+    g = torch.Generator().manual_seed(6)
+    for entries in STAGE_STEPS:
+        fb = pool.batch(entries)
+        (kept,) = stage.get(0, stage.plan(fb), pool.new(fb), pool.gather(fb, []))
+        fresh = _DecodeStage()
+        (rebuilt,) = fresh.get(0, fresh.plan(fb), pool.new(fb), pool.gather(fb, []))
+        assert kept.shape == rebuilt.shape and bool(kept.isfinite().all())
+        for b, n in enumerate(fb.seq_lens.tolist()):
+            assert torch.equal(kept[b, :, :n], rebuilt[b, :, :n])
+        q = torch.randn(fb.batch_size, pool.H, 1, pool.X, generator=g)
+        mask = (torch.arange(kept.shape[2]) < fb.seq_lens[:, None])[:, None, None]  # [B, 1, 1, L]
+        assert torch.equal(F.scaled_dot_product_attention(q, kept, kept, attn_mask=mask),
+                           F.scaled_dot_product_attention(q, rebuilt, rebuilt, attn_mask=mask))
+
+
+def test_decode_stage_reads_only_joiners_from_the_pool():
+    """A join gathers the joiner's row alone and a leave gathers nothing, into the same buffers;
+    only outgrowing the rows or the capacity reads everyone again."""
+    from pdserve.layers.attention.torch_native import _DecodeStage
+
+    pool, stage = _StagedPool(8), _DecodeStage()
+
+    def step(entries):
+        fb = pool.batch(entries)
+        calls: list = []
+        stage.get(0, stage.plan(fb), pool.new(fb), pool.gather(fb, calls))
+        return calls, stage.bufs[("kv", 0)][0].data_ptr()
+
+    calls, ptr = step(STAGE_STEPS[0])
+    assert calls == [[0, 1, 2]]
+    assert step(STAGE_STEPS[1]) == ([], ptr)  # one token later: append only
+    assert step(STAGE_STEPS[2]) == ([], ptr)  # b left: c's row moves down, nothing read
+    assert step(STAGE_STEPS[3]) == ([[2]], ptr)  # d joins at the end
+    assert step(STAGE_STEPS[4]) == ([[0]], ptr)  # e joins at the front, the others move up
+    assert step(STAGE_STEPS[5]) == ([], ptr)  # e left, c and a swapped: nothing read
+    calls, grown = step([("c", 37), ("a", 26), ("f", 150)])
+    assert calls == [[0, 1, 2]] and grown != ptr  # f is longer than the capacity: a rebuild

@@ -88,3 +88,14 @@ def test_zero_pages():
     assert a.num_free == 0
     assert a.alloc(0) == []
     assert a.alloc(1) is None
+
+
+def test_first_free_names_the_first_free_page_and_checks_range():
+    a = PageAllocator(8)
+    held = a.alloc(5)
+    assert a.first_free(held) is None and a.first_free([]) is None
+    a.free([held[3]])
+    assert a.first_free(held) == 3
+    assert a.first_free([held[0], 7, held[3]]) == 1  # 7 was never taken
+    with pytest.raises(RuntimeError, match="out of range"):
+        a.first_free([held[0], 8])

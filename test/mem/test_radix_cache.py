@@ -3,7 +3,7 @@ import random
 import pytest
 
 from pdserve.mem.allocator import PageAllocator
-from pdserve.mem.radix_cache import RadixCache, hash_block
+from pdserve.mem.radix_cache import RadixCache, hash_block, hash_chain
 
 
 class Harness:
@@ -288,6 +288,21 @@ def test_hashes_are_stable_and_chained():
     hc = h.cache.block_hashes(c)
     assert all(x != y for x, y in zip(ha, hc))
     assert h.cache.block_hashes(a[4:8]) != ha[1:2]  # same block at another depth, another hash
+
+
+@pytest.mark.parametrize("key", [b"", b"k" * 32])
+def test_hash_chain_is_hash_block_chained(key):
+    """The one-pass chain (what insert hashes with) is the slow twin's fold, blocks of mixed lengths too."""
+    rng = random.Random(7)
+    blocks = [[rng.randrange(-2**31, 2**31) for _ in range(n)] for n in (1, 1, 4, 4, 2, 1)]
+    h, expect = 99, []
+    for b in blocks:
+        h = hash_block(h, b, key)
+        expect.append(h)
+    assert hash_chain(99, blocks, key) == expect
+    assert hash_chain(99, [], key) == []
+    with pytest.raises(ValueError, match="int32"):
+        hash_chain(0, [[2**31]], key)
 
 
 def test_node_hashes_match_block_hashes():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from operator import index
 
 
@@ -36,6 +36,14 @@ class PageAllocator:
 
     def is_free(self, page: int) -> bool:
         return bool(self._is_free[self._checked_id(page)])
+
+    def first_free(self, pages: Sequence[int]) -> int | None:
+        """Index of the first of ``pages`` that is free (None: all are held), in one pass."""
+        if pages and not (0 <= min(pages) and max(pages) < self.num_pages):
+            bad = next(p for p in pages if not 0 <= p < self.num_pages)
+            raise RuntimeError(f"page id {bad} out of range [0, {self.num_pages})")
+        free = self._is_free
+        return next((i for i, p in enumerate(pages) if free[p]), None)
 
     def alloc(self, n: int) -> list[int] | None:
         """Take ``n`` pages, or return ``None`` (and take nothing) if fewer are free."""

@@ -29,6 +29,7 @@ import heapq
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pdserve.mem.allocator import PageAllocator
 from pdserve.obs.kv_events import MEDIUM_GPU, KVEventSink
@@ -44,6 +45,30 @@ def hash_block(parent_hash: int, block: Sequence[int], key: bytes = b"") -> int:
     except struct.error as e:
         raise ValueError(f"token ids must fit in int32 ({e})") from None
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little")
+
+
+@lru_cache(maxsize=16)
+def _block_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"<Q{n}i")
+
+
+def hash_chain(parent_hash: int, blocks: Sequence[Sequence[int]], key: bytes = b"") -> list[int]:
+    """``hash_block`` chained over ``blocks`` (each hash the next block's parent), in one pass: one
+    compiled struct per block length and a copy of the keyed BLAKE2b state instead of keying each
+    block anew. A finished request inserts one block per page, a token each at page size 1."""
+    base = hashlib.blake2b(digest_size=8, key=key)
+    from_bytes, hashes, h, n, pack = int.from_bytes, [], parent_hash, 1, _block_struct(1).pack
+    try:
+        for block in blocks:
+            if len(block) != n:  # one struct per run of equal lengths (all of a tree's blocks are a page)
+                n, pack = len(block), _block_struct(len(block)).pack
+            m = base.copy()
+            m.update(pack(h, *block))
+            h = from_bytes(m.digest(), "little")
+            hashes.append(h)
+    except struct.error as e:
+        raise ValueError(f"token ids must fit in int32 ({e})") from None
+    return hashes
 
 
 def salt_hash(salt: str, key: bytes = b"") -> int:
@@ -209,11 +234,7 @@ class RadixCache:
 
     def block_hashes(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
         """Chained hashes of the full blocks of ``token_ids`` (the partial tail is ignored)."""
-        hashes, h = [], salt_hash(salt, self.hash_key)
-        for key in self._blocks(_token_list(token_ids)):
-            h = hash_block(h, key, self.hash_key)
-            hashes.append(h)
-        return hashes
+        return hash_chain(salt_hash(salt, self.hash_key), self._blocks(_token_list(token_ids)), self.hash_key)
 
     def match_prefix(self, token_ids: Sequence[int], salt: str = "") -> MatchResult:
         """Longest page-aligned prefix cached on the device in ``salt``'s tree; marks the matched path
@@ -275,7 +296,7 @@ class RadixCache:
                              f"pages of size {self.page_size}")
         if self.disable:
             return InsertResult(0, pages)
-        keys = list(self._blocks(tokens))
+        keys = self._blocks(tokens)
         if not keys:
             return InsertResult(0, [])
         path = self._walk(keys, salt)
@@ -292,13 +313,9 @@ class RadixCache:
         node = path[-1] if path else self._root_for(salt, create=True)
         assert node is not None
         parent_hash = node.hash if path else None
-        added = []
-        for key, page in zip(keys[len(path):], pages[len(path):]):
-            node = self._add_child(node, key, page, now)
-            added.append(node)
-        if added and self.sink is not None:
-            self.sink.stored(parent_hash, [n.hash for n in added], tokens[len(path) * self.page_size:],
-                             self.page_size, self.medium)
+        hashes = self._add_chain(node, keys[len(path):], pages[len(path):], now)
+        if hashes and self.sink is not None:
+            self.sink.stored(parent_hash, hashes, tokens[len(path) * self.page_size:], self.page_size, self.medium)
         return InsertResult(len(pages) - len(path), duplicates)
 
     def evict(self, num_pages: int) -> list[int]:
@@ -406,10 +423,12 @@ class RadixCache:
         self._next_id += 1
         return self._next_id
 
-    def _blocks(self, tokens: list[int]):
+    def _blocks(self, tokens: list[int]) -> list[tuple[int, ...]]:
+        """The full blocks of ``tokens``, each its children's dict key."""
         s = self.page_size
-        for start in range(0, len(tokens) - s + 1, s):
-            yield tuple(tokens[start:start + s])
+        if s == 1:
+            return [(t,) for t in tokens]
+        return [tuple(tokens[start:start + s]) for start in range(0, len(tokens) - s + 1, s)]
 
     def _roots(self) -> list[RadixNode]:
         return [self._root, *self._salted.values()]
@@ -442,23 +461,34 @@ class RadixCache:
     def _check_insert_pages(self, pages: list[int], path: list[RadixNode]) -> None:
         if len(set(pages)) != len(pages):
             raise ValueError(f"insert got the same page twice: {pages}")
+        i = self.allocator.first_free(pages)
+        if i is not None:
+            raise ValueError(f"page {pages[i]} (block {i}) is free in the allocator; "
+                             f"insert only pages you hold")
+        owner = self._page_owner
         for i, p in enumerate(pages):
-            if self.allocator.is_free(p):
-                raise ValueError(f"page {p} (block {i}) is free in the allocator; "
-                                 f"insert only pages you hold")
-            same = i < len(path) and path[i].page == p
-            if not same and p in self._page_owner:
+            if p in owner and not (i < len(path) and path[i].page == p):
                 raise ValueError(f"page {p} (block {i}) is already owned by the cache "
                                  f"for a different block")
 
-    def _add_child(self, parent: RadixNode, key: tuple[int, ...], page: int, now: int) -> RadixNode:
-        child = RadixNode(key, page, hash_block(parent.hash, key, self.hash_key), parent, self._new_id())
-        child.last_access = now
-        parent.children[key] = child
-        self._leaves.discard(parent)
-        self._leaves.add(child)
-        self._page_owner[page] = child
-        return child
+    def _add_chain(self, parent: RadixNode, keys: list[tuple[int, ...]], pages: list[int], now: int) -> list[int]:
+        """Hang a chain of new nodes (``keys`` backed by ``pages``) below ``parent``; returns their hashes.
+        ``_add_child`` over the chain, with the hashes in one pass and the leaf set touched once: a
+        finished request adds a node per page here, thousands at page size 1."""
+        hashes = hash_chain(parent.hash, keys, self.hash_key)
+        node, owner, node_id = parent, self._page_owner, self._next_id
+        for key, page, h in zip(keys, pages, hashes):
+            node_id += 1
+            child = RadixNode(key, page, h, node, node_id)
+            child.last_access = now
+            node.children[key] = child
+            owner[page] = child
+            node = child
+        self._next_id = node_id
+        if node is not parent:
+            self._leaves.discard(parent)
+            self._leaves.add(node)
+        return hashes
 
     def _set_device_page(self, node: RadixNode, page: int) -> None:
         node.page = page

@@ -22,12 +22,22 @@ from pdserve_kernels.sparse_mla_ref import topk_first_on_ties
 
 @dataclass(frozen=True)
 class StagePlan:
-    """What one decode step does to the staged KV (decided once per step by ``_DecodeStage.plan``)."""
+    """What one decode step does to the staged KV (decided once per step by ``_DecodeStage.plan``).
 
-    append: bool  # True: the staged batch one token later, so append; False: rebuild from the pool
+    Rows of a changed batch: a request that stays (same Req.uid, one token longer) keeps its staged
+    row, moved from ``move_src`` to ``move_dst`` where leavers before it free a row; the others
+    (joiners, or every row on a ``rebuild``) are ``fill``ed from the pool, which already holds this
+    step's token; only the staying rows ``keep`` append it."""
+
+    append: bool  # True: the staged batch one token later, so append; False: the batch changed
     length: int  # L, this step's longest sequence
     rows: torch.Tensor  # [B] staged row of each request
     pos: torch.Tensor  # [B] position of each request's new token
+    rebuild: bool = False  # every row from the pool into new buffers (first step, or capacity outgrown)
+    keep: torch.Tensor | None = None  # [k] rows that append their new token (None: all B)
+    move_src: torch.Tensor | None = None  # [m] staged rows moved ...
+    move_dst: torch.Tensor | None = None  # [m] ... to these rows (None: none move)
+    fill: torch.Tensor | None = None  # [f] rows read from the pool (None: none)
 
 
 @dataclass(frozen=True)
@@ -162,48 +172,103 @@ def _grouped_decode_pays(qp: torch.Tensor) -> bool:
 class _DecodeStage:
     """A contiguous copy of the running decode batch's KV, kept across steps.
 
-    On CPU, gathering every request's pages each step costs as much as the
-    matmuls. While the decode batch is unchanged (same requests by Req.uid, each one token
-    longer), a step only appends one row per request here; any change of the
-    batch rebuilds it from the pool, which stays the source of truth.
-    Legend: B requests, H kv heads, X row width, L used length, K capacity.
+    On CPU, gathering every request's pages each step costs as much as the matmuls. So a step
+    appends one row per request here, and a change of the batch costs what changed: a request that
+    stays (same Req.uid, one token longer) keeps its staged row (moved down over leavers), a joiner's
+    row is read from the pool, which stays the source of truth. Buffers are rebuilt from the pool
+    only when the batch outgrows their rows or the longest sequence their capacity.
+
+    Invariant: in rows [0, B) every position [0, capacity) holds a finite value (pool KV, a padded
+    slot's pool KV, or zero), so a masked key adds exactly 0 to attention (0 x finite); buffers come
+    from ``new_empty`` and rows past B are never read.
+    Legend: B requests, H kv heads, X row width, L used length, K capacity, N row capacity.
     """
 
     MARGIN = 64  # decode steps between rebuilds caused by growth
+    ROW_MARGIN = 8  # spare rows, so joiners up to this many past the largest batch do not rebuild
 
     def __init__(self):
         self.req_uids: tuple | None = None
         self.seq_lens: torch.Tensor | None = None
-        self.capacity = 0
-        self.bufs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}  # (region, layer) -> [B, H, K, X] each
+        self.capacity = 0  # K
+        self.row_capacity = 0  # N
+        self.bufs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}  # (region, layer) -> [N, H, K, X] each
 
     def plan(self, fb: ForwardBatch) -> StagePlan:
-        """Once per decode step: append when this is the staged batch one token later, else rebuild."""
-        L = int(fb.seq_lens.max())
-        same = (self.seq_lens is not None and fb.req_uids == self.req_uids and L <= self.capacity
-                and torch.equal(self.seq_lens + 1, fb.seq_lens))
+        """Once per decode step: append when this is the staged batch one token later, else
+        keep the staying requests' rows and fill the rest (all of them on a rebuild)."""
+        L, B = int(fb.seq_lens.max()), fb.batch_size
+        dev = fb.seq_lens.device
+        rows = torch.arange(B, device=dev)
+        old_uids, old_lens = self.req_uids, self.seq_lens
         self.req_uids, self.seq_lens = fb.req_uids, fb.seq_lens
-        if not same:
-            self.capacity = L + self.MARGIN
-            self.bufs = {}
-        return StagePlan(same, L, torch.arange(fb.batch_size, device=fb.seq_lens.device), fb.seq_lens - 1)
+        if L > self.capacity or B > self.row_capacity or old_uids is None or old_lens is None:
+            self.capacity, self.row_capacity, self.bufs = L + self.MARGIN, B + self.ROW_MARGIN, {}
+            return StagePlan(False, L, rows, fb.seq_lens - 1, rebuild=True, fill=rows)
+        if fb.req_uids == old_uids and torch.equal(old_lens + 1, fb.seq_lens):
+            return StagePlan(True, L, rows, fb.seq_lens - 1)
+        return self._plan_change(old_uids, old_lens.tolist(), fb, L, rows)
+
+    @staticmethod
+    def _plan_change(old_uids: tuple, old_lens: list[int], fb: ForwardBatch, L: int,
+                     rows: torch.Tensor) -> StagePlan:
+        old_row = {u: j for j, u in enumerate(old_uids)}
+        src, dst, fill = [], [], []
+        for i, (u, n) in enumerate(zip(fb.req_uids or (), fb.seq_lens.tolist())):
+            j = old_row.get(u)
+            if j is not None and old_lens[j] + 1 == n:
+                src.append(j)
+                dst.append(i)
+            else:  # a joiner, or a request whose length jumped: its pages are the truth
+                fill.append(i)
+        dev = rows.device
+        moved = [(j, i) for j, i in zip(src, dst) if j != i]
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        return StagePlan(False, L, rows, fb.seq_lens - 1, keep=t(dst),
+                         move_src=t([j for j, _ in moved]) if moved else None,
+                         move_dst=t([i for _, i in moved]) if moved else None,
+                         fill=t(fill) if fill else None)
 
     def get(self, layer: int, plan: StagePlan, new: tuple, gather, region: str = "kv") -> tuple[torch.Tensor, ...]:
-        """new: this step's rows, each [B, H, X]; gather() -> the pool's [B, H, L', X] tensors.
-        ``region``: which of the layer's pool regions these are (DeepSeek-V3.2 stages its index keys too)."""
-        L = plan.length
+        """new: this step's rows, each [B, H, X]; gather(rows) -> the pool's [b, H, L', X] tensors of
+        those batch rows (L' >= L). ``region``: which of the layer's pool regions these are
+        (DeepSeek-V3.2 stages its index keys too)."""
+        L, B = plan.length, plan.rows.shape[0]
         key = (region, layer)
-        if not plan.append or key not in self.bufs:
-            bufs = []
-            for t in gather():
-                buf = t.new_zeros(t.shape[0], t.shape[1], self.capacity, t.shape[3])
-                buf[:, :, :L] = t[:, :, :L]
-                bufs.append(buf)
-            self.bufs[key] = tuple(bufs)
-        else:
-            for buf, t in zip(self.bufs[key], new):
+        bufs = self.bufs.get(key)
+        if bufs is None:  # first step of these buffers: every row from the pool
+            bufs = self.bufs[key] = self._allocate(gather(plan.rows), L)
+        elif plan.append:
+            for buf, t in zip(bufs, new):
                 buf[plan.rows, :, plan.pos] = t
-        return tuple(buf[:, :, :L] for buf in self.bufs[key])
+        else:
+            self._change(bufs, plan, new, gather)
+        return tuple(buf[:B, :, :L] for buf in bufs)
+
+    def _allocate(self, pooled: tuple, L: int) -> tuple[torch.Tensor, ...]:
+        """New [N, H, K, X] buffers holding ``pooled`` ([B, H, L', X] each) in rows [0, B)."""
+        bufs = []
+        for t in pooled:
+            B, H, _, X = t.shape
+            buf = t.new_empty(self.row_capacity, H, self.capacity, X)
+            buf[:B, :, :L] = t[:, :, :L]
+            buf[:B, :, L:].zero_()
+            bufs.append(buf)
+        return tuple(bufs)
+
+    @staticmethod
+    def _change(bufs: tuple, plan: StagePlan, new: tuple, gather) -> None:
+        """Stayers' rows move over leavers' and append their token; joiners' rows come from the pool."""
+        L = plan.length
+        pooled = gather(plan.fill) if plan.fill is not None else (None,) * len(bufs)
+        for buf, t, p in zip(bufs, new, pooled):
+            if plan.move_src is not None:
+                buf.index_copy_(0, plan.move_dst, buf.index_select(0, plan.move_src))  # read out, then written
+            if plan.keep is not None and plan.keep.numel():
+                buf[plan.keep, :, plan.pos[plan.keep]] = t[plan.keep]
+            if p is not None:
+                buf[plan.fill, :, :L] = p[:, :, :L]
+                buf[plan.fill, :, L:] = 0
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -246,7 +311,8 @@ class TorchNativeBackend(AttentionBackend):
         # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
         # an appended step and a rebuilt one read the same keys.
         staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)
-        k_all, v_all = self._kv(layer_id, md, staged, lambda: pool.get_kv_pages(layer_id, md.pages))  # [B, Hkv, K, D]
+        gather = lambda pages: pool.get_kv_pages(layer_id, pages)  # noqa: E731
+        k_all, v_all = self._kv(layer_id, md, staged, gather)  # [B, Hkv, K, D]
         qp = _pad_q(q, md)  # [B, Hq, Q, D]
         k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         if _grouped_decode_pays(qp):
@@ -280,7 +346,7 @@ class TorchNativeBackend(AttentionBackend):
             return self._mla_ragged(q_nope, q_pe, latent.shape[-1], w_kc, w_vc, layer_id, scale, fb, md, absorbed)
         staged = pool.round_trip_latent(new) if md.stage is not None else new  # as the pool holds it
         (cache,) = self._kv(layer_id, md, (staged.unsqueeze(1),),
-                            lambda: (pool.get_latent_pages(layer_id, md.pages).unsqueeze(1),))
+                            lambda pages: (pool.get_latent_pages(layer_id, pages).unsqueeze(1),))
         cache = cache[:, 0].to(q_nope.dtype)  # [B, K, C+R]
         C = latent.shape[-1]
         if absorbed:
@@ -339,7 +405,7 @@ class TorchNativeBackend(AttentionBackend):
         # Every earlier token's index key is scored (the indexer's inherent O(L) part, Di wide and
         # cheap); a decode step reads them from the stage, which appends one row per step.
         (keys,) = self._kv(layer_id, md, (index.k.unsqueeze(1),),
-                           lambda: (pool.get_index_k_pages(layer_id, md.pages).unsqueeze(1),), region="index_k")
+                           lambda pages: (pool.get_index_k_pages(layer_id, pages).unsqueeze(1),), region="index_k")
         keys = keys[:, 0, :L]  # [B, L, Di]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md).transpose(1, 2)  # [B, Q, H, C+R]
@@ -360,10 +426,11 @@ class TorchNativeBackend(AttentionBackend):
         return _unpad(o, md)  # [T, H, Dv]
 
     def _kv(self, layer_id: int, md: TorchNativeMetadata, new: tuple, gather, region: str = "kv") -> tuple:
-        """This layer's KV for the whole batch, [B, H, K, X] each: staged in decode, else gathered."""
+        """This layer's KV for the whole batch, [B, H, K, X] each: staged in decode, else gathered.
+        gather(pages) -> the pool's KV of those [b, Lp] page ids."""
         if md.stage is None:
-            return gather()
-        return self.stage.get(layer_id, md.stage, new, gather, region)
+            return gather(md.pages)
+        return self.stage.get(layer_id, md.stage, new, lambda rows: gather(md.pages[rows]), region)
 
 
 SPARSE_CHUNK_ELEMENTS = 1 << 24  # bound on a query block's [B, q, Hi, L] scores and [B, q, k, C+R] rows
