@@ -31,7 +31,7 @@ def load_tokenizer(path: str | Path):
         return None
     if _declares_generic_tokenizer(Path(path)):
         # AutoTokenizer would pick this same class, but importing it imports torch (through
-        # transformers' config classes): 3 s of CPU in every HTTP frontend, which never needs torch
+        # transformers' config classes): 2-3 s of CPU in a router or a grammar child, which need no torch
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
         tokenizer = TokenizersBackend.from_pretrained(str(path))
