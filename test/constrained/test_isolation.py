@@ -183,3 +183,26 @@ def test_a_frontend_killed_takes_its_compile_child_with_it():
         parent.wait()
     # its parent gone, init reaps it: it must stop existing
     _wait(lambda: _gone(child), 30)
+
+
+def test_the_child_loads_the_class_the_server_loaded(tmp_path):
+    """The generic class straight from the directory (no torch for the tokenizer); any other class
+    (a qwen2 directory: transformers picks Qwen2Tokenizer) through AutoTokenizer, as before."""
+    from transformers import AutoTokenizer
+
+    spec = _spec()
+    data = spec.to_json(4096, 60)
+    assert json.loads(data)["generic"] is True
+    back, _, _ = BackendSpec.from_json(data)
+    assert type(back.tokenizer) is type(spec.tokenizer)
+    assert back.tokenizer.encode("héllo wörld 123") == spec.tokenizer.encode("héllo wörld 123")
+    src = Path(spec.tokenizer.name_or_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    other = BackendSpec(GrammarConfig(), AutoTokenizer.from_pretrained(str(tmp_path)), VOCAB, (EOS,))
+    data = other.to_json(4096, 60)
+    assert json.loads(data)["generic"] is False
+    back, _, _ = BackendSpec.from_json(data)
+    assert type(back.tokenizer) is type(other.tokenizer) and type(back.tokenizer).__name__ != "TokenizersBackend"

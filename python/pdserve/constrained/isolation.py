@@ -81,9 +81,11 @@ class BackendSpec:
         if self.tokenizer is not None and not (isinstance(path, str) and Path(path).is_dir()):
             raise ValueError("the compile worker loads the tokenizer from its directory, which this tokenizer "
                              "does not name (--no-grammar-compile-isolation compiles in process)")
-        return json.dumps({"config": asdict(self.config), "tokenizer": path, "vocab_size": self.vocab_size,
-                           "stop_token_ids": list(self.stop_token_ids), "memory_mb": memory_mb,
-                           "cpu_s": cpu_s}).encode()
+        cls = type(self.tokenizer)
+        generic = self.tokenizer is not None and f"{cls.__module__}.{cls.__qualname__}" == GENERIC_TOKENIZER
+        return json.dumps({"config": asdict(self.config), "tokenizer": path, "generic": generic,
+                           "vocab_size": self.vocab_size, "stop_token_ids": list(self.stop_token_ids),
+                           "memory_mb": memory_mb, "cpu_s": cpu_s}).encode()
 
     @staticmethod
     def from_json(data: bytes) -> tuple[BackendSpec, int, int]:
@@ -91,12 +93,26 @@ class BackendSpec:
         d = json.loads(data)
         tokenizer = None
         if d["tokenizer"] is not None:
-            from transformers import AutoTokenizer  # the directory the server's tokenizer came from
-
-            tokenizer = AutoTokenizer.from_pretrained(d["tokenizer"])
+            tokenizer = _load_tokenizer(d["tokenizer"], bool(d.get("generic")))
         spec = BackendSpec(GrammarConfig(**d["config"]), tokenizer, int(d["vocab_size"]),
                            tuple(int(t) for t in d["stop_token_ids"]))
         return spec, int(d["memory_mb"]), int(d["cpu_s"])
+
+
+GENERIC_TOKENIZER = "transformers.tokenization_utils_tokenizers.TokenizersBackend"
+
+
+def _load_tokenizer(path: str, generic: bool):
+    """The class the server's tokenizer has, from its directory: transformers' generic class is
+    loaded directly, as the server loaded it (AutoTokenizer's config classes import torch, seconds
+    of CPU in every child)."""
+    if generic:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 class IsolatedCompiler:

@@ -18,10 +18,12 @@ Legend: T tokens in the step, K prompt positions whose logits are wanted, V voca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the HTTP frontend validates logprob params and must not import torch
+    import torch
 
-from pdserve.engine.sampler import TopLogprobs, token_logprobs
+    from pdserve.engine.sampler import TopLogprobs
 
 
 def resolve_start(logprob_start_len: int, prompt_len: int) -> int:
@@ -119,6 +121,8 @@ class PromptLogitPlan:
         """Append each request's input logprobs from ``logits`` [K, V] (rows in plan order)."""
         if not self.index:
             return
+        from pdserve.engine.sampler import token_logprobs  # torch: scheduler side only
+
         top_ks = [reqs[b].logprob.top_k for b in self.owners]
         chosen, tops = token_logprobs(logits, self.targets, top_ks)
         for k, b in enumerate(self.owners):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 # transformers warns once per tokenizer of a text longer than the tokenizer's model_max_length;
 # pdserve checks every prompt against the context length itself and refuses it with a 400
 NO_LENGTH_LIMIT = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER)
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# model types (those pdserve serves) whose declared generic tokenizer class AutoTokenizer keeps
+GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "deepseek_v4"})
 
 
 def has_tokenizer(path: str | Path) -> bool:
@@ -25,11 +29,32 @@ def load_tokenizer(path: str | Path):
     if not has_tokenizer(path):
         logger.info("no tokenizer files in %s: serving input_ids only", path)
         return None
-    from transformers import AutoTokenizer
+    if _declares_generic_tokenizer(Path(path)):
+        # AutoTokenizer would pick this same class, but importing it imports torch (through
+        # transformers' config classes): 2-3 s of CPU in a router or a grammar child, which need no torch
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = TokenizersBackend.from_pretrained(str(path))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.model_max_length = NO_LENGTH_LIMIT  # the length check is ours (a 400), not a log line
     return tokenizer
+
+
+def _declares_generic_tokenizer(path: Path) -> bool:
+    """Whether AutoTokenizer would load ``path`` as transformers' generic ``TokenizersBackend``:
+    ``tokenizer_config.json`` names that class (or its old name), no custom code, and the model
+    type is one for which transformers keeps the declared class (it overrides it for some, e.g.
+    qwen2; test/engine/test_tokenizer.py checks this list against transformers' own)."""
+    try:
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (isinstance(tok_cfg, dict) and tok_cfg.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+            and "auto_map" not in tok_cfg and model_type in GENERIC_TOKENIZER_MODEL_TYPES)
 
 
 def text_decoder(tokenizer) -> Callable[[list[int], bool], str]:
