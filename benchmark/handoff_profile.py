@@ -67,18 +67,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int
-                     ) -> tuple[float, list[float]]:
-    """(TTFT, arrival times of its SSE events) of one streamed request."""
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, is_token) -> tuple[float, list[float]]:
+    """(start, arrival times of the SSE events ``is_token`` counts) of one streamed request."""
     t0 = time.perf_counter()
     arrivals = []
-    async with session.post(url + "/generate", json=bench_server.generate_body(prompt, output_len)) as r:
+    async with session.post(url, json=body) as r:
         r.raise_for_status()
         async for line in r.content:
             if line.startswith(b"data: [DONE]"):
                 break
-            if line.startswith(b"data: "):
+            if is_token(line):
                 arrivals.append(time.perf_counter())
+    return t0, arrivals
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int
+                     ) -> tuple[float, list[float]]:
+    """(TTFT, arrival times of its SSE events) of one streamed request."""
+    t0, arrivals = await _stream(session, url + "/generate", bench_server.generate_body(prompt, output_len),
+                                 lambda line: line.startswith(b"data: "))
     return arrivals[0] - t0, arrivals
 
 
@@ -96,15 +103,9 @@ async def one_round(url: str, prompts: list[list[int]], output_len: int) -> dict
 async def peer_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int
                       ) -> tuple[float, float, list[float]]:
     """(start, TTFT, arrival times of its token events) of one streamed ``/v1/completions`` request."""
-    t0 = time.perf_counter()
-    arrivals = []
-    async with session.post(url + "/v1/completions", json=bench_server.completions_body(prompt, output_len)) as r:
-        r.raise_for_status()
-        async for line in r.content:
-            if line.startswith(b"data: [DONE]"):
-                break
-            if line.startswith(b"data: {") and b'"choices":[]' not in line:  # not the usage event
-                arrivals.append(time.perf_counter())
+    t0, arrivals = await _stream(  # every data event but the usage one
+        session, url + "/v1/completions", bench_server.completions_body(prompt, output_len),
+        lambda line: line.startswith(b"data: {") and b'"choices":[]' not in line)
     return t0, arrivals[0] - t0, arrivals
 
 
