@@ -39,12 +39,8 @@ ROOT_HASH = 0  # hash_{-1}: what the first block chains from
 
 def hash_block(parent_hash: int, block: Sequence[int], key: bytes = b"") -> int:
     """64-bit chained hash of one block: blake2b keyed with ``key`` (up to 64 bytes; b"": unkeyed)
-    over parent hash as u64 LE || tokens as i32 LE."""
-    try:
-        data = struct.pack(f"<Q{len(block)}i", parent_hash, *block)
-    except struct.error as e:
-        raise ValueError(f"token ids must fit in int32 ({e})") from None
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little")
+    over parent hash as u64 LE || tokens as i32 LE (``hash_chain`` of one block)."""
+    return hash_chain(parent_hash, [block], key)[0]
 
 
 @lru_cache(maxsize=16)

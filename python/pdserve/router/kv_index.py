@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.mem.radix_cache import hash_block, key_check, salt_hash
+from pdserve.mem.radix_cache import hash_chain, key_check, salt_hash
 from pdserve.obs.kv_events import MEDIUM_GPU
 
 __all__ = ["KVIndex", "key_check", "prompt_block_hashes"]
@@ -21,11 +21,8 @@ def prompt_block_hashes(token_ids: Sequence[int], page_size: int, key: bytes = b
     deployment's hash key (``--kv-hash-key-file``), in the tree of the request's ``cache_salt``. The
     last token is left out: a server never serves it from the cache (it must run to give logits)."""
     usable = max(0, len(token_ids) - 1)
-    hashes, h = [], salt_hash(salt, key)
-    for start in range(0, usable - page_size + 1, page_size):
-        h = hash_block(h, token_ids[start:start + page_size], key)
-        hashes.append(h)
-    return hashes
+    return hash_chain(salt_hash(salt, key), [token_ids[start:start + page_size]
+                                             for start in range(0, usable - page_size + 1, page_size)], key)
 
 
 class KVIndex:
