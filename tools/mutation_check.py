@@ -714,10 +714,11 @@ MUTATIONS = (
         "hashlib.blake2b(chunk, digest_size=8)",
         ("test/router/test_router_approx_index.py::test_blocks_are_chained_so_order_matters[text]",)),
     Mutation(
-        "router_token_blocks_unchained", "the router hashes each page of a prompt's tokens alone (not chained)",
-        "python/pdserve/router/kv_index.py",
-        "        h = hash_block(h, token_ids[start:start + page_size], key)\n",
-        "        h = hash_block(salt_hash(salt, key), token_ids[start:start + page_size], key)\n",
+        "router_token_blocks_unchained", "page hashes (the router's for a prompt's tokens, as the servers') each "
+        "hash their page alone, not chained",
+        "python/pdserve/mem/radix_cache.py",
+        "            m.update(pack(h, *block))\n",
+        "            m.update(pack(parent_hash, *block))\n",
         ("test/router/test_router_approx_index.py::test_blocks_are_chained_so_order_matters[tokens]",)),
     Mutation(
         "nixl_notify_unbounded", "a NIXL receiver keeps a notify of any size",
