@@ -77,8 +77,8 @@ MUTATIONS = (
     Mutation(
         "stage_ignores_identity", "the staged decode KV compares lengths only, not request identity",
         STAGE,
-        "same = (self.seq_lens is not None and fb.req_uids == self.req_uids and L <= self.capacity",
-        "same = (self.seq_lens is not None and L <= self.capacity",
+        "        if fb.req_uids == old_uids and torch.equal(old_lens + 1, fb.seq_lens):\n",
+        "        if torch.equal(old_lens + 1, fb.seq_lens):\n",
         (f"{T_STAGE}::test_batch_swap_with_aligned_lengths",
          "test/layers/test_attention.py::test_staged_decode_rebuilds_when_the_batch_changes_but_lengths_line_up")),
     Mutation(
@@ -110,8 +110,8 @@ MUTATIONS = (
     Mutation(
         "stage_capacity_unchecked", "the staged decode KV appends past its capacity instead of rebuilding",
         STAGE,
-        "fb.req_uids == self.req_uids and L <= self.capacity",
-        "fb.req_uids == self.req_uids",
+        "        if L > self.capacity or B > self.row_capacity or old_uids is None",
+        "        if B > self.row_capacity or old_uids is None",
         (f"{T_STAGE}::test_decoding_past_the_staged_kv_margin",)),
     Mutation(
         "cached_tokens_from_readmission", "cached_tokens reports the re-admission's hit after a retraction",
