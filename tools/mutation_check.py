@@ -818,8 +818,8 @@ MUTATIONS = (
     Mutation(
         "kv_block_hash_unkeyed", "the block hash chain ignores the deployment's key (a dictionary attack works)",
         "python/pdserve/mem/radix_cache.py",
-        "    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), \"little\")",
-        "    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), \"little\")",
+        "    base = hashlib.blake2b(digest_size=8, key=key)\n",
+        "    base = hashlib.blake2b(digest_size=8)\n",
         ("test/obs/test_cache_privacy.py::test_keyed_hashes_give_nothing_without_the_key",)),
     Mutation(
         "snapshot_takes_the_inference_key", "/kv_events/snapshot opens to the inference key again",
