@@ -726,7 +726,9 @@ class Scheduler:
     def _kv_pool_info(self) -> dict:
         """The pool's size and budget (mem/kv_budget.py), when the runner measured one (fakes do not)."""
         budget = getattr(self.runner, "kv_budget", None)
-        return {} if budget is None else {"kv_pool": budget.to_dict()}
+        backend = getattr(self.runner, "backend", None)  # what attention (and the V3.2 indexer's top-k) runs
+        return {**({} if budget is None else {"kv_pool": budget.to_dict()}),
+                **({} if backend is None else {"attention": backend.describe()})}
 
     def stats(self) -> dict:
         total = self.kv_manager.num_pages

@@ -73,6 +73,10 @@ class AttentionBackend(ABC):
     # captured forward replays correctly after the runner refills those tensors in place.
     supports_cuda_graph: bool = False
 
+    def describe(self) -> dict:
+        """What runs, for /get_server_info: the backend's name and any kernel choice it made."""
+        return {"attention_backend": self.name}
+
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> AttentionMetadata:
         """The metadata every layer of this forward reads (see the class docstring)."""

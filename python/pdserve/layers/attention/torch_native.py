@@ -276,6 +276,26 @@ class TorchNativeBackend(AttentionBackend):
 
     def __init__(self):
         self.stage = _DecodeStage()
+        # How the indexer's score + top-k runs, fixed at the first sparse step by the pool it reads
+        # (``_index_kernel_for``): "cpu_kernel" (pdserve_kernels.index_topk_cpu, keys read by slot)
+        # or "torch" (select_top_tokens over the staged keys). None before any sparse step.
+        self.index_topk_impl: str | None = None
+
+    def describe(self) -> dict:
+        return {"attention_backend": self.name, "index_topk": self.index_topk_impl or "not chosen yet"}
+
+    def _index_kernel_for(self, pool) -> bool:
+        """True where the CPU kernel scores this pool's index keys (float32 on CPU, the kernel built);
+        decided once, so the decode stage's index-key copy is either always kept or never."""
+        if self.index_topk_impl is None:
+            keys = pool.index_k
+            usable = keys is not None and keys.device.type == "cpu" and keys.dtype == torch.float32
+            if usable:
+                from pdserve_kernels import index_topk_cpu  # plain C through ctypes: no triton
+
+                usable = index_topk_cpu.load() is not None
+            self.index_topk_impl = "cpu_kernel" if usable else "torch"
+        return self.index_topk_impl == "cpu_kernel"
 
     def prepare(self, fb: ForwardBatch) -> TorchNativeMetadata:
         ext, pre, seq = fb.extend_lens, fb.prefix_lens, fb.seq_lens
@@ -403,10 +423,15 @@ class TorchNativeBackend(AttentionBackend):
         md = self.metadata_of(fb, TorchNativeMetadata)
         L = fb.kv_slots.shape[1]
         # Every earlier token's index key is scored (the indexer's inherent O(L) part, Di wide and
-        # cheap); a decode step reads them from the stage, which appends one row per step.
-        (keys,) = self._kv(layer_id, md, (index.k.unsqueeze(1),),
-                           lambda pages: (pool.get_index_k_pages(layer_id, pages).unsqueeze(1),), region="index_k")
-        keys = keys[:, 0, :L]  # [B, L, Di]
+        # cheap). The CPU kernel reads them by slot from the pool; the torch twin from the decode
+        # stage in decode (one row appended per step), else from the pool's pages.
+        kernel = self._index_kernel_for(pool)
+        keys = None
+        if not kernel:
+            (keys,) = self._kv(layer_id, md, (index.k.unsqueeze(1),),
+                               lambda pages: (pool.get_index_k_pages(layer_id, pages).unsqueeze(1),),
+                               region="index_k")
+            keys = keys[:, 0, :L]  # [B, L, Di]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md).transpose(1, 2)  # [B, Q, H, C+R]
         iq = _pad_q(index.q, md).transpose(1, 2)  # [B, Q, Hi, Di]
@@ -415,9 +440,14 @@ class TorchNativeBackend(AttentionBackend):
         step = _query_chunk(Q, L, index.q.shape[1], index.topk, qp.shape[-1])
         parts = []
         for q0 in range(0, Q, step):  # a long extend in query blocks: scores and gathered rows stay bounded
-            visible = None if md.sees_all else md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
-            chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys, visible,
-                                              index.scale, index.topk)  # [B, q, k]
+            if keys is None:
+                chosen, valid = select_top_tokens_paged(iq[:, q0:q0 + step], iw[:, q0:q0 + step],
+                                                        pool.index_k[layer_id], fb.kv_slots, md.seen[:, q0:q0 + step],
+                                                        index.scale, index.topk)
+            else:
+                visible = None if md.sees_all else md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
+                chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys, visible,
+                                                  index.scale, index.topk)  # [B, q, k]
             # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
             rows = pool.get_latent_slots(layer_id, fb.kv_slots.gather(1, chosen.flatten(1)).view(chosen.shape))
             parts.append(_mla_sparse(qp[:, q0:q0 + step], rows.to(qp.dtype), valid, C, scale))  # [B, q, H, C]
@@ -462,6 +492,33 @@ def select_top_tokens(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     if visible is None:
         return chosen, torch.ones(chosen.shape, dtype=torch.bool, device=chosen.device)
     return chosen, visible.gather(-1, chosen)
+
+
+def select_top_tokens_paged(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, kv_slots: torch.Tensor,
+                            seen: torch.Tensor, scale: float, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_top_tokens`` (its twin: the same picks, in the same order) through the CPU kernel, which
+    reads each visible key by slot from one layer's pool: q [B, Q, Hi, Di], weights [B, Q, Hi],
+    index_k [P, S, Di], kv_slots [B, L], seen [B, Q] (query sees positions j < seen) -> chosen [B, Q, k],
+    valid [B, Q, k]. Where a score is NaN or infinite the twin runs instead (its rule for those)."""
+    from pdserve_kernels import index_topk_cpu
+
+    B, Q, Hi, Di = q.shape
+    L = kv_slots.shape[1]
+    if L <= topk:  # as the twin: every token kept, unscored
+        chosen = torch.arange(L, device=q.device).expand(B, Q, L)  # [B, Q, L]
+    else:
+        req = torch.arange(B, device=q.device).repeat_interleave(Q)  # [B Q]
+        try:
+            pos = index_topk_cpu.index_topk(q.reshape(B * Q, Hi, Di).float().contiguous(),
+                                            weights.reshape(B * Q, Hi).float().contiguous(), index_k,
+                                            kv_slots.contiguous(), req, seen.reshape(B * Q).contiguous(), scale,
+                                            topk)  # [B Q, k]
+        except index_topk_cpu.KernelUnavailable:
+            keys = index_k.view(-1, Di)[kv_slots]  # [B, L, Di]
+            visible = torch.arange(L, device=q.device) < seen[..., None]  # [B, Q, L]
+            return select_top_tokens(q, weights, keys, visible, scale, topk)
+        chosen = pos.view(B, Q, -1)
+    return chosen, chosen < seen[..., None]
 
 
 def _mla_sparse(qp, rows, valid, C, scale):

@@ -1,0 +1,182 @@
+"""DeepSeek-V3.2's indexer score + top-k as one CPU kernel in plain C (``index_topk_cpu.c``): each
+query reads its visible index keys once, by slot, from the paged pool, and keeps its top k while
+scoring (no gathered keys, no [B, Hi, L] scores). Twin: the torch_native backend's
+``select_top_tokens`` (the same picks, ties at the cut from the lowest position, positions ascending).
+
+The C source is compiled on first use with the system compiler (``$PDSERVE_CC``, else ``cc``) into
+a per-user cache keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes;
+no torch headers, so a build takes about a second. ``load()`` is None where no compiler exists or
+the build fails (said once in the log): callers then run the twin.
+
+Legend: T query rows, B requests, L kv_slots' width, Hi/Di index heads and head dim, P pages,
+S page size, k picks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("index_topk_cpu.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99")
+BUILD_TIMEOUT_S = 120
+# Query rows of one request scored together (an extend): one read of each key serves them all while
+# their [Hi, Di] queries and k-long heaps stay in cache.
+BLOCK_BYTES = 1 << 15
+
+# Return codes of pdserve_index_topk_f32
+OK, NON_FINITE, BAD_SLOT, NO_MEMORY, BAD_REQ, BAD_VIS = 0, 1, 2, 3, 4, 5
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot run these inputs as it is (non-finite scores): the caller runs the twin."""
+
+
+def cache_dir() -> Path:
+    """$PDSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/pdserve/kernels (default ~/.cache)."""
+    if os.environ.get("PDSERVE_KERNEL_CACHE"):
+        return Path(os.environ["PDSERVE_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "kernels"
+
+
+def compiler() -> str:
+    return os.environ.get("PDSERVE_CC") or "cc"
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: a library built on another CPU model may not run here."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(cc: str) -> Path:
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, platform.machine(), _cpu_id()])
+                         .encode()).hexdigest()[:16]
+    return cache_dir() / f"index_topk_cpu-{key}.so"
+
+
+def build(cc: str) -> Path:
+    """The compiled library, built unless cached. Atomic: each build writes its own temporary
+    file and renames it into place, so processes building at once each load a whole library."""
+    out = library_path(cc)
+    if out.exists():
+        return out
+    if shutil.which(cc) is None:
+        raise FileNotFoundError(f"no C compiler {cc!r} (set PDSERVE_CC)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _load(cc: str) -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("indexer top-k: the CPU kernel is unavailable (%s); the torch path runs instead", e)
+        return None
+    fn = lib.pdserve_index_topk_f32
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [p, p, p, i64, p, i64, i64, i64, p, p, i64, i64, i64, ctypes.c_double, i64, i64, p]
+    fn.restype = ctypes.c_int
+    logger.info("indexer top-k: CPU kernel %s", lib._name)
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel's library, built on first use with ``compiler()``; None where that fails."""
+    return _load(compiler())
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: the CPU indexer kernel needs a CPU tensor, got {t.device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
+def _check_shapes(q, weights, index_k, kv_slots, req, vis) -> None:
+    T, Hi, Di = q.shape
+    if tuple(weights.shape) != (T, Hi):
+        raise ValueError(f"weights: expected shape {(T, Hi)} (q's rows and heads), got {tuple(weights.shape)}")
+    if index_k.shape[-1] != Di:
+        raise ValueError(f"index_k: rows of {index_k.shape[-1]} values, but q's head dim is {Di}")
+    for name, t in (("req", req), ("vis", vis)):
+        if t.shape[0] != T:
+            raise ValueError(f"{name}: {t.shape[0]} entries for {T} query rows")
+
+
+def index_topk(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, kv_slots: torch.Tensor,
+               req: torch.Tensor, vis: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+    """q [T, Hi, Di] float32, weights [T, Hi] float32, index_k one layer's pool [P, S, Di] float32,
+    kv_slots [B, L] int64, req [T] int64 (row of kv_slots), vis [T] int64 (tokens seen), scale > 0
+    -> [T, k] int64 positions (k = min(topk, L)), ascending: each row's k best by
+    ``sum_h weights[h] * relu(scale * q[h] . key_j)`` over j < vis, ties at the cut from the lowest
+    position; a row seeing at most k tokens keeps positions 0 .. k-1. Raises KernelUnavailable
+    where a score is NaN or infinite, ValueError/TypeError naming the argument on bad input."""
+    lib = load()
+    if lib is None:
+        raise KernelUnavailable("the CPU indexer kernel could not be built (see the log)")
+    for name, t, dtype, dim in (("q", q, torch.float32, 3), ("weights", weights, torch.float32, 2),
+                                ("index_k", index_k, torch.float32, 3), ("kv_slots", kv_slots, torch.int64, 2),
+                                ("req", req, torch.int64, 1), ("vis", vis, torch.int64, 1)):
+        _check(name, t, dtype, dim)
+    if not scale > 0:
+        raise ValueError(f"scale: must be > 0 (it is moved past the ReLU), got {scale}")
+    if topk < 0:
+        raise ValueError(f"topk: must be >= 0, got {topk}")
+    _check_shapes(q, weights, index_k, kv_slots, req, vis)
+    T, Hi, Di = q.shape
+    k = min(topk, kv_slots.shape[1])
+    out = torch.empty(T, k, dtype=torch.int64)
+    if T == 0:
+        return out
+    block = max(1, BLOCK_BYTES // (4 * Hi * Di + 16 * k))
+    slots = index_k.numel() // max(Di, 1)  # N
+    rc = lib.pdserve_index_topk_f32(q.data_ptr(), weights.data_ptr(), index_k.data_ptr(), slots, kv_slots.data_ptr(),
+                                    *kv_slots.shape, kv_slots.stride(0), req.data_ptr(), vis.data_ptr(), T, Hi, Di,
+                                    float(scale), k, block, out.data_ptr())
+    if rc == NON_FINITE:
+        raise KernelUnavailable("index scores: a NaN or infinite score")
+    if rc == BAD_SLOT:
+        raise ValueError(f"kv_slots: a visible slot lies outside the pool's {slots} slots")
+    if rc == BAD_REQ:
+        raise ValueError(f"req: rows must lie in [0, {kv_slots.shape[0]}) (kv_slots' rows)")
+    if rc == BAD_VIS:
+        raise ValueError(f"vis: counts must lie in [0, {kv_slots.shape[1]}] (kv_slots' width)")
+    if rc != OK:
+        raise MemoryError("the CPU indexer kernel could not allocate its heaps")
+    return out
