@@ -20,6 +20,7 @@ ever add time, so the minimum is the steadiest estimate on a shared machine):
 * attention (ms), the backend's MLA call (for V3.2 that includes the paged score and top-k over
   the index keys, and the sparse MLA), and its ratio to the first model's;
 * the indexer's share of the step: its projections plus the paged score and top-k;
+* which indexer top-k ran (torch_native: the CPU kernel, or the torch twin for the "torch top-k" row);
 * the state bytes per token (``ModelConfig.kv_bytes_per_token``: latent plus index keys; for V4 the
   page layout, every per-token row in pages: a pool built without records);
 * for V4 also the bounded layout's bytes per token at that context, what every server keeps
@@ -52,6 +53,9 @@ class BenchModel:
     label: str
     preset: str
     overrides: dict = field(default_factory=dict)  # hf_config fields set after loading the preset's
+    # The indexer's score + top-k forced to one implementation of the torch_native backend ("torch":
+    # the twin over the staged keys); None: the backend's own choice (the CPU kernel where it builds).
+    index_topk: str | None = None
 
 
 MAX_POSITIONS = 1 << 17  # the presets' 4096 raised so rope covers the longest context
@@ -59,6 +63,9 @@ MODELS = (
     BenchModel("V3 (dense MLA)", "tiny-deepseek", {"max_position_embeddings": MAX_POSITIONS}),
     BenchModel("V3.2 (DSA, topk 256)", "tiny-deepseek-v32",
                {"max_position_embeddings": MAX_POSITIONS, "index_topk": 256}),
+    # the same model with the indexer's torch twin instead of the CPU kernel, side by side
+    BenchModel("V3.2 (DSA, torch top-k)", "tiny-deepseek-v32",
+               {"max_position_embeddings": MAX_POSITIONS, "index_topk": 256}, index_topk="torch"),
     BenchModel("V4 (SWA/CSA/HCA)", "tiny-deepseek-v4", {"max_position_embeddings": MAX_POSITIONS}),
 )
 # DeepSeek-V4's attention runs in the model, not the backend: its call and its indexer's selection.
@@ -93,7 +100,8 @@ class Timer:
 # What the indexer runs, by backend: its projections, then the paged score + top-k over the index keys.
 INDEXER_FUNCTIONS = {
     "torch_native": (("pdserve.models.deepseek_v32", "Indexer", "forward"),
-                     ("pdserve.layers.attention.torch_native", None, "select_top_tokens")),
+                     ("pdserve.layers.attention.torch_native", None, "select_top_tokens"),
+                     ("pdserve.layers.attention.torch_native", None, "select_top_tokens_paged")),
     "triton": (("pdserve.models.deepseek_v32", "Indexer", "forward"),
                ("pdserve_kernels.sparse_mla", None, "index_topk")),
 }
@@ -134,8 +142,11 @@ def build_runner(model: BenchModel, tokens: int, page_size: int, backend: str):
     for name, value in model.overrides.items():
         setattr(mc.hf_config, name, value)
     pages = -(-tokens // page_size) + 2
-    return mc, ModelRunner(mc, CacheConfig(page_size=page_size, max_total_tokens=pages * page_size),
-                           attention_backend=backend)
+    runner = ModelRunner(mc, CacheConfig(page_size=page_size, max_total_tokens=pages * page_size),
+                         attention_backend=backend)
+    if model.index_topk is not None:  # chosen once, at the first sparse step: set before it
+        runner.backend.index_topk_impl = model.index_topk
+    return mc, runner
 
 
 def fill_pool(runner, tokens: int, seed: int) -> None:
@@ -183,6 +194,8 @@ def run(models: tuple[BenchModel, ...], contexts: list[int], batch_size: int, wa
     """Every model is built first; then per context the models take turns, ``repeats`` rounds, so
     load from other processes falls on all of them alike."""
     timer = Timer(CLOCKS[clock])
+    if backend != "torch_native":  # only torch_native has the choice
+        models = tuple(m for m in models if m.index_topk is None)
     tokens = batch_size * span(max(contexts), warmup + steps, page_size)
     runners = [build_runner(m, tokens, page_size, backend) for m in models]
     rows = []
@@ -193,9 +206,12 @@ def run(models: tuple[BenchModel, ...], contexts: list[int], batch_size: int, wa
                 fill_pool(runner, batch_size * span(context, warmup + steps, page_size), seed=context)
                 with timed(timer, runner.backend):
                     samples[model.label] += time_steps(runner, context, batch_size, warmup, steps, timer)
-        for model, (mc, _) in zip(models, runners):
+        for model, (mc, runner) in zip(models, runners):
             rows.append(summarize(model.label, context, samples[model.label], mc.kv_bytes_per_token(),
                                   design_bytes_per_token(mc, context, page_size)))
+            # which indexer top-k ran (torch_native chooses at the first sparse step; "" where none ran)
+            chosen = getattr(runner.backend, "index_topk_impl", None)
+            rows[-1]["index_topk"] = chosen or ""
     rows.sort(key=lambda r: [m.label for m in models].index(r["model"]))
     return with_ratios(rows, models[0].label, min(contexts))
 
@@ -236,12 +252,13 @@ def with_ratios(rows: list[dict], baseline: str, first_context: int) -> list[dic
 def table(rows: list[dict], baseline: str) -> str:
     out = [f"| model | context | step ms | step vs {baseline} | growth from {rows[0]['context']} | attention ms | "
            f"attention vs {baseline} | indexer share | state B/token (page layout) | vs {baseline} | "
-           f"served B/token (V4 bounded) | vs {baseline} |", "|---|" + "---:|" * 11]
+           f"served B/token (V4 bounded) | vs {baseline} | indexer top-k |", "|---|" + "---:|" * 11 + "---|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['context']} | {r['step_ms']:.2f} | {r['vs_baseline']:.2f}x | "
                    f"{r['growth']:.2f}x | {r['attention_ms']:.2f} | {r['attention_vs_baseline']:.2f}x | "
                    f"{r['indexer_share']:.0%} | {r['state_bytes_per_token']} | {r['bytes_vs_baseline']:.2f}x | "
-                   f"{r['design_bytes_per_token']:.0f} | {r['design_bytes_vs_baseline']:.3f}x |")
+                   f"{r['design_bytes_per_token']:.0f} | {r['design_bytes_vs_baseline']:.3f}x | "
+                   f"{r.get('index_topk', '')} |")
     return "\n".join(out)
 
 

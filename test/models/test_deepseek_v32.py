@@ -24,6 +24,7 @@ from fixtures.engine_checks import (
 )
 from fixtures.tiny_models import greedy_continuation, make_hf_model_and_dir
 from pdserve.config import ServerArgs
+from pdserve_kernels import index_topk_cpu
 
 ARCH = "DeepseekV32ForCausalLM"
 TOPK = 8
@@ -63,6 +64,9 @@ def test_batched_requests_of_mixed_lengths_match_transformers(tiny):
     prompts = [_prompt(n, seed=n) for n in (3, 20, 41)]
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, STEPS) for p in prompts]
+    # the indexer's top-k ran in the CPU kernel wherever it builds (else the torch twin), and says so
+    want = "cpu_kernel" if index_topk_cpu.load() is not None else "torch"
+    assert engine.get_server_info()["attention"] == {"attention_backend": "torch_native", "index_topk": want}
 
 
 def test_selection_matters_on_long_prompts(tiny, tmp_path):
