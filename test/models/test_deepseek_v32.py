@@ -69,6 +69,27 @@ def test_batched_requests_of_mixed_lengths_match_transformers(tiny):
     assert engine.get_server_info()["attention"] == {"attention_backend": "torch_native", "index_topk": want}
 
 
+def test_cpu_kernel_and_torch_twin_give_the_same_logprobs(tiny):
+    """The indexer's top-k through the CPU kernel (keys by slot from the pool) and through the torch
+    twin (staged keys): a batch decoding together, prompts below and several times index_topk, every
+    prompt and output logprob the same bits."""
+    hf, path = tiny
+    prompts = [_prompt(n, seed=n) for n in (3, 20, 41)]
+    runs = {}
+    for impl in (None, "torch"):  # None: the backend's own choice
+        engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16)
+        engine.scheduler.runner.backend.index_topk_impl = impl
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
+        runs[engine.get_server_info()["attention"]["index_topk"]] = [
+            (o["output_ids"], o["meta_info"]["input_token_logprobs"], o["meta_info"]["output_token_logprobs"])
+            for o in outs]
+        engine.shutdown()
+    if index_topk_cpu.load() is None:
+        pytest.skip("no C compiler: only the torch path ran")
+    assert runs["cpu_kernel"] == runs["torch"]
+    assert [r[0] for r in runs["torch"]] == [greedy_continuation(hf, p, STEPS) for p in prompts]
+
+
 def test_selection_matters_on_long_prompts(tiny, tmp_path):
     """With index_topk past every length (the indexer keeps all tokens) a long prompt's output
     changes, and a prompt shorter than index_topk does not: the top-k selection is what differs."""
