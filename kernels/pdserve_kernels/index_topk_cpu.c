@@ -24,6 +24,10 @@
 
 enum { OK = 0, NON_FINITE = 1, BAD_SLOT = 2, NO_MEMORY = 3, BAD_REQ = 4, BAD_VIS = 5 };
 
+#ifndef PREFETCH
+#define PREFETCH 16  /* keys ahead of the one scored */
+#endif
+
 typedef float v8f __attribute__((vector_size(32)));
 
 typedef struct {
@@ -132,6 +136,11 @@ static inline __attribute__((always_inline)) int select_block(const float *q, co
     for (int64_t j = 0; j < nmax; j++) {
         int64_t slot = slots[j];
         if (slot < 0 || slot >= N) return BAD_SLOT;
+        if (j + PREFETCH < nmax) {  /* pages lie anywhere in the pool: ask for a later key's lines now */
+            int64_t ahead = slots[j + PREFETCH];
+            if (ahead >= 0 && ahead < N)
+                for (int64_t d = 0; d < Di; d += 16) __builtin_prefetch(keys + ahead * Di + d);
+        }
         const float *key = keys + slot * Di;
         for (int64_t i = 0; i < nq; i++) {
             int64_t t = t0 + i;
