@@ -119,7 +119,7 @@ static inline float score(const float *q, const float *w, const float *k, int64_
     float s = (acc4[0] + acc4[1]) + (acc4[2] + acc4[3]);
     for (; h < Hi; h++) {
         float x = dot(q + h * Di, k, Di);
-        s += w[h] * (x > 0.0f ? x : 0.0f);
+        s += w[h] * (x > 0.0f || x != x ? x : 0.0f);  /* ReLU; a NaN stays one */
     }
     return s;
 }
@@ -128,9 +128,10 @@ static inline int is_finite(float x) { return x == x && x - x == 0.0f; }
 
 /* One block of query rows of the same request (t0 .. t0 + nq - 1), each seeing more than k tokens:
  * every key is read once for the whole block. */
-static inline __attribute__((always_inline)) int select_block(const float *q, const float *ws, const float *keys, int64_t N, const int64_t *slots,
-                        const int64_t *vis, int64_t t0, int64_t nq, int64_t Hi, int64_t Di, int64_t k,
-                        pick_t *heaps, int64_t *out) {
+static inline __attribute__((always_inline)) int select_block(const float *q, const float *ws, const float *keys,
+                                                              int64_t N, const int64_t *slots, const int64_t *vis,
+                                                              int64_t t0, int64_t nq, int64_t Hi, int64_t Di,
+                                                              int64_t k, pick_t *heaps, int64_t *out) {
     int64_t nmax = 0;
     for (int64_t i = 0; i < nq; i++) nmax = vis[t0 + i] > nmax ? vis[t0 + i] : nmax;
     for (int64_t j = 0; j < nmax; j++) {
@@ -174,8 +175,8 @@ static inline __attribute__((always_inline)) int select_block(const float *q, co
  * infinite: the caller runs the twin, whose rule for those it is), BAD_SLOT, BAD_REQ, BAD_VIS or
  * NO_MEMORY. max_block: query rows of one request scored together. */
 int pdserve_index_topk_f32(const float *q, const float *w, const float *keys, int64_t N, const int64_t *kv_slots,
-                           int64_t B, int64_t L, int64_t ld, const int64_t *req, const int64_t *vis, int64_t T, int64_t Hi, int64_t Di,
-                           double scale, int64_t k, int64_t max_block, int64_t *out) {
+                           int64_t B, int64_t L, int64_t ld, const int64_t *req, const int64_t *vis, int64_t T,
+                           int64_t Hi, int64_t Di, double scale, int64_t k, int64_t max_block, int64_t *out) {
     for (int64_t t = 0; t < T; t++) {
         if (req[t] < 0 || req[t] >= B) return BAD_REQ;
         if (vis[t] < 0 || vis[t] > L) return BAD_VIS;

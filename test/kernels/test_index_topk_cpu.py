@@ -118,6 +118,19 @@ def test_a_non_finite_score_runs_the_twin(built):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_a_nan_in_one_head_is_not_lost_to_the_relu(built):
+    """Five heads: the fifth takes the one-head loop. A NaN there must reach the score (torch's ReLU
+    keeps it) so the twin's rule for NaN runs: here, refusing the cut."""
+    pool, slots, q, w, seen = _case(6, 1, 6 * TOPK, 1, 4, hi=5)
+    q[0, 0, 4, 0] = float("nan")
+    with pytest.raises(K.KernelUnavailable):
+        _kernel(pool, slots, q, w, seen, 0.3, TOPK)
+    for select in (lambda: _twin(pool, slots, q, w, seen, 0.3, TOPK),
+                   lambda: select_top_tokens_paged(q, w, pool, slots, seen, 0.3, TOPK)):
+        with pytest.raises(RuntimeError, match="NaN in the scores"):
+            select()
+
+
 def _flat(seed: int = 1):
     pool, slots, q, w, seen = _case(seed, 2, 3 * TOPK, 1, 4)
     return dict(q=q[:, 0].contiguous(), weights=w[:, 0].contiguous(), index_k=pool, kv_slots=slots,
