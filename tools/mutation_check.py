@@ -1082,6 +1082,21 @@ MUTATIONS = (
         "        if False:\n",
         ("test/models/test_deepseek_v4.py::test_a_block_cached_whole_and_a_short_resume_from_its_tails",
          "test/models/test_deepseek_v4.py::test_a_step_shorter_than_the_tail_after_a_boundary_hit")),
+    Mutation(
+        "index_topk_cpu_tie_to_later_position", "the CPU indexer kernel lets a later score equal to its k-th "
+        "best replace it: ties at the cut go to the highest positions, not the twin's lowest",
+        "kernels/pdserve_kernels/index_topk_cpu.c",
+        "            } else if (s > h[0].s) {\n",
+        "            } else if (s >= h[0].s) {\n",
+        ("test/kernels/test_index_topk_cpu.py::test_picks_match_twin",
+         "test/kernels/test_index_topk_cpu.py::test_ties_at_the_cut_go_to_the_lowest_positions")),
+    Mutation(
+        "index_topk_cpu_scores_past_visible", "the CPU indexer kernel scores one token past what a query "
+        "sees (an extend's query picks its own successor)",
+        "kernels/pdserve_kernels/index_topk_cpu.c",
+        "            if (j >= vis[t]) continue;\n",
+        "            if (j > vis[t]) continue;\n",
+        ("test/kernels/test_index_topk_cpu.py::test_picks_match_twin",)),
 )
 
 
