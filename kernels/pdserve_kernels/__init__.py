@@ -12,4 +12,6 @@ residual add), ``rotary`` (in place), ``moe`` (token sort/permute + grouped expe
 (block-scaled W8A8 FP8 GEMM, per-token-group activation quantizer), ``fp8_moe`` (fused MoE
 over FP8 experts) and ``sparse_mla`` (DeepSeek-V3.2's indexer top-k over the paged index keys and
 sparse MLA over the picked latent rows); ``*_ref`` modules hold twins that import no triton.
+``index_topk_cpu`` is not Triton: the indexer's score + top-k in plain C (``index_topk_cpu.c``),
+compiled on first use and called through ctypes, which the torch_native backend runs on CPU.
 """
