@@ -56,14 +56,17 @@ def compiler() -> str:
 
 
 def _cpu_id() -> str:
-    """What -march=native compiles for: a library built on another CPU model may not run here."""
+    """What -march=native compiles for (the first CPU's model and instruction-set flags): a library
+    built on another CPU, or a VM that hides some extensions, may not run here."""
+    seen: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                return line
+            name = line.split(":", 1)[0].strip()
+            if name in ("model name", "flags", "Features", "CPU part") and name not in seen:
+                seen[name] = line
     except OSError:
         pass
-    return platform.processor()
+    return "\n".join(seen.values()) or platform.processor()
 
 
 def library_path(cc: str) -> Path:
