@@ -312,9 +312,10 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
     ``model_files``: the caller's (config.json is then not read again)."""
     args.disagg_config().check_servable()
     configure_logging(args.log_level, "frontend")
-    _limit_frontend_threads()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the frontend must not compete for cores
     model_files = model_files or args.model_files()
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_files.path)
+    _limit_torch_threads()
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -437,12 +438,12 @@ class _UvicornServer(uvicorn.Server):
         self.signals.on_signal()
 
 
-def _limit_frontend_threads() -> None:
-    """The scheduler process does the compute; the frontend must not compete for cores: the tokenizer
-    runs on the event loop's thread, and torch, where something already imported it into this process,
-    on one thread. A frontend that never imports torch has no torch threads (importing it here only to
-    limit them cost seconds of CPU a start)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+def _limit_torch_threads() -> None:
+    """The scheduler process does the compute; the frontend must not compete for cores. Where its start-up
+    imported torch (transformers' AutoTokenizer for a model type whose tokenizer class it overrides; the
+    device probe on a GPU host), torch runs on one thread. A frontend without torch has no torch threads
+    (importing it here only to limit them cost seconds of CPU a start); one imported later (an in-process
+    grammar compile's xgrammar) runs no torch op here, so its thread pool never starts."""
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
