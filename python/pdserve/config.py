@@ -236,6 +236,13 @@ def num_kv_heads_of(c: Any, attention: str) -> int:
     return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
 
 
+def routed_experts_of(c: Any) -> int:
+    """Routed experts of a model config ``c`` (0: a dense model), by any of the names checkpoints use
+    (config.json keeps the canonical one, which transformers' classes also answer to by an alias)."""
+    return getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or \
+        getattr(c, "num_local_experts", None) or 0
+
+
 def index_head_dim_of(c: Any, attention: str) -> int:
     """Width of DeepSeek-V3.2's index key (one more region of the latent's pages); 0 without one."""
     return int(getattr(c, "index_head_dim", 0) or 0) if attention == "mla" else 0
@@ -354,8 +361,17 @@ class ModelConfig:
         return _torch_dtype(self.dtype)
 
     @property
+    def attention(self) -> str:
+        return ARCHITECTURES[self.architecture].attention
+
+    @property
+    def config(self) -> Any:
+        """The fields the start-up checks read (``ModelFiles.config``'s twin, with transformers' defaults)."""
+        return self.hf_config
+
+    @property
     def is_mla(self) -> bool:
-        return ARCHITECTURES[self.architecture].attention == "mla"
+        return self.attention == "mla"
 
     @property
     def state_regions(self) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
@@ -391,7 +407,7 @@ class ModelConfig:
     @property
     def index_head_dim(self) -> int:
         """Width of DeepSeek-V3.2's index key (one more region of the latent's pages); 0 without one."""
-        return index_head_dim_of(self.hf_config, ARCHITECTURES[self.architecture].attention)
+        return index_head_dim_of(self.hf_config, self.attention)
 
     @property
     def num_layers(self) -> int:
@@ -404,7 +420,7 @@ class ModelConfig:
     @property
     def num_kv_heads(self) -> int:
         """KV heads in the pool: 1 latent "head" for MLA."""
-        return num_kv_heads_of(self.hf_config, ARCHITECTURES[self.architecture].attention)
+        return num_kv_heads_of(self.hf_config, self.attention)
 
     @property
     def head_dim(self) -> int:
@@ -735,8 +751,9 @@ class ParallelConfig:
         """Ranks one attention layer (and the KV pool's heads) is split over."""
         return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
 
-    def check_model(self, model: ModelFiles) -> None:
-        """Raise ValueError naming the field when this split cannot shard ``model``."""
+    def check_model(self, model: ModelFiles | ModelConfig) -> None:
+        """Raise ValueError naming the field when this split cannot shard ``model`` (start-up checks the
+        ModelFiles; a test, that a ModelConfig gets the same answer)."""
         c, arch = model.config, model.architecture
         if self.enable_dp_attention and model.attention == "gqa":  # V4 ("regions"): its own refusal
             raise ValueError(f"enable_dp_attention: only MLA (DeepSeek) models support DP attention; "
@@ -751,9 +768,9 @@ class ParallelConfig:
                              f"{self.attn_tp_size} must divide one another")
         self._check_mlp(model)
 
-    def _check_mlp(self, model: ModelFiles) -> None:
+    def _check_mlp(self, model: ModelFiles | ModelConfig) -> None:
         c = model.config
-        experts = getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or 0
+        experts = routed_experts_of(c)
         if self.ep_size > 1 and not experts:
             raise ValueError(f"ep_size: {model.architecture} has no routed experts to split")
         if experts % self.ep_size:
