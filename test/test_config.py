@@ -280,3 +280,23 @@ def test_the_frontends_model_files_agree_with_the_model_config(preset):
         assert on_files == on_model, (split, on_files, on_model)
         outcomes.add(on_files)
     assert None in outcomes and len(outcomes) > 1  # the grid has splits each way
+
+
+def _probe(device_files: tuple[str, ...]) -> tuple[bool, bool]:
+    """(cuda_available(), whether it imported torch) in a fresh process seeing ``device_files`` as the GPU's."""
+    code = ("import sys, pdserve.config as c\n"
+            f"c.GPU_DEVICE_FILES = {device_files!r}\n"
+            "print(c.cuda_available(), 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    available, imported = proc.stdout.split()
+    return available == "True", imported == "True"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the device-file short cut is Linux's")
+def test_the_cuda_probe_imports_torch_only_where_a_gpu_driver_is():
+    """Without a GPU driver's device files no CUDA device can be seen: the answer (and the HTTP frontend's
+    default --device) needs no torch. With one, torch is asked."""
+    import torch
+
+    assert _probe(("/no/such/device",)) == (False, False)
+    assert _probe(("/dev/null",)) == (torch.cuda.is_available(), True)
