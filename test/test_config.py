@@ -9,7 +9,16 @@ import sys
 
 import pytest
 
-from pdserve.config import CompileConfig, ServerArgs, default_num_threads, usable_cores
+from pdserve.assets import PRESET_NAMES
+from pdserve.config import (
+    CompileConfig,
+    ModelConfig,
+    ModelFiles,
+    ParallelConfig,
+    ServerArgs,
+    default_num_threads,
+    usable_cores,
+)
 
 
 def test_usable_cores_follow_the_affinity_mask():
@@ -238,3 +247,56 @@ def test_kv_cache_dtype_flag_reaches_the_cache_config():
 
     ns = build_parser().parse_args(["serve", "--model-path", "tiny-llama", "--kv-cache-dtype", "fp8_e4m3"])
     assert server_args_from_namespace(ns).cache_config().kv_cache_dtype == "fp8_e4m3"
+
+
+
+SPLITS = [dict(tp_size=tp, ep_size=ep, dp_size=dp, enable_dp_attention=dpa)
+          for tp in (1, 2, 3, 4, 8) for ep in {1, tp} for dp, dpa in ((1, False), (2, True)) if not dpa or tp % 2 == 0]
+
+
+def _refusal(parallel: ParallelConfig, model) -> str | None:
+    """What ``parallel.check_model`` refuses ``model`` with, None when it accepts."""
+    try:
+        parallel.check_model(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESET_NAMES if p != "tiny-llama-eagle"])  # a draft, not served
+def test_the_frontends_model_files_agree_with_the_model_config(preset):
+    """The start-up checks read config.json as json (ModelFiles: the HTTP frontend imports no transformers
+    config class); the engine reads transformers' config, with its defaults and aliases. Over every split,
+    the parallel checks accept and refuse alike on both, and the other checks' fields agree."""
+    model, files = ModelConfig.from_path(preset), ModelFiles.read(preset)
+    assert model.files == files and (files.path, files.architecture) == (model.path, model.architecture)
+    assert (files.num_kv_heads, files.index_head_dim, files.quantization) == \
+        (model.num_kv_heads, model.index_head_dim, model.quantization)
+    assert getattr(files.config, "o_groups", None) == getattr(model.hf_config, "o_groups", None)
+    outcomes = set()
+    for split in SPLITS:
+        parallel = ParallelConfig(**split)
+        on_files, on_model = _refusal(parallel, files), _refusal(parallel, model)
+        assert on_files == on_model, (split, on_files, on_model)
+        outcomes.add(on_files)
+    assert None in outcomes and len(outcomes) > 1  # the grid has splits each way
+
+
+def _probe(device_files: tuple[str, ...]) -> tuple[bool, bool]:
+    """(cuda_available(), whether it imported torch) in a fresh process seeing ``device_files`` as the GPU's."""
+    code = ("import sys, pdserve.config as c\n"
+            f"c.GPU_DEVICE_FILES = {device_files!r}\n"
+            "print(c.cuda_available(), 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    available, imported = proc.stdout.split()
+    return available == "True", imported == "True"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the device-file short cut is Linux's")
+def test_the_cuda_probe_imports_torch_only_where_a_gpu_driver_is():
+    """Without a GPU driver's device files no CUDA device can be seen: the answer (and the HTTP frontend's
+    default --device) needs no torch. With one, torch is asked."""
+    import torch
+
+    assert _probe(("/no/such/device",)) == (False, False)
+    assert _probe(("/dev/null",)) == (torch.cuda.is_available(), True)

@@ -1097,6 +1097,29 @@ MUTATIONS = (
         "            if (j >= vis[t]) continue;\n",
         "            if (j > vis[t]) continue;\n",
         ("test/kernels/test_index_topk_cpu.py::test_picks_match_twin",)),
+    # a frontend without torch (the serve start-up's CPU)
+    Mutation(
+        "frontend_builds_model_config", "serve's frontend builds the transformers-backed ModelConfig again "
+        "(its config classes import torch)",
+        "python/pdserve/entrypoints/cli.py",
+        "    model_files = args.model_files()\n",
+        "    model_files = args.model_config().files\n",
+        ("test/entrypoints/test_frontend_imports.py::test_the_frontend_of_a_served_model_imports_no_torch",)),
+    Mutation(
+        "cuda_probe_always_imports_torch", "the default --device probe imports torch on a host without a GPU driver",
+        "python/pdserve/config.py",
+        '    if sys.platform == "linux" and not any(os.path.exists(f) for f in GPU_DEVICE_FILES):\n',
+        '    if False:\n',
+        ("test/test_config.py::test_the_cuda_probe_imports_torch_only_where_a_gpu_driver_is",
+         "test/entrypoints/test_frontend_imports.py::test_the_frontend_of_a_served_model_imports_no_torch")),
+    Mutation(
+        "model_files_miss_an_expert_alias", "the start-up checks read Qwen3-MoE's experts (num_local_experts in its "
+        "config.json) as none, so --ep-size is refused on it",
+        "python/pdserve/config.py",
+        '    return getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or \\\n'
+        '        getattr(c, "num_local_experts", None) or 0\n',
+        '    return getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or 0\n',
+        ("test/test_config.py::test_the_frontends_model_files_agree_with_the_model_config[tiny-qwen3-moe]",)),
 )
 
 

@@ -11,9 +11,11 @@ import hashlib
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar, TypeVar
 
 from pdserve.assets import PRESET_NAMES, preset_dir
@@ -221,6 +223,90 @@ class Fp8BlockConfig:
         return cls(block_out, block_in, expert_dtype)
 
 
+def _check_quantization(quant: Fp8BlockConfig | None, architecture: str) -> None:
+    if quant is not None and quant.expert_dtype == "fp4" and architecture != "DeepseekV4ForCausalLM":
+        raise ValueError(f"quantization_config.expert_dtype: 'fp4' experts load for DeepSeek-V4 only, "
+                         f"not {architecture}")
+
+
+def num_kv_heads_of(c: Any, attention: str) -> int:
+    """KV heads in the pool of a model config ``c`` (1 latent "head" for MLA)."""
+    if attention == "mla":
+        return 1
+    return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+
+def routed_experts_of(c: Any) -> int:
+    """Routed experts of a model config ``c`` (0: a dense model), by any of the names checkpoints use
+    (config.json keeps the canonical one, which transformers' classes also answer to by an alias)."""
+    return getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or \
+        getattr(c, "num_local_experts", None) or 0
+
+
+def index_head_dim_of(c: Any, attention: str) -> int:
+    """Width of DeepSeek-V3.2's index key (one more region of the latent's pages); 0 without one."""
+    return int(getattr(c, "index_head_dim", 0) or 0) if attention == "mla" else 0
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model directory as its config.json says, read with ``json`` alone: no transformers config
+    class (they import torch, seconds of CPU a process). What the HTTP frontend knows of the model,
+    and what every start-up check of the model reads (``ServerArgs.model_files``), so a refusal comes
+    before any process imports torch. ``config``: config.json's fields as attributes, as checkpoints
+    save them (no transformers defaults); ``ModelConfig`` is built from this and keeps it."""
+
+    path: str
+    raw: dict = field(repr=False)
+    architecture: str
+    load_format: str = "auto"
+    is_preset: bool = False
+
+    def __post_init__(self):
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        supported_architecture(self.architecture)
+        _check_quantization(self.quantization, self.architecture)  # refuses an unsupported one, naming its field
+
+    @classmethod
+    def read(cls, model_path: str, load_format: str = "auto") -> ModelFiles:
+        """Resolve ``model_path`` (a directory or a preset) and read its config.json; ValueError naming
+        the field when it cannot be served (no such directory, an unsupported architecture, no weights)."""
+        directory, is_preset = resolve_model_path(model_path)
+        raw = json.loads((directory / "config.json").read_text())
+        arch = supported_architecture(architecture_of(raw, directory))
+        if is_preset and load_format == "auto":
+            load_format = "dummy"
+        if load_format != "dummy" and not has_weight_files(directory):
+            raise ValueError(f"model_path: {directory} has no model.safetensors or model.safetensors.index.json "
+                             f"(only safetensors weights are supported; pass --load-format dummy for random weights)")
+        return cls(str(directory), raw, arch.name, load_format, is_preset)
+
+    @property
+    def config(self) -> SimpleNamespace:
+        return SimpleNamespace(**self.raw)
+
+    @property
+    def model_type(self) -> str:
+        return self.raw.get("model_type") or ARCHITECTURES[self.architecture].model_type
+
+    @property
+    def attention(self) -> str:
+        """"gqa", "mla" or "regions" (``Architecture.attention``)."""
+        return ARCHITECTURES[self.architecture].attention
+
+    @property
+    def quantization(self) -> Fp8BlockConfig | None:
+        return Fp8BlockConfig.from_hf(self.raw.get("quantization_config"))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return num_kv_heads_of(self.config, self.attention)
+
+    @property
+    def index_head_dim(self) -> int:
+        return index_head_dim_of(self.config, self.attention)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know about a model; ``hf_config`` is the transformers config."""
@@ -233,6 +319,7 @@ class ModelConfig:
     context_length_override: int | None = None
     # EOS ids from config.json and generation_config.json (chat models list several there)
     eos_token_ids: tuple[int, ...] = ()
+    files: ModelFiles | None = field(default=None, repr=False, compare=False)  # what from_path read
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -240,10 +327,7 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         supported_architecture(self.architecture)
-        quant = self.quantization  # refuses an unsupported quantization_config here, naming its field
-        if quant is not None and quant.expert_dtype == "fp4" and self.architecture != "DeepseekV4ForCausalLM":
-            raise ValueError(f"quantization_config.expert_dtype: 'fp4' experts load for DeepSeek-V4 only, "
-                             f"not {self.architecture}")
+        _check_quantization(self.quantization, self.architecture)  # refuses an unsupported one, naming its field
 
     @property
     def quantization(self) -> Fp8BlockConfig | None:
@@ -254,25 +338,18 @@ class ModelConfig:
     def from_path(cls, model_path: str, dtype: str = "float32", load_format: str = "auto",
                   context_length: int | None = None) -> ModelConfig:
         """Read the model directory's config.json (once: build this once per process and pass it on)."""
-        from transformers import CONFIG_MAPPING
+        files = ModelFiles.read(model_path, load_format)
+        from transformers import CONFIG_MAPPING  # imports torch (ModelFiles is what needs none)
 
-        directory, is_preset = resolve_model_path(model_path)
-        raw = json.loads((directory / "config.json").read_text())
-        arch = supported_architecture(architecture_of(raw, directory))
-        if is_preset and load_format == "auto":
-            load_format = "dummy"
-        if load_format != "dummy" and not has_weight_files(directory):
-            raise ValueError(f"model_path: {directory} has no model.safetensors or model.safetensors.index.json "
-                             f"(only safetensors weights are supported; pass --load-format dummy for random weights)")
-        model_type = raw.get("model_type") or arch.model_type
-        if model_type not in CONFIG_MAPPING:
-            raise ValueError(f"model_type: {model_type!r} in {directory / 'config.json'} is unknown to transformers")
+        if files.model_type not in CONFIG_MAPPING:
+            raise ValueError(f"model_type: {files.model_type!r} in {Path(files.path) / 'config.json'} is unknown "
+                             f"to transformers")
         # What AutoConfig.from_pretrained does, from the dict already read.
-        hf_config = CONFIG_MAPPING[model_type].from_dict(raw)
-        hf_config.architectures = [arch.name]
-        hf_config.name_or_path = str(directory)
-        return cls(str(directory), hf_config, dtype, load_format, is_preset, context_length,
-                   _read_eos_ids(directory, hf_config))
+        hf_config = CONFIG_MAPPING[files.model_type].from_dict(files.raw)
+        hf_config.architectures = [files.architecture]
+        hf_config.name_or_path = files.path
+        return cls(files.path, hf_config, dtype, files.load_format, files.is_preset, context_length,
+                   _read_eos_ids(Path(files.path), hf_config), files)
 
     @property
     def architecture(self) -> str:
@@ -284,8 +361,17 @@ class ModelConfig:
         return _torch_dtype(self.dtype)
 
     @property
+    def attention(self) -> str:
+        return ARCHITECTURES[self.architecture].attention
+
+    @property
+    def config(self) -> Any:
+        """The fields the start-up checks read (``ModelFiles.config``'s twin, with transformers' defaults)."""
+        return self.hf_config
+
+    @property
     def is_mla(self) -> bool:
-        return ARCHITECTURES[self.architecture].attention == "mla"
+        return self.attention == "mla"
 
     @property
     def state_regions(self) -> tuple[tuple[str, tuple[int, ...], int, int], ...]:
@@ -321,7 +407,7 @@ class ModelConfig:
     @property
     def index_head_dim(self) -> int:
         """Width of DeepSeek-V3.2's index key (one more region of the latent's pages); 0 without one."""
-        return int(getattr(self.hf_config, "index_head_dim", 0) or 0) if self.is_mla else 0
+        return index_head_dim_of(self.hf_config, self.attention)
 
     @property
     def num_layers(self) -> int:
@@ -334,9 +420,7 @@ class ModelConfig:
     @property
     def num_kv_heads(self) -> int:
         """KV heads in the pool: 1 latent "head" for MLA."""
-        if self.is_mla:
-            return 1
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        return num_kv_heads_of(self.hf_config, self.attention)
 
     @property
     def head_dim(self) -> int:
@@ -667,10 +751,11 @@ class ParallelConfig:
         """Ranks one attention layer (and the KV pool's heads) is split over."""
         return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
 
-    def check_model(self, model: ModelConfig) -> None:
-        """Raise ValueError naming the field when this split cannot shard ``model``."""
-        c, arch = model.hf_config, model.architecture
-        if self.enable_dp_attention and not model.is_mla and not model.state_regions:  # V4: its own refusal
+    def check_model(self, model: ModelFiles | ModelConfig) -> None:
+        """Raise ValueError naming the field when this split cannot shard ``model`` (start-up checks the
+        ModelFiles; a test, that a ModelConfig gets the same answer)."""
+        c, arch = model.config, model.architecture
+        if self.enable_dp_attention and model.attention == "gqa":  # V4 ("regions"): its own refusal
             raise ValueError(f"enable_dp_attention: only MLA (DeepSeek) models support DP attention; "
                              f"{arch} uses GQA")
         heads = c.num_attention_heads
@@ -678,14 +763,14 @@ class ParallelConfig:
             raise ValueError(f"tp_size: num_attention_heads ({heads}) is not divisible by the attention TP "
                              f"size {self.attn_tp_size}")
         kv = model.num_kv_heads
-        if not model.is_mla and kv % self.attn_tp_size and self.attn_tp_size % kv:
+        if model.attention != "mla" and kv % self.attn_tp_size and self.attn_tp_size % kv:
             raise ValueError(f"tp_size: num_key_value_heads ({kv}) and the attention TP size "
                              f"{self.attn_tp_size} must divide one another")
         self._check_mlp(model)
 
-    def _check_mlp(self, model: ModelConfig) -> None:
-        c = model.hf_config
-        experts = getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or 0
+    def _check_mlp(self, model: ModelFiles | ModelConfig) -> None:
+        c = model.config
+        experts = routed_experts_of(c)
         if self.ep_size > 1 and not experts:
             raise ValueError(f"ep_size: {model.architecture} has no routed experts to split")
         if experts % self.ep_size:
@@ -783,8 +868,17 @@ class SpeculativeConfig:
         return 1 if self.enabled else 0
 
 
+# Device files a GPU driver creates (NVIDIA's, WSL2's GPU paravirtualization, ROCm's, which torch.cuda also
+# drives): without any of them no CUDA device can be seen, so the answer needs no torch.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
 def cuda_available() -> bool:
-    """Whether torch sees a CUDA device (imports torch: call only where a device is chosen)."""
+    """Whether torch sees a CUDA device. On a Linux host without a GPU driver's device files it answers
+    False without importing torch (seconds of CPU: the HTTP frontend imports none); elsewhere it asks torch
+    (call it only where a device is chosen)."""
+    if sys.platform == "linux" and not any(os.path.exists(f) for f in GPU_DEVICE_FILES):
+        return False
     import torch
 
     return torch.cuda.is_available()
@@ -1205,14 +1299,26 @@ class ServerArgs:
         when the parallel split cannot shard this model (naming the field)."""
         model = ModelConfig.from_path(self.model_path, self.device_config().dtype, self.load_format,
                                       self.context_length)
+        assert model.files is not None  # from_path keeps what it read
+        self._check_model(model.files)
+        return model
+
+    def model_files(self) -> ModelFiles:
+        """``model_config`` without transformers and torch (the HTTP frontend's): config.json read with
+        json, and every refusal of this model checked, naming the field; the model's own checks that need
+        transformers (its model_type known there) run where ``model_config`` is built."""
+        files = ModelFiles.read(self.model_path, self.load_format)
+        self._check_model(files)
+        return files
+
+    def _check_model(self, model: ModelFiles) -> None:
         self.parallel_config().check_model(model)
         if model.index_head_dim:
             self._check_sparse_index(model)
-        if model.state_regions:
+        if model.attention == "regions":
             self._check_deepseek_v4(model)
-        return model
 
-    def _check_deepseek_v4(self, model: ModelConfig) -> None:
+    def _check_deepseek_v4(self, model: ModelFiles) -> None:
         """DeepSeek-V4 runs in one attention group (TP and EP, no DP), eagerly on torch, with a full-precision
         pool for now (docs/models.md); everything else is refused here, naming it. P/D and the tiers move its
         state regions as they move any pool's pages (disagg/layout.py's regions layout, mem/host_pool.py);
@@ -1230,8 +1336,8 @@ class ServerArgs:
                                                               f"split it; its replicated state has no DP split)"),
             "dp_size": (self.dp_size > 1, f"{self.dp_size}: {v4} runs one attention group for now (dp_size 1; "
                                           f"tp_size and ep_size split it)"),
-            "tp_size": (model.hf_config.o_groups % self.parallel_config().attn_tp_size != 0,
-                        f"{self.tp_size}: {v4}'s o_groups ({model.hf_config.o_groups}) must be divisible by it "
+            "tp_size": (model.config.o_groups % self.parallel_config().attn_tp_size != 0,
+                        f"{self.tp_size}: {v4}'s o_groups ({model.config.o_groups}) must be divisible by it "
                         f"(each rank projects whole output groups of its heads)"),
             "kv_cache_dtype": (self.kv_cache_dtype != "auto",
                                f"{self.kv_cache_dtype}: {v4}'s state stays in the model dtype (no FP8 regions yet)"),
@@ -1247,7 +1353,7 @@ class ServerArgs:
             raise ValueError(f"quantization_config.expert_dtype: {quant.expert_dtype!r}: {v4} checkpoints load with "
                              f"FP4 experts (expert_dtype 'fp4', as shipped) only")
 
-    def _check_sparse_index(self, model: ModelConfig) -> None:
+    def _check_sparse_index(self, model: ModelFiles) -> None:
         """DeepSeek-V3.2 (MLA + DSA) runs over torch_native or triton for now (docs/models.md); everything else is
         refused here, naming it. P/D, the tiers and TP/DP/EP carry its index keys as one more region of
         the latent's pages; so does NEXTN's draft layer (one more layer of both regions)."""

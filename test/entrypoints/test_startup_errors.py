@@ -62,3 +62,19 @@ def test_a_server_with_the_in_memory_transfer_backend_is_refused():
     assert "Traceback" not in proc.stderr
     [line] = _error_lines(proc)
     assert "disaggregation_transfer_backend: 'memory' moves KV only between schedulers in one process" in line
+
+
+def test_a_model_type_transformers_does_not_know_is_refused_in_one_line(tmp_path):
+    """Only transformers knows its model types, and the frontend imports none of it (it imports
+    torch): the scheduler process refuses, and the frontend prints its line and exits. (No tokenizer
+    files: transformers' AutoTokenizer would warn of the unknown type first, in a line of its own.)"""
+    path = Path(make_tiny_hf_model("LlamaForCausalLM", tmp_path / "m"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink()
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "no_such_type"}))
+    proc = _serve(str(path))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    [line] = _error_lines(proc)
+    assert "model_type: 'no_such_type'" in line and "is unknown to transformers" in line

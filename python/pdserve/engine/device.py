@@ -1,17 +1,16 @@
-"""Whether this host can run a DeviceConfig: the one place start-up refuses a device, an attention
-backend or its packages, with a line naming the flag. Also what this CPU offers the layers
-(``CpuFeatures``) and the CPU GEMM policy chosen from it (``cpu_pack_policy``)."""
+"""What this CPU offers the layers (``CpuFeatures``) and the CPU GEMM policy chosen from it
+(``cpu_pack_policy``). Whether this host can run a DeviceConfig at all: ``require_device``
+(engine/device_check.py, which imports no torch for a CPU server; named here too)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pdserve.config import DeviceConfig
+from pdserve.engine.device_check import require_device as require_device
 from pdserve.layers.cpu_gemm import PACK_ALWAYS, PackPolicy
 
 # Where packed oneDNN GEMMs beat F.linear on decode shapes (benchmark/bench_cpu_ops.py, one thread,
@@ -61,29 +60,3 @@ def cpu_pack_policy(cfg: DeviceConfig, features: CpuFeatures) -> PackPolicy | No
     if cfg.dtype == "bfloat16" and features.native_bf16:
         return PACK_BFLOAT16
     return None
-
-
-def require_device(cfg: DeviceConfig) -> None:
-    """Raise ValueError naming the field when ``cfg`` cannot run on this host."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: 'cuda' was asked for but torch {torch.__version__} sees no CUDA device "
-                         "(use --device cpu)")
-    if cfg.attention_backend == "triton":
-        _require_triton(cfg)
-    if cfg.device == "cpu" and cfg.cpu_gemm == "packed" and not CpuFeatures.detect().onednn:
-        raise ValueError("cpu_gemm: 'packed' needs torch's oneDNN (mkldnn) ops, which this torch build lacks "
-                         "(use --cpu-gemm auto or plain)")
-    if cfg.attention_backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-        raise ValueError("attention_backend: 'flashinfer' needs the flashinfer-python package, which is not "
-                         "installed (pip install flashinfer-python, or --attention-backend triton)")
-
-
-def _require_triton(cfg: DeviceConfig) -> None:
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("attention_backend: 'triton' needs the triton package, which is not installed "
-                         "(pip install triton, or --attention-backend torch_native)")
-    # Triton compiles for GPUs only; on CPU its kernels run in the (slow) interpreter, which
-    # must be switched on before triton is first imported.
-    if cfg.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("attention_backend: 'triton' on --device cpu runs only under the Triton interpreter "
-                         "(set TRITON_INTERPRET=1; slow, meant for tests), else use torch_native")

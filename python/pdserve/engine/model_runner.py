@@ -249,7 +249,7 @@ def build_model_runner(args: ServerArgs, model_config: ModelConfig, parallel: Pa
     backend, dtype (already in ``model_config``), torch.compile and CUDA graphs. ``device``
     overrides the configured one with a specific GPU (``cuda:3`` for a rank); ``runner_cls`` and
     ``kwargs``: a subclass and its extra arguments (the multi-rank RankModelRunner)."""
-    from pdserve.engine.device import require_device
+    from pdserve.engine.device_check import require_device
 
     dev = args.device_config()
     require_device(dev)

@@ -312,20 +312,22 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
 
 
 def _checked_args(ns: argparse.Namespace):
-    """(ServerArgs, ModelConfig): the model path and architecture are resolved now, not after
-    forking, and the model config read here is the frontend's one read of config.json."""
-    from pdserve.layers.moe.dispatch import require_backend  # imports torch: only for serve
+    """(ServerArgs, ModelFiles): the model path and architecture are resolved and every refusal
+    checked now, not after forking, and the model read here is the frontend's one read of
+    config.json. Imports no torch for a CPU server (the frontend's start-up: seconds of CPU)."""
+    from pdserve.engine.device_check import require_device
 
     kwargs = {k: v for k, v in vars(ns).items() if k in _FIELDS}
     kwargs["api_key"] = _api_key(kwargs.get("api_key"))
     args = ServerArgs(**kwargs)
     args.disagg_config().check_servable()
-    model_config = args.model_config()
-    require_backend(args.moe_a2a_backend)  # and whether the EP backend can run on this host
-    from pdserve.engine.device import require_device
+    model_files = args.model_files()
+    if args.moe_a2a_backend != "none":  # whether the EP backend can run on this host ("none" needs nothing)
+        from pdserve.layers.moe.dispatch import require_backend  # imports torch
 
+        require_backend(args.moe_a2a_backend)
     require_device(args.device_config())  # --device / --attention-backend on this host
-    return args, model_config
+    return args, model_files
 
 
 def _api_key(flag: str | None) -> str | None:
@@ -461,7 +463,7 @@ def router_args_from_namespace(ns: argparse.Namespace) -> RouterArgs:
 # -------------------------------------------------------------- commands
 def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        args, model_config = _checked_args(ns)
+        args, model_files = _checked_args(ns)
     except (ValueError, TypeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     refusal = unauthenticated_refusal(args.host, args.api_key, args.allow_no_api_key, "the server")
@@ -473,7 +475,7 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return launch_ranks_only(args)
     from pdserve.entrypoints.http_server import launch_server
 
-    return launch_server(args, model_config=model_config)
+    return launch_server(args, model_files=model_files)
 
 
 def cmd_router(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

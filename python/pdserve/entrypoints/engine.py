@@ -48,7 +48,7 @@ class Engine:
         tok_path = self.args.tokenizer_path or model_config.path
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(tok_path)
         self.token_texts = TokenTexts(self.tokenizer)  # one memo for the engine's life (TokenizerManager's)
-        from pdserve.engine.device import require_device
+        from pdserve.engine.device_check import require_device
 
         require_device(self.args.device_config())  # before any rank starts: one clear line
         if self.args.parallel_config().world_size > 1:

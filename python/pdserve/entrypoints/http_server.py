@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from pdserve import __version__
-from pdserve.config import ModelConfig, ServerArgs
+from pdserve.config import ModelFiles, ServerArgs
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import native_api, openai_api
@@ -83,7 +84,7 @@ class ServerContext:
     """What the routes need; built once per server."""
 
     args: ServerArgs
-    model_config: ModelConfig
+    model: ModelFiles  # config.json as json (no transformers config: the frontend imports no torch)
     tm: TokenizerManager
     metrics: ServerMetrics
     roles: RoleSwitcher | None = None  # P/D servers: POST /pd_role_switch
@@ -294,10 +295,10 @@ async def _server_info(ctx: ServerContext) -> dict:
 
 
 def _model_info(ctx: ServerContext) -> dict:
-    mc = ctx.model_config
-    return {"model_path": ctx.args.model_path, "tokenizer_path": ctx.args.tokenizer_path or mc.path,
-            "served_model_name": ctx.model_name, "is_generation": True, "architecture": mc.architecture,
-            "context_length": ctx.tm.request_limits.context_len, "vocab_size": mc.vocab_size}
+    limits = ctx.tm.request_limits  # what the scheduler's ModelConfig says (its ready message)
+    return {"model_path": ctx.args.model_path, "tokenizer_path": ctx.args.tokenizer_path or ctx.model.path,
+            "served_model_name": ctx.model_name, "is_generation": True, "architecture": ctx.model.architecture,
+            "context_length": limits.context_len, "vocab_size": limits.vocab_size}
 
 
 def _role_changed(ctx: ServerContext, exc: RequestError) -> JSONResponse:
@@ -306,14 +307,15 @@ def _role_changed(ctx: ServerContext, exc: RequestError) -> JSONResponse:
 
 # --------------------------------------------------------------- launch
 def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
-                  model_config: ModelConfig | None = None) -> int:
+                  model_files: ModelFiles | None = None) -> int:
     """Run a server until a signal (-> 0) or a failure (-> 1). Raises ValueError for bad args.
-    ``model_config``: the caller's (config.json is then not read again)."""
+    ``model_files``: the caller's (config.json is then not read again)."""
     args.disagg_config().check_servable()
     configure_logging(args.log_level, "frontend")
-    _limit_frontend_threads()
-    model_config = model_config or args.model_config()
-    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the frontend must not compete for cores
+    model_files = model_files or args.model_files()
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_files.path)
+    _limit_torch_threads()
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -334,7 +336,7 @@ def launch_server(args: ServerArgs, startup_timeout: float = STARTUP_TIMEOUT_S,
     if args.disaggregation_mode != "null":
         roles = RoleSwitcher(args, tm, metrics, lambda: _open_registry(args).stop,
                              bootstrap.stop if bootstrap is not None else None)
-    ctx = ServerContext(args, model_config, tm, metrics, roles)
+    ctx = ServerContext(args, model_files, tm, metrics, roles)
     try:
         return run_event_loop(_serve(ctx, sock, startup_timeout))
     finally:
@@ -436,9 +438,12 @@ class _UvicornServer(uvicorn.Server):
         self.signals.on_signal()
 
 
-def _limit_frontend_threads() -> None:
-    """The scheduler process does the compute; the frontend must not compete for cores."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-
-    torch.set_num_threads(1)
+def _limit_torch_threads() -> None:
+    """The scheduler process does the compute; the frontend must not compete for cores. Where its start-up
+    imported torch (transformers' AutoTokenizer for a model type whose tokenizer class it overrides; the
+    device probe on a GPU host), torch runs on one thread. A frontend without torch has no torch threads
+    (importing it here only to limit them cost seconds of CPU a start); one imported later (an in-process
+    grammar compile's xgrammar) runs no torch op here, so its thread pool never starts."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
