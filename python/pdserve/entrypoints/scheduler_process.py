@@ -101,7 +101,7 @@ def build_server_scheduler(args: ServerArgs):
     mode = roles.mode(roles.role) if roles is not None else SchedulerMode()
     scheduler = Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode,
                           grammar=args.grammar_config())
-    scheduler.thread_layout = layout
+    scheduler.use_threads(layout, not args.disable_thread_tuning)
     attach_kv_events(args, scheduler)
     return scheduler, roles
 
