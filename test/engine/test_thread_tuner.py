@@ -35,7 +35,8 @@ def test_switches_to_the_faster_count_and_mostly_runs_there():
     counts = _run(tuner, 400, {1: 1.0e-3, 2: 0.6e-3})
     b = _bucket(tuner)
     assert b.current == 2 and b.switches == 1
-    assert counts[:4] == [1] * 4 and counts[4:8] == [2] * 4  # the first probe follows the first window
+    # the first probe follows the first window, and the decision the window after it
+    assert counts[:12] == [1] * 4 + [2] * 4 + [1] * 4 and counts[12:20] == [2] * 8
     assert counts.count(1) < 0.1 * len(counts)  # later probes of 1 are a small share
     assert b.last == pytest.approx({1: 1.0e-3, 2: 0.6e-3})
 
@@ -49,6 +50,20 @@ def test_stays_put_on_noise_and_probes_less_often():
     # probes back off: at a fixed interval there would be ~2000/20 of them
     assert b.probes < 2000 / (SETTINGS.probe_every * SETTINGS.max_backoff) + 5
     assert counts.count(2) == b.probes * SETTINGS.probe_steps
+
+
+def test_a_burst_of_load_before_a_probe_does_not_switch():
+    """Load from elsewhere slows the steps just before a probe: the window after it shows the
+    current count as fast as the probed one, so it stays."""
+    tuner = ThreadTuner((1, 2), SETTINGS)
+    seq = []
+    for step in range(40):
+        c = tuner.count_for(32)
+        burst = 3.0 if step < SETTINGS.probe_steps else 1.0
+        tuner.observe(32, c, 1.0e-3 * 32 * (burst if c == 1 else 1.0))
+        seq.append(c)
+    assert seq[:8] == [1] * 4 + [2] * 4  # it probed after the slow window
+    assert _bucket(tuner).current == 1 and _bucket(tuner).switches == 0 and _bucket(tuner).probes == 1
 
 
 def test_a_count_slightly_faster_than_the_margin_does_not_win():
@@ -67,7 +82,7 @@ def test_returns_when_the_other_gets_slower():
     b = _bucket(tuner)
     assert b.current == 1 and b.switches == 2
     assert counts[:12].count(1) >= 4  # the slowdown probed at once, not after the backed-off interval
-    back = counts.index(1) + SETTINGS.probe_steps  # the step it switched back at
+    back = counts.index(1) + 2 * SETTINGS.probe_steps  # the step it switched back at (probe, window after)
     runs_of_two = [len(run) for run in "".join(map(str, counts[back:])).split("1") if run]
     assert runs_of_two and max(runs_of_two) <= SETTINGS.probe_steps  # two threads again only to probe
     # and once the load has gone, two threads win again

@@ -5,13 +5,14 @@ start-up cannot know: on a quiet 2-core machine the second core sits idle beside
 forward, while on a loaded one a two-thread OpenMP team collapses (a descheduled thread stalls
 every barrier, up to 3x the CPU time). So the forward runs mostly at the count that has measured
 fastest and, now and then, probes the other one for a few steps; it switches when the other is
-clearly faster (``TunerSettings.margin``: noise does not flap it).
+clearly faster (``TunerSettings.margin``) than the current count both just before the probe and
+just after it, so that a burst of load from elsewhere during either window does not flap it.
 
 Steps are compared per token, and only steps of like size: each power-of-two bucket of tokens in
 the step (a decode of 32 requests, a 2,048-token prefill chunk) keeps its own choice, because a
 big prefill may gain from a second thread where a one-request decode only pays the barriers. A
-probe is compared with the steps run just before it, so slow drift (longer contexts, a changing
-load) hits both alike. A probe that loses waits twice as long before the next one (up to
+probe is compared with the steps run around it, so slow drift (longer contexts, a changing load)
+hits both alike. A probe that loses waits twice as long before the next one (up to
 ``max_backoff``), so a machine where the other count never wins pays for probing rarely; a step
 time that grows well past what the last decision saw (``drift``) probes at once.
 
@@ -61,13 +62,17 @@ class TunerSettings:
 @dataclass
 class _Bucket:
     """One step size's choice. ``times[c]``: the latest per-token seconds at count ``c``; ``probing``:
-    probe steps still to run; ``until_probe``: steps at ``current`` before the next probe; ``ref``:
-    the current count's per-token time when it was last chosen or kept."""
+    probe steps still to run; ``after``: steps at ``current`` still to run after a probe before the
+    decision (``before``: the current count's median just before the probe); ``until_probe``: steps
+    at ``current`` before the next probe; ``ref``: the current count's per-token time when it was
+    last chosen or kept."""
 
     current: int
     until_probe: int
     times: dict[int, deque[float]]
     probing: int = 0
+    after: int = 0
+    before: float = 0.0
     backoff: int = 1
     ref: float = 0.0
     switches: int = 0
@@ -107,8 +112,14 @@ class ThreadTuner:
         if count != b.current:
             if b.probing:
                 b.probing -= 1
-                if not b.probing:
-                    self._decide(b)
+                if not b.probing:  # the current count's window after the probe starts afresh
+                    b.times[b.current].clear()
+                    b.after = self.settings.probe_steps
+            return
+        if b.after:
+            b.after -= 1
+            if not b.after:
+                self._decide(b)
             return
         b.until_probe -= 1
         if len(b.times[count]) >= self.settings.probe_steps and (b.until_probe <= 0 or self._drifted(b)):
@@ -126,14 +137,17 @@ class ThreadTuner:
         return b.ref > 0 and statistics.median(b.times[b.current]) > b.ref * (1 + self.settings.drift)
 
     def _start_probe(self, b: _Bucket) -> None:
+        b.before = statistics.median(b.times[b.current])
         b.times[self.other(b.current)].clear()  # only this probe's steps count
         b.probing = self.settings.probe_steps
         b.probes += 1
 
     def _decide(self, b: _Bucket) -> None:
-        """End of a probe: switch if the other count ran clearly faster than the steps just before."""
+        """A probe and the window after it have run: switch if the other count ran clearly faster
+        than the current one did both before and after it."""
         other = self.other(b.current)
-        mine, theirs = statistics.median(b.times[b.current]), statistics.median(b.times[other])
+        mine = min(b.before, statistics.median(b.times[b.current]))
+        theirs = statistics.median(b.times[other])
         b.last = {b.current: mine, other: theirs}
         if theirs < mine * (1 - self.settings.margin):
             b.current, b.ref, b.backoff = other, theirs, 1
