@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.config import ThreadLayout
-from pdserve.engine.thread_tuner import ForwardThreads, ThreadTuner, TunerSettings, forward_threads
+from pdserve.engine.thread_tuner import ForwardThreads, ThreadTuner, TunerSettings, forward_threads, tuned_process_env
 
 SETTINGS = TunerSettings(probe_steps=4, probe_every=16, margin=0.1, max_backoff=8, drift=0.25)
 
@@ -145,7 +145,9 @@ def test_tuned_between_the_layouts_count_and_every_core():
 def test_pinned_when_the_operator_or_the_machine_decides(layout, tune, device, why):
     threads = forward_threads(layout, tune, device)
     assert threads.tuner is None and threads.pinned == layout.torch_threads
-    assert threads.to_dict() == {"enabled": False, "threads": layout.torch_threads, "reason": why}
+    shown = threads.to_dict()
+    assert {k: shown[k] for k in ("enabled", "threads", "reason")} == \
+        {"enabled": False, "threads": layout.torch_threads, "reason": why}
     with threads.step(8) as count:
         assert count == layout.torch_threads
 
@@ -173,3 +175,17 @@ def test_exactly_one_of_pinned_and_tuner():
         ForwardThreads()
     with pytest.raises(ValueError):
         ForwardThreads(pinned=1, tuner=ThreadTuner((1, 2)))
+
+
+def test_a_tuned_process_starts_with_passive_openmp_waits_unless_the_operator_chose():
+    assert tuned_process_env(True, {}) == {"OMP_WAIT_POLICY": "passive"}
+    assert tuned_process_env(False, {}) == {}
+    assert tuned_process_env(True, {"OMP_WAIT_POLICY": "active"}) == {}
+    assert tuned_process_env(True, {"GOMP_SPINCOUNT": "10000"}) == {}
+
+
+def test_shows_the_processs_openmp_wait_policy(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert ForwardThreads(pinned=1).to_dict()["omp_wait_policy"] == "passive"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert ForwardThreads(pinned=1).to_dict()["omp_wait_policy"] == ""

@@ -33,7 +33,8 @@ def _engine(**kw) -> pdserve.Engine:
 def test_pinned_by_the_operator(unpinned):
     with _engine(num_threads=1) as engine:
         tuning = engine.get_server_info()["thread_tuning"]
-        assert tuning == {"enabled": False, "threads": 1, "reason": "--num-threads sets the torch threads"}
+        assert (tuning["enabled"], tuning["threads"], tuning["reason"]) == \
+            (False, 1, "--num-threads sets the torch threads")
 
 
 @pytest.mark.skipif(pdserve.config.usable_cores() < 2, reason="one core leaves no thread count to choose")

@@ -13,7 +13,7 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(model=MODEL, env={"OMP_NUM_THREADS": None})
+    s = Server(model=MODEL, env={"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None})
     try:
         yield s.start()
     finally:
@@ -35,4 +35,5 @@ def test_server_info_shows_the_thread_tuner(server):
     assert decode["probes"] >= 1 and decode["threads"] in tuning["counts"]
     assert set(decode["ms_per_token"]) <= {str(c) for c in tuning["counts"]}
     assert tuning["reason"].startswith("chosen per step")
+    assert tuning["omp_wait_policy"] == "passive"  # its OpenMP threads sleep between regions (thread_tuner.py)
 

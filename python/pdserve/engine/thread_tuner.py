@@ -22,6 +22,7 @@ time that grows well past what the last decision saw (``drift``) probes at once.
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -214,7 +215,7 @@ class ForwardThreads:
         with self._lock:
             state = {"enabled": False, "threads": self.pinned} if self.tuner is None else \
                 {"enabled": True, **self.tuner.to_dict()}
-        return {**state, "reason": self.reason}
+        return {**state, "reason": self.reason, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}
 
 
 def forward_threads(layout: ThreadLayout, tune: bool, device_type: str) -> ForwardThreads:
@@ -231,3 +232,21 @@ def forward_threads(layout: ThreadLayout, tune: bool, device_type: str) -> Forwa
     return ForwardThreads(tuner=ThreadTuner((layout.torch_threads, other)),
                           reason=f"chosen per step from measured step times: {layout.torch_threads} (the layout's) "
                                  f"or {other}")
+
+
+def tuned_process_env(tune: bool, environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """What a compute process whose forward may change its thread count per step (``tune``) is
+    started with: OpenMP threads that sleep as soon as a parallel region ends (OMP_WAIT_POLICY=passive),
+    unless the operator chose a wait policy (or GOMP_SPINCOUNT).
+
+    Why: GNU OpenMP's threads spin after each region, for long when the process's OpenMP threads fit
+    the cores. With the second core also running the HTTP frontend, the scheduler thread and other
+    processes, a spinning team member uses up its time slice and is then descheduled at the next
+    barrier: measured on the shared 2-core machine, a two-thread decode step of tiny-llama took 0.2-1 s
+    against 9-10 ms with passive waiting (one thread: 20-35 ms), so the tuner's probes of two threads
+    were all lost. A one-thread forward has no team, so passive waiting cannot slow it. Read before
+    torch loads OpenMP: the caller sets it in a child's environment.
+    """
+    if not tune or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return {}
+    return {"OMP_WAIT_POLICY": "passive"}
