@@ -66,6 +66,16 @@ def test_a_burst_of_load_before_a_probe_does_not_switch():
     assert _bucket(tuner).current == 1 and _bucket(tuner).switches == 0 and _bucket(tuner).probes == 1
 
 
+def test_a_collapsing_probe_gives_up_after_one_step():
+    """Two threads ten times slower (an OpenMP team on a loaded machine): each probe costs one step."""
+    tuner = ThreadTuner((1, 2), SETTINGS)
+    counts = _run(tuner, 1000, {1: 1.0e-3, 2: 10.0e-3})
+    b = _bucket(tuner)
+    assert b.current == 1 and b.switches == 0 and b.probes >= 3
+    assert counts.count(2) == b.probes
+    assert b.last == pytest.approx({1: 1.0e-3, 2: 10.0e-3})
+
+
 def test_a_count_slightly_faster_than_the_margin_does_not_win():
     tuner = ThreadTuner((1, 2), SETTINGS)
     _run(tuner, 500, {1: 1.0e-3, 2: 0.95e-3})
@@ -81,7 +91,8 @@ def test_returns_when_the_other_gets_slower():
     counts = _run(tuner, 60, {1: 1.0e-3, 2: 3.0e-3})
     b = _bucket(tuner)
     assert b.current == 1 and b.switches == 2
-    assert counts[:12].count(1) >= 4  # the slowdown probed at once, not after the backed-off interval
+    # the slowdown probed within probe_every steps, not after the backed-off interval (8 x 16)
+    assert counts.index(1) <= SETTINGS.probe_every + SETTINGS.probe_steps
     back = counts.index(1) + 2 * SETTINGS.probe_steps  # the step it switched back at (probe, window after)
     runs_of_two = [len(run) for run in "".join(map(str, counts[back:])).split("1") if run]
     assert runs_of_two and max(runs_of_two) <= SETTINGS.probe_steps  # two threads again only to probe
@@ -111,7 +122,7 @@ def test_bucket_of_groups_powers_of_two():
 
 
 @pytest.mark.parametrize("field,value", [("probe_steps", 0), ("probe_every", 0), ("max_backoff", 0),
-                                         ("margin", 1.0), ("margin", -0.1), ("drift", 0.0)])
+                                         ("margin", 1.0), ("margin", -0.1), ("drift", 0.0), ("give_up", 1.0)])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         TunerSettings(**{field: value})

@@ -14,7 +14,9 @@ big prefill may gain from a second thread where a one-request decode only pays t
 probe is compared with the steps run around it, so slow drift (longer contexts, a changing load)
 hits both alike. A probe that loses waits twice as long before the next one (up to
 ``max_backoff``), so a machine where the other count never wins pays for probing rarely; a step
-time that grows well past what the last decision saw (``drift``) probes at once.
+time that grows well past what the last decision saw (``drift``) probes as soon as ``probe_every``
+steps have passed. A probe step far slower than the current count (``give_up``: a collapsing
+OpenMP team on a loaded machine can be 10x slower) ends the probe at once, as lost.
 
 ``ThreadTuner`` is the policy alone (no torch, no clock: tests feed it step times);
 ``ForwardThreads`` applies it on the thread that runs a forward.
@@ -42,13 +44,15 @@ class TunerSettings:
     is compared with); ``probe_every``: steps at the current count between probes; ``margin``: how
     much faster per token the other count must be to switch; ``max_backoff``: the most a losing
     probe multiplies ``probe_every`` by; ``drift``: how much slower the current count may grow
-    since the last decision before a probe runs early."""
+    since the last decision before a probe runs early; ``give_up``: a probe step this many times
+    slower per token than the current count ends its probe, lost."""
 
     probe_steps: int = 4
     probe_every: int = 64
     margin: float = 0.1
     max_backoff: int = 8
     drift: float = 0.25
+    give_up: float = 2.0
 
     def __post_init__(self):
         for name in ("probe_steps", "probe_every", "max_backoff"):
@@ -58,20 +62,23 @@ class TunerSettings:
             raise ValueError(f"margin: must be in [0, 1), got {self.margin}")
         if self.drift <= 0:
             raise ValueError(f"drift: must be positive, got {self.drift}")
+        if self.give_up <= 1:
+            raise ValueError(f"give_up: must be above 1, got {self.give_up}")
 
 
 @dataclass
 class _Bucket:
     """One step size's choice. ``times[c]``: the latest per-token seconds at count ``c``; ``probing``:
     probe steps still to run; ``after``: steps at ``current`` still to run after a probe before the
-    decision (``before``: the current count's median just before the probe); ``until_probe``: steps
-    at ``current`` before the next probe; ``ref``: the current count's per-token time when it was
-    last chosen or kept."""
+    decision (``before``: the current count's median just before the probe); ``since``: steps at
+    ``current`` since the last decision, ``interval``: how many of them the next probe waits for;
+    ``ref``: the current count's per-token time when it was last chosen or kept."""
 
     current: int
-    until_probe: int
+    interval: int
     times: dict[int, deque[float]]
     probing: int = 0
+    since: int = 0
     after: int = 0
     before: float = 0.0
     backoff: int = 1
@@ -111,7 +118,10 @@ class ThreadTuner:
         b = self._bucket(tokens)
         b.times[count].append(seconds / max(1, tokens))
         if count != b.current:
-            if b.probing:
+            if b.probing and seconds / max(1, tokens) > self.settings.give_up * b.before:
+                b.probing = 0
+                self._decide(b, lost=True)
+            elif b.probing:
                 b.probing -= 1
                 if not b.probing:  # the current count's window after the probe starts afresh
                     b.times[b.current].clear()
@@ -122,8 +132,9 @@ class ThreadTuner:
             if not b.after:
                 self._decide(b)
             return
-        b.until_probe -= 1
-        if len(b.times[count]) >= self.settings.probe_steps and (b.until_probe <= 0 or self._drifted(b)):
+        b.since += 1
+        due = b.since >= b.interval or (b.since >= self.settings.probe_every and self._drifted(b))
+        if len(b.times[count]) >= self.settings.probe_steps and due:
             self._start_probe(b)
 
     def _bucket(self, tokens: int) -> _Bucket:
@@ -143,21 +154,21 @@ class ThreadTuner:
         b.probing = self.settings.probe_steps
         b.probes += 1
 
-    def _decide(self, b: _Bucket) -> None:
-        """A probe and the window after it have run: switch if the other count ran clearly faster
-        than the current one did both before and after it."""
+    def _decide(self, b: _Bucket, lost: bool = False) -> None:
+        """A probe and the window after it have run (or the probe gave up, ``lost``): switch if the
+        other count ran clearly faster than the current one did both before and after it."""
         other = self.other(b.current)
-        mine = min(b.before, statistics.median(b.times[b.current]))
+        mine = b.before if lost else min(b.before, statistics.median(b.times[b.current]))
         theirs = statistics.median(b.times[other])
         b.last = {b.current: mine, other: theirs}
-        if theirs < mine * (1 - self.settings.margin):
+        if not lost and theirs < mine * (1 - self.settings.margin):
             b.current, b.ref, b.backoff = other, theirs, 1
             b.switches += 1
             b.times[other].clear()  # the new current's window fills afresh
         else:
             b.ref = mine
             b.backoff = min(2 * b.backoff, self.settings.max_backoff)
-        b.until_probe = self.settings.probe_every * b.backoff
+        b.since, b.interval = 0, self.settings.probe_every * b.backoff
 
     def to_dict(self) -> dict:
         """What ``/get_server_info`` shows: per step-size bucket (its smallest token count), the count
