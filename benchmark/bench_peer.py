@@ -200,6 +200,7 @@ class Worker:
                                       "--batch", str(batch), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log, text=True, env={**os.environ, **env}, start_new_session=True)
         self.name = engine
+        self.info: dict = {}
         self.startup_s = self._read()["startup_s"]
 
     def _read(self) -> dict:
@@ -214,6 +215,7 @@ class Worker:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         reply = self._read()
+        self.info = {k: v for k, v in reply.items() if k not in ("outputs", "wall_s")}  # the engine's own figures
         return reply["outputs"], reply["wall_s"], tree_cpu_seconds(self.proc.pid) - cpu0
 
     def close(self) -> None:

@@ -1189,6 +1189,7 @@ class ServerArgs:
     num_threads: int | None = None
     cpu_gemm: str = "auto"  # DeviceConfig.cpu_gemm
     disable_overlap_schedule: bool = False  # decode forwards on the scheduler thread (engine/overlap.py)
+    disable_thread_tuning: bool = False  # the forward's threads stay the layout's (engine/thread_tuner.py)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     stream_interval: int = 1  # stream a request's text every N tokens (first and last always)

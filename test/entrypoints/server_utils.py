@@ -113,11 +113,13 @@ IDLE_ZERO = ("num_waiting_for_kv", "num_pending_kv", "quarantined_pages", "quara
 class Server:
     """A ``python -m pdserve serve`` subprocess; ``url`` once ``start()`` returns."""
 
-    def __init__(self, *flags: str, model: str = PRESET, api_key: str | None = None, env: dict | None = None):
+    def __init__(self, *flags: str, model: str = PRESET, api_key: str | None = None,
+                 env: dict[str, str | None] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.env = None if env is None else {**os.environ, **env}  # None: inherit ours
+        # None: inherit ours; a variable given as None is unset
+        self.env = None if env is None else {k: v for k, v in {**os.environ, **env}.items() if v is not None}
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-test-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "pdserve", "serve", "--model-path", model, "--port", str(self.port),
                "--log-level", "warning", *flags]

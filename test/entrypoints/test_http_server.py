@@ -586,6 +586,9 @@ def test_server_info_shows_the_thread_layout_and_the_handoff_profile(server):
     env = os.environ.get("OMP_NUM_THREADS", "")
     want = int(env) if env.isdigit() and int(env) > 0 else max(1, layout["cores"] - 2)
     assert layout["torch_threads"] == want and layout["source"] == ("OMP_NUM_THREADS" if env.isdigit() else "cores")
+    tuning = info["thread_tuning"]  # the session's OMP_NUM_THREADS pins the count, as an operator's would
+    assert tuning["enabled"] is (not env.isdigit()) and (tuning["enabled"] or tuning["threads"] == want), tuning
+    assert tuning["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "passive" if tuning["enabled"] else "")
     stages = info["handoff"]
     assert set(stages) == {"emit", "socket", "route", "wake", "detokenize", "write"}
     for name in ("emit", "socket", "route", "wake", "detokenize", "write"):

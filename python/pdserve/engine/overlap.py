@@ -19,7 +19,6 @@ Legend: B requests, V vocabulary.
 from __future__ import annotations
 
 import sys
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.request import Req, SamplingParams
     from pdserve.engine.sampler import SampleFn, SampleResult
+    from pdserve.engine.thread_tuner import ForwardThreads
     from pdserve.layers.forward_batch import ForwardBatch
 
 
@@ -68,13 +68,15 @@ class ForwardWorker:
     input token is row ``prev_rows[b]`` of the previous job's sampled tokens.
     """
 
-    def __init__(self, runner: ModelRunner, sampler: SampleFn):
+    def __init__(self, runner: ModelRunner, sampler: SampleFn, threads: ForwardThreads):
         self.runner = runner
         self.sampler = sampler
+        # the forward's torch threads: set on this worker's own thread (a new thread's OpenMP team
+        # would start at the default), chosen per step when tuned; the scheduler may replace it
+        # before the first job
+        self.threads = threads
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-forward")
         self._last_tokens = torch.zeros(0, dtype=torch.int64)  # [B_prev] the previous job's tokens
-        self._threads = torch.get_num_threads()  # a new thread's OpenMP team may start at the default
-        self._thread_ready = threading.Event()
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))  # process-wide, as threads are
 
     def submit(self, fb: ForwardBatch, prev_rows: list[int], params: list[SamplingParams], generators: list,
@@ -83,15 +85,13 @@ class ForwardWorker:
 
     def _run(self, fb: ForwardBatch, prev_rows: list[int], params: list[SamplingParams], generators: list,
              outputs: list[list[int]], want_logprobs: bool, top_ks: list[int] | None) -> SampleResult:
-        if not self._thread_ready.is_set():
-            torch.set_num_threads(self._threads)
-            self._thread_ready.set()
         rows = [b for b, p in enumerate(prev_rows) if p >= 0]
         if rows:  # the placeholders: tokens the previous job sampled
             fb.input_ids[torch.tensor(rows)] = self._last_tokens[torch.tensor([prev_rows[b] for b in rows])].to(
                 fb.input_ids.device)
-        logits = self.runner.run(fb)  # [B, V]
-        res = self.sampler(logits, params, generators, outputs, want_logprobs, top_ks)
+        with self.threads.step(len(params)):  # sampling reads the logits back: the forward has run
+            logits = self.runner.run(fb)  # [B, V]
+            res = self.sampler(logits, params, generators, outputs, want_logprobs, top_ks)
         self._last_tokens = torch.tensor(res.tokens, dtype=torch.int64)  # [B]
         return res
 

@@ -39,6 +39,7 @@ from pdserve.engine.request import (
 from pdserve.engine.sampler import SampleFn, Sampler, SampleResult
 from pdserve.engine.speculative import DecodeStep, SpecStats, make_decode_step
 from pdserve.engine.stop import StopStringMatcher
+from pdserve.engine.thread_tuner import ForwardThreads, forward_threads
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.cache_manager import KVCacheManager
@@ -123,11 +124,21 @@ class Scheduler:
         # input) nor several ranks (their collectives and shared sampling stay on this thread).
         self.overlap = (not config.disable_overlap_schedule and type(self.decode_step) is DecodeStep
                         and parallel.is_single)
-        self._worker = ForwardWorker(self.runner, self.sampler) if self.overlap else None
+        # The forward's torch threads: the caller's count until ``use_threads`` (engine/thread_tuner.py)
+        self.threads = ForwardThreads(pinned=torch.get_num_threads(), reason="the caller's torch threads")
+        self._worker = ForwardWorker(self.runner, self.sampler, self.threads) if self.overlap else None
         self._inflight: LaunchedDecode | None = None  # the decode step the worker is running
         self.thread_layout: ThreadLayout | None = None  # set by whoever chose the threads (stats show it)
         self.mode = mode or SchedulerMode()
         self.mode.attach(self)
+
+    def use_threads(self, layout: ThreadLayout, tune: bool = True) -> None:
+        """Run forwards in the threads ``layout`` chose, tuned per step unless ``tune`` is off
+        (``forward_threads`` says when it stays pinned). Before the first step."""
+        self.thread_layout = layout
+        self.threads = forward_threads(layout, tune, self.runner.device.type)
+        if self._worker is not None:
+            self._worker.threads = self.threads
 
     def attach_kv_events(self, publisher: KVEventPublisher) -> None:
         """Publish the KV cache's events: one batch per step (and per flush), sent off this thread."""
@@ -423,7 +434,8 @@ class Scheduler:
         batch = ScheduledBatch(ForwardMode.EXTEND, ids, pos, loc, [r.kv_len for r in reqs], lens,
                                [r.table_row for r in reqs], prompt_logit_index=plan.index)
         t0 = time.perf_counter()
-        logits = self.runner.forward(batch, self.kv_manager.req_to_token)
+        with self.threads.step(len(ids)):
+            logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         plan.record(reqs, logits[len(reqs):])
         logits = logits[:len(reqs)]
@@ -468,7 +480,8 @@ class Scheduler:
                                [1] * len(reqs), rows, tuple(r.engine_uid for r in reqs))
         # the grammars' masks fill on their thread while the forward runs
         mask = self.grammar.start_mask(reqs) if self.grammar.live else None
-        logits = self.runner.forward(batch, self.kv_manager.req_to_token)
+        with self.threads.step(len(reqs)):
+            logits = self.runner.forward(batch, self.kv_manager.req_to_token)
         self.forward_steps += 1
         self.new_token_ratio.decay()
         for r in reqs:
@@ -746,6 +759,7 @@ class Scheduler:
             **self._kv_pool_info(),
             "overlap_schedule": self.overlap,
             **({"thread_layout": self.thread_layout.to_dict()} if self.thread_layout is not None else {}),
+            "thread_tuning": self.threads.to_dict(),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
             **({"kv_hash_key_check": key_check(self.kv_manager.hash_key)} if self.kv_events is not None else {}),
             **self.kv_manager.stats(),

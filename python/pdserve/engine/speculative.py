@@ -302,7 +302,8 @@ class SpeculativeDecode(DecodeStep):
                                [r.table_row for r in reqs])
         # grammar rows: each row's mask after its prefix of the draft, filled while the target runs
         mask = s.grammar.start_verify_mask(reqs, drafts) if s.grammar.live else None
-        logits, hidden = s.runner.forward_all_rows(batch, s.kv_manager.req_to_token)  # [T, V], [T, H]
+        with s.threads.step(len(ids)):
+            logits, hidden = s.runner.forward_all_rows(batch, s.kv_manager.req_to_token)  # [T, V], [T, H]
         if mask is not None:
             s.grammar.apply(logits, reqs, mask)
         s.forward_steps += 1

@@ -184,9 +184,13 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
     _flag(g, "--random-seed", "seed for weights of dummy models and for sampling", type=int)
     _flag(g, "--num-threads", "torch threads of the scheduler process (default: OMP_NUM_THREADS, else all "
-          "cores but one for the HTTP frontend and one for the overlapped scheduler thread; at least 1)", type=int)
+          "cores but one for the HTTP frontend and one for the overlapped scheduler thread; at least 1); given, it "
+          "also pins the count the thread tuner would choose per step", type=int)
     _flag(g, "--disable-overlap-schedule", "run decode forwards on the scheduler thread instead of one step ahead "
           "on a worker thread (docs/overlap.md)", action="store_true")
+    _flag(g, "--disable-thread-tuning", "keep the forward's torch threads at the start-up layout's count instead "
+          "of choosing per step from measured step times between it and all cores (docs/overlap.md)",
+          action="store_true")
     _flag(g, "--cpu-gemm", "CPU linears: auto (oneDNN-packed weights where they pay), packed (always), plain "
           "(F.linear)", choices=CPU_GEMMS)
     _flag(g, "--enable-torch-compile", "compile decode forwards with torch.compile (inductor), per batch-size "

@@ -64,7 +64,7 @@ class Engine:
             runner = build_model_runner(self.args, model_config)
             self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner,
                                        grammar=self.args.grammar_config())
-            self.scheduler.thread_layout = layout
+            self.scheduler.use_threads(layout, not self.args.disable_thread_tuning)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API

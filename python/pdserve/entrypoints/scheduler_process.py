@@ -20,6 +20,7 @@ the frontend. The loop's own contract is in ``engine/scheduler_loop.py``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -33,6 +34,7 @@ from pdserve.config import ServerArgs, default_num_threads
 from pdserve.engine.io_struct import SchedulerFailed, SchedulerReady
 from pdserve.engine.node_sockets import connect_socket, node_keys
 from pdserve.engine.scheduler_loop import SchedulerEndpoints, SchedulerLoop, send_message
+from pdserve.engine.thread_tuner import tuned_process_env
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ def build_server_scheduler(args: ServerArgs):
     mode = roles.mode(roles.role) if roles is not None else SchedulerMode()
     scheduler = Scheduler(model_config, cache_config, config, tokenizer, runner=runner, mode=mode,
                           grammar=args.grammar_config())
-    scheduler.thread_layout = layout
+    scheduler.use_threads(layout, not args.disable_thread_tuning)
     attach_kv_events(args, scheduler)
     return scheduler, roles
 
@@ -140,6 +142,21 @@ def _configure_child_logging(level: str) -> None:
 
 
 # ------------------------------------------------------------- parent side
+@contextlib.contextmanager
+def _child_env(env: dict[str, str]):
+    """``env`` in the environment a process spawned inside inherits, and this one's restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class SchedulerProcess:
     """Parent-side handle of one scheduler process (spawned: torch and fork do not mix)."""
 
@@ -152,7 +169,10 @@ class SchedulerProcess:
         ctx = mp.get_context("spawn")
         self.process = ctx.Process(target=run_scheduler_process, name="pdserve-scheduler",
                                    args=(self.args, self.endpoints, os.getpid()), daemon=True)
-        self.process.start()
+        layout = self.args.thread_layout()  # the child's, as it will choose it
+        tune = not self.args.disable_thread_tuning and layout.source == "cores" and layout.cores > 1
+        with _child_env(tuned_process_env(tune, os.environ)):
+            self.process.start()
 
     @property
     def pid(self) -> int | None:
