@@ -71,8 +71,9 @@ class Router:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        out = self.output()  # before stop(), which removes the log
         self.stop()
-        raise RuntimeError(f"router not listening after {timeout} s:\n{self.output()}")
+        raise RuntimeError(f"router not listening after {timeout} s:\n{out}")
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), headers=kw.pop("headers", self.headers), **kw)
