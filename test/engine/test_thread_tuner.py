@@ -113,7 +113,24 @@ def test_step_sizes_choose_apart():
     shown = tuner.to_dict()
     assert shown["counts"] == [1, 2]
     assert shown["buckets"]["1"]["threads"] == 1 and shown["buckets"]["2048"]["threads"] == 2
-    assert shown["buckets"]["2048"]["switches"] == 1 and set(shown["buckets"]["2048"]["ms_per_token"]) == {"1", "2"}
+    # a wide step starts at the larger count (test below): it stays there, its probes of one thread lost
+    assert shown["buckets"]["2048"]["switches"] == 0 and shown["buckets"]["2048"]["probes"] >= 2
+    assert set(shown["buckets"]["2048"]["ms_per_token"]) == {"1", "2"}
+
+
+@pytest.mark.parametrize("faster", [1, 2])
+def test_a_wide_step_starts_on_every_core_and_is_decided_within_three_steps(faster):
+    """Prefill chunks (``wide_tokens`` and more) are few: the first runs at the larger count, the
+    second probes the other, the third is the window after it, and the fourth runs at the winner
+    (one thread when two collapse on a loaded machine, two on a quiet one)."""
+    tuner = ThreadTuner((1, 2), SETTINGS)
+    slow = {1: 2.0e-4, 2: 1.0e-4} if faster == 2 else {1: 1.0e-4, 2: 2.0e-4}
+    counts = _run(tuner, 12, slow, tokens=SETTINGS.wide_tokens)
+    assert counts[:3] == [2, 1, 2] and counts[3:] == [faster] * 9
+    b = _bucket(tuner, SETTINGS.wide_tokens)
+    assert b.current == faster and b.switches == (faster == 1) and b.probes == 1
+    # one token fewer is not wide: it starts at the layout's count with four-step windows
+    assert _run(tuner, 4, slow, tokens=SETTINGS.wide_tokens - 1) == [1] * 4
 
 
 def test_bucket_of_groups_powers_of_two():
@@ -121,7 +138,7 @@ def test_bucket_of_groups_powers_of_two():
     assert ThreadTuner.bucket_of(0) == 0
 
 
-@pytest.mark.parametrize("field,value", [("probe_steps", 0), ("probe_every", 0), ("max_backoff", 0),
+@pytest.mark.parametrize("field,value", [("probe_steps", 0), ("probe_every", 0), ("max_backoff", 0), ("wide_tokens", 0),
                                          ("margin", 1.0), ("margin", -0.1), ("drift", 0.0), ("give_up", 1.0)])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -18,6 +18,13 @@ time that grows well past what the last decision saw (``drift``) probes as soon 
 steps have passed. A probe step far slower than the current count (``give_up``: a collapsing
 OpenMP team on a loaded machine can be 10x slower) ends the probe at once, as lost.
 
+Wide steps (``wide_tokens`` and more: prefill chunks) are few and long, and GEMM-bound: they start at
+the larger count and compare one step at a time, so a burst of prompts is decided within its first
+three chunks (online on a quiet 2-core machine, a short run of 64 prompts saw ~5 prefill chunks per
+step size, and a four-step window never decided them while two threads cut TTFT by a third). On a
+loaded machine the first wide step may collapse; the probe of the smaller count right after it
+takes the bucket back.
+
 ``ThreadTuner`` is the policy alone (no torch, no clock: tests feed it step times);
 ``ForwardThreads`` applies it on the thread that runs a forward.
 """
@@ -45,7 +52,8 @@ class TunerSettings:
     much faster per token the other count must be to switch; ``max_backoff``: the most a losing
     probe multiplies ``probe_every`` by; ``drift``: how much slower the current count may grow
     since the last decision before a probe runs early; ``give_up``: a probe step this many times
-    slower per token than the current count ends its probe, lost."""
+    slower per token than the current count ends its probe, lost; ``wide_tokens``: steps of at
+    least this many tokens start at the larger count, with windows of one step."""
 
     probe_steps: int = 4
     probe_every: int = 64
@@ -53,9 +61,10 @@ class TunerSettings:
     max_backoff: int = 8
     drift: float = 0.25
     give_up: float = 2.0
+    wide_tokens: int = 256
 
     def __post_init__(self):
-        for name in ("probe_steps", "probe_every", "max_backoff"):
+        for name in ("probe_steps", "probe_every", "max_backoff", "wide_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.margin < 1:
@@ -72,10 +81,12 @@ class _Bucket:
     probe steps still to run; ``after``: steps at ``current`` still to run after a probe before the
     decision (``before``: the current count's median just before the probe); ``since``: steps at
     ``current`` since the last decision, ``interval``: how many of them the next probe waits for;
-    ``ref``: the current count's per-token time when it was last chosen or kept."""
+    ``ref``: the current count's per-token time when it was last chosen or kept; ``window``: steps
+    in a probe and in each window compared with it."""
 
     current: int
     interval: int
+    window: int
     times: dict[int, deque[float]]
     probing: int = 0
     since: int = 0
@@ -125,7 +136,7 @@ class ThreadTuner:
                 b.probing -= 1
                 if not b.probing:  # the current count's window after the probe starts afresh
                     b.times[b.current].clear()
-                    b.after = self.settings.probe_steps
+                    b.after = b.window
             return
         if b.after:
             b.after -= 1
@@ -134,15 +145,17 @@ class ThreadTuner:
             return
         b.since += 1
         due = b.since >= b.interval or (b.since >= self.settings.probe_every and self._drifted(b))
-        if len(b.times[count]) >= self.settings.probe_steps and due:
+        if len(b.times[count]) >= b.window and due:
             self._start_probe(b)
 
     def _bucket(self, tokens: int) -> _Bucket:
         k = self.bucket_of(tokens)
         if k not in self.buckets:
-            n = self.settings.probe_steps
+            wide = (1 << k) >= self.settings.wide_tokens
+            n = 1 if wide else self.settings.probe_steps
+            start = max(self.counts) if wide else self.counts[0]
             # the first probe comes as soon as the start count has a window to compare with
-            self.buckets[k] = _Bucket(self.counts[0], n, {c: deque(maxlen=n) for c in self.counts})
+            self.buckets[k] = _Bucket(start, n, n, {c: deque(maxlen=n) for c in self.counts})
         return self.buckets[k]
 
     def _drifted(self, b: _Bucket) -> bool:
@@ -151,7 +164,7 @@ class ThreadTuner:
     def _start_probe(self, b: _Bucket) -> None:
         b.before = statistics.median(b.times[b.current])
         b.times[self.other(b.current)].clear()  # only this probe's steps count
-        b.probing = self.settings.probe_steps
+        b.probing = b.window
         b.probes += 1
 
     def _decide(self, b: _Bucket, lost: bool = False) -> None:
