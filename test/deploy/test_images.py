@@ -72,7 +72,7 @@ def test_cuda_image_installs_the_gpu_stack():
 def test_cpu_image_installs_cpu_torch_and_the_cpu_extra():
     runs = " ".join(a for i, a in instructions("Dockerfile.cpu") if i == "RUN")
     assert arg_defaults("Dockerfile.cpu")["TORCH_VERSION"] == "2.13.0"
-    for needed in ('"torch==${TORCH_VERSION}"', '".[cpu]"', "libibverbs1", "libnuma1", "libcurl4"):
+    for needed in ('"torch==${TORCH_VERSION}"', '".[cpu]"', "libibverbs1", "libnuma1", "libcurl4", "gcc"):
         assert needed in runs, needed
 
 
