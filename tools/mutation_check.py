@@ -1120,6 +1120,13 @@ MUTATIONS = (
         '        getattr(c, "num_local_experts", None) or 0\n',
         '    return getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None) or 0\n',
         ("test/test_config.py::test_the_frontends_model_files_agree_with_the_model_config[tiny-qwen3-moe]",)),
+    Mutation(
+        "engine_keeps_spinning_waits", "pdserve.Engine never sets passive OpenMP waits before its import loads "
+        "torch, so the offline tuner's probes of two threads collapse",
+        "python/pdserve/__init__.py",
+        "        passive_waits_before_torch()  # before the import below loads torch (and OpenMP with it)\n",
+        "        pass\n",
+        ("test/engine/test_thread_tuner.py::test_the_engine_gets_passive_waits_only_when_it_loads_torch",)),
 )
 
 

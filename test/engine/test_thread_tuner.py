@@ -217,3 +217,25 @@ def test_shows_the_processs_openmp_wait_policy(monkeypatch):
     assert ForwardThreads(pinned=1).to_dict()["omp_wait_policy"] == "passive"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert ForwardThreads(pinned=1).to_dict()["omp_wait_policy"] == ""
+
+
+@pytest.mark.parametrize("env,first,want", [
+    ({}, "", "passive"),  # torch not loaded yet, nothing chosen: passive waits
+    ({"OMP_WAIT_POLICY": "active"}, "", "active"),  # the operator's choice stays
+    ({"OMP_NUM_THREADS": "2"}, "", None),  # a pinned count is never tuned
+    ({}, "import torch", None),  # torch (and OpenMP) already loaded: too late, left alone
+])
+def test_the_engine_gets_passive_waits_only_when_it_loads_torch(env, first, want):
+    """``pdserve.Engine`` sets OMP_WAIT_POLICY before its import loads torch, as a tuned server's
+    scheduler process is started with it (a fresh interpreter: OpenMP reads it once, at load)."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    code = f"{first}\nimport os, sys, pdserve\npdserve.Engine\nassert 'torch' in sys.modules\n" \
+           "print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(want)
+

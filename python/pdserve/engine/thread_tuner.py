@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -274,3 +275,17 @@ def tuned_process_env(tune: bool, environ: dict[str, str] | os._Environ[str]) ->
     if not tune or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return {}
     return {"OMP_WAIT_POLICY": "passive"}
+
+
+def passive_waits_before_torch(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
+    """For the in-process ``Engine`` (``pdserve.Engine``): when torch is not loaded yet, the tuner
+    could run (no OMP_NUM_THREADS pins the count) and the operator chose no wait policy, set
+    ``tuned_process_env``'s passive waits in this process's environment, where OpenMP reads them when
+    torch loads it. Returns whether it did. With torch already loaded it is too late: the tuner then
+    runs with spinning waits, whose probes of a larger count mostly lose (docs/overlap.md)."""
+    if "torch" in sys.modules or environ.get("OMP_NUM_THREADS", "").strip():
+        return False
+    extra = tuned_process_env(True, environ)
+    environ.update(extra)
+    return bool(extra)
+
