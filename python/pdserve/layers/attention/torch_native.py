@@ -24,20 +24,25 @@ from pdserve_kernels.sparse_mla_ref import topk_first_on_ties
 class StagePlan:
     """What one decode step does to the staged KV (decided once per step by ``_DecodeStage.plan``).
 
-    Rows of a changed batch: a request that stays (same Req.uid, one token longer) keeps its staged
-    row, moved from ``move_src`` to ``move_dst`` where leavers before it free a row; the others
-    (joiners, or every row on a ``rebuild``) are ``fill``ed from the pool, which already holds this
-    step's token; only the staying rows ``keep`` append it."""
+    Request i's KV is in staged row ``rows[i]``, a permutation of [0, B): attention runs in row order
+    (queries, masks and outputs, all [B, ...], are permuted; ``order`` maps back). Rows of a changed
+    batch: a request that stays (same Req.uid, one token longer) keeps its row, unless the batch
+    shrank below it, then it moves (``move_src`` to ``move_dst``) into a hole a leaver left; the others
+    (joiners, or every request on a ``rebuild``) are ``fill``ed from the pool into the remaining holes,
+    and the pool already holds this step's token; only the staying requests (``keep``) append it."""
 
     append: bool  # True: the staged batch one token later, so append; False: the batch changed
     length: int  # L, this step's longest sequence
-    rows: torch.Tensor  # [B] staged row of each request
+    rows: torch.Tensor  # [B] staged row of each request, a permutation of [0, B)
     pos: torch.Tensor  # [B] position of each request's new token
+    order: torch.Tensor | None = None  # [B] the request in each row (rows' inverse); None: rows is the identity
     rebuild: bool = False  # every row from the pool into new buffers (first step, or capacity outgrown)
-    keep: torch.Tensor | None = None  # [k] rows that append their new token (None: all B)
-    move_src: torch.Tensor | None = None  # [m] staged rows moved ...
-    move_dst: torch.Tensor | None = None  # [m] ... to these rows (None: none move)
-    fill: torch.Tensor | None = None  # [f] rows read from the pool (None: none)
+    keep: torch.Tensor | None = None  # [k] requests that append their new token (None: all B) ...
+    keep_rows: torch.Tensor | None = None  # [k] ... into these rows
+    move_src: torch.Tensor | None = None  # [m] staged rows (>= B) moved ...
+    move_dst: torch.Tensor | None = None  # [m] ... to these holes (< B) (None: none move)
+    fill: torch.Tensor | None = None  # [f] requests read from the pool (None: none) ...
+    fill_rows: torch.Tensor | None = None  # [f] ... into these rows
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,23 @@ class TorchNativeMetadata(AttentionMetadata):
         """[B, 1, Q, K] key k visible to query q."""
         kj = torch.arange(self.num_keys, device=self.seen.device)  # [K]
         return (kj < self.seen[:, :, None])[:, None]
+
+    @cached_property
+    def row_mask(self) -> torch.Tensor:
+        """``mask`` in the order of the KV attention reads: the decode stage's rows, else the batch's."""
+        return _to_rows(self.mask, self)
+
+
+def _to_rows(x: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
+    """[B, ...] in batch order -> the order of the KV attention reads (the decode stage's rows)."""
+    order = md.stage.order if md.stage is not None else None
+    return x if order is None else x[order]
+
+
+def _to_batch(x: torch.Tensor, md: TorchNativeMetadata) -> torch.Tensor:
+    """``_to_rows``' inverse: [B, ...] in the stage's row order -> batch order."""
+    st = md.stage
+    return x if st is None or st.order is None else x[st.rows]
 
 
 @dataclass(frozen=True)
@@ -174,13 +196,18 @@ class _DecodeStage:
 
     On CPU, gathering every request's pages each step costs as much as the matmuls. So a step
     appends one row per request here, and a change of the batch costs what changed: a request that
-    stays (same Req.uid, one token longer) keeps its staged row (moved down over leavers), a joiner's
-    row is read from the pool, which stays the source of truth. Buffers are rebuilt from the pool
-    only when the batch outgrows their rows or the longest sequence their capacity.
+    stays (same Req.uid, one token longer) keeps its staged row, a joiner's row is read from the
+    pool (which stays the source of truth) into a row a leaver freed. Rows are stable, so the batch's
+    order is not the rows' order: ``StagePlan.rows`` maps requests to rows and attention permutes its
+    small per-request tensors (queries, masks, outputs) instead of moving KV. Only when the batch
+    shrinks does a request in a row >= B move, one row copy into a hole below B. Buffers are rebuilt
+    from the pool (rows then in batch order) only when the batch outgrows their rows or the longest
+    sequence their capacity.
 
-    Invariant: in rows [0, B) every position [0, capacity) holds a finite value (pool KV, a padded
-    slot's pool KV, or zero), so a masked key adds exactly 0 to attention (0 x finite); buffers come
-    from ``new_empty`` and rows past B are never read.
+    Invariant: rows [0, B) hold the B requests, request i in row ``rows[i]``, and every position
+    [0, capacity) of them holds a finite value (pool KV, a padded slot's pool KV, or zero), so a
+    masked key adds exactly 0 to attention (0 x finite); buffers come from ``new_empty`` and rows
+    past B are never read (a request moved out of one leaves a stale copy there).
     Legend: B requests, H kv heads, X row width, L used length, K capacity, N row capacity.
     """
 
@@ -190,6 +217,8 @@ class _DecodeStage:
     def __init__(self):
         self.req_uids: tuple | None = None
         self.seq_lens: torch.Tensor | None = None
+        self.rows: list[int] = []  # staged row of each request of req_uids
+        self.row_map: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (rows, order) as StagePlan's
         self.capacity = 0  # K
         self.row_capacity = 0  # N
         self.bufs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}  # (region, layer) -> [N, H, K, X] each
@@ -199,45 +228,72 @@ class _DecodeStage:
         keep the staying requests' rows and fill the rest (all of them on a rebuild)."""
         L, B = int(fb.seq_lens.max()), fb.batch_size
         dev = fb.seq_lens.device
-        rows = torch.arange(B, device=dev)
         old_uids, old_lens = self.req_uids, self.seq_lens
         self.req_uids, self.seq_lens = fb.req_uids, fb.seq_lens
         if L > self.capacity or B > self.row_capacity or old_uids is None or old_lens is None:
             self.capacity, self.row_capacity, self.bufs = L + self.MARGIN, B + self.ROW_MARGIN, {}
-            return StagePlan(False, L, rows, fb.seq_lens - 1, rebuild=True, fill=rows)
+            self.rows, self.row_map = list(range(B)), (torch.arange(B, device=dev), None)
+            return StagePlan(False, L, self.row_map[0], fb.seq_lens - 1, rebuild=True, fill=self.row_map[0],
+                             fill_rows=self.row_map[0])
+        assert self.row_map is not None
         if fb.req_uids == old_uids and torch.equal(old_lens + 1, fb.seq_lens):
-            return StagePlan(True, L, rows, fb.seq_lens - 1)
-        return self._plan_change(old_uids, old_lens.tolist(), fb, L, rows)
+            return StagePlan(True, L, self.row_map[0], fb.seq_lens - 1, order=self.row_map[1])
+        return self._plan_change(old_uids, old_lens.tolist(), fb, L)
 
-    @staticmethod
-    def _plan_change(old_uids: tuple, old_lens: list[int], fb: ForwardBatch, L: int,
-                     rows: torch.Tensor) -> StagePlan:
-        old_row = {u: j for j, u in enumerate(old_uids)}
-        src, dst, fill = [], [], []
+    def _plan_change(self, old_uids: tuple, old_lens: list[int], fb: ForwardBatch, L: int) -> StagePlan:
+        """Stayers keep their rows below B; the holes below B (leavers' rows, or free ones) take first
+        the stayers whose rows lie past B (one row copy each), then the joiners (read from the pool)."""
+        B = fb.batch_size
+        old = {u: (r, n) for u, r, n in zip(old_uids, self.rows, old_lens)}
+        rows, keep, moving, fill = [-1] * B, [], [], []
         for i, (u, n) in enumerate(zip(fb.req_uids or (), fb.seq_lens.tolist())):
-            j = old_row.get(u)
-            if j is not None and old_lens[j] + 1 == n:
-                src.append(j)
-                dst.append(i)
-            else:  # a joiner, or a request whose length jumped: its pages are the truth
+            r, m = old.get(u, (-1, -1))
+            if r < 0 or m + 1 != n:  # a joiner, or a request whose length jumped: its pages are the truth
                 fill.append(i)
-        dev = rows.device
-        moved = [(j, i) for j, i in zip(src, dst) if j != i]
+                continue
+            keep.append(i)
+            if r < B:
+                rows[i] = r
+            else:
+                moving.append((i, r))
+        taken = set(rows)
+        holes = iter([r for r in range(B) if r not in taken])
+        for i, _ in moving:
+            rows[i] = next(holes)
+        for i in fill:
+            rows[i] = next(holes)
+        self.rows = rows
+        dev = fb.seq_lens.device
         t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        return StagePlan(False, L, rows, fb.seq_lens - 1, keep=t(dst),
-                         move_src=t([j for j, _ in moved]) if moved else None,
-                         move_dst=t([i for _, i in moved]) if moved else None,
-                         fill=t(fill) if fill else None)
+        order = [0] * B
+        for i, r in enumerate(rows):
+            order[r] = i
+        self.row_map = (t(rows), None if rows == list(range(B)) else t(order))
+        return StagePlan(False, L, self.row_map[0], fb.seq_lens - 1, order=self.row_map[1],
+                         keep=t(keep), keep_rows=t([rows[i] for i in keep]),
+                         move_src=t([r for _, r in moving]) if moving else None,
+                         move_dst=t([rows[i] for i, _ in moving]) if moving else None,
+                         fill=t(fill) if fill else None, fill_rows=t([rows[i] for i in fill]) if fill else None)
 
     def get(self, layer: int, plan: StagePlan, new: tuple, gather, region: str = "kv") -> tuple[torch.Tensor, ...]:
-        """new: this step's rows, each [B, H, X]; gather(rows) -> the pool's [b, H, L', X] tensors of
-        those batch rows (L' >= L). ``region``: which of the layer's pool regions these are
-        (DeepSeek-V3.2 stages its index keys too)."""
+        """``get_rows`` in batch order, [B, H, L, X] each: a copy where the rows are permuted (the
+        slow twin attention does not take; tests compare it with a fresh stage)."""
+        staged = self.get_rows(layer, plan, new, gather, region)
+        return staged if plan.order is None else tuple(t.index_select(0, plan.rows) for t in staged)
+
+    def get_rows(self, layer: int, plan: StagePlan, new: tuple, gather,
+                 region: str = "kv") -> tuple[torch.Tensor, ...]:
+        """This step's staged KV in row order, [B, H, L, X] each (request i in row ``plan.rows[i]``):
+        views, no copy. new: this step's rows in batch order, each [B, H, X]; gather(requests) -> the
+        pool's [b, H, L', X] tensors of those batch rows (L' >= L). ``region``: which of the layer's pool
+        regions these are (DeepSeek-V3.2 stages its index keys too)."""
         L, B = plan.length, plan.rows.shape[0]
         key = (region, layer)
         bufs = self.bufs.get(key)
         if bufs is None:  # first step of these buffers: every row from the pool
-            bufs = self.bufs[key] = self._allocate(gather(plan.rows), L)
+            everyone = torch.arange(B, device=plan.rows.device)
+            pooled = gather(everyone if plan.order is None else plan.order)  # [B, H, L', X] each, row order
+            bufs = self.bufs[key] = self._allocate(pooled, L)
         elif plan.append:
             for buf, t in zip(bufs, new):
                 buf[plan.rows, :, plan.pos] = t
@@ -246,7 +302,7 @@ class _DecodeStage:
         return tuple(buf[:B, :, :L] for buf in bufs)
 
     def _allocate(self, pooled: tuple, L: int) -> tuple[torch.Tensor, ...]:
-        """New [N, H, K, X] buffers holding ``pooled`` ([B, H, L', X] each) in rows [0, B)."""
+        """New [N, H, K, X] buffers holding ``pooled`` ([B, H, L', X] each, row order) in rows [0, B)."""
         bufs = []
         for t in pooled:
             B, H, _, X = t.shape
@@ -258,17 +314,17 @@ class _DecodeStage:
 
     @staticmethod
     def _change(bufs: tuple, plan: StagePlan, new: tuple, gather) -> None:
-        """Stayers' rows move over leavers' and append their token; joiners' rows come from the pool."""
+        """Stayers past B move into holes, stayers append their token; joiners' rows come from the pool."""
         L = plan.length
         pooled = gather(plan.fill) if plan.fill is not None else (None,) * len(bufs)
         for buf, t, p in zip(bufs, new, pooled):
-            if plan.move_src is not None:
-                buf.index_copy_(0, plan.move_dst, buf.index_select(0, plan.move_src))  # read out, then written
+            if plan.move_src is not None:  # sources >= B, holes < B: disjoint
+                buf.index_copy_(0, plan.move_dst, buf.index_select(0, plan.move_src))
             if plan.keep is not None and plan.keep.numel():
-                buf[plan.keep, :, plan.pos[plan.keep]] = t[plan.keep]
+                buf[plan.keep_rows, :, plan.pos[plan.keep]] = t[plan.keep]
             if p is not None:
-                buf[plan.fill, :, :L] = p[:, :, :L]
-                buf[plan.fill, :, L:] = 0
+                buf[plan.fill_rows, :, :L] = p[:, :, :L]
+                buf[plan.fill_rows, :, L:] = 0
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -332,15 +388,15 @@ class TorchNativeBackend(AttentionBackend):
         # an appended step and a rebuilt one read the same keys.
         staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)
         gather = lambda pages: pool.get_kv_pages(layer_id, pages)  # noqa: E731
-        k_all, v_all = self._kv(layer_id, md, staged, gather)  # [B, Hkv, K, D]
-        qp = _pad_q(q, md)  # [B, Hq, Q, D]
+        k_all, v_all = self._kv(layer_id, md, staged, gather)  # [B, Hkv, K, D], in row order
+        qp = _to_rows(_pad_q(q, md), md)  # [B, Hq, Q, D]
         k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         if _grouped_decode_pays(qp):
-            return _unpad(_attend_grouped(qp, k_all, v_all, md.mask, scale), md)  # [T, Hq, D]
+            return _unpad(_to_batch(_attend_grouped(qp, k_all, v_all, md.row_mask, scale), md), md)  # [T, Hq, D]
         gqa = qp.shape[1] != k_all.shape[1]
         # is_causal: the same scores and sums on real rows as the mask's (test_attention checks the bits)
-        o = _sdpa(qp, k_all, v_all, None if md.causal else md.mask, scale, gqa)
-        return _unpad(o, md)  # [T, Hq, D]
+        o = _sdpa(qp, k_all, v_all, None if md.causal else md.row_mask, scale, gqa)
+        return _unpad(_to_batch(o, md), md)  # [T, Hq, D]
 
     @staticmethod
     def _gqa_ragged(q, layer_id, scale, fb, md):
@@ -367,11 +423,13 @@ class TorchNativeBackend(AttentionBackend):
         staged = pool.round_trip_latent(new) if md.stage is not None else new  # as the pool holds it
         (cache,) = self._kv(layer_id, md, (staged.unsqueeze(1),),
                             lambda pages: (pool.get_latent_pages(layer_id, pages).unsqueeze(1),))
-        cache = cache[:, 0].to(q_nope.dtype)  # [B, K, C+R]
+        cache = cache[:, 0].to(q_nope.dtype)  # [B, K, C+R], in row order
         C = latent.shape[-1]
-        if absorbed:
-            o = self._mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md.mask, lambda x: _pad_q(x, md))
-        else:
+        if absorbed:  # attention in row order, the up-projection back in batch order
+            o = self._mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, md.row_mask,
+                                   lambda x: _to_rows(_pad_q(x, md), md), lambda o: _to_batch(o, md))
+        else:  # its up-projection costs more than a batch-order copy of the cache
+            cache = _to_batch(cache, md)
             o = self._mla_expanded(q_nope, q_pe, cache, C, w_kc, w_vc, scale, None if md.causal else md.mask,
                                    lambda x: _pad_q(x, md))
         return _unpad(o, md)  # [T, H, Dv]
@@ -394,13 +452,16 @@ class TorchNativeBackend(AttentionBackend):
         return torch.cat(outs)  # [T, H, Dv]
 
     @staticmethod
-    def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, grid):
+    def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, grid, ungrid=None):
         # W_UK folds into the query, so attention runs in the C-wide latent space
-        # against one shared "head": cheap per token, ideal for decode. grid: [T, H, X] -> [B, H, Q, X].
+        # against one shared "head": cheap per token, ideal for decode. grid: [T, H, X] -> [B, H, Q, X]
+        # in the cache's order; ungrid: that order back to the batch's (None: they are one).
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         qp = grid(torch.cat([q_lat, q_pe], dim=-1))  # [B, H, Q, C+R]
         kv = cache.unsqueeze(1)  # [B, 1, K, C+R]
         o_lat = _attend_grouped(qp, kv, kv[..., :C], mask, scale)  # [B, H, Q, C]
+        if ungrid is not None:
+            o_lat = ungrid(o_lat)
         return torch.einsum("bhqc,hcv->bhqv", o_lat, w_vc)  # [B, H, Q, Dv]
 
     @staticmethod
@@ -431,7 +492,7 @@ class TorchNativeBackend(AttentionBackend):
             (keys,) = self._kv(layer_id, md, (index.k.unsqueeze(1),),
                                lambda pages: (pool.get_index_k_pages(layer_id, pages).unsqueeze(1),),
                                region="index_k")
-            keys = keys[:, 0, :L]  # [B, L, Di]
+            keys = keys[:, 0, :L]  # [B, L, Di], in row order
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         qp = _pad_q(torch.cat([q_lat, q_pe], dim=-1), md).transpose(1, 2)  # [B, Q, H, C+R]
         iq = _pad_q(index.q, md).transpose(1, 2)  # [B, Q, Hi, Di]
@@ -444,10 +505,11 @@ class TorchNativeBackend(AttentionBackend):
                 chosen, valid = select_top_tokens_paged(iq[:, q0:q0 + step], iw[:, q0:q0 + step],
                                                         pool.index_k[layer_id], fb.kv_slots, md.seen[:, q0:q0 + step],
                                                         index.scale, index.topk)
-            else:
-                visible = None if md.sees_all else md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
-                chosen, valid = select_top_tokens(iq[:, q0:q0 + step], iw[:, q0:q0 + step], keys, visible,
-                                                  index.scale, index.topk)  # [B, q, k]
+            else:  # in the staged keys' row order, the picks back in batch order
+                visible = None if md.sees_all else md.row_mask[:, 0, q0:q0 + step, :L]  # [B, q, L]
+                chosen, valid = select_top_tokens(_to_rows(iq[:, q0:q0 + step], md), _to_rows(iw[:, q0:q0 + step], md),
+                                                  keys, visible, index.scale, index.topk)  # [B, q, k]
+                chosen, valid = _to_batch(chosen, md), _to_batch(valid, md)
             # Only the chosen tokens' latent rows are read: gathered by slot, not a masked dense pass.
             rows = pool.get_latent_slots(layer_id, fb.kv_slots.gather(1, chosen.flatten(1)).view(chosen.shape))
             parts.append(_mla_sparse(qp[:, q0:q0 + step], rows.to(qp.dtype), valid, C, scale))  # [B, q, H, C]
@@ -456,11 +518,12 @@ class TorchNativeBackend(AttentionBackend):
         return _unpad(o, md)  # [T, H, Dv]
 
     def _kv(self, layer_id: int, md: TorchNativeMetadata, new: tuple, gather, region: str = "kv") -> tuple:
-        """This layer's KV for the whole batch, [B, H, K, X] each: staged in decode, else gathered.
-        gather(pages) -> the pool's KV of those [b, Lp] page ids."""
+        """This layer's KV for the whole batch, [B, H, K, X] each: staged in decode (in the stage's row
+        order: ``_to_rows`` puts the queries there), else gathered. gather(pages) -> the pool's KV of
+        those [b, Lp] page ids."""
         if md.stage is None:
             return gather(md.pages)
-        return self.stage.get(layer_id, md.stage, new, lambda rows: gather(md.pages[rows]), region)
+        return self.stage.get_rows(layer_id, md.stage, new, lambda reqs: gather(md.pages[reqs]), region)
 
 
 SPARSE_CHUNK_ELEMENTS = 1 << 24  # bound on a query block's [B, q, Hi, L] scores and [B, q, k, C+R] rows
