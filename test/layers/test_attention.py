@@ -371,3 +371,107 @@ def test_decode_stage_reads_only_joiners_from_the_pool():
     assert step(STAGE_STEPS[5]) == ([], ptr)  # e left, c and a swapped: nothing read
     calls, grown = step([("c", 37), ("a", 26), ("f", 150)])
     assert calls == [[0, 1, 2]] and grown != ptr  # f is longer than the capacity: a rebuild
+
+
+# (uid, length) per decode step, each with the stage's rows (request -> row), the requests read from the pool,
+# and the row moves (source -> hole) it must plan: a leave in the middle whose row a joiner takes, more
+# leavers than joiners (a stayer past the new size moves into a hole), more joiners than leavers, a reorder
+# (nothing read or moved), and a leave then a rejoin of the same uid one token longer (read from the pool:
+# its old row holds another request by then).
+SWAP_STEPS = [
+    ([("a", 20), ("b", 9), ("c", 31), ("d", 12), ("e", 5)], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], []),
+    ([("a", 21), ("b", 10), ("d", 13), ("e", 6), ("f", 40)], [0, 1, 3, 4, 2], [4], []),
+    ([("d", 14), ("e", 7), ("f", 41), ("g", 8)], [3, 0, 2, 1], [3], [(4, 0)]),
+    ([("e", 8), ("f", 42), ("g", 9), ("h", 3), ("i", 4)], [0, 2, 1, 3, 4], [3, 4], []),
+    ([("i", 5), ("h", 4), ("g", 10), ("f", 43), ("e", 9)], [4, 3, 1, 2, 0], [], []),
+    ([("i", 6), ("h", 5), ("g", 11), ("f", 44)], [0, 3, 1, 2], [], [(4, 0)]),
+    ([("i", 7), ("h", 6), ("g", 12), ("f", 45), ("e", 10)], [0, 3, 1, 2, 4], [4], []),
+    ([("i", 8), ("h", 7), ("g", 13), ("f", 46), ("e", 11)], [0, 3, 1, 2, 4], [], []),
+]
+
+
+def test_decode_stage_keeps_rows_and_attention_maps_the_order():
+    """A staying request keeps its row, a joiner takes a leaver's, a shrink moves one row per hole; the
+    rows' KV equals a fresh stage's, and attention over the rows with queries, mask and outputs permuted
+    gives a fresh stage's bits in batch order."""
+    from pdserve.layers.attention.torch_native import _DecodeStage
+
+    pool, stage = _StagedPool(9), _DecodeStage()
+    g = torch.Generator().manual_seed(10)
+    for entries, rows, reads, moves in SWAP_STEPS:
+        fb = pool.batch(entries)
+        calls: list = []
+        plan = stage.plan(fb)
+        (staged,) = stage.get_rows(0, plan, pool.new(fb), pool.gather(fb, calls))
+        assert plan.rows.tolist() == rows and calls == ([reads] if reads else [])
+        got_moves = [] if plan.move_src is None else list(zip(plan.move_src.tolist(), plan.move_dst.tolist()))
+        assert got_moves == moves
+        order = plan.order if plan.order is not None else torch.arange(len(rows))
+        assert plan.rows[order].tolist() == list(range(len(rows)))  # order is rows' inverse
+        fresh = _DecodeStage()
+        (rebuilt,) = fresh.get(0, fresh.plan(fb), pool.new(fb), pool.gather(fb, []))
+        for b, n in enumerate(fb.seq_lens.tolist()):
+            assert torch.equal(staged[rows[b], :, :n], rebuilt[b, :, :n])
+        q = torch.randn(fb.batch_size, pool.H, 1, pool.X, generator=g)
+        mask = (torch.arange(staged.shape[2]) < fb.seq_lens[:, None])[:, None, None]  # [B, 1, 1, L]
+        by_rows = F.scaled_dot_product_attention(q[order], staged, staged, attn_mask=mask[order])[plan.rows]
+        assert torch.equal(by_rows, F.scaled_dot_product_attention(q, rebuilt, rebuilt, attn_mask=mask))
+
+
+# Decode steps over the backend (request key per step): the SWAP_STEPS changes; a joiner is prefilled first.
+BACKEND_SWAPS = [list("abcde"), list("abcde"), list("abdef"), list("defg"), list("efghi"), list("ihgfe"),
+                 list("ihgf"), list("ihgfe"), list("ihgfe")]
+PROMPTS = dict(zip("abcdefghi", (20, 9, 31, 12, 5, 40, 8, 3, 17)))
+
+
+@pytest.mark.parametrize("kind", ["gqa", "gqa_bf16", "mla"])
+def test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference(kind):
+    """The backend's decode steps while requests leave, join, reorder and rejoin: each output has the bits
+    of a fresh backend's (a stage built from the pool in batch order) and matches the reference."""
+    from dataclasses import replace
+
+    from pdserve.layers.attention.torch_native import TorchNativeBackend
+
+    H, Hkv, D, C, R, scale, layer = 4, 2, 16, 32, 8, 0.3, 1
+    dtype = torch.bfloat16 if kind == "gqa_bf16" else torch.float32
+    g = torch.Generator().manual_seed(11)
+    n_max = max(PROMPTS.values()) + len(BACKEND_SWAPS)
+    if kind == "mla":
+        pool = MLAKVPool(256, 4, 2, C, R, dtype)
+        w_kc, w_vc = torch.randn(H, D, C, generator=g) * 0.2, torch.randn(H, C, 12, generator=g) * 0.2
+        seqs = {s: [torch.randn(n_max, *shape, generator=g) for shape in ((H, D), (H, R), (C,), (R,))]
+                for s in PROMPTS}
+    else:
+        pool = GQAKVPool(256, 4, 2, Hkv, D, dtype)
+        seqs = {s: [torch.randn(n_max, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv)] for s in PROMPTS}
+    paged = PagedRequests(pool, seed=4)
+    done = dict.fromkeys(PROMPTS, 0)
+
+    def forward(fb, keys, n):
+        x = [torch.cat([seqs[s][i][done[s]:done[s] + n] for s in keys]) for i in range(len(seqs[keys[0]]))]
+        if kind == "mla":
+            return fb.attn_backend.forward_mla(*x, w_kc, w_vc, layer, scale, fb)
+        return fb.attn_backend.forward_gqa(*x, layer, scale, fb)
+
+    def reference(s, n):
+        x = [t[:n] for t in seqs[s]]
+        if kind == "mla":
+            return mla_reference(x[0][-1:], x[1][-1:], x[2], x[3], w_kc, w_vc, scale)
+        return gqa_reference(x[0][-1:].float(), x[1].float(), x[2].float(), scale)
+
+    for keys in BACKEND_SWAPS:
+        for s in keys:
+            if not done[s]:
+                forward(paged.batch([(s, [0] * PROMPTS[s])]), [s], PROMPTS[s])
+                done[s] = PROMPTS[s]
+        fb = paged.batch([(s, [0]) for s in keys], decode=True)
+        out = forward(fb, keys, 1)
+        fresh = TorchNativeBackend()
+        fb_fresh = replace(fb, attn_backend=fresh)
+        fb_fresh.attn_metadata = fresh.prepare(fb_fresh)
+        assert torch.equal(out, forward(fb_fresh, keys, 1))
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        for s, o in zip(keys, out):
+            done[s] += 1
+            torch.testing.assert_close(o[None].float(), reference(s, done[s]).float(), atol=tol, rtol=tol)
+    assert fb.attn_metadata.stage.order is not None  # the rows ended permuted: the mapping ran
