@@ -1127,6 +1127,14 @@ MUTATIONS = (
         "        passive_waits_before_torch()  # before the import below loads torch (and OpenMP with it)\n",
         "        pass\n",
         ("test/engine/test_thread_tuner.py::test_the_engine_gets_passive_waits_only_when_it_loads_torch",)),
+    Mutation(
+        "stage_hole_filled_from_wrong_row", "when the decode batch shrinks, a staying request past the new size "
+        "moves into its hole from the row before its own",
+        STAGE,
+        "                buf.index_copy_(0, plan.move_dst, buf.index_select(0, plan.move_src))\n",
+        "                buf.index_copy_(0, plan.move_dst, buf.index_select(0, plan.move_src - 1))\n",
+        ("test/layers/test_attention.py::test_decode_stage_keeps_rows_and_attention_maps_the_order",
+         "test/layers/test_attention.py::test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference")),
 )
 
 
