@@ -424,31 +424,44 @@ BACKEND_SWAPS = [list("abcde"), list("abcde"), list("abdef"), list("defg"), list
 PROMPTS = dict(zip("abcdefghi", (20, 9, 31, 12, 5, 40, 8, 3, 17)))
 
 
-@pytest.mark.parametrize("kind", ["gqa", "gqa_bf16", "mla"])
-def test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference(kind):
-    """The backend's decode steps while requests leave, join, reorder and rejoin: each output has the bits
-    of a fresh backend's (a stage built from the pool in batch order) and matches the reference."""
-    from dataclasses import replace
-
+def _backend(kind):
     from pdserve.layers.attention.torch_native import TorchNativeBackend
 
-    H, Hkv, D, C, R, scale, layer = 4, 2, 16, 32, 8, 0.3, 1
+    backend = TorchNativeBackend()
+    if kind == "mla_sparse":
+        backend.index_topk_impl = "torch"  # the twin scores the staged index keys (the kernel reads the pool)
+    return backend
+
+
+@pytest.mark.parametrize("kind", ["gqa", "gqa_bf16", "mla", "mla_sparse"])
+def test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference(kind):
+    """The backend's decode steps while requests leave, join, reorder and rejoin: each output has the bits
+    of a fresh backend's (a stage built from the pool in batch order) and matches the reference (DeepSeek-V3.2's
+    sparse attention: the pool-gathering path, with its index keys read from pages)."""
+    from dataclasses import replace
+
+    from pdserve.layers.attention.base import SparseIndex
+
+    H, Hkv, D, C, R, Hi, Di, topk, scale, layer = 4, 2, 16, 32, 8, 2, 8, 6, 0.3, 1
     dtype = torch.bfloat16 if kind == "gqa_bf16" else torch.float32
     g = torch.Generator().manual_seed(11)
     n_max = max(PROMPTS.values()) + len(BACKEND_SWAPS)
-    if kind == "mla":
-        pool = MLAKVPool(256, 4, 2, C, R, dtype)
+    if kind.startswith("mla"):
+        pool = MLAKVPool(256, 4, 2, C, R, dtype, index_head_dim=Di if kind == "mla_sparse" else 0)
         w_kc, w_vc = torch.randn(H, D, C, generator=g) * 0.2, torch.randn(H, C, 12, generator=g) * 0.2
-        seqs = {s: [torch.randn(n_max, *shape, generator=g) for shape in ((H, D), (H, R), (C,), (R,))]
-                for s in PROMPTS}
+        shapes = ((H, D), (H, R), (C,), (R,)) + (((Hi, Di), (Hi,), (Di,)) if kind == "mla_sparse" else ())
+        seqs = {s: [torch.randn(n_max, *shape, generator=g) for shape in shapes] for s in PROMPTS}
     else:
         pool = GQAKVPool(256, 4, 2, Hkv, D, dtype)
         seqs = {s: [torch.randn(n_max, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv)] for s in PROMPTS}
-    paged = PagedRequests(pool, seed=4)
+    paged = PagedRequests(pool, seed=4, backend=_backend(kind))
     done = dict.fromkeys(PROMPTS, 0)
 
     def forward(fb, keys, n):
         x = [torch.cat([seqs[s][i][done[s]:done[s] + n] for s in keys]) for i in range(len(seqs[keys[0]]))]
+        if kind == "mla_sparse":
+            index = SparseIndex(x[4], x[5], x[6], Di ** -0.5, topk)
+            return fb.attn_backend.forward_mla_sparse(*x[:4], w_kc, w_vc, layer, scale, index, fb)
         if kind == "mla":
             return fb.attn_backend.forward_mla(*x, w_kc, w_vc, layer, scale, fb)
         return fb.attn_backend.forward_gqa(*x, layer, scale, fb)
@@ -466,12 +479,17 @@ def test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference(kin
                 done[s] = PROMPTS[s]
         fb = paged.batch([(s, [0]) for s in keys], decode=True)
         out = forward(fb, keys, 1)
-        fresh = TorchNativeBackend()
+        fresh = _backend(kind)
         fb_fresh = replace(fb, attn_backend=fresh)
         fb_fresh.attn_metadata = fresh.prepare(fb_fresh)
         assert torch.equal(out, forward(fb_fresh, keys, 1))
+        if kind == "mla_sparse":  # the reference: no stage (no request identities), every key from the pool
+            fb_pool = replace(fb, attn_backend=_backend(kind), req_uids=None)
+            fb_pool.attn_metadata = fb_pool.attn_backend.prepare(fb_pool)
+            torch.testing.assert_close(out, forward(fb_pool, keys, 1), atol=1e-5, rtol=1e-5)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         for s, o in zip(keys, out):
             done[s] += 1
-            torch.testing.assert_close(o[None].float(), reference(s, done[s]).float(), atol=tol, rtol=tol)
+            if kind != "mla_sparse":
+                torch.testing.assert_close(o[None].float(), reference(s, done[s]).float(), atol=tol, rtol=tol)
     assert fb.attn_metadata.stage.order is not None  # the rows ended permuted: the mapping ran
