@@ -768,9 +768,11 @@ MUTATIONS = (
     Mutation(
         "v32_indexer_sees_the_next_token", "the indexer's causal mask lets a query select the token after it",
         "python/pdserve/layers/attention/torch_native.py",
-        "            visible = None if md.sees_all else md.mask[:, 0, q0:q0 + step, :L]  # [B, q, L]\n",
-        "            visible = md.mask[:, 0, q0:q0 + step, :L]\n            visible = visible | visible.roll(1, -1)\n",
-        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+        "                visible = None if md.sees_all else md.row_mask[:, 0, q0:q0 + step, :L]  # [B, q, L]\n",
+        "                visible = md.row_mask[:, 0, q0:q0 + step, :L]\n"
+        "                visible = visible | visible.roll(1, -1)\n",
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",
+         "test/models/test_deepseek_v32.py::test_cpu_kernel_and_torch_twin_give_the_same_logprobs")),
     Mutation(
         "v32_topk_kernel_sees_one_more", "the indexer's score kernel lets a query pick the token just past what it "
         "sees (its top-k boundary off by one: the next token in an extend, a padding slot in decode)",
