@@ -1127,6 +1127,22 @@ MUTATIONS = (
         "        passive_waits_before_torch()  # before the import below loads torch (and OpenMP with it)\n",
         "        pass\n",
         ("test/engine/test_thread_tuner.py::test_the_engine_gets_passive_waits_only_when_it_loads_torch",)),
+    Mutation(
+        "fp8_index_key_scale_not_applied", "DeepSeek-V3.2's FP8 index keys are read back without their block "
+        "scales (raw e4m3 values scored)",
+        "python/pdserve/mem/kv_pool.py",
+        "    return (q.float().unflatten(-1, (blocks, -1)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)\n",
+        "    return q.float().to(dtype)\n",
+        ("test/models/test_deepseek_v32_fp8_index.py::test_representable_values_round_trip_exactly_and_scales_are_"
+         "amax_over_448",
+         "test/models/test_deepseek_v32_fp8_index.py::test_greedy_output_equals_transformers_with_fp8_index_keys")),
+    Mutation(
+        "triton_fp8_index_key_scale_not_applied", "the Triton indexer scores FP8 index keys without their block "
+        "scales",
+        "kernels/pdserve_kernels/sparse_mla.py",
+        "        k = k.to(tl.float32) * ks\n",
+        "        k = k.to(tl.float32)\n",
+        ("test/layers/test_triton_sparse.py::test_triton_and_torch_native_agree_on_fp8_index_keys",)),
 )
 
 

@@ -36,10 +36,11 @@ def _inputs(seed: int):
     return xs, w_kc, w_vc, C, R, Di
 
 
-def _outputs(backend_name: str, page_size: int) -> list[torch.Tensor]:
+def _outputs(backend_name: str, page_size: int, index_cache_dtype: str = "model") -> list[torch.Tensor]:
     """Every request's rows, in the order the steps produced them."""
     xs, w_kc, w_vc, C, R, Di = _inputs(seed=page_size)
-    pool = MLAKVPool(48 // page_size + 4, page_size, 2, C, R, torch.float32, index_head_dim=Di)
+    pool = MLAKVPool(48 // page_size + 4, page_size, 2, C, R, torch.float32, index_head_dim=Di,
+                     index_cache_dtype=index_cache_dtype)
     outs: list[torch.Tensor] = []
 
     def run(fb, sp):
@@ -55,6 +56,14 @@ def _outputs(backend_name: str, page_size: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_sparse_mla_matches_torch_native(page_size):
     got, want = _outputs("triton", page_size), _outputs("torch_native", page_size)
+    assert len(got) == len(want) == sum(len(step) for step in STEPS)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_and_torch_native_agree_on_fp8_index_keys():
+    """An FP8 index cache (e4m3 keys, a scale each): both backends score the same dequantized keys."""
+    got, want = _outputs("triton", 4, "fp8_e4m3"), _outputs("torch_native", 4, "fp8_e4m3")
     assert len(got) == len(want) == sum(len(step) for step in STEPS)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
