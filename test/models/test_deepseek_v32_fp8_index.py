@@ -10,6 +10,7 @@ import torch
 
 import pdserve
 from fixtures.engine_checks import GREEDY, STEPS, check_host_tier_hit
+from fixtures.fp8_index_keys import e4m3_round_trip, fp8_index_keys
 from fixtures.tiny_models import greedy_continuation, make_hf_model_and_dir
 from pdserve.config import ModelConfig, ServerArgs, resolve_index_cache_dtype
 from pdserve.mem.kv_pool import MLAKVPool, dequantize_index_keys, index_key_block, quantize_index_keys
@@ -17,15 +18,6 @@ from pdserve.mem.kv_pool import MLAKVPool, dequantize_index_keys, index_key_bloc
 ARCH = "DeepseekV32ForCausalLM"
 TOPK = 8
 FP8 = {"index_cache_dtype": "fp8_e4m3"}
-
-
-def _e4m3_round_trip(k: torch.Tensor) -> torch.Tensor:
-    """The reference's per-block quantization, written apart from pdserve's: blocks of min(128, Di)
-    values, scale max(amax, 1e-4) / 448, e4m3 of k / scale, read back times the scale."""
-    block = min(128, k.shape[-1])
-    kb = k.float().unflatten(-1, (-1, block))
-    s = kb.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
-    return ((kb / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s).flatten(-2).to(k.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +47,7 @@ def test_representable_values_round_trip_exactly_and_scales_are_amax_over_448():
     assert scale[1].tolist() == [pytest.approx(1e-4 / 448)] * 2  # zero blocks: a finite scale, zeros stored
     back = dequantize_index_keys(q, scale, torch.float32)
     assert torch.equal(back[0, :128], k) and torch.equal(back[1], torch.zeros(256))
-    assert torch.equal(back[0, 128:], _e4m3_round_trip(block2))
+    assert torch.equal(back[0, 128:], e4m3_round_trip(block2))
     assert back[0, 128:].abs().max().item() == pytest.approx(block2.abs().max().item(), rel=1e-6)
 
 
@@ -73,7 +65,7 @@ def test_pool_keeps_e4m3_keys_and_their_scales_as_regions_of_the_pages():
     k = torch.randn(5, 32, generator=torch.Generator().manual_seed(2)) * 3
     loc = torch.tensor([1, 2, 9, 14, 23])
     pool.set_index_k(1, loc, k)
-    want = _e4m3_round_trip(k)
+    want = e4m3_round_trip(k)
     assert torch.equal(pool.get_index_k_slots(1, loc), want) and torch.equal(pool.round_trip_index_k(k), want)
     pages = pool.get_index_k_pages(1, torch.tensor([[0, 2, 3]]))  # [1, 12, 32]: slots 1, 2, 9 at columns 1, 2, 5
     assert torch.equal(pages[0, [1, 2, 5]], want[:3]) and not pages[0, 0].any()
@@ -100,7 +92,7 @@ def test_scores_and_picks_equal_the_torch_twin_on_dequantized_keys():
     want = ref.index_topk_ref(q[0], w[0], pool.index_k[0], slots[None], req, vis, 0.2, 6, pool.index_k_scale[0])
     assert sorted(slots[chosen[0, 0]].tolist()) == sorted(want[0].tolist())
     assert sorted(slots[chosen[0, 1]].tolist()) == sorted(want[1].tolist())
-    plain = ref.index_topk_ref(q[0], w[0], _e4m3_round_trip(k)[None], torch.arange(L)[None], req, vis, 0.2, 6)
+    plain = ref.index_topk_ref(q[0], w[0], e4m3_round_trip(k)[None], torch.arange(L)[None], req, vis, 0.2, 6)
     assert sorted(slots[plain[0]].tolist()) == sorted(want[0].tolist())
 
 
@@ -120,6 +112,20 @@ def test_bad_or_pointless_index_cache_dtype_is_refused_at_start_up(tiny):
         ServerArgs(model_path="tiny-deepseek", **FP8).model_config()
 
 
+def test_refusal_reaches_the_cli_as_one_line():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:  # a port nobody listens on; the server is expected not to start
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--model-path", "tiny-deepseek", "--port",
+                           str(port), "--index-cache-dtype", "fp8_e4m3"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "index_cache_dtype (--index-cache-dtype): fp8_e4m3: the model keeps no index keys" in proc.stderr
+
+
 def test_kv_budget_counts_e4m3_keys_and_their_scales(tiny):
     _, path = tiny
     mc = ModelConfig.from_path(path)
@@ -132,33 +138,9 @@ def test_kv_budget_counts_e4m3_keys_and_their_scales(tiny):
 # ------------------------------------------------------------------ end to end against transformers
 @pytest.fixture
 def hf_with_fp8_index_keys(tiny):
-    """transformers' model whose indexer scores keys read back through the same quantization. The
-    indexer finishes its key with ``torch.cat([k_rot, k_pass], dim=-1)`` ([B, S, 1, R] and [B, S, 1,
-    Di - R]); the module's ``torch`` is swapped for one whose ``cat`` quantizes exactly that result."""
-    import transformers.models.deepseek_v32.modeling_deepseek_v32 as m
-
-    hf, _ = tiny
-    c = hf.config
-    original_cat = torch.cat
-
-    class QuantizingCat:  # the indexer's torch.cat([k_rot, k_pass]) builds the key: quantize what it returns
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def cat(parts, dim=0):
-            out = original_cat(parts, dim=dim)
-            shapes = [tuple(p.shape) for p in parts]
-            if len(shapes) == 2 and len(shapes[0]) == 4 and shapes[0][2] == shapes[1][2] == 1 \
-                    and (shapes[0][-1], shapes[1][-1]) == (c.qk_rope_head_dim, c.index_head_dim - c.qk_rope_head_dim):
-                return _e4m3_round_trip(out)  # the key [B, S, 1, Di] (queries have Hi > 1 heads)
-            return out
-
-    m.torch = QuantizingCat()
-    try:
+    """transformers' model whose indexer scores keys read back through the same quantization."""
+    with fp8_index_keys(tiny[0]) as hf:
         yield hf
-    finally:
-        m.torch = torch
 
 
 @pytest.mark.parametrize("length", [5, 4 * TOPK + 5])
@@ -184,7 +166,7 @@ def test_oracle_patch_changes_transformers_picks_on_long_prompts(tiny, hf_with_f
     with torch.no_grad():
         hf(input_ids=prompt, use_cache=False)
         quantized = calls.pop()
-        saved, m.torch = m.torch, torch
+        saved, m.torch = m.torch, torch  # the unpatched module for one forward
         try:
             hf(input_ids=prompt, use_cache=False)
         finally:
