@@ -1143,6 +1143,14 @@ MUTATIONS = (
         "        k = k.to(tl.float32) * ks\n",
         "        k = k.to(tl.float32)\n",
         ("test/layers/test_triton_sparse.py::test_triton_and_torch_native_agree_on_fp8_index_keys",)),
+    Mutation(
+        "fp8_index_key_scales_not_a_page_region", "DeepSeek-V3.2's FP8 index-key scales are left out of the pool's "
+        "page buffers, so P/D and the tiers move keys without their scales",
+        "python/pdserve/mem/kv_pool.py",
+        '            regions.append(("index_k_scale", self.index_k_scale))\n',
+        '            pass\n',
+        ("test/models/test_deepseek_v32_fp8_index.py::test_host_tier_hit_restores_fp8_keys_and_scales",
+         "test/disagg/test_pd_deepseek_v32.py::test_fp8_index_keys_move_with_their_scales")),
 )
 
 
