@@ -100,6 +100,24 @@ def test_engine_triton_decodes_v32_token_identically_to_transformers(tiny_v32):
     assert outs == [greedy_continuation(hf, p, 6) for p in prompts]
 
 
+@pytest.mark.slow
+def test_engine_triton_on_fp8_index_keys_decodes_as_transformers_with_them(tiny_v32):
+    """--index-cache-dtype fp8_e4m3 (CUDA's default) through the Triton score kernel: transformers' tokens
+    with its indexer's keys through the same quantization."""
+    from fixtures.fp8_index_keys import fp8_index_keys
+    from pdserve import Engine
+
+    hf, path = tiny_v32
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (5, 4 * 8 + 5)]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    with Engine(model_path=path, attention_backend="triton", page_size=4, index_cache_dtype="fp8_e4m3") as engine:
+        assert engine.scheduler.runner.pool.index_k.dtype == torch.float8_e4m3fn
+        outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with fp8_index_keys(hf) as oracle:
+        assert outs == [greedy_continuation(oracle, p, 6) for p in prompts]
+
+
 def test_sparse_benchmark_times_the_triton_indexer():
     """benchmark/bench_sparse.py on this backend: its indexer (index_topk) is found and timed."""
     import sys
