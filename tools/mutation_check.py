@@ -1137,6 +1137,30 @@ MUTATIONS = (
         "                buf.index_copy_(0, plan.move_dst, buf.index_select(0, plan.move_src - 1))\n",
         ("test/layers/test_attention.py::test_decode_stage_keeps_rows_and_attention_maps_the_order",
          "test/layers/test_attention.py::test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference")),
+    Mutation(
+        "fp8_index_key_scale_not_applied", "DeepSeek-V3.2's FP8 index keys are read back without their block "
+        "scales (raw e4m3 values scored)",
+        "python/pdserve/mem/kv_pool.py",
+        "    return (q.float().unflatten(-1, (blocks, -1)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)\n",
+        "    return q.float().to(dtype)\n",
+        ("test/models/test_deepseek_v32_fp8_index.py::test_representable_values_round_trip_exactly_and_scales_are_"
+         "amax_over_448",
+         "test/models/test_deepseek_v32_fp8_index.py::test_greedy_output_equals_transformers_with_fp8_index_keys")),
+    Mutation(
+        "triton_fp8_index_key_scale_not_applied", "the Triton indexer scores FP8 index keys without their block "
+        "scales",
+        "kernels/pdserve_kernels/sparse_mla.py",
+        "        k = k.to(tl.float32) * ks\n",
+        "        k = k.to(tl.float32)\n",
+        ("test/layers/test_triton_sparse.py::test_triton_and_torch_native_agree_on_fp8_index_keys",)),
+    Mutation(
+        "fp8_index_key_scales_not_a_page_region", "DeepSeek-V3.2's FP8 index-key scales are left out of the pool's "
+        "page buffers, so P/D and the tiers move keys without their scales",
+        "python/pdserve/mem/kv_pool.py",
+        '            regions.append(("index_k_scale", self.index_k_scale))\n',
+        '            pass\n',
+        ("test/models/test_deepseek_v32_fp8_index.py::test_host_tier_hit_restores_fp8_keys_and_scales",
+         "test/disagg/test_pd_deepseek_v32.py::test_fp8_index_keys_move_with_their_scales")),
 )
 
 

@@ -37,12 +37,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _index_score_kernel(Q, W, K, Slots, Req, Vis, Out, sq_t, sq_h, sw_t, sk_p, sk_s, ss_b, so_t,
+def _index_score_kernel(Q, W, K, KS, Slots, Req, Vis, Out, sq_t, sq_h, sw_t, sk_p, sk_s, sks_p, sks_s, ss_b, so_t,
                         scale, page_size, width,
                         HI: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KBLOCK: tl.constexpr):
     # One program: one query against one block of its request's tokens, read by slot from the
     # paged index keys. score_j = sum_h w[h] * relu(scale * q[h] . k_j); -inf past what it sees.
+    # KBLOCK > 0: the keys are e4m3 and KS holds a float32 scale per KBLOCK values of each key.
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.load(Req + t)
@@ -54,8 +55,14 @@ def _index_score_kernel(Q, W, K, Slots, Req, Vis, Out, sq_t, sq_h, sw_t, sk_p, s
                 other=0.0)  # [BH, BD]
     w = tl.load(W + t * sw_t + h, mask=h < HI, other=0.0)  # [BH] float32; padded heads weigh 0
     slot = tl.load(Slots + b * ss_b + offs, mask=valid, other=0)
+    kmask = valid[:, None] & (d[None, :] < DI)
     k = tl.load(K + ((slot // page_size) * sk_p + (slot % page_size) * sk_s)[:, None] + d[None, :],
-                mask=valid[:, None] & (d[None, :] < DI), other=0.0).to(Q.dtype.element_ty)  # [BN, BD]
+                mask=kmask, other=0.0)  # [BN, BD]
+    if KBLOCK > 0:
+        ks = tl.load(KS + ((slot // page_size) * sks_p + (slot % page_size) * sks_s)[:, None] + (d // KBLOCK)[None, :],
+                     mask=kmask, other=0.0)  # [BN, BD] each value's block scale
+        k = k.to(tl.float32) * ks
+    k = k.to(Q.dtype.element_ty)
     s = tl.maximum(_dot(q, tl.trans(k), IEEE) * scale, 0.0)  # [BH, BN]
     score = tl.sum(s * w[:, None], 0)  # [BN]
     tl.store(Out + t * so_t + offs, tl.where(valid, score, float("-inf")), mask=offs < width)
@@ -122,35 +129,42 @@ def token_rows(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, num_tokens:
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, kv_slots: torch.Tensor,
-                 req: torch.Tensor, vis: torch.Tensor, scale: float) -> torch.Tensor:
+                 req: torch.Tensor, vis: torch.Tensor, scale: float,
+                 index_k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] float32, index_k one layer [P, S, Di], kv_slots [B, L]
-    -> [T, L] float32: token j's index score for query t, -inf where t does not see j."""
+    -> [T, L] float32: token j's index score for query t, -inf where t does not see j.
+    ``index_k_scale`` [P, S, Di / block] float32: index_k is e4m3, each block of its keys times its scale."""
     T, Hi, Di = q.shape
     L = kv_slots.shape[1]
     out = torch.empty(T, L, dtype=torch.float32, device=q.device)
     if T == 0 or L == 0:
         return out
     block_n = 64
+    ks = index_k_scale if index_k_scale is not None else out  # a placeholder pointer, never read
+    kblock = Di // index_k_scale.shape[-1] if index_k_scale is not None else 0
     _index_score_kernel[(T, triton.cdiv(L, block_n))](
-        q, weights, index_k, kv_slots, req, vis, out, q.stride(0), q.stride(1), weights.stride(0),
-        index_k.stride(0), index_k.stride(1), kv_slots.stride(0), out.stride(0), scale, index_k.shape[1], L,
-        HI=Hi, DI=Di, BLOCK_H=_pow2(Hi), BLOCK_D=_pow2(Di), BLOCK_N=block_n, IEEE=_f32_dot(q))
+        q, weights, index_k, ks, kv_slots, req, vis, out, q.stride(0), q.stride(1), weights.stride(0),
+        index_k.stride(0), index_k.stride(1), ks.stride(0), ks.stride(1), kv_slots.stride(0), out.stride(0), scale,
+        index_k.shape[1], L,
+        HI=Hi, DI=Di, BLOCK_H=_pow2(Hi), BLOCK_D=_pow2(Di), BLOCK_N=block_n, IEEE=_f32_dot(q), KBLOCK=kblock)
     return out
 
 
 def index_topk(q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, kv_slots: torch.Tensor,
-               req: torch.Tensor, vis: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+               req: torch.Tensor, vis: torch.Tensor, scale: float, topk: int,
+               index_k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The indexer's selection: -> [T, k] pool slots of each query's ``k = min(topk, L)`` best
     visible tokens (unordered), -1 for padding picks. Scores come from ``index_scores``, in
     blocks of queries so the score buffer stays bounded; the top-k takes ties at its cut from the
-    lowest position (``topk_first_on_ties``)."""
+    lowest position (``topk_first_on_ties``). ``index_k_scale``: as ``index_scores``."""
     T, L = q.shape[0], kv_slots.shape[1]
     k = min(topk, L)
     step = max(1, SCORE_ELEMENTS // max(1, L))
     picks = []
     for t0 in range(0, T, step):
         rows = slice(t0, t0 + step)
-        score = index_scores(q[rows], weights[rows], index_k, kv_slots, req[rows], vis[rows], scale)  # [t, L]
+        score = index_scores(q[rows], weights[rows], index_k, kv_slots, req[rows], vis[rows], scale,
+                             index_k_scale)  # [t, L]
         pos = topk_first_on_ties(score, k)  # [t, k]
         slots = kv_slots[req[rows, None], pos]  # [t, k]
         picks.append(torch.where(pos < vis[rows, None], slots, -1))

@@ -82,13 +82,18 @@ def first_on_ties_at(score: torch.Tensor, cut: torch.Tensor, k: int) -> torch.Te
     return take.nonzero()[:, -1].view(*score.shape[:-1], k)
 
 
-def index_topk_ref(q, weights, index_k, kv_slots, req, vis, scale, topk) -> torch.Tensor:
-    """As ``sparse_mla.index_topk``: [T, min(topk, L)] slots, best first, -1 padding after them."""
+def index_topk_ref(q, weights, index_k, kv_slots, req, vis, scale, topk, index_k_scale=None) -> torch.Tensor:
+    """As ``sparse_mla.index_topk``: [T, min(topk, L)] slots, best first, -1 padding after them.
+    ``index_k_scale`` [P, S, Di / block]: index_k is e4m3, each block of a key times its float32 scale."""
     k = min(topk, kv_slots.shape[1])
     out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
     for t, (b, n) in enumerate(zip(req.tolist(), vis.tolist())):
         slots = kv_slots[b, :n]  # [n] the tokens query t sees
-        s = torch.relu(q[t].float() @ _rows(index_k, slots).float().T * scale)  # [Hi, n]
+        keys = _rows(index_k, slots).float()  # [n, Di]
+        if index_k_scale is not None:
+            ks = _rows(index_k_scale, slots)  # [n, Di / block]
+            keys = (keys.unflatten(-1, (ks.shape[-1], -1)) * ks.unsqueeze(-1)).flatten(-2)
+        s = torch.relu(q[t].float() @ keys.T * scale)  # [Hi, n]
         score = weights[t].float() @ s  # [n]
         best = topk_first_on_ties(score, min(k, n))
         out[t, :best.numel()] = slots[best]

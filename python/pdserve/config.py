@@ -25,6 +25,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 CPU_GEMMS = ("auto", "packed", "plain")
 # --kv-cache-dtype (SGLang's): auto stores KV in the model dtype; fp8_e4m3 in float8_e4m3fn, 1 byte an element
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# --index-cache-dtype (pdserve's; SGLang has no flag, it stores FP8 on GPU): DeepSeek-V3.2's index keys. auto:
+# fp8_e4m3 on CUDA (the reference's: e4m3 with a float32 scale per 128 values), the model dtype on CPU
+INDEX_CACHE_DTYPES = ("auto", "model", "fp8_e4m3")
+
+
+def resolve_index_cache_dtype(index_cache_dtype: str, device: str) -> str:
+    """What ``--index-cache-dtype`` stores on ``device`` ("cpu", "cuda"): "model" or "fp8_e4m3"."""
+    _check_choice("index_cache_dtype", index_cache_dtype, INDEX_CACHE_DTYPES)
+    if index_cache_dtype == "auto":
+        return "fp8_e4m3" if str(device).split(":")[0] == "cuda" else "model"
+    return index_cache_dtype
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
@@ -437,20 +448,25 @@ class ModelConfig:
         return int(self.hf_config.max_position_embeddings)
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", page_size: int | None = None,
-                           bounded: bool = False, context: int | None = None) -> int:
+                           bounded: bool = False, context: int | None = None, index_cache_dtype: str = "model") -> int:
         """Bytes of KV cache one token occupies over all layers (``kv_cache_dtype``: --kv-cache-dtype).
         A region of rate r (DeepSeek-V4's compressed entries) keeps ``ceil(page_size / r)`` rows per
         page: ``page_size`` None counts r tokens a row (pages a multiple of every rate), rounded up.
         ``bounded``: V4's bounded layout (CacheConfig.state_records): its pages' bytes, and with
-        ``context`` one request's record spread over that many tokens too."""
+        ``context`` one request's record spread over that many tokens too. ``index_cache_dtype`` (resolved:
+        "model" or "fp8_e4m3"): V3.2's index keys, in fp8 one byte a value plus a float32 scale a block."""
         _check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
         compute = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
         itemsize = 1 if kv_cache_dtype == "fp8_e4m3" else compute
         if self.state_regions:
             return math.ceil(self._v4_elements_per_token(page_size, bounded, context) * itemsize)
         per_layer = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
-        # V3.2's index keys stay in the compute dtype under an FP8 pool (mem/kv_pool.py MLAKVPool)
-        return self.num_layers * (per_layer * itemsize + self.index_head_dim * compute)
+        # V3.2's index keys: their own dtype, whatever the latent's (mem/kv_pool.py MLAKVPool)
+        _check_choice("index_cache_dtype", index_cache_dtype, ("model", "fp8_e4m3"))
+        index = self.index_head_dim * compute
+        if self.index_head_dim and index_cache_dtype == "fp8_e4m3":
+            index = self.index_head_dim + 4 * (self.index_head_dim // min(128, self.index_head_dim))
+        return self.num_layers * (per_layer * itemsize + index)
 
 
 def _check_choice(field_name: str, value: Any, choices: tuple) -> None:
@@ -611,9 +627,12 @@ class CacheConfig:
     # records to every server: P/D moves them beside the pages, and the hierarchical cache's tiers keep
     # a boundary's tail rows in the block's pages.
     state_records: int = 0
+    # --index-cache-dtype: DeepSeek-V3.2's index keys (INDEX_CACHE_DTYPES; resolve_index_cache_dtype)
+    index_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("index_cache_dtype", self.index_cache_dtype, INDEX_CACHE_DTYPES)
         if self.page_size < 1:
             raise ValueError(f"page_size: must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -1148,6 +1167,7 @@ class ServerArgs:
     port: int = 30000
     page_size: int = 1
     kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype
+    index_cache_dtype: str = "auto"  # CacheConfig.index_cache_dtype (DeepSeek-V3.2's index keys)
     max_running_requests: int = 64
     max_total_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None  # CacheConfig.kv_cache_memory_bytes (vLLM's flag)
@@ -1316,6 +1336,9 @@ class ServerArgs:
         self.parallel_config().check_model(model)
         if model.index_head_dim:
             self._check_sparse_index(model)
+        elif self.index_cache_dtype != "auto":
+            raise _flag_error("index_cache_dtype", f"{self.index_cache_dtype}: the model keeps no index keys "
+                                                   f"(DeepSeek-V3.2's lightning indexer)")
         if model.attention == "regions":
             self._check_deepseek_v4(model)
 
@@ -1359,6 +1382,12 @@ class ServerArgs:
         refused here, naming it. P/D, the tiers and TP/DP/EP carry its index keys as one more region of
         the latent's pages; so does NEXTN's draft layer (one more layer of both regions)."""
         v32 = "DeepSeek-V3.2"
+        _check_choice("index_cache_dtype", self.index_cache_dtype, INDEX_CACHE_DTYPES)
+        if resolve_index_cache_dtype(self.index_cache_dtype, self.device_config().device) == "fp8_e4m3":
+            di = model.index_head_dim
+            if di % min(128, di):
+                raise _flag_error("index_cache_dtype", f"fp8_e4m3: {v32}'s FP8 index keys take blocks of 128 "
+                                                       f"values, but index_head_dim is {di}")
         refusals = {
             "attention_backend": (self.device_config().attention_backend not in ("torch_native", "triton"),
                                   f"{self.device_config().attention_backend}: {v32}'s sparse attention runs on "
@@ -1375,7 +1404,7 @@ class ServerArgs:
                            hash_key=resolve_kv_hash_key(self.kv_hash_key_file),
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                            mem_fraction_static=self.mem_fraction_static,
-                           state_records=self.max_running_requests)
+                           state_records=self.max_running_requests, index_cache_dtype=self.index_cache_dtype)
 
     @_built_once
     def hicache_config(self) -> HiCacheConfig:

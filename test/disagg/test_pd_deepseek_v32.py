@@ -17,6 +17,7 @@ import importlib.util
 import pytest
 from pd_model_checks import PAGE, Deployment, check_router_tokens, check_sglang_router, check_turn_two
 
+from fixtures.fp8_index_keys import fp8_index_keys
 from fixtures.tiny_models import make_hf_model_and_dir
 from pdserve.transfer import BACKEND_NAMES
 
@@ -65,3 +66,19 @@ def test_turn_two_asks_prefill_only_for_the_pages_decode_lacks(pd, tiny):
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
 def test_the_same_through_sglang_router(pd, tiny):
     check_sglang_router(pd, tiny[0], LENGTHS[1:])
+
+
+def test_fp8_index_keys_move_with_their_scales(tiny):
+    """``--index-cache-dtype fp8_e4m3`` on both sides (the CUDA default): every page moves its latent
+    rows, its e4m3 index keys and their float32 scales (one a key at index_head_dim 32), and decode's
+    tokens are transformers' with its index keys through the same quantization."""
+    hf, path = tiny
+    c = hf.config
+    page_bytes = c.num_hidden_layers * PAGE * ((c.kv_lora_rank + c.qk_rope_head_dim) * 4 + c.index_head_dim + 4)
+    dep = Deployment(path, "mooncake", "--index-cache-dtype", "fp8_e4m3")
+    try:
+        pd = dep.start()
+        with fp8_index_keys(hf) as oracle:
+            check_router_tokens(pd, oracle, (TOPK - 3, 6 * TOPK), page_bytes)
+    finally:
+        dep.stop()

@@ -44,6 +44,27 @@ def test_index_topk_matches_twin(device, page_size):
     assert [int((r < 0).sum()) for r in got] == [max(0, TOPK - n) for n in vis.tolist()]
 
 
+@pytest.mark.parametrize("Di", [32, 256])
+def test_fp8_index_keys_score_and_pick_as_the_twin(device, Di):
+    """e4m3 keys with a float32 scale per block (one block at 32, two at 256): the kernel's scores are the
+    twin's over the dequantized keys, and its picks the twin's given the scales."""
+    from pdserve.mem.kv_pool import dequantize_index_keys, quantize_index_keys
+
+    P, slots, req, vis = _batch(4, seed=11)
+    g = torch.Generator().manual_seed(6)
+    keys, scale = quantize_index_keys(torch.randn(P, 4, Di, generator=g) * 5, min(128, Di))
+    q, w = torch.randn(len(req), 2, Di, generator=g), torch.randn(len(req), 2, generator=g)
+    dev = [t.to(device) for t in (q, w, keys, slots, req, vis)]
+    got = sm.index_scores(*dev, 0.5, index_k_scale=scale.to(device)).cpu()
+    want = sm.index_scores(*dev[:2], dequantize_index_keys(keys, scale, torch.float32).to(device), *dev[3:], 0.5).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    picks = sm.index_topk(*dev, 0.5, TOPK, index_k_scale=scale.to(device)).cpu()
+    twin = ref.index_topk_ref(q, w, keys, slots, req, vis, 0.5, TOPK, scale)
+    assert picks.sort(dim=1).values.tolist() == twin.sort(dim=1).values.tolist()
+    unscaled = sm.index_scores(*dev, 0.5).cpu()  # the e4m3 values alone score something else
+    assert not torch.allclose(unscaled.nan_to_num(neginf=0), got.nan_to_num(neginf=0))
+
+
 def test_index_scores_are_the_relu_weighted_sum(device):
     """Each visible token's score, not only the ranking: sum_h w[h] relu(scale q[h] . k)."""
     P, slots, req, vis = _batch(4, seed=9)

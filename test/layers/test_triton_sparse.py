@@ -36,10 +36,11 @@ def _inputs(seed: int):
     return xs, w_kc, w_vc, C, R, Di
 
 
-def _outputs(backend_name: str, page_size: int) -> list[torch.Tensor]:
+def _outputs(backend_name: str, page_size: int, index_cache_dtype: str = "model") -> list[torch.Tensor]:
     """Every request's rows, in the order the steps produced them."""
     xs, w_kc, w_vc, C, R, Di = _inputs(seed=page_size)
-    pool = MLAKVPool(48 // page_size + 4, page_size, 2, C, R, torch.float32, index_head_dim=Di)
+    pool = MLAKVPool(48 // page_size + 4, page_size, 2, C, R, torch.float32, index_head_dim=Di,
+                     index_cache_dtype=index_cache_dtype)
     outs: list[torch.Tensor] = []
 
     def run(fb, sp):
@@ -55,6 +56,14 @@ def _outputs(backend_name: str, page_size: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_sparse_mla_matches_torch_native(page_size):
     got, want = _outputs("triton", page_size), _outputs("torch_native", page_size)
+    assert len(got) == len(want) == sum(len(step) for step in STEPS)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_and_torch_native_agree_on_fp8_index_keys():
+    """An FP8 index cache (e4m3 keys, a scale each): both backends score the same dequantized keys."""
+    got, want = _outputs("triton", 4, "fp8_e4m3"), _outputs("torch_native", 4, "fp8_e4m3")
     assert len(got) == len(want) == sum(len(step) for step in STEPS)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
@@ -89,6 +98,24 @@ def test_engine_triton_decodes_v32_token_identically_to_transformers(tiny_v32):
     with Engine(model_path=path, attention_backend="triton", page_size=4, chunked_prefill_size=16) as engine:
         outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     assert outs == [greedy_continuation(hf, p, 6) for p in prompts]
+
+
+@pytest.mark.slow
+def test_engine_triton_on_fp8_index_keys_decodes_as_transformers_with_them(tiny_v32):
+    """--index-cache-dtype fp8_e4m3 (CUDA's default) through the Triton score kernel: transformers' tokens
+    with its indexer's keys through the same quantization."""
+    from fixtures.fp8_index_keys import fp8_index_keys
+    from pdserve import Engine
+
+    hf, path = tiny_v32
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (5, 4 * 8 + 5)]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    with Engine(model_path=path, attention_backend="triton", page_size=4, index_cache_dtype="fp8_e4m3") as engine:
+        assert engine.scheduler.runner.pool.index_k.dtype == torch.float8_e4m3fn
+        outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with fp8_index_keys(hf) as oracle:
+        assert outs == [greedy_continuation(oracle, p, 6) for p in prompts]
 
 
 def test_sparse_benchmark_times_the_triton_indexer():

@@ -141,9 +141,10 @@ def with_bootstrap(body: dict, host: str, port: int) -> dict:
 # --- records ----------------------------------------------------------------------------------
 
 
-def state_layout(model_config) -> str:
+def state_layout(model_config, index_cache_dtype: str = "model") -> str:
     """A token slot's regions as the compatibility record names them: ``k+v``, ``latent``,
-    ``latent+index_k[128]:bfloat16`` (DeepSeek-V3.2's index keys, kept in the model dtype), or a
+    ``latent+index_k[128]:bfloat16`` (DeepSeek-V3.2's index keys in the model dtype; ``index_cache_dtype``
+    fp8_e4m3: ``latent+index_k[128]:float8_e4m3fn+index_k_scale[1]:float32``), or a
     regions model's every region with the layers keeping it, ``window_kv[512]:bfloat16@0,1,2+...``
     (DeepSeek-V4: a V3 or V3.2 side, or a V4 of other layer kinds, never pairs with it)."""
     mc = model_config
@@ -152,7 +153,11 @@ def state_layout(model_config) -> str:
                         for name, layers, width, rate in mc.state_regions)
     regions = ["latent"] if mc.is_mla else ["k", "v"]
     if mc.index_head_dim:
-        regions.append(f"index_k[{mc.index_head_dim}]:{mc.dtype}")
+        if index_cache_dtype == "fp8_e4m3":
+            blocks = mc.index_head_dim // min(128, mc.index_head_dim)
+            regions += [f"index_k[{mc.index_head_dim}]:float8_e4m3fn", f"index_k_scale[{blocks}]:float32"]
+        else:
+            regions.append(f"index_k[{mc.index_head_dim}]:{mc.dtype}")
     return "+".join(regions)
 
 
@@ -195,9 +200,11 @@ class CompatRecord:
     @classmethod
     def from_model(cls, model_config, page_size: int, model: str | None = None, seed: int = 0,
                    transfer_backend: str = "mooncake", kv_cache_dtype: str = "auto",
-                   speculative: str | None = None, state_records: str = "none") -> CompatRecord:
+                   speculative: str | None = None, state_records: str = "none",
+                   index_cache_dtype: str = "model") -> CompatRecord:
         """From a ``config.ModelConfig`` (``model`` defaults to its path; ``seed``: of dummy weights;
-        ``speculative``: the speculative algorithm, None when off)."""
+        ``speculative``: the speculative algorithm, None when off; ``index_cache_dtype``: what V3.2's
+        index keys are stored as, resolved)."""
         from pdserve.models.fingerprint import weights_fingerprint
 
         mc = model_config
@@ -206,7 +213,7 @@ class CompatRecord:
         return cls(model or mc.path, mc.architecture, mc.dtype, page_size, kv_layout,
                    mc.num_layers, mc.num_kv_heads, mc.head_dim, weights_fingerprint(mc, seed), transfer_backend,
                    quant.name if quant is not None else "none", kv_cache_dtype, speculative or "none",
-                   state_layout(mc), state_records)
+                   state_layout(mc, index_cache_dtype), state_records)
 
     def check(self, other: CompatRecord, mine: str = "prefill", theirs: str = "decode") -> None:
         """Raise IncompatiblePeer naming the first compared field that differs. The weights

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.config import DisaggConfig, ModelConfig, ServerArgs, split_host_port
+from pdserve.config import DisaggConfig, ModelConfig, ServerArgs, resolve_index_cache_dtype, split_host_port
 from pdserve.disagg import protocol
 from pdserve.disagg.auth import PeerAuth, peer_auth
 from pdserve.disagg.bootstrap import BootstrapClient, CompatRecord, RankRecord
@@ -47,7 +47,9 @@ def compat_record(args: ServerArgs, model_config: ModelConfig, pool=None) -> Com
     return CompatRecord.from_model(model_config, args.page_size, model=args.served_model_name or args.model_path,
                                    seed=args.random_seed, transfer_backend=args.disaggregation_transfer_backend,
                                    kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative_algorithm,
-                                   state_records=state_records(pool) if pool is not None else "none")
+                                   state_records=state_records(pool) if pool is not None else "none",
+                                   index_cache_dtype=resolve_index_cache_dtype(args.index_cache_dtype,
+                                                                               args.device_config().device))
 
 
 def kv_layout(model_config: ModelConfig, pool, tp_size: int = 1, dp_size: int = 1) -> KVLayout:

@@ -18,6 +18,7 @@ from pdserve.config import (
     ServerArgs,
     SpeculativeConfig,
     deepseek_v4_bounded,
+    resolve_index_cache_dtype,
 )
 from pdserve.distributed.parallel_state import SINGLE, ParallelState
 from pdserve.layers.attention.registry import create_backend
@@ -51,7 +52,9 @@ def kv_pool_budget(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     """The pool's size on this rank (mem/kv_budget.py): its byte budget over the bytes one token
     takes here, in the pool's dtype, over the draft's ``extra_layers`` too, with this rank's KV heads;
     a bounded DeepSeek-V4 layout's records (``rollback``: see create_kv_pool) come out of it first."""
-    per_token = model.kv_bytes_per_token(cache.kv_cache_dtype, cache.page_size, bool(cache.state_records))
+    index_dtype = resolve_index_cache_dtype(cache.index_cache_dtype, str(device))
+    per_token = model.kv_bytes_per_token(cache.kv_cache_dtype, cache.page_size, bool(cache.state_records),
+                                         index_cache_dtype=index_dtype)
     per_token = per_token * (model.num_layers + extra_layers) // model.num_layers
     if not model.is_mla:
         per_token = per_token * _local_kv_heads(model, parallel) // model.num_kv_heads
@@ -96,7 +99,8 @@ def create_kv_pool(model: ModelConfig, cache: CacheConfig, parallel: ParallelSta
     if model.is_mla:
         return MLAKVPool(num_pages, cache.page_size, layers, c.kv_lora_rank,
                          c.qk_rope_head_dim, store, device, compute_dtype=model.torch_dtype,
-                         index_head_dim=model.index_head_dim)
+                         index_head_dim=model.index_head_dim,
+                         index_cache_dtype=resolve_index_cache_dtype(cache.index_cache_dtype, str(device)))
     return GQAKVPool(num_pages, cache.page_size, layers, _local_kv_heads(model, parallel), model.head_dim,
                      store, device, compute_dtype=model.torch_dtype)
 

@@ -30,6 +30,7 @@ from pdserve.config import (
     HICACHE_PREFETCH_POLICIES,
     HICACHE_STORAGE_BACKENDS,
     HICACHE_WRITE_POLICIES,
+    INDEX_CACHE_DTYPES,
     KV_CACHE_DTYPES,
     KV_HASH_KEY_ENV,
     LOAD_FORMATS,
@@ -143,6 +144,9 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
     _flag(g, "--page-size", "tokens per KV page", type=int)
     _flag(g, "--kv-cache-dtype", "KV pool dtype; auto: the model's (--dtype), fp8_e4m3: float8_e4m3fn with "
           "per-tensor scales 1.0, a quarter of fp32's bytes (docs/kv-cache.md)", choices=KV_CACHE_DTYPES)
+    _flag(g, "--index-cache-dtype", "DeepSeek-V3.2's index keys; auto: fp8_e4m3 on CUDA, the model's dtype on CPU; "
+          "fp8_e4m3: e4m3 with a float32 scale per 128 values, as DeepSeek's reference (docs/models.md)",
+          choices=INDEX_CACHE_DTYPES)
     _flag(g, "--max-total-tokens", "KV pool size in tokens; with a budget flag below, a cap on what it gives "
           "(default: from the budget)", type=int)
     _flag(g, "--mem-fraction-static", "the KV pool gets this fraction of the device's memory less what is in use "

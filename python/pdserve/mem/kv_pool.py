@@ -37,6 +37,34 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return model_dtype
 
 
+INDEX_BLOCK = 128  # values of an index key sharing one scale (DeepSeek-V3.2's reference)
+INDEX_AMAX_FLOOR = 1e-4  # the reference's floor on a block's amax: an all-zero block gets a finite scale
+
+
+def index_key_block(index_head_dim: int) -> int:
+    """Values per scale of an FP8 index key: 128, or the whole key when it is smaller."""
+    block = min(INDEX_BLOCK, index_head_dim)
+    if index_head_dim % block:
+        raise ValueError(f"index_head_dim: an FP8 index cache needs a multiple of {INDEX_BLOCK} (or at most "
+                         f"{INDEX_BLOCK}), got {index_head_dim}")
+    return block
+
+
+def quantize_index_keys(k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [..., Di] -> (e4m3 [..., Di], float32 scales [..., Di / block]): each block of ``block``
+    values divided by its scale ``max(amax, 1e-4) / 448``, so its largest value lands on 448."""
+    kb = k.float().unflatten(-1, (-1, block))  # [..., Di / block, block]
+    scale = kb.abs().amax(-1).clamp_min(INDEX_AMAX_FLOOR) / FP8_MAX  # [..., Di / block]
+    q = (kb / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.flatten(-2), scale
+
+
+def dequantize_index_keys(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize_index_keys`` (up to its rounding): e4m3 times its block's scale."""
+    blocks = scale.shape[-1]
+    return (q.float().unflatten(-1, (blocks, -1)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """x in ``dtype`` as the pool stores it: fp8 is x / scale saturated to +-448; else a cast."""
     if dtype != FP8_DTYPE:
@@ -207,11 +235,15 @@ class MLAKVPool(KVPool):
     DeepSeek-V3.2 (``index_head_dim`` Di > 0) adds its indexer's keys as a second region of the
     same pages, ``index_k`` ``[N, P, S, Di]``: slot ``s`` holds both the latent and the index key
     of one token, so the allocator, page table and radix cache carry them with no branch of their
-    own (docs/kv-cache.md, "One layout, many kinds of state"). Index keys stay in the compute dtype.
+    own (docs/kv-cache.md, "One layout, many kinds of state"). ``index_cache_dtype`` "model" keeps them
+    in the compute dtype; "fp8_e4m3" stores them as DeepSeek's reference does on GPU: e4m3 with one
+    float32 scale per block of 128 values (``quantize_index_keys``), the scales a third region
+    ``index_k_scale`` ``[N, P, S, Di / block]`` of the same pages.
     """
 
     def __init__(self, num_pages, page_size, num_layers, kv_lora_rank, rope_dim, dtype, device="cpu",
-                 compute_dtype=None, latent_scale: float = 1.0, index_head_dim: int = 0):
+                 compute_dtype=None, latent_scale: float = 1.0, index_head_dim: int = 0,
+                 index_cache_dtype: str = "model"):
         super().__init__(num_pages, page_size, num_layers, dtype, device, compute_dtype)
         self._check_scales(latent_scale=latent_scale)
         if index_head_dim < 0:
@@ -222,10 +254,19 @@ class MLAKVPool(KVPool):
         self.latent = torch.zeros((num_layers, num_pages, page_size, kv_lora_rank + rope_dim),
                                   dtype=dtype, device=self.device)  # [N, P, S, C+R]
         self.index_head_dim = index_head_dim
+        if index_cache_dtype not in ("model", "fp8_e4m3"):
+            raise ValueError(f"index_cache_dtype: {index_cache_dtype!r} is not one of ('model', 'fp8_e4m3')")
+        self.index_fp8 = bool(index_head_dim) and index_cache_dtype == "fp8_e4m3"
         self.index_k: torch.Tensor | None = None  # [N, P, S, Di] for DeepSeek-V3.2
+        self.index_k_scale: torch.Tensor | None = None  # [N, P, S, Di / block] float32 when index_fp8
         if index_head_dim:
-            self.index_k = torch.zeros((num_layers, num_pages, page_size, index_head_dim),
-                                       dtype=self.compute_dtype, device=self.device)
+            shape = (num_layers, num_pages, page_size, index_head_dim)
+            self.index_k = torch.zeros(shape, dtype=FP8_DTYPE if self.index_fp8 else self.compute_dtype,
+                                       device=self.device)
+        if self.index_fp8:
+            self.index_block = index_key_block(index_head_dim)
+            self.index_k_scale = torch.zeros((num_layers, num_pages, page_size, index_head_dim // self.index_block),
+                                             dtype=torch.float32, device=self.device)
 
     def _flat(self, layer: int) -> torch.Tensor:
         return self.latent[layer].view(self.num_slots, -1)  # [P*S, C+R]
@@ -250,17 +291,36 @@ class MLAKVPool(KVPool):
         return self.index_k
 
     def set_index_k(self, layer: int, loc: torch.Tensor, k: torch.Tensor) -> None:
-        """loc [T]; k [T, Di]: the indexer's keys of the tokens whose latent goes to the same slots."""
-        self._index_k()[layer].view(self.num_slots, -1)[loc] = k.to(self.compute_dtype)
+        """loc [T]; k [T, Di]: the indexer's keys of the tokens whose latent goes to the same slots
+        (quantized per block, the scales beside them, in an FP8 index cache)."""
+        keys = self._index_k()[layer].view(self.num_slots, -1)
+        if self.index_k_scale is None:
+            keys[loc] = k.to(self.compute_dtype)
+            return
+        q, scale = quantize_index_keys(k, self.index_block)
+        keys[loc] = q
+        self.index_k_scale[layer].view(self.num_slots, -1)[loc] = scale
+
+    def round_trip_index_k(self, k: torch.Tensor) -> torch.Tensor:
+        """k [..., Di] as a read of it after ``set_index_k`` returns it."""
+        if self.index_k_scale is None:
+            return k.to(self.compute_dtype)
+        return dequantize_index_keys(*quantize_index_keys(k, self.index_block), self.compute_dtype)
+
+    def _read_index_k(self, keys: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return keys if scales is None else dequantize_index_keys(keys, scales, self.compute_dtype)
 
     def get_index_k_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """pages [B, Lp] -> [B, Lp * S, Di], token j of row b at column j (whole pages: few, large copies)."""
+        """pages [B, Lp] -> [B, Lp * S, Di] in the compute dtype, token j of row b at column j (whole
+        pages: few, large copies)."""
         B, Lp = pages.shape
-        return self._index_k()[layer][pages].view(B, Lp * self.page_size, -1)
+        scales = None if self.index_k_scale is None else self.index_k_scale[layer][pages]
+        return self._read_index_k(self._index_k()[layer][pages], scales).view(B, Lp * self.page_size, -1)
 
     def get_index_k_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """slots [...] -> the index keys stored there, [..., Di]."""
-        return self._index_k()[layer].view(self.num_slots, -1)[slots]
+        """slots [...] -> the index keys stored there, [..., Di] in the compute dtype."""
+        scales = None if self.index_k_scale is None else self.index_k_scale[layer].view(self.num_slots, -1)[slots]
+        return self._read_index_k(self._index_k()[layer].view(self.num_slots, -1)[slots], scales)
 
     def get_latent_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """slots [...] -> the latent rows stored there, [..., C + R] in the compute dtype (sparse reads)."""
@@ -272,6 +332,8 @@ class MLAKVPool(KVPool):
         regions = [("latent", self.latent)]
         if self.index_k is not None:
             regions.append(("index_k", self.index_k))
+        if self.index_k_scale is not None:
+            regions.append(("index_k_scale", self.index_k_scale))
         return regions
 
     def buffer_descriptors(self) -> list[BufferDescriptor]:

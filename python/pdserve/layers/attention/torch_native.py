@@ -489,7 +489,8 @@ class TorchNativeBackend(AttentionBackend):
         kernel = self._index_kernel_for(pool)
         keys = None
         if not kernel:
-            (keys,) = self._kv(layer_id, md, (index.k.unsqueeze(1),),
+            # the new rows as the pool reads them back (an FP8 index cache's rounding included)
+            (keys,) = self._kv(layer_id, md, (pool.round_trip_index_k(index.k).unsqueeze(1),),
                                lambda pages: (pool.get_index_k_pages(layer_id, pages).unsqueeze(1),),
                                region="index_k")
             keys = keys[:, 0, :L]  # [B, L, Di], in row order

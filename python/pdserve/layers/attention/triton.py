@@ -103,8 +103,10 @@ class TritonBackend(AttentionBackend):
         pool.set_index_k(layer_id, fb.out_cache_loc, index.k)
         fb.kv_written(layer_id)
         md = self.metadata_of(fb, TritonMetadata)
+        key_scale = None if pool.index_k_scale is None else pool.index_k_scale[layer_id]  # FP8 index keys' scales
         picks = self.sparse.index_topk(index.q.contiguous(), index.weights.float().contiguous(), pool.index_k[layer_id],
-                                       md.kv_slots, md.token_req, md.token_vis, index.scale, index.topk)  # [T, k]
+                                       md.kv_slots, md.token_req, md.token_vis, index.scale, index.topk,
+                                       index_k_scale=key_scale)  # [T, k]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         q = torch.cat([q_lat, q_pe], dim=-1).contiguous()  # [T, H, C+R]
         o_lat = self.sparse.attend(q, pool.latent[layer_id], latent.shape[-1], picks, scale,
