@@ -286,7 +286,6 @@ def _start_rank(args: ServerArgs, layout, store_dir: str | None):
     reports the engine ready."""
     import torch
 
-    from pdserve.disagg.roles import build_mode
     from pdserve.distributed.groups import backend_for_device, init_method, init_rank_groups
     from pdserve.engine.rank_group import ControlPlane, build_rank_scheduler
     from pdserve.engine.tokenizer import load_tokenizer
@@ -302,11 +301,22 @@ def _start_rank(args: ServerArgs, layout, store_dir: str | None):
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_config.path)
     groups = init_rank_groups(layout, init_method(store_dir, args.dist_init_addr), backend_for_device(device))
     scheduler = build_rank_scheduler(args, groups, model_config, tokenizer, device,
-                                     make_mode=lambda runner: build_mode(args, model_config, runner, groups))
+                                     make_mode=lambda runner: _rank_mode(args, model_config, runner, groups))
     if layout.rank == 0:
         attach_kv_events(args, scheduler)
     ControlPlane(layout, groups.cpu).gather(os.getpid())  # every rank is ready
     return groups, scheduler
+
+
+def _rank_mode(args: ServerArgs, model_config, runner, groups):
+    """This rank's mode; as ``role_modes``, only a P/D server imports ``disagg/``."""
+    if not args.disagg_config().enabled:
+        from pdserve.engine.modes import SchedulerMode
+
+        return SchedulerMode()
+    from pdserve.disagg.roles import build_mode
+
+    return build_mode(args, model_config, runner, groups)
 
 
 def _close_rank(ctx: zmq.Context, recv, send, groups, clean: bool) -> None:
