@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from entrypoints.server_utils import Server, free_port
+from entrypoints.server_utils import TLS, Server, free_port
 from router.router_utils import Router, wait_for
 
 
@@ -73,7 +73,7 @@ def routed(prefill: Server, boot: int, decode: Server, body: dict, timeout: floa
     body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": room}
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(_post_quietly, prefill.url + "/generate", body, timeout)
-        d = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=timeout)
+        d = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=timeout, verify=TLS)
         resp = d.result()
         p.result()
     resp.raise_for_status()
@@ -82,7 +82,7 @@ def routed(prefill: Server, boot: int, decode: Server, body: dict, timeout: floa
 
 def _post_quietly(url: str, body: dict, timeout: float) -> None:
     try:
-        httpx.post(url, json=body, timeout=timeout)
+        httpx.post(url, json=body, timeout=timeout, verify=TLS)
     except httpx.HTTPError:
         pass
 
@@ -90,7 +90,7 @@ def _post_quietly(url: str, body: dict, timeout: float) -> None:
 def stream_final(url: str, body: dict, timeout: float = 120.0) -> dict:
     """The last event of a streamed /generate (SGLang's events are cumulative)."""
     last = None
-    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=timeout) as r:
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=timeout, verify=TLS) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

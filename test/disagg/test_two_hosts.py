@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from entrypoints.server_utils import alive, descendants
+from entrypoints.server_utils import HEALTH_POLL_S, TLS, alive, descendants
 from pdserve.disagg.auth import PeerAuth
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -256,10 +256,11 @@ class Cluster:
         return self.clients[host].submit(fn, *args, **kwargs).result()
 
     def get(self, host: str, url: str, **kw) -> httpx.Response:
-        return self.on(host, httpx.get, url, headers=kw.pop("headers", AUTH), timeout=kw.pop("timeout", 30), **kw)
+        return self.on(host, httpx.get, url, headers=kw.pop("headers", AUTH), timeout=kw.pop("timeout", 30),
+                       verify=kw.pop("verify", TLS), **kw)
 
     def post(self, host: str, url: str, body: dict) -> httpx.Response:
-        return self.on(host, httpx.post, url, json=body, headers=AUTH, timeout=120)
+        return self.on(host, httpx.post, url, json=body, headers=AUTH, timeout=120, verify=TLS)
 
     def wait_healthy(self, host: str, url: str, timeout: float = START_TIMEOUT_S, router: bool = False) -> None:
         """Until ``url``'s /health answers 200 to a client on ``host`` (a router: and it sees a
@@ -274,7 +275,7 @@ class Cluster:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(HEALTH_POLL_S)
         raise AssertionError(f"{url} not healthy after {timeout} s\n{self.logs()}")
 
     def wait_listening(self, host: str, address: str, port: int, timeout: float = 30.0) -> None:

@@ -32,7 +32,7 @@ from pdserve.entrypoints.up import (
     split_cores,
 )
 from pdserve.web.api_key import ADMIN_KEY_ENV
-from server_utils import alive, descendants, free_port_block, port_is_free
+from server_utils import TLS, alive, descendants, free_port_block, port_is_free
 
 
 def test_cores_are_split_between_the_servers():
@@ -394,7 +394,7 @@ def test_up_serves_through_its_router_and_stops_everything():
         assert_listening_on_loopback_only(proc.pid, _router_pid(children))
         assert_no_secret_on_a_command_line(set(descendants(proc.pid)))
         # Decode wrote turn 1 back to the shared store: turn 2's prefill loads it from there.
-        _wait(lambda: httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", headers=AUTH, timeout=30)
+        _wait(lambda: httpx.get(f"http://127.0.0.1:{port + 2}/get_server_info", headers=AUTH, timeout=30, verify=TLS)
               .json()["storage_puts"] >= 2, 30, "decode's write-back")
         turn2 = turn1 + got["output_ids"] + [40, 41, 42]
         got = httpx.post(url + "/generate", json={"input_ids": turn2, "sampling_params": sampling}, headers=AUTH,
@@ -403,7 +403,7 @@ def test_up_serves_through_its_router_and_stops_everything():
         # Decode stored two chunks (16 of the 19 positions it computed); prefill's device held 11 of them.
         assert got["meta_info"]["cached_tokens_by_tier"] == {"device": 11, "host": 0, "storage": 5}
         # The router follows the prefill's keyed KV events (one key up made for all, its snapshot worker-only).
-        _wait(lambda: httpx.get(url + "/get_server_info", headers=AUTH, timeout=30).json()["prefill"][0]
+        _wait(lambda: httpx.get(url + "/get_server_info", headers=AUTH, timeout=30, verify=TLS).json()["prefill"][0]
               ["cache_view"]["source"] == "events", 60, "the router following the prefill's KV events")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -444,7 +444,7 @@ def _wait(cond, timeout: float, what: str):
 
 def _metric(url: str, name: str, **labels) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=30, verify=TLS).text.splitlines():  # polled: TLS built once
         key, _, value = line.rpartition(" ")
         if key == (f"{name}{{{want}}}" if want else name):
             return float(value)
@@ -506,7 +506,7 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
                            if b"=" in e)
         with ThreadPoolExecutor(16) as pool:
             first = [pool.submit(_ask, router, p, True, LONG) for p in PROMPTS[:8]]
-            _wait(lambda: httpx.get(router + "/get_server_info", timeout=30).json()["decode"][0]["in_flight"] == 8,
+            _wait(lambda: _info(router)["decode"][0]["in_flight"] == 8,
                   60, "8 streams in flight")
             os.killpg(victim, signal.SIGKILL)
             _wait(lambda: not alive(victim), 30, "prefill gone")
@@ -522,8 +522,8 @@ def test_killed_prefill_under_up_degrades_then_comes_back():
                               worker=f"http://127.0.0.1:{port + 1}") == 1, 240, "router sees the prefill again")
         # the kill opened its breaker (connection failures): the router picks it once that breaker lets
         # requests through again (half-open after its cool-down), which a health check alone does not
-        _wait(lambda: httpx.get(router + "/get_server_info", timeout=30).json()["prefill"][0]["circuit_breaker"]
-              != "open", 120, "the prefill's breaker lets requests through")
+        _wait(lambda: _info(router)["prefill"][0]["circuit_breaker"] != "open", 120,
+              "the prefill's breaker lets requests through")
         prefill = f"http://127.0.0.1:{port + 1}"
         sent = _metric(router, "pdserve_router:requests_total", role="prefill", worker=prefill)
         degraded = _metric(router, "pdserve_router:degraded_requests_total")
@@ -646,7 +646,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _info(url: str) -> dict:
-    return httpx.get(url + "/get_server_info", timeout=30).json()
+    return httpx.get(url + "/get_server_info", timeout=30, verify=TLS).json()  # polled: TLS built once
 
 
 def check_n_samples(url: str, client, prefill_port: int, decode_port: int) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from aiohttp import web
 
-from entrypoints.server_utils import free_port
+from entrypoints.server_utils import HEALTH_POLL_S, TLS, free_port
 from pdserve.web.headers import BOOTSTRAP_PORT_HEADER, INSTANCE_HEADER, ROLE_HEADER
 
 ROUTER_STARTUP_TIMEOUT_S = 60.0
@@ -66,21 +66,22 @@ class Router:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200 or not ready:
+                if httpx.get(self.url + "/health", timeout=2, verify=TLS).status_code == 200 or not ready:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
+            time.sleep(HEALTH_POLL_S)
         out = self.output()  # before stop(), which removes the log
         self.stop()
         raise RuntimeError(f"router not listening after {timeout} s:\n{out}")
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), headers=kw.pop("headers", self.headers), **kw)
+        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), headers=kw.pop("headers", self.headers),
+                         verify=kw.pop("verify", TLS), **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
         return httpx.post(self.url + path, timeout=kw.pop("timeout", 60), headers=kw.pop("headers", self.headers),
-                          **kw)
+                          verify=kw.pop("verify", TLS), **kw)
 
     def worker_state(self, url: str) -> dict:
         info = self.get("/get_server_info").json()
