@@ -119,8 +119,9 @@ def test_signal_stops_everything(roomy_server, sig):
     assert started.wait(60)
     clients.append(_client(_post, server, {"text": "another story", "sampling_params": long_out}, plain))
     prompt = " ".join(["word"] * LONG_PREFILL_WORDS)
+    # ignore_eos: once its prefill is done it must not end on its own (an EOS) before the signal's abort
     clients.append(_client(_stream, server, {"text": prompt, "stream": True, "sampling_params": {
-        "max_new_tokens": 200}}, prefilling, threading.Event()))
+        "max_new_tokens": 200, "ignore_eos": True}}, prefilling, threading.Event()))
     _wait_inflight(server, 3)
     server.signal(sig)
     try:

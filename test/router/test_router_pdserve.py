@@ -145,7 +145,10 @@ def test_client_disconnect_aborts_on_both_servers(servers, router):
         lines = r.iter_lines()
         for _ in range(3):
             next(line for line in lines if line.startswith("data: {"))
-        assert prefill.info()["num_running_reqs"] == 1 and decode.info()["num_running_reqs"] == 1
+        # Decode runs it. Prefill's part (the prompt, the KV transfer) may already be over after three
+        # decode tokens (timing): the disconnect then has only decode's request to end; either way both
+        # must end idle with nothing counted as generated (below).
+        assert decode.info()["num_running_reqs"] == 1 and prefill.info()["num_running_reqs"] in (0, 1)
     for s in (prefill, decode):
         s.wait_idle(timeout=60)
     # an aborted request never counts its tokens as generated; one that ran to the end would add 4000
