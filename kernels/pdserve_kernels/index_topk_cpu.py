@@ -3,10 +3,8 @@ query reads its visible index keys once, by slot, from the paged pool, and keeps
 scoring (no gathered keys, no [B, Hi, L] scores). Twin: the torch_native backend's
 ``select_top_tokens`` (the same picks, ties at the cut from the lowest position, positions ascending).
 
-The C source is compiled on first use with the system compiler (``$PDSERVE_CC``, else ``cc``) into
-a per-user cache keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes;
-no torch headers, so a build takes about a second. ``load()`` is None where no compiler exists or
-the build fails (said once in the log): callers then run the twin.
+Built on first use like every plain-C kernel (``cpu_build``); ``load()`` is None where no compiler
+exists or the build fails (said once in the log): callers then run the twin.
 
 Legend: T query rows, B requests, L kv_slots' width, Hi/Di index heads and head dim, P pages,
 S page size, k picks.
@@ -15,23 +13,15 @@ S page size, k picks.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from pdserve_kernels.cpu_build import CLibrary, compiler  # noqa: F401  (compiler: the tests name it here)
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("index_topk_cpu.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99")
-BUILD_TIMEOUT_S = 120
 # Query rows of one request scored together (an extend): one read of each key serves them all while
 # their [Hi, Di] queries and k-long heaps stay in cache.
 BLOCK_BYTES = 1 << 15
@@ -44,78 +34,21 @@ class KernelUnavailable(RuntimeError):
     """The kernel cannot run these inputs as it is (non-finite scores): the caller runs the twin."""
 
 
-def cache_dir() -> Path:
-    """$PDSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/pdserve/kernels (default ~/.cache)."""
-    if os.environ.get("PDSERVE_KERNEL_CACHE"):
-        return Path(os.environ["PDSERVE_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve" / "kernels"
-
-
-def compiler() -> str:
-    return os.environ.get("PDSERVE_CC") or "cc"
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for (the first CPU's model and instruction-set flags): a library
-    built on another CPU, or a VM that hides some extensions, may not run here."""
-    seen: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name = line.split(":", 1)[0].strip()
-            if name in ("model name", "flags", "Features", "CPU part") and name not in seen:
-                seen[name] = line
-    except OSError:
-        pass
-    return "\n".join(seen.values()) or platform.processor()
-
-
-def library_path(cc: str) -> Path:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, platform.machine(), _cpu_id()])
-                         .encode()).hexdigest()[:16]
-    return cache_dir() / f"index_topk_cpu-{key}.so"
-
-
-def build(cc: str) -> Path:
-    """The compiled library, built unless cached. Atomic: each build writes its own temporary
-    file and renames it into place, so processes building at once each load a whole library."""
-    out = library_path(cc)
-    if out.exists():
-        return out
-    if shutil.which(cc) is None:
-        raise FileNotFoundError(f"no C compiler {cc!r} (set PDSERVE_CC)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-@functools.cache
-def _load(cc: str) -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(build(cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("indexer top-k: the CPU kernel is unavailable (%s); the torch path runs instead", e)
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.pdserve_index_topk_f32
     i64, p = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [p, p, p, i64, p, i64, i64, i64, p, p, i64, i64, i64, ctypes.c_double, i64, i64, p]
     fn.restype = ctypes.c_int
-    logger.info("indexer top-k: CPU kernel %s", lib._name)
-    return lib
+
+
+LIBRARY = CLibrary(Path(__file__).with_name("index_topk_cpu.c"), _declare, "indexer top-k", log=logger)
+SOURCE = LIBRARY.source
+build = LIBRARY.build
 
 
 def load() -> ctypes.CDLL | None:
     """The kernel's library, built on first use with ``compiler()``; None where that fails."""
-    return _load(compiler())
+    return LIBRARY.load()
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
