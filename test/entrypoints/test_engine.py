@@ -26,3 +26,30 @@ def test_engine_logprob_texts_are_decoded_once_per_engine():
 
     assert ids_and_texts(first) == ids_and_texts(second)
     assert singles > 0 and sum(len(ids) == 1 for ids in calls) == singles  # one-token decodes: the memo's
+
+
+def test_engine_keeps_its_start_out_of_the_collectors_passes_until_shutdown():
+    """The Engine freezes what its start built (the model, torch's and transformers' objects), so a full
+    collection during generate does not walk them; shutdown thaws it, and a failed start leaves nothing
+    frozen."""
+    import gc
+
+    import pytest
+
+    engine = pdserve.Engine(model_path="tiny-llama", max_total_tokens=1024, num_threads=1)
+    model = engine.scheduler.runner.model
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000 and id(model) not in {id(o) for o in gc.get_objects()}  # frozen: no pass sees it
+        engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        gc.collect()
+        assert gc.get_freeze_count() > frozen - 100  # only what refcounting freed left the frozen set
+    finally:
+        engine.shutdown()
+    assert id(model) in {id(o) for o in gc.get_objects()}  # thawed
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(ValueError, match="disaggregation_mode"):
+        pdserve.Engine(model_path="tiny-llama", disaggregation_mode="prefill")
+    with pytest.raises(Exception):
+        pdserve.Engine(model_path="tiny-llama", max_total_tokens=1024, num_threads=1, attention_backend="nope")
+    assert gc.get_freeze_count() == 0
