@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define W 16 /* lanes of a v16f: one AVX-512 register, two AVX2 ones */
 typedef float v16f __attribute__((vector_size(4 * W)));
@@ -32,6 +35,30 @@ static inline v16f load(const float *p) {
 static inline void store(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
 static inline v16f splat(float x) { return (v16f){0} + x; }
+
+/* a * b + c, fused where the CPU has FMA. Explicit, so it survives -ffp-contract=off: only exp's
+ * polynomial uses it (no twin to match there, and it halves the polynomial's instructions). */
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* 1 / d within 1 ulp: the 14-bit estimate and one Newton step where AVX-512 has it (a division
+ * costs several times more), else the division. */
+static inline v16f recip16(v16f d) {
+#if defined(__AVX512F__)
+    __m512 r = _mm512_rcp14_ps((__m512)d);
+    __m512 e = _mm512_fnmadd_ps((__m512)d, r, _mm512_set1_ps(1.f)); /* 1 - d r */
+    __m512 y = _mm512_fmadd_ps(r, e, r);                            /* r + r (1 - d r) */
+    /* d = inf: the estimate is 0 and the step's inf * 0 a NaN; 1 / inf is 0 */
+    return (v16f)_mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_EQ_OQ), r);
+#else
+    return splat(1.f) / d;
+#endif
+}
 
 static inline float hsum(v16f v) {
     float s = 0.f;
@@ -122,26 +149,43 @@ void pdserve_rotary_f32(const float *x, int64_t T, int64_t H, int64_t D, int64_t
 
 /* ------------------------------------------------------------------ SiLU x mul */
 
-/* exp(x) for 16 lanes, Cephes' expf: x = n ln2 + r (ln2 in two parts), a degree-6 polynomial in
- * r, times 2^n built in the exponent bits. Below -87.34 it gives 0 (true value: a denormal),
- * above 88.72 +inf, NaN stays NaN. */
+/* exp(x) for 16 lanes, Cephes' expf: x = n ln2 + r (ln2 in two parts, n = round(x log2 e)), a
+ * degree-6 polynomial in r, times 2^n. Overflow gives +inf, underflow 0, NaN stays NaN. */
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f /* 9 bits: n * LN2_HI is exact */
+#define LN2_LO (-2.12194440e-4f)
+
+static inline v16f exp_poly(v16f r) {
+    v16f p = splat(1.9875691500e-4f);
+    p = fma16(p, r, splat(1.3981999507e-3f));
+    p = fma16(p, r, splat(8.3334519073e-3f));
+    p = fma16(p, r, splat(4.1665795894e-2f));
+    p = fma16(p, r, splat(1.6666665459e-1f));
+    p = fma16(p, r, splat(5.0000001201e-1f));
+    return fma16(p, r * r, r + splat(1.f));
+}
+
+#if defined(__AVX512F__)
+static inline v16f exp16(v16f x) {
+    /* clamped where exp is already 0 or inf, so n stays finite (scalef then rounds to 0 or inf) */
+    __m512 xc = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 y = _mm512_scalef_ps((__m512)exp_poly((v16f)r), n);
+    return (v16f)_mm512_mask_mov_ps(y, _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q), (__m512)x);
+}
+#else
 static inline v16f exp16(v16f x) {
     const v16f hi = splat(88.7228391f), lo = splat(-87.3365448f);
     v16i over = x > hi, under = x < lo;
     v16f xc = (v16f)(((v16i)x & ~(over | under)) | ((v16i)hi & over) | ((v16i)lo & under));
-    v16f fx = xc * splat(1.44269504088896341f) + splat(0.5f);
+    v16f fx = xc * splat(LOG2E) + splat(0.5f);
     v16i n = __builtin_convertvector(fx, v16i);
     v16f nf = __builtin_convertvector(n, v16f);
     n += (v16i)(nf > fx); /* floor (a true lane is -1): the conversion truncates toward zero */
     nf = __builtin_convertvector(n, v16f);
-    v16f r = xc - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
-    v16f p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.f);
+    v16f p = exp_poly(xc - nf * splat(LN2_HI) - nf * splat(LN2_LO));
     v16i top = n > 127; /* 2^128 has no float: 2p * 2^127 instead (p + p is exact) */
     n += top;
     p += (v16f)((v16i)p & top);
@@ -150,9 +194,10 @@ static inline v16f exp16(v16f x) {
     y = (v16f)(((v16i)y & ~over) | ((v16i)inf & over));
     return (v16f)(((v16i)y & ~under) | ((v16i)splat(0.f) & under));
 }
+#endif
 
 /* x [T, 2I] at row stride sx ([gate | up]) -> out [T, I] contiguous: gate / (1 + exp(-gate)) * up,
- * torch's silu then mul. */
+ * torch's silu then mul (the division as gate times a reciprocal within 1 ulp). */
 void pdserve_silu_mul_f32(const float *x, int64_t T, int64_t I, int64_t sx, float *out) {
     const v16f one = splat(1.f);
     for (int64_t t = 0; t < T; t++) {
@@ -161,14 +206,14 @@ void pdserve_silu_mul_f32(const float *x, int64_t T, int64_t I, int64_t sx, floa
         int64_t i = 0;
         for (; i + W <= I; i += W) {
             v16f a = load(g + i);
-            store(o + i, a / (one + exp16(-a)) * load(u + i));
+            store(o + i, a * recip16(one + exp16(-a)) * load(u + i));
         }
         if (i < I) { /* the tail through a padded vector: the same exp as the body's */
             float ga[W] = {0}, ua[W] = {0}, oa[W];
             memcpy(ga, g + i, (size_t)(I - i) * sizeof(float));
             memcpy(ua, u + i, (size_t)(I - i) * sizeof(float));
             v16f a = load(ga);
-            store(oa, a / (one + exp16(-a)) * load(ua));
+            store(oa, a * recip16(one + exp16(-a)) * load(ua));
             memcpy(o + i, oa, (size_t)(I - i) * sizeof(float));
         }
     }

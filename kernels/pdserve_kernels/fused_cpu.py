@@ -84,7 +84,10 @@ def _rows(t: torch.Tensor, dims: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """t [..., X] with its last dimension contiguous and up to ``dims`` dimensions in all read by
     their strides: (t, its leading dims' strides). Any other layout is copied contiguous first (the
     layers' views, column slices of a fused projection, need no copy)."""
-    if (t.stride(-1) != 1 and t.shape[-1] > 1) or (t.dim() > dims and not t.is_contiguous()):
+    strides = t.stride()
+    if t.dim() <= dims and (strides[-1] == 1 or t.shape[-1] <= 1):
+        return t, strides[:-1]
+    if (strides[-1] != 1 and t.shape[-1] > 1) or not t.is_contiguous():
         t = t.contiguous()
     if t.dim() > dims:
         t = t.view(math.prod(t.shape[:-dims + 1]), *t.shape[-dims + 1:])
@@ -93,9 +96,11 @@ def _rows(t: torch.Tensor, dims: int) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 def _as_3d(t: torch.Tensor, strides: tuple[int, ...]) -> tuple[int, int, int, int]:
     """A 1-3 dimensional t [..., X] (from _rows) as [A, B, X] at strides (sa, sb, 1)."""
-    A, B = (tuple(t.shape[:-1]) + (1, 1))[:2]
-    sa, sb = (strides + (0, 0))[:2]
-    return A, B, sa, sb
+    if len(strides) == 1:
+        return t.shape[0], 1, strides[0], 0
+    if len(strides) == 2:
+        return t.shape[0], t.shape[1], strides[0], strides[1]
+    return 1, 1, 0, 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
