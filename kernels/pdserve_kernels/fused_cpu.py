@@ -24,11 +24,13 @@ from pdserve_kernels.cpu_build import FLAGS, CLibrary, compiler  # noqa: F401  (
 
 logger = logging.getLogger(__name__)
 
-# Above this many elements a call leaves the kernel for torch: torch's ops spread over the intra-op
-# threads and their dispatch no longer matters (benchmark/bench_cpu_ops.py --fused measured the line:
-# docs/cpu.md).
-MAX_ELEMENTS = 1 << 18
-
+# Above these many input elements a layer's call leaves the kernel for torch, whose ops spread over
+# the intra-op threads (``python benchmark/bench_cpu_ops.py --parts fused``, 2 threads, docs/cpu.md):
+# add + RMSNorm and rotary still won at 2048 rows of the benchmark models (1.6-7x), so their line
+# only guards wider shapes on more cores; SiLU x mul ran even with torch's two threads up to ~32 rows
+# of 2 x 1376 and lost from 256 rows.
+MAX_ELEMENTS = 1 << 21
+SILU_MAX_ELEMENTS = 1 << 17
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, p, f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -51,10 +53,10 @@ def load() -> ctypes.CDLL | None:
     return LIBRARY.load()
 
 
-def takes(x: torch.Tensor) -> bool:
+def takes(x: torch.Tensor, limit: int = MAX_ELEMENTS) -> bool:
     """Whether a layer should run ``x`` through these kernels: a CPU float32 tensor of at most
-    MAX_ELEMENTS, eagerly (under torch.compile inductor fuses the twin itself), the library loaded."""
-    return (x.dtype == torch.float32 and x.is_cpu and x.numel() <= MAX_ELEMENTS and not torch.compiler.is_compiling()
+    ``limit`` elements, eagerly (under torch.compile inductor fuses the twin itself), the library loaded."""
+    return (x.dtype == torch.float32 and x.is_cpu and x.numel() <= limit and not torch.compiler.is_compiling()
             and LIBRARY.load() is not None)
 
 

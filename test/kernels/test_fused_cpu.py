@@ -1,7 +1,7 @@
 """The fused element-wise CPU kernels (pdserve_kernels.fused_cpu: residual add + RMSNorm, rotary,
 SiLU x mul in plain C) against their torch twins in the layers: T = 1, 7, 32, 2048 rows of widths
 64..2752, strided views as the layers pass them (column slices of a fused projection, heads of a
-qkv), bad inputs named, the layers' gate (float32 CPU only, eager only, below MAX_ELEMENTS), and
+qkv), bad inputs named, the layers' gate (float32 CPU only, eager only, below MAX_ELEMENTS / SILU_MAX_ELEMENTS), and
 the fallback where no library can be built."""
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ def test_the_layers_take_the_kernels_only_for_eager_float32_cpu_tensors_below_th
     assert calls == ["rms_norm", "rotate", "silu_and_mul"]
     calls.clear()
     big = torch.zeros(K.MAX_ELEMENTS // 64 + 1, 64)
+    wide_silu = torch.zeros(K.SILU_MAX_ELEMENTS // 64 + 1, 64)  # below MAX_ELEMENTS: SiLU's own line
     low = _x(3, 64).bfloat16()
-    layer(big), activation.silu_and_mul(big), layer.bfloat16()(low), activation.silu_and_mul(low)
+    layer(big), activation.silu_and_mul(wide_silu), layer.bfloat16()(low), activation.silu_and_mul(low)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     RMSNorm(64)(x[:, 0]), rot(x), activation.silu_and_mul(x)
     assert calls == []
