@@ -50,6 +50,19 @@ def test_add_rmsnorm_matches_twin(built, T, X):
     _close(K.rms_norm(x, w, 1e-5), rms_norm_torch(x, w, 1e-5), rtol=2e-6)
 
 
+def test_rmsnorm_eps_counts_on_small_and_zero_rows(built):
+    """Rows whose mean square is near eps (and zero rows, which eps keeps finite) as the twin has them."""
+    X = 256
+    x = torch.cat([_x(3, X, seed=15, scale=1e-3), torch.zeros(1, X)])
+    w = _x(X, seed=16)
+    got = K.rms_norm(x, w, 1e-5)
+    assert got.isfinite().all() and not got[-1].any()
+    _close(got, rms_norm_torch(x, w, 1e-5), rtol=2e-6)
+    out, total = K.rms_norm(x, w, 1e-5, torch.zeros_like(x))
+    assert torch.equal(total, x)
+    _close(out, rms_norm_torch(x, w, 1e-5), rtol=2e-6)
+
+
 def test_rmsnorm_reads_strided_views_and_leaves_inputs_alone(built):
     T, H, D = 7, 6, 64
     qkv = _x(T, (H + 4) * D, seed=4)
