@@ -56,7 +56,8 @@ def load() -> ctypes.CDLL | None:
 def takes(x: torch.Tensor, limit: int = MAX_ELEMENTS) -> bool:
     """Whether a layer should run ``x`` through these kernels: a CPU float32 tensor of at most
     ``limit`` elements, eagerly (under torch.compile inductor fuses the twin itself), the library loaded."""
-    return (x.dtype == torch.float32 and x.is_cpu and x.numel() <= limit and not torch.compiler.is_compiling()
+    # is_compiling first: dynamo then sees no size test it would guard on
+    return (not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.is_cpu and x.numel() <= limit
             and LIBRARY.load() is not None)
 
 

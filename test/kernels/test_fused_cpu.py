@@ -50,6 +50,14 @@ def test_add_rmsnorm_matches_twin(built, T, X):
     _close(K.rms_norm(x, w, 1e-5), rms_norm_torch(x, w, 1e-5), rtol=2e-6)
 
 
+def test_no_rows_give_empty_outputs(built):
+    w = torch.ones(64)
+    out, total = K.rms_norm(torch.empty(0, 64), w, 1e-6, torch.empty(0, 64))
+    assert out.shape == total.shape == (0, 64)
+    assert K.silu_and_mul(torch.empty(0, 128)).shape == (0, 64)
+    assert K.rotate(torch.empty(0, 2, 64), torch.empty(0, 1, 32), torch.empty(0, 1, 32), 64, False).shape == (0, 2, 64)
+
+
 def test_rmsnorm_eps_counts_on_small_and_zero_rows(built):
     """Rows whose mean square is near eps (and zero rows, which eps keeps finite) as the twin has them."""
     X = 256
