@@ -147,6 +147,16 @@ void pdserve_rotary_f32(const float *x, int64_t T, int64_t H, int64_t D, int64_t
     }
 }
 
+/* q [T, Hq, Dq] and k [T, Hk, Dk] rotated by the same rows of cos / sin in one call (MLA's q_pe and
+ * k_pe live in different projections): pdserve_rotary_f32 on each. */
+void pdserve_rotary_pair_f32(const float *q, int64_t Hq, int64_t Dq, int64_t sqt, int64_t sqh, float *qo,
+                             const float *k, int64_t Hk, int64_t Dk, int64_t skt, int64_t skh, float *ko,
+                             int64_t T, const float *cos, int64_t sc, const float *sin, int64_t ss, int64_t R,
+                             int interleaved) {
+    pdserve_rotary_f32(q, T, Hq, Dq, sqt, sqh, cos, sc, sin, ss, R, interleaved, qo);
+    pdserve_rotary_f32(k, T, Hk, Dk, skt, skh, cos, sc, sin, ss, R, interleaved, ko);
+}
+
 /* ------------------------------------------------------------------ SiLU x mul */
 
 /* exp(x) for 16 lanes, Cephes' expf: x = n ln2 + r (ln2 in two parts, n = round(x log2 e)), a

@@ -36,8 +36,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, p, f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.pdserve_rmsnorm_f32.argtypes = [p, i64, i64, i64, i64, i64, p, i64, i64, p, f, p, p]
     lib.pdserve_rotary_f32.argtypes = [p, i64, i64, i64, i64, i64, p, i64, p, i64, i64, ctypes.c_int, p]
+    lib.pdserve_rotary_pair_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, p, i64, p, i64, p, i64,
+                                            i64, ctypes.c_int]
     lib.pdserve_silu_mul_f32.argtypes = [p, i64, i64, i64, p]
-    for fn in (lib.pdserve_rmsnorm_f32, lib.pdserve_rotary_f32, lib.pdserve_silu_mul_f32):
+    for fn in (lib.pdserve_rmsnorm_f32, lib.pdserve_rotary_f32, lib.pdserve_rotary_pair_f32, lib.pdserve_silu_mul_f32):
         fn.restype = None
 
 
@@ -136,29 +138,58 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out, total
 
 
+def _rotary_inputs(name: str, x: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, int, int]:
+    """x [T, H, D] checked against rotary_dim: (x readable by strides, its row and head strides)."""
+    _check(name, x)
+    if x.dim() != 3:
+        raise ValueError(f"{name}: expected [T, H, D], got shape {tuple(x.shape)}")
+    D = x.shape[2]
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > D:
+        raise ValueError(f"rotary_dim: must be even and in [2, {D}] ({name}'s head dim), got {rotary_dim}")
+    x, (st, sh) = _rows(x, 3)
+    return x, st, sh
+
+
+def _angles(cos: torch.Tensor, sin: torch.Tensor, T: int, F: int) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+    """cos, sin [T, 1, F] or [T, F]: (cos, its row stride, sin, its row stride)."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check(name, t)
+        if t.dim() not in (2, 3) or t.shape[0] != T or t.shape[-1] != F or t.numel() != T * F:
+            raise ValueError(f"{name}: expected [{T}, 1, {F}] (x's rows, rotary_dim / 2), got {tuple(t.shape)}")
+    cos, (sc, *_) = _rows(cos, 3)
+    sin, (ss, *_) = _rows(sin, 3)
+    return cos, sc, sin, ss
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool) -> torch.Tensor:
     """x [T, H, D], cos and sin [T, 1, F] or [T, F] -> [T, H, D] (new, contiguous): each head's first
     R = rotary_dim dims rotated, neox pairs (x[f], x[f + F]) or interleaved ones (x[2f], x[2f + 1])
     written de-interleaved (RotaryEmbedding.rotate's layout); dims past R copied."""
     lib = _lib()
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        _check(name, t)
-    if x.dim() != 3:
-        raise ValueError(f"x: expected [T, H, D], got shape {tuple(x.shape)}")
+    x, st, sh = _rotary_inputs("x", x, rotary_dim)
     T, H, D = x.shape
-    R = rotary_dim
-    if R <= 0 or R % 2 or R > D:
-        raise ValueError(f"rotary_dim: must be even and in [2, {D}] (x's head dim), got {R}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() not in (2, 3) or t.shape[0] != T or t.shape[-1] != R // 2 or t.numel() != T * (R // 2):
-            raise ValueError(f"{name}: expected [{T}, 1, {R // 2}] (x's rows, rotary_dim / 2), got {tuple(t.shape)}")
-    x, (st, sh) = _rows(x, 3)
-    cos, (sc, *_) = _rows(cos, 3)
-    sin, (ss, *_) = _rows(sin, 3)
+    cos, sc, sin, ss = _angles(cos, sin, T, rotary_dim // 2)
     out = torch.empty(T, H, D, dtype=torch.float32)
-    lib.pdserve_rotary_f32(x.data_ptr(), T, H, D, st, sh, cos.data_ptr(), sc, sin.data_ptr(), ss, R, int(interleaved),
-                           out.data_ptr())
+    lib.pdserve_rotary_f32(x.data_ptr(), T, H, D, st, sh, cos.data_ptr(), sc, sin.data_ptr(), ss, rotary_dim,
+                           int(interleaved), out.data_ptr())
     return out
+
+
+def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotate`` of q [T, Hq, Dq] and k [T, Hk, Dk] by the same angles, in one call."""
+    lib = _lib()
+    q, sqt, sqh = _rotary_inputs("q", q, rotary_dim)
+    k, skt, skh = _rotary_inputs("k", k, rotary_dim)
+    T = q.shape[0]
+    if k.shape[0] != T:
+        raise ValueError(f"k: {k.shape[0]} rows, but q has {T}")
+    cos, sc, sin, ss = _angles(cos, sin, T, rotary_dim // 2)
+    qo, ko = torch.empty(q.shape, dtype=torch.float32), torch.empty(k.shape, dtype=torch.float32)
+    lib.pdserve_rotary_pair_f32(q.data_ptr(), q.shape[1], q.shape[2], sqt, sqh, qo.data_ptr(), k.data_ptr(),
+                                k.shape[1], k.shape[2], skt, skh, ko.data_ptr(), T, cos.data_ptr(), sc,
+                                sin.data_ptr(), ss, rotary_dim, int(interleaved))
+    return qo, ko
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,21 @@ def test_rotary_matches_twin_bit_for_bit(built, T, D, R, interleaved):
     assert got.is_contiguous()
 
 
+@pytest.mark.parametrize("T", [1, 7, 32])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+def test_rotary_pair_matches_the_twin_on_mla_views(built, T, interleaved):
+    """MLA: q_pe the last R dims of each head of q, k_pe the last R columns of the kv_a projection."""
+    H, Dn, R, C = 4, 32, 64, 48
+    q_pe = _x(T, H, Dn + R, seed=T)[..., Dn:]  # [T, H, R] at strides (H (Dn + R), Dn + R, 1)
+    k_pe = _x(T, C + R, seed=T + 1)[:, C:].unsqueeze(1)  # [T, 1, R]
+    rope, rot = _rotation(T, R, R, interleaved, seed=T)
+    q_got, k_got = K.rotate_pair(q_pe, k_pe, rot.cos, rot.sin, R, interleaved)
+    assert torch.equal(q_got, rope.rotate(q_pe, rot.cos, rot.sin))
+    assert torch.equal(k_got, rope.rotate(k_pe, rot.cos, rot.sin))
+    q_layer, k_layer = rot.pair(q_pe, k_pe)
+    assert torch.equal(q_layer, q_got) and torch.equal(k_layer, k_got)
+
+
 def test_rotary_of_a_non_contiguous_head_dim(built):
     rope, rot = _rotation(5, 64, 64, False)
     x = _x(5, 64, 3, seed=11).transpose(1, 2)  # [T, H, D] with D at stride 3: copied first
@@ -167,6 +182,10 @@ BAD = [
      ValueError, "sin:"),
     ("rotary sin dtype", lambda: K.rotate(torch.ones(2, 1, 8), torch.ones(2, 1, 4),
                                           torch.ones(2, 1, 4, dtype=torch.bfloat16), 8, False), TypeError, "sin:"),
+    ("rotary pair k rows", lambda: K.rotate_pair(torch.ones(2, 1, 8), torch.ones(3, 1, 8), torch.ones(2, 1, 4),
+                                                 torch.ones(2, 1, 4), 8, False), ValueError, "k:"),
+    ("rotary pair k head dim", lambda: K.rotate_pair(torch.ones(2, 1, 8), torch.ones(2, 1, 6), torch.ones(2, 1, 4),
+                                                     torch.ones(2, 1, 4), 8, False), ValueError, "rotary_dim:.*k's"),
     ("silu odd", lambda: K.silu_and_mul(torch.ones(2, 7)), ValueError, "x:"),
     ("silu dtype", lambda: K.silu_and_mul(torch.ones(2, 8, dtype=torch.int64)), TypeError, "x:"),
 ]

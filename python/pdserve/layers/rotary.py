@@ -205,6 +205,13 @@ class Rotation:
             return rotate_halves(x, *self.halves, self.rope.rotary_dim)
         return self.rope.rotate(x, self.cos, self.sin)
 
+    def pair(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] -> both rotated: one kernel call where the fused kernel runs (MLA's
+        q_pe and k_pe come from different projections, so they cannot be passed side by side)."""
+        if fused_cpu.takes(q) and fused_cpu.takes(k) and self.cos.dtype == torch.float32:
+            return fused_cpu.rotate_pair(q, k, self.cos, self.sin, self.rope.rotary_dim, self.rope.interleaved)
+        return self(q), self(k)
+
 
 def rotate_halves(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, R: int) -> torch.Tensor:
     """RotaryEmbedding.rotate's neox rotation in four kernels instead of seven: x [T, H, D],
