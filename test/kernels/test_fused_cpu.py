@@ -248,5 +248,7 @@ def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog,
     assert torch.equal(activation.silu_and_mul(x), silu_and_mul_torch(x))
     rope, rot = _rotation(4, 64, 64, False)
     assert torch.equal(rot(x.view(4, 1, 64)), rotate_halves(x.view(4, 1, 64), *rot.halves, 64))
+    q, k = rot.pair(x.view(4, 1, 64), x.view(4, 1, 64).flip(0))
+    assert torch.equal(k, rotate_halves(x.view(4, 1, 64).flip(0), *rot.halves, 64))
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
