@@ -10,8 +10,11 @@ ops: each decode-shaped op of the two models at M rows (M = decode batch), timed
   - GEMMs [M, K] x [N, K]^T: F.linear vs the packed oneDNN call, float32 and bfloat16, and which
     one ``--cpu-gemm auto`` picks (engine.device.PACK_FLOAT32 / PACK_BFLOAT16);
   - decode attention (one query row, L keys): SDPA vs torch_native's grouped matmuls;
-  - add + RMSNorm, SiLU x mul, rotary: the eager code the layers run vs the same function under
-    torch.compile, and the in-place SiLU x mul the layers now use.
+  - add + RMSNorm, SiLU x mul, rotary: the eager torch code vs the same function under
+    torch.compile, and the in-place SiLU x mul the layers' twin uses.
+fused: the same element-wise ops, the torch twins vs the plain-C kernels the layers run on CPU
+float32 (pdserve_kernels.fused_cpu), at decode and prefill row counts (``--rows 1 7 32 64 2048``),
+at ``--threads`` (default: torch's, as the Engine runs the twins).
 e2e: offline ``Engine.generate`` output tok/s (greedy, EOS ignored) of --cpu-gemm plain (the path
 before packing), auto (the default) and auto with --dtype bfloat16, in alternating rounds, medians
 with min..max, at the Engine's default threads unless --threads. Then the numbers that say whether
@@ -276,9 +279,36 @@ def print_e2e(r: dict) -> None:
         print(f"{key}: max {r[key]['max']:.2e}, mean {r[key]['mean']:.2e}")
 
 
+def bench_fused(cfg, rows: list[int], calls: int, blocks: int) -> list[dict]:
+    """Each element-wise op's torch twin vs its fused C kernel, microseconds."""
+    from pdserve.layers.activation import silu_and_mul_torch
+    from pdserve.layers.norm import rms_norm_torch
+    from pdserve.layers.rotary import get_rope, rotate_halves
+    from pdserve_kernels import fused_cpu
+
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    H, Hq, Hkv, I = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    rope = get_rope(D, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    out = []
+    for m in rows:
+        rot = rope.rotation(torch.arange(m) % 4096)
+        x, res, w = torch.randn(m, H), torch.randn(m, H), torch.randn(H)
+        qk = torch.randn(m, (Hq + 2 * Hkv) * D)[:, :(Hq + Hkv) * D].view(m, Hq + Hkv, D)  # the layer's view
+        gate_up = torch.randn(m, 2 * I)
+        ops = {"add+rmsnorm": ((rms_norm_torch, x, w, 1e-6, res), (fused_cpu.rms_norm, x, w, 1e-6, res)),
+               "rotary q+k": ((rotate_halves, qk, *rot.halves, D), (fused_cpu.rotate, qk, rot.cos, rot.sin, D, False)),
+               "silu*mul": ((silu_and_mul_torch, gate_up), (fused_cpu.silu_and_mul, gate_up))}
+        for name, (twin, fused) in ops.items():
+            t, f = best_us(calls, blocks, *twin), best_us(calls, blocks, *fused)
+            limit = fused_cpu.SILU_MAX_ELEMENTS if name == "silu*mul" else fused_cpu.MAX_ELEMENTS
+            out.append({"op": name, "M": m, "torch": t, "fused C": f, "speedup": t / f,
+                        "layers run": "fused C" if fused[1].numel() <= limit else "torch"})
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["ops", "e2e"], choices=["ops", "e2e"])
+    ap.add_argument("--parts", nargs="+", default=["ops", "e2e"], choices=["ops", "e2e", "fused"])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32], help="ops: M (decode batch sizes)")
     ap.add_argument("--kv-len", type=int, default=128, help="ops: keys per request for decode attention")
@@ -308,6 +338,15 @@ def main(argv=None) -> None:
                     if args.json:
                         print(json.dumps({"model": name, "table": title, "rows": rows}))
                 gemm_speedups(tables["GEMMs (us)"])
+    if "fused" in args.parts:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        with torch.inference_mode():
+            for name in args.models:
+                rows = bench_fused(hf_config(name), args.rows, args.calls, args.blocks)
+                print_rows(f"{name}: element-wise, torch vs fused C (us), threads {torch.get_num_threads()}", rows)
+                if args.json:
+                    print(json.dumps({"model": name, "table": "fused", "rows": rows}))
     if "e2e" in args.parts:
         for name in args.models:
             r = e2e(name, args)

@@ -1161,6 +1161,12 @@ MUTATIONS = (
         '            pass\n',
         ("test/models/test_deepseek_v32_fp8_index.py::test_host_tier_hit_restores_fp8_keys_and_scales",
          "test/disagg/test_pd_deepseek_v32.py::test_fp8_index_keys_move_with_their_scales")),
+    Mutation(
+        "fused_rmsnorm_without_eps", "the fused CPU RMSNorm leaves eps out of rsqrt(mean(x^2) + eps)",
+        "kernels/pdserve_kernels/fused_cpu.c",
+        "    float inv = 1.f / sqrtf(ss / (float)X + eps);\n",
+        "    float inv = 1.f / sqrtf(ss / (float)X);\n",
+        ("test/kernels/test_fused_cpu.py::test_rmsnorm_eps_counts_on_small_and_zero_rows",)),
 )
 
 

@@ -14,4 +14,6 @@ over FP8 experts) and ``sparse_mla`` (DeepSeek-V3.2's indexer top-k over the pag
 sparse MLA over the picked latent rows); ``*_ref`` modules hold twins that import no triton.
 ``index_topk_cpu`` is not Triton: the indexer's score + top-k in plain C (``index_topk_cpu.c``),
 compiled on first use and called through ctypes, which the torch_native backend runs on CPU.
+``fused_cpu`` is plain C too (``fused_cpu.c``): residual add + RMSNorm, rotary and SiLU x mul, which
+the norm, rotary and activation layers run on CPU float32.
 """

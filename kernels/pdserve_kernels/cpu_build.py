@@ -93,6 +93,9 @@ class CLibrary:
         """The library built with ``cc`` (default ``compiler()``), or None where that fails; the
         outcome is kept per compiler, so a failure is logged once."""
         cc = cc or compiler()
+        lib = self._loaded.get(cc, self)  # lock-free once settled: kernels' callers ask on every call
+        if lib is not self:
+            return lib  # type: ignore[return-value]
         with self._lock:
             if cc not in self._loaded:
                 self._loaded[cc] = self._open(cc)

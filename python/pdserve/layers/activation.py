@@ -1,4 +1,7 @@
-"""Gated activations. Legend: T tokens, I intermediate size (per rank)."""
+"""Gated activations. Legend: T tokens, I intermediate size (per rank).
+
+On CPU float32 (eagerly, up to ``fused_cpu.SILU_MAX_ELEMENTS``) SiLU x mul is one plain-C call
+(``pdserve_kernels.fused_cpu``); ``silu_and_mul_torch`` is its twin and every other case."""
 
 from __future__ import annotations
 
@@ -6,9 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve_kernels import fused_cpu
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    if fused_cpu.takes(x, fused_cpu.SILU_MAX_ELEMENTS):
+        return fused_cpu.silu_and_mul(x)
+    return silu_and_mul_torch(x)
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # into silu's fresh output: one pass and one allocation fewer
 

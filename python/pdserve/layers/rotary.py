@@ -9,6 +9,10 @@ Two layouts pair the rotated dims differently: *neox* rotates (x[i], x[i+F])
 interleaved path writes its result de-interleaved ([rotated evens | rotated
 odds]), as transformers' DeepSeek-V3 does: q and k get the same permutation,
 so q.k is unchanged, and a cat is cheaper than re-interleaving.
+
+On CPU float32 (eagerly, up to ``fused_cpu.MAX_ELEMENTS``) a Rotation is one plain-C call
+(``pdserve_kernels.fused_cpu.rotate``, q and k together where the caller passes them side by side);
+``rotate_halves`` and ``RotaryEmbedding.rotate`` are its twins and every other case.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pdserve_kernels import fused_cpu
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -193,9 +199,18 @@ class Rotation:
     halves: tuple[torch.Tensor, torch.Tensor] | None = None  # neox: [cos | cos], [-sin | sin] [T, 1, R]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_cpu.takes(x) and self.cos.dtype == torch.float32:
+            return fused_cpu.rotate(x, self.cos, self.sin, self.rope.rotary_dim, self.rope.interleaved)
         if self.halves is not None:
             return rotate_halves(x, *self.halves, self.rope.rotary_dim)
         return self.rope.rotate(x, self.cos, self.sin)
+
+    def pair(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] -> both rotated: one kernel call where the fused kernel runs (MLA's
+        q_pe and k_pe come from different projections, so they cannot be passed side by side)."""
+        if fused_cpu.takes(q) and fused_cpu.takes(k) and self.cos.dtype == torch.float32:
+            return fused_cpu.rotate_pair(q, k, self.cos, self.sin, self.rope.rotary_dim, self.rope.interleaved)
+        return self(q), self(k)
 
 
 def rotate_halves(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, R: int) -> torch.Tensor:

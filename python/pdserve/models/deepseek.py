@@ -71,8 +71,8 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.view(T, H, self.Dn + self.R).split([self.Dn, self.R], dim=-1)  # [T, H, Dn], [T, H, R]
         latent, k_pe = kv_a.split([self.C, self.R], dim=-1)  # [T, C], [T, R]
         latent = self.kv_a_layernorm(latent)
-        q_pe = rotation(q_pe)
-        k_pe = rotation(k_pe.unsqueeze(1)).squeeze(1)  # [T, R]
+        q_pe, k_pe = rotation.pair(q_pe, k_pe.unsqueeze(1))  # [T, H, R], [T, 1, R]
+        k_pe = k_pe.squeeze(1)  # [T, R]
         o = fb.attn_backend.forward_mla(q_nope, q_pe, latent, k_pe, self.w_kc, self.w_vc, self.layer_id,
                                         self.scale, fb)  # [T, H, Dv]
         return self.o_proj(o.reshape(T, H * self.Dv))  # [T, Hd]

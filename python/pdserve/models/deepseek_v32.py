@@ -75,8 +75,8 @@ class MLASparseAttention(MLAAttention):
         q_nope, q_pe = q.view(T, H, self.Dn + self.R).split([self.Dn, self.R], dim=-1)  # [T, H, Dn], [T, H, R]
         latent, k_pe = kv_a.split([self.C, self.R], dim=-1)  # [T, C], [T, R]
         latent = self.kv_a_layernorm(latent)
-        q_pe = rotation(q_pe)
-        k_pe = rotation(k_pe.unsqueeze(1)).squeeze(1)  # [T, R]
+        q_pe, k_pe = rotation.pair(q_pe, k_pe.unsqueeze(1))  # [T, H, R], [T, 1, R]
+        k_pe = k_pe.squeeze(1)  # [T, R]
         index = self.indexer(x, q_resid, rotation)
         o = fb.attn_backend.forward_mla_sparse(q_nope, q_pe, latent, k_pe, self.w_kc, self.w_vc, self.layer_id,
                                                self.scale, index, fb)  # [T, H, Dv]
