@@ -794,14 +794,16 @@ MUTATIONS = (
         "    chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k]",
         "    chosen = topk_first_on_ties(score, min(topk, L) - 1)  # [B, Q, k]",
         ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",
-         "test/layers/test_triton_sparse.py::test_triton_sparse_mla_matches_torch_native[16]")),
+         "test/layers/test_triton_sparse.py::test_triton_sparse_mla_matches_torch_native[16]",
+         "test/kernels/test_index_topk_cpu.py::test_ties_at_the_cut_go_to_the_lowest_positions")),
     Mutation(
         "v32_topk_ties_by_chance", "torch_native's indexer leaves ties at the top-k cut to torch.topk, so a verify's "
         "rows and a decode's row keep different zero-scored tokens",
         "python/pdserve/layers/attention/torch_native.py",
         "    chosen = topk_first_on_ties(score, min(topk, L))  # [B, Q, k]",
         "    chosen = score.topk(min(topk, L), dim=-1, sorted=False).indices  # [B, Q, k]",
-        ("test/models/test_deepseek_v32.py::test_fp8_preset_serves_with_nextn[100]",)),
+        ("test/models/test_deepseek_v32.py::test_fp8_preset_serves_with_nextn[100]",
+         "test/kernels/test_index_topk_cpu.py::test_ties_at_the_cut_go_to_the_lowest_positions")),
     Mutation(
         "v32_topk_shortcut_through_a_tie", "the CPU top-k keeps topk's own picks even where the (k+1)-th largest "
         "ties the k-th, so which tied token is kept is left to torch.topk",
@@ -883,7 +885,8 @@ MUTATIONS = (
         "python/pdserve/layers/attention/torch_native.py",
         "    s = torch.relu_(s).view(B, Q, Hi, L)",
         "    s = s.view(B, Q, Hi, L)",
-        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",)),
+        ("test/models/test_deepseek_v32.py::test_greedy_tokens_and_logprobs_match_transformers",
+         "test/models/test_deepseek_v32.py::test_cpu_kernel_and_torch_twin_give_the_same_logprobs")),
     Mutation(
         "v32_index_head_weights_dropped",
         "the indexer sums its heads unweighted (weights_proj's per-head weights dropped)",

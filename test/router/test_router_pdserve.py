@@ -156,26 +156,37 @@ def test_client_disconnect_aborts_on_both_servers(servers, router):
     assert router.worker_state(decode.url)["in_flight"] == 0 == router.worker_state(prefill.url)["in_flight"]
 
 
+OWNER_ABORT_AT = 300  # tokens the stream holds before its owner aborts it
+
+
 def _foreign_then_own_abort(url: str, headers: dict, rid: str) -> tuple[list[int], dict]:
     """Streams ``rid`` (up to 2000 tokens) from ``url`` as the client with X-Client-Token ``alice``; at
-    its second event POSTs ``/abort_request`` for it with another token, then with none; at its fourth,
-    with alice's. Returns (the three answers' statuses, the stream's last event).
+    its second event POSTs ``/abort_request`` for it with another token, then with none; once it holds
+    ``OWNER_ABORT_AT`` tokens, with alice's. Returns (the three answers' statuses, the stream's last event).
 
-    The stream is long so that the foreign aborts reach a request still running; its owner then ends
-    it, which shows the foreign aborts stopped nothing."""
+    The stream is long so that the foreign aborts reach a request still running, and the owner waits
+    for hundreds of tokens more: an abort that was wrongly honoured lands within a few steps, so a
+    stream that reaches the owner's abort shows the foreign ones stopped nothing."""
     body = {"text": "mine", "rid": rid, "stream": True,
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
-    aborts = {2: [{"X-Client-Token": "mallory"}, {}], 4: [{"X-Client-Token": "alice"}]}
+    foreign, own = [{"X-Client-Token": "mallory"}, {}], [{"X-Client-Token": "alice"}]
     statuses, events = [], []
+
+    def abort(extra: dict) -> None:
+        statuses.append(httpx.post(url + "/abort_request", json={"rid": rid}, headers={**headers, **extra},
+                                   timeout=60).status_code)
+
     with httpx.stream("POST", url + "/generate", json=body, headers={**headers, "X-Client-Token": "alice"},
                       timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
-                for extra in aborts.get(len(events), []):
-                    statuses.append(httpx.post(url + "/abort_request", json={"rid": rid},
-                                               headers={**headers, **extra}, timeout=60).status_code)
+                if len(events) == 2:
+                    for extra in foreign:
+                        abort(extra)
+                elif len(statuses) == 2 and len(events[-1]["output_ids"]) >= OWNER_ABORT_AT:
+                    abort(own[0])
     return statuses, events[-1]
 
 
@@ -193,7 +204,7 @@ def test_only_the_client_that_started_a_request_may_abort_it(keys, request, serv
         statuses, last = _foreign_then_own_abort(url, headers, f"alice-{keys}-{name}")
         assert statuses == [200, 200, 200], (name, statuses)
         assert last["meta_info"]["finish_reason"]["type"] == "abort", name
-        assert 4 <= len(last["output_ids"]) < 2000, name  # it ran past the refused aborts, to its owner's
+        assert OWNER_ABORT_AT <= len(last["output_ids"]) < 2000, name  # past the refused aborts, to its owner's
     for s in (server, servers["prefill"]):
         s.wait_idle(timeout=60)
 
