@@ -51,3 +51,21 @@ def test_decoding_past_the_staged_kv_margin(model):
     for o, p, n in zip(out, prompts, lens):
         assert o["output_ids"] == greedy_continuation(hf, p, n)
     assert_no_leak(engine)
+
+
+def test_default_engine_decodes_through_the_cpu_kernel(model):
+    """At default flags a float32 model decodes through the CPU decode kernel (where it builds): the
+    server info says so, no staged copy is kept, and the greedy tokens are transformers'."""
+    from pdserve_kernels import decode_attention_cpu
+
+    hf, path = model
+    prompts = random_prompts([10, 3, 21], hf.config.vocab_size, seed=43)
+    engine = pdserve.Engine(model_path=path, page_size=4)
+    out = engine.generate(input_ids=prompts, sampling_params=[greedy(12)] * 3)
+    for o, p in zip(out, prompts):
+        assert o["output_ids"] == greedy_continuation(hf, p, 12)
+    want = "cpu_kernel" if decode_attention_cpu.load() is not None else "torch"
+    assert engine.get_server_info()["attention"]["decode_attention"] == want
+    if want == "cpu_kernel":
+        assert engine.scheduler.runner.backend.stage.bufs == {}
+    assert_no_leak(engine)
