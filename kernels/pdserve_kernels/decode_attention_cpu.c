@@ -13,9 +13,10 @@
  *
  * Query head h reads KV head h / G. A KV head's G query heads run together, so each key and value
  * row is read once per (request, KV head). Keys go in blocks of BLOCK: the block's G x BLOCK
- * scores first, then one rescale of the running output per block (online softmax: running max
- * m, running sum l), then the values. Float accumulation throughout; the output row doubles as
- * the accumulator.
+ * scores first (four keys at a time), then one rescale of the running output per block (online
+ * softmax: running max m, running sum l), then the values. Float accumulation throughout; the
+ * output row doubles as the accumulator. While a block computes, the next block's rows are
+ * prefetched: decode attention reads each row once, so it waits on memory, not on arithmetic.
  *
  * Built by pdserve_kernels/decode_attention_cpu.py with the system compiler; plain C99 plus
  * GCC/Clang vector extensions (no torch headers). Single-threaded: torch's own OpenMP runtime is
@@ -30,9 +31,6 @@ enum { OK = 0, BAD_SLOT = 1, BAD_LEN = 2, NO_MEMORY = 3 };
 
 #ifndef BLOCK
 #define BLOCK 64 /* keys per softmax block: G x BLOCK scores stay in L1 */
-#endif
-#ifndef PREFETCH
-#define PREFETCH 8 /* key rows ahead of the one scored */
 #endif
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -64,6 +62,49 @@ static inline float dot(const float *q, const float *k, int64_t D) {
     float s = ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
     for (; d < D; d++) s += q[d] * k[d];
     return s;
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+
+/* Four 8-lane partial sums -> their four sums, reduced together (pairwise, a fixed order) */
+static inline v4f sum4(v8f a, v8f b, v8f c, v8f d) {
+    v8f x = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15); /* a01 b01 a23 b23 a45 b45 a67 b67 */
+    v8f y = __builtin_shufflevector(c, d, 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(c, d, 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+            __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15); /* a0-3 b0-3 c0-3 d0-3 a4-7 .. d4-7 */
+    return __builtin_shufflevector(z, z, 0, 1, 2, 3) + __builtin_shufflevector(z, z, 4, 5, 6, 7);
+}
+
+/* out[j] = scale * q . kr[j] for j < nb: four keys at a time (four chains in flight, one reduction) */
+static void scores(const float *q, const float *const *kr, int64_t nb, int64_t D, float scale, float *out) {
+    const int64_t D8 = D & ~(int64_t)7;
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
+        const float *k0 = kr[j], *k1 = kr[j + 1], *k2 = kr[j + 2], *k3 = kr[j + 3];
+        v8f a = {0}, b = {0}, c = {0}, e = {0};
+        for (int64_t d = 0; d < D8; d += 8) {
+            v8f x, y0, y1, y2, y3;
+            memcpy(&x, q + d, sizeof x);
+            memcpy(&y0, k0 + d, sizeof x);
+            memcpy(&y1, k1 + d, sizeof x);
+            memcpy(&y2, k2 + d, sizeof x);
+            memcpy(&y3, k3 + d, sizeof x);
+            a += x * y0;
+            b += x * y1;
+            c += x * y2;
+            e += x * y3;
+        }
+        v4f s4 = sum4(a, b, c, e);
+        for (int64_t d = D8; d < D; d++) {
+            v4f t = {k0[d], k1[d], k2[d], k3[d]};
+            s4 += q[d] * t;
+        }
+        s4 *= scale;
+        memcpy(out + j, &s4, sizeof s4);
+    }
+    for (; j < nb; j++) out[j] = scale * dot(q, kr[j], D);
 }
 
 /* exp(x) for 16 lanes of x <= 0 (scores minus their running max), relative error about 1e-7:
@@ -115,13 +156,21 @@ static void accumulate_values(const float *const *vr, int64_t nb, const float *p
     for (; d + 16 <= Dv; d += 16) {
         for (int64_t g = 0; g < G; g++) {
             const float *pg = p + g * BLOCK;
-            v16f acc;
+            v16f acc, a[4] = {{0}, {0}, {0}, {0}};  /* four chains in flight, not one long one */
             memcpy(&acc, o + g * Dv + d, sizeof acc);
-            for (int64_t j = 0; j < nb; j++) {
+            int64_t j = 0;
+            for (; j + 4 <= nb; j += 4)
+                for (int u = 0; u < 4; u++) {
+                    v16f x;
+                    memcpy(&x, vr[j + u] + d, sizeof x);
+                    a[u] += pg[j + u] * x;
+                }
+            for (; j < nb; j++) {
                 v16f x;
                 memcpy(&x, vr[j] + d, sizeof x);
-                acc += pg[j] * x;
+                a[0] += pg[j] * x;
             }
+            acc += (a[0] + a[1]) + (a[2] + a[3]);
             memcpy(o + g * Dv + d, &acc, sizeof acc);
         }
     }
@@ -131,6 +180,18 @@ static void accumulate_values(const float *const *vr, int64_t nb, const float *p
 }
 
 /* One KV block of one (request, KV head): scores, one rescale per query head, then the values */
+/* Start loading a block's key and value rows (the next block's, while this one computes): the
+ * rows of a page are contiguous, but page boundaries break the hardware's streams */
+static void prefetch_block(const pool_t *c, const int64_t *slots, int64_t nb, int64_t h) {
+    for (int64_t j = 0; j < nb; j++) {
+        int64_t s = slots[j], page = s / c->S, off = s % c->S;
+        const float *kr = c->k + page * c->k_page + h * c->k_head + off * c->k_token;
+        const float *vr = c->v + page * c->v_page + h * c->v_head + off * c->v_token;
+        for (int64_t x = 0; x < c->Dk; x += 16) __builtin_prefetch(kr + x);
+        for (int64_t x = 0; x < c->Dv; x += 16) __builtin_prefetch(vr + x);
+    }
+}
+
 static void attend_block(const pool_t *c, const int64_t *slots, int64_t nb, int64_t h, const float *q, float *o,
                          float *sc, float *m, float *l) {
     const int64_t G = c->G, Dk = c->Dk, Dv = c->Dv;
@@ -140,13 +201,7 @@ static void attend_block(const pool_t *c, const int64_t *slots, int64_t nb, int6
         kr[j] = c->k + page * c->k_page + h * c->k_head + off * c->k_token;
         vr[j] = c->v + page * c->v_page + h * c->v_head + off * c->v_token;
     }
-    for (int64_t j = 0; j < nb; j++) {
-        /* rows ahead: page boundaries break the hardware's streams */
-        if (j + PREFETCH < nb)
-            for (int64_t x = 0; x < Dk; x += 16) __builtin_prefetch(kr[j + PREFETCH] + x);
-        for (int64_t x = 0; x < Dv; x += 16) __builtin_prefetch(vr[j] + x);  /* read after the scores */
-        for (int64_t g = 0; g < G; g++) sc[g * BLOCK + j] = c->scale * dot(q + g * Dk, kr[j], Dk);
-    }
+    for (int64_t g = 0; g < G; g++) scores(q + g * Dk, kr, nb, Dk, c->scale, sc + g * BLOCK);
     for (int64_t g = 0; g < G; g++) {
         float *p = sc + g * BLOCK, bm = p[0];
         for (int64_t j = 1; j < nb; j++) bm = p[j] > bm ? p[j] : bm;
@@ -182,6 +237,7 @@ int pdserve_decode_attention_f32(const float *q, int64_t B, int64_t Hq, int64_t 
     if (sc == NULL) return NO_MEMORY;
     float *m = sc + G * BLOCK, *l = m + G;
     pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale};
+    if (B > 0) prefetch_block(&c, kv_slots, seq_lens[0] < BLOCK ? seq_lens[0] : BLOCK, 0);
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = seq_lens[b], *sl = kv_slots + b * slot_stride;
         for (int64_t h = 0; h < Hkv; h++) {
@@ -189,8 +245,16 @@ int pdserve_decode_attention_f32(const float *q, int64_t B, int64_t Hq, int64_t 
             float *o = out + (b * Hq + h * G) * Dv;
             memset(o, 0, sizeof(float) * (size_t)(G * Dv));
             for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
-            for (int64_t j0 = 0; j0 < n; j0 += BLOCK)
+            for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
+                /* the block after this one: this head's next, else the next head's or request's first */
+                if (j0 + BLOCK < n)
+                    prefetch_block(&c, sl + j0 + BLOCK, n - j0 - BLOCK < BLOCK ? n - j0 - BLOCK : BLOCK, h);
+                else if (h + 1 < Hkv)
+                    prefetch_block(&c, sl, n < BLOCK ? n : BLOCK, h + 1);
+                else if (b + 1 < B)
+                    prefetch_block(&c, sl + slot_stride, seq_lens[b + 1] < BLOCK ? seq_lens[b + 1] : BLOCK, 0);
                 attend_block(&c, sl + j0, n - j0 < BLOCK ? n - j0 : BLOCK, h, qh, o, sc, m, l);
+            }
             for (int64_t g = 0; g < G; g++) scale_row(o + g * Dv, 1.0f / l[g], Dv);
         }
     }
