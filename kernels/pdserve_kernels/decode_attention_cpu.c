@@ -233,30 +233,30 @@ int pdserve_decode_attention_f32(const float *q, int64_t B, int64_t Hq, int64_t 
             if (sl[j] < 0 || sl[j] >= N) return BAD_SLOT;
     }
     const int64_t G = Hq / Hkv;
-    float *sc = malloc(sizeof(float) * (size_t)(G * BLOCK + 2 * G));
+    float *sc = malloc(sizeof(float) * (size_t)(G * BLOCK + 2 * Hq));
     if (sc == NULL) return NO_MEMORY;
-    float *m = sc + G * BLOCK, *l = m + G;
+    float *m = sc + G * BLOCK, *l = m + Hq;
     pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale};
-    if (B > 0) prefetch_block(&c, kv_slots, seq_lens[0] < BLOCK ? seq_lens[0] : BLOCK, 0);
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = seq_lens[b], *sl = kv_slots + b * slot_stride;
-        for (int64_t h = 0; h < Hkv; h++) {
-            const float *qh = q + (b * Hq + h * G) * Dk;
-            float *o = out + (b * Hq + h * G) * Dv;
-            memset(o, 0, sizeof(float) * (size_t)(G * Dv));
-            for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
-            for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
-                /* the block after this one: this head's next, else the next head's or request's first */
-                if (j0 + BLOCK < n)
-                    prefetch_block(&c, sl + j0 + BLOCK, n - j0 - BLOCK < BLOCK ? n - j0 - BLOCK : BLOCK, h);
-                else if (h + 1 < Hkv)
-                    prefetch_block(&c, sl, n < BLOCK ? n : BLOCK, h + 1);
-                else if (b + 1 < B)
-                    prefetch_block(&c, sl + slot_stride, seq_lens[b + 1] < BLOCK ? seq_lens[b + 1] : BLOCK, 0);
-                attend_block(&c, sl + j0, n - j0 < BLOCK ? n - j0 : BLOCK, h, qh, o, sc, m, l);
+        float *o = out + b * Hq * Dv;
+        memset(o, 0, sizeof(float) * (size_t)(Hq * Dv));
+        for (int64_t i = 0; i < Hq; i++) m[i] = -INFINITY, l[i] = 0.0f;
+        if (b == 0)
+            for (int64_t h = 0; h < Hkv; h++) prefetch_block(&c, sl, n < BLOCK ? n : BLOCK, h);
+        /* blocks outside, heads inside: a page's rows (all heads) are read in memory order, and the
+         * next block's rows of a head load while this block's same head computes */
+        for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
+            const int64_t *next = j0 + BLOCK < n ? sl + j0 + BLOCK : b + 1 < B ? sl + slot_stride : NULL;
+            int64_t nn = j0 + BLOCK < n ? n - j0 - BLOCK : b + 1 < B ? seq_lens[b + 1] : 0;
+            nn = nn < BLOCK ? nn : BLOCK;
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (next != NULL) prefetch_block(&c, next, nn, h);
+                attend_block(&c, sl + j0, n - j0 < BLOCK ? n - j0 : BLOCK, h, q + (b * Hq + h * G) * Dk,
+                             o + h * G * Dv, sc, m + h * G, l + h * G);
             }
-            for (int64_t g = 0; g < G; g++) scale_row(o + g * Dv, 1.0f / l[g], Dv);
         }
+        for (int64_t i = 0; i < Hq; i++) scale_row(o + i * Dv, 1.0f / l[i], Dv);
     }
     free(sc);
     return OK;
