@@ -1161,6 +1161,23 @@ MUTATIONS = (
         '            pass\n',
         ("test/models/test_deepseek_v32_fp8_index.py::test_host_tier_hit_restores_fp8_keys_and_scales",
          "test/disagg/test_pd_deepseek_v32.py::test_fp8_index_keys_move_with_their_scales")),
+    Mutation(
+        "decode_attention_cpu_wrong_kv_head", "the CPU decode attention kernel reads the next KV head's keys and "
+        "values for a group of query heads (h + 1, not h // G)",
+        "kernels/pdserve_kernels/decode_attention_cpu.c",
+        "                attend_block(&c, sl + j0, n - j0 < BLOCK ? n - j0 : BLOCK, h, q + (b * Hq + h * G) * Dk,\n",
+        "                attend_block(&c, sl + j0, n - j0 < BLOCK ? n - j0 : BLOCK, (h + 1) % Hkv, q + (b * Hq + h * G) * Dk,"
+        "\n",
+        ("test/kernels/test_decode_attention_cpu.py::test_matches_twin_and_sdpa",
+         "test/models/test_model_parity.py::test_decode_through_the_cpu_kernel_matches_transformers")),
+    Mutation(
+        "decode_attention_cpu_no_rescale", "the CPU decode attention kernel's online softmax does not shrink the "
+        "running output when a later block raises the max (earlier blocks' values weigh too much)",
+        "kernels/pdserve_kernels/decode_attention_cpu.c",
+        "            scale_row(o + g * Dv, a, Dv);\n",
+        "            (void)a;\n",
+        ("test/kernels/test_decode_attention_cpu.py::test_matches_twin_and_sdpa",
+         "test/kernels/test_decode_attention_cpu.py::test_large_scores_stay_finite")),
 )
 
 
