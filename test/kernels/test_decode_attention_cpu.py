@@ -168,3 +168,22 @@ def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog,
     with pytest.raises(K.KernelUnavailable, match="could not be built"):
         K.decode_attention(**_args(), scale=0.3)
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+def test_the_backend_takes_the_kernel_only_for_float32_cpu_pools(built):
+    """float32 GQA and MLA pools on CPU take the kernel; bf16, fp8 and DeepSeek-V3.2's (index keys) keep
+    the torch path; the choice is made once and shown in describe()."""
+    from pdserve.layers.attention.torch_native import TorchNativeBackend
+    from pdserve.mem.kv_pool import FP8_DTYPE, GQAKVPool, MLAKVPool
+
+    backend = TorchNativeBackend()
+    assert backend.describe()["decode_attention"] == "not chosen yet"
+    assert backend._decode_kernel_for(GQAKVPool(4, 2, 1, 2, 8, torch.float32)) is True
+    assert backend.describe()["decode_attention"] == "cpu_kernel"
+    assert TorchNativeBackend()._decode_kernel_for(MLAKVPool(4, 2, 1, 8, 4, torch.float32)) is True
+    for pool in (GQAKVPool(4, 2, 1, 2, 8, torch.bfloat16),
+                 GQAKVPool(4, 2, 1, 2, 8, FP8_DTYPE, compute_dtype=torch.float32),
+                 MLAKVPool(4, 2, 1, 8, 4, torch.float32, index_head_dim=8)):
+        other = TorchNativeBackend()
+        assert other._decode_kernel_for(pool) is False
+        assert other.describe()["decode_attention"] == "torch"
