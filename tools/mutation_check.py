@@ -1170,6 +1170,22 @@ MUTATIONS = (
         "    float inv = 1.f / sqrtf(ss / (float)X + eps);\n",
         "    float inv = 1.f / sqrtf(ss / (float)X);\n",
         ("test/kernels/test_fused_cpu.py::test_rmsnorm_eps_counts_on_small_and_zero_rows",)),
+    Mutation(
+        "decode_attention_cpu_wrong_kv_head", "the CPU decode attention kernel reads the next KV head's keys and "
+        "values for a group of query heads (h + 1, not h // G)",
+        "kernels/pdserve_kernels/decode_attention_cpu.c",
+        "n - j0 < BLOCK ? n - j0 : BLOCK, h, q + (b * Hq + h * G) * Dk,\n",
+        "n - j0 < BLOCK ? n - j0 : BLOCK, (h + 1) % Hkv, q + (b * Hq + h * G) * Dk,\n",
+        ("test/kernels/test_decode_attention_cpu.py::test_matches_twin_and_sdpa",
+         "test/models/test_model_parity.py::test_decode_through_the_cpu_kernel_matches_transformers")),
+    Mutation(
+        "decode_attention_cpu_no_rescale", "the CPU decode attention kernel's online softmax does not shrink the "
+        "running output when a later block raises the max (earlier blocks' values weigh too much)",
+        "kernels/pdserve_kernels/decode_attention_cpu.c",
+        "            scale_row(o + g * Dv, a, Dv);\n",
+        "            (void)a;\n",
+        ("test/kernels/test_decode_attention_cpu.py::test_matches_twin_and_sdpa",
+         "test/kernels/test_decode_attention_cpu.py::test_large_scores_stay_finite")),
 )
 
 

@@ -126,10 +126,13 @@ def test_kv_hook_and_staged_kv_see_the_eager_writes(engines):
     for compiled, engine in engines.items():
         runner = engine.scheduler.runner
         runner.layer_hook = recorders[compiled] = KVRecorder()
+        impl = runner.backend.decode_attention_impl
+        runner.backend.decode_attention_impl = "torch"  # the stage (the CPU decode kernel keeps none)
         try:
             generate(engine)
         finally:
             runner.layer_hook = None
+            runner.backend.decode_attention_impl = impl
     eager, comp = recorders[False].writes, recorders[True].writes
     num_layers = engines[True].scheduler.model_config.num_layers
     assert len(comp) == len(eager) == num_layers * (OUTPUT_LENS[0] - 1)

@@ -34,6 +34,7 @@ def test_reused_rid_with_lined_up_length_gets_its_own_kv(tmp_path, arch):
     # The plain loop: the lined-up steps below are its timing (overlap scheduling leaves a request
     # whose last token is in flight out of the next step), and the hook reads ``running`` mid-forward.
     sched = pdserve.Engine(model_path=path, disable_overlap_schedule=True).scheduler
+    sched.runner.backend.decode_attention_impl = "torch"  # the stage (the CPU decode kernel keeps none)
     decodes = []  # (rids, uids, seq_lens) of every decode forward, recorded at layer 0
 
     def hook(layer_id, fb):

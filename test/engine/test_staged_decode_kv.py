@@ -15,6 +15,13 @@ from fixtures.tiny_models import greedy_continuation, make_hf_model_and_dir
 STAGE_MARGIN = 64
 
 
+def _staged(engine: pdserve.Engine) -> pdserve.Engine:
+    """The engine with its decode stage on: the CPU decode kernel (which reads float32 pools by slot,
+    with no stage) is set aside, as for a bf16 or fp8 pool."""
+    engine.scheduler.runner.backend.decode_attention_impl = "torch"
+    return engine
+
+
 @pytest.fixture(scope="module", params=["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
 def model(request, tmp_path_factory):
     return make_hf_model_and_dir(request.param, tmp_path_factory.mktemp(request.param))
@@ -26,7 +33,7 @@ def test_batch_swap_with_aligned_lengths(model):
     step earlier plus one: only the requests' identity tells the stage to rebuild."""
     hf, path = model
     a, b, c = random_prompts([10, 10, 14], hf.config.vocab_size, seed=41)
-    engine = pdserve.Engine(model_path=path, max_running_requests=2)
+    engine = _staged(pdserve.Engine(model_path=path, max_running_requests=2))
     out = engine.generate(input_ids=[a, b, c], sampling_params=[greedy(5), greedy(20), greedy(20)])
     for o, p, n in zip(out, (a, b, c), (5, 20, 20)):
         assert o["output_ids"] == greedy_continuation(hf, p, n)
@@ -39,8 +46,26 @@ def test_decoding_past_the_staged_kv_margin(model):
     hf, path = model
     prompts = random_prompts([5, 17, 9], hf.config.vocab_size, seed=42)
     lens = [STAGE_MARGIN + 3, 2 * STAGE_MARGIN + 10, 2 * STAGE_MARGIN - 20]
-    engine = pdserve.Engine(model_path=path, page_size=4, max_running_requests=2)
+    engine = _staged(pdserve.Engine(model_path=path, page_size=4, max_running_requests=2))
     out = engine.generate(input_ids=prompts, sampling_params=[greedy(n) for n in lens])
     for o, p, n in zip(out, prompts, lens):
         assert o["output_ids"] == greedy_continuation(hf, p, n)
+    assert_no_leak(engine)
+
+
+def test_default_engine_decodes_through_the_cpu_kernel(model):
+    """At default flags a float32 model decodes through the CPU decode kernel (where it builds): the
+    server info says so, no staged copy is kept, and the greedy tokens are transformers'."""
+    from pdserve_kernels import decode_attention_cpu
+
+    hf, path = model
+    prompts = random_prompts([10, 3, 21], hf.config.vocab_size, seed=43)
+    engine = pdserve.Engine(model_path=path, page_size=4)
+    out = engine.generate(input_ids=prompts, sampling_params=[greedy(12)] * 3)
+    for o, p in zip(out, prompts):
+        assert o["output_ids"] == greedy_continuation(hf, p, 12)
+    want = "cpu_kernel" if decode_attention_cpu.load() is not None else "torch"
+    assert engine.get_server_info()["attention"]["decode_attention"] == want
+    if want == "cpu_kernel":
+        assert engine.scheduler.runner.backend.stage.bufs == {}
     assert_no_leak(engine)

@@ -132,7 +132,7 @@ def test_staged_decode_rebuilds_when_the_batch_changes_but_lengths_line_up():
     seqs = {name: [torch.randn(n, H, D, generator=g) for H in (Hq, Hkv, Hkv)] for name, n in
             (("a", 14), ("b", 16), ("c", 16))}
     pool = GQAKVPool(64, 4, 1, Hkv, D, torch.float32)
-    paged = PagedRequests(pool, seed=3)
+    paged = PagedRequests(pool, seed=3, backend=_backend("gqa"))  # the stage, not the CPU decode kernel
     done = {"a": 0, "b": 0, "c": 0}
 
     def step(entries, decode):  # entries: (fixture key, sequence, new tokens)
@@ -430,14 +430,17 @@ def _backend(kind):
     backend = TorchNativeBackend()
     if kind == "mla_sparse":
         backend.index_topk_impl = "torch"  # the twin scores the staged index keys (the kernel reads the pool)
+    if not kind.endswith("_cpu_kernel"):
+        backend.decode_attention_impl = "torch"  # the stage (the CPU kernel reads float32 pools by slot)
     return backend
 
 
-@pytest.mark.parametrize("kind", ["gqa", "gqa_bf16", "mla", "mla_sparse"])
+@pytest.mark.parametrize("kind", ["gqa", "gqa_bf16", "mla", "mla_sparse", "gqa_cpu_kernel", "mla_cpu_kernel"])
 def test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference(kind):
     """The backend's decode steps while requests leave, join, reorder and rejoin: each output has the bits
     of a fresh backend's (a stage built from the pool in batch order) and matches the reference (DeepSeek-V3.2's
-    sparse attention: the pool-gathering path, with its index keys read from pages)."""
+    sparse attention: the pool-gathering path, with its index keys read from pages). ``*_cpu_kernel``: the
+    CPU decode kernel instead of the stage, reading the pool by slot (a fresh backend gives the same bits)."""
     from dataclasses import replace
 
     from pdserve.layers.attention.base import SparseIndex
@@ -462,13 +465,13 @@ def test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference(kin
         if kind == "mla_sparse":
             index = SparseIndex(x[4], x[5], x[6], Di ** -0.5, topk)
             return fb.attn_backend.forward_mla_sparse(*x[:4], w_kc, w_vc, layer, scale, index, fb)
-        if kind == "mla":
+        if kind in ("mla", "mla_cpu_kernel"):
             return fb.attn_backend.forward_mla(*x, w_kc, w_vc, layer, scale, fb)
         return fb.attn_backend.forward_gqa(*x, layer, scale, fb)
 
     def reference(s, n):
         x = [t[:n] for t in seqs[s]]
-        if kind == "mla":
+        if kind in ("mla", "mla_cpu_kernel"):
             return mla_reference(x[0][-1:], x[1][-1:], x[2], x[3], w_kc, w_vc, scale)
         return gqa_reference(x[0][-1:].float(), x[1].float(), x[2].float(), scale)
 
@@ -492,4 +495,10 @@ def test_staged_decode_through_swaps_matches_a_fresh_stage_and_the_reference(kin
             done[s] += 1
             if kind != "mla_sparse":
                 torch.testing.assert_close(o[None].float(), reference(s, done[s]).float(), atol=tol, rtol=tol)
-    assert fb.attn_metadata.stage.order is not None  # the rows ended permuted: the mapping ran
+    if kind.endswith("_cpu_kernel"):
+        if fb.attn_backend.decode_attention_impl == "torch":
+            pytest.skip("no C compiler: the kernel was not built")
+        assert fb.attn_metadata.decode_kernel and fb.attn_metadata.stage is None  # no stage planned, none kept
+        assert fb.attn_backend.stage.bufs == {} and fb.attn_backend.describe()["decode_attention"] == "cpu_kernel"
+    else:
+        assert fb.attn_metadata.stage.order is not None  # the rows ended permuted: the mapping ran

@@ -64,9 +64,11 @@ def test_batched_requests_of_mixed_lengths_match_transformers(tiny):
     prompts = [_prompt(n, seed=n) for n in (3, 20, 41)]
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [greedy_continuation(hf, p, STEPS) for p in prompts]
-    # the indexer's top-k ran in the CPU kernel wherever it builds (else the torch twin), and says so
+    # the indexer's top-k ran in the CPU kernel wherever it builds (else the torch twin), and says so;
+    # sparse attention keeps its own decode path, not the dense CPU decode kernel
     want = "cpu_kernel" if index_topk_cpu.load() is not None else "torch"
-    assert engine.get_server_info()["attention"] == {"attention_backend": "torch_native", "index_topk": want}
+    assert engine.get_server_info()["attention"] == {"attention_backend": "torch_native", "index_topk": want,
+                                                     "decode_attention": "torch"}
 
 
 def test_cpu_kernel_and_torch_twin_give_the_same_logprobs(tiny):

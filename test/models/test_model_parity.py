@@ -35,10 +35,10 @@ def _hf_logits(hf, seqs) -> list[torch.Tensor]:
         return [hf(input_ids=torch.tensor([s])).logits[0] for s in seqs]  # each [L, V]
 
 
-def _run_schedule(model, seqs, steps, page_size: int, seed: int = 0, dtype=torch.float32):
+def _run_schedule(model, seqs, steps, page_size: int, seed: int = 0, dtype=torch.float32, backend=None):
     """steps: list of [(request, n_new)]; a step whose entries all have n_new == 1 runs as
     DECODE. Returns per-request logits [L, V] assembled over the steps."""
-    paged = PagedRequests(make_pool(model.config, page_size, dtype=dtype), seed=seed)
+    paged = PagedRequests(make_pool(model.config, page_size, dtype=dtype), seed=seed, backend=backend)
     done = [0] * len(seqs)
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for step in steps:
@@ -77,6 +77,33 @@ def test_prefix_then_extend_then_decode_match_transformers(pair, page_size):
     got = _run_schedule(model, seqs, steps, page_size, seed=page_size)
     for g, want in zip(got, _hf_logits(hf, seqs)):
         torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_through_the_cpu_kernel_matches_transformers(pair, page_size, monkeypatch):
+    """Float32 GQA and MLA pools decode through the CPU kernel (KV read by slot, no decode stage): it is
+    the one that runs, once per layer and decode step, and the logits match transformers. DeepSeek-V3.2's
+    and V4's attention keep their own paths."""
+    from pdserve.layers.attention.torch_native import TorchNativeBackend
+    from pdserve_kernels import decode_attention_cpu
+
+    if decode_attention_cpu.load() is None:
+        pytest.skip("no C compiler: the kernel was not built")
+    hf, model = pair
+    calls = []
+    kernel = decode_attention_cpu.decode_attention
+    monkeypatch.setattr(decode_attention_cpu, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    seqs = _sequences(hf.config.vocab_size, (30, 9, 17), seed=2)
+    steps = [[(0, 25), (1, 4), (2, 12)]] + [[(0, 1), (1, 1), (2, 1)]] * 5
+    backend = TorchNativeBackend()
+    got = _run_schedule(model, seqs, steps, page_size, seed=page_size, backend=backend)
+    for g, want in zip(got, _hf_logits(hf, seqs)):
+        torch.testing.assert_close(g, want, atol=ATOL, rtol=0)
+    runs = type(model).__name__ not in ("DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM")
+    assert backend.describe()["decode_attention"] == ("cpu_kernel" if runs else "torch")
+    assert len(calls) == (5 * model.config.num_hidden_layers if runs else 0)
+    if runs:
+        assert backend.stage.bufs == {}  # no staged copy was built
 
 
 def test_packed_cpu_linears_match_transformers(pair):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from pdserve.layers.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.layers.forward_batch import ForwardBatch
+from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
 from pdserve_kernels.sparse_mla_ref import topk_first_on_ties
 
 
@@ -70,6 +71,9 @@ class TorchNativeMetadata(AttentionMetadata):
     # attention then runs request by request, each over its own pages, so a request's output has the
     # same bits as if it ran alone. Empty: the padded batch.
     spans: tuple[RequestSpan, ...] = ()
+    # A decode step the CPU kernel serves (pdserve_kernels.decode_attention_cpu): each request's KV is
+    # read by slot from the pool, so no stage is planned (``stage`` None) and nothing is gathered.
+    decode_kernel: bool = False
 
     @cached_property
     def mask(self) -> torch.Tensor:
@@ -336,9 +340,29 @@ class TorchNativeBackend(AttentionBackend):
         # (``_index_kernel_for``): "cpu_kernel" (pdserve_kernels.index_topk_cpu, keys read by slot)
         # or "torch" (select_top_tokens over the staged keys). None before any sparse step.
         self.index_topk_impl: str | None = None
+        # How decode attention runs, fixed at the first decode step by the pool (``_decode_kernel_for``):
+        # "cpu_kernel" (pdserve_kernels.decode_attention_cpu, KV read by slot, no decode stage) or
+        # "torch" (the decode stage and SDPA or grouped matmuls). None before any decode step.
+        self.decode_attention_impl: str | None = None
 
     def describe(self) -> dict:
-        return {"attention_backend": self.name, "index_topk": self.index_topk_impl or "not chosen yet"}
+        return {"attention_backend": self.name, "index_topk": self.index_topk_impl or "not chosen yet",
+                "decode_attention": self.decode_attention_impl or "not chosen yet"}
+
+    def _decode_kernel_for(self, pool) -> bool:
+        """True where the CPU kernel runs this pool's decode attention: a float32 GQA pool, or a
+        float32 MLA pool without DeepSeek-V3.2's index keys (sparse attention keeps its own path),
+        on CPU, the kernel built. Decided once, so the decode stage is either always kept or never."""
+        if self.decode_attention_impl is None:
+            usable = (isinstance(pool, (GQAKVPool, MLAKVPool)) and pool.device.type == "cpu"
+                      and pool.dtype == pool.compute_dtype == torch.float32
+                      and getattr(pool, "index_k", None) is None)
+            if usable:
+                from pdserve_kernels import decode_attention_cpu  # plain C through ctypes: no triton
+
+                usable = decode_attention_cpu.load() is not None
+            self.decode_attention_impl = "cpu_kernel" if usable else "torch"
+        return self.decode_attention_impl == "cpu_kernel"
 
     def _index_kernel_for(self, pool) -> bool:
         """True where the CPU kernel scores this pool's index keys (float32 on CPU, the kernel built);
@@ -360,8 +384,10 @@ class TorchNativeBackend(AttentionBackend):
         # table is every S-th slot divided by S; KV is gathered page by page.
         pages = torch.div(fb.kv_slots[:, ::S], S, rounding_mode="floor")  # [B, Lp]
         B = fb.batch_size
-        # Decode steps of identified requests read the stage (length L), others whole pages.
-        stage = self.stage.plan(fb) if fb.is_decode and fb.req_uids is not None else None
+        # Decode steps the CPU kernel serves read the pool by slot; other decode steps of identified
+        # requests read the stage (length L), others whole pages.
+        kernel = fb.is_decode and self._decode_kernel_for(fb.kv_pool)
+        stage = self.stage.plan(fb) if fb.is_decode and fb.req_uids is not None and not kernel else None
         K = stage.length if stage is not None else pages.shape[1] * S
         Q = int(ext.max()) if B else 0
         dev = seq.device
@@ -375,13 +401,18 @@ class TorchNativeBackend(AttentionBackend):
         causal = stage is None and Q > 1 and not bool(pre.any())
         spans = _ragged_spans(ext, pre, seq, S) if stage is None and Q > 1 else ()
         return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage,
-                                   causal, spans)
+                                   causal, spans, kernel)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         fb.kv_written(layer_id)
         md = self.metadata_of(fb, TorchNativeMetadata)
+        if md.decode_kernel and q.dtype == torch.float32:
+            from pdserve_kernels.decode_attention_cpu import decode_attention
+
+            return decode_attention(q.contiguous(), pool.k[layer_id], pool.v[layer_id], fb.kv_slots, fb.seq_lens,
+                                    scale)  # [T = B, Hq, D]
         if md.spans:
             return self._gqa_ragged(q, layer_id, scale, fb, md)
         # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
@@ -418,6 +449,8 @@ class TorchNativeBackend(AttentionBackend):
         md = self.metadata_of(fb, TorchNativeMetadata)
         if absorbed is None:
             absorbed = fb.is_decode
+        if md.decode_kernel and absorbed and q_nope.dtype == torch.float32:
+            return self._mla_kernel(q_nope, q_pe, latent.shape[-1], w_kc, w_vc, layer_id, scale, fb)
         if md.spans:
             return self._mla_ragged(q_nope, q_pe, latent.shape[-1], w_kc, w_vc, layer_id, scale, fb, md, absorbed)
         staged = pool.round_trip_latent(new) if md.stage is not None else new  # as the pool holds it
@@ -450,6 +483,18 @@ class TorchNativeBackend(AttentionBackend):
                                        grid)
             outs.append(o[0].transpose(0, 1))  # [ext, H, Dv]
         return torch.cat(outs)  # [T, H, Dv]
+
+    @staticmethod
+    def _mla_kernel(q_nope, q_pe, C, w_kc, w_vc, layer_id, scale, fb):
+        """Absorbed decode through the CPU kernel: the latent rows, read by slot, are one KV head of
+        width C+R whose first C columns are the values."""
+        from pdserve_kernels.decode_attention_cpu import decode_attention
+
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
+        qc = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, C+R]
+        kv = fb.kv_pool.latent[layer_id].unsqueeze(1)  # [P, 1, S, C+R]
+        o_lat = decode_attention(qc, kv, kv, fb.kv_slots, fb.seq_lens, scale, v_width=C)  # [T, H, C]
+        return torch.einsum("thc,hcv->thv", o_lat, w_vc)  # [T, H, Dv]
 
     @staticmethod
     def _mla_absorbed(q_nope, q_pe, cache, C, w_kc, w_vc, scale, mask, grid, ungrid=None):

@@ -1,0 +1,263 @@
+/* Decode attention on CPU (one query row per request), reading each request's keys and values by
+ * slot straight from the paged pool: no gathered or staged copy, no padded mask, no permutes.
+ *
+ * Legend: B requests, Hq query heads, Hkv KV heads, G = Hq / Hkv query heads per KV head,
+ * Dk key (and query) width, Dv value width, L kv_slots' width, n a request's length (seq_lens[b]),
+ * N pool slots (pages * page size S).
+ *
+ * Slot s is row (s % S) of page s / S; key row of KV head h at slot s starts at
+ *   k + (s / S) * k_page + h * k_head + (s % S) * k_token
+ * (the same for v with its strides). GQA's HND pool [P, Hkv, S, D] and MLA's latent [P, S, C+R]
+ * (one KV "head", head stride 0, values the first C columns of the same row, v == k) are both
+ * this form, so absorbed MLA decode is the same call.
+ *
+ * Query head h reads KV head h / G. A KV head's G query heads run together, so each key and value
+ * row is read once per (request, KV head). Keys go in blocks of BLOCK: the block's G x BLOCK
+ * scores first (four keys at a time), then one rescale of the running output per block (online
+ * softmax: running max m, running sum l), then the values. Float accumulation throughout; the
+ * output row doubles as the accumulator. While a block computes, the next block's rows are
+ * prefetched: decode attention reads each row once, so it waits on memory, not on arithmetic.
+ *
+ * Built by pdserve_kernels/decode_attention_cpu.py with the system compiler; plain C99 plus
+ * GCC/Clang vector extensions (no torch headers). Single-threaded: torch's own OpenMP runtime is
+ * in the process.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { OK = 0, BAD_SLOT = 1, BAD_LEN = 2, NO_MEMORY = 3 };
+
+#ifndef BLOCK
+#define BLOCK 64 /* keys per softmax block: G x BLOCK scores stay in L1 */
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* q . k over D floats: two 16-lane partial sums (two chains in flight), then a fixed tree */
+static inline float dot(const float *q, const float *k, int64_t D) {
+    v16f a = {0}, b = {0};
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        v16f x0, y0, x1, y1;
+        memcpy(&x0, q + d, sizeof x0);
+        memcpy(&y0, k + d, sizeof y0);
+        memcpy(&x1, q + d + 16, sizeof x1);
+        memcpy(&y1, k + d + 16, sizeof y1);
+        a += x0 * y0;
+        b += x1 * y1;
+    }
+    for (; d + 16 <= D; d += 16) {
+        v16f x, y;
+        memcpy(&x, q + d, sizeof x);
+        memcpy(&y, k + d, sizeof y);
+        a += x * y;
+    }
+    a += b;
+    v8f h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    float s = ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
+    for (; d < D; d++) s += q[d] * k[d];
+    return s;
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+
+/* Four 8-lane partial sums -> their four sums, reduced together (pairwise, a fixed order) */
+static inline v4f sum4(v8f a, v8f b, v8f c, v8f d) {
+    v8f x = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15); /* a01 b01 a23 b23 a45 b45 a67 b67 */
+    v8f y = __builtin_shufflevector(c, d, 0, 8, 2, 10, 4, 12, 6, 14) +
+            __builtin_shufflevector(c, d, 1, 9, 3, 11, 5, 13, 7, 15);
+    v8f z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+            __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15); /* a0-3 b0-3 c0-3 d0-3 a4-7 .. d4-7 */
+    return __builtin_shufflevector(z, z, 0, 1, 2, 3) + __builtin_shufflevector(z, z, 4, 5, 6, 7);
+}
+
+/* out[j] = scale * q . kr[j] for j < nb: four keys at a time (four chains in flight, one reduction) */
+static void scores(const float *q, const float *const *kr, int64_t nb, int64_t D, float scale, float *out) {
+    const int64_t D8 = D & ~(int64_t)7;
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4) {
+        const float *k0 = kr[j], *k1 = kr[j + 1], *k2 = kr[j + 2], *k3 = kr[j + 3];
+        v8f a = {0}, b = {0}, c = {0}, e = {0};
+        for (int64_t d = 0; d < D8; d += 8) {
+            v8f x, y0, y1, y2, y3;
+            memcpy(&x, q + d, sizeof x);
+            memcpy(&y0, k0 + d, sizeof x);
+            memcpy(&y1, k1 + d, sizeof x);
+            memcpy(&y2, k2 + d, sizeof x);
+            memcpy(&y3, k3 + d, sizeof x);
+            a += x * y0;
+            b += x * y1;
+            c += x * y2;
+            e += x * y3;
+        }
+        v4f s4 = sum4(a, b, c, e);
+        for (int64_t d = D8; d < D; d++) {
+            v4f t = {k0[d], k1[d], k2[d], k3[d]};
+            s4 += q[d] * t;
+        }
+        s4 *= scale;
+        memcpy(out + j, &s4, sizeof s4);
+    }
+    for (; j < nb; j++) out[j] = scale * dot(q, kr[j], D);
+}
+
+/* exp(x) for 16 lanes of x <= 0 (scores minus their running max), relative error about 1e-7:
+ * x log2(e) = n + f with |f| <= 1/2, 2^f by its degree-6 series, 2^n into the exponent bits.
+ * Lanes below -87 (where exp is under 2^-125, nothing beside the max's 1) give about 2^-125. */
+static inline v16f vexp(v16f x) {
+    const v16f zero = {0}, lo = zero - 87.0f;
+    v16i below = x < lo;
+    x = (v16f)(((v16i)x & ~below) | ((v16i)lo & below));
+    v16f t = x * 1.44269504088896341f;
+    const v16f magic = zero + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    v16f r = t + magic;
+    v16f n = r - magic;
+    v16f f = (t - n) * 0.693147180559945309f;
+    v16f p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+    v16u e = ((v16u)r - 0x4B400000u) << 23;
+    return (v16f)((v16u)p + e);
+}
+
+/* p[j] = exp(p[j] - m) for j < n; returns their sum */
+static float exp_shifted(float *p, int64_t n, float m) {
+    float sum = 0.0f;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        v16f x;
+        memcpy(&x, p + j, sizeof x);
+        x = vexp(x - m);
+        memcpy(p + j, &x, sizeof x);
+    }
+    for (; j < n; j++) p[j] = expf(p[j] - m);
+    for (int64_t i = 0; i < n; i++) sum += p[i];
+    return sum;
+}
+
+static inline void scale_row(float *restrict o, float a, int64_t D) {
+    for (int64_t d = 0; d < D; d++) o[d] *= a;
+}
+
+typedef struct {
+    const float *k, *v;
+    int64_t S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G;
+    float scale;
+} pool_t;
+
+/* o[g] += sum_j p[g][j] v_j over nb value rows: 16 columns of one head at a time in a register,
+ * so each value row is loaded once per head and the output once per block */
+static void accumulate_values(const float *const *vr, int64_t nb, const float *p, float *o, int64_t G, int64_t Dv) {
+    int64_t d = 0;
+    for (; d + 16 <= Dv; d += 16) {
+        for (int64_t g = 0; g < G; g++) {
+            const float *pg = p + g * BLOCK;
+            v16f acc, a[4] = {{0}, {0}, {0}, {0}};  /* four chains in flight, not one long one */
+            memcpy(&acc, o + g * Dv + d, sizeof acc);
+            int64_t j = 0;
+            for (; j + 4 <= nb; j += 4)
+                for (int u = 0; u < 4; u++) {
+                    v16f x;
+                    memcpy(&x, vr[j + u] + d, sizeof x);
+                    a[u] += pg[j + u] * x;
+                }
+            for (; j < nb; j++) {
+                v16f x;
+                memcpy(&x, vr[j] + d, sizeof x);
+                a[0] += pg[j] * x;
+            }
+            acc += (a[0] + a[1]) + (a[2] + a[3]);
+            memcpy(o + g * Dv + d, &acc, sizeof acc);
+        }
+    }
+    for (; d < Dv; d++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < nb; j++) o[g * Dv + d] += p[g * BLOCK + j] * vr[j][d];
+}
+
+/* One KV block of one (request, KV head): scores, one rescale per query head, then the values */
+/* Start loading a block's key and value rows (the next block's, while this one computes): the
+ * rows of a page are contiguous, but page boundaries break the hardware's streams */
+static void prefetch_block(const pool_t *c, const int64_t *slots, int64_t nb, int64_t h) {
+    for (int64_t j = 0; j < nb; j++) {
+        int64_t s = slots[j], page = s / c->S, off = s % c->S;
+        const float *kr = c->k + page * c->k_page + h * c->k_head + off * c->k_token;
+        const float *vr = c->v + page * c->v_page + h * c->v_head + off * c->v_token;
+        for (int64_t x = 0; x < c->Dk; x += 16) __builtin_prefetch(kr + x);
+        for (int64_t x = 0; x < c->Dv; x += 16) __builtin_prefetch(vr + x);
+    }
+}
+
+static void attend_block(const pool_t *c, const int64_t *slots, int64_t nb, int64_t h, const float *q, float *o,
+                         float *sc, float *m, float *l) {
+    const int64_t G = c->G, Dk = c->Dk, Dv = c->Dv;
+    const float *kr[BLOCK], *vr[BLOCK];
+    for (int64_t j = 0; j < nb; j++) {
+        int64_t s = slots[j], page = s / c->S, off = s % c->S;
+        kr[j] = c->k + page * c->k_page + h * c->k_head + off * c->k_token;
+        vr[j] = c->v + page * c->v_page + h * c->v_head + off * c->v_token;
+    }
+    for (int64_t g = 0; g < G; g++) scores(q + g * Dk, kr, nb, Dk, c->scale, sc + g * BLOCK);
+    for (int64_t g = 0; g < G; g++) {
+        float *p = sc + g * BLOCK, bm = p[0];
+        for (int64_t j = 1; j < nb; j++) bm = p[j] > bm ? p[j] : bm;
+        float mn = bm > m[g] ? bm : m[g];
+        if (mn > m[g] && l[g] > 0) {  /* a new max: the running sum and output shrink by exp(old - new) */
+            float a = expf(m[g] - mn);
+            l[g] *= a;
+            scale_row(o + g * Dv, a, Dv);
+        }
+        m[g] = mn;
+        l[g] += exp_shifted(p, nb, mn);
+    }
+    accumulate_values(vr, nb, sc, o, G, Dv);
+}
+
+/* q [B, Hq, Dk] and out [B, Hq, Dv] contiguous; kv_slots [B, L] with row stride slot_stride;
+ * seq_lens [B]. Every length must lie in [1, L] and every slot a request reads in [0, N):
+ * checked before any read of the pool. */
+int pdserve_decode_attention_f32(const float *q, int64_t B, int64_t Hq, int64_t Dk, const float *k,
+                                 const float *v, int64_t N, int64_t S, int64_t Hkv, int64_t k_page,
+                                 int64_t k_head, int64_t k_token, int64_t v_page, int64_t v_head, int64_t v_token,
+                                 int64_t Dv, const int64_t *kv_slots, int64_t L, int64_t slot_stride,
+                                 const int64_t *seq_lens, double scale, float *out) {
+    for (int64_t b = 0; b < B; b++) {
+        int64_t n = seq_lens[b];
+        if (n < 1 || n > L) return BAD_LEN;
+        const int64_t *sl = kv_slots + b * slot_stride;
+        for (int64_t j = 0; j < n; j++)
+            if (sl[j] < 0 || sl[j] >= N) return BAD_SLOT;
+    }
+    const int64_t G = Hq / Hkv;
+    float *sc = malloc(sizeof(float) * (size_t)(G * BLOCK + 2 * Hq));
+    if (sc == NULL) return NO_MEMORY;
+    float *m = sc + G * BLOCK, *l = m + Hq;
+    pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale};
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = seq_lens[b], *sl = kv_slots + b * slot_stride;
+        float *o = out + b * Hq * Dv;
+        memset(o, 0, sizeof(float) * (size_t)(Hq * Dv));
+        for (int64_t i = 0; i < Hq; i++) m[i] = -INFINITY, l[i] = 0.0f;
+        if (b == 0)
+            for (int64_t h = 0; h < Hkv; h++) prefetch_block(&c, sl, n < BLOCK ? n : BLOCK, h);
+        /* blocks outside, heads inside: a page's rows (all heads) are read in memory order, and the
+         * next block's rows of a head load while this block's same head computes */
+        for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
+            const int64_t *next = j0 + BLOCK < n ? sl + j0 + BLOCK : b + 1 < B ? sl + slot_stride : NULL;
+            int64_t nn = j0 + BLOCK < n ? n - j0 - BLOCK : b + 1 < B ? seq_lens[b + 1] : 0;
+            nn = nn < BLOCK ? nn : BLOCK;
+            for (int64_t h = 0; h < Hkv; h++) {
+                if (next != NULL) prefetch_block(&c, next, nn, h);
+                attend_block(&c, sl + j0, n - j0 < BLOCK ? n - j0 : BLOCK, h, q + (b * Hq + h * G) * Dk,
+                             o + h * G * Dv, sc, m + h * G, l + h * G);
+            }
+        }
+        for (int64_t i = 0; i < Hq; i++) scale_row(o + i * Dv, 1.0f / l[i], Dv);
+    }
+    free(sc);
+    return OK;
+}
