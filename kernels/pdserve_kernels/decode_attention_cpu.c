@@ -147,6 +147,7 @@ typedef struct {
     const float *k, *v;
     int64_t S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G;
     float scale;
+    int shift; /* log2(S) where S is a power of two, else -1 */
 } pool_t;
 
 /* o[g] += sum_j p[g][j] v_j over nb value rows: 16 columns of one head at a time in a register,
@@ -179,27 +180,39 @@ static void accumulate_values(const float *const *vr, int64_t nb, const float *p
             for (int64_t j = 0; j < nb; j++) o[g * Dv + d] += p[g * BLOCK + j] * vr[j][d];
 }
 
-/* One KV block of one (request, KV head): scores, one rescale per query head, then the values */
-/* Start loading a block's key and value rows (the next block's, while this one computes): the
- * rows of a page are contiguous, but page boundaries break the hardware's streams */
-static void prefetch_block(const pool_t *c, const int64_t *slots, int64_t nb, int64_t h) {
+/* Each slot's row offsets (elements) in the k and v buffers, head 0: computed once per block and
+ * shared by every head. A power-of-two page size splits a slot with a shift and a mask (a 64-bit
+ * division per slot and head cost as much as the attention's arithmetic). */
+static void row_offsets(const pool_t *c, const int64_t *slots, int64_t nb, int64_t *ko, int64_t *vo) {
     for (int64_t j = 0; j < nb; j++) {
-        int64_t s = slots[j], page = s / c->S, off = s % c->S;
-        const float *kr = c->k + page * c->k_page + h * c->k_head + off * c->k_token;
-        const float *vr = c->v + page * c->v_page + h * c->v_head + off * c->v_token;
+        int64_t s = slots[j], page, off;
+        if (c->shift >= 0)
+            page = s >> c->shift, off = s & (c->S - 1);
+        else
+            page = s / c->S, off = s % c->S;
+        ko[j] = page * c->k_page + off * c->k_token;
+        vo[j] = page * c->v_page + off * c->v_token;
+    }
+}
+
+/* Start loading a block's key and value rows of head h (the next block's, while this one computes):
+ * the rows of a page are contiguous, but page boundaries break the hardware's streams */
+static void prefetch_block(const pool_t *c, const int64_t *ko, const int64_t *vo, int64_t nb, int64_t h) {
+    for (int64_t j = 0; j < nb; j++) {
+        const float *kr = c->k + ko[j] + h * c->k_head, *vr = c->v + vo[j] + h * c->v_head;
         for (int64_t x = 0; x < c->Dk; x += 16) __builtin_prefetch(kr + x);
         for (int64_t x = 0; x < c->Dv; x += 16) __builtin_prefetch(vr + x);
     }
 }
 
-static void attend_block(const pool_t *c, const int64_t *slots, int64_t nb, int64_t h, const float *q, float *o,
-                         float *sc, float *m, float *l) {
+/* One KV block of one (request, KV head): scores, one rescale per query head, then the values */
+static void attend_block(const pool_t *c, const int64_t *ko, const int64_t *vo, int64_t nb, int64_t h,
+                         const float *q, float *o, float *sc, float *m, float *l) {
     const int64_t G = c->G, Dk = c->Dk, Dv = c->Dv;
     const float *kr[BLOCK], *vr[BLOCK];
     for (int64_t j = 0; j < nb; j++) {
-        int64_t s = slots[j], page = s / c->S, off = s % c->S;
-        kr[j] = c->k + page * c->k_page + h * c->k_head + off * c->k_token;
-        vr[j] = c->v + page * c->v_page + h * c->v_head + off * c->v_token;
+        kr[j] = c->k + ko[j] + h * c->k_head;
+        vr[j] = c->v + vo[j] + h * c->v_head;
     }
     for (int64_t g = 0; g < G; g++) scores(q + g * Dk, kr, nb, Dk, c->scale, sc + g * BLOCK);
     for (int64_t g = 0; g < G; g++) {
@@ -236,23 +249,35 @@ int pdserve_decode_attention_f32(const float *q, int64_t B, int64_t Hq, int64_t 
     float *sc = malloc(sizeof(float) * (size_t)(G * BLOCK + 2 * Hq));
     if (sc == NULL) return NO_MEMORY;
     float *m = sc + G * BLOCK, *l = m + Hq;
-    pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale};
+    int shift = -1;
+    if ((S & (S - 1)) == 0)
+        for (shift = 0; ((int64_t)1 << shift) < S; shift++) {}
+    pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale, shift};
+    int64_t ofs[4][BLOCK]; /* this block's and the next block's k and v row offsets */
+    int64_t *ko = ofs[0], *vo = ofs[1], *nko = ofs[2], *nvo = ofs[3];
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = seq_lens[b], *sl = kv_slots + b * slot_stride;
         float *o = out + b * Hq * Dv;
         memset(o, 0, sizeof(float) * (size_t)(Hq * Dv));
         for (int64_t i = 0; i < Hq; i++) m[i] = -INFINITY, l[i] = 0.0f;
-        if (b == 0)
-            for (int64_t h = 0; h < Hkv; h++) prefetch_block(&c, sl, n < BLOCK ? n : BLOCK, h);
+        if (b == 0) {
+            row_offsets(&c, sl, n < BLOCK ? n : BLOCK, nko, nvo);
+            for (int64_t h = 0; h < Hkv; h++) prefetch_block(&c, nko, nvo, n < BLOCK ? n : BLOCK, h);
+        }
         /* blocks outside, heads inside: a page's rows (all heads) are read in memory order, and the
-         * next block's rows of a head load while this block's same head computes */
+         * next block's rows of a head load while this block's same head computes. nko/nvo hold this
+         * block's offsets on entry (computed as the previous block's "next"). */
         for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
+            int64_t *t;
+            t = ko, ko = nko, nko = t;
+            t = vo, vo = nvo, nvo = t;
             const int64_t *next = j0 + BLOCK < n ? sl + j0 + BLOCK : b + 1 < B ? sl + slot_stride : NULL;
             int64_t nn = j0 + BLOCK < n ? n - j0 - BLOCK : b + 1 < B ? seq_lens[b + 1] : 0;
             nn = nn < BLOCK ? nn : BLOCK;
+            if (next != NULL) row_offsets(&c, next, nn, nko, nvo);
             for (int64_t h = 0; h < Hkv; h++) {
-                if (next != NULL) prefetch_block(&c, next, nn, h);
-                attend_block(&c, sl + j0, n - j0 < BLOCK ? n - j0 : BLOCK, h, q + (b * Hq + h * G) * Dk,
+                if (next != NULL) prefetch_block(&c, nko, nvo, nn, h);
+                attend_block(&c, ko, vo, n - j0 < BLOCK ? n - j0 : BLOCK, h, q + (b * Hq + h * G) * Dk,
                              o + h * G * Dv, sc, m + h * G, l + h * G);
             }
         }
