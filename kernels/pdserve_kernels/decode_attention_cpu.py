@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve_kernels.cpu_build import CLibrary, compiler  # noqa: F401  (compiler: the tests name it here)
+from pdserve_kernels.cpu_build import FLAGS, CLibrary, compiler  # noqa: F401  (compiler: the tests name it here)
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,23 @@ class KernelUnavailable(RuntimeError):
     """The kernel could not be built here: the caller runs the torch path."""
 
 
+# A call shares its requests with helper threads only from this many key rows (B x L x Hkv): below
+# it, a helper's wake-up (microseconds when polling, tens of them from sleep) outweighs its share.
+PARALLEL_MIN_ROWS = 8192
+# Units of requests per thread: threads claim them one at a time, so a slow thread (preempted, or
+# given the long requests) leaves the rest to the others.
+UNITS_PER_THREAD = 4
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.pdserve_decode_attention_f32
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [p, i64, i64, i64, p, p] + [i64] * 10 + [p, i64, i64, p, ctypes.c_double, p]
+    fn.argtypes = [p, i64, i64, i64, p, p] + [i64] * 10 + [p, i64, i64, p, ctypes.c_double, p, i64, i64]
     fn.restype = ctypes.c_int
 
 
-LIBRARY = CLibrary(Path(__file__).with_name("decode_attention_cpu.c"), _declare, "decode attention", log=logger)
+LIBRARY = CLibrary(Path(__file__).with_name("decode_attention_cpu.c"), _declare, "decode attention",
+                   flags=(*FLAGS, "-pthread"), log=logger)
 SOURCE = LIBRARY.source
 build = LIBRARY.build
 
@@ -86,14 +95,18 @@ def _check_shapes(q, k_cache, v_cache, kv_slots, seq_lens, v_width) -> None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, v_width: int | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, v_width: int | None = None,
+                     threads: int = 1) -> torch.Tensor:
     """q [B, Hq, Dk] float32 (one query row per request); k_cache [P, Hkv, S, Dk] and v_cache
     [P, Hkv, S, X] float32, one layer's pool (rows contiguous; v_cache may be k_cache); kv_slots [B, L]
     int64 (request b's keys are its first seq_lens[b] slots); seq_lens [B] int64, each in [1, L];
     scale finite -> [B, Hq, Dv] float32 (Dv = v_width, default X: values are the first Dv columns of
     v_cache's rows): ``softmax(scale * q . k) @ v`` per request, query head h over KV head h // (Hq / Hkv).
-    Raises KernelUnavailable where the library could not be built, ValueError/TypeError naming the
-    argument on bad input."""
+    ``threads`` > 1: the kernel's own helper threads (started once, then polling briefly between
+    calls and sleeping) take groups of requests beside the caller, where the call reads at least
+    ``PARALLEL_MIN_ROWS`` key rows; each request is still computed whole by one thread, so the
+    result is the same bits. Raises KernelUnavailable where the library could not be built,
+    ValueError/TypeError naming the argument on bad input."""
     lib = load()
     if lib is None:
         raise KernelUnavailable("the CPU decode attention kernel could not be built (see the log)")
@@ -112,10 +125,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(B, Hq, Dv, dtype=torch.float32)
     if B == 0:
         return out
+    if threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {threads}")
+    if threads > 1 and B > 1 and B * kv_slots.shape[1] * Hkv < PARALLEL_MIN_ROWS:
+        threads = 1  # too little to share: waking a helper costs more than it saves
+    per_unit = max(1, B // (threads * UNITS_PER_THREAD)) if threads > 1 else B
     rc = lib.pdserve_decode_attention_f32(q.data_ptr(), B, Hq, Dk, k_cache.data_ptr(), v_cache.data_ptr(), P * S, S,
                                           Hkv, *k_cache.stride()[:3], *v_cache.stride()[:3], Dv, kv_slots.data_ptr(),
                                           kv_slots.shape[1], kv_slots.stride(0), seq_lens.data_ptr(), float(scale),
-                                          out.data_ptr())
+                                          out.data_ptr(), threads, per_unit)
     if rc == BAD_LEN:
         raise ValueError(f"seq_lens: lengths must lie in [1, {kv_slots.shape[1]}] (kv_slots' width)")
     if rc == BAD_SLOT:

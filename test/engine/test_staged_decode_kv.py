@@ -4,6 +4,8 @@ the stage's margin, must still give transformers' greedy tokens (GQA and MLA).""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import pdserve
@@ -68,4 +70,8 @@ def test_default_engine_decodes_through_the_cpu_kernel(model):
     assert engine.get_server_info()["attention"]["decode_attention"] == want
     if want == "cpu_kernel":
         assert engine.scheduler.runner.backend.stage.bufs == {}
+    # the kernel may share a step with its helpers on every core the forward may use (tuned: all usable)
+    threads = engine.scheduler.threads
+    assert engine.get_server_info()["attention"]["decode_attention_threads"] == threads.most
+    assert threads.most == (len(os.sched_getaffinity(0)) if threads.tuner is not None else threads.pinned)
     assert_no_leak(engine)

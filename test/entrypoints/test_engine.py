@@ -28,7 +28,7 @@ def test_engine_logprob_texts_are_decoded_once_per_engine():
     assert singles > 0 and sum(len(ids) == 1 for ids in calls) == singles  # one-token decodes: the memo's
 
 
-def test_engine_keeps_its_start_out_of_the_collectors_passes_until_shutdown():
+def test_engine_keeps_its_start_out_of_the_collectors_passes_until_shutdown(monkeypatch):
     """The Engine freezes what its start built (the model, torch's and transformers' objects), so a full
     collection during generate does not walk them; shutdown thaws it, and a failed start leaves nothing
     frozen."""
@@ -50,6 +50,12 @@ def test_engine_keeps_its_start_out_of_the_collectors_passes_until_shutdown():
     assert gc.get_freeze_count() == 0
     with pytest.raises(ValueError, match="disaggregation_mode"):
         pdserve.Engine(model_path="tiny-llama", disaggregation_mode="prefill")
-    with pytest.raises(Exception):
-        pdserve.Engine(model_path="tiny-llama", max_total_tokens=1024, num_threads=1, attention_backend="nope")
+    from pdserve.entrypoints import engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model could not be built")
+
+    monkeypatch.setattr(engine_module, "build_model_runner", broken)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        pdserve.Engine(model_path="tiny-llama", max_total_tokens=1024, num_threads=1)
     assert gc.get_freeze_count() == 0

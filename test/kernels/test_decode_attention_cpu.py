@@ -187,3 +187,62 @@ def test_the_backend_takes_the_kernel_only_for_float32_cpu_pools(built):
         other = TorchNativeBackend()
         assert other._decode_kernel_for(pool) is False
         assert other.describe()["decode_attention"] == "torch"
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("lens", [[1, 7, 64, 65, 130, 333] * 6, [611] + [2] * 40, [3000, 3000]],
+                         ids=["mixed", "one_long", "two"])
+def test_helper_threads_give_the_same_bits(built, threads, lens):
+    """threads > 1 shares the batch's requests with the kernel's helper threads (each request whole,
+    by one thread): the same bits as one thread, for batches of every shape, call after call (the
+    helpers poll between calls, then sleep, and each call's late helpers must claim nothing of the next)."""
+    q, k, v, slots, seq = _case(9, lens, 16, 8, 2, 64)
+    assert len(lens) * slots.shape[1] * 2 >= K.PARALLEL_MIN_ROWS  # big enough to be shared
+    one = K.decode_attention(q, k, v, slots, seq, 0.125)
+    for i in range(40):
+        qi = q * (1 + i / 40)
+        got = K.decode_attention(qi, k, v, slots, seq, 0.125, threads=threads)
+        assert torch.equal(got, K.decode_attention(qi, k, v, slots, seq, 0.125)), i
+    assert torch.equal(K.decode_attention(q, k, v, slots, seq, 0.125, threads=threads), one)
+
+
+def test_helper_threads_under_concurrent_callers(built):
+    """Callers on several Python threads at once (ctypes drops the GIL): one call shares with the
+    helpers at a time, the others run alone; every answer is its own call's."""
+    import threading
+
+    cases = [_case(20 + i, [200] * 48, 1, 8, 4, 32) for i in range(4)]
+    want = [K.decode_attention(q, k, v, s, n, 0.2) for q, k, v, s, n in cases]
+    bad = []
+
+    def run(i):
+        q, k, v, s, n = cases[i]
+        for _ in range(25):
+            if not torch.equal(K.decode_attention(q, k, v, s, n, 0.2, threads=2), want[i]):
+                bad.append(i)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert bad == []
+
+
+def test_helper_threads_in_a_forked_child(built):
+    """A child forked after the parent started its helpers has none of them: its shared calls start
+    its own and still answer (no wait on helpers that do not exist in it)."""
+    import multiprocessing as mp
+
+    q, k, v, slots, seq = _case(30, [300] * 40, 1, 8, 4, 32)
+    want = K.decode_attention(q, k, v, slots, seq, 0.2, threads=2)  # the parent's helpers exist now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply(K.decode_attention, (q, k, v, slots, seq, 0.2), {"threads": 2})
+    assert torch.equal(got, want)
+
+
+def test_threads_below_one_is_refused(built):
+    q, k, v, slots, seq = _case(31, [5], 1, 2, 1, 32)
+    with pytest.raises(ValueError, match="threads: must be >= 1"):
+        K.decode_attention(q, k, v, slots, seq, 0.2, threads=0)

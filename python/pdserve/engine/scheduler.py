@@ -139,6 +139,11 @@ class Scheduler:
         self.threads = forward_threads(layout, tune, self.runner.device.type)
         if self._worker is not None:
             self._worker.threads = self.threads
+        # The CPU decode attention kernel shares a step's requests with its own helper threads, up to
+        # the cores the forward may use: attention reads KV from memory, so it gains from a second
+        # core where torch's small ops lose to their barriers (docs/cpu.md).
+        if hasattr(self.runner.backend, "decode_threads"):
+            self.runner.backend.decode_threads = self.threads.most
 
     def attach_kv_events(self, publisher: KVEventPublisher) -> None:
         """Publish the KV cache's events: one batch per step (and per flush), sent off this thread."""

@@ -214,6 +214,11 @@ class ForwardThreads:
         self._lock = threading.Lock()
         self._local = threading.local()
 
+    @property
+    def most(self) -> int:
+        """The largest count a forward may run at (the pinned one, or the tuner's larger choice)."""
+        return self.pinned if self.tuner is None else max(self.tuner.counts)
+
     @contextmanager
     def step(self, tokens: int) -> Iterator[int]:
         """Run one forward of ``tokens`` tokens inside: at the chosen count, timed when tuning (the

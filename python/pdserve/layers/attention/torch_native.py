@@ -344,10 +344,16 @@ class TorchNativeBackend(AttentionBackend):
         # "cpu_kernel" (pdserve_kernels.decode_attention_cpu, KV read by slot, no decode stage) or
         # "torch" (the decode stage and SDPA or grouped matmuls). None before any decode step.
         self.decode_attention_impl: str | None = None
+        # Threads the CPU decode kernel may use (its own helpers beside the forward's thread): the
+        # cores the forward may use, set by the scheduler from its thread layout (1 until then).
+        self.decode_threads = 1
 
     def describe(self) -> dict:
-        return {"attention_backend": self.name, "index_topk": self.index_topk_impl or "not chosen yet",
+        info = {"attention_backend": self.name, "index_topk": self.index_topk_impl or "not chosen yet",
                 "decode_attention": self.decode_attention_impl or "not chosen yet"}
+        if self.decode_attention_impl == "cpu_kernel":
+            info["decode_attention_threads"] = self.decode_threads
+        return info
 
     def _decode_kernel_for(self, pool) -> bool:
         """True where the CPU kernel runs this pool's decode attention: a float32 GQA pool, or a
@@ -412,7 +418,7 @@ class TorchNativeBackend(AttentionBackend):
             from pdserve_kernels.decode_attention_cpu import decode_attention
 
             return decode_attention(q.contiguous(), pool.k[layer_id], pool.v[layer_id], fb.kv_slots, fb.seq_lens,
-                                    scale)  # [T = B, Hq, D]
+                                    scale, threads=self.decode_threads)  # [T = B, Hq, D]
         if md.spans:
             return self._gqa_ragged(q, layer_id, scale, fb, md)
         # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
@@ -450,7 +456,8 @@ class TorchNativeBackend(AttentionBackend):
         if absorbed is None:
             absorbed = fb.is_decode
         if md.decode_kernel and absorbed and q_nope.dtype == torch.float32:
-            return self._mla_kernel(q_nope, q_pe, latent.shape[-1], w_kc, w_vc, layer_id, scale, fb)
+            return self._mla_kernel(q_nope, q_pe, latent.shape[-1], w_kc, w_vc, layer_id, scale, fb,
+                                    self.decode_threads)
         if md.spans:
             return self._mla_ragged(q_nope, q_pe, latent.shape[-1], w_kc, w_vc, layer_id, scale, fb, md, absorbed)
         staged = pool.round_trip_latent(new) if md.stage is not None else new  # as the pool holds it
@@ -485,7 +492,7 @@ class TorchNativeBackend(AttentionBackend):
         return torch.cat(outs)  # [T, H, Dv]
 
     @staticmethod
-    def _mla_kernel(q_nope, q_pe, C, w_kc, w_vc, layer_id, scale, fb):
+    def _mla_kernel(q_nope, q_pe, C, w_kc, w_vc, layer_id, scale, fb, threads=1):
         """Absorbed decode through the CPU kernel: the latent rows, read by slot, are one KV head of
         width C+R whose first C columns are the values."""
         from pdserve_kernels.decode_attention_cpu import decode_attention
@@ -493,7 +500,7 @@ class TorchNativeBackend(AttentionBackend):
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kc)  # [T, H, C]
         qc = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, C+R]
         kv = fb.kv_pool.latent[layer_id].unsqueeze(1)  # [P, 1, S, C+R]
-        o_lat = decode_attention(qc, kv, kv, fb.kv_slots, fb.seq_lens, scale, v_width=C)  # [T, H, C]
+        o_lat = decode_attention(qc, kv, kv, fb.kv_slots, fb.seq_lens, scale, v_width=C, threads=threads)  # [T, H, C]
         return torch.einsum("thc,hcv->thv", o_lat, w_vc)  # [T, H, Dv]
 
     @staticmethod
