@@ -1193,6 +1193,14 @@ MUTATIONS = (
         "        int64_t b0 = i * job.per_unit, b1 = b0 + job.per_unit;\n",
         "        int64_t b0 = i * job.per_unit, b1 = b0 + job.per_unit - (job.per_unit > 1);\n",
         ("test/kernels/test_decode_attention_cpu.py::test_helper_threads_give_the_same_bits",)),
+    Mutation(
+        "ragged_fresh_request_reads_its_neighbours_rows", "a ragged extend's request with no prefix attends over this "
+        "step's K/V rows one request late (the previous request's rows where it has one)",
+        "python/pdserve/layers/attention/torch_native.py",
+        "                k, v = (t[r.start:r.start + r.ext].transpose(0, 1).unsqueeze(0).to(q.dtype) for t in new)\n",
+        "                k, v = (t[max(0, r.start - 1):max(0, r.start - 1) + r.ext].transpose(0, 1).unsqueeze(0)"
+        ".to(q.dtype) for t in new)\n",
+        ("test/layers/test_attention.py::test_mixed_length_extend_matches_each_request_alone",)),
 )
 
 

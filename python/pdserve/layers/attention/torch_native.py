@@ -420,7 +420,7 @@ class TorchNativeBackend(AttentionBackend):
             return decode_attention(q.contiguous(), pool.k[layer_id], pool.v[layer_id], fb.kv_slots, fb.seq_lens,
                                     scale, threads=self.decode_threads)  # [T = B, Hq, D]
         if md.spans:
-            return self._gqa_ragged(q, layer_id, scale, fb, md)
+            return self._gqa_ragged(q, layer_id, scale, fb, md, pool.round_trip_kv(k, v))
         # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
         # an appended step and a rebuilt one read the same keys.
         staged = pool.round_trip_kv(k, v) if md.stage is not None else (k, v)
@@ -436,12 +436,17 @@ class TorchNativeBackend(AttentionBackend):
         return _unpad(_to_batch(o, md), md)  # [T, Hq, D]
 
     @staticmethod
-    def _gqa_ragged(q, layer_id, scale, fb, md):
-        """Each request's [1, Hq, ext, D] queries over its own pages' keys, none padded."""
+    def _gqa_ragged(q, layer_id, scale, fb, md, new):
+        """Each request's [1, Hq, ext, D] queries over its own pages' keys, none padded. ``new``: this
+        step's K and V rows [T, Hkv, D] as the pool holds them; a request with no prefix attends
+        over its own rows of them, without gathering its pages back."""
         outs = []
         for i, r in enumerate(md.spans):
-            k, v = fb.kv_pool.get_kv_pages(layer_id, md.pages[i:i + 1, :r.pages])  # [1, Hkv, pages S, D]
-            k, v = k[:, :, :r.seq].to(q.dtype), v[:, :, :r.seq].to(q.dtype)
+            if r.prefix == 0:
+                k, v = (t[r.start:r.start + r.ext].transpose(0, 1).unsqueeze(0).to(q.dtype) for t in new)
+            else:
+                k, v = fb.kv_pool.get_kv_pages(layer_id, md.pages[i:i + 1, :r.pages])  # [1, Hkv, pages S, D]
+                k, v = k[:, :, :r.seq].to(q.dtype), v[:, :, :r.seq].to(q.dtype)
             qi = q[r.start:r.start + r.ext].transpose(0, 1).unsqueeze(0)  # [1, Hq, ext, D]
             o = _sdpa(qi, k, v, _span_mask(md, i, r), scale, qi.shape[1] != k.shape[1])
             outs.append(o[0].transpose(0, 1))  # [ext, Hq, D]
