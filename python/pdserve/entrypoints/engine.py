@@ -20,7 +20,6 @@ from pdserve.engine.request import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.tokenizer import load_tokenizer, output_text
 from pdserve.entrypoints.logprobs import LogprobData, TokenTexts, sglang_meta
-from pdserve.entrypoints.scheduler_process import startup_without_gc
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +61,20 @@ class Engine:
             require_backend(self.args.moe_a2a_backend)
             self.scheduler: RankClient | Scheduler = RankClient(self.args, model_config)
         else:
-            # The model and everything before it are frozen out of the collector's passes, as in a
-            # server's scheduler process: a full pass otherwise walks torch's and transformers' heap
-            # (a 174 ms stall in an offline round of tiny-llama, measured). shutdown() thaws it.
+            # What the imports built (torch's and transformers' heap: hundreds of thousands of objects
+            # that live as long as the process) is frozen out of the collector's passes, as in a server's
+            # scheduler process: a full pass otherwise walks all of it (a 174 ms stall in an offline round
+            # of tiny-llama, measured). The engine's own objects are not frozen, so a dropped engine is
+            # collected as before; shutdown() thaws the rest.
+            gc.freeze()
             self._froze_gc = True
-            try:
-                with startup_without_gc():
-                    layout = self.args.thread_layout(frontend=False)
-                    torch.set_num_threads(layout.torch_threads)
-                    cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
-                    runner = build_model_runner(self.args, model_config)
-                    self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer,
-                                               runner=runner, grammar=self.args.grammar_config())
-                    self.scheduler.use_threads(layout, not self.args.disable_thread_tuning)
-            except BaseException:
-                gc.unfreeze()  # a failed start leaves nothing frozen
-                raise
+            layout = self.args.thread_layout(frontend=False)
+            torch.set_num_threads(layout.torch_threads)
+            cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
+            runner = build_model_runner(self.args, model_config)
+            self.scheduler = Scheduler(model_config, cache_config, scheduler_config, self.tokenizer, runner=runner,
+                                       grammar=self.args.grammar_config())
+            self.scheduler.use_threads(layout, not self.args.disable_thread_tuning)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API

@@ -129,8 +129,8 @@ def startup_without_gc():
     With the collector on, its passes walk that growing heap hundreds of times (about 0.5 s of CPU
     of a 3 s start), and every later full pass in the loop walks it again. Frozen, the start's few
     cycles are never freed: a bounded, one-time cost. Only for a process's own start (the spawn
-    targets) and the offline Engine's (which thaws it at shutdown), never in a process that builds
-    schedulers and drops them (tests)."""
+    targets), never in a process that builds schedulers and drops them (tests; the offline Engine freezes
+    only what existed before it, and thaws it at shutdown)."""
     gc.disable()
     try:
         yield
