@@ -1190,8 +1190,8 @@ MUTATIONS = (
         "decode_attention_cpu_unit_drops_a_request", "a unit the CPU decode kernel's helper threads claim leaves "
         "out its last request (its output rows never written)",
         "kernels/pdserve_kernels/decode_attention_cpu.c",
-        "        int64_t b0 = i * job.per_unit, b1 = b0 + job.per_unit;\n",
-        "        int64_t b0 = i * job.per_unit, b1 = b0 + job.per_unit - (job.per_unit > 1);\n",
+        "    int64_t b0 = i * jb->per_unit, b1 = b0 + jb->per_unit;\n",
+        "    int64_t b0 = i * jb->per_unit, b1 = b0 + jb->per_unit - (jb->per_unit > 1);\n",
         ("test/kernels/test_decode_attention_cpu.py::test_helper_threads_give_the_same_bits",)),
     Mutation(
         "ragged_fresh_request_reads_its_neighbours_rows", "a ragged extend's request with no prefix attends over this "
