@@ -1201,6 +1201,13 @@ MUTATIONS = (
         "                k, v = (t[max(0, r.start - 1):max(0, r.start - 1) + r.ext].transpose(0, 1).unsqueeze(0)"
         ".to(q.dtype) for t in new)\n",
         ("test/layers/test_attention.py::test_mixed_length_extend_matches_each_request_alone",)),
+    Mutation(
+        "gemm_cpu_k_loop_drops_the_last_feature", "the C small-M GEMM's microkernel sums x[m, k] W[n, k] over "
+        "k < K - 1 (the last input feature never counted)",
+        "kernels/pdserve_kernels/gemm_cpu.c",
+        "    for (int64_t k = 0; k < K; k++) {\n",
+        "    for (int64_t k = 0; k < K - 1; k++) {\n",
+        ("test/kernels/test_gemm_cpu.py::test_matches_f_linear",)),
 )
 
 
