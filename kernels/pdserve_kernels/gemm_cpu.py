@@ -127,6 +127,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     threads = _threads if threads is None else threads
     if threads < 1:
         raise ValueError(f"threads: must be >= 1, got {threads}")
+    return run(lib, x, packed, n, bias, threads)
+
+
+def run(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+        threads: int) -> torch.Tensor:
+    """``linear`` without its checks, for a caller that guarantees them per call cheaper (PackedLinear:
+    its own panels and bias, float32 contiguous rows of its width): the C call alone -> [M, n]."""
     M, K = x.shape
     out = torch.empty(M, n, dtype=torch.float32)
     if M == 0:

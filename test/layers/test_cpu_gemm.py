@@ -164,16 +164,16 @@ def test_weights_the_policy_never_packs_get_no_copy():
 
 
 def _count_c_calls(monkeypatch) -> list[int]:
-    """Counts the calls of the C small-M GEMM (pdserve_kernels.gemm_cpu.linear) from now on."""
+    """Counts the calls of the C small-M GEMM (pdserve_kernels.gemm_cpu.run, PackedLinear's entry) from now on."""
     from pdserve_kernels import gemm_cpu
 
-    calls, real = [], gemm_cpu.linear
+    calls, real = [], gemm_cpu.run
 
-    def counted(x, *args, **kwargs):
+    def counted(lib, x, *args, **kwargs):
         calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
+        return real(lib, x, *args, **kwargs)
 
-    monkeypatch.setattr(gemm_cpu, "linear", counted)
+    monkeypatch.setattr(gemm_cpu, "run", counted)
     return calls
 
 

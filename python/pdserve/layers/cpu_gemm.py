@@ -88,7 +88,8 @@ class PackedLinear:
         self.numel = weight.numel()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # [N, K] opaque layout
         self.panels: torch.Tensor | None = None  # [ceil(N / 32), K, 32]: the C small-M GEMM's copy
-        if weight.dtype == torch.float32 and gemm_cpu.load() is not None:
+        self._c_gemm = gemm_cpu.load() if weight.dtype == torch.float32 else None
+        if self._c_gemm is not None:
             self.panels = gemm_cpu.pack(weight.detach())
         self.plain = weight  # the compiled call's handle on the packed copy (packed_linear)
         _PACKED[weight] = self.weight
@@ -110,16 +111,20 @@ class PackedLinear:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.plain, bias)  # [..., N]
         if self._small_m(x, bias):
-            rows = x.reshape(-1, self.in_features).contiguous()  # [M, K]
-            out = gemm_cpu.linear(rows, self.panels, self.out_features, bias)  # [M, N]
-            return out.view(*x.shape[:-1], self.out_features)
+            rows = x.reshape(-1, self.in_features)  # [M, K]
+            if not rows.is_contiguous():
+                rows = rows.contiguous()
+            out = gemm_cpu.run(self._c_gemm, rows, self.panels, self.out_features, bias, gemm_cpu.threads())
+            return out.view(*x.shape[:-1], self.out_features)  # [..., N]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")  # [..., N]
 
     def _small_m(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """A call the C small-M GEMM takes: float32 throughout, at most SMALL_M_MAX_ROWS rows."""
-        return (self.panels is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.numel() <= SMALL_M_MAX_ROWS * self.in_features
-                and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+        """A call the C small-M GEMM takes: float32 throughout, at most SMALL_M_MAX_ROWS rows of this
+        layer's width (anything else goes to oneDNN, which names what is wrong)."""
+        return (self._c_gemm is not None and x.dtype == torch.float32 and x.shape[-1] == self.in_features
+                and x.numel() <= SMALL_M_MAX_ROWS * self.in_features and x.device.type == "cpu"
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (self.out_features,)
+                                      and bias.is_contiguous())))
 
 
 # plain weight -> its packed copy, for packed_linear. Keyed by the parameter object (a compiled graph
