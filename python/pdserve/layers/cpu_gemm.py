@@ -110,18 +110,19 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.plain, bias)  # [..., N]
-        if self._small_m(x, bias):
+        lib, panels = self._c_gemm, self.panels
+        if lib is not None and panels is not None and self._small_m(x, bias):
             rows = x.reshape(-1, self.in_features)  # [M, K]
             if not rows.is_contiguous():
                 rows = rows.contiguous()
-            out = gemm_cpu.run(self._c_gemm, rows, self.panels, self.out_features, bias, gemm_cpu.threads())
+            out = gemm_cpu.run(lib, rows, panels, self.out_features, bias, gemm_cpu.threads())  # [M, N]
             return out.view(*x.shape[:-1], self.out_features)  # [..., N]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")  # [..., N]
 
     def _small_m(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """A call the C small-M GEMM takes: float32 throughout, at most SMALL_M_MAX_ROWS rows of this
         layer's width (anything else goes to oneDNN, which names what is wrong)."""
-        return (self._c_gemm is not None and x.dtype == torch.float32 and x.shape[-1] == self.in_features
+        return (x.dtype == torch.float32 and x.shape[-1] == self.in_features
                 and x.numel() <= SMALL_M_MAX_ROWS * self.in_features and x.device.type == "cpu"
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (self.out_features,)
                                       and bias.is_contiguous())))
