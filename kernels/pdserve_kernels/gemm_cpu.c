@@ -40,8 +40,8 @@ typedef struct {
 
 /* out rows [m0, m0 + mr) x panel columns [n0, n0 + nc) (nc <= PANEL); w: the panel [K][PANEL].
  * Inlined per constant mr, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile(const job_t *jb, const float *w, int64_t m0, int mr,
-                                                       int64_t n0, int64_t nc) {
+static inline __attribute__((always_inline)) void tile(const job_t *jb, const float *w, const float *pf, int64_t m0,
+                                                       int mr, int64_t n0, int64_t nc) {
     const int64_t K = jb->K, N = jb->N;
     const float *x = jb->x + m0 * K;
     v16f acc[MR][2];
@@ -50,6 +50,8 @@ static inline __attribute__((always_inline)) void tile(const job_t *jb, const fl
         v16f w0, w1;
         memcpy(&w0, w + k * PANEL, sizeof w0);
         memcpy(&w1, w + k * PANEL + 16, sizeof w1);
+        __builtin_prefetch(pf + k * PANEL, 0, 2);
+        __builtin_prefetch(pf + k * PANEL + 16, 0, 2);
         for (int m = 0; m < mr; m++) {
             const float a = x[m * K + k];
             acc[m][0] += a * w0;
@@ -79,9 +81,10 @@ static inline __attribute__((always_inline)) void tile(const job_t *jb, const fl
 }
 
 /* One tile of mr (1..MR) rows: a constant mr per case, so each inlines with its own registers */
-static void tile_rows(const job_t *jb, const float *w, int64_t m0, int mr, int64_t n0, int64_t nc) {
+static void tile_rows(const job_t *jb, const float *w, const float *pf, int64_t m0, int mr, int64_t n0,
+                      int64_t nc) {
     switch (mr) {
-#define CASE(r) case r: tile(jb, w, m0, r, n0, nc); break;
+#define CASE(r) case r: tile(jb, w, pf, m0, r, n0, nc); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #if MR > 8
         CASE(9) CASE(10) CASE(11) CASE(12)
@@ -100,7 +103,9 @@ static void gemm_panels(const job_t *jb, int64_t p0, int64_t p1) {
         for (int64_t t = 0, m0 = 0; t < tiles; t++) {
             int64_t mr = (M - m0) / (tiles - t); /* near-equal tiles: the larger ones first */
             mr += (M - m0) % (tiles - t) != 0;
-            tile_rows(jb, w, m0, (int)mr, n0, nc);
+            /* the first tile streams the panel in; it prefetches the next panel meanwhile */
+            const float *pf = t == 0 && p + 1 < p1 ? w + jb->K * PANEL : w;
+            tile_rows(jb, w, pf, m0, (int)mr, n0, nc);
             m0 += mr;
         }
     }
