@@ -73,8 +73,9 @@ SMALL_M_MAX_ROWS = 64
 
 
 class PackedLinear:
-    """A weight [N, K] reordered once into oneDNN's layout. Not a module or a parameter:
-    state_dict, ``.to()`` and the loader never see it (CPU only)."""
+    """A weight [N, K] reordered once into oneDNN's layout (float32: also into the C small-M GEMM's
+    panels, which eager decode calls take). Not a module or a parameter: state_dict, ``.to()`` and
+    the loader never see it (CPU only)."""
 
     DTYPES = (torch.float32, torch.bfloat16)
 
