@@ -1190,8 +1190,8 @@ MUTATIONS = (
         "decode_attention_cpu_unit_drops_a_request", "a unit the CPU decode kernel's helper threads claim leaves "
         "out its last request (its output rows never written)",
         "kernels/pdserve_kernels/decode_attention_cpu.c",
-        "        int64_t b0 = i * job.per_unit, b1 = b0 + job.per_unit;\n",
-        "        int64_t b0 = i * job.per_unit, b1 = b0 + job.per_unit - (job.per_unit > 1);\n",
+        "    int64_t b0 = i * jb->per_unit, b1 = b0 + jb->per_unit;\n",
+        "    int64_t b0 = i * jb->per_unit, b1 = b0 + jb->per_unit - (jb->per_unit > 1);\n",
         ("test/kernels/test_decode_attention_cpu.py::test_helper_threads_give_the_same_bits",)),
     Mutation(
         "ragged_fresh_request_reads_its_neighbours_rows", "a ragged extend's request with no prefix attends over this "
@@ -1201,6 +1201,13 @@ MUTATIONS = (
         "                k, v = (t[max(0, r.start - 1):max(0, r.start - 1) + r.ext].transpose(0, 1).unsqueeze(0)"
         ".to(q.dtype) for t in new)\n",
         ("test/layers/test_attention.py::test_mixed_length_extend_matches_each_request_alone",)),
+    Mutation(
+        "gemm_cpu_k_loop_drops_the_last_feature", "the C small-M GEMM's microkernel sums x[m, k] W[n, k] over "
+        "k < K - 1 (the last input feature never counted)",
+        "kernels/pdserve_kernels/gemm_cpu.c",
+        "    for (int64_t k = 0; k < K; k++) {\n",
+        "    for (int64_t k = 0; k < K - 1; k++) {\n",
+        ("test/kernels/test_gemm_cpu.py::test_matches_f_linear",)),
 )
 
 

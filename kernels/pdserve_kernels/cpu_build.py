@@ -54,16 +54,19 @@ def cpu_id() -> str:
 
 class CLibrary:
     """One C source built into one shared library. ``declare(lib)`` sets the argtypes and restype of
-    its functions once the library is loaded; ``what`` names the kernel in ``log``'s lines."""
+    its functions once the library is loaded; ``what`` names the kernel in ``log``'s lines. ``headers``:
+    the local headers the source includes (their text joins the cache key, so editing one rebuilds)."""
 
     def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], what: str,
-                 flags: tuple[str, ...] = FLAGS, log: logging.Logger = logger):
+                 flags: tuple[str, ...] = FLAGS, log: logging.Logger = logger, headers: tuple[Path, ...] = ()):
         self.source, self.declare, self.what, self.flags, self.log = source, declare, what, flags, log
+        self.headers = headers
         self._loaded: dict[str, ctypes.CDLL | None] = {}
         self._lock = threading.Lock()
 
     def library_path(self, cc: str) -> Path:
-        key = hashlib.sha256("\0".join([self.source.read_text(), " ".join(self.flags), cc, platform.machine(),
+        texts = [self.source.read_text(), *(h.read_text() for h in self.headers)]
+        key = hashlib.sha256("\0".join([*texts, " ".join(self.flags), cc, platform.machine(),
                                         cpu_id()]).encode()).hexdigest()[:16]
         return cache_dir() / f"{self.source.stem}-{key}.so"
 

@@ -19,8 +19,8 @@
  * prefetched: decode attention reads each row once, so it waits on memory, not on arithmetic.
  *
  * Built by pdserve_kernels/decode_attention_cpu.py with the system compiler; plain C99 plus
- * GCC/Clang vector extensions (no torch headers). Single-threaded: torch's own OpenMP runtime is
- * in the process.
+ * GCC/Clang vector extensions (no torch headers). Not torch's OpenMP: its own helper threads
+ * (cpu_threads.h) take groups of requests beside the caller.
  */
 #include <math.h>
 #include <stdint.h>
@@ -277,115 +277,13 @@ static void attend_requests(const job_t *jb, int64_t b0, int64_t b1, float *sc) 
     }
 }
 
-/* ---- helper threads: a call split into units of requests, claimed from one ticket ----
- *
- * The calling thread publishes a job (the static `job`) under a new generation g: ticket = g << 32.
- * Every thread (the caller and the helpers) claims unit i by a compare-and-swap of (g, i) to
- * (g, i + 1), so a helper that wakes late, for a job already over, fails its swap and claims
- * nothing of the next. The caller claims too, then waits until every claimed unit is done: a
- * helper that never wakes leaves its share to the caller. Helpers spin briefly for the next job
- * (decode calls come every layer), then sleep on a condition variable. One parallel call at a time
- * (a second caller meanwhile runs its call alone). At its end the caller closes the ticket (index
- * all ones), so no late swap succeeds while it writes the next job. After a fork the child has no
- * helpers: it starts its own. */
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <unistd.h>
+/* Helper threads share a call's requests: unit i is requests [i * per_unit, (i + 1) * per_unit) */
+#include "cpu_threads.h"
 
-#define MAX_HELPERS 63
-#define SPIN_ROUNDS 1000 /* ~25 us of polling (pause: ~65 cycles) before a helper sleeps */
-
-static job_t job;
-static _Atomic uint64_t ticket;
-static atomic_llong units_done;
-static atomic_llong job_units;
-static atomic_int sleepers;
-static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
-static uint64_t generation; /* guarded by call_mu */
-static int helpers;         /* started in this process; guarded by call_mu */
-static pid_t helpers_pid;
-static int64_t scratch_floats; /* what each helper's scratch must hold for `job` */
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-/* Claims and runs units of generation g until none is left; returns how many it ran */
-static int64_t run_units(uint64_t g, float *sc) {
-    int64_t ran = 0;
-    for (;;) {
-        uint64_t t = atomic_load_explicit(&ticket, memory_order_acquire);
-        if (t >> 32 != g) return ran;
-        int64_t i = (int64_t)(t & 0xffffffffu);
-        if (i >= atomic_load_explicit(&job_units, memory_order_relaxed)) return ran;
-        if (!atomic_compare_exchange_weak_explicit(&ticket, &t, t + 1, memory_order_acq_rel, memory_order_relaxed))
-            continue;
-        int64_t b0 = i * job.per_unit, b1 = b0 + job.per_unit;
-        attend_requests(&job, b0, b1 < job.B ? b1 : job.B, sc);
-        atomic_fetch_add_explicit(&units_done, 1, memory_order_release);
-        ran++;
-    }
-}
-
-static void *helper_main(void *arg) {
-    (void)arg;
-    uint64_t seen = atomic_load(&ticket) >> 32;
-    float *sc = NULL;
-    int64_t cap = 0;
-    for (;;) {
-        uint64_t g;
-        int spins = 0;
-        while ((g = atomic_load_explicit(&ticket, memory_order_acquire) >> 32) == seen) {
-            if (++spins < SPIN_ROUNDS) {
-                cpu_relax();
-                continue;
-            }
-            pthread_mutex_lock(&wake_mu);
-            atomic_fetch_add(&sleepers, 1);
-            while (atomic_load(&ticket) >> 32 == seen) pthread_cond_wait(&wake_cv, &wake_mu);
-            atomic_fetch_sub(&sleepers, 1);
-            pthread_mutex_unlock(&wake_mu);
-            spins = 0;
-        }
-        seen = g;
-        int64_t need = atomic_load_explicit(&job_units, memory_order_relaxed) > 0 ? scratch_floats : 0;
-        if (need > cap) {
-            float *grown = realloc(sc, sizeof(float) * (size_t)need);
-            if (grown == NULL) continue; /* the caller runs this job's units */
-            sc = grown, cap = need;
-        }
-        run_units(g, sc);
-    }
-    return NULL;
-}
-
-/* Helpers up to threads - 1 (started once per process); returns how many run */
-static int ensure_helpers(int threads) {
-    pid_t pid = getpid();
-    if (helpers > 0 && helpers_pid != pid) { /* a forked child: its parent's helpers are not here */
-        helpers = 0;
-        pthread_mutex_init(&wake_mu, NULL);
-        pthread_cond_init(&wake_cv, NULL);
-        atomic_store(&sleepers, 0);
-    }
-    helpers_pid = pid;
-    int want = threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS;
-    while (helpers < want) {
-        pthread_t th;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&th, &attr, helper_main, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) break;
-        helpers++;
-    }
-    return helpers;
+static void attend_unit(const void *arg, int64_t i, void *sc) {
+    const job_t *jb = arg;
+    int64_t b0 = i * jb->per_unit, b1 = b0 + jb->per_unit;
+    attend_requests(jb, b0, b1 < jb->B ? b1 : jb->B, sc);
 }
 
 /* q [B, Hq, Dk] and out [B, Hq, Dv] contiguous; kv_slots [B, L] with row stride slot_stride;
@@ -415,41 +313,11 @@ int pdserve_decode_attention_f32(const float *q, int64_t B, int64_t Hq, int64_t 
     pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale, shift};
     if (per_unit < 1) per_unit = 1;
     int64_t units = (B + per_unit - 1) / per_unit;
-    if (threads <= 1 || units < 2 || pthread_mutex_trylock(&call_mu) != 0) {
-        job_t mine = {c, q, out, kv_slots, seq_lens, B, Hq, Hkv, slot_stride, per_unit};
-        attend_requests(&mine, 0, B, sc);
-        free(sc);
-        return OK;
-    }
-    if (ensure_helpers((int)threads) == 0) {
-        pthread_mutex_unlock(&call_mu);
-        job_t mine = {c, q, out, kv_slots, seq_lens, B, Hq, Hkv, slot_stride, per_unit};
-        attend_requests(&mine, 0, B, sc);
-        free(sc);
-        return OK;
-    }
-    job = (job_t){c, q, out, kv_slots, seq_lens, B, Hq, Hkv, slot_stride, per_unit};
-    scratch_floats = floats;
-    atomic_store(&units_done, 0);
-    atomic_store(&job_units, units);
-    uint64_t g = ++generation & 0xffffffffu;
-    atomic_store(&ticket, g << 32); /* publishes the job (seq_cst: ordered before the sleepers check) */
-    if (atomic_load(&sleepers) > 0) {
-        pthread_mutex_lock(&wake_mu);
-        pthread_cond_broadcast(&wake_cv);
-        pthread_mutex_unlock(&wake_mu);
-    }
-    run_units(g, sc);
-    for (int spins = 0; atomic_load_explicit(&units_done, memory_order_acquire) < units; spins++) {
-        if (spins < 1000)
-            cpu_relax();
-        else
-            sched_yield(); /* a helper was preempted inside its unit */
-    }
-    /* Closed: a helper still holding this generation's ticket fails its swap, so the next job's
-     * fields can be written while it is late */
-    atomic_store(&ticket, (g << 32) | 0xffffffffu);
-    pthread_mutex_unlock(&call_mu);
+    job_t jb = {c, q, out, kv_slots, seq_lens, B, Hq, Hkv, slot_stride, per_unit};
+    if (threads <= 1 || units < 2) /* all requests in one run: the next request's rows prefetched across units */
+        attend_requests(&jb, 0, B, sc);
+    else
+        cpu_threads_run(attend_unit, &jb, units, (int64_t)sizeof(float) * floats, sc, threads);
     free(sc);
     return OK;
 }

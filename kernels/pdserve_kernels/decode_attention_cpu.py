@@ -51,7 +51,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 LIBRARY = CLibrary(Path(__file__).with_name("decode_attention_cpu.c"), _declare, "decode attention",
-                   flags=(*FLAGS, "-pthread"), log=logger)
+                   flags=(*FLAGS, "-pthread"), log=logger, headers=(Path(__file__).with_name("cpu_threads.h"),))
 SOURCE = LIBRARY.source
 build = LIBRARY.build
 

@@ -161,3 +161,59 @@ def test_weights_the_policy_never_packs_get_no_copy():
     assert [m.pack_cpu(PACK_FLOAT32) for m in (small, big)] == [False, True]
     assert small.packed is None and big.packed is not None
     assert not PACK_FLOAT32.ever_pays(256 * 256) and PACK_FLOAT32.ever_pays(256 * 512)
+
+
+def _count_c_calls(monkeypatch) -> list[int]:
+    """Counts the calls of the C small-M GEMM (pdserve_kernels.gemm_cpu.run, PackedLinear's entry) from now on."""
+    from pdserve_kernels import gemm_cpu
+
+    calls, real = [], gemm_cpu.run
+
+    def counted(lib, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(lib, x, *args, **kwargs)
+
+    monkeypatch.setattr(gemm_cpu, "run", counted)
+    return calls
+
+
+def test_decode_sized_float32_calls_take_the_c_gemm(monkeypatch):
+    """Up to SMALL_M_MAX_ROWS rows of float32: the C GEMM (same values as F.linear); more rows, or
+    bfloat16: oneDNN."""
+    from pdserve.layers import cpu_gemm
+    from pdserve_kernels import gemm_cpu
+
+    if gemm_cpu.load() is None:
+        pytest.skip("no C compiler to build the small-M GEMM with")
+    w, b = _randn(100, 37, seed=1), _randn(100, seed=2)
+    packed = PackedLinear(w, PACK_ALWAYS)
+    calls = _count_c_calls(monkeypatch)
+    limit = cpu_gemm.SMALL_M_MAX_ROWS
+    for rows in (1, 7, limit, limit + 1):
+        x = _randn(rows, 37, seed=rows)
+        torch.testing.assert_close(packed(x, b), F.linear(x, w, b), **TOL[torch.float32])
+    x3 = _randn(2, 3, 37, seed=9)  # leading dims fold into M
+    torch.testing.assert_close(packed(x3, b), F.linear(x3, w, b), **TOL[torch.float32])
+    assert calls == [1, 7, limit, 6]
+    PackedLinear(w.bfloat16(), PACK_ALWAYS)(_randn(4, 37, dtype=torch.bfloat16), b.bfloat16())
+    assert len(calls) == 4  # bfloat16: not the C GEMM
+
+
+def test_a_default_engine_decode_runs_the_c_gemm(monkeypatch):
+    """tiny-llama with default flags: its decode steps' GEMMs run in C, with the scheduler's threads."""
+    import pdserve
+    from pdserve_kernels import gemm_cpu
+
+    if gemm_cpu.load() is None:
+        pytest.skip("no C compiler to build the small-M GEMM with")
+    monkeypatch.setattr(gemm_cpu, "_threads", 1)
+    engine = pdserve.Engine(model_path="tiny-llama")
+    try:
+        assert gemm_cpu.threads() == engine.scheduler.threads.most
+        calls = _count_c_calls(monkeypatch)
+        prompts = [[5 + i] * (3 + i) for i in range(6)]
+        engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4, "temperature": 0.0,
+                                                            "ignore_eos": True})
+        assert calls.count(len(prompts)) > 0  # decode steps of the six requests, one row each
+    finally:
+        engine.shutdown()

@@ -40,6 +40,7 @@ from pdserve.engine.sampler import SampleFn, Sampler, SampleResult
 from pdserve.engine.speculative import DecodeStep, SpecStats, make_decode_step
 from pdserve.engine.stop import StopStringMatcher
 from pdserve.engine.thread_tuner import ForwardThreads, forward_threads
+from pdserve.layers import cpu_gemm
 from pdserve.layers.forward_batch import ForwardMode
 from pdserve.mem.allocator import PageAllocator
 from pdserve.mem.cache_manager import KVCacheManager
@@ -144,6 +145,7 @@ class Scheduler:
         # core where torch's small ops lose to their barriers (docs/cpu.md).
         if hasattr(self.runner.backend, "decode_threads"):
             self.runner.backend.decode_threads = self.threads.most
+        cpu_gemm.set_small_m_threads(self.threads.most)  # the C decode GEMM's helpers, the same way
 
     def attach_kv_events(self, publisher: KVEventPublisher) -> None:
         """Publish the KV cache's events: one batch per step (and per flush), sent off this thread."""

@@ -21,6 +21,13 @@ Under ``torch.compile`` (``--enable-torch-compile``) the packed call is the cust
 strides to fake), so the op takes the plain weight, which is a graph input like any parameter,
 and finds its packed copy through it. Inductor then fuses the element-wise ops around an opaque
 GEMM instead of falling back to F.linear.
+
+Decode calls (float32, up to ``SMALL_M_MAX_ROWS`` rows, eager) take the plain-C small-M GEMM instead
+(``pdserve_kernels.gemm_cpu``) on a third copy of the weight packed into its 32-column panels: on one
+thread it runs as fast as oneDNN, and its own helper threads (``gemm_cpu.set_threads``, which the
+scheduler sets from its thread layout) take the second core, where torch's OpenMP team loses to its
+wake-ups at decode sizes. Prefill keeps oneDNN (torch runs it on every thread there); so does the
+compiled step (``pdserve::packed_linear``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from pdserve_kernels import gemm_cpu
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,16 @@ class PackPolicy:
 # Every call packed (tests, --cpu-gemm packed).
 PACK_ALWAYS = PackPolicy(min_rows=0, min_weight=0, big_weight=0)
 
+# Calls of at most this many rows take the C small-M GEMM (where it built): at 1-64 rows it matches
+# or beats oneDNN on one thread (benchmark/bench_small_gemm.py: M=32, 2.29 ms vs 2.37 ms over the
+# tiny models' eight decode shapes); past that oneDNN's larger blocking wins.
+SMALL_M_MAX_ROWS = 64
+
 
 class PackedLinear:
-    """A weight [N, K] reordered once into oneDNN's layout. Not a module or a parameter:
-    state_dict, ``.to()`` and the loader never see it (CPU only)."""
+    """A weight [N, K] reordered once into oneDNN's layout (float32: also into the C small-M GEMM's
+    panels, which eager decode calls take). Not a module or a parameter: state_dict, ``.to()`` and
+    the loader never see it (CPU only)."""
 
     DTYPES = (torch.float32, torch.bfloat16)
 
@@ -70,8 +85,13 @@ class PackedLinear:
                              f"{weight.dtype} on {weight.device}")
         self.policy = policy
         self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
         self.numel = weight.numel()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # [N, K] opaque layout
+        self.panels: torch.Tensor | None = None  # [ceil(N / 32), K, 32]: the C small-M GEMM's copy
+        self._c_gemm = gemm_cpu.load() if weight.dtype == torch.float32 else None
+        if self._c_gemm is not None:
+            self.panels = gemm_cpu.pack(weight.detach())
         self.plain = weight  # the compiled call's handle on the packed copy (packed_linear)
         _PACKED[weight] = self.weight
 
@@ -91,7 +111,22 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.plain, bias)  # [..., N]
+        lib, panels = self._c_gemm, self.panels
+        if lib is not None and panels is not None and self._small_m(x, bias):
+            rows = x.reshape(-1, self.in_features)  # [M, K]
+            if not rows.is_contiguous():
+                rows = rows.contiguous()
+            out = gemm_cpu.run(lib, rows, panels, self.out_features, bias, gemm_cpu.threads())  # [M, N]
+            return out.view(*x.shape[:-1], self.out_features)  # [..., N]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")  # [..., N]
+
+    def _small_m(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """A call the C small-M GEMM takes: float32 throughout, at most SMALL_M_MAX_ROWS rows of this
+        layer's width (anything else goes to oneDNN, which names what is wrong)."""
+        return (x.dtype == torch.float32 and x.shape[-1] == self.in_features
+                and x.numel() <= SMALL_M_MAX_ROWS * self.in_features and x.device.type == "cpu"
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (self.out_features,)
+                                      and bias.is_contiguous())))
 
 
 # plain weight -> its packed copy, for packed_linear. Keyed by the parameter object (a compiled graph
@@ -111,6 +146,12 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @packed_linear.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def set_small_m_threads(n: int) -> None:
+    """The threads (caller and helpers) a C small-M GEMM call may use from now on, process-wide:
+    the scheduler's thread layout. Calls share them only where big enough (gemm_cpu.PARALLEL_MIN_WORK)."""
+    gemm_cpu.set_threads(n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
