@@ -46,7 +46,8 @@ UNITS_PER_THREAD = 4
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.pdserve_decode_attention_f32
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [p, i64, i64, i64, p, p] + [i64] * 10 + [p, i64, i64, p, ctypes.c_double, p, i64, i64]
+    fn.argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, p,
+                   ctypes.c_double, p, i64, i64]
     fn.restype = ctypes.c_int
 
 

@@ -217,7 +217,10 @@ class ForwardThreads:
     @property
     def most(self) -> int:
         """The largest count a forward may run at (the pinned one, or the tuner's larger choice)."""
-        return self.pinned if self.tuner is None else max(self.tuner.counts)
+        if self.tuner is None:
+            assert self.pinned is not None  # exactly one of the two (__init__)
+            return self.pinned
+        return max(self.tuner.counts)
 
     @contextmanager
     def step(self, tokens: int) -> Iterator[int]:

@@ -349,8 +349,9 @@ class TorchNativeBackend(AttentionBackend):
         self.decode_threads = 1
 
     def describe(self) -> dict:
-        info = {"attention_backend": self.name, "index_topk": self.index_topk_impl or "not chosen yet",
-                "decode_attention": self.decode_attention_impl or "not chosen yet"}
+        info: dict[str, str | int] = {"attention_backend": self.name,
+                                      "index_topk": self.index_topk_impl or "not chosen yet",
+                                      "decode_attention": self.decode_attention_impl or "not chosen yet"}
         if self.decode_attention_impl == "cpu_kernel":
             info["decode_attention_threads"] = self.decode_threads
         return info
