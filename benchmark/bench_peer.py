@@ -8,7 +8,9 @@ the same token-id prompts, in alternating rounds.
 First each side's greedy output token ids are checked to agree on ``--check-prompts`` prompts.
 Then each round sends one fresh prompt set (no prefix is shared across rounds, so neither side's
 prefix cache helps) to pdserve, then the same set to vLLM, then the next round's to vLLM first, and
-so on, so load from other processes hits both alike. The table reports per side the median over
+so on, so load from other processes hits both alike. While one side runs its round the other's
+process tree is stopped (SIGSTOP/SIGCONT; ``--keep-idle-running`` leaves it), since an idle vLLM
+polls (its idle cores are measured and printed). The table reports per side the median over
 rounds with the range (min-max), and the ratio pdserve / vLLM as the median of per-round ratios.
 The command exits 1 when the greedy outputs differ.
 
@@ -33,6 +35,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torch threads of pdserve's Engine and server (default: pdserve's own default)")
     ap.add_argument("--model-dir", default=str(DEFAULT_MODELS),
                     help="where built-in models are written (kept: vLLM's compile cache is keyed on the path)")
+    ap.add_argument("--keep-idle-running", action="store_true",
+                    help="leave the side not being measured running during a round (default: stopped with SIGSTOP)")
     ap.add_argument("--log-dir", default=None, help="the engines' and servers' logs (default: a new temp dir)")
     return ap.parse_args(argv)
 
@@ -140,6 +145,34 @@ def make_prompts(n: int, lens: tuple[int, int], vocab: int, seed: int) -> list[l
     rng = random.Random(seed)
     first = rng.sample(range(16, vocab), n)
     return [[f] + [rng.randrange(16, vocab) for _ in range(rng.randint(*lens) - 1)] for f in first]
+
+
+# ------------------------------------------------------- the idle side
+IDLE_PROBE_S = 3.0
+
+
+@contextlib.contextmanager
+def others_paused(active: subprocess.Popen, procs: list[subprocess.Popen], keep_running: bool):
+    """While one side runs its round, every other side's process group is stopped (SIGSTOP, then
+    SIGCONT): an idle engine is not free here (vLLM's idle process tree polls: about 0.2 of a core on
+    this 2-core machine, measured with ``idle_cpu``), and the round should have the cores the engine
+    would have alone. Each side was started in its own session, so its group is its whole tree."""
+    paused = [] if keep_running else [p for p in procs if p is not active and p.poll() is None]
+    for p in paused:
+        os.killpg(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+
+
+def idle_cpu(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
+    """Cores each side's process tree uses while idle (both running, nothing sent), over IDLE_PROBE_S."""
+    before = {k: tree_cpu_seconds(p.pid) for k, p in procs.items()}
+    time.sleep(IDLE_PROBE_S)
+    return {k: round((tree_cpu_seconds(p.pid) - before[k]) / IDLE_PROBE_S, 3) for k, p in procs.items()}
 
 
 # ---------------------------------------------------------------- CPU time
@@ -239,14 +272,16 @@ def run_offline(a: argparse.Namespace, mdir: str, vocab: int, vpy: str, logs) ->
         outs = [w.generate(check, a.output_len)[0] for w in workers]
         agree = sum(x == y for x, y in zip(*outs))
         sides = {w.name: Side(w.name) for w in workers}
+        idle = idle_cpu({w.name: w.proc for w in workers})
         for r in range(a.rounds):
             prompts = make_prompts(a.num_prompts, tuple(a.input_len), vocab, a.seed + r)
             for w in workers if r % 2 == 0 else workers[::-1]:
-                outputs, wall, cpu = w.generate(prompts, a.output_len)
+                with others_paused(w.proc, [x.proc for x in workers], a.keep_idle_running):
+                    outputs, wall, cpu = w.generate(prompts, a.output_len)
                 tokens = sum(map(len, outputs))
                 sides[w.name].add(tok_s=tokens / wall, cpu_per_1k=cpu / tokens * 1000)
         return {"agree": agree, "checked": len(check), "startup_s": {w.name: w.startup_s for w in workers},
-                "sides": {k: s.metrics for k, s in sides.items()}}
+                "idle_cores": idle, "sides": {k: s.metrics for k, s in sides.items()}}
     finally:
         for w in workers:
             w.close()
@@ -372,15 +407,18 @@ def run_online(a: argparse.Namespace, mdir: str, vocab: int, vpy: str, logs) -> 
         for s in servers:
             asyncio.run(online_round(s, warm, a))
         sides = {s.name: Side(s.name) for s in servers}
+        idle = idle_cpu({s.name: s.proc for s in servers})
         for r in range(a.rounds):
             prompts = make_prompts(a.num_prompts, tuple(a.input_len), vocab, a.seed + r)
             for s in servers if r % 2 == 0 else servers[::-1]:
-                cpu0 = tree_cpu_seconds(s.proc.pid)
-                m = asyncio.run(online_round(s, prompts, a))
-                cpu = tree_cpu_seconds(s.proc.pid) - cpu0
+                with others_paused(s.proc, [x.proc for x in servers], a.keep_idle_running):
+                    cpu0 = tree_cpu_seconds(s.proc.pid)
+                    m = asyncio.run(online_round(s, prompts, a))
+                    cpu = tree_cpu_seconds(s.proc.pid) - cpu0
                 tokens = m.pop("tokens")
                 sides[s.name].add(**m, cpu_per_1k=cpu / tokens * 1000)
-        return {"agree": agree, "checked": len(check), "sides": {k: s.metrics for k, s in sides.items()}}
+        return {"agree": agree, "checked": len(check), "idle_cores": idle,
+                "sides": {k: s.metrics for k, s in sides.items()}}
     finally:
         for s in servers:
             stop(s.proc)
@@ -441,7 +479,12 @@ def main(argv=None) -> int:
     print(f"pdserve {__version__} vs vLLM {vver} (CPU), {os.cpu_count()} cores, load average {load_before} before, "
           f"{load_average()} after; {a.rounds} alternating rounds of {a.num_prompts} prompts of "
           f"{a.input_len[0]}-{a.input_len[1]} tokens, {a.output_len} output tokens each, greedy, EOS ignored; "
-          f"pdserve torch threads: {a.pdserve_threads or 'default'}; medians (min-max) over rounds")
+          f"pdserve torch threads: {a.pdserve_threads or 'default'}; medians (min-max) over rounds; the side not "
+          f"measured {'kept running' if a.keep_idle_running else 'stopped'} during each round")
+    for mode, rs in results.items():
+        for name, r in rs.items():
+            idle = ", ".join(f"{k} {v:.2f}" for k, v in r["idle_cores"].items())
+            print(f"idle cores ({mode}, {name}, both started, nothing sent): {idle}")
     if results["offline"]:
         print(f"\nOffline, batch {a.batch}:\n")
         print("\n".join(offline_table(results["offline"])))
