@@ -300,3 +300,18 @@ def test_the_cuda_probe_imports_torch_only_where_a_gpu_driver_is():
 
     assert _probe(("/no/such/device",)) == (False, False)
     assert _probe(("/dev/null",)) == (torch.cuda.is_available(), True)
+
+
+def test_the_prefill_chunk_defaults_per_device_and_the_flag_wins():
+    """No --chunked-prefill-size: 1,024 tokens on CPU (a chunk's stall on two cores), 2,048 on an
+    accelerator; a given value (even 2048, or <= 0: chunking off) is kept, and one below a page refused."""
+    from pdserve.config import default_prefill_chunk
+
+    assert default_prefill_chunk("cpu") == 1024 and default_prefill_chunk("cuda") == 2048
+    args = ServerArgs(model_path="tiny-llama", device="cpu")
+    assert args.chunked_prefill_size is None and args.scheduler_config().chunked_prefill_size == 1024
+    for given in (2048, 512, 0, -1):
+        assert ServerArgs(model_path="tiny-llama", chunked_prefill_size=given).scheduler_config() \
+            .chunked_prefill_size == given
+    with pytest.raises(ValueError, match="chunked_prefill_size: must be >= page_size"):
+        ServerArgs(model_path="tiny-llama", page_size=16, chunked_prefill_size=8)

@@ -903,6 +903,15 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def default_prefill_chunk(device: str) -> int:
+    """Prefill tokens per step when ``--chunked-prefill-size`` is not given: what one chunk stalls the
+    running requests for, as SGLang sizes its default by the GPU. 2,048 tokens on an accelerator (tens
+    of ms); 1,024 on CPU, where 2,048 tokens took ~120 ms on two cores and a wave of 32 new requests
+    (64-256 tokens each) got its median first token ~25% later than with 1,024 chunks at the same
+    throughput (docs/benchmarking.md, "Against vLLM-CPU"; 512 was slower again)."""
+    return 1024 if device == "cpu" else 2048
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the model runs and with which kernels: ``--device``, ``--attention-backend``,
@@ -1172,7 +1181,7 @@ class ServerArgs:
     max_total_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None  # CacheConfig.kv_cache_memory_bytes (vLLM's flag)
     mem_fraction_static: float | None = None  # CacheConfig.mem_fraction_static (SGLang's flag)
-    chunked_prefill_size: int = 2048
+    chunked_prefill_size: int | None = None  # None: default_prefill_chunk(the device); <= 0: no chunking
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
@@ -1308,9 +1317,9 @@ class ServerArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: {self.load_format!r} is not one of {LOAD_FORMATS}")
         # A chunk must hold at least one page, or a long prompt could never advance.
-        if 0 < self.chunked_prefill_size < self.page_size:
+        if 0 < self.prefill_chunk() < self.page_size:
             raise ValueError(f"chunked_prefill_size: must be >= page_size ({self.page_size}) or <= 0 "
-                             f"(disabled), got {self.chunked_prefill_size}")
+                             f"(disabled), got {self.prefill_chunk()}")
         if self.max_prefill_tokens < self.page_size:
             raise ValueError(f"max_prefill_tokens: must be >= page_size ({self.page_size}), "
                              f"got {self.max_prefill_tokens}")
@@ -1416,9 +1425,15 @@ class ServerArgs:
         """The P/D shared token (resolve_token), read once."""
         return resolve_token(self.disaggregation_auth_token, self.disaggregation_auth_token_file)
 
+    def prefill_chunk(self) -> int:
+        """``--chunked-prefill-size``, else the device's default (``default_prefill_chunk``)."""
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return default_prefill_chunk(self.device_config().device)
+
     @_built_once
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_running_requests, self.chunked_prefill_size,
+        return SchedulerConfig(self.max_running_requests, self.prefill_chunk(),
                                self.max_prefill_tokens, self.schedule_policy, self.random_seed,
                                disable_overlap_schedule=self.disable_overlap_schedule)
 
