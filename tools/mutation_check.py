@@ -1174,8 +1174,8 @@ MUTATIONS = (
         "decode_attention_cpu_wrong_kv_head", "the CPU decode attention kernel reads the next KV head's keys and "
         "values for a group of query heads (h + 1, not h // G)",
         "kernels/pdserve_kernels/decode_attention_cpu.c",
-        "n - j0 < BLOCK ? n - j0 : BLOCK, h, q + (b * Hq + h * G) * Dk,\n",
-        "n - j0 < BLOCK ? n - j0 : BLOCK, (h + 1) % Hkv, q + (b * Hq + h * G) * Dk,\n",
+        "n - j0 < BLOCK ? n - j0 : BLOCK, h, jb->q + (b * Hq + h * G) * Dk,\n",
+        "n - j0 < BLOCK ? n - j0 : BLOCK, (h + 1) % Hkv, jb->q + (b * Hq + h * G) * Dk,\n",
         ("test/kernels/test_decode_attention_cpu.py::test_matches_twin_and_sdpa",
          "test/models/test_model_parity.py::test_decode_through_the_cpu_kernel_matches_transformers")),
     Mutation(
