@@ -27,13 +27,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 enum { OK = 0, BAD_SLOT = 1, BAD_LEN = 2, NO_MEMORY = 3 };
 
 #ifndef BLOCK
 #define BLOCK 64 /* keys per softmax block: G x BLOCK scores stay in L1 */
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -64,43 +65,11 @@ static inline float dot(const float *q, const float *k, int64_t D) {
     return s;
 }
 
-typedef float v4f __attribute__((vector_size(16)));
-
-/* Four 8-lane partial sums -> their four sums, reduced together (pairwise, a fixed order) */
-static inline v4f sum4(v8f a, v8f b, v8f c, v8f d) {
-    v8f x = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
-            __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15); /* a01 b01 a23 b23 a45 b45 a67 b67 */
-    v8f y = __builtin_shufflevector(c, d, 0, 8, 2, 10, 4, 12, 6, 14) +
-            __builtin_shufflevector(c, d, 1, 9, 3, 11, 5, 13, 7, 15);
-    v8f z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
-            __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15); /* a0-3 b0-3 c0-3 d0-3 a4-7 .. d4-7 */
-    return __builtin_shufflevector(z, z, 0, 1, 2, 3) + __builtin_shufflevector(z, z, 4, 5, 6, 7);
-}
-
 /* out[j] = scale * q . kr[j] for j < nb: four keys at a time (four chains in flight, one reduction) */
 static void scores(const float *q, const float *const *kr, int64_t nb, int64_t D, float scale, float *out) {
-    const int64_t D8 = D & ~(int64_t)7;
     int64_t j = 0;
     for (; j + 4 <= nb; j += 4) {
-        const float *k0 = kr[j], *k1 = kr[j + 1], *k2 = kr[j + 2], *k3 = kr[j + 3];
-        v8f a = {0}, b = {0}, c = {0}, e = {0};
-        for (int64_t d = 0; d < D8; d += 8) {
-            v8f x, y0, y1, y2, y3;
-            memcpy(&x, q + d, sizeof x);
-            memcpy(&y0, k0 + d, sizeof x);
-            memcpy(&y1, k1 + d, sizeof x);
-            memcpy(&y2, k2 + d, sizeof x);
-            memcpy(&y3, k3 + d, sizeof x);
-            a += x * y0;
-            b += x * y1;
-            c += x * y2;
-            e += x * y3;
-        }
-        v4f s4 = sum4(a, b, c, e);
-        for (int64_t d = D8; d < D; d++) {
-            v4f t = {k0[d], k1[d], k2[d], k3[d]};
-            s4 += q[d] * t;
-        }
+        v4f s4 = dot4(q, kr[j], kr[j + 1], kr[j + 2], kr[j + 3], D);
         s4 *= scale;
         memcpy(out + j, &s4, sizeof s4);
     }

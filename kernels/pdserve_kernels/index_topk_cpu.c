@@ -22,13 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 enum { OK = 0, NON_FINITE = 1, BAD_SLOT = 2, NO_MEMORY = 3, BAD_REQ = 4, BAD_VIS = 5 };
 
 #ifndef PREFETCH
 #define PREFETCH 16  /* keys ahead of the one scored */
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
 
 typedef struct {
     float s;
@@ -56,7 +57,6 @@ static int cmp_i64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-typedef float v4f __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
 
 /* q . k over Di floats: 8 lanes of partial sums, then a fixed tree, so equal keys score equally */
@@ -74,43 +74,14 @@ static inline float dot(const float *q, const float *k, int64_t Di) {
     return s;
 }
 
-/* Four heads' 8-lane partial sums -> their four sums, reduced together (pairwise, a fixed order) */
-static inline v4f sum4(v8f a, v8f b, v8f c, v8f d) {
-    v8f x = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
-            __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);  /* a01 b01 a23 b23 a45 b45 a67 b67 */
-    v8f y = __builtin_shufflevector(c, d, 0, 8, 2, 10, 4, 12, 6, 14) +
-            __builtin_shufflevector(c, d, 1, 9, 3, 11, 5, 13, 7, 15);
-    v8f z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
-            __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);  /* a0-3 b0-3 c0-3 d0-3 a4-7 .. d4-7 */
-    return __builtin_shufflevector(z, z, 0, 1, 2, 3) + __builtin_shufflevector(z, z, 4, 5, 6, 7);
-}
-
 /* sum_h w[h] * relu(q[h] . k), w already times the scale (relu(scale x) = scale relu(x), scale > 0).
  * Heads four at a time: each key vector is loaded once for the four. */
 static inline float score(const float *q, const float *w, const float *k, int64_t Hi, int64_t Di) {
-    const int64_t D8 = Di & ~(int64_t)7;
     v4f acc4 = {0, 0, 0, 0};
     int64_t h = 0;
     for (; h + 4 <= Hi; h += 4) {
-        const float *q0 = q + h * Di, *q1 = q0 + Di, *q2 = q1 + Di, *q3 = q2 + Di;
-        v8f a = {0}, b = {0}, c = {0}, e = {0};
-        for (int64_t d = 0; d < D8; d += 8) {
-            v8f x, y0, y1, y2, y3;
-            memcpy(&x, k + d, sizeof x);
-            memcpy(&y0, q0 + d, sizeof x);
-            memcpy(&y1, q1 + d, sizeof x);
-            memcpy(&y2, q2 + d, sizeof x);
-            memcpy(&y3, q3 + d, sizeof x);
-            a += y0 * x;
-            b += y1 * x;
-            c += y2 * x;
-            e += y3 * x;
-        }
-        v4f x = sum4(a, b, c, e);
-        for (int64_t d = D8; d < Di; d++) {
-            v4f t = {q0[d] * k[d], q1[d] * k[d], q2[d] * k[d], q3[d] * k[d]};
-            x += t;
-        }
+        const float *q0 = q + h * Di;
+        v4f x = dot4(k, q0, q0 + Di, q0 + 2 * Di, q0 + 3 * Di, Di);
         v4f wv;
         memcpy(&wv, w + h, sizeof wv);
         x = (v4f)(((v4i)(x > 0.0f) | (v4i)(x != x)) & (v4i)x);  /* ReLU; a NaN stays one, as in torch */

@@ -41,7 +41,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
 
 
-LIBRARY = CLibrary(Path(__file__).with_name("index_topk_cpu.c"), _declare, "indexer top-k", log=logger)
+LIBRARY = CLibrary(Path(__file__).with_name("index_topk_cpu.c"), _declare, "indexer top-k", log=logger,
+                   headers=(Path(__file__).with_name("cpu_simd.h"),))
 SOURCE = LIBRARY.source
 build = LIBRARY.build
 
