@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99")
@@ -113,3 +115,23 @@ class CLibrary:
         self.declare(lib)
         self.log.info("%s: CPU kernel %s", self.what, lib._name)
         return lib
+
+
+def check_tensor(name: str, t: torch.Tensor, kernel: str, dtype: torch.dtype = torch.float32, dim: int | None = None,
+                 layout: str = "contiguous") -> None:
+    """An argument a plain-C kernel reads through its data pointer: a CPU tensor of ``dtype`` with
+    ``dim`` dimensions (any, when None), laid out as ``layout``: "contiguous", "rows" (the last
+    dimension contiguous, strides non-negative: the kernel is given them) or "any". Raises
+    TypeError/ValueError naming the argument; ``kernel`` names the kernel ("CPU GEMM kernel")."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: the {kernel} needs a CPU tensor, got {t.device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
+    if layout == "contiguous" and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    if layout == "rows" and t.numel() and (t.stride(-1) != 1 or min(t.stride()) < 0):
+        raise ValueError(f"{name}: its rows must be contiguous (last stride 1), got strides {t.stride()}")

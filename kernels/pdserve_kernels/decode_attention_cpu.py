@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve_kernels.cpu_build import FLAGS, CLibrary, compiler  # noqa: F401  (compiler: the tests name it here)
+from pdserve_kernels.cpu_build import FLAGS, CLibrary, check_tensor, compiler  # noqa: F401  (compiler: the tests name it here)
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +64,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int, contiguous: bool = True) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name}: the CPU decode attention kernel needs a CPU tensor, got {t.device}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous")
-    if not contiguous and t.numel() and (t.stride(-1) != 1 or min(t.stride()) < 0):
-        raise ValueError(f"{name}: its rows must be contiguous (last stride 1), got strides {t.stride()}")
+    check_tensor(name, t, "CPU decode attention kernel", dtype, dim, "contiguous" if contiguous else "rows")
 
 
 def _check_shapes(q, k_cache, v_cache, kv_slots, seq_lens, v_width) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve_kernels.cpu_build import FLAGS, CLibrary, compiler  # noqa: F401  (compiler: the tests name it here)
+from pdserve_kernels.cpu_build import FLAGS, CLibrary, check_tensor, compiler  # noqa: F401  (compiler: the tests name it here)
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def _check(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        raise ValueError(f"{name}: the fused CPU kernels need a CPU tensor, got {t.device}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name}: expected torch.float32, got {t.dtype}")
+    check_tensor(name, t, "fused CPU kernel", layout="any")
     if t.dim() == 0:
         raise ValueError(f"{name}: expected at least one dimension, got a scalar")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve_kernels.cpu_build import FLAGS, CLibrary, compiler  # noqa: F401  (compiler: the tests name it here)
+from pdserve_kernels.cpu_build import FLAGS, CLibrary, check_tensor, compiler  # noqa: F401  (compiler: the tests name it here)
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +86,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _check(name: str, t: torch.Tensor, dim: int, contiguous: bool = True) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name}: the CPU GEMM kernel needs a CPU tensor, got {t.device}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name}: expected torch.float32, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous")
+    check_tensor(name, t, "CPU GEMM kernel", dim=dim, layout="contiguous" if contiguous else "any")
 
 
 def _check_all(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:

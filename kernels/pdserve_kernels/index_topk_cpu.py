@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve_kernels.cpu_build import CLibrary, compiler  # noqa: F401  (compiler: the tests name it here)
+from pdserve_kernels.cpu_build import CLibrary, check_tensor, compiler  # noqa: F401  (compiler: the tests name it here)
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +53,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name}: the CPU indexer kernel needs a CPU tensor, got {t.device}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous")
+    check_tensor(name, t, "CPU indexer kernel", dtype, dim)
 
 
 def _check_shapes(q, weights, index_k, kv_slots, req, vis) -> None:
