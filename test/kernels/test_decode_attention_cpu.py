@@ -7,13 +7,11 @@ no library can be built."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fixtures.kernel_inputs import paged_slots
+from fixtures.kernel_inputs import paged_slots, without_compiler
 from pdserve_kernels import decode_attention_cpu as K
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -156,18 +154,12 @@ def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog,
     from pdserve.layers.attention.torch_native import TorchNativeBackend
     from pdserve.mem.kv_pool import GQAKVPool
 
-    monkeypatch.setenv("PDSERVE_CC", cc)
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger=K.__name__):
-        assert K.load() is None
-        assert K.load() is None  # said once: the outcome is cached per compiler
-    assert sum("CPU kernel is unavailable" in r.getMessage() for r in caplog.records) == 1
-    backend = TorchNativeBackend()
-    assert backend._decode_kernel_for(GQAKVPool(4, 2, 1, 2, 8, torch.float32)) is False
-    assert backend.describe()["decode_attention"] == "torch"
-    with pytest.raises(K.KernelUnavailable, match="could not be built"):
-        K.decode_attention(**_args(), scale=0.3)
-    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    with without_compiler(K, monkeypatch, tmp_path, caplog, cc):
+        backend = TorchNativeBackend()
+        assert backend._decode_kernel_for(GQAKVPool(4, 2, 1, 2, 8, torch.float32)) is False
+        assert backend.describe()["decode_attention"] == "torch"
+        with pytest.raises(K.KernelUnavailable, match="could not be built"):
+            K.decode_attention(**_args(), scale=0.3)
 
 
 def test_the_backend_takes_the_kernel_only_for_float32_cpu_pools(built):

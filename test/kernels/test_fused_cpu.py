@@ -6,11 +6,10 @@ the fallback where no library can be built."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
+from fixtures.kernel_inputs import without_compiler
 from pdserve.layers import activation
 from pdserve.layers.activation import silu_and_mul_torch
 from pdserve.layers.norm import RMSNorm, rms_norm_torch
@@ -233,16 +232,11 @@ def test_the_layers_give_the_twins_answers(built):
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"], ids=["missing", "failing"])
 def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog, cc):
-    monkeypatch.setenv("PDSERVE_CC", cc)
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger=K.__name__):
-        assert K.load() is None
-        assert K.load() is None  # said once: the outcome is cached per compiler
-    assert sum("CPU kernel is unavailable" in r.getMessage() for r in caplog.records) == 1
-    x = _x(4, 64)
-    assert not K.takes(x)
-    with pytest.raises(K.KernelUnavailable, match="could not be built"):
-        K.silu_and_mul(x)
+    with without_compiler(K, monkeypatch, tmp_path, caplog, cc):
+        x = _x(4, 64)
+        assert not K.takes(x)
+        with pytest.raises(K.KernelUnavailable, match="could not be built"):
+            K.silu_and_mul(x)
     layer = RMSNorm(64)
     assert torch.equal(layer(x), rms_norm_torch(x, layer.weight, layer.eps))
     assert torch.equal(activation.silu_and_mul(x), silu_and_mul_torch(x))

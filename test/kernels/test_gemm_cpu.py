@@ -6,13 +6,13 @@ can be built."""
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures.kernel_inputs import without_compiler
 from pdserve_kernels import gemm_cpu as G
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -147,15 +147,9 @@ def test_pack_refuses_a_bad_weight():
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])
 def test_no_compiler_falls_back(monkeypatch, tmp_path, caplog, cc):
     """No compiler (or a failing one): load() is None, said once; linear raises KernelUnavailable."""
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("PDSERVE_CC", cc)
-    monkeypatch.setattr(G.LIBRARY, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger=G.logger.name):
-        assert G.load() is None
-        assert G.load() is None
-    assert sum("small-M GEMM" in r.getMessage() for r in caplog.records) == 1
-    with pytest.raises(G.KernelUnavailable):
-        G.linear(_X, _P, 40)
+    with without_compiler(G, monkeypatch, tmp_path, caplog, cc):
+        with pytest.raises(G.KernelUnavailable):
+            G.linear(_X, _P, 40)
 
 
 def test_a_header_edit_changes_the_cache_key(tmp_path):

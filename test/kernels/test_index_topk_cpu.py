@@ -8,13 +8,12 @@ can be built."""
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 
 import pytest
 import torch
 
-from fixtures.kernel_inputs import paged_slots
+from fixtures.kernel_inputs import paged_slots, without_compiler
 from pdserve.layers.attention.torch_native import TorchNativeBackend, select_top_tokens, select_top_tokens_paged
 from pdserve_kernels import index_topk_cpu as K
 
@@ -174,19 +173,13 @@ def _pool(dtype=torch.float32):
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"], ids=["missing", "failing"])
 def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog, cc):
-    monkeypatch.setenv("PDSERVE_CC", cc)
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger=K.__name__):
-        assert K.load() is None
-        assert K.load() is None  # said once: the outcome is cached per compiler
-    assert sum("CPU kernel is unavailable" in r.getMessage() for r in caplog.records) == 1
-    backend = TorchNativeBackend()
-    assert backend._index_kernel_for(_pool()) is False
-    assert backend.describe() == {"attention_backend": "torch_native", "index_topk": "torch",
-                                  "decode_attention": "not chosen yet"}
-    with pytest.raises(K.KernelUnavailable, match="could not be built"):
-        K.index_topk(**_flat(), scale=0.3, topk=TOPK)
-    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    with without_compiler(K, monkeypatch, tmp_path, caplog, cc):
+        backend = TorchNativeBackend()
+        assert backend._index_kernel_for(_pool()) is False
+        assert backend.describe() == {"attention_backend": "torch_native", "index_topk": "torch",
+                                      "decode_attention": "not chosen yet"}
+        with pytest.raises(K.KernelUnavailable, match="could not be built"):
+            K.index_topk(**_flat(), scale=0.3, topk=TOPK)
 
 
 def test_the_backend_takes_the_kernel_only_for_float32_cpu_pools(built):
