@@ -116,7 +116,7 @@ class Engine:
         close = getattr(self.scheduler, "close", None)  # a RankClient's ranks stop here
         if close is not None:
             close()
-        if self._froze_gc:  # the start's objects become collectable again (cycles among them included)
+        if self._froze_gc:  # what existed before the engine becomes collectable again (its cycles included)
             self._froze_gc = False
             gc.unfreeze()
 
