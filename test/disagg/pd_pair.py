@@ -6,9 +6,9 @@ and inspected without HTTP or subprocesses."""
 from __future__ import annotations
 
 import random
-import socket
 import time
 
+from entrypoints.server_utils import free_port
 from pdserve.config import ServerArgs
 from pdserve.disagg.auth import PeerAuth
 from pdserve.disagg.bootstrap import BootstrapServer
@@ -22,12 +22,6 @@ RUN_TIMEOUT_S = 120.0
 # default budget (256 MiB per scheduler, zeroed and registered with the transfer engine) cost a pair more
 # CPU than most tests here (test_pd_flow: 85 s -> 46 s of CPU for its 80 tests).
 POOL_TOKENS = 4096
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def greedy(n: int, **kw) -> SamplingParams:

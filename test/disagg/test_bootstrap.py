@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from entrypoints.server_utils import free_port
 from pdserve.config import ModelConfig
 from pdserve.disagg.auth import ANSWER_HEADER, AuthError, FrameBinding, NonceCache, PeerAuth
 from pdserve.disagg.bootstrap import (
@@ -116,12 +117,6 @@ def test_fetch_waits_for_every_rank(server):
     CLIENT.register_rank("127.0.0.1", server.port, rank_record(1))
     t.join(30)
     assert [r.rank for r in got["info"].ranks] == [0, 1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fetch_and_register_wait_for_the_server_to_come_up():

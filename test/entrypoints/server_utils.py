@@ -23,22 +23,41 @@ PRESET = "tiny-deepseek"
 STARTUP_TIMEOUT_S = 240.0
 
 
+# Test servers take their ports from 20000..32000: below the kernel's ephemeral range (32768 and up on
+# Linux), where every client socket takes its source port (a port picked there may be taken by a
+# connection before the server binds it: CI lost a run to that), and above Mooncake's 15000-17000. Each
+# xdist worker draws from its own slice, and a process never hands out a port twice, so two servers
+# that have not bound yet cannot be given the same port.
+PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+
+
+def _worker_slice() -> tuple[int, int]:
+    lo, hi = PORT_RANGE
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    width = (hi - lo) // max(count, 1)
+    return lo + index % max(count, 1) * width, lo + (index % max(count, 1) + 1) * width
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, from this worker's slice of PORT_RANGE, not handed out before."""
+    return free_port_block(1)
 
 
 def free_port_block(n: int) -> int:
-    """The first of ``n`` consecutive ports that are free now, below the kernel's ephemeral range
-    (32768 and up on Linux), where client sockets (every test's) take their source ports: a port
-    picked there, and its neighbours above all, may be taken by a connection before the server binds."""
+    """The first of ``n`` consecutive ports that are free now and were never handed out by this
+    process, from this worker's slice of PORT_RANGE (above)."""
+    lo, hi = _worker_slice()
     rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        if all(port_is_free(base + i) for i in range(n)):
+    for _ in range(500):
+        base = rng.randrange(lo, hi - n)
+        block = range(base, base + n)
+        if not _handed_out.intersection(block) and all(port_is_free(p) for p in block):
+            _handed_out.update(block)
             return base
-    raise RuntimeError(f"no {n} consecutive free ports in 20000..32000")
+    raise RuntimeError(f"no {n} consecutive free ports in {lo}..{hi}")
 
 
 def port_is_free(port: int) -> bool:
