@@ -442,7 +442,10 @@ def online_table(results: dict) -> list[str]:
     for model, r in results.items():
         pd, vl = r["sides"]["pdserve"], r["sides"]["vllm"]
         row = [f"{cell(pd['tok_s'], '.0f')} vs {cell(vl['tok_s'], '.0f')} ({ratio_cell(pd['tok_s'], vl['tok_s'])})"]
-        row += [f"{cell(pd[k], '.0f')} vs {cell(vl[k], '.0f')}" for k in ("ttft_ms", "itl_ms", "tpot_ms")]
+        # latencies with their ratio (the median of per-round ratios, as tok/s): the targets are ratios,
+        # and a whole-millisecond ITL hides a 10% difference
+        row += [f"{cell(pd[k], fmt)} vs {cell(vl[k], fmt)} ({ratio_cell(pd[k], vl[k])})"
+                for k, fmt in (("ttft_ms", ".0f"), ("itl_ms", ".1f"), ("tpot_ms", ".1f"))]
         row.append(f"{cell(pd['cpu_per_1k'], '.2f')} vs {cell(vl['cpu_per_1k'], '.2f')}")
         lines.append(f"| {model} | {r['agree']}/{r['checked']} | " + " | ".join(row) + " |")
     return lines
