@@ -34,7 +34,7 @@ from pdserve.mem.kv_pool import GQAKVPool
 from pdserve_kernels import decode_stack_cpu, gemm_cpu
 
 if TYPE_CHECKING:  # decoder.py imports this module
-    from pdserve.models.decoder import DecoderStack
+    from pdserve.models.decoder import DecoderLayer, DecoderStack, GQAAttention
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,14 @@ class FusedDecode:
     def __init__(self, stack: DecoderStack):
         self.stack = stack
         self.refusal = _refusal(stack)
+        self.parts = [] if self.refusal is not None else [_parts(layer) for layer in stack.layers]
         self._panels: dict[int, torch.Tensor] = {}  # id(linear) -> its panels, packed here
         self._bound: tuple[int, int, decode_stack_cpu.DecodeStack] | None = None  # (k ptr, v ptr, call)
         if self.refusal is not None:
             logger.info("decode stack: layer by layer (%s)", self.refusal)
+        else:
+            logger.info("decode stack: a float32 decode step on the torch_native backend runs its %d layers in one "
+                        "plain-C call (PDSERVE_DECODE_STACK=layers: one by one)", len(stack.layers))
 
     def takes(self, hidden: torch.Tensor, fb: ForwardBatch) -> bool:
         """Whether this step goes through the call (the per-step half of the module's conditions)."""
@@ -77,8 +81,8 @@ class FusedDecode:
         call = self._bind(fb.kv_pool)
         out = call(hidden, rotation.cos, rotation.sin, fb.out_cache_loc, fb.kv_slots, fb.seq_lens,
                    threads=backend.decode_threads)
-        for layer in self.stack.layers:
-            fb.kv_written(layer.self_attn.layer_id)
+        for _, attn, _ in self.parts:
+            fb.kv_written(attn.layer_id)
         backend.note_decode_stack("cpu_kernel")
         return out
 
@@ -86,21 +90,20 @@ class FusedDecode:
         ptrs = (pool.k.data_ptr(), pool.v.data_ptr())
         if self._bound is None or self._bound[:2] != ptrs:
             self._bound = (*ptrs, self._build(pool))
-            logger.info("decode stack: each decode step's %d layers in one plain-C call (cpu_kernel)",
-                        len(self.stack.layers))
         return self._bound[2]
 
     def _build(self, pool: GQAKVPool) -> decode_stack_cpu.DecodeStack:
-        layers = list(self.stack.layers)
-        attn, mlp = layers[0].self_attn, layers[0].mlp
+        _, attn, mlp = self.parts[0]
         rope = self.stack.rotary_emb
+        assert isinstance(rope, RotaryEmbedding)  # _refusal
         shape = decode_stack_cpu.StackShape(attn.o_proj.out_features, attn.num_heads, attn.num_kv_heads,
                                             attn.head_dim, mlp.down_proj.in_features, rope.rotary_dim,
                                             rope.interleaved, attn.scale)
-        return decode_stack_cpu.DecodeStack(shape, [self._weights(layer, pool) for layer in layers])
+        return decode_stack_cpu.DecodeStack(shape, [self._weights(*part, pool) for part in self.parts])
 
-    def _weights(self, layer, pool: GQAKVPool) -> decode_stack_cpu.LayerWeights:
-        a, m, i = layer.self_attn, layer.mlp, layer.self_attn.layer_id
+    def _weights(self, layer: DecoderLayer, a: GQAAttention, m: GatedMLP,
+                 pool: GQAKVPool) -> decode_stack_cpu.LayerWeights:
+        i = a.layer_id
         return decode_stack_cpu.LayerWeights(
             layer.input_layernorm.weight, layer.input_layernorm.eps, self._panels_of(a.qkv_proj), a.qkv_proj.bias,
             self._panels_of(a.o_proj), a.o_proj.bias, layer.post_attention_layernorm.weight,
@@ -116,14 +119,21 @@ class FusedDecode:
         return self._panels[id(linear)]
 
 
+def _parts(layer: torch.nn.Module) -> tuple[DecoderLayer, GQAAttention, GatedMLP]:
+    """A layer _refusal passed, with its attention and MLP, typed."""
+    from pdserve.models.decoder import DecoderLayer, GQAAttention
+
+    a, m = layer.self_attn, layer.mlp
+    assert isinstance(layer, DecoderLayer) and isinstance(a, GQAAttention) and isinstance(m, GatedMLP)
+    return layer, a, m
+
+
 def _refusal(stack: DecoderStack) -> str | None:
     """Why these layers cannot take the call, or None."""
     from pdserve.models.decoder import DecoderLayer, GQAAttention
 
     if os.environ.get("PDSERVE_DECODE_STACK", "cpu_kernel") == "layers":
         return "PDSERVE_DECODE_STACK=layers"
-    if decode_stack_cpu.load() is None or gemm_cpu.load() is None:
-        return "the plain-C library is not built"
     rope = stack.rotary_emb
     if not isinstance(rope, RotaryEmbedding) or rope.dtype != torch.float32:
         return "not a float32 rotary embedding"
@@ -146,4 +156,6 @@ def _refusal(stack: DecoderStack) -> str | None:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.float32 for w in norms):
             return "a norm is not float32"
+    if decode_stack_cpu.load() is None or gemm_cpu.load() is None:  # last: a model refused above builds nothing
+        return "the plain-C library is not built"
     return None
