@@ -170,6 +170,6 @@ int pdserve_decode_stack_f32(const stack_dims_t *d, const stack_layer_t *layers,
         gemm(d, w.act, B, I, ly->down, H, NULL, out, threads);
         x = out;
     }
-    if (res != residual) memcpy(residual, res, sizeof(float) * (size_t)(B * H));
+    if (res != NULL && res != residual) memcpy(residual, res, sizeof(float) * (size_t)(B * H));
     return OK;
 }
