@@ -1208,6 +1208,20 @@ MUTATIONS = (
         "    for (int64_t k = 0; k < K; k++) {\n",
         "    for (int64_t k = 0; k < K - 1; k++) {\n",
         ("test/kernels/test_gemm_cpu.py::test_matches_f_linear",)),
+    Mutation(
+        "decode_stack_kv_written_at_the_next_slot", "the one-call decode stack writes each request's new k and v "
+        "one row past its slot in the page (the attention then reads a stale row, the pool keeps a wrong one)",
+        "kernels/pdserve_kernels/decode_stack_cpu.c",
+        "        const int64_t page = loc[b] / d->S, off = loc[b] % d->S;\n",
+        "        const int64_t page = loc[b] / d->S, off = (loc[b] + 1) % d->S;\n",
+        ("test/kernels/test_decode_stack_cpu.py::test_the_one_call_is_the_layers_bit_for_bit",)),
+    Mutation(
+        "decode_stack_skips_the_post_attention_residual", "the one-call decode stack normalises the attention "
+        "output without adding the residual stream (and the stream's next buffer is never written)",
+        "kernels/pdserve_kernels/decode_stack_cpu.c",
+        "        pdserve_rmsnorm_f32(out, B, 1, H, H, 0, res, H, 0, ly->post_norm,",
+        "        pdserve_rmsnorm_f32(out, B, 1, H, H, 0, NULL, H, 0, ly->post_norm,",
+        ("test/kernels/test_decode_stack_cpu.py::test_the_one_call_is_the_layers_bit_for_bit",)),
 )
 
 

@@ -255,6 +255,45 @@ static void attend_unit(const void *arg, int64_t i, void *sc) {
     attend_requests(jb, b0, b1 < jb->B ? b1 : jb->B, sc);
 }
 
+/* Every length in [1, L] and every slot a request reads in [0, N): OK, BAD_LEN or BAD_SLOT */
+static int check_requests(int64_t B, const int64_t *kv_slots, int64_t L, int64_t slot_stride,
+                          const int64_t *seq_lens, int64_t N) {
+    for (int64_t b = 0; b < B; b++) {
+        int64_t n = seq_lens[b];
+        if (n < 1 || n > L) return BAD_LEN;
+        const int64_t *sl = kv_slots + b * slot_stride;
+        for (int64_t j = 0; j < n; j++)
+            if (sl[j] < 0 || sl[j] >= N) return BAD_SLOT;
+    }
+    return OK;
+}
+
+/* Floats of scratch one thread needs for G query heads per KV head and Hq heads */
+static int64_t scratch_floats(int64_t G, int64_t Hq) { return G * BLOCK + 2 * Hq; }
+
+static pool_t pool_of(const float *k, const float *v, int64_t S, int64_t k_page, int64_t k_head, int64_t k_token,
+                      int64_t v_page, int64_t v_head, int64_t v_token, int64_t Dk, int64_t Dv, int64_t G,
+                      float scale) {
+    int shift = -1;
+    if ((S & (S - 1)) == 0)
+        for (shift = 0; ((int64_t)1 << shift) < S; shift++) {}
+    pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, scale, shift};
+    return c;
+}
+
+/* The attention of requests already checked (check_requests), sc: the caller's scratch_floats */
+static void attend(const pool_t *c, const float *q, float *out, const int64_t *kv_slots, int64_t slot_stride,
+                   const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, float *sc, int64_t threads,
+                   int64_t per_unit) {
+    if (per_unit < 1) per_unit = 1;
+    int64_t units = (B + per_unit - 1) / per_unit;
+    job_t jb = {*c, q, out, kv_slots, seq_lens, B, Hq, Hkv, slot_stride, per_unit};
+    if (threads <= 1 || units < 2) /* all requests in one run: the next request's rows prefetched across units */
+        attend_requests(&jb, 0, B, sc);
+    else
+        cpu_threads_run(attend_unit, &jb, units, (int64_t)sizeof(float) * scratch_floats(c->G, Hq), sc, threads);
+}
+
 /* q [B, Hq, Dk] and out [B, Hq, Dv] contiguous; kv_slots [B, L] with row stride slot_stride;
  * seq_lens [B]. Every length must lie in [1, L] and every slot a request reads in [0, N):
  * checked before any read of the pool. threads > 1: helper threads take units of per_unit
@@ -266,27 +305,13 @@ int pdserve_decode_attention_f32(const float *q, int64_t B, int64_t Hq, int64_t 
                                  int64_t Dv, const int64_t *kv_slots, int64_t L, int64_t slot_stride,
                                  const int64_t *seq_lens, double scale, float *out, int64_t threads,
                                  int64_t per_unit) {
-    for (int64_t b = 0; b < B; b++) {
-        int64_t n = seq_lens[b];
-        if (n < 1 || n > L) return BAD_LEN;
-        const int64_t *sl = kv_slots + b * slot_stride;
-        for (int64_t j = 0; j < n; j++)
-            if (sl[j] < 0 || sl[j] >= N) return BAD_SLOT;
-    }
-    const int64_t G = Hq / Hkv, floats = G * BLOCK + 2 * Hq;
-    float *sc = malloc(sizeof(float) * (size_t)floats);
+    int rc = check_requests(B, kv_slots, L, slot_stride, seq_lens, N);
+    if (rc != OK) return rc;
+    const int64_t G = Hq / Hkv;
+    float *sc = malloc(sizeof(float) * (size_t)scratch_floats(G, Hq));
     if (sc == NULL) return NO_MEMORY;
-    int shift = -1;
-    if ((S & (S - 1)) == 0)
-        for (shift = 0; ((int64_t)1 << shift) < S; shift++) {}
-    pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale, shift};
-    if (per_unit < 1) per_unit = 1;
-    int64_t units = (B + per_unit - 1) / per_unit;
-    job_t jb = {c, q, out, kv_slots, seq_lens, B, Hq, Hkv, slot_stride, per_unit};
-    if (threads <= 1 || units < 2) /* all requests in one run: the next request's rows prefetched across units */
-        attend_requests(&jb, 0, B, sc);
-    else
-        cpu_threads_run(attend_unit, &jb, units, (int64_t)sizeof(float) * floats, sc, threads);
+    pool_t c = pool_of(k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, (float)scale);
+    attend(&c, q, out, kv_slots, slot_stride, seq_lens, B, Hq, Hkv, sc, threads, per_unit);
     free(sc);
     return OK;
 }

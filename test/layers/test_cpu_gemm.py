@@ -207,6 +207,9 @@ def test_a_default_engine_decode_runs_the_c_gemm(monkeypatch):
     if gemm_cpu.load() is None:
         pytest.skip("no C compiler to build the small-M GEMM with")
     monkeypatch.setattr(gemm_cpu, "_threads", 1)
+    # The per-op path on purpose: by default the decode step's layers run in one C call (the decode stack,
+    # models/fused_decode.py), which includes this GEMM's code but never calls gemm_cpu.run.
+    monkeypatch.setenv("PDSERVE_DECODE_STACK", "layers")
     engine = pdserve.Engine(model_path="tiny-llama")
     try:
         assert gemm_cpu.threads() == engine.scheduler.threads.most

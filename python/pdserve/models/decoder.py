@@ -18,6 +18,7 @@ from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import Rotation, get_rope, rope_parameters_of
 from pdserve.models.base import CausalLM
+from pdserve.models.fused_decode import FusedDecode
 
 
 class DecoderLayer(nn.Module):
@@ -75,6 +76,7 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = rope
+        self.fused_decode: FusedDecode | None = None  # set by pack_cpu: decode steps' layers in one C call
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.num_tokens == 0:
@@ -90,10 +92,21 @@ class DecoderStack(nn.Module):
         """The embedded tokens [T, H] through every layer and the final norm -> [T, H]; what
         ``--enable-torch-compile`` compiles whole (engine/torch_compile.py)."""
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rotation, fb)
+        fused = None if torch.compiler.is_compiling() else self.fused_decode  # compiled: the layers, traced
+        out = fused.forward(hidden, rotation, fb) if fused is not None else None
+        if out is not None:
+            hidden, residual = out  # [T, H] each, after the last layer
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, rotation, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [T, H]
+
+    def pack_cpu(self, policy) -> bool:
+        """The runner packed the CPU linears (layers/cpu_gemm.py: not ``--cpu-gemm plain``): decode steps
+        may then run every layer in one plain-C call (models/fused_decode.py). Packs no linear itself."""
+        self.fused_decode = FusedDecode(self)
+        return False
 
     def _idle(self, fb: ForwardBatch) -> torch.Tensor:
         """An empty step: nothing to embed or attend to, but layers that span attention groups

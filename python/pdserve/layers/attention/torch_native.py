@@ -347,14 +347,24 @@ class TorchNativeBackend(AttentionBackend):
         # Threads the CPU decode kernel may use (its own helpers beside the forward's thread): the
         # cores the forward may use, set by the scheduler from its thread layout (1 until then).
         self.decode_threads = 1
+        # How the latest decode step ran its decoder layers: "cpu_kernel" (all in one plain-C call,
+        # pdserve.models.fused_decode) or "layers" (one by one); the model says (note_decode_stack).
+        self.decode_stack_impl: str | None = None
+        self.decode_stack_steps = 0  # decode steps that ran through the one call
 
     def describe(self) -> dict:
         info: dict[str, str | int] = {"attention_backend": self.name,
                                       "index_topk": self.index_topk_impl or "not chosen yet",
-                                      "decode_attention": self.decode_attention_impl or "not chosen yet"}
+                                      "decode_attention": self.decode_attention_impl or "not chosen yet",
+                                      "decode_stack": self.decode_stack_impl or "layers"}
         if self.decode_attention_impl == "cpu_kernel":
             info["decode_attention_threads"] = self.decode_threads
         return info
+
+    def note_decode_stack(self, impl: str) -> None:
+        """A decode step ran its layers as ``impl`` ("cpu_kernel" or "layers")."""
+        self.decode_stack_impl = impl
+        self.decode_stack_steps += impl == "cpu_kernel"
 
     def _decode_kernel_for(self, pool) -> bool:
         """True where the CPU kernel runs this pool's decode attention: a float32 GQA pool, or a
