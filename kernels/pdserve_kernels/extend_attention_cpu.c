@@ -60,60 +60,141 @@ static void block_rows(const job_t *jb, const int64_t *sl, int64_t nb, int64_t h
     }
 }
 
-/* Row r's scores over the first lim of a block's nb keys, folded into its running max and sum (the
- * accumulator rescaled on a new max); p[lim..nb) zeroed, so the values' pass adds nothing for them */
-static void softmax_row(const job_t *jb, const float *qr, const float *const *kr, int64_t nb, int64_t lim, float *p,
-                        float *acc, float *m, float *l) {
-    if (lim <= 0) {
-        memset(p, 0, sizeof(float) * (size_t)nb);
-        return;
+#define V 16 /* lanes of a v16f */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* kt [Dk, nv V]: the block's key rows transposed (columns past nb zero), so a row's scores are V keys
+ * per multiply-add: a query element broadcast against a vector of keys */
+static void transpose_keys(const float *const *kr, int64_t nb, int64_t nv, int64_t Dk, float *kt) {
+    for (int64_t d = 0; d < Dk; d++) {
+        float *row = kt + d * nv * V;
+        for (int64_t j = 0; j < nb; j++) row[j] = kr[j][d];
+        for (int64_t j = nb; j < nv * V; j++) row[j] = 0.0f;
     }
-    scores(qr, kr, lim, jb->Dk, jb->scale, p);
-    float bm = p[0];
-    for (int64_t j = 1; j < lim; j++) bm = p[j] > bm ? p[j] : bm;
+}
+
+/* sc[r][0, nv V) = qt[r] . kt for four rows: 4 x nv accumulators, one pass over kt */
+ALWAYS_INLINE void scores4(const float *qt, const float *kt, int64_t Dk, float *sc, const int nv) {
+    v16f a[4][4] = {{{0}}};
+    for (int64_t d = 0; d < Dk; d++) {
+        v16f kv[4];
+        for (int c = 0; c < nv; c++) memcpy(&kv[c], kt + (d * nv + c) * V, sizeof(v16f));
+        for (int r = 0; r < 4; r++) {
+            const float x = qt[r * Dk + d];
+            for (int c = 0; c < nv; c++) a[r][c] += x * kv[c];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < nv; c++) memcpy(sc + r * BLOCK + c * V, &a[r][c], sizeof(v16f));
+}
+
+/* acc[r][d0, d0 + nc V) += sum_j p[r][j] v_j[d0, ...) over nb value rows, four rows */
+ALWAYS_INLINE void values4(const float *const *vr, int64_t nb, const float *p, float *acc, int64_t Dv, int64_t d0,
+                           const int nc) {
+    v16f a[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < nc; c++) memcpy(&a[r][c], acc + r * Dv + d0 + c * V, sizeof(v16f));
+    for (int64_t j = 0; j < nb; j++) {
+        v16f x[4];
+        for (int c = 0; c < nc; c++) memcpy(&x[c], vr[j] + d0 + c * V, sizeof(v16f));
+        for (int r = 0; r < 4; r++) {
+            const float w = p[r * BLOCK + j];
+            for (int c = 0; c < nc; c++) a[r][c] += w * x[c];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < nc; c++) memcpy(acc + r * Dv + d0 + c * V, &a[r][c], sizeof(v16f));
+}
+
+/* The values of a block into rows [r0, r0 + 4): columns in chunks of up to four vectors, a scalar tail */
+static void values_rows(const float *const *vr, int64_t nb, const float *p, float *acc, int64_t Dv) {
+    int64_t d0 = 0;
+    for (; d0 + 4 * V <= Dv; d0 += 4 * V) values4(vr, nb, p, acc, Dv, d0, 4);
+    switch ((Dv - d0) / V) {
+    case 3: values4(vr, nb, p, acc, Dv, d0, 3); break;
+    case 2: values4(vr, nb, p, acc, Dv, d0, 2); break;
+    case 1: values4(vr, nb, p, acc, Dv, d0, 1); break;
+    }
+    for (int64_t d = d0 + (Dv - d0) / V * V; d < Dv; d++)
+        for (int r = 0; r < 4; r++)
+            for (int64_t j = 0; j < nb; j++) acc[r * Dv + d] += p[r * BLOCK + j] * vr[j][d];
+}
+
+/* Row r's block scores p[0, nv V) (scaled here) folded into its running max and sum, the accumulator
+ * rescaled on a new max; p becomes exp(score - max) for the lim keys it sees, 0 past them */
+static void softmax_row(float *p, int64_t nv, int64_t lim, float scale, float *acc, int64_t Dv, float *m, float *l) {
+    const v16f neg = (v16f){0} - INFINITY;
+    v16f x[BLOCK / V], mx = neg;
+    v16i iota;
+    for (int i = 0; i < V; i++) iota[i] = i;
+    for (int64_t c = 0; c < nv; c++) {
+        memcpy(&x[c], p + c * V, sizeof(v16f));
+        v16i seen = iota + (int32_t)(c * V) < (int32_t)lim;
+        x[c] = (v16f)(((v16i)(x[c] * scale) & seen) | ((v16i)neg & ~seen));
+        v16i keep = mx > x[c];
+        mx = (v16f)(((v16i)mx & keep) | ((v16i)x[c] & ~keep));
+    }
+    float bm = mx[0];
+    for (int i = 1; i < V; i++) bm = mx[i] > bm ? mx[i] : bm;
     float mn = bm > *m ? bm : *m;
     if (mn > *m && *l > 0) { /* a new max: the running sum and output shrink by exp(old - new) */
         float a = expf(*m - mn);
         *l *= a;
-        scale_row(acc, a, jb->Dv);
+        scale_row(acc, a, Dv);
     }
     *m = mn;
-    *l += exp_shifted(p, lim, mn);
-    if (lim < nb) memset(p + lim, 0, sizeof(float) * (size_t)(nb - lim));
+    v16f sum = {0};
+    for (int64_t c = 0; c < nv; c++) {
+        v16i seen = iota + (int32_t)(c * V) < (int32_t)lim;
+        v16f e = (v16f)((v16i)vexp(x[c] - mn) & seen);
+        sum += e;
+        memcpy(p + c * V, &e, sizeof(v16f));
+    }
+    v8f h = __builtin_shufflevector(sum, sum, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(sum, sum, 8, 9, 10, 11, 12, 13, 14, 15);
+    *l += ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
 }
 
-/* Unit u: tile u / Hkv, KV head u % Hkv. Scratch: R x BLOCK scores, R x Dv accumulators, R maxima,
- * R sums, for R = G x TILE rows (row i * G + g: position i0 + i, query head h * G + g). */
+/* Unit u: tile u / Hkv, KV head u % Hkv. R = G x nq query rows (row i * G + g: position i0 + i,
+ * query head h * G + g), padded to R4, a multiple of 4, with rows that see no key. Scratch (floats):
+ * qt [R4, Dk], kt [Dk, BLOCK], sc [R4, BLOCK], acc [R4, Dv], m [R4], l [R4]. */
 static void attend_tile(const void *arg, int64_t u, void *scratch) {
     const job_t *jb = arg;
     const int64_t t = u / jb->Hkv, h = u % jb->Hkv, b = jb->tile_req[t], i0 = jb->tile_row[t];
     const int64_t G = jb->G, Dk = jb->Dk, Dv = jb->Dv, Hq = jb->Hq, pre = jb->prefix[b];
-    const int64_t nq = jb->ext[b] - i0 < TILE ? jb->ext[b] - i0 : TILE, R = nq * G, nk = pre + i0 + nq;
-    float *sc = scratch, *acc = sc + G * TILE * BLOCK, *m = acc + G * TILE * Dv, *l = m + G * TILE;
+    const int64_t nq = jb->ext[b] - i0 < TILE ? jb->ext[b] - i0 : TILE, R = nq * G, R4 = (R + 3) / 4 * 4;
+    const int64_t nk = pre + i0 + nq, cap = (G * TILE + 3) / 4 * 4;
+    float *qt = scratch, *kt = qt + cap * Dk, *sc = kt + Dk * BLOCK, *acc = sc + cap * BLOCK, *m = acc + cap * Dv;
+    float *l = m + cap;
     const int64_t *sl = jb->kv_slots + b * jb->slot_stride;
     const float *q0 = jb->q + ((jb->q_start[b] + i0) * Hq + h * G) * Dk; /* row (i, g) at q0 + i Hq Dk + g Dk */
     const float *kr[BLOCK], *vr[BLOCK];
-    memset(acc, 0, sizeof(float) * (size_t)(R * Dv));
-    for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int64_t i = 0; i < nq; i++) /* loops, not memcpy: rows of a few hundred bytes, a libc call each */
+        for (int64_t x = 0; x < G * Dk; x++) qt[i * G * Dk + x] = q0[i * Hq * Dk + x];
+    for (int64_t x = R * Dk; x < R4 * Dk; x++) qt[x] = 0.0f;
+    for (int64_t x = 0; x < R4 * Dv; x++) acc[x] = 0.0f;
+    for (int64_t r = 0; r < R4; r++) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t j0 = 0; j0 < nk; j0 += BLOCK) {
-        const int64_t nb = nk - j0 < BLOCK ? nk - j0 : BLOCK;
+        const int64_t nb = nk - j0 < BLOCK ? nk - j0 : BLOCK, nv = (nb + V - 1) / V;
         block_rows(jb, sl + j0, nb, h, kr, vr);
-        for (int64_t i = 0; i < nq; i++) {
-            const int64_t seen = pre + i0 + i + 1 - j0, lim = seen < nb ? seen : nb; /* keys of this block it sees */
-            for (int64_t g = 0; g < G; g++) {
-                const int64_t r = i * G + g;
-                softmax_row(jb, q0 + i * Hq * Dk + g * Dk, kr, nb, lim, sc + r * BLOCK, acc + r * Dv, m + r, l + r);
+        transpose_keys(kr, nb, nv, Dk, kt);
+        for (int64_t r = 0; r < R4; r += 4) switch (nv) {
+            case 1: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 1); break;
+            case 2: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 2); break;
+            case 3: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 3); break;
+            default: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 4); break;
             }
+        for (int64_t r = 0; r < R4; r++) {
+            const int64_t seen = r < R ? pre + i0 + r / G + 1 - j0 : 0; /* keys of this block row r sees */
+            softmax_row(sc + r * BLOCK, nv, seen < nb ? seen : nb, jb->scale, acc + r * Dv, Dv, m + r, l + r);
         }
-        accumulate_values(vr, nb, sc, BLOCK, acc, R, Dv);
+        for (int64_t r = 0; r < R4; r += 4) values_rows(vr, nb, sc + r * BLOCK, acc + r * Dv, Dv);
     }
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t r = i * G + g;
-            float *o = jb->out + ((jb->q_start[b] + i0 + i) * Hq + h * G + g) * Dv;
-            scale_row(acc + r * Dv, 1.0f / l[r], Dv);
-            memcpy(o, acc + r * Dv, sizeof(float) * (size_t)Dv);
-        }
+    for (int64_t r = 0; r < R; r++) {
+        float *o = jb->out + ((jb->q_start[b] + i0 + r / G) * Hq + h * G + r % G) * Dv;
+        const float a = 1.0f / l[r];
+        for (int64_t d = 0; d < Dv; d++) o[d] = acc[r * Dv + d] * a;
+    }
 }
 
 /* Every length and every slot a request reads, checked before any read of the pool; the number of
@@ -146,7 +227,7 @@ int pdserve_extend_attention_f32(const float *q, int64_t T, int64_t Hq, int64_t 
                                  double scale, float *out, int64_t threads, int64_t min_scores) {
     const int64_t tiles = check(prefix, ext, B, T, kv_slots, L, slot_stride, N);
     if (tiles < 0) return (int)-tiles;
-    const int64_t G = Hq / Hkv, floats = G * TILE * (BLOCK + Dv + 2);
+    const int64_t G = Hq / Hkv, cap = (G * TILE + 3) / 4 * 4, floats = cap * (Dk + BLOCK + Dv + 2) + Dk * BLOCK;
     int64_t *index = malloc(sizeof(int64_t) * (size_t)(B + 2 * tiles + 1));
     float *sc = malloc(sizeof(float) * (size_t)floats);
     if (index == NULL || sc == NULL) {
