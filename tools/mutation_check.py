@@ -1212,8 +1212,8 @@ MUTATIONS = (
         "extend_attention_cpu_sees_one_key_ahead", "the C extend attention's causal bound is off by one: new token "
         "i of a request also sees the key at position prefix + i + 1 (its successor's)",
         "kernels/pdserve_kernels/extend_attention_cpu.c",
-        "            const int64_t seen = r < R ? pre + i0 + r / G + 1 - j0 : 0;",
-        "            const int64_t seen = r < R ? pre + i0 + r / G + 2 - j0 : 0;",
+        "        const int64_t seen = r < t->R ? pre + t->i0 + r / G + 1 - j0 : 0;",
+        "        const int64_t seen = r < t->R ? pre + t->i0 + r / G + 2 - j0 : 0;",
         ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
     Mutation(
         "extend_attention_cpu_tile_reads_the_next_kv_head", "a query tile of the C extend attention reads the next "

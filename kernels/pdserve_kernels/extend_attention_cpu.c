@@ -35,13 +35,16 @@ enum { OK = 0, BAD_SLOT = 1, BAD_PREFIX = 2, NO_MEMORY = 3, BAD_EXT = 4, BAD_TOT
 #define BLOCK 64 /* keys per softmax block: a block's K and V rows (head dim <= 128) stay in L1 */
 #endif
 #ifndef TILE
-#define TILE 16 /* query positions per unit: G x TILE rows of scores, BLOCK wide */
+#define TILE 16 /* query positions per tile: G x TILE rows of scores, BLOCK wide */
+#endif
+#ifndef GROUP
+#define GROUP 4 /* tiles per unit: a key block is gathered and transposed once for them */
 #endif
 
 typedef struct {
     const float *q, *k, *v;
     float *out;
-    const int64_t *kv_slots, *prefix, *ext, *q_start, *tile_req, *tile_row;
+    const int64_t *kv_slots, *prefix, *ext, *q_start, *group_req, *group_row;
     int64_t S, k_page, k_head, k_token, v_page, v_head, v_token, Hq, Hkv, G, Dk, Dv, slot_stride;
     float scale;
     int shift; /* log2(S) where S is a power of two, else -1 */
@@ -63,11 +66,11 @@ static void block_rows(const job_t *jb, const int64_t *sl, int64_t nb, int64_t h
 #define V 16 /* lanes of a v16f */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* kt [Dk, nv V]: the block's key rows transposed (columns past nb zero), so a row's scores are V keys
- * per multiply-add: a query element broadcast against a vector of keys */
+/* kt [Dk, BLOCK]: the block's key rows transposed (columns past nb up to nv V zero), so a row's scores
+ * are V keys per multiply-add: a query element broadcast against a vector of keys */
 static void transpose_keys(const float *const *kr, int64_t nb, int64_t nv, int64_t Dk, float *kt) {
     for (int64_t d = 0; d < Dk; d++) {
-        float *row = kt + d * nv * V;
+        float *row = kt + d * BLOCK;
         for (int64_t j = 0; j < nb; j++) row[j] = kr[j][d];
         for (int64_t j = nb; j < nv * V; j++) row[j] = 0.0f;
     }
@@ -78,7 +81,7 @@ ALWAYS_INLINE void scores4(const float *qt, const float *kt, int64_t Dk, float *
     v16f a[4][4] = {{{0}}};
     for (int64_t d = 0; d < Dk; d++) {
         v16f kv[4];
-        for (int c = 0; c < nv; c++) memcpy(&kv[c], kt + (d * nv + c) * V, sizeof(v16f));
+        for (int c = 0; c < nv; c++) memcpy(&kv[c], kt + d * BLOCK + c * V, sizeof(v16f));
         for (int r = 0; r < 4; r++) {
             const float x = qt[r * Dk + d];
             for (int c = 0; c < nv; c++) a[r][c] += x * kv[c];
@@ -155,57 +158,87 @@ static void softmax_row(float *p, int64_t nv, int64_t lim, float scale, float *a
     *l += ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
 }
 
-/* Unit u: tile u / Hkv, KV head u % Hkv. R = G x nq query rows (row i * G + g: position i0 + i,
- * query head h * G + g), padded to R4, a multiple of 4, with rows that see no key. Scratch (floats):
- * qt [R4, Dk], kt [Dk, BLOCK], sc [R4, BLOCK], acc [R4, Dv], m [R4], l [R4]. */
-static void attend_tile(const void *arg, int64_t u, void *scratch) {
-    const job_t *jb = arg;
-    const int64_t t = u / jb->Hkv, h = u % jb->Hkv, b = jb->tile_req[t], i0 = jb->tile_row[t];
-    const int64_t G = jb->G, Dk = jb->Dk, Dv = jb->Dv, Hq = jb->Hq, pre = jb->prefix[b];
-    const int64_t nq = jb->ext[b] - i0 < TILE ? jb->ext[b] - i0 : TILE, R = nq * G, R4 = (R + 3) / 4 * 4;
-    const int64_t nk = pre + i0 + nq, cap = (G * TILE + 3) / 4 * 4;
-    float *qt = scratch, *kt = qt + cap * Dk, *sc = kt + Dk * BLOCK, *acc = sc + cap * BLOCK, *m = acc + cap * Dv;
-    float *l = m + cap;
-    const int64_t *sl = jb->kv_slots + b * jb->slot_stride;
+/* Tile t of a unit: R = G x nq query rows (row i * G + g: position i0 + i, query head h * G + g),
+ * padded to R4, a multiple of 4, with rows that see no key; its first nk keys (prefix + i0 + nq).
+ * Scratch (floats) per tile: qt [R4, Dk], acc [R4, Dv], m [R4], l [R4], cap (R4's bound) rows each. */
+typedef struct {
+    int64_t i0, nq, R, R4, nk;
+    float *qt, *acc, *m, *l;
+} tile_t;
+
+static void tile_start(const job_t *jb, int64_t b, int64_t h, int64_t i0, float *mem, int64_t cap, tile_t *t) {
+    const int64_t G = jb->G, Dk = jb->Dk, Dv = jb->Dv, Hq = jb->Hq;
+    t->i0 = i0, t->nq = jb->ext[b] - i0 < TILE ? jb->ext[b] - i0 : TILE;
+    t->R = t->nq * G, t->R4 = (t->R + 3) / 4 * 4, t->nk = jb->prefix[b] + i0 + t->nq;
+    t->qt = mem, t->acc = mem + cap * Dk, t->m = t->acc + cap * Dv, t->l = t->m + cap;
     const float *q0 = jb->q + ((jb->q_start[b] + i0) * Hq + h * G) * Dk; /* row (i, g) at q0 + i Hq Dk + g Dk */
-    const float *kr[BLOCK], *vr[BLOCK];
-    for (int64_t i = 0; i < nq; i++) /* loops, not memcpy: rows of a few hundred bytes, a libc call each */
-        for (int64_t x = 0; x < G * Dk; x++) qt[i * G * Dk + x] = q0[i * Hq * Dk + x];
-    for (int64_t x = R * Dk; x < R4 * Dk; x++) qt[x] = 0.0f;
-    for (int64_t x = 0; x < R4 * Dv; x++) acc[x] = 0.0f;
-    for (int64_t r = 0; r < R4; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    for (int64_t j0 = 0; j0 < nk; j0 += BLOCK) {
-        const int64_t nb = nk - j0 < BLOCK ? nk - j0 : BLOCK, nv = (nb + V - 1) / V;
-        block_rows(jb, sl + j0, nb, h, kr, vr);
-        transpose_keys(kr, nb, nv, Dk, kt);
-        for (int64_t r = 0; r < R4; r += 4) switch (nv) {
-            case 1: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 1); break;
-            case 2: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 2); break;
-            case 3: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 3); break;
-            default: scores4(qt + r * Dk, kt, Dk, sc + r * BLOCK, 4); break;
-            }
-        for (int64_t r = 0; r < R4; r++) {
-            const int64_t seen = r < R ? pre + i0 + r / G + 1 - j0 : 0; /* keys of this block row r sees */
-            softmax_row(sc + r * BLOCK, nv, seen < nb ? seen : nb, jb->scale, acc + r * Dv, Dv, m + r, l + r);
+    for (int64_t i = 0; i < t->nq; i++) /* loops, not memcpy: rows of a few hundred bytes, a libc call each */
+        for (int64_t x = 0; x < G * Dk; x++) t->qt[i * G * Dk + x] = q0[i * Hq * Dk + x];
+    for (int64_t x = t->R * Dk; x < t->R4 * Dk; x++) t->qt[x] = 0.0f;
+    for (int64_t x = 0; x < t->R4 * Dv; x++) t->acc[x] = 0.0f;
+    for (int64_t r = 0; r < t->R4; r++) t->m[r] = -INFINITY, t->l[r] = 0.0f;
+}
+
+/* One key block [j0, j0 + nb) of a tile (nb within its nk): scores, each row's softmax, the values */
+static void tile_block(const job_t *jb, const tile_t *t, int64_t pre, int64_t j0, int64_t nb, const float *kt,
+                       const float *const *vr, float *sc) {
+    const int64_t Dk = jb->Dk, Dv = jb->Dv, G = jb->G, nv = (nb + V - 1) / V;
+    for (int64_t r = 0; r < t->R4; r += 4) switch (nv) {
+        case 1: scores4(t->qt + r * Dk, kt, Dk, sc + r * BLOCK, 1); break;
+        case 2: scores4(t->qt + r * Dk, kt, Dk, sc + r * BLOCK, 2); break;
+        case 3: scores4(t->qt + r * Dk, kt, Dk, sc + r * BLOCK, 3); break;
+        default: scores4(t->qt + r * Dk, kt, Dk, sc + r * BLOCK, 4); break;
         }
-        for (int64_t r = 0; r < R4; r += 4) values_rows(vr, nb, sc + r * BLOCK, acc + r * Dv, Dv);
+    for (int64_t r = 0; r < t->R4; r++) {
+        const int64_t seen = r < t->R ? pre + t->i0 + r / G + 1 - j0 : 0; /* keys of this block row r sees */
+        softmax_row(sc + r * BLOCK, nv, seen < nb ? seen : nb, jb->scale, t->acc + r * Dv, Dv, t->m + r, t->l + r);
     }
-    for (int64_t r = 0; r < R; r++) {
-        float *o = jb->out + ((jb->q_start[b] + i0 + r / G) * Hq + h * G + r % G) * Dv;
-        const float a = 1.0f / l[r];
-        for (int64_t d = 0; d < Dv; d++) o[d] = acc[r * Dv + d] * a;
+    for (int64_t r = 0; r < t->R4; r += 4) values_rows(vr, nb, sc + r * BLOCK, t->acc + r * Dv, Dv);
+}
+
+/* Unit u: group u / Hkv (up to GROUP tiles of one request), KV head u % Hkv. Each key block is read
+ * and transposed once for the group's tiles that see it; each tile's operations are those it would
+ * run alone, in the same order. Scratch (floats): kt [Dk, BLOCK], sc [cap, BLOCK], then GROUP tiles'. */
+static void attend_group(const void *arg, int64_t u, void *scratch) {
+    const job_t *jb = arg;
+    const int64_t gi = u / jb->Hkv, h = u % jb->Hkv, b = jb->group_req[gi], i0 = jb->group_row[gi];
+    const int64_t Dk = jb->Dk, Dv = jb->Dv, pre = jb->prefix[b], cap = (jb->G * TILE + 3) / 4 * 4;
+    float *kt = scratch, *sc = kt + Dk * BLOCK, *mem = sc + cap * BLOCK;
+    const int64_t *sl = jb->kv_slots + b * jb->slot_stride;
+    const float *kr[BLOCK], *vr[BLOCK];
+    tile_t tiles[GROUP];
+    int64_t n = 0, nk = 0;
+    for (; n < GROUP && i0 + n * TILE < jb->ext[b]; n++) {
+        tile_start(jb, b, h, i0 + n * TILE, mem + n * cap * (Dk + Dv + 2), cap, &tiles[n]);
+        nk = tiles[n].nk;
+    }
+    for (int64_t j0 = 0; j0 < nk; j0 += BLOCK) {
+        const int64_t nb = nk - j0 < BLOCK ? nk - j0 : BLOCK;
+        block_rows(jb, sl + j0, nb, h, kr, vr);
+        transpose_keys(kr, nb, (nb + V - 1) / V, Dk, kt);
+        for (int64_t x = 0; x < n; x++)
+            if (tiles[x].nk > j0) tile_block(jb, &tiles[x], pre, j0, tiles[x].nk - j0 < nb ? tiles[x].nk - j0 : nb,
+                                             kt, vr, sc);
+    }
+    for (int64_t x = 0; x < n; x++) {
+        const tile_t *t = &tiles[x];
+        for (int64_t r = 0; r < t->R; r++) {
+            float *o = jb->out + ((jb->q_start[b] + t->i0 + r / jb->G) * jb->Hq + h * jb->G + r % jb->G) * Dv;
+            const float a = 1.0f / t->l[r];
+            for (int64_t d = 0; d < Dv; d++) o[d] = t->acc[r * Dv + d] * a;
+        }
     }
 }
 
 /* Every length and every slot a request reads, checked before any read of the pool; the number of
- * query tiles, or a negative error code */
+ * tile groups, or a negative error code */
 static int64_t check(const int64_t *prefix, const int64_t *ext, int64_t B, int64_t T, const int64_t *kv_slots,
                      int64_t L, int64_t slot_stride, int64_t N) {
-    int64_t total = 0, tiles = 0;
+    int64_t total = 0, groups = 0;
     for (int64_t b = 0; b < B; b++) {
         if (ext[b] < 1) return -BAD_EXT;
         if (prefix[b] < 0 || prefix[b] > L - ext[b]) return -BAD_PREFIX;
-        total += ext[b], tiles += (ext[b] + TILE - 1) / TILE;
+        total += ext[b], groups += (ext[b] + GROUP * TILE - 1) / (GROUP * TILE);
     }
     if (total != T) return -BAD_TOTAL;
     for (int64_t b = 0; b < B; b++) {
@@ -213,7 +246,7 @@ static int64_t check(const int64_t *prefix, const int64_t *ext, int64_t B, int64
         for (int64_t j = 0; j < n; j++)
             if (sl[j] < 0 || sl[j] >= N) return -BAD_SLOT;
     }
-    return tiles;
+    return groups;
 }
 
 /* q [T, Hq, Dk] and out [T, Hq, Dv] contiguous, request b's rows after the ext rows of those before
@@ -225,27 +258,28 @@ int pdserve_extend_attention_f32(const float *q, int64_t T, int64_t Hq, int64_t 
                                  int64_t v_page, int64_t v_head, int64_t v_token, int64_t Dv, const int64_t *kv_slots,
                                  int64_t L, int64_t slot_stride, const int64_t *prefix, const int64_t *ext, int64_t B,
                                  double scale, float *out, int64_t threads, int64_t min_scores) {
-    const int64_t tiles = check(prefix, ext, B, T, kv_slots, L, slot_stride, N);
-    if (tiles < 0) return (int)-tiles;
-    const int64_t G = Hq / Hkv, cap = (G * TILE + 3) / 4 * 4, floats = cap * (Dk + BLOCK + Dv + 2) + Dk * BLOCK;
-    int64_t *index = malloc(sizeof(int64_t) * (size_t)(B + 2 * tiles + 1));
+    const int64_t groups = check(prefix, ext, B, T, kv_slots, L, slot_stride, N);
+    if (groups < 0) return (int)-groups;
+    const int64_t G = Hq / Hkv, cap = (G * TILE + 3) / 4 * 4;
+    const int64_t floats = Dk * BLOCK + cap * BLOCK + GROUP * cap * (Dk + Dv + 2);
+    int64_t *index = malloc(sizeof(int64_t) * (size_t)(B + 2 * groups + 1));
     float *sc = malloc(sizeof(float) * (size_t)floats);
     if (index == NULL || sc == NULL) {
         free(index), free(sc);
         return NO_MEMORY;
     }
-    int64_t *q_start = index, *tile_req = q_start + B, *tile_row = tile_req + tiles, n = 0, work = 0;
+    int64_t *q_start = index, *group_req = q_start + B, *group_row = group_req + groups, n = 0, work = 0;
     for (int64_t b = 0, start = 0; b < B; start += ext[b], b++) {
         q_start[b] = start;
         work += ext[b] * (prefix[b] + (ext[b] + 1) / 2) * Hq;
-        for (int64_t i0 = 0; i0 < ext[b]; i0 += TILE) tile_req[n] = b, tile_row[n++] = i0;
+        for (int64_t i0 = 0; i0 < ext[b]; i0 += GROUP * TILE) group_req[n] = b, group_row[n++] = i0;
     }
     int shift = -1;
     if ((S & (S - 1)) == 0)
         for (shift = 0; ((int64_t)1 << shift) < S; shift++) {}
-    job_t jb = {q, k, v, out, kv_slots, prefix, ext, q_start, tile_req, tile_row, S, k_page, k_head, k_token,
+    job_t jb = {q, k, v, out, kv_slots, prefix, ext, q_start, group_req, group_row, S, k_page, k_head, k_token,
                 v_page, v_head, v_token, Hq, Hkv, G, Dk, Dv, slot_stride, (float)scale, shift};
-    cpu_threads_run(attend_tile, &jb, tiles * Hkv, (int64_t)sizeof(float) * floats, sc,
+    cpu_threads_run(attend_group, &jb, groups * Hkv, (int64_t)sizeof(float) * floats, sc,
                     work < min_scores ? 1 : threads);
     free(index), free(sc);
     return OK;
