@@ -72,6 +72,16 @@ def test_matches_sdpa_and_twin(built, S, G, D):
         torch.testing.assert_close(out, K.reference(q, k, v, slots, pre, ex, scale), **TOL)
 
 
+@pytest.mark.parametrize("D", [8, 40, 80, 200])
+def test_head_dims_off_the_vector_width(built, D):
+    """Head dims that are not a multiple of the 16-float vector (a scalar tail) or wider than a 64-column
+    pass of the values: SDPA's answer."""
+    prefix, ext = [0, 70], [37, 20]
+    q, k, v, slots, pre, ex = _case(D, prefix, ext, 16, 6, 3, D)
+    out = K.extend_attention(q, k, v, slots, pre, ex, D ** -0.5)
+    torch.testing.assert_close(out, _sdpa(q, k, v, slots, pre, ex, D ** -0.5), **TOL)
+
+
 def test_each_request_is_its_own_and_padding_slots_are_never_read(built):
     """A request's output is what it gets alone (the same bits), and slots past a request's length
     (garbage, out of range) are never read."""
