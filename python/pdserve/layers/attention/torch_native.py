@@ -427,8 +427,8 @@ class TorchNativeBackend(AttentionBackend):
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
         sees_all = Q == 1 and bool(seq.min() == fb.kv_slots.shape[1])  # kv_slots: L = the longest sequence wide
         causal = stage is None and Q > 1 and not bool(pre.any())
-        spans = _ragged_spans(ext, pre, seq, S) if stage is None and Q > 1 else ()
-        extend = not fb.is_decode and self._extend_kernel_for(fb.kv_pool)
+        extend = not fb.is_decode and self._extend_kernel_for(fb.kv_pool)  # the kernel needs no spans
+        spans = _ragged_spans(ext, pre, seq, S) if stage is None and Q > 1 and not extend else ()
         return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage,
                                    causal, spans, kernel, extend)
 
