@@ -1222,6 +1222,20 @@ MUTATIONS = (
         "        pdserve_rmsnorm_f32(out, B, 1, H, H, 0, res, H, 0, ly->post_norm,",
         "        pdserve_rmsnorm_f32(out, B, 1, H, H, 0, NULL, H, 0, ly->post_norm,",
         ("test/kernels/test_decode_stack_cpu.py::test_the_one_call_is_the_layers_bit_for_bit",)),
+    Mutation(
+        "extend_attention_cpu_sees_one_key_ahead", "the C extend attention's causal bound is off by one: new token "
+        "i of a request also sees the key at position prefix + i + 1 (its successor's)",
+        "kernels/pdserve_kernels/extend_attention_cpu.c",
+        "        const int64_t seen = r < t->R ? pre + t->i0 + r / G + 1 - j0 : 0;",
+        "        const int64_t seen = r < t->R ? pre + t->i0 + r / G + 2 - j0 : 0;",
+        ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
+    Mutation(
+        "extend_attention_cpu_tile_reads_the_next_kv_head", "a query tile of the C extend attention reads the next "
+        "KV head's keys and values (h + 1), not those of its own query heads' group",
+        "kernels/pdserve_kernels/extend_attention_cpu.c",
+        "        block_rows(jb, sl + j0, nb, h, kr, vr);\n",
+        "        block_rows(jb, sl + j0, nb, (h + 1) % jb->Hkv, kr, vr);\n",
+        ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
 )
 
 

@@ -53,7 +53,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 LIBRARY = CLibrary(Path(__file__).with_name("decode_attention_cpu.c"), _declare, "decode attention",
                    flags=(*FLAGS, "-pthread"), log=logger,
-                   headers=tuple(Path(__file__).with_name(h) for h in ("cpu_threads.h", "cpu_simd.h")))
+                   headers=tuple(Path(__file__).with_name(h) for h in ("cpu_threads.h", "cpu_simd.h",
+                                                                       "cpu_attention.h")))
 SOURCE = LIBRARY.source
 build = LIBRARY.build
 

@@ -228,3 +228,29 @@ void pdserve_silu_mul_f32(const float *x, int64_t T, int64_t I, int64_t sx, floa
         }
     }
 }
+
+/* SiLU x mul in units of per_unit rows on the helper threads of cpu_threads.h (up to threads in all):
+ * each row is computed as pdserve_silu_mul_f32 computes it, so the result is the same bits for any
+ * thread count. For prefill's calls (hundreds of rows of thousands of floats), where one thread
+ * alone leaves the forward's other cores idle. */
+#include "cpu_threads.h"
+
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t T, I, sx, per_unit;
+} silu_job_t;
+
+static void silu_unit(const void *arg, int64_t u, void *scratch) {
+    (void)scratch;
+    const silu_job_t *jb = arg;
+    const int64_t t0 = u * jb->per_unit, n = jb->T - t0 < jb->per_unit ? jb->T - t0 : jb->per_unit;
+    pdserve_silu_mul_f32(jb->x + t0 * jb->sx, n, jb->I, jb->sx, jb->out + t0 * jb->I);
+}
+
+void pdserve_silu_mul_threads_f32(const float *x, int64_t T, int64_t I, int64_t sx, float *out, int64_t threads,
+                                  int64_t per_unit) {
+    if (per_unit < 1) per_unit = 1;
+    silu_job_t jb = {x, out, T, I, sx, per_unit};
+    cpu_threads_run(silu_unit, &jb, (T + per_unit - 1) / per_unit, 0, NULL, threads);
+}

@@ -27,10 +27,15 @@ logger = logging.getLogger(__name__)
 # Above these many input elements a layer's call leaves the kernel for torch, whose ops spread over
 # the intra-op threads (``python benchmark/bench_cpu_ops.py --parts fused``, 2 threads, docs/cpu.md):
 # add + RMSNorm and rotary still won at 2048 rows of the benchmark models (1.6-7x), so their line
-# only guards wider shapes on more cores; SiLU x mul ran even with torch's two threads up to ~32 rows
-# of 2 x 1376 and lost from 256 rows.
+# only guards wider shapes on more cores. SiLU x mul on the helper threads, as many as torch's, beat
+# torch's silu + mul at every size measured, 16 to 4096 rows of 2 x 688 and 2 x 1376, on 1 and 2
+# threads (docs/cpu.md "Prefill attention and SiLU in C"); its line lies past the largest measured.
 MAX_ELEMENTS = 1 << 21
-SILU_MAX_ELEMENTS = 1 << 17
+SILU_MAX_ELEMENTS = 1 << 24
+# SiLU x mul shares its rows with the helper threads (cpu_threads.h) from this many outputs: below it a
+# helper's wake-up costs more than its share. Units of rows per thread: a late helper leaves the rest.
+SILU_PARALLEL_MIN_ELEMENTS = 1 << 15
+SILU_UNITS_PER_THREAD = 4
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, p, f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -39,13 +44,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pdserve_rotary_pair_f32.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, p, i64, p, i64, p, i64,
                                             i64, ctypes.c_int]
     lib.pdserve_silu_mul_f32.argtypes = [p, i64, i64, i64, p]
+    lib.pdserve_silu_mul_threads_f32.argtypes = [p, i64, i64, i64, p, i64, i64]
+    lib.pdserve_silu_mul_threads_f32.restype = None
     for fn in (lib.pdserve_rmsnorm_f32, lib.pdserve_rotary_f32, lib.pdserve_rotary_pair_f32, lib.pdserve_silu_mul_f32):
         fn.restype = None
 
 
 # No FMA contraction: the kernels then round each product and sum as torch's separate ops do.
 LIBRARY = CLibrary(Path(__file__).with_name("fused_cpu.c"), _declare, "fused element-wise ops",
-                   flags=FLAGS + ("-ffp-contract=off",), log=logger)
+                   flags=FLAGS + ("-ffp-contract=off", "-pthread"), log=logger,
+                   headers=(Path(__file__).with_name("cpu_threads.h"),))
 SOURCE = LIBRARY.source
 build = LIBRARY.build
 
@@ -187,8 +195,10 @@ def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     return qo, ko
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] = [gate | up] -> gate / (1 + exp(-gate)) * up [..., I] (new, contiguous)."""
+def silu_and_mul(x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> gate / (1 + exp(-gate)) * up [..., I] (new, contiguous). ``threads`` > 1:
+    from ``SILU_PARALLEL_MIN_ELEMENTS`` elements, the kernel's helper threads take units of rows beside
+    the caller (each row computed as one thread computes it: the same bits)."""
     lib = _lib()
     _check("x", x)
     if x.shape[-1] % 2:
@@ -197,5 +207,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], I, dtype=torch.float32)
     x2, strides = _rows(x, 2)
     T, sx = (x2.shape[0], strides[0]) if x2.dim() == 2 else (1, 0)
-    lib.pdserve_silu_mul_f32(x2.data_ptr(), T, I, sx, out.data_ptr())
+    if threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {threads}")
+    if threads > 1 and T > 1 and T * I >= SILU_PARALLEL_MIN_ELEMENTS:
+        per_unit = -(-T // (threads * SILU_UNITS_PER_THREAD))
+        lib.pdserve_silu_mul_threads_f32(x2.data_ptr(), T, I, sx, out.data_ptr(), threads, per_unit)
+    else:
+        lib.pdserve_silu_mul_f32(x2.data_ptr(), T, I, sx, out.data_ptr())
     return out

@@ -90,3 +90,31 @@ def test_changing_decode_batch_matches_transformers(tmp_path):
     for o, p, n in zip(out, prompts, lens):
         assert o["output_ids"] == greedy_continuation(hf, p, n)
     _assert_no_leak(engine)
+
+
+def test_chunked_prefill_and_a_radix_hit_through_the_cpu_extend_kernel(tmp_path, monkeypatch):
+    """The default Engine on a float32 Llama runs every extend's attention through the CPU extend kernel
+    (keys by slot from the pool): a prompt in chunks (every chunk after the first has a prefix) and a
+    radix-cache hit (a prefix of whole pages) give transformers' greedy tokens, and server info says so."""
+    from pdserve_kernels import extend_attention_cpu
+
+    if extend_attention_cpu.load() is None:
+        pytest.skip("no C compiler: the kernel was not built")
+    hf, path = make_hf_model_and_dir("LlamaForCausalLM", tmp_path)
+    calls = []
+    kernel = extend_attention_cpu.extend_attention
+    monkeypatch.setattr(extend_attention_cpu, "extend_attention",
+                        lambda *a, **k: calls.append(int(a[4].sum())) or kernel(*a, **k))  # a[4]: prefix_lens
+    g = torch.Generator().manual_seed(3)
+    long, other = (torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (70, 20))
+    engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=32)
+    assert engine.generate(input_ids=long, sampling_params=GREEDY)["output_ids"] == greedy_continuation(hf, long, STEPS)
+    assert any(p > 0 for p in calls)  # the later chunks attended over a prefix in the kernel
+    calls.clear()
+    shared = long[:40] + other
+    got = engine.generate(input_ids=shared, sampling_params=GREEDY)
+    assert got["meta_info"]["cached_tokens"] == 40
+    assert got["output_ids"] == greedy_continuation(hf, shared, STEPS)
+    assert calls and all(p == 40 for p in calls)  # every layer's extend over the cached 40 tokens
+    assert engine.get_server_info()["attention"]["extend_attention"] == "cpu_kernel"
+    _assert_no_leak(engine)

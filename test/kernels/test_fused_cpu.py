@@ -115,6 +115,21 @@ def test_silu_and_mul_reads_a_column_slice_and_more_dims(built):
     _close(K.silu_and_mul(three.transpose(0, 1)), silu_and_mul_torch(three.transpose(0, 1)))
 
 
+@pytest.mark.parametrize("T,I", [(1024, 688), (333, 1376), (4096, 688)])
+def test_silu_and_mul_on_helper_threads_gives_the_same_bits(built, T, I):
+    """Prefill's sizes split in units of rows over 2 and 3 threads: the one-thread bits, call after call
+    (and a strided column slice), and the twin's answer."""
+    assert T * I >= K.SILU_PARALLEL_MIN_ELEMENTS  # big enough to be shared
+    wide = _x(T, 2 * I + 16, seed=T, scale=6.0)
+    for x in (wide[:, :2 * I].contiguous(), wide[:, 16:]):
+        one = K.silu_and_mul(x)
+        for threads in (2, 3, 2, 3):
+            assert torch.equal(K.silu_and_mul(x, threads), one), threads
+        _close(one, silu_and_mul_torch(x), rtol=1e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="threads: must be >= 1"):
+        K.silu_and_mul(wide[:, 16:], 0)
+
+
 def _rotation(T: int, D: int, R: int, interleaved: bool, seed: int = 0):
     rope = get_rope(R, 4096, {"rope_type": "default", "rope_theta": 10000.0}, interleaved=interleaved)
     positions = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(seed))

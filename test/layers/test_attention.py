@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from fixtures.paged_batches import PagedRequests
 from pdserve.layers.attention.reference import gqa_reference, mla_reference
+from pdserve.layers.attention.torch_native import TorchNativeBackend
 from pdserve.mem.kv_pool import GQAKVPool, MLAKVPool
 
 LENGTHS = (31, 8, 17)
@@ -22,9 +23,17 @@ STEPS = [[(0, 11), (2, 16)], [(0, 16), (1, 5), (2, 1)], [(0, 1), (1, 1)], [(0, 1
          [(0, 1)]]
 
 
-def _walk(pool, run_step, check):
+def _sdpa_backend():
+    """A backend whose extends take SDPA (``_gqa_ragged`` or the padded batch), not the CPU extend kernel
+    it would choose for a float32 GQA pool: for the tests of that path."""
+    backend = TorchNativeBackend()
+    backend.extend_attention_impl = "sdpa"
+    return backend
+
+
+def _walk(pool, run_step, check, backend=None):
     """Feed STEPS through ``run_step(fb, [(request, start, n)])`` and ``check`` every output."""
-    paged = PagedRequests(pool, seed=pool.page_size)
+    paged = PagedRequests(pool, seed=pool.page_size, backend=backend)
     done = [0] * len(LENGTHS)
     for step in STEPS:
         decode = all(n == 1 for _, n in step) and all(done[r] for r, _ in step)
@@ -37,9 +46,10 @@ def _walk(pool, run_step, check):
     assert done == list(LENGTHS)
 
 
+@pytest.mark.parametrize("extend", ["cpu_kernel", "sdpa"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (4, 4), (6, 1)])
-def test_torch_native_gqa_matches_reference(page_size, Hq, Hkv):
+def test_torch_native_gqa_matches_reference(page_size, Hq, Hkv, extend):
     D, scale, layer = 16, 0.3, 1
     g = torch.Generator().manual_seed(0)
     q = [torch.randn(n, Hq, D, generator=g) for n in LENGTHS]
@@ -55,7 +65,9 @@ def test_torch_native_gqa_matches_reference(page_size, Hq, Hkv):
         want = gqa_reference(q[r][start:start + n], k[r][:start + n], v[r][:start + n], scale)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
-    _walk(pool, run_step, check)
+    backend = _sdpa_backend() if extend == "sdpa" else TorchNativeBackend()
+    _walk(pool, run_step, check, backend)
+    assert backend.extend_attention_impl == extend  # the kernel where it builds: float32 GQA on CPU
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (6, 1)])
@@ -185,7 +197,7 @@ def test_prefill_without_prefixes_takes_is_causal_with_the_masks_bits(dtype):
     Hq, Hkv, D, scale, layer = 8, 4, 32, 32 ** -0.5, 0
     g = torch.Generator().manual_seed(5)
     pool = GQAKVPool(64, 16, 1, Hkv, D, dtype)
-    paged = PagedRequests(pool, seed=1)
+    paged = PagedRequests(pool, seed=1, backend=_sdpa_backend())  # SDPA's is_causal, not the CPU extend kernel
     lens = [70, 9, 33]
     fb = paged.batch([(r, [0] * n) for r, n in enumerate(lens)])
     assert fb.attn_metadata.spans  # these lengths run request by request; the padded batch is checked here
@@ -236,11 +248,12 @@ def test_mixed_length_extend_matches_each_request_alone(page_size, kind):
                                               absorbed=kind == "mla_absorbed")
         return out.split([n for _, _, n in reqs])
 
-    together = PagedRequests(new_pool(), seed=2)
+    # SDPA request by request (``_gqa_ragged``), not the CPU extend kernel (test_extend_attention_cpu)
+    together = PagedRequests(new_pool(), seed=2, backend=_sdpa_backend())
     run(together, [(r, 0, p) for r, p in enumerate(prefix) if p])
     mixed = run(together, [(r, p, e) for r, (p, e) in enumerate(zip(prefix, ext))], spans_expected=True)
     for r, (p, e) in enumerate(zip(prefix, ext)):
-        alone = PagedRequests(new_pool(), seed=3)
+        alone = PagedRequests(new_pool(), seed=3, backend=_sdpa_backend())
         if p:
             run(alone, [(r, 0, p)])
         (solo,) = run(alone, [(r, p, e)], spans_expected=False)

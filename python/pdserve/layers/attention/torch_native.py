@@ -74,6 +74,9 @@ class TorchNativeMetadata(AttentionMetadata):
     # A decode step the CPU kernel serves (pdserve_kernels.decode_attention_cpu): each request's KV is
     # read by slot from the pool, so no stage is planned (``stage`` None) and nothing is gathered.
     decode_kernel: bool = False
+    # An extend the CPU kernel serves (pdserve_kernels.extend_attention_cpu): every request's keys are
+    # read by slot from the pool, causal over prefix + new tokens, nothing gathered or padded.
+    extend_kernel: bool = False
 
     @cached_property
     def mask(self) -> torch.Tensor:
@@ -351,12 +354,17 @@ class TorchNativeBackend(AttentionBackend):
         # pdserve.models.fused_decode) or "layers" (one by one); the model says (note_decode_stack).
         self.decode_stack_impl: str | None = None
         self.decode_stack_steps = 0  # decode steps that ran through the one call
+        # How a float32 GQA extend's attention runs, fixed at the first extend by the pool
+        # (``_extend_kernel_for``): "cpu_kernel" (pdserve_kernels.extend_attention_cpu on the decode
+        # kernel's threads: a prefill forward's torch threads idle while it runs) or "sdpa". None before.
+        self.extend_attention_impl: str | None = None
 
     def describe(self) -> dict:
         info: dict[str, str | int] = {"attention_backend": self.name,
                                       "index_topk": self.index_topk_impl or "not chosen yet",
                                       "decode_attention": self.decode_attention_impl or "not chosen yet",
                                       "decode_stack": self.decode_stack_impl or "layers"}
+        info["extend_attention"] = self.extend_attention_impl or "not chosen yet"
         if self.decode_attention_impl == "cpu_kernel":
             info["decode_attention_threads"] = self.decode_threads
         return info
@@ -380,6 +388,19 @@ class TorchNativeBackend(AttentionBackend):
                 usable = decode_attention_cpu.load() is not None
             self.decode_attention_impl = "cpu_kernel" if usable else "torch"
         return self.decode_attention_impl == "cpu_kernel"
+
+    def _extend_kernel_for(self, pool) -> bool:
+        """True where the CPU kernel runs this pool's extend attention: a float32 GQA pool on CPU, the
+        kernel built (its mask is ``mask``'s: causal over each request's prefix and new tokens)."""
+        if self.extend_attention_impl is None:
+            usable = (isinstance(pool, GQAKVPool) and pool.device.type == "cpu"
+                      and pool.dtype == pool.compute_dtype == torch.float32)
+            if usable:
+                from pdserve_kernels import extend_attention_cpu  # plain C through ctypes: no triton
+
+                usable = extend_attention_cpu.load() is not None
+            self.extend_attention_impl = "cpu_kernel" if usable else "sdpa"
+        return self.extend_attention_impl == "cpu_kernel"
 
     def _index_kernel_for(self, pool) -> bool:
         """True where the CPU kernel scores this pool's index keys (float32 on CPU, the kernel built);
@@ -416,9 +437,10 @@ class TorchNativeBackend(AttentionBackend):
         uniform = B * Q == fb.num_tokens  # every ext == Q, since none exceeds it
         sees_all = Q == 1 and bool(seq.min() == fb.kv_slots.shape[1])  # kv_slots: L = the longest sequence wide
         causal = stage is None and Q > 1 and not bool(pre.any())
-        spans = _ragged_spans(ext, pre, seq, S) if stage is None and Q > 1 else ()
+        extend = not fb.is_decode and self._extend_kernel_for(fb.kv_pool)  # the kernel needs no spans
+        spans = _ragged_spans(ext, pre, seq, S) if stage is None and Q > 1 and not extend else ()
         return TorchNativeMetadata(pages, q_index, qi[None, :] < ext[:, None], seen, K, uniform, sees_all, stage,
-                                   causal, spans, kernel)
+                                   causal, spans, kernel, extend)
 
     def forward_gqa(self, q, k, v, layer_id, scale, fb):
         pool = fb.kv_pool
@@ -430,6 +452,11 @@ class TorchNativeBackend(AttentionBackend):
 
             return decode_attention(q.contiguous(), pool.k[layer_id], pool.v[layer_id], fb.kv_slots, fb.seq_lens,
                                     scale, threads=self.decode_threads)  # [T = B, Hq, D]
+        if md.extend_kernel and q.dtype == torch.float32:
+            from pdserve_kernels.extend_attention_cpu import extend_attention
+
+            return extend_attention(q.contiguous(), pool.k[layer_id], pool.v[layer_id], fb.kv_slots, fb.prefix_lens,
+                                    fb.extend_lens, scale, threads=self.decode_threads)  # [T, Hq, D]
         if md.spans:
             return self._gqa_ragged(q, layer_id, scale, fb, md, pool.round_trip_kv(k, v))
         # The stage appends this step's rows as the pool holds them (quantized, for an fp8 pool), so
