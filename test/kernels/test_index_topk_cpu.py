@@ -177,7 +177,8 @@ def test_no_compiler_falls_back_to_the_torch_path(monkeypatch, tmp_path, caplog,
         backend = TorchNativeBackend()
         assert backend._index_kernel_for(_pool()) is False
         assert backend.describe() == {"attention_backend": "torch_native", "index_topk": "torch",
-                                      "decode_attention": "not chosen yet", "extend_attention": "not chosen yet"}
+                                      "decode_attention": "not chosen yet", "extend_attention": "not chosen yet",
+                                      "decode_stack": "layers"}
         with pytest.raises(K.KernelUnavailable, match="could not be built"):
             K.index_topk(**_flat(), scale=0.3, topk=TOPK)
 

@@ -68,7 +68,8 @@ def test_batched_requests_of_mixed_lengths_match_transformers(tiny):
     # sparse attention keeps its own decode path, not the dense CPU decode kernel
     want = "cpu_kernel" if index_topk_cpu.load() is not None else "torch"
     assert engine.get_server_info()["attention"] == {"attention_backend": "torch_native", "index_topk": want,
-                                                     "decode_attention": "torch", "extend_attention": "sdpa"}
+                                                     "decode_attention": "torch", "extend_attention": "sdpa",
+                                                     "decode_stack": "layers"}
 
 
 def test_cpu_kernel_and_torch_twin_give_the_same_logprobs(tiny):
