@@ -2,8 +2,9 @@
 where the step is one the call computes as the layers would; every other step goes layer by layer.
 
 The call runs when ALL hold: the runner packed the CPU linears (``DecoderStack.pack_cpu``: not
-``--cpu-gemm plain``), eager (not under torch.compile), a decode step (one token per request) on one
-rank (no TP, no DP attention), every layer a plain ``DecoderLayer`` of ``GQAAttention`` (no q/k norm)
+``--cpu-gemm plain``), eager (not under torch.compile), a decode step (one token per request) with no
+layer hook (P/D's per-layer announcements: the call writes every layer's KV before any could be
+announced) on one rank (no TP, no DP attention), every layer a plain ``DecoderLayer`` of ``GQAAttention`` (no q/k norm)
 and a SiLU ``GatedMLP`` with float32 CPU weights, the torch_native backend's CPU decode attention kernel
 chosen (``TorchNativeMetadata.decode_kernel``) on a plain float32 ``GQAKVPool``, and the library built
 (``PDSERVE_CC=false``: the layers). The layers' checks fail once per stack (logged), the step's per step.
@@ -60,7 +61,9 @@ class FusedDecode:
         if self.refusal is not None or torch.compiler.is_compiling():
             return False
         md, pool = fb.attn_metadata, fb.kv_pool
-        return (fb.is_decode and fb.num_tokens == fb.batch_size and fb.dp_num_tokens is None
+        # a layer hook (P/D's layer-by-layer send) wants each layer's KV announced as it lands, before the
+        # next layer's is written: the one call writes them all first, so such a step keeps the layers
+        return (fb.is_decode and fb.num_tokens == fb.batch_size and fb.dp_num_tokens is None and fb.layer_hook is None
                 and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and hidden.is_contiguous()
                 and isinstance(fb.attn_backend, TorchNativeBackend)
                 and isinstance(md, TorchNativeMetadata) and md.decode_kernel
@@ -69,7 +72,7 @@ class FusedDecode:
     def forward(self, hidden: torch.Tensor, rotation: Rotation, fb: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [B, H] (embedded) -> (hidden, residual) [B, H] after the last layer, every layer's new
-        KV written and announced (``fb.kv_written``) as the layers would; None where the step does not
+        KV written as the layers would (no layer hook listens: ``takes``); None where the step does not
         take the call (``takes``): the caller runs the layers. A decode step on the torch_native
         backend says which it was there (``describe()``'s ``decode_stack``)."""
         backend = fb.attn_backend
@@ -81,8 +84,6 @@ class FusedDecode:
         call = self._bind(fb.kv_pool)
         out = call(hidden, rotation.cos, rotation.sin, fb.out_cache_loc, fb.kv_slots, fb.seq_lens,
                    threads=backend.decode_threads)
-        for _, attn, _ in self.parts:
-            fb.kv_written(attn.layer_id)
         backend.note_decode_stack("cpu_kernel")
         return out
 
