@@ -1236,6 +1236,22 @@ MUTATIONS = (
         "        block_rows(jb, sl + j0, nb, h, kr, vr);\n",
         "        block_rows(jb, sl + j0, nb, (h + 1) % jb->Hkv, kr, vr);\n",
         ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
+    Mutation(
+        "decode_forgets_an_early_lost_notice", "a decode server drops the router's prefill-lost notice for a room "
+        "whose request has not arrived yet: the request then waits out the disaggregation timeout for KV that "
+        "will never come",
+        "python/pdserve/disagg/decode.py",
+        "        lost = self._lost_early_notice(bootstrap.room)\n",
+        "        lost = None\n",
+        ("test/disagg/test_bootstrap_routed.py::test_a_room_lost_before_its_request_arrives_is_prefilled_locally_"
+         "as_it_arrives",)),
+    Mutation(
+        "decode_stack_ignores_the_layer_hook", "the one-call decode stack runs a step that has a layer hook (P/D's "
+        "per-layer announcements): every layer's KV is written before the first is announced",
+        "python/pdserve/models/fused_decode.py",
+        "fb.dp_num_tokens is None and fb.layer_hook is None",
+        "fb.dp_num_tokens is None",
+        ("test/engine/test_scheduler.py::test_layer_hook_runs_after_each_layers_kv_is_written",)),
 )
 
 

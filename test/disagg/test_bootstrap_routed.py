@@ -105,3 +105,48 @@ def test_a_room_whose_prefill_half_broke_is_prefilled_locally_at_once():
         assert pair.decode.stats()["fallbacks"] == 2
     finally:
         pair.close()
+
+
+def test_a_room_lost_before_its_request_arrives_is_prefilled_locally_as_it_arrives():
+    """The router's notice and its call to decode travel apart: a notice for a room decode does not
+    hold yet is remembered (for the disaggregation timeout), and the request falls back the moment it
+    arrives instead of waiting (here 900 s) for KV that will never come. Once only: the room's next
+    request is disaggregated again."""
+    pair = PDPair("tiny-llama", backend="memory", disaggregation_timeout_s=900.0)
+    try:
+        room = 4242
+        assert not pair.decode.mode.prefill_lost(room, "the router saw prefill's half break")
+        pair.submit("early-notice", list(range(10, 40)), greedy(4), to_prefill=False, room=room)
+        assert room not in pair.decode.mode.rooms and not pair.decode.mode.pending  # fell back at once
+        pair.run(until=lambda: pair.outputs["early-notice"]["final"] is not None, timeout_s=60)
+        assert len(pair.outputs["early-notice"]["ids"]) == 4
+        stats = pair.decode.stats()
+        assert stats["fallbacks"] == 1 and stats["transfer_failures"] == 1
+        assert not pair.decode.mode.lost_early  # taken: the notice is gone
+        pair.submit("after", list(range(50, 80)), greedy(4), room=room)  # the room reused, both halves
+        pair.run(until=lambda: pair.outputs["after"]["final"] is not None)
+        assert pair.decode.stats()["fallbacks"] == 1 and pair.decode.stats()["kv_received"] == 1
+    finally:
+        pair.close()
+
+
+def test_early_notices_expire_and_stay_bounded(monkeypatch):
+    """Notices for rooms whose requests never come are dropped after the timeout, and never more than
+    LOST_EARLY_MAX are kept (the oldest go first)."""
+    from pdserve.disagg import decode as decode_mode
+
+    pair = PDPair("tiny-llama", backend="memory", disaggregation_timeout_s=5.0)
+    try:
+        mode = pair.decode.mode
+        monkeypatch.setattr(decode_mode, "LOST_EARLY_MAX", 3)
+        now = [1000.0]
+        monkeypatch.setattr(mode.io, "now", lambda: now[0])
+        for room in (1, 2, 3, 4):
+            mode.prefill_lost(room, "lost")
+        assert list(mode.lost_early) == [2, 3, 4]
+        now[0] += 6.0  # past the timeout: a request for room 2 now waits for its KV as usual
+        pair.submit("late", list(range(10, 40)), greedy(2), to_prefill=False, room=2)
+        assert not mode.lost_early and any(r.room == 2 for r in mode.pending)
+        assert pair.decode.abort("late")
+    finally:
+        pair.close()

@@ -93,6 +93,9 @@ logger = logging.getLogger(__name__)
 
 FALLBACK_WINDOW = 100  # the fallback rate is over this many recent disaggregated requests
 LEASE_TIMEOUTS = 2  # quarantine lease in --disaggregation-timeout-s: past prefill's own bound on writing a room
+# Rooms the router said broke before their request reached this scheduler (its call to decode and its
+# notice race), remembered for --disaggregation-timeout-s, at most this many (the oldest go first)
+LOST_EARLY_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ class DecodeMode(SchedulerMode):
         self.pending: list[Req] = []  # waiting for their prefill's records or for free pages
         self.owed_aborts: list[OwedAbort] = []
         self.rooms: dict[int, WaitingRoom] = {}
+        # room -> (when, why): the router's notice came first; the request falls back as it arrives
+        self.lost_early: dict[int, tuple[float, str]] = {}
         self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # recent transfers: True = fell back
         self.counters = {"requests_disaggregated": 0, "kv_received": 0, "local_prefills": 0,
                          "fallbacks": 0, "transfer_failures": 0, "kv_pages_received": 0, "stale_messages": 0,
@@ -173,8 +178,21 @@ class DecodeMode(SchedulerMode):
                                                             f"a request in flight (rooms must be unique)"))
             return True
         req.room, req.bootstrap = bootstrap.room, bootstrap
+        lost = self._lost_early_notice(bootstrap.room)
+        if lost is not None:  # the router already saw this room's prefill half break: prefill here now
+            self._lost(req, lost)
+            return True
         self.pending.append(req)
         return True
+
+    def _lost_early_notice(self, room: int) -> str | None:
+        """Why the router said ``room``'s prefill broke before its request arrived (taken), if it did
+        within the disaggregation timeout."""
+        now = self.io.now()
+        for r in [r for r, (t, _) in self.lost_early.items() if now - t > self.config.timeout_s]:
+            del self.lost_early[r]
+        notice = self.lost_early.pop(room, None)
+        return None if notice is None else notice[1]
 
     def _live(self, room: int) -> bool:
         return room in self.rooms or any(r.room == room for r in self.pending)
@@ -485,12 +503,21 @@ class DecodeMode(SchedulerMode):
             return True
         req = next((r for r in self.pending if r.bootstrap_room == room), None)
         if req is None:
+            # Its request has not reached this scheduler yet (the router's call to decode and this
+            # notice travel apart): remembered, so the request falls back as it arrives instead of
+            # waiting out the timeout for KV that will never come.
+            if len(self.lost_early) >= LOST_EARLY_MAX:
+                del self.lost_early[next(iter(self.lost_early))]
+            self.lost_early[room] = (self.io.now(), reason)
             return False
         self.pending.remove(req)
+        self._lost(req, reason)
+        return True
+
+    def _lost(self, req: Req, reason: str) -> None:
         self.counters["transfer_failures"] += 1
         self.outcomes.append(True)
         self._fall_back(req, reason)
-        return True
 
     def _send_abort(self, peer: Peer, room: int, reason: str, nonce: int = 0) -> None:
         if peer.info is not None:
