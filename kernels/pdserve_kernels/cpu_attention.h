@@ -16,6 +16,23 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
+/* log2(S) where the page size S is a power of two, else -1 (then slot_page divides) */
+static inline int page_shift(int64_t S) {
+    int shift = -1;
+    if ((S & (S - 1)) == 0)
+        for (shift = 0; ((int64_t)1 << shift) < S; shift++) {}
+    return shift;
+}
+
+/* Slot s is row *off of page *page: a shift and a mask for a power-of-two page size (a 64-bit
+ * division per slot and head cost as much as the attention's arithmetic) */
+static inline void slot_page(int64_t s, int shift, int64_t S, int64_t *page, int64_t *off) {
+    if (shift >= 0)
+        *page = s >> shift, *off = s & (S - 1);
+    else
+        *page = s / S, *off = s % S;
+}
+
 /* q . k over D floats: two 16-lane partial sums (two chains in flight), then a fixed tree */
 static inline float dot(const float *q, const float *k, int64_t D) {
     v16f a = {0}, b = {0};

@@ -43,15 +43,11 @@ typedef struct {
 } pool_t;
 
 /* Each slot's row offsets (elements) in the k and v buffers, head 0: computed once per block and
- * shared by every head. A power-of-two page size splits a slot with a shift and a mask (a 64-bit
- * division per slot and head cost as much as the attention's arithmetic). */
+ * shared by every head */
 static void row_offsets(const pool_t *c, const int64_t *slots, int64_t nb, int64_t *ko, int64_t *vo) {
     for (int64_t j = 0; j < nb; j++) {
-        int64_t s = slots[j], page, off;
-        if (c->shift >= 0)
-            page = s >> c->shift, off = s & (c->S - 1);
-        else
-            page = s / c->S, off = s % c->S;
+        int64_t page, off;
+        slot_page(slots[j], c->shift, c->S, &page, &off);
         ko[j] = page * c->k_page + off * c->k_token;
         vo[j] = page * c->v_page + off * c->v_token;
     }
@@ -167,10 +163,7 @@ static int64_t scratch_floats(int64_t G, int64_t Hq) { return G * BLOCK + 2 * Hq
 static pool_t pool_of(const float *k, const float *v, int64_t S, int64_t k_page, int64_t k_head, int64_t k_token,
                       int64_t v_page, int64_t v_head, int64_t v_token, int64_t Dk, int64_t Dv, int64_t G,
                       float scale) {
-    int shift = -1;
-    if ((S & (S - 1)) == 0)
-        for (shift = 0; ((int64_t)1 << shift) < S; shift++) {}
-    pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, scale, shift};
+    pool_t c = {k, v, S, k_page, k_head, k_token, v_page, v_head, v_token, Dk, Dv, G, scale, page_shift(S)};
     return c;
 }
 

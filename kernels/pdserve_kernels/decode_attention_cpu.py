@@ -68,18 +68,25 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int, contiguous:
     check_tensor(name, t, "CPU decode attention kernel", dtype, dim, "contiguous" if contiguous else "rows")
 
 
-def _check_shapes(q, k_cache, v_cache, kv_slots, seq_lens, v_width) -> None:
-    B, Hq, Dk = q.shape
+def check_pool_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q [.., Hq, Dk] against one layer's paged pool k_cache [P, Hkv, S, Dk], v_cache [P, Hkv, S, X]
+    (the decode and extend kernels' common checks), naming the argument."""
+    Hq, Dk = q.shape[-2:]
     P, Hkv, S, _ = k_cache.shape
     if k_cache.shape[-1] != Dk:
         raise ValueError(f"k_cache: rows of {k_cache.shape[-1]} values, but q's head dim is {Dk}")
     if tuple(v_cache.shape[:3]) != (P, Hkv, S):
         raise ValueError(f"v_cache: pages, heads and page size {tuple(v_cache.shape[:3])} differ from "
                          f"k_cache's {(P, Hkv, S)}")
-    if not 0 < v_width <= v_cache.shape[-1]:
-        raise ValueError(f"v_width: must lie in [1, {v_cache.shape[-1]}] (v_cache's rows), got {v_width}")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"q: {Hq} heads do not split evenly over k_cache's {Hkv} KV heads")
+
+
+def _check_shapes(q, k_cache, v_cache, kv_slots, seq_lens, v_width) -> None:
+    B = q.shape[0]
+    check_pool_shapes(q, k_cache, v_cache)
+    if not 0 < v_width <= v_cache.shape[-1]:
+        raise ValueError(f"v_width: must lie in [1, {v_cache.shape[-1]}] (v_cache's rows), got {v_width}")
     if kv_slots.shape[0] != B:
         raise ValueError(f"kv_slots: {kv_slots.shape[0]} rows for {B} requests")
     if tuple(seq_lens.shape) != (B,):

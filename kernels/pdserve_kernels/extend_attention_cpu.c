@@ -53,11 +53,8 @@ typedef struct {
 /* Key and value rows of KV head h for slots sl[0..nb) */
 static void block_rows(const job_t *jb, const int64_t *sl, int64_t nb, int64_t h, const float **kr, const float **vr) {
     for (int64_t j = 0; j < nb; j++) {
-        int64_t s = sl[j], page, off;
-        if (jb->shift >= 0)
-            page = s >> jb->shift, off = s & (jb->S - 1);
-        else
-            page = s / jb->S, off = s % jb->S;
+        int64_t page, off;
+        slot_page(sl[j], jb->shift, jb->S, &page, &off);
         kr[j] = jb->k + page * jb->k_page + h * jb->k_head + off * jb->k_token;
         vr[j] = jb->v + page * jb->v_page + h * jb->v_head + off * jb->v_token;
     }
@@ -274,11 +271,8 @@ int pdserve_extend_attention_f32(const float *q, int64_t T, int64_t Hq, int64_t 
         work += ext[b] * (prefix[b] + (ext[b] + 1) / 2) * Hq;
         for (int64_t i0 = 0; i0 < ext[b]; i0 += GROUP * TILE) group_req[n] = b, group_row[n++] = i0;
     }
-    int shift = -1;
-    if ((S & (S - 1)) == 0)
-        for (shift = 0; ((int64_t)1 << shift) < S; shift++) {}
     job_t jb = {q, k, v, out, kv_slots, prefix, ext, q_start, group_req, group_row, S, k_page, k_head, k_token,
-                v_page, v_head, v_token, Hq, Hkv, G, Dk, Dv, slot_stride, (float)scale, shift};
+                v_page, v_head, v_token, Hq, Hkv, G, Dk, Dv, slot_stride, (float)scale, page_shift(S)};
     cpu_threads_run(attend_group, &jb, groups * Hkv, (int64_t)sizeof(float) * floats, sc,
                     work < min_scores ? 1 : threads);
     free(index), free(sc);

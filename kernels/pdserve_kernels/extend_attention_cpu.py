@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve_kernels.cpu_build import FLAGS, CLibrary, check_tensor, compiler  # noqa: F401  (compiler: the tests name it here)
+from pdserve_kernels.decode_attention_cpu import check_pool_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +60,7 @@ def load() -> ctypes.CDLL | None:
 
 def _check_shapes(q, k_cache, v_cache, kv_slots, prefix_lens, ext_lens) -> None:
     B = kv_slots.shape[0]
-    Hq, Dk = q.shape[1:]
-    P, Hkv, S, _ = k_cache.shape
-    if k_cache.shape[-1] != Dk:
-        raise ValueError(f"k_cache: rows of {k_cache.shape[-1]} values, but q's head dim is {Dk}")
-    if tuple(v_cache.shape[:3]) != (P, Hkv, S):
-        raise ValueError(f"v_cache: pages, heads and page size {tuple(v_cache.shape[:3])} differ from "
-                         f"k_cache's {(P, Hkv, S)}")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"q: {Hq} heads do not split evenly over k_cache's {Hkv} KV heads")
+    check_pool_shapes(q, k_cache, v_cache)
     for name, t in (("prefix_lens", prefix_lens), ("ext_lens", ext_lens)):
         if tuple(t.shape) != (B,):
             raise ValueError(f"{name}: expected shape {(B,)} (kv_slots' rows), got {tuple(t.shape)}")
