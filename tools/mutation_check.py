@@ -1252,6 +1252,15 @@ MUTATIONS = (
         "fb.dp_num_tokens is None and fb.layer_hook is None",
         "fb.dp_num_tokens is None",
         ("test/engine/test_scheduler.py::test_layer_hook_runs_after_each_layers_kv_is_written",)),
+    Mutation(
+        "openai_stream_skips_steps_without_text", "an OpenAI stream sends no event for a step whose tokens hold "
+        "no text yet (an incomplete UTF-8 character): a model that keeps emitting such tokens streams nothing "
+        "until its last token",
+        "python/pdserve/entrypoints/openai_api.py",
+        "        elif text or lp is not None or (c.token_ids and not c.finished):\n",
+        "        elif text or lp is not None:\n",
+        ("test/entrypoints/test_tokenizer_manager.py::test_a_streamed_step_whose_text_is_held_back_still_sends_an_"
+         "event",)),
 )
 
 

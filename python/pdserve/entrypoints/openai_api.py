@@ -393,7 +393,9 @@ class _Streamer:
         lp = self._logprobs(index, c, echo) if c.token_ids or echo else None
         if self.call.kind == "chat" and self.call.output.active:
             out += self._parsed(index, text, c.finished, lp)
-        elif text or lp is not None:
+        elif text or lp is not None or (c.token_ids and not c.finished):
+            # a step whose tokens hold no text yet (an incomplete UTF-8 character) still sends its event,
+            # with empty text, as vLLM does: the client sees every step arrive, not a silent stream
             out.append(self._event(index, self._delta(text), lp, None))
         if c.finished:
             called = index in self.parsed and self.parsed[index].called
