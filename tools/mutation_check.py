@@ -1261,6 +1261,23 @@ MUTATIONS = (
         "        elif text or lp is not None:\n",
         ("test/entrypoints/test_tokenizer_manager.py::test_a_streamed_step_whose_text_is_held_back_still_sends_an_"
          "event",)),
+    Mutation(
+        "finished_request_released_before_its_tokens_leave", "a request that finishes decoding hands its pages "
+        "to the radix cache before the step's outputs are sent: the insert holds back that step's tokens for "
+        "every stream",
+        "python/pdserve/engine/scheduler_loop.py",
+        "            self.scheduler.defer_release = True\n",
+        "            self.scheduler.defer_release = False\n",
+        ("test/entrypoints/test_scheduler_process.py::test_a_finished_request_gives_its_pages_to_the_cache_after_"
+         "its_last_token_is_sent",)),
+    Mutation(
+        "finished_request_pages_wait_for_the_next_step", "the loop does not release the finished requests after "
+        "sending the step's outputs: their pages stay out of the cache and the pool until some later step",
+        "python/pdserve/engine/scheduler_loop.py",
+        "        if deferred:\n            self.scheduler.release_finished()\n",
+        "",
+        ("test/entrypoints/test_scheduler_process.py::test_a_finished_request_gives_its_pages_to_the_cache_after_"
+         "its_last_token_is_sent",)),
 )
 
 

@@ -103,6 +103,40 @@ def test_one_message_per_step_and_all_queued_requests_join_the_first_step(socket
     assert all(o.finished and o.finish_reason == {"type": "length", "length": 3} for o in msgs[-1].outputs)
 
 
+def test_a_finished_request_gives_its_pages_to_the_cache_after_its_last_token_is_sent(sockets, scheduler):
+    """The radix insert of a finished request (a node and a hash per page) runs once the step's
+    outputs are sent, not before: it would hold back that step's tokens for every stream. Nothing
+    is left unreleased after the step, and a later step finds the pages where they belong."""
+    push, pull, out_push, out_pull = sockets
+    loop = SchedulerLoop(scheduler, pull, out_push)
+    sent_outputs = loop.send_outputs
+    at_send: dict[str, tuple[bool, int]] = {}  # rid -> (its pages still all held, cached pages) when its end left
+
+    def send_outputs(outputs, sampled_at=0.0):
+        for o in outputs:
+            if o.finished:
+                req = reqs[o.rid]
+                held = bool(req.pages) and not any(scheduler.allocator.is_free(p) for p in req.pages)
+                at_send[o.rid] = (held, scheduler.cache.num_cached_pages)
+        sent_outputs(outputs, sampled_at)
+
+    loop.send_outputs = send_outputs
+    for i in range(3):
+        push.send(FRONTEND_CODEC.encode(_req(f"f{i}", (11 + i, 23, 5, 8, 13), max_new_tokens=3 + 2 * i)))
+    loop.drain(block=True)
+    reqs = dict(scheduler.reqs)
+    after: dict[str, int] = {}
+    while scheduler.has_work():
+        loop.run_step()
+        scheduler.check_memory()  # between steps nothing is left unreleased
+        after.update({rid: scheduler.cache.num_cached_pages for rid in at_send if rid not in after})
+    assert sorted(at_send) == ["f0", "f1", "f2"]
+    for rid, (held, cached) in at_send.items():
+        assert held, rid  # its tokens left while it still held its pages
+        assert after[rid] > cached, rid  # they reached the cache right after the send
+    _recv_all(out_pull)
+
+
 def test_decode_tokens_already_sampled_leave_before_an_extend_runs(sockets, scheduler, engine):
     """Overlap scheduling: the decode step in flight when a new prompt arrives lands before that
     prompt's extend; its tokens go out then, in their own message stamped with their sampling

@@ -11,6 +11,7 @@ Loop contract (throughput depends on it):
   and ``step()`` runs back to back;
 - every step's outputs leave as ONE ``BatchTokenOutput`` message (a step that runs an extend
   first sends the decode tokens already sampled, so they do not wait out the prefill);
+- requests that finish decoding in a step release their pages after its message is sent;
 - when idle, the loop blocks on the socket with a poll timeout (never spins).
 """
 
@@ -113,14 +114,23 @@ class SchedulerLoop:
 
     def run_step(self) -> None:
         early = hasattr(self.scheduler, "emit")  # Scheduler's: outputs due before an extend leave at once
+        # Scheduler's too: requests that finish decoding in the step release their pages once the
+        # step's outputs are sent (a release elsewhere, an abort between steps, stays immediate)
+        deferred = hasattr(self.scheduler, "release_finished")
         if early:
             self.scheduler.emit = self.send_outputs
+        if deferred:
+            self.scheduler.defer_release = True
         try:
             outputs = self.scheduler.step()
         finally:
             if early:
                 self.scheduler.emit = None
+            if deferred:
+                self.scheduler.defer_release = False
         self.send_outputs(outputs, getattr(self.scheduler, "outputs_sampled_at", 0.0))
+        if deferred:
+            self.scheduler.release_finished()
 
     def send_outputs(self, outputs: list[io_struct.TokenOutput], sampled_at: float = 0.0) -> None:
         """One message for ``outputs`` (also the scheduler's ``emit``: outputs due before a long forward)."""
