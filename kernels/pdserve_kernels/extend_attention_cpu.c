@@ -192,29 +192,40 @@ typedef struct {
     int32_t *last;
 } tile_t;
 
+/* at[k]: where lane r0 + k's row starts (position i = r / G, head g = r % G: i stride + g D), -1 past R.
+ * One division per 16 lanes, then counters, not two 64-bit divisions per lane */
+static void lane_rows(int64_t stride, int64_t D, int64_t G, int64_t r0, int64_t R, int64_t *at) {
+    int64_t i = r0 / G, g = r0 % G;
+    for (int k = 0; k < V; k++) {
+        at[k] = r0 + k < R ? i * stride + g * D : -1;
+        if (++g == G) g = 0, i++;
+    }
+}
+
 static void tile_start(const job_t *jb, int64_t b, int64_t h, int64_t i0, float *mem, int64_t cap, tile_t *t) {
     const int64_t G = jb->G, Dk = jb->Dk, Dv = jb->Dv, Hq = jb->Hq;
     t->i0 = i0, t->nq = jb->ext[b] - i0 < TILE ? jb->ext[b] - i0 : TILE;
     t->R = t->nq * G, t->W = (t->R + V - 1) / V * V, t->nk = jb->prefix[b] + i0 + t->nq;
     t->qt = mem, t->acc = mem + cap * Dk, t->m = t->acc + cap * Dv, t->l = t->m + cap, t->last = (int32_t *)(t->l + cap);
-    const float *q0 = jb->q + ((jb->q_start[b] + i0) * Hq + h * G) * Dk; /* lane r's row at q0 + (r / G) Hq Dk + (r % G) Dk */
+    const float *q0 = jb->q + ((jb->q_start[b] + i0) * Hq + h * G) * Dk;
     const float c = jb->scale * 1.44269504088896341f; /* log2(e): the softmax takes powers of 2 */
-    for (int64_t r = 0; r < t->W; r++) {
+    for (int64_t r = 0, i = 0, g = 0; r < t->W; r++) {
         t->m[r] = -INFINITY, t->l[r] = 0.0f;
-        t->last[r] = (int32_t)(jb->prefix[b] + i0 + (r < t->R ? r / G : t->nq - 1));
+        t->last[r] = (int32_t)(jb->prefix[b] + i0 + (i < t->nq ? i : t->nq - 1));
+        if (++g == G) g = 0, i++;
     }
     for (int64_t r0 = 0; r0 < t->W; r0 += V) { /* 16 lanes at a time: blocks of 16 x 16 transposed, a scalar tail */
-        const float *rows[V];
-        for (int k = 0; k < V; k++) rows[k] = r0 + k < t->R ? q0 + (r0 + k) / G * Hq * Dk + (r0 + k) % G * Dk : NULL;
+        int64_t at[V];
+        lane_rows(Hq * Dk, Dk, G, r0, t->R, at);
         int64_t d = 0;
         for (; r0 + V <= t->R && d + V <= Dk; d += V) {
             v16f x[V];
-            for (int k = 0; k < V; k++) x[k] = vload(rows[k] + d);
+            for (int k = 0; k < V; k++) x[k] = vload(q0 + at[k] + d);
             transpose16(x);
             for (int k = 0; k < V; k++) vstore(t->qt + (d + k) * t->W + r0, x[k] * c);
         }
         for (; d < Dk; d++)
-            for (int k = 0; k < V; k++) t->qt[d * t->W + r0 + k] = rows[k] ? rows[k][d] * c : 0.0f;
+            for (int k = 0; k < V; k++) t->qt[d * t->W + r0 + k] = at[k] >= 0 ? q0[at[k] + d] * c : 0.0f;
     }
     for (int64_t x = 0; x < Dv * t->W; x++) t->acc[x] = 0.0f;
 }
@@ -268,23 +279,22 @@ static void tile_block(const job_t *jb, const tile_t *t, int64_t j0, int64_t nb,
 /* The tile's rows of out: acc / l, transposed back to a row per (position, query head) as tile_start's qt */
 static void tile_finish(const job_t *jb, int64_t b, int64_t h, const tile_t *t) {
     const int64_t G = jb->G, Dv = jb->Dv;
-    float *o0 = jb->out + ((jb->q_start[b] + t->i0) * jb->Hq + h * G) * Dv; /* lane r's row at o0 + (r / G) Hq Dv + (r % G) Dv */
+    float *o0 = jb->out + ((jb->q_start[b] + t->i0) * jb->Hq + h * G) * Dv;
     for (int64_t r0 = 0; r0 < t->R; r0 += V) {
-        float *rows[V], a[V];
-        for (int k = 0; k < V; k++) {
-            rows[k] = r0 + k < t->R ? o0 + (r0 + k) / G * jb->Hq * Dv + (r0 + k) % G * Dv : NULL;
-            a[k] = r0 + k < t->R ? 1.0f / t->l[r0 + k] : 0.0f;
-        }
+        int64_t at[V];
+        float a[V];
+        lane_rows(jb->Hq * Dv, Dv, G, r0, t->R, at);
+        for (int k = 0; k < V; k++) a[k] = r0 + k < t->R ? 1.0f / t->l[r0 + k] : 0.0f;
         int64_t d = 0;
         for (; r0 + V <= t->R && d + V <= Dv; d += V) {
             v16f x[V];
             for (int k = 0; k < V; k++) x[k] = vload(t->acc + (d + k) * t->W + r0);
             transpose16(x);
-            for (int k = 0; k < V; k++) vstore(rows[k] + d, x[k] * a[k]);
+            for (int k = 0; k < V; k++) vstore(o0 + at[k] + d, x[k] * a[k]);
         }
         for (; d < Dv; d++)
             for (int k = 0; k < V; k++)
-                if (rows[k]) rows[k][d] = t->acc[d * t->W + r0 + k] * a[k];
+                if (at[k] >= 0) o0[at[k] + d] = t->acc[d * t->W + r0 + k] * a[k];
     }
 }
 
