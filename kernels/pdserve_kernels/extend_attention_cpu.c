@@ -58,6 +58,7 @@ enum { OK = 0, BAD_SLOT = 1, BAD_PREFIX = 2, NO_MEMORY = 3, BAD_EXT = 4, BAD_TOT
 #define V 16   /* lanes of a v16f */
 #define KEYS 8 /* keys (score rows) and value columns per register block */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+_Static_assert(BLOCK % KEYS == 0, "a block's key rows are filled up to a multiple of KEYS (block_rows)");
 
 typedef struct {
     const float *q, *k, *v;
