@@ -69,8 +69,8 @@ typedef struct {
     int shift; /* log2(S) where S is a power of two, else -1 */
 } job_t;
 
-/* Key and value rows of KV head h for slots sl[0..nb); up to the next multiple of KEYS, the first
- * row again (its scores are computed with the block's and masked) */
+/* Key and value rows of KV head h for slots sl[0..nb); keys up to the next multiple of KEYS: the first
+ * row again (their scores are computed with the block's, then masked) */
 static void block_rows(const job_t *jb, const int64_t *sl, int64_t nb, int64_t h, const float **kr, const float **vr) {
     for (int64_t j = 0; j < nb; j++) {
         int64_t page, off;
@@ -78,7 +78,7 @@ static void block_rows(const job_t *jb, const int64_t *sl, int64_t nb, int64_t h
         kr[j] = jb->k + page * jb->k_page + h * jb->k_head + off * jb->k_token;
         vr[j] = jb->v + page * jb->v_page + h * jb->v_head + off * jb->v_token;
     }
-    for (int64_t j = nb; j % KEYS; j++) kr[j] = kr[0], vr[j] = vr[0];
+    for (int64_t j = nb; j % KEYS; j++) kr[j] = kr[0];
 }
 
 static inline v16f vload(const float *p) {
