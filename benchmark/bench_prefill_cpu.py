@@ -11,7 +11,8 @@ calls are recorded; then
 
 - ``layer``: one layer's extend attention over exactly those calls' shapes (random values, page size
   and slots as the engine gave them), the SDPA path ``_gqa_ragged`` runs (torch at ``--threads``)
-  against the kernel on 1 and ``--threads`` helper threads;
+  against the kernel on 1 and ``--threads`` helper threads (the one-thread kernels also in the calling
+  thread's CPU time, which the machine's other load does not stretch);
 - ``engine``: the whole prefill (``Engine.generate``) with the backend's ``extend_attention_impl`` set
   to "sdpa" or "cpu_kernel", and SiLU x mul's limit at its value before the helper threads (2^17: the
   prefill's calls go to torch) or now; the greedy token of every setting must agree.
@@ -141,16 +142,21 @@ def bench_layer(calls, threads: int, rounds: int, baseline=None) -> str:
         for n in (1, threads):
             fns[f"baseline x{n}"] = (baseline, fns[f"kernel x{n}"][1])
 
+    cpu: dict[str, list[float]] = {}  # the x1 settings run on the calling thread alone: its CPU time
+
     def run(setting) -> float:
-        lib, fn = setting
+        name, (lib, fn) = setting
         with _kernel_library(lib):
-            t = time.perf_counter()
+            t, c0 = time.perf_counter(), time.thread_time()
             for _ in range(20):
                 for c in cases:
                     fn(c)
+            if name.endswith(" x1"):
+                cpu.setdefault(name, []).append((time.thread_time() - c0) / 20 * 1e3)
             return (time.perf_counter() - t) / 20 * 1e3
 
-    return _summary(_alternate(fns, rounds, run))
+    wall = _summary(_alternate({name: (name, f) for name, f in fns.items()}, rounds, run))
+    return f"{wall}\n  layer x1, the calling thread's CPU ms (not the machine's other load): {_summary(cpu)}"
 
 
 def bench_engine(engine, prompts, sp, rounds: int, baseline=None) -> str:
