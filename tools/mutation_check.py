@@ -1226,8 +1226,8 @@ MUTATIONS = (
         "extend_attention_cpu_sees_one_key_ahead", "the C extend attention's causal bound is off by one: new token "
         "i of a request also sees the key at position prefix + i + 1 (its successor's)",
         "kernels/pdserve_kernels/extend_attention_cpu.c",
-        "        const int64_t seen = r < t->R ? pre + t->i0 + r / G + 1 - j0 : 0;",
-        "        const int64_t seen = r < t->R ? pre + t->i0 + r / G + 2 - j0 : 0;",
+        "        t->last[r] = (int32_t)(jb->prefix[b] + i0 + (i < t->nq ? i : t->nq - 1));",
+        "        t->last[r] = (int32_t)(jb->prefix[b] + i0 + 1 + (i < t->nq ? i : t->nq - 1));",
         ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
     Mutation(
         "extend_attention_cpu_tile_reads_the_next_kv_head", "a query tile of the C extend attention reads the next "
@@ -1235,6 +1235,21 @@ MUTATIONS = (
         "kernels/pdserve_kernels/extend_attention_cpu.c",
         "        block_rows(jb, sl + j0, nb, h, kr, vr);\n",
         "        block_rows(jb, sl + j0, nb, (h + 1) % jb->Hkv, kr, vr);\n",
+        ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
+    Mutation(
+        "extend_attention_cpu_masks_by_the_last_lane", "the C extend attention decides whether a key block needs "
+        "the causal mask by the tile's last lane (which sees every key of the tile) rather than its first: "
+        "diagonal blocks go unmasked",
+        "kernels/pdserve_kernels/extend_attention_cpu.c",
+        "    const int masked = j0 + nb - 1 > t->last[0];",
+        "    const int masked = j0 + nb - 1 > t->last[t->W - 1];",
+        ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
+    Mutation(
+        "extend_attention_cpu_sum_not_rescaled", "the C extend attention's online softmax rescales the output "
+        "accumulator on a new running max but not the running sum",
+        "kernels/pdserve_kernels/extend_attention_cpu.c",
+        "    vstore(t->l + c, vload(t->l + c) * a + sum);",
+        "    vstore(t->l + c, vload(t->l + c) + sum);",
         ("test/kernels/test_extend_attention_cpu.py::test_matches_sdpa_and_twin",)),
     Mutation(
         "decode_forgets_an_early_lost_notice", "a decode server drops the router's prefill-lost notice for a room "

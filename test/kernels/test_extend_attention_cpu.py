@@ -82,6 +82,16 @@ def test_head_dims_off_the_vector_width(built, D):
     torch.testing.assert_close(out, _sdpa(q, k, v, slots, pre, ex, D ** -0.5), **TOL)
 
 
+@pytest.mark.parametrize("G", [3, 5, 8])
+def test_query_heads_per_kv_head_off_the_vector_width(built, G):
+    """G x 16 query rows per tile lie across vectors of 16 lanes: 48 (two vectors and one), 80 and 128 rows,
+    and partial tiles whose rows end inside a vector (lanes past them padding): SDPA's answer."""
+    prefix, ext = [0, 33, 0], [41, 70, 5]
+    q, k, v, slots, pre, ex = _case(G, prefix, ext, 1, 2 * G, 2, 32)
+    out = K.extend_attention(q, k, v, slots, pre, ex, 0.2)
+    torch.testing.assert_close(out, _sdpa(q, k, v, slots, pre, ex, 0.2), **TOL)
+
+
 def test_each_request_is_its_own_and_padding_slots_are_never_read(built):
     """A request's output is what it gets alone (the same bits), and slots past a request's length
     (garbage, out of range) are never read."""
