@@ -98,7 +98,7 @@ def _profile(run) -> None:
     prof.enable()
     run()
     prof.disable()
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(60)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(50)
 
 
 def main(argv=None) -> None:

@@ -361,13 +361,13 @@ class Scheduler:
         return True
 
     def _schedule_extend(self):
+        if not self.waiting and self.chunked is None:
+            return None  # a decode step: nothing to admit, nor the running requests' growth to weigh
         budget = self.config.chunked_prefill_size
         budget = min(budget if budget > 0 else self.config.max_prefill_tokens, self.config.max_prefill_tokens)
         candidates = [self.chunked] if self.chunked else []
         candidates += policy.order_waiting(self.waiting, self.config.schedule_policy, self._match_len,
                                            self._admitted_per_group())
-        if not candidates:
-            return None  # a decode step: nothing to admit, nor the running requests' growth to weigh
         reqs: list[Req] = []
         lens: list[int] = []
         self.chunked = None
