@@ -2,6 +2,7 @@
 
     python benchmark/bench_sched_step.py                        # this tree only
     python benchmark/bench_sched_step.py --tree /tmp/base/python:/tmp/base/kernels --tree .
+    python benchmark/bench_sched_step.py --parts                # and its parts' CPU, function by function
     python benchmark/bench_sched_step.py --profile              # cProfile of the scheduler thread instead
 
 With overlap scheduling on, a decode step's forward and sampling run on the worker thread while
@@ -33,6 +34,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 KEYS = ("step_ms", "sched_cpu_ms", "encode_ms")
+# ``--parts``: the scheduler thread's functions timed one by one (nested: a part includes those it calls)
+PARTS = (("scheduler", "_launch_decode"), ("scheduler", "_collect"), ("scheduler", "_append_sampled"),
+         ("scheduler", "_schedule_extend"), ("scheduler", "_ensure_decode_pages"), ("runner", "build_forward_batch"),
+         ("kv_manager", "write_next_slots"), ("worker", "submit"))
 
 
 def _timed_steps(engine, samples: dict[str, list[float]]) -> None:
@@ -83,11 +88,38 @@ def child(a: argparse.Namespace) -> None:
             return
         samples: dict[str, list[float]] = {k: [] for k in KEYS}
         _timed_steps(engine, samples)
+        parts = _timed_parts(engine) if a.parts else {}
         for _ in range(a.runs):
             run()
     finally:
         engine.shutdown()
-    print(json.dumps({k: statistics.median(v) for k, v in samples.items()}))
+    steps = len(samples["step_ms"])
+    print(json.dumps({**{k: statistics.median(v) for k, v in samples.items()},
+                      **{k: v * 1e3 / steps for k, v in parts.items()}}))
+
+
+def _timed_parts(engine) -> dict[str, float]:
+    """Wrap ``PARTS`` (those the tree has): seconds of scheduler-thread CPU each, over every step
+    (the few extend steps' share included: admission, the first tokens' outputs)."""
+    sched = engine.scheduler
+    owners = {"scheduler": sched, "runner": sched.runner, "kv_manager": sched.kv_manager, "worker": sched._worker}
+    spent: dict[str, float] = {}
+
+    def wrap(obj, name: str) -> None:
+        fn = getattr(obj, name)
+        spent[name] = 0.0
+
+        def timed(*args, **kwargs):
+            c0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.thread_time() - c0
+        setattr(obj, name, timed)
+    for owner, name in PARTS:
+        if owners[owner] is not None and hasattr(owners[owner], name):
+            wrap(owners[owner], name)
+    return spent
 
 
 def _profile(run) -> None:
@@ -113,6 +145,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-overlap", action="store_true", help="the plain loop (default: overlap on)")
     ap.add_argument("--profile", action="store_true", help="cProfile one run per tree (after a warm-up)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the scheduler thread's parts (their wrappers add a little to sched_cpu_ms)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -137,9 +171,10 @@ def main(argv=None) -> None:
         return
     print(f"\nmedians over {a.rounds} rounds (ms per decode step, batch {a.batch}, "
           f"{'plain loop' if a.no_overlap else 'overlap'}, {a.threads} threads):")
-    print("| tree | " + " | ".join(KEYS) + " |\n|---|" + "---|" * len(KEYS))
+    keys = [k for k in results[trees[0]][0] if all(k in x for rs in results.values() for x in rs)]
+    print("| tree | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for t, rs in results.items():
-        print(f"| {t} | " + " | ".join(f"{statistics.median(x[k] for x in rs):.3f}" for k in KEYS) + " |")
+        print(f"| {t} | " + " | ".join(f"{statistics.median(x[k] for x in rs):.3f}" for k in keys) + " |")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

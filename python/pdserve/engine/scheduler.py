@@ -576,7 +576,7 @@ class Scheduler:
         (after the step in flight has landed: it may end requests, and retraction re-queues)."""
         while True:
             needy = [r for r in self.running if self._next_pos(r) == len(r.pages) * self.page_size]
-            if self.kv_manager.grow_each(needy):
+            if not needy or self.kv_manager.grow_each(needy):
                 return
             if self._inflight is not None:
                 self.sync()

@@ -52,5 +52,5 @@ class ReqToTokenTable:
 
     def write_one_each(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
         """One new token per row (decode): the three lists as one tensor, one scatter (every step)."""
-        idx = torch.tensor((rows, positions, slots), dtype=torch.int64)  # [3, B]
-        self.table[idx[0], idx[1]] = idx[2]
+        row_t, pos_t, slot_t = torch.tensor((rows, positions, slots), dtype=torch.int64).unbind(0)  # 3 x [B]
+        self.table[row_t, pos_t] = slot_t
