@@ -1273,7 +1273,8 @@ MUTATIONS = (
         "python/pdserve/engine/model_runner.py",
         "torch.tensor((*per_token, *per_req), dtype=torch.int64)",
         "torch.tensor((*per_token, *per_req), dtype=torch.int64).flip(1)",
-        ("test/engine/test_engine_parity.py::test_changing_decode_batch_matches_transformers",)),
+        ("test/engine/test_model_runner.py",
+         "test/engine/test_engine_parity.py::test_changing_decode_batch_matches_transformers")),
 )
 
 
