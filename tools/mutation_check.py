@@ -975,8 +975,8 @@ MUTATIONS = (
         "overlap_streams_the_lagged_step", "a request that ended one step earlier still gets the in-flight step's "
         "token (overlap scheduling's one-step lag ignored)",
         SCHED,
-        "        live = [i for i, r in enumerate(launched.reqs) if not r.finished]",
-        "        live = list(range(len(launched.reqs)))",
+        "        live = [i for i, r in enumerate(reqs) if not r.finished]",
+        "        live = list(range(len(reqs)))",
         ("test/engine/test_overlap.py::test_a_finished_request_gets_no_token_from_the_step_in_flight",)),
     Mutation(
         "overlap_frees_pages_under_the_step_in_flight", "a request that ends while the step in flight holds it "
@@ -1293,6 +1293,29 @@ MUTATIONS = (
         "",
         ("test/entrypoints/test_scheduler_process.py::test_a_finished_request_gives_its_pages_to_the_cache_after_"
          "its_last_token_is_sent",)),
+    # task sched2: the scheduler thread's per-decode-step shortcuts
+    Mutation(
+        "overlap_same_batch_tokens_shifted", "the overlap worker's same-batch shortcut feeds each row the token "
+        "the previous step sampled for the row before it",
+        "python/pdserve/engine/overlap.py",
+        "            fb.input_ids.copy_(self._last_tokens)",
+        "            fb.input_ids.copy_(self._last_tokens.roll(1))",
+        ("test/engine/test_overlap.py::test_mixed_lengths_chunked_prefill_and_max_tokens_match_the_plain_loop",)),
+    Mutation(
+        "no_extend_without_waiting", "a step with no request waiting skips admission even while a chunked prefill "
+        "has chunks left: the request never finishes its prompt",
+        SCHED,
+        "        if not self.waiting and self.chunked is None:\n",
+        "        if not self.waiting:\n",
+        (f"{T_PATHS}::test_a_chunked_prefill_goes_on_with_no_request_waiting",)),
+    Mutation(
+        "decode_batch_rows_reversed", "the decode batch's one-tensor build reverses the order of the "
+        "requests in every list (each request gets another's token, position and slot)",
+        "python/pdserve/engine/model_runner.py",
+        "torch.tensor((*per_token, *per_req), dtype=torch.int64)",
+        "torch.tensor((*per_token, *per_req), dtype=torch.int64).flip(1)",
+        ("test/engine/test_model_runner.py",
+         "test/engine/test_engine_parity.py::test_changing_decode_batch_matches_transformers")),
 )
 
 

@@ -52,6 +52,29 @@ def test_abort_during_chunked_prefill(llama):
     assert_no_leak(engine)
 
 
+def test_a_chunked_prefill_goes_on_with_no_request_waiting(llama):
+    """A step with no request waiting skips admission (the decode steps' shortcut), but never a
+    chunked prefill's next chunk: a lone 70-token prompt in 16-token chunks takes five steps, the
+    last of which samples its first token, and its output is transformers'."""
+    hf, path = llama
+    (prompt,) = random_prompts([70], _vocab(hf), seed=12)
+    engine = pdserve.Engine(model_path=path, page_size=4, chunked_prefill_size=16)
+    try:
+        s = engine.scheduler
+        req = s.add_request("long", prompt, sampling(greedy(8)))
+        kv_lens = []
+        for _ in range(5):
+            s.step()
+            kv_lens.append(req.kv_len)
+        assert kv_lens == [16, 32, 48, 64, 70] and req.state is ReqState.RUNNING, (kv_lens, req)
+        assert len(req.output_ids) == 1
+        run_to_completion(s)
+        assert req.output_ids == greedy_continuation(hf, prompt, 8)
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("scenario", ["another_row", "reused_row"])
 def test_prefix_hit_in_a_row_another_request_used_with_chunked_prefill(llama, scenario):
     """C's 40-token prefix comes from B's cached pages, but C's table row last held another

@@ -180,17 +180,25 @@ class ModelRunner:
         return policy
 
     def build_forward_batch(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> ForwardBatch:
-        t = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device)  # noqa: E731
-        prefix, ext = t(batch.prefix_lens), t(batch.extend_lens)
-        seq = prefix + ext
-        max_len = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+        seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        per_token = (batch.input_ids, batch.positions, batch.out_cache_loc)
+        per_req = (batch.prefix_lens, batch.extend_lens, seq_lens)
+        if len(batch.input_ids) == len(batch.rows):
+            # One token per request (decode): the six lists make one [6, B] tensor, built and moved
+            # once. The scheduler thread builds one every step, beside the forward in flight: each
+            # torch call costs it a few microseconds and hands the GIL to the forward's thread.
+            ids, positions, loc, prefix, ext, seq = torch.tensor((*per_token, *per_req), dtype=torch.int64).to(
+                self.device).unbind(0)
+        else:
+            ids, positions, loc, prefix, ext, seq = (torch.tensor(x, dtype=torch.int64).to(self.device)
+                                                     for x in (*per_token, *per_req))
+        max_len = max(seq_lens)
         # The req->token table lives on the host: index it there, move only the batch's rows.
         rows = torch.tensor(batch.rows, dtype=torch.int64, device=req_to_token.device)
         # index_select copies whole rows; req_to_token[rows, :L] gathers element by element (4x slower at 32K)
         kv_slots = req_to_token[:, :max_len].index_select(0, rows).to(self.device)  # [B, L]
-        return ForwardBatch(batch.mode, t(batch.input_ids), t(batch.positions), t(batch.out_cache_loc),
-                            prefix, ext, seq, kv_slots, self.pool, self.backend, self.layer_hook,
-                            batch.req_uids, req_rows=tuple(batch.rows))
+        return ForwardBatch(batch.mode, ids, positions, loc, prefix, ext, seq, kv_slots, self.pool, self.backend,
+                            self.layer_hook, batch.req_uids, req_rows=tuple(batch.rows))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,9 @@ class ForwardWorker:
     def _run(self, fb: ForwardBatch, prev_rows: list[int], params: list[SamplingParams], generators: list,
              outputs: list[list[int]], want_logprobs: bool, top_ks: list[int] | None) -> SampleResult:
         rows = [b for b, p in enumerate(prev_rows) if p >= 0]
-        if rows:  # the placeholders: tokens the previous job sampled
+        if prev_rows == rows and len(rows) == len(self._last_tokens):
+            fb.input_ids.copy_(self._last_tokens)  # the previous job's batch, row for row (most steps)
+        elif rows:  # the placeholders: tokens the previous job sampled
             fb.input_ids[torch.tensor(rows)] = self._last_tokens[torch.tensor([prev_rows[b] for b in rows])].to(
                 fb.input_ids.device)
         with self.threads.step(len(params)):  # sampling reads the logits back: the forward has run

@@ -368,6 +368,8 @@ class Scheduler:
         return True
 
     def _schedule_extend(self):
+        if not self.waiting and self.chunked is None:
+            return None  # a decode step: nothing to admit, nor the running requests' growth to weigh
         budget = self.config.chunked_prefill_size
         budget = min(budget if budget > 0 else self.config.max_prefill_tokens, self.config.max_prefill_tokens)
         candidates = [self.chunked] if self.chunked else []
@@ -376,7 +378,7 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         self.chunked = None
-        running_growth = [self._growth(r) for r in self.running]  # the same for every candidate
+        running_growth: list[policy.Growth] | None = None  # the same for every candidate: built once needed
         for req in candidates:
             fresh = req.state is ReqState.WAITING
             if fresh and self.grammar.waiting_for(req):
@@ -387,7 +389,11 @@ class Scheduler:
                 break
             remaining = len(req.fill_ids) - req.kv_len
             n = policy.chunk_len(remaining, budget, req.kv_len, self.page_size)
-            headroom = self._headroom(running_growth, req, n, fresh, reqs, lens) if n else 0
+            headroom = 0
+            if n:
+                if running_growth is None:
+                    running_growth = [self._growth(r) for r in self.running]
+                headroom = self._headroom(running_growth, req, n, fresh, reqs, lens)
             if not n or not self.kv_manager.grow(req, req.kv_len + n, headroom=headroom):
                 if fresh:
                     self.kv_manager.unadmit(req)
@@ -518,22 +524,27 @@ class Scheduler:
         requests that finished or were aborted meanwhile are dropped: their stream has ended)."""
         self._ensure_decode_pages()
         prev = self._inflight
-        # a request whose token in flight is its last (max_new_tokens) has no next step
-        reqs = [r for r in self.running if prev is None or prev.row_of(r) < 0
-                or len(r.output_ids) + 1 < r.sampling.max_new_tokens]
+        reqs: list[Req] = []
+        prev_rows: list[int] = []  # each request's row in the step in flight (-1: not in it)
+        pos: list[int] = []  # what ``_next_pos`` says, from the same row
+        for r in self.running:  # one pass: this runs every step, for every running request
+            row = prev.row_of(r) if prev is not None else -1
+            if row >= 0 and len(r.output_ids) + 1 >= r.sampling.max_new_tokens:
+                continue  # its token in flight is its last (max_new_tokens): no next step
+            reqs.append(r)
+            prev_rows.append(row)
+            pos.append(r.kv_len + (row >= 0))
         if not reqs:
             self.sync()
             return
-        pos = [self._next_pos(r) for r in reqs]
         loc = self.kv_manager.write_next_slots(reqs, pos)
         batch = ScheduledBatch(ForwardMode.DECODE, [r.fill_ids[-1] for r in reqs], pos, loc, pos,
                                [1] * len(reqs), [r.table_row for r in reqs], tuple(r.engine_uid for r in reqs))
         fb = self.runner.build_forward_batch(batch, self.kv_manager.req_to_token)
         top_ks = [r.logprob.top_k if r.logprob else 0 for r in reqs] if any(r.return_logprob for r in reqs) else None
         assert self._worker is not None
-        future = self._worker.submit(fb, [prev.row_of(r) if prev else -1 for r in reqs], [r.sampling for r in reqs],
-                                     [r.generator for r in reqs], [r.output_ids for r in reqs], top_ks is not None,
-                                     top_ks)
+        future = self._worker.submit(fb, prev_rows, [r.sampling for r in reqs], [r.generator for r in reqs],
+                                     [r.output_ids for r in reqs], top_ks is not None, top_ks)
         self._inflight = LaunchedDecode(reqs, future, top_ks)
         self.forward_steps += 1
         self.new_token_ratio.decay()
@@ -554,15 +565,17 @@ class Scheduler:
         for req in launched.ended:  # the step has landed: nothing writes their pages any more
             self.kv_manager.release(req, req.kv_len)
         launched.ended.clear()
-        live = [i for i, r in enumerate(launched.reqs) if not r.finished]
-        reqs = [launched.reqs[i] for i in live]
+        reqs, top_ks = launched.reqs, launched.top_ks
+        live = [i for i, r in enumerate(reqs) if not r.finished]
+        if len(live) < len(reqs):  # most steps end none before they land: no row to drop then
+            reqs = [reqs[i] for i in live]
+            top = res.top_logprobs
+            res = SampleResult([res.tokens[i] for i in live],
+                               None if res.logprobs is None else [res.logprobs[i] for i in live],
+                               None if top is None else [top[i] for i in live])
+            top_ks = None if top_ks is None else [top_ks[i] for i in live]
         for r in reqs:
             r.kv_len += 1
-        top = res.top_logprobs
-        res = SampleResult([res.tokens[i] for i in live],
-                           None if res.logprobs is None else [res.logprobs[i] for i in live],
-                           None if top is None else [top[i] for i in live])
-        top_ks = None if launched.top_ks is None else [launched.top_ks[i] for i in live]
         self._append_sampled(reqs, res, top_ks, None)
 
     def _ensure_decode_pages(self) -> None:
@@ -570,7 +583,7 @@ class Scheduler:
         (after the step in flight has landed: it may end requests, and retraction re-queues)."""
         while True:
             needy = [r for r in self.running if self._next_pos(r) == len(r.pages) * self.page_size]
-            if self.kv_manager.grow_each(needy):
+            if not needy or self.kv_manager.grow_each(needy):
                 return
             if self._finished_unreleased:  # pages that finished requests give back come first
                 self.release_finished()

@@ -51,5 +51,6 @@ class ReqToTokenTable:
         self.table[row, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int64)
 
     def write_one_each(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
-        """One new token per row (decode)."""
-        self.table[torch.tensor(rows), torch.tensor(positions)] = torch.tensor(slots, dtype=torch.int64)
+        """One new token per row (decode): the three lists as one tensor, one scatter (every step)."""
+        row_t, pos_t, slot_t = torch.tensor((rows, positions, slots), dtype=torch.int64).unbind(0)  # 3 x [B]
+        self.table[row_t, pos_t] = slot_t
