@@ -1252,6 +1252,20 @@ MUTATIONS = (
         "fb.dp_num_tokens is None and fb.layer_hook is None",
         "fb.dp_num_tokens is None",
         ("test/engine/test_scheduler.py::test_layer_hook_runs_after_each_layers_kv_is_written",)),
+    Mutation(
+        "prompt_check_fast_path_misses_the_top", "the C-loop prompt check lets an id equal to the vocabulary "
+        "size through (the per-id loop refuses it)",
+        "python/pdserve/engine/request.py",
+        "return not ids or (min(ids) >= 0 and max(ids) < vocab_size)",
+        "return not ids or (min(ids) >= 0 and max(ids) <= vocab_size)",
+        ("test/engine/test_request.py::test_token_ids_in_range_agrees_with_the_per_id_check",)),
+    Mutation(
+        "sse_tail_loses_the_usage_event", "the stream's tail (the usage event) is dropped when it goes out in "
+        "one write with [DONE]",
+        "python/pdserve/web/streaming.py",
+        "    yield end + SSE_DONE\n",
+        "    yield SSE_DONE\n",
+        ("test/web/test_streaming.py::test_sse_events_writes_once_per_item_and_the_tail_with_done",)),
 )
 
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pdserve.web.errors import RequestError
-from pdserve.web.streaming import until_disconnect
+from pdserve.web.streaming import SSE_DONE, sse, sse_events, until_disconnect
 
 
 class _Client:
@@ -82,3 +82,32 @@ def test_another_cancellation_of_the_caller_still_propagates():
         return task.cancelled()
 
     assert asyncio.run(main())
+
+
+async def _chunks(items: list, error: RequestError | None = None):
+    for item in items:
+        yield item
+    if error is not None:
+        raise error
+
+
+def _writes(items: list, error: RequestError | None = None, tail=lambda: []) -> list[bytes]:
+    async def main():
+        gen = _chunks(items, error)
+        first = await gen.__anext__()
+        return [w async for w in sse_events(first, gen, lambda i: [sse({"i": i})] * (i % 2 + 1), tail)]
+
+    return asyncio.run(main())
+
+
+def test_sse_events_writes_once_per_item_and_the_tail_with_done():
+    usage = sse({"usage": 1})
+    writes = _writes([0, 1, 2], tail=lambda: [usage, usage])
+    assert writes == [sse({"i": 0}), sse({"i": 1}) * 2, sse({"i": 2}), usage + usage + SSE_DONE]
+    assert _writes([0]) == [sse({"i": 0}), SSE_DONE]
+
+
+def test_sse_events_sends_an_error_after_the_start_as_an_event_then_done():
+    err = RequestError("scheduler went away", status=503)
+    writes = _writes([0, 1], err, tail=lambda: [sse({"usage": 1})])
+    assert writes == [sse({"i": 0}), sse({"i": 1}) * 2, sse(err.body()) + SSE_DONE]

@@ -42,23 +42,24 @@ async def sse_events(first: T, gen: AsyncGenerator[T, None], render: Callable[[T
                      tail: Callable[[], list[bytes]] = lambda: []) -> AsyncGenerator[bytes, None]:
     """Render ``first`` and the rest of ``gen`` as SSE, then ``tail()`` and ``[DONE]``.
 
-    An error after the response started is sent as an ``{"error": ...}`` event
-    (the status line is gone by then). If the client leaves, the cancellation
-    reaches ``gen``, whose cleanup aborts the request.
+    One write per wake-up, however many events it makes; the tail (a usage event) and ``[DONE]``
+    go out as one write too: each write is a syscall and a pass through every ASGI layer, and a
+    short stream (one token) had five of them. An error after the response started is sent as an
+    ``{"error": ...}`` event, before ``[DONE]`` (the status line is gone by then). If the client
+    leaves, the cancellation reaches ``gen``, whose cleanup aborts the request.
     """
     try:
         yield b"".join(render(first))
         async for item in gen:
             events = render(item)
-            if events:  # one write per wake-up, however many events it makes
+            if events:
                 yield b"".join(events)
-        for event in tail():
-            yield event
+        end = b"".join(tail())
     except RequestError as e:
-        yield sse(e.body())
+        end = sse(e.body())
     finally:
         await gen.aclose()
-    yield SSE_DONE
+    yield end + SSE_DONE
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float = DISCONNECT_POLL_S):
