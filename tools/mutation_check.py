@@ -1266,6 +1266,13 @@ MUTATIONS = (
         "    yield end + SSE_DONE\n",
         "    yield SSE_DONE\n",
         ("test/web/test_streaming.py::test_sse_events_writes_once_per_item_and_the_tail_with_done",)),
+    Mutation(
+        "disconnect_asked_once", "the disconnect poll asks once and stops: a client that leaves after its "
+        "first second keeps its request running",
+        "python/pdserve/web/streaming.py",
+        "        else:\n            timer = loop.call_later(poll_s, ask)\n",
+        "",
+        ("test/web/test_streaming.py::test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after",)),
 )
 
 

@@ -84,6 +84,28 @@ def test_another_cancellation_of_the_caller_still_propagates():
     assert asyncio.run(main())
 
 
+def test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after():
+    async def main():
+        client = _Client(gone=False)
+        tasks_while_waiting = []
+
+        async def work():
+            tasks_while_waiting.append(len(asyncio.all_tasks()))  # before the first poll: the caller alone
+            await asyncio.sleep(0.05)
+            return "done"
+
+        got = await until_disconnect(client, work(), poll_s=0.005)
+        polls = client.polls
+        await asyncio.sleep(0.05)  # a poll left behind would still ask (and could cancel this task)
+        return got, polls, client.polls, tasks_while_waiting
+
+    got, polls, later, tasks = asyncio.run(main())
+    assert got == "done"
+    assert polls >= 3, "a client that stays is asked again and again"
+    assert later == polls, "nothing asks once the awaitable ended"
+    assert tasks == [1], "no watcher task exists before the first poll is due"
+
+
 async def _chunks(items: list, error: RequestError | None = None):
     for item in items:
         yield item

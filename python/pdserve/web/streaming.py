@@ -68,21 +68,35 @@ async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float
     It runs in the calling task, not a task of its own: a request's first step (its send to the
     scheduler) runs now rather than after every callback the event loop already holds (32 streams'
     writes under load), and its first token resumes the caller directly rather than a second task
-    that then wakes it. A watcher task polls the client every ``poll_s`` and cancels the caller
-    once it left; that cancellation becomes a 499, any other one propagates.
+    that then wakes it. A timer asks every ``poll_s`` whether the client left (a task exists only
+    while it asks: a request that ends within ``poll_s`` costs a timer, not a task, on its way in)
+    and cancels the caller once it did; that cancellation becomes a 499, any other one propagates.
     """
     caller = asyncio.current_task()
     assert caller is not None, "until_disconnect runs inside a task"
-    left = False
+    loop = asyncio.get_running_loop()
+    left = done = False
+    asking: asyncio.Task | None = None
+    timer: asyncio.TimerHandle | None = None
 
-    async def watch() -> None:
-        nonlocal left
-        while not await _sleep_then_disconnected(request, poll_s):
-            pass
-        left = True
-        caller.cancel()
+    def ask() -> None:
+        nonlocal asking
+        if done:
+            return
+        asking = loop.create_task(request.is_disconnected())
+        asking.add_done_callback(answered)
 
-    watcher = asyncio.ensure_future(watch())
+    def answered(task: asyncio.Task) -> None:
+        nonlocal left, timer
+        if done or task.cancelled():  # an answer that came in as the awaitable ended: nothing to do
+            return
+        if task.result():  # an error here stops the polling (the loop logs it)
+            left = True
+            caller.cancel()
+        else:
+            timer = loop.call_later(poll_s, ask)
+
+    timer = loop.call_later(poll_s, ask)
     try:
         return await awaitable
     except asyncio.CancelledError:
@@ -91,12 +105,11 @@ async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float
             raise
         raise RequestError("client disconnected", status=499) from None
     finally:
-        watcher.cancel()
-
-
-async def _sleep_then_disconnected(request: Request, poll_s: float) -> bool:
-    await asyncio.sleep(poll_s)
-    return await request.is_disconnected()
+        done = True
+        if timer is not None:
+            timer.cancel()
+        if asking is not None:
+            asking.cancel()
 
 
 async def gather_or_cancel(*awaitables: Awaitable) -> list:
