@@ -1270,7 +1270,7 @@ MUTATIONS = (
         "disconnect_asked_once", "the disconnect poll asks once and stops: a client that leaves after its "
         "first second keeps its request running",
         "python/pdserve/web/streaming.py",
-        "        else:\n            timer = loop.call_later(poll_s, ask)\n",
+        "        else:\n            self.timer = self.loop.call_later(self.poll_s, self._ask)\n",
         "",
         ("test/web/test_streaming.py::test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after",)),
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -104,6 +105,26 @@ def test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after
     assert polls >= 3, "a client that stays is asked again and again"
     assert later == polls, "nothing asks once the awaitable ended"
     assert tasks == [1], "no watcher task exists before the first poll is due"
+
+
+def test_a_request_s_wait_leaves_nothing_for_the_cyclic_collector():
+    """Everything a wait made is freed when it returns (a cycle would hold each request's scope and
+    task until the collector's next pass, and make that pass longer)."""
+    async def main():
+        async def work():
+            await asyncio.sleep(0)
+            return 1
+
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(100):
+                await until_disconnect(_Client(gone=False), work(), poll_s=60)
+            return gc.collect()
+        finally:
+            gc.enable()
+
+    assert asyncio.run(main()) < 20  # not one cycle per request
 
 
 async def _chunks(items: list, error: RequestError | None = None):

@@ -68,48 +68,57 @@ async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float
     It runs in the calling task, not a task of its own: a request's first step (its send to the
     scheduler) runs now rather than after every callback the event loop already holds (32 streams'
     writes under load), and its first token resumes the caller directly rather than a second task
-    that then wakes it. A timer asks every ``poll_s`` whether the client left (a task exists only
-    while it asks: a request that ends within ``poll_s`` costs a timer, not a task, on its way in)
-    and cancels the caller once it did; that cancellation becomes a 499, any other one propagates.
+    that then wakes it. A ``_DisconnectPoll`` asks every ``poll_s`` whether the client left and
+    cancels the caller once it did; that cancellation becomes a 499, any other one propagates.
     """
     caller = asyncio.current_task()
     assert caller is not None, "until_disconnect runs inside a task"
-    loop = asyncio.get_running_loop()
-    left = done = False
-    asking: asyncio.Task | None = None
-    timer: asyncio.TimerHandle | None = None
-
-    def ask() -> None:
-        nonlocal asking
-        if done:
-            return
-        asking = loop.create_task(request.is_disconnected())
-        asking.add_done_callback(answered)
-
-    def answered(task: asyncio.Task) -> None:
-        nonlocal left, timer
-        if done or task.cancelled():  # an answer that came in as the awaitable ended: nothing to do
-            return
-        if task.result():  # an error here stops the polling (the loop logs it)
-            left = True
-            caller.cancel()
-        else:
-            timer = loop.call_later(poll_s, ask)
-
-    timer = loop.call_later(poll_s, ask)
+    poll = _DisconnectPoll(request, caller, poll_s)
     try:
         return await awaitable
     except asyncio.CancelledError:
         # Python >= 3.11 counts cancellations: ours is handled here; another one (shutdown) still propagates
-        if not left or (hasattr(caller, "uncancel") and caller.uncancel() > 0):
+        if not poll.left or (hasattr(caller, "uncancel") and caller.uncancel() > 0):
             raise
         raise RequestError("client disconnected", status=499) from None
     finally:
-        done = True
-        if timer is not None:
-            timer.cancel()
-        if asking is not None:
-            asking.cancel()
+        poll.stop()
+
+
+class _DisconnectPoll:
+    """Asks every ``poll_s`` whether ``request``'s client left (``is_disconnected``) and cancels
+    ``caller`` once it did. A timer between the questions, a task only while one is asked: a
+    request that ends within ``poll_s`` costs a timer, not a task, on its way in. An object, not
+    closures that call each other: those would form a cycle holding the request until the
+    collector's next pass."""
+
+    def __init__(self, request: Request, caller: asyncio.Task, poll_s: float):
+        self.request, self.caller, self.poll_s = request, caller, poll_s
+        self.loop = asyncio.get_running_loop()
+        self.left = self.done = False
+        self.asking: asyncio.Task | None = None
+        self.timer = self.loop.call_later(poll_s, self._ask)
+
+    def _ask(self) -> None:
+        if self.done:
+            return
+        self.asking = self.loop.create_task(self.request.is_disconnected())
+        self.asking.add_done_callback(self._answered)
+
+    def _answered(self, task: asyncio.Task) -> None:
+        if self.done or task.cancelled():  # an answer that came in as the awaitable ended: nothing to do
+            return
+        if task.result():  # an error here stops the polling (the loop logs it)
+            self.left = True
+            self.caller.cancel()
+        else:
+            self.timer = self.loop.call_later(self.poll_s, self._ask)
+
+    def stop(self) -> None:
+        self.done = True
+        self.timer.cancel()
+        if self.asking is not None:
+            self.asking.cancel()
 
 
 async def gather_or_cancel(*awaitables: Awaitable) -> list:
