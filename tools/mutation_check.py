@@ -1316,6 +1316,27 @@ MUTATIONS = (
         "torch.tensor((*per_token, *per_req), dtype=torch.int64).flip(1)",
         ("test/engine/test_model_runner.py",
          "test/engine/test_engine_parity.py::test_changing_decode_batch_matches_transformers")),
+    Mutation(
+        "prompt_check_fast_path_misses_the_top", "the C-loop prompt check lets an id equal to the vocabulary "
+        "size through (the per-id loop refuses it)",
+        "python/pdserve/engine/request.py",
+        "return not ids or (min(ids) >= 0 and max(ids) < vocab_size)",
+        "return not ids or (min(ids) >= 0 and max(ids) <= vocab_size)",
+        ("test/engine/test_request.py::test_token_ids_in_range_agrees_with_the_per_id_check",)),
+    Mutation(
+        "sse_tail_loses_the_usage_event", "the stream's tail (the usage event) is dropped when it goes out in "
+        "one write with [DONE]",
+        "python/pdserve/web/streaming.py",
+        "    yield end + SSE_DONE\n",
+        "    yield SSE_DONE\n",
+        ("test/web/test_streaming.py::test_sse_events_writes_once_per_item_and_the_tail_with_done",)),
+    Mutation(
+        "disconnect_asked_once", "the disconnect poll asks once and stops: a client that leaves after its "
+        "first second keeps its request running",
+        "python/pdserve/web/streaming.py",
+        "        else:\n            self.timer = self.loop.call_later(self.poll_s, self._ask)\n",
+        "",
+        ("test/web/test_streaming.py::test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after",)),
 )
 
 

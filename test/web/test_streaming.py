@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
 from pdserve.web.errors import RequestError
-from pdserve.web.streaming import until_disconnect
+from pdserve.web.streaming import SSE_DONE, sse, sse_events, until_disconnect
 
 
 class _Client:
@@ -82,3 +83,74 @@ def test_another_cancellation_of_the_caller_still_propagates():
         return task.cancelled()
 
     assert asyncio.run(main())
+
+
+def test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after():
+    async def main():
+        client = _Client(gone=False)
+        tasks_while_waiting = []
+
+        async def work():
+            tasks_while_waiting.append(len(asyncio.all_tasks()))  # before the first poll: the caller alone
+            await asyncio.sleep(0.05)
+            return "done"
+
+        got = await until_disconnect(client, work(), poll_s=0.005)
+        polls = client.polls
+        await asyncio.sleep(0.05)  # a poll left behind would still ask (and could cancel this task)
+        return got, polls, client.polls, tasks_while_waiting
+
+    got, polls, later, tasks = asyncio.run(main())
+    assert got == "done"
+    assert polls >= 3, "a client that stays is asked again and again"
+    assert later == polls, "nothing asks once the awaitable ended"
+    assert tasks == [1], "no watcher task exists before the first poll is due"
+
+
+def test_a_request_s_wait_leaves_nothing_for_the_cyclic_collector():
+    """Everything a wait made is freed when it returns (a cycle would hold each request's scope and
+    task until the collector's next pass, and make that pass longer)."""
+    async def main():
+        async def work():
+            await asyncio.sleep(0)
+            return 1
+
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(100):
+                await until_disconnect(_Client(gone=False), work(), poll_s=60)
+            return gc.collect()
+        finally:
+            gc.enable()
+
+    assert asyncio.run(main()) < 20  # not one cycle per request
+
+
+async def _chunks(items: list, error: RequestError | None = None):
+    for item in items:
+        yield item
+    if error is not None:
+        raise error
+
+
+def _writes(items: list, error: RequestError | None = None, tail=lambda: []) -> list[bytes]:
+    async def main():
+        gen = _chunks(items, error)
+        first = await gen.__anext__()
+        return [w async for w in sse_events(first, gen, lambda i: [sse({"i": i})] * (i % 2 + 1), tail)]
+
+    return asyncio.run(main())
+
+
+def test_sse_events_writes_once_per_item_and_the_tail_with_done():
+    usage = sse({"usage": 1})
+    writes = _writes([0, 1, 2], tail=lambda: [usage, usage])
+    assert writes == [sse({"i": 0}), sse({"i": 1}) * 2, sse({"i": 2}), usage + usage + SSE_DONE]
+    assert _writes([0]) == [sse({"i": 0}), SSE_DONE]
+
+
+def test_sse_events_sends_an_error_after_the_start_as_an_event_then_done():
+    err = RequestError("scheduler went away", status=503)
+    writes = _writes([0, 1], err, tail=lambda: [sse({"usage": 1})])
+    assert writes == [sse({"i": 0}), sse({"i": 1}) * 2, sse(err.body()) + SSE_DONE]

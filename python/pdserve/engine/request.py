@@ -63,7 +63,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         d = dict(d or {})
-        known = {f.name for f in fields(cls)}
+        known = _SAMPLING_FIELD_NAMES
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"sampling_params.{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
@@ -170,6 +170,10 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+# read once: ``from_dict`` runs for every request
+_SAMPLING_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What every request is checked against, by the frontend early and the scheduler again."""
@@ -179,12 +183,23 @@ class RequestLimits:
     max_total_tokens: int  # KV pool capacity in tokens
 
 
+def token_ids_in_range(ids: list[int], vocab_size: int) -> bool:
+    """Whether every id is an int (not a bool) in ``[0, vocab_size)``. Every request's prompt passes
+    here, in the frontend and again in the scheduler: a prompt of plain ints (what JSON parsing and
+    the tokenizer give) is checked by C loops (``map``, ``min``, ``max``), about half a per-id Python
+    loop's time (~7 against ~15 us for 160 ids); anything else (an int subclass, a non-int) takes the
+    per-id loop."""
+    if set(map(type, ids)) <= {int}:
+        return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+
+
 def check_request(input_ids: list[int], max_new_tokens: int, limits: RequestLimits,
                   prompt_field: str = "input_ids", max_tokens_field: str = "max_new_tokens") -> None:
     """Raise ValueError starting with the offending field if the request can never be served."""
     if not input_ids:
         raise ValueError(f"{prompt_field}: the prompt is empty")
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size for t in input_ids):
+    if not token_ids_in_range(input_ids, limits.vocab_size):
         raise ValueError(f"{prompt_field}: token ids must be integers in [0, {limits.vocab_size})")
     if len(input_ids) >= limits.context_len:
         raise ValueError(f"{prompt_field}: prompt ({len(input_ids)} tokens) leaves no room in the context "

@@ -144,9 +144,11 @@ class IncrementalDetokenizer:
     so it waits for more tokens.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 decoder: Callable[[list[int], bool], str] | None = None):
+        """``decoder``: ``text_decoder(tokenizer)``, when the caller keeps one for every request."""
         self.tokenizer = tokenizer
-        self._decoder = text_decoder(tokenizer)
+        self._decoder = decoder or text_decoder(tokenizer)
         self.skip = skip_special_tokens
         self.stop = stop or []
         self._longest_stop = max(map(len, self.stop), default=0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from urllib.parse import urlsplit
 
 import orjson
@@ -39,6 +40,7 @@ UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
+@lru_cache(maxsize=256)  # every request's Host is parsed; a server is reached by a handful of names
 def split_host(value: str, scheme: str = "http") -> tuple[str, int]:
     """``Host`` header (``name``, ``name:port``, ``[v6]:port``) -> (lower-case name, port)."""
     parts = urlsplit(f"//{value}")
@@ -55,7 +57,9 @@ class OriginPolicy:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
 
-    @property
+    # Both depend on the flags alone: worked out once, not per request (an IP parse each, on the path
+    # every request takes before its route).
+    @cached_property
     def checks_host(self) -> bool:
         """Loopback binds always (the names are known); others only when ``--allowed-hosts`` names them."""
         if "*" in self.allowed_hosts:
@@ -63,13 +67,16 @@ class OriginPolicy:
         return bool(self.allowed_hosts) or (self.bind_host not in WILDCARD_HOSTS and is_loopback(
             self.bind_host.strip("[]")))
 
-    def host_allowed(self, name: str) -> bool:
-        if not self.checks_host:
-            return True
+    @cached_property
+    def host_names(self) -> frozenset[str]:
+        """The lower-case names a checked ``Host`` may carry."""
         names = {self.bind_host.strip("[]").lower(), *(h.lower() for h in self.allowed_hosts)}
         if is_loopback(self.bind_host.strip("[]")):
             names |= LOOPBACK_NAMES
-        return name in names
+        return frozenset(names)
+
+    def host_allowed(self, name: str) -> bool:
+        return not self.checks_host or name in self.host_names
 
     def origin_allowed(self, origin: str, host_header: str, scheme: str) -> bool:
         if "*" in self.allowed_origins or origin.rstrip("/") in {o.rstrip("/") for o in self.allowed_origins}:

@@ -42,23 +42,24 @@ async def sse_events(first: T, gen: AsyncGenerator[T, None], render: Callable[[T
                      tail: Callable[[], list[bytes]] = lambda: []) -> AsyncGenerator[bytes, None]:
     """Render ``first`` and the rest of ``gen`` as SSE, then ``tail()`` and ``[DONE]``.
 
-    An error after the response started is sent as an ``{"error": ...}`` event
-    (the status line is gone by then). If the client leaves, the cancellation
-    reaches ``gen``, whose cleanup aborts the request.
+    One write per wake-up, however many events it makes; the tail (a usage event) and ``[DONE]``
+    go out as one write too: each write is a syscall and a pass through every ASGI layer, and a
+    short stream (one token) had five of them. An error after the response started is sent as an
+    ``{"error": ...}`` event, before ``[DONE]`` (the status line is gone by then). If the client
+    leaves, the cancellation reaches ``gen``, whose cleanup aborts the request.
     """
     try:
         yield b"".join(render(first))
         async for item in gen:
             events = render(item)
-            if events:  # one write per wake-up, however many events it makes
+            if events:
                 yield b"".join(events)
-        for event in tail():
-            yield event
+        end = b"".join(tail())
     except RequestError as e:
-        yield sse(e.body())
+        end = sse(e.body())
     finally:
         await gen.aclose()
-    yield SSE_DONE
+    yield end + SSE_DONE
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float = DISCONNECT_POLL_S):
@@ -67,35 +68,57 @@ async def until_disconnect(request: Request, awaitable: Awaitable, poll_s: float
     It runs in the calling task, not a task of its own: a request's first step (its send to the
     scheduler) runs now rather than after every callback the event loop already holds (32 streams'
     writes under load), and its first token resumes the caller directly rather than a second task
-    that then wakes it. A watcher task polls the client every ``poll_s`` and cancels the caller
-    once it left; that cancellation becomes a 499, any other one propagates.
+    that then wakes it. A ``_DisconnectPoll`` asks every ``poll_s`` whether the client left and
+    cancels the caller once it did; that cancellation becomes a 499, any other one propagates.
     """
     caller = asyncio.current_task()
     assert caller is not None, "until_disconnect runs inside a task"
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        while not await _sleep_then_disconnected(request, poll_s):
-            pass
-        left = True
-        caller.cancel()
-
-    watcher = asyncio.ensure_future(watch())
+    poll = _DisconnectPoll(request, caller, poll_s)
     try:
         return await awaitable
     except asyncio.CancelledError:
         # Python >= 3.11 counts cancellations: ours is handled here; another one (shutdown) still propagates
-        if not left or (hasattr(caller, "uncancel") and caller.uncancel() > 0):
+        if not poll.left or (hasattr(caller, "uncancel") and caller.uncancel() > 0):
             raise
         raise RequestError("client disconnected", status=499) from None
     finally:
-        watcher.cancel()
+        poll.stop()
 
 
-async def _sleep_then_disconnected(request: Request, poll_s: float) -> bool:
-    await asyncio.sleep(poll_s)
-    return await request.is_disconnected()
+class _DisconnectPoll:
+    """Asks every ``poll_s`` whether ``request``'s client left (``is_disconnected``) and cancels
+    ``caller`` once it did. A timer between the questions, a task only while one is asked: a
+    request that ends within ``poll_s`` costs a timer, not a task, on its way in. An object, not
+    closures that call each other: those would form a cycle holding the request until the
+    collector's next pass."""
+
+    def __init__(self, request: Request, caller: asyncio.Task, poll_s: float):
+        self.request, self.caller, self.poll_s = request, caller, poll_s
+        self.loop = asyncio.get_running_loop()
+        self.left = self.done = False
+        self.asking: asyncio.Task | None = None
+        self.timer = self.loop.call_later(poll_s, self._ask)
+
+    def _ask(self) -> None:
+        if self.done:
+            return
+        self.asking = self.loop.create_task(self.request.is_disconnected())
+        self.asking.add_done_callback(self._answered)
+
+    def _answered(self, task: asyncio.Task) -> None:
+        if self.done or task.cancelled():  # an answer that came in as the awaitable ended: nothing to do
+            return
+        if task.result():  # an error here stops the polling (the loop logs it)
+            self.left = True
+            self.caller.cancel()
+        else:
+            self.timer = self.loop.call_later(self.poll_s, self._ask)
+
+    def stop(self) -> None:
+        self.done = True
+        self.timer.cancel()
+        if self.asking is not None:
+            self.asking.cancel()
 
 
 async def gather_or_cancel(*awaitables: Awaitable) -> list:
