@@ -515,9 +515,15 @@ class Scheduler:
         return (self._worker is not None and not self.grammar.live
                 and not any(r.sampling.frequency_penalty or r.sampling.presence_penalty for r in self.running))
 
-    def _next_pos(self, req: Req) -> int:
-        """The position ``req``'s next decode step writes: one past the step in flight, if it is in it."""
-        return req.kv_len + (self._inflight is not None and self._inflight.row_of(req) >= 0)
+    def _row_in_flight(self, req: Req) -> int:
+        """``req``'s row in the decode step in flight (-1: not in it, or none in flight)."""
+        return self._inflight.row_of(req) if self._inflight is not None else -1
+
+    @staticmethod
+    def _next_pos(req: Req, row: int) -> int:
+        """The position ``req``'s next decode step writes, ``row`` its row in the step in flight: one
+        past that step, if it is in it."""
+        return req.kv_len + (row >= 0)
 
     def _launch_decode(self) -> None:
         """Hand this step's decode to the worker, then append the previous step's tokens (those of
@@ -526,14 +532,14 @@ class Scheduler:
         prev = self._inflight
         reqs: list[Req] = []
         prev_rows: list[int] = []  # each request's row in the step in flight (-1: not in it)
-        pos: list[int] = []  # what ``_next_pos`` says, from the same row
+        pos: list[int] = []
         for r in self.running:  # one pass: this runs every step, for every running request
-            row = prev.row_of(r) if prev is not None else -1
+            row = self._row_in_flight(r)
             if row >= 0 and len(r.output_ids) + 1 >= r.sampling.max_new_tokens:
                 continue  # its token in flight is its last (max_new_tokens): no next step
             reqs.append(r)
             prev_rows.append(row)
-            pos.append(r.kv_len + (row >= 0))
+            pos.append(self._next_pos(r, row))
         if not reqs:
             self.sync()
             return
@@ -582,7 +588,8 @@ class Scheduler:
         """Every running request needs a slot for its next token; retract until they all fit
         (after the step in flight has landed: it may end requests, and retraction re-queues)."""
         while True:
-            needy = [r for r in self.running if self._next_pos(r) == len(r.pages) * self.page_size]
+            needy = [r for r in self.running
+                     if self._next_pos(r, self._row_in_flight(r)) == len(r.pages) * self.page_size]
             if not needy or self.kv_manager.grow_each(needy):
                 return
             if self._finished_unreleased:  # pages that finished requests give back come first
