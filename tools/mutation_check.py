@@ -1337,6 +1337,13 @@ MUTATIONS = (
         "        else:\n            self.timer = self.loop.call_later(self.poll_s, self._ask)\n",
         "",
         ("test/web/test_streaming.py::test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after",)),
+    Mutation(
+        "router_pool_keeps_idle_connections", "the router's upstream pool keeps idle connections past the "
+        "workers' keep-alive: a health probe or request is sent on one as its worker closes it",
+        "python/pdserve/router/proxy.py",
+        "connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S))",
+        "connector=aiohttp.TCPConnector(limit=0))",
+        ("test/router/test_router_upstream_pool.py",)),
 )
 
 

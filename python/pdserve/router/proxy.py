@@ -61,6 +61,11 @@ T = TypeVar("T")
 CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 
 CONNECT_TIMEOUT_S = 10.0
+# An idle pooled connection is dropped after this, below uvicorn's 5 s keep-alive (pdserve's and
+# SGLang's workers both run it): a worker closes an idle connection at 5 s, and a request sent on it
+# as it closes is lost ("connection dropped before an answer"). The health probes run every 5 s by
+# default, so without this each probe reused a connection just as its worker closed it.
+UPSTREAM_IDLE_S = 3.0
 FORWARDED_HEADERS = ("authorization",)  # so workers started with --api-key accept the request
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 LOGGED_BODY_BYTES = 500
@@ -137,7 +142,8 @@ class PDProxy:
         self.refresh_roles: Callable[[], Awaitable[None]] | None = None
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.request_timeout, connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(timeout=self.request_timeout,
+                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S))
 
     @property
     def http(self) -> aiohttp.ClientSession:
