@@ -1344,6 +1344,13 @@ MUTATIONS = (
         "connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S))",
         "connector=aiohttp.TCPConnector(limit=0))",
         ("test/router/test_router_upstream_pool.py",)),
+    Mutation(
+        "first_chunk_prefill_not_wide", "a wave's first chunk of one short prompt (128-255 tokens) starts at "
+        "the layout's one thread, and one such step per wave never fills a window to be probed",
+        "python/pdserve/engine/thread_tuner.py",
+        "    wide_tokens: int = 128\n",
+        "    wide_tokens: int = 256\n",
+        ("test/engine/test_thread_tuner.py",)),
 )
 
 

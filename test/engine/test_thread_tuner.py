@@ -133,6 +133,14 @@ def test_a_wide_step_starts_on_every_core_and_is_decided_within_three_steps(fast
     assert _run(tuner, 4, slow, tokens=SETTINGS.wide_tokens - 1) == [1] * 4
 
 
+def test_a_waves_first_chunk_of_one_short_prompt_starts_on_every_core():
+    """By default a prefill of 128 tokens (one of bench_peer's 64-256-token prompts, alone in a wave's
+    first chunk) is wide: it would be one step per wave in its bucket, too few to fill a window."""
+    tuner = ThreadTuner((1, 2))
+    assert tuner.count_for(128) == 2 and tuner.count_for(200) == 2
+    assert tuner.count_for(64) == 1 and tuner.count_for(32) == 1  # a decode batch of 32 starts at the layout's
+
+
 def test_bucket_of_groups_powers_of_two():
     assert [ThreadTuner.bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 32, 63, 64)] == [0, 1, 1, 2, 2, 3, 5, 5, 6]
     assert ThreadTuner.bucket_of(0) == 0
