@@ -15,6 +15,11 @@ Rounds alternate Engine, HTTP, Engine, ... so load from other processes hits
 both alike; the ratio is reported per pair of adjacent rounds (mean, spread)
 and shows what the frontend and IPC cost (target >= 0.8).
 
+``--baseline-pythonpath DIR`` measures a change's before and after instead of HTTP against the
+Engine: a second server runs another checkout's package (``PYTHONPATH=DIR``), and HTTP rounds
+alternate between the two servers in one run (the host's other load hits both alike); it prints
+each server's throughput, TTFT and frontend CPU per output token, and the per-round-pair ratios.
+
 ``--profile-frontend FILE`` runs the server's frontend process under cProfile and
 writes its stats to FILE when the server stops (read them with ``pstats``; the
 table in docs/benchmarking.md was made so).
@@ -53,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the HTTP side's streaming API (default: %(default)s)")
     p.add_argument("--profile-frontend", metavar="FILE", default=None,
                    help="run the server's frontend under cProfile and write its stats to FILE")
+    p.add_argument("--baseline-pythonpath", metavar="DIR", default=None,
+                   help="A/B instead of HTTP vs Engine: this tree's server against one on PYTHONPATH=DIR")
     return p.parse_args(argv)
 
 
@@ -113,12 +120,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(a: argparse.Namespace, port: int, pythonpath: str | None = None) -> subprocess.Popen:
+    """``pythonpath``: the package the server runs (default: this process's)."""
     # cProfile writes FILE when the server returns from its SIGTERM shutdown (stop_server)
-    profile = [] if a.profile_frontend is None else ["-m", "cProfile", "-o", a.profile_frontend]
+    profile = [] if a.profile_frontend is None or pythonpath else ["-m", "cProfile", "-o", a.profile_frontend]
     cmd = [sys.executable, *profile, "-m", "pdserve", "serve", *server_flags(a), "--port", str(port),
            "--log-level", "warning"]
-    return subprocess.Popen(cmd, start_new_session=True)
+    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+    return subprocess.Popen(cmd, start_new_session=True, env=env)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -260,6 +269,46 @@ def run(a: argparse.Namespace, prompts: list[list[int]]
         stop_server(proc)
 
 
+def run_ab(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, tuple[list[float], list[float], ServerCpu]]:
+    """HTTP rounds alternating between this tree's server and the baseline's (the order flips each
+    round): per side (tok/s per round, TTFT per round, its server's CPU per round)."""
+    sides = {"this tree": None, "baseline": a.baseline_pythonpath}
+    servers: dict[str, tuple[str, subprocess.Popen]] = {}
+    try:
+        for name, pythonpath in sides.items():
+            port = free_port()
+            servers[name] = (f"http://127.0.0.1:{port}", start_server(a, port, pythonpath))
+        for url, proc in servers.values():
+            asyncio.run(wait_healthy(url, proc))
+            asyncio.run(http_round(url, a.endpoint, prompts, a.output_len))  # warm-up
+        out = {name: ([], [], ServerCpu(proc.pid)) for name, (_, proc) in servers.items()}
+        order = list(servers)
+        for r in range(a.repeats):
+            for name in order if r % 2 == 0 else order[::-1]:
+                rates, ttfts, cpu = out[name]
+                url = servers[name][0]
+                rate, ttft = cpu.measure(lambda: asyncio.run(http_round(url, a.endpoint, prompts, a.output_len)))  # noqa: B023
+                rates.append(rate)
+                ttfts.append(ttft)
+        return out
+    finally:
+        for _, proc in servers.values():
+            stop_server(proc)
+
+
+def report_ab(a: argparse.Namespace, out: dict[str, tuple[list[float], list[float], ServerCpu]]) -> None:
+    tokens = a.num_requests * a.output_len
+    for name, (rates, ttfts, cpu) in out.items():
+        fe = ", ".join(f"{x / tokens * 1e6:.0f}" for x in cpu.frontend)
+        print(f"{name:9s}: {spread(rates)} output tok/s, median TTFT {statistics.median(ttfts) * 1000:.0f} ms; "
+              f"frontend CPU per output token median {statistics.median(cpu.frontend) / tokens * 1e6:.1f} us "
+              f"(rounds {fe}), scheduler {statistics.median(cpu.scheduler) / tokens * 1e6:.0f} us")
+    (new, _, new_cpu), (old, _, old_cpu) = out["this tree"], out["baseline"]
+    print(f"this tree / baseline per round pair: tok/s {', '.join(f'{n / o:.2f}' for n, o in zip(new, old))}; "
+          f"frontend CPU {', '.join(f'{n / o:.2f}' for n, o in zip(new_cpu.frontend, old_cpu.frontend))} "
+          f"(median {statistics.median(n / o for n, o in zip(new_cpu.frontend, old_cpu.frontend)):.3f})")
+
+
 def spread(xs: list[float], fmt: str = ".1f") -> str:
     """'mean ± stdev (min..max)' of a list of measurements."""
     sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
@@ -281,6 +330,11 @@ def main(argv=None) -> int:
           f"greedy, ignore_eos, {a.repeats} alternating rounds per side, HTTP {a.endpoint}; "
           f"torch threads: server scheduler "
           f"{server_threads}, Engine {engine_threads} ({os.cpu_count()} cores); load average {load_average()}")
+    if a.baseline_pythonpath:
+        print(f"A/B: this tree's server against one on PYTHONPATH={a.baseline_pythonpath}, rounds alternating")
+        report_ab(a, run_ab(a, prompts))
+        print(f"load average after: {load_average()}")
+        return 0
     engine_rates, http_rates, ttfts, cpu, engine_cpu = run(a, prompts)
     fmt = lambda rates: ", ".join(f"{r:.0f}" for r in rates)  # noqa: E731
     print(f"Engine.generate : {spread(engine_rates)} output tok/s  (rounds {fmt(engine_rates)})")

@@ -1,4 +1,4 @@
-"""web/streaming.py: waiting on a request while watching its client."""
+"""web/streaming.py: waiting on a request while watching its client, and the SSE response."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import asyncio
 import gc
 
 import pytest
+from starlette.responses import StreamingResponse
 
 from pdserve.web.errors import RequestError
-from pdserve.web.streaming import SSE_DONE, sse, sse_events, until_disconnect
+from pdserve.web.streaming import SSE_DONE, SSEResponse, sse, sse_events, sse_response, until_disconnect
 
 
 class _Client:
@@ -154,3 +155,133 @@ def test_sse_events_sends_an_error_after_the_start_as_an_event_then_done():
     err = RequestError("scheduler went away", status=503)
     writes = _writes([0, 1], err, tail=lambda: [sse({"usage": 1})])
     assert writes == [sse({"i": 0}), sse({"i": 1}) * 2, sse(err.body()) + SSE_DONE]
+
+
+# ------------------------------------------------------------ SSEResponse
+def _starlette_sse(events) -> StreamingResponse:
+    """The response SSEResponse replaced (its slow twin): what clients received before."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Events:
+    """An event stream whose cleanup is seen (generate()'s finally: the abort to the scheduler)."""
+
+    def __init__(self, n: int, error: Exception | None = None, block_after: int | None = None):
+        self.n, self.error, self.block_after = n, error, block_after
+        self.closed = False
+
+    async def gen(self):
+        try:
+            for i in range(self.n):
+                if i == self.block_after:
+                    await asyncio.Event().wait()  # a request whose next token has not come
+                yield sse({"i": i})
+                await asyncio.sleep(0)
+            if self.error is not None:
+                raise self.error
+        finally:
+            self.closed = True
+
+
+async def _serve(response, leave_after: int | None = None, limit_s: float | None = 10) -> list[dict]:
+    """The ASGI messages ``response`` sends to a server speaking ASGI 2.3 (uvicorn's); the client
+    leaves once ``leave_after`` body messages were sent (``receive`` then answers http.disconnect)."""
+    messages: list[dict] = []
+    gone = asyncio.Event()
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        messages.append(message)
+        if sum(m["type"] == "http.response.body" for m in messages) == leave_after:
+            gone.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    await asyncio.wait_for(response(scope, receive, send), limit_s)  # a stream that missed the client leaving fails
+    return messages
+
+
+def _both(make_events, leave_after: int | None = None) -> tuple[list[dict], list[dict], bool, bool]:
+    """(messages of SSEResponse, of StreamingResponse, whether each one's events were cleaned up)."""
+    ours, theirs = make_events(), make_events()
+    new = asyncio.run(_serve(sse_response(ours.gen()), leave_after))
+    old = asyncio.run(_serve(_starlette_sse(theirs.gen()), leave_after))
+    return new, old, ours.closed, theirs.closed
+
+
+def test_sse_response_sends_what_starlette_s_streaming_response_sent():
+    new, old, closed, _ = _both(lambda: _Events(3))
+    assert new == old
+    assert new[0]["headers"] == _starlette_sse(_Events(0).gen()).raw_headers
+    assert [m.get("body") for m in new[1:]] == [sse({"i": 0}), sse({"i": 1}), sse({"i": 2}), b""]
+    assert new[-1]["more_body"] is False and closed
+    assert isinstance(sse_response(_Events(0).gen()), SSEResponse)
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_events_and_the_response_returns():
+    for block_after in (None, 2):  # the client leaves while an event is sent, or while one is awaited
+        new, old, closed, old_closed = _both(lambda: _Events(50, block_after=block_after), leave_after=2)  # noqa: B023
+        assert closed and old_closed  # the request aborts
+        assert len(new) < 10 and not any(m.get("more_body") is False for m in new)  # no end of a stream sent
+        assert new[:3] == old[:3]
+
+
+def test_an_error_in_the_events_after_the_first_propagates_as_from_streaming_response():
+    for response in (sse_response, _starlette_sse):
+        events = _Events(2, error=KeyError("boom"))
+        with pytest.raises(KeyError):
+            asyncio.run(_serve(response(events.gen())))
+        assert events.closed
+
+
+def test_a_cancelled_request_task_cancels_the_stream_and_propagates_leaving_no_task():
+    async def main():
+        events = _Events(5, block_after=1)
+        serving = asyncio.ensure_future(_serve(sse_response(events.gen()), limit_s=None))  # no task between
+        for _ in range(10):
+            await asyncio.sleep(0)
+        serving.cancel()  # the server shutting down
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        await asyncio.sleep(0)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return events.closed, others
+
+    closed, others = asyncio.run(main())
+    assert closed and others == []
+
+
+def test_a_shutdown_as_the_client_leaves_still_propagates():
+    async def main():
+        events = _Events(5, block_after=1)
+        gone = asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(_message):
+            pass
+
+        serving = asyncio.ensure_future(sse_response(events.gen())({"type": "http"}, receive, send))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        gone.set()
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+        return events.closed
+
+    assert asyncio.run(main())
+
+
+def test_a_finished_stream_leaves_no_watcher_task():
+    async def main():
+        await _serve(sse_response(_Events(2).gen()))
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(main()) == []

@@ -24,7 +24,6 @@ calls come back as ``message.tool_calls`` (streamed as ``tool_calls`` deltas); w
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +62,6 @@ from pdserve.web.chat import chat_prompt_text
 from pdserve.web.errors import RequestError, parse_body, read_body
 from pdserve.web.streaming import (
     gather_or_cancel,
-    indexed,
     json_response,
     merge_streams,
     prime,
@@ -299,9 +297,13 @@ async def _stream(tm: TokenizerManager, request: Request, call: _Call):
     job = call.jobs[0]
     shared = await until_disconnect(request, job.prefill(tm)) if job.shares_prefill else None
     gens = job.generators(tm, stream=True)
-    merged = merge_streams(gens) if len(gens) > 1 else indexed(gens[0])
+    streamer = _Streamer(call, shared)
+    if len(gens) == 1:  # its chunks straight from the generator: no merge, nor a generator pairing them with 0
+        first_chunk = await until_disconnect(request, prime(gens[0]))
+        return sse_response(sse_events(first_chunk, gens[0], streamer.render_only, streamer.tail))
+    merged = merge_streams(gens)
     first = await until_disconnect(request, prime(merged))
-    return sse_response(_Streamer(call, shared).events(first, merged))
+    return sse_response(sse_events(first, merged, streamer.render, streamer.tail))
 
 
 def _best(chunks: list[GenerateChunk], n: int) -> list[GenerateChunk]:
@@ -372,9 +374,9 @@ class _Streamer:
         self.offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
         self.parsed: dict[int, ChoiceStream] = {}  # chat with parsers: each choice's parser state
 
-    def events(self, first: tuple[int, GenerateChunk], merged: AsyncGenerator[tuple[int, GenerateChunk], None]
-               ) -> AsyncGenerator[bytes, None]:
-        return sse_events(first, merged, self.render, self.tail)
+    def render_only(self, c: GenerateChunk) -> list[bytes]:
+        """``render`` of the only choice's chunk (n = 1)."""
+        return self.render((0, c))
 
     def render(self, item: tuple[int, GenerateChunk]) -> list[bytes]:
         index, c = item

@@ -9,7 +9,8 @@ from typing import TypeVar
 
 import orjson
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from pdserve.web.errors import RequestError
 
@@ -33,9 +34,74 @@ async def prime(gen: AsyncIterator[T]) -> T:
     return await gen.__anext__()
 
 
-def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+# What Starlette's StreamingResponse(media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+# "X-Accel-Buffering": "no"}) sends, in its order (test_streaming checks they agree)
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+               (b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+def sse_response(events: AsyncIterator[bytes]) -> SSEResponse:
+    return SSEResponse(events)
+
+
+class SSEResponse(Response):
+    """``events`` as a ``text/event-stream`` response; the bytes on the wire are StreamingResponse's.
+
+    Starlette's StreamingResponse sends the events from a task under an anyio task group (a cancel
+    scope, a task-runner coroutine and a wrapper around every resumption, two more coroutine levels
+    each event passes through) while the request's task listens for the client's disconnect. Here
+    two plain tasks do the same: ``_pump`` sends the events, resumed with no frame above it but
+    the events' own generators, and a watcher waits for ``http.disconnect``. If the client leaves
+    first, the pump is cancelled, which ends ``events`` (its cleanup aborts the request), and the
+    response returns normally; an error in ``events`` propagates (the server closes the
+    connection); a cancellation of the request's task (shutdown) cancels both and propagates.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = list(SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        pump.add_done_callback(lambda _: watch.cancel())
+        watch.add_done_callback(lambda _: pump.cancel())
+        try:
+            await pump  # a cancellation of this task reaches the pump, and this await ends once the pump has
+        except asyncio.CancelledError:
+            if not _left(watch) or _cancelling(asyncio.current_task()):  # not the client's leaving, or not only
+                raise
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client is gone."""
+    while (await receive())["type"] != "http.disconnect":
+        pass  # a pipelined request's bytes are not this response's business (StreamingResponse's rule)
+
+
+def _left(watch: asyncio.Task) -> bool:
+    """Whether ``watch`` saw the client leave (an error in it propagates, as in a task group)."""
+    if not watch.done() or watch.cancelled():
+        return False
+    error = watch.exception()
+    if error is not None:
+        raise error
+    return True
+
+
+def _cancelling(task: asyncio.Task | None) -> bool:
+    """Whether ``task`` itself is being cancelled (Python < 3.11 cannot tell: no)."""
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
 
 
 async def sse_events(first: T, gen: AsyncGenerator[T, None], render: Callable[[T], list[bytes]],
@@ -166,12 +232,3 @@ async def merge_streams(gens: list[AsyncGenerator[T, None]]) -> AsyncGenerator[t
         await asyncio.gather(*pending, return_exceptions=True)
         for g in gens:
             await g.aclose()
-
-
-async def indexed(gen: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
-    """``merge_streams`` of one generator, without the tasks."""
-    try:
-        async for item in gen:
-            yield 0, item
-    finally:
-        await gen.aclose()
