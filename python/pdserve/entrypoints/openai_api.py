@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from fastapi import Request
 
 from pdserve.engine.request import MAX_N, SamplingParams
@@ -373,6 +374,7 @@ class _Streamer:
         self.last: dict[int, GenerateChunk] = {}
         self.offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
         self.parsed: dict[int, ChoiceStream] = {}  # chat with parsers: each choice's parser state
+        self.frame: tuple[bytes, bytes] | None = None  # _frame(), made at the first event (the id is set by then)
 
     def render_only(self, c: GenerateChunk) -> list[bytes]:
         """``render`` of the only choice's chunk (n = 1)."""
@@ -432,7 +434,18 @@ class _Streamer:
     def _event(self, index: int, delta, logprobs: dict | None, reason: str | None) -> bytes:
         key = "delta" if self.call.kind == "chat" else "text"
         choice = {"index": index, key: delta, "logprobs": logprobs, "finish_reason": reason}
-        return sse(self._envelope([choice], None))
+        if self.frame is None:
+            self.frame = self._frame()
+        head, tail = self.frame
+        return head + orjson.dumps(choice) + tail
+
+    def _frame(self) -> tuple[bytes, bytes]:
+        """The bytes of an event around its one choice: ``sse(self._envelope([choice], None))`` is
+        ``head + orjson.dumps(choice) + tail`` (the envelope is the same for every event of the stream,
+        and dumping it, its id and model strings included, was most of an event's JSON)."""
+        body = sse(self._envelope([0], None))
+        head, tail = body.split(b'"choices":[0]', 1)  # the key's first unescaped occurrence: id and model are escaped
+        return head + b'"choices":[', b"]" + tail
 
     def _envelope(self, choices: list, usage: dict | None) -> dict:
         body = {"id": self.call.id, "object": self.object, "created": self.created, "model": self.call.model,
