@@ -1338,6 +1338,21 @@ MUTATIONS = (
         "",
         ("test/web/test_streaming.py::test_the_client_is_asked_every_poll_until_the_awaitable_ends_and_never_after",)),
     Mutation(
+        "sse_disconnect_not_watched", "the SSE response never acts on the client's disconnect: a stream whose "
+        "client left runs to its end (or waits forever on a token) and its request is never aborted",
+        "python/pdserve/web/streaming.py",
+        "        watch.add_done_callback(lambda _: pump.cancel())\n",
+        "",
+        ("test/web/test_streaming.py::test_a_client_that_leaves_mid_stream_ends_the_events_and_the_response_returns",
+         "test/entrypoints/test_http_server.py::test_a_completions_client_leaving_mid_stream_aborts_its_request")),
+    Mutation(
+        "sse_swallows_shutdown", "the SSE response swallows a shutdown's cancellation of its task when the "
+        "client left at the same moment (the server's cancel then goes unseen)",
+        "python/pdserve/web/streaming.py",
+        "if not _left(watch) or _cancelling(asyncio.current_task()):",
+        "if not _left(watch):",
+        ("test/web/test_streaming.py::test_a_shutdown_as_the_client_leaves_still_propagates",)),
+    Mutation(
         "router_pool_keeps_idle_connections", "the router's upstream pool keeps idle connections past the "
         "workers' keep-alive: a health probe or request is sent on one as its worker closes it",
         "python/pdserve/router/proxy.py",

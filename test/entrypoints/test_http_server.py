@@ -174,8 +174,8 @@ def test_32_concurrent_streams_free_all_pages(server):
 DISCONNECT_ASKED = 4000
 
 
-def _leave_mid_stream(server: Server, body: dict) -> None:
-    with httpx.stream("POST", server.url + "/generate", json=body, headers=server.headers, timeout=60) as r:
+def _leave_mid_stream(server: Server, body: dict, path: str = "/generate") -> None:
+    with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=60) as r:
         assert r.status_code == 200
         seen = 0
         for line in r.iter_lines():
@@ -210,6 +210,24 @@ def test_client_disconnect_aborts_the_request(server, stream):
     assert info["forward_steps"] - steps_at_disconnect < DISCONNECT_ASKED // 4, info
     info = server.wait_idle()
     assert info["num_inflight_requests"] == 0
+
+
+def test_a_completions_client_leaving_mid_stream_aborts_its_request(server):
+    """The OpenAI stream (its own path from the request to the SSE response) aborts as /generate's."""
+    server.wait_idle()
+    body = {"prompt": "Tell me a very long story", "stream": True, "max_tokens": DISCONNECT_ASKED,
+            "ignore_eos": True}
+    _leave_mid_stream(server, body, "/v1/completions")
+    steps_at_disconnect = server.info()["forward_steps"]
+    deadline = time.monotonic() + 120
+    info = server.info()
+    while info["num_running_reqs"] or info["num_waiting_reqs"]:
+        if info["forward_steps"] - steps_at_disconnect >= DISCONNECT_ASKED // 4 or time.monotonic() > deadline:
+            break  # (a bug) it has clearly gone on generating
+        time.sleep(0.1)
+        info = server.info()
+    assert info["forward_steps"] - steps_at_disconnect < DISCONNECT_ASKED // 4, info
+    assert server.wait_idle()["num_inflight_requests"] == 0
 
 
 def test_abort_request_ends_stream(server):
