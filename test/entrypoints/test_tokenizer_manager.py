@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.entrypoints import openai_api
 from pdserve.entrypoints.parallel_sampling import PromptJob
-from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager
+from pdserve.entrypoints.tokenizer_manager import GenerateChunk, TokenizerManager, _Wake
 
 MODEL = "tiny-llama"
 
@@ -78,3 +79,24 @@ def test_token_texts_are_one_memo_per_server(tm):
     before = tm.tokenizer.decodes
     assert [second.texts.text(t) for t in ids] == [first.texts.text(t) for t in ids]
     assert tm.tokenizer.decodes == before  # the second request decoded nothing
+
+
+def test_a_wake_up_set_before_or_while_its_request_waits_is_seen_once_cleared():
+    async def main():
+        wake = _Wake()
+        wake.set()
+        assert wake.pending() is None  # set before the wait: no waiting at all
+        wake.clear()
+        waiting = wake.pending()
+        assert waiting is not None and not waiting.done()
+        asyncio.get_running_loop().call_soon(wake.set)
+        await asyncio.wait_for(waiting, 5)  # the router's set wakes the waiting request
+        assert wake.is_set()
+        wake.clear()
+        gone = wake.pending()
+        assert gone is not None
+        gone.cancel()  # the request's coroutine was cancelled while it waited
+        wake.set()  # a late output for it: no error
+        return wake.is_set()
+
+    assert asyncio.run(main())
