@@ -42,7 +42,7 @@ HEAVY_MODULES = (
 # that builds a P/D pair per test held 14 GB of such garbage by its end and starved the other worker.
 # A test that leaves this process above the bound is followed by a collection, and the freed pages go
 # back to the system. A full collection walks the whole heap (a quarter second and more here), so the
-# next one waits until the process has grown by a step over what the last one left: a module whose
+# next one waits until the process has grown by a step over the least it has held since: a module whose
 # live set stays above the bound (its engines kept for the module) pays one per step of garbage, not one per test.
 COLLECT_ABOVE_BYTES = 3 << 29  # 1.5 GiB
 COLLECT_STEP_BYTES = 1 << 29  # 512 MiB
@@ -60,11 +60,14 @@ def _rss_bytes() -> int:
 def _collect_garbage_above_the_bound():
     global _collect_above
     yield
-    if _rss_bytes() > _collect_above:
+    rss = _rss_bytes()
+    if rss > _collect_above:
         gc.collect()
         if _malloc_trim is not None:
             _malloc_trim(0)  # else freed chunks stay in malloc's arenas and RSS keeps counting them
         _collect_above = max(COLLECT_ABOVE_BYTES, _rss_bytes() + COLLECT_STEP_BYTES)
+    else:  # a process that shrank (a module's engines freed) gets its step from where it is now
+        _collect_above = max(COLLECT_ABOVE_BYTES, min(_collect_above, rss + COLLECT_STEP_BYTES))
 
 
 def pytest_configure(config):
