@@ -1,5 +1,4 @@
 import collections
-import ctypes
 import gc
 import os
 import sys
@@ -40,15 +39,14 @@ HEAVY_MODULES = (
 # An engine or scheduler is a reference cycle (a scheduler and its mode point at each other) that holds
 # its KV pool, so what a test built is freed only by the cyclic collector, which runs rarely: a module
 # that builds a P/D pair per test held 14 GB of such garbage by its end and starved the other worker.
-# A test that leaves this process above the bound is followed by a collection, and the freed pages go
-# back to the system. A full collection walks the whole heap (a quarter second and more here), so the
-# next one waits until the process has grown by a step over the least it has held since: a module whose
-# live set stays above the bound (its engines kept for the module) pays one per step of garbage, not one per test.
+# A test that leaves this process above the bound is followed by a collection. A full collection walks
+# the whole heap (a quarter second and more once torch, transformers and triton are in), and the RSS of
+# a worker that once passed the bound seldom falls back under it, so after each collection what
+# survived it (live now: imports, module fixtures) is frozen out of the next ones, which then walk what
+# later tests built. A frozen object that dies later is freed by its reference count as ever; a frozen
+# cycle waits for the next thaw (an Engine's shutdown thaws the whole heap).
 COLLECT_ABOVE_BYTES = 3 << 29  # 1.5 GiB
-COLLECT_STEP_BYTES = 1 << 29  # 512 MiB
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere
-_collect_above = COLLECT_ABOVE_BYTES
 
 
 def _rss_bytes() -> int:
@@ -58,16 +56,10 @@ def _rss_bytes() -> int:
 
 @pytest.fixture(autouse=True)
 def _collect_garbage_above_the_bound():
-    global _collect_above
     yield
-    rss = _rss_bytes()
-    if rss > _collect_above:
+    if _rss_bytes() > COLLECT_ABOVE_BYTES:
         gc.collect()
-        if _malloc_trim is not None:
-            _malloc_trim(0)  # else freed chunks stay in malloc's arenas and RSS keeps counting them
-        _collect_above = max(COLLECT_ABOVE_BYTES, _rss_bytes() + COLLECT_STEP_BYTES)
-    else:  # a process that shrank (a module's engines freed) gets its step from where it is now
-        _collect_above = max(COLLECT_ABOVE_BYTES, min(_collect_above, rss + COLLECT_STEP_BYTES))
+        gc.freeze()
 
 
 def pytest_configure(config):
