@@ -39,7 +39,12 @@ HEAVY_MODULES = (
 # An engine or scheduler is a reference cycle (a scheduler and its mode point at each other) that holds
 # its KV pool, so what a test built is freed only by the cyclic collector, which runs rarely: a module
 # that builds a P/D pair per test held 14 GB of such garbage by its end and starved the other worker.
-# A test that leaves this process above the bound is followed by a collection.
+# A test that leaves this process above the bound is followed by a collection. A full collection walks
+# the whole heap (a quarter second and more once torch, transformers and triton are in), and the RSS of
+# a worker that once passed the bound seldom falls back under it, so after each collection what
+# survived it (live now: imports, module fixtures) is frozen out of the next ones, which then walk what
+# later tests built. A frozen object that dies later is freed by its reference count as ever; a frozen
+# cycle waits for the next thaw (an Engine's shutdown thaws the whole heap).
 COLLECT_ABOVE_BYTES = 3 << 29  # 1.5 GiB
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
@@ -54,6 +59,7 @@ def _collect_garbage_above_the_bound():
     yield
     if _rss_bytes() > COLLECT_ABOVE_BYTES:
         gc.collect()
+        gc.freeze()
 
 
 def pytest_configure(config):
