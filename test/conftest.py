@@ -62,6 +62,17 @@ def _collect_garbage_above_the_bound():
         gc.freeze()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _thaw_after_the_module():
+    """A module's fixtures were live when the tests froze them; once the module ends they may be
+    cycles holding engines and KV pools: above the bound, thaw and collect them before the next module."""
+    yield
+    if _rss_bytes() > COLLECT_ABOVE_BYTES:
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_configure(config):
     # xdist would send files by descending test count, whatever order the collection has.
     if getattr(config.option, "loadscopereorder", False):
