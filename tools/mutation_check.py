@@ -1344,6 +1344,13 @@ MUTATIONS = (
         "connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S))",
         "connector=aiohttp.TCPConnector(limit=0))",
         ("test/router/test_router_upstream_pool.py",)),
+    Mutation(
+        "engine_freeze_outlives_a_dropped_engine", "an Engine dropped without shutdown() leaves the process's "
+        "heap frozen, with whatever garbage (earlier engines' KV pools) was uncollected when it started",
+        "python/pdserve/entrypoints/engine.py",
+        "            self._thaw = weakref.finalize(self, gc.unfreeze)\n",
+        "            self._thaw = weakref.finalize(type(self), gc.unfreeze)\n",
+        ("test/entrypoints/test_engine.py::test_an_engine_dropped_without_shutdown_thaws_what_it_froze",)),
 )
 
 
