@@ -1366,6 +1366,13 @@ MUTATIONS = (
         "    wide_tokens: int = 128\n",
         "    wide_tokens: int = 256\n",
         ("test/engine/test_thread_tuner.py",)),
+    Mutation(
+        "engine_freeze_outlives_a_dropped_engine", "an Engine dropped without shutdown() leaves the process's "
+        "heap frozen, with whatever garbage (earlier engines' KV pools) was uncollected when it started",
+        "python/pdserve/entrypoints/engine.py",
+        "            self._thaw = weakref.finalize(self, gc.unfreeze)\n",
+        "            self._thaw = weakref.finalize(type(self), gc.unfreeze)\n",
+        ("test/entrypoints/test_engine.py::test_an_engine_dropped_without_shutdown_thaws_what_it_froze",)),
 )
 
 

@@ -46,3 +46,30 @@ def test_engine_keeps_the_imports_out_of_the_collectors_passes_until_shutdown():
     finally:
         engine.shutdown()
     assert gc.get_freeze_count() == 0 and id(imported) in {id(o) for o in gc.get_objects()}  # thawed
+
+
+def test_an_engine_dropped_without_shutdown_thaws_what_it_froze():
+    """The freeze also takes in garbage still uncollected when the engine starts (here a cycle, as an
+    earlier engine dropped with its KV pool would be): dropping the engine unshut thaws it too, so the
+    next collection frees that garbage instead of the process holding it for good."""
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+
+    gc.disable()  # no collection before the engine's freeze: the cycle is still garbage then
+    try:
+        garbage = Cycle()
+        garbage.me = garbage
+        gone = weakref.ref(garbage)
+        del garbage
+        engine = pdserve.Engine(model_path="tiny-llama", max_total_tokens=1024, num_threads=1)
+        assert gc.get_freeze_count() > 10_000 and gone() is not None  # frozen with the imports
+        engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        del engine
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+    gc.collect()
+    assert gone() is None

@@ -7,6 +7,7 @@ import gc
 import itertools
 import logging
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ class Engine:
     raises ValueError naming the field before anything is queued, so the engine stays usable.
     """
 
-    _froze_gc = False
+    _thaw: weakref.finalize | None = None  # set while this engine keeps the process's heap frozen
 
     def __init__(self, model_path: str, **kwargs: Any):
         self.args = ServerArgs(model_path=model_path, **kwargs)
@@ -65,9 +66,11 @@ class Engine:
             # that live as long as the process) is frozen out of the collector's passes, as in a server's
             # scheduler process: a full pass otherwise walks all of it (a 174 ms stall in an offline round
             # of tiny-llama, measured). The engine's own objects are not frozen, so a dropped engine is
-            # collected as before; shutdown() thaws the rest.
+            # collected as before; shutdown() thaws the rest, and so does dropping the engine unshut: the
+            # freeze also takes in whatever garbage was still uncollected (an earlier engine dropped but not
+            # yet collected, with its KV pool), which a freeze never thawed would hold for the process's life.
             gc.freeze()
-            self._froze_gc = True
+            self._thaw = weakref.finalize(self, gc.unfreeze)
             layout = self.args.thread_layout(frontend=False)
             torch.set_num_threads(layout.torch_threads)
             cache_config, scheduler_config = self.args.cache_config(), self.args.scheduler_config()
@@ -116,9 +119,8 @@ class Engine:
         close = getattr(self.scheduler, "close", None)  # a RankClient's ranks stop here
         if close is not None:
             close()
-        if self._froze_gc:  # what existed before the engine becomes collectable again (its cycles included)
-            self._froze_gc = False
-            gc.unfreeze()
+        if self._thaw is not None:  # what existed before the engine becomes collectable again (its cycles included)
+            self._thaw()
 
     def __enter__(self):
         return self
