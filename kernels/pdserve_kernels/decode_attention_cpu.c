@@ -15,8 +15,18 @@
  * row is read once per (request, KV head). Keys go in blocks of BLOCK: the block's G x BLOCK
  * scores first (four keys at a time), then one rescale of the running output per block (online
  * softmax: running max m, running sum l), then the values. Float accumulation throughout; the
- * output row doubles as the accumulator. While a block computes, the next block's rows are
- * prefetched: decode attention reads each row once, so it waits on memory, not on arithmetic.
+ * output row doubles as the accumulator.
+ *
+ * Decode attention reads each row once, so it waits on memory, not on arithmetic, and only
+ * prefetching far enough ahead hides that: two streams of prefetches run beside the compute.
+ * Into L1, the next block's rows of the head about to run (one block ahead). Into L2, a cursor
+ * AHEAD_BYTES of rows ahead of the compute, across the requests of the call (or of the thread's
+ * unit): at each block it moves one block further, every head's key and value rows. Measured on
+ * a 2-core VM (benchmark/bench_decode_attention.py), 32 requests of 161 keys, 8 query and 4 KV
+ * heads of 32, four layers' pools in turn (so each layer's rows come from memory, as in a decode
+ * step): the L1 stream alone left the kernel at 0.55 ms a layer (page size 1), against 0.23 ms
+ * with the rows in cache, because the out-of-order core keeps only a few rows' loads in flight; the
+ * L2 cursor brought it to 0.33 ms (docs/cpu.md). Prefetches never fault and change no result.
  *
  * Built by pdserve_kernels/decode_attention_cpu.py with the system compiler; plain C99 plus
  * GCC/Clang vector extensions (no torch headers). Not torch's OpenMP: its own helper threads
@@ -33,6 +43,9 @@ enum { OK = 0, BAD_SLOT = 1, BAD_LEN = 2, NO_MEMORY = 3 };
 
 #ifndef BLOCK
 #define BLOCK 64 /* keys per softmax block: G x BLOCK scores stay in L1 */
+#endif
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES (64 * 1024) /* how far the L2 cursor runs ahead of the compute (0: no cursor) */
 #endif
 
 typedef struct {
@@ -60,6 +73,42 @@ static void prefetch_block(const pool_t *c, const int64_t *ko, const int64_t *vo
         const float *kr = c->k + ko[j] + h * c->k_head, *vr = c->v + vo[j] + h * c->v_head;
         for (int64_t x = 0; x < c->Dk; x += 16) __builtin_prefetch(kr + x);
         for (int64_t x = 0; x < c->Dv; x += 16) __builtin_prefetch(vr + x);
+    }
+}
+
+/* Every line of a row of n floats at r, into L2 */
+static inline void prefetch_row_l2(const float *r, int64_t n) {
+    const char *line = (const char *)((uintptr_t)r & ~(uintptr_t)63), *end = (const char *)(r + n);
+    for (; line < end; line += 64) __builtin_prefetch(line, 0, 1);
+}
+
+/* The L2 cursor: request b, key j of the job's requests up to b1 (the thread's unit) */
+typedef struct {
+    int64_t b, j, b1;
+} cursor_t;
+
+/* Move the cursor `rows` keys further (within its requests), every head's key and value rows of the
+ * keys it passes into L2. kv_slots and seq_lens were checked (check_requests) for every request. */
+static void prefetch_ahead(const pool_t *c, const int64_t *kv_slots, int64_t stride, const int64_t *seq_lens,
+                           int64_t Hkv, cursor_t *cur, int64_t rows) {
+    const int same = c->v == c->k; /* MLA's latent: the values are the keys' rows */
+    while (rows > 0 && cur->b < cur->b1) {
+        const int64_t n = seq_lens[cur->b];
+        if (cur->j >= n) {
+            cur->b++, cur->j = 0;
+            continue;
+        }
+        const int64_t *sl = kv_slots + cur->b * stride;
+        const int64_t take = n - cur->j < rows ? n - cur->j : rows;
+        for (int64_t j = cur->j; j < cur->j + take; j++) {
+            int64_t page, off;
+            slot_page(sl[j], c->shift, c->S, &page, &off);
+            for (int64_t h = 0; h < Hkv; h++) {
+                prefetch_row_l2(c->k + page * c->k_page + h * c->k_head + off * c->k_token, c->Dk);
+                if (!same) prefetch_row_l2(c->v + page * c->v_page + h * c->v_head + off * c->v_token, c->Dv);
+            }
+        }
+        cur->j += take, rows -= take;
     }
 }
 
@@ -105,6 +154,11 @@ static void attend_requests(const job_t *jb, int64_t b0, int64_t b1, float *sc) 
     float *m = sc + G * BLOCK, *l = m + Hq;
     int64_t ofs[4][BLOCK]; /* this block's and the next block's k and v row offsets */
     int64_t *ko = ofs[0], *vo = ofs[1], *nko = ofs[2], *nvo = ofs[3];
+    /* the L2 cursor starts `ahead` keys in: AHEAD_BYTES of rows, at least a block */
+    const int64_t row_bytes = (int64_t)sizeof(float) * Hkv * (c->Dk + (c->v == c->k ? 0 : Dv));
+    const int64_t ahead = AHEAD_BYTES == 0 ? 0 : AHEAD_BYTES / row_bytes > BLOCK ? AHEAD_BYTES / row_bytes : BLOCK;
+    cursor_t cur = {b0, 0, b1};
+    if (ahead > 0) prefetch_ahead(c, jb->kv_slots, stride, seq_lens, Hkv, &cur, ahead);
     for (int64_t b = b0; b < b1; b++) {
         const int64_t n = seq_lens[b], *sl = jb->kv_slots + b * stride;
         float *o = jb->out + b * Hq * Dv;
@@ -125,6 +179,7 @@ static void attend_requests(const job_t *jb, int64_t b0, int64_t b1, float *sc) 
             int64_t nn = j0 + BLOCK < n ? n - j0 - BLOCK : b + 1 < b1 ? seq_lens[b + 1] : 0;
             nn = nn < BLOCK ? nn : BLOCK;
             if (next != NULL) row_offsets(c, next, nn, nko, nvo);
+            if (ahead > 0) prefetch_ahead(c, jb->kv_slots, stride, seq_lens, Hkv, &cur, n - j0 < BLOCK ? n - j0 : BLOCK);
             for (int64_t h = 0; h < Hkv; h++) {
                 if (next != NULL) prefetch_block(c, nko, nvo, nn, h);
                 attend_block(c, ko, vo, n - j0 < BLOCK ? n - j0 : BLOCK, h, jb->q + (b * Hq + h * G) * Dk,

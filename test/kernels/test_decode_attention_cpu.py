@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fixtures.kernel_inputs import paged_slots, without_compiler
 from pdserve_kernels import decode_attention_cpu as K
+from pdserve_kernels.cpu_build import CLibrary
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -96,6 +97,25 @@ def test_mla_shapes(built, S):
     s = torch.einsum("bhx,blx->bhl", q, rows) * 0.1
     want = torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), -1) @ rows[..., :C]
     torch.testing.assert_close(out, want, **TOL)
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 1 << 30], ids=["no_cursor", "one_block", "whole_call"])
+def test_the_l2_prefetch_cursor_changes_no_result(built, monkeypatch, ahead):
+    """The cursor that pulls rows into L2 ahead of the compute (AHEAD_BYTES) runs across requests of
+    every length, page sizes that are and are not powers of two, MLA's shared rows and helper threads'
+    units: whatever its distance, the same bits as the default build."""
+    variant = CLibrary(K.LIBRARY.source, K._declare, "decode attention", flags=(*K.LIBRARY.flags,
+                       f"-DAHEAD_BYTES={ahead}"), headers=K.LIBRARY.headers)
+    if variant.load() is None:
+        pytest.skip("the variant could not be built")
+    cases = [(_case(21, [1, 7, 64, 65, 130, 333, 2, 900], S, 8, 2, 32), threads) for S in (1, 3, 16)
+             for threads in (1, 2)]
+    q, latent, _, slots, seq = _case(22, [5, 70, 129, 1], 4, 16, 1, 72)
+    cases.append(((q, latent, latent, slots, seq), 1))  # MLA: one latent head, the values its rows
+    want = [K.decode_attention(*args, 0.2, threads=threads) for args, threads in cases]
+    monkeypatch.setattr(K, "LIBRARY", variant)
+    for (args, threads), w in zip(cases, want):
+        assert torch.equal(K.decode_attention(*args, 0.2, threads=threads), w)
 
 
 def test_padding_slots_past_seq_len_are_never_read(built):
