@@ -7,14 +7,16 @@ one-block L1 prefetch it had before).
 
 Each case calls the kernel on ``--layers`` separate pools in turn, as a decode step's layers do, so each
 call's rows come from memory ("cold"), and on one pool ``--layers`` times ("hot": the rows stay in cache,
-the arithmetic alone). Variants alternate within each repeat, so load from elsewhere hits them alike;
-the table gives the median microseconds per call and each variant's ratio to the first. Every variant
-gives the same bits (checked). Not part of CI.
+the arithmetic alone), through ``decode_attention_cpu.decode_attention`` (its argument checks included)
+with the module's library swapped for the variant's. Variants alternate within each repeat, so load from
+elsewhere hits them alike; the table gives the median microseconds per call and each variant's ratio to
+the first. Every variant gives the same bits (checked). Not part of CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -28,23 +30,22 @@ from pdserve_kernels import decode_attention_cpu as dac  # noqa: E402
 from pdserve_kernels.cpu_build import CLibrary  # noqa: E402
 
 
-def library(ahead: int | None):
+def library(ahead: int | None) -> CLibrary:
     """The kernel built with ``AHEAD_BYTES`` = ``ahead`` (None: the source's default)."""
     if ahead is None:
-        return dac.load()
-    lib = CLibrary(dac.LIBRARY.source, dac._declare, f"decode attention (AHEAD_BYTES={ahead})",
-                   flags=(*dac.LIBRARY.flags, f"-DAHEAD_BYTES={ahead}"), headers=dac.LIBRARY.headers)
-    return lib.load()
+        return dac.LIBRARY
+    return CLibrary(dac.LIBRARY.source, dac._declare, f"decode attention (AHEAD_BYTES={ahead})",
+                    flags=(*dac.LIBRARY.flags, f"-DAHEAD_BYTES={ahead}"), headers=dac.LIBRARY.headers)
 
 
-def call(lib, q, k, v, slots, lens, scale, out) -> None:
-    B, Hq, Dk = q.shape
-    P, Hkv, S, _ = k.shape
-    rc = lib.pdserve_decode_attention_f32(q.data_ptr(), B, Hq, Dk, k.data_ptr(), v.data_ptr(), P * S, S, Hkv,
-                                          *k.stride()[:3], *v.stride()[:3], v.shape[-1], slots.data_ptr(),
-                                          slots.shape[1], slots.stride(0), lens.data_ptr(), scale, out.data_ptr(),
-                                          1, B)
-    assert rc == 0, rc
+@contextlib.contextmanager
+def built_as(lib: CLibrary):
+    """``decode_attention_cpu.decode_attention`` runs ``lib``'s build meanwhile."""
+    saved, dac.LIBRARY = dac.LIBRARY, lib
+    try:
+        yield
+    finally:
+        dac.LIBRARY = saved
 
 
 def main(argv=None) -> None:
@@ -60,7 +61,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     variants = [("default", library(None))] + [(f"AHEAD_BYTES={n}", library(n)) for n in a.ahead_bytes]
-    if any(lib is None for _, lib in variants):
+    if any(lib.load() is None for _, lib in variants):
         sys.exit("the kernel could not be built here (no C compiler?)")
     Hq, Hkv, D = a.heads
     g = torch.Generator().manual_seed(0)
@@ -77,19 +78,24 @@ def main(argv=None) -> None:
             slots = torch.stack([torch.arange(ctx) + b * stride + S for b in range(a.batch)])
             lens = torch.full((a.batch,), ctx, dtype=torch.int64)
             q = torch.randn(a.batch, Hq, D, generator=g)
-            outs = [torch.empty(a.batch, Hq, D) for _ in variants]
+            case = dict(q=q, kv_slots=slots, seq_lens=lens, scale=D ** -0.5)
+            first = dict(k_cache=pools[0][0], v_cache=pools[0][1], **case)  # the hot rows' pool
+            outs = []
             times = {(name, mode): [] for name, _ in variants for mode in ("cold", "hot")}
             for _ in range(a.repeats):
-                for (name, lib), out in zip(variants, outs):
-                    t0 = time.perf_counter()
-                    for k, v in pools:
-                        call(lib, q, k, v, slots, lens, D ** -0.5, out)
-                    times[name, "cold"].append((time.perf_counter() - t0) / a.layers)
-                    call(lib, q, *pools[0], slots, lens, D ** -0.5, out)  # its rows into cache
-                    t0 = time.perf_counter()
-                    for _ in pools:
-                        call(lib, q, *pools[0], slots, lens, D ** -0.5, out)
-                    times[name, "hot"].append((time.perf_counter() - t0) / a.layers)
+                for name, lib in variants:
+                    with built_as(lib):
+                        t0 = time.perf_counter()
+                        for k, v in pools:
+                            out = dac.decode_attention(k_cache=k, v_cache=v, **case)
+                        times[name, "cold"].append((time.perf_counter() - t0) / a.layers)
+                        dac.decode_attention(**first)  # its rows into cache
+                        t0 = time.perf_counter()
+                        for _ in pools:
+                            dac.decode_attention(**first)
+                        times[name, "hot"].append((time.perf_counter() - t0) / a.layers)
+                    if len(outs) < len(variants):
+                        outs.append(out)
             for out in outs[1:]:
                 assert torch.equal(out, outs[0]), "a prefetch distance changed the result"
             for mode in ("cold", "hot"):

@@ -24,11 +24,10 @@ ADMIN_KEY = "admin-secret"
 FLAGS = ("--max-total-tokens", "8192", "--num-threads", "1", "--api-key", KEY, "--admin-api-key", ADMIN_KEY)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-GREEDY = {"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}
 # The kill must land while the decode still generates: once the router has read the whole stream from
 # it, there is nothing to resume. The client reads its events behind the router (and, in a loaded CI
 # run, far behind), so the kill comes early in a long stream: 475 tokens still to generate.
-RESUMED = {**GREEDY, "max_new_tokens": 480}
+RESUMED = {"max_new_tokens": 480, "temperature": 0.0, "ignore_eos": True}
 KILL_AFTER_EVENTS = 5
 
 
